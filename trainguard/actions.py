@@ -1,0 +1,25 @@
+"""The action vocabulary shared by the guard, the cost policy, the alerts and the webhook.
+
+Pure: no I/O. The agent's executor, the trainer's control channel and replay all speak these names.
+"""
+
+from __future__ import annotations
+
+SKIP_STEP = "skip_step"
+ROLLBACK = "rollback"        # restore the last stable checkpoint, skip the data window, lower the LR
+RESTORE = "restore"          # restart hung or dead ranks from the latest verified checkpoint
+COST_WARN = "cost_warn"
+COST_THROTTLE = "cost_throttle"
+COST_STOP = "cost_stop"
+
+ACTIONS = (SKIP_STEP, ROLLBACK, RESTORE, COST_WARN, COST_THROTTLE, COST_STOP)
+
+# Severity order for escalation and de-duplication: a stronger cost action supersedes a weaker one.
+COST_ORDER = {COST_WARN: 1, COST_THROTTLE: 2, COST_STOP: 3}
+
+# Actions that may arrive from outside the trainer (the webhook), through the control channel.
+REMOTE_ACTIONS = (ROLLBACK, RESTORE, COST_WARN, COST_THROTTLE, COST_STOP)
+
+
+def is_action(name: str) -> bool:
+    return name in ACTIONS

@@ -1,0 +1,68 @@
+"""`trainguard` command line: a thin dispatcher.
+
+Each command lives beside the code it drives, in a module with `add_arguments(parser)` and
+`run(args) -> int`; they are imported only when used, so `trainguard replay` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "demo": ("trainguard.demo", "train the tiny model with the agent beside it, inject a fault, write a report"),
+    "train": ("trainguard.trainer.cli", "the bundled GPT pretraining loop (DDP through torchrun)"),
+    "agent": ("trainguard.agent.cli", "the per-node sidecar: collectors, /metrics, TLS node log, webhook"),
+    "replay": ("trainguard.replay.cli", "recorded TLS logs through the guard, cost policy and alert rules"),
+    "report": ("trainguard.report.cli", "self-contained HTML report of a run"),
+    "status": ("trainguard.report.status", "the run at a glance, in the terminal"),
+    "checkpoint": ("trainguard.trainer.checkpoint_cli", "list, verify or restore checkpoints"),
+    "dashboards": ("trainguard.dashboards.cli", "render or push the Grafana dashboards"),
+    "alerts": ("trainguard.alerts.cli", "render or test the Prometheus rules and Alertmanager config"),
+    "diagnose": ("trainguard.diagnose.cli", "rank the likely causes of lost throughput in a run"),
+    "preflight": ("trainguard.preflight.cli", "check a node before a long run"),
+    "goodput": ("trainguard.goodput_cli", "goodput and badput of a run, by cause"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainguard", description="Observability and self-protection for large-model pretraining.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        if only is None or name == only:
+            try:
+                module = importlib.import_module(module_name)
+            except ModuleNotFoundError as exc:
+                if only is not None and exc.name and module_name.startswith(exc.name):
+                    raise SystemExit(f"trainguard {name}: not available in this build ({exc.name})")
+                if only is not None:
+                    raise
+                continue
+            module.add_arguments(command)
+            command.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(only=chosen if chosen in COMMANDS else None)
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    from trainguard import log
+
+    log.configure()
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The policy file: every threshold trainguard acts on, in one place.
+
+The guard, the cost meter, the generated Prometheus rules and replay all read these dataclasses, so a
+threshold changed here changes every path that enforces it. The YAML file overrides any subset of the
+defaults; an unknown key or a value of the wrong type is an error naming the file and the key.
+
+    cost:
+      price_per_gpu_hour: 2.0        # USD
+      budget_per_1k_steps: 120       # USD per 1000 steps
+      tiers: {warn: 0.30, throttle: 0.60, stop: 1.00}   # overrun over budget
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class PolicyError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class CostTiers:
+    warn: float = 0.30
+    throttle: float = 0.60
+    stop: float = 1.00
+
+
+@dataclass(frozen=True)
+class CostPolicy:
+    price_per_gpu_hour: float = 2.0
+    budget_per_1k_steps: float = 120.0
+    tiers: CostTiers = field(default_factory=CostTiers)
+    # Cost per 1000 steps is judged over this many recent steps, so start-up does not trip a tier.
+    window_steps: int = 50
+    # Steps needed before any tier may act.
+    min_steps: int = 20
+
+
+@dataclass(frozen=True)
+class GuardPolicy:
+    # Loss spike, as OLMo-core's stability monitor: above mean + sigma * std of the last `window`
+    # losses, once `min_steps` have been seen.
+    spike_sigma: float = 6.0
+    spike_window: int = 128
+    spike_min_steps: int = 64
+    # Gradient explosion: global (and per-layer) norm above `factor` times its EMA.
+    grad_ema_beta: float = 0.98
+    grad_explode_factor: float = 10.0
+    layer_explode_factor: float = 25.0
+    grad_min_steps: int = 20
+    # Bad steps (skipped) this many times within `rollback_window` steps trigger a rollback.
+    rollback_after: int = 3
+    rollback_window: int = 50
+    max_rollbacks_per_hour: int = 3
+    rollback_lr_factor: float = 0.5
+    rewarmup_steps: int = 20
+
+
+@dataclass(frozen=True)
+class AlertPolicy:
+    """Thresholds of the Prometheus rules (alerts/ is generated from these)."""
+
+    stall_seconds: float = 60.0
+    gpu_temp_c: float = 85.0
+    disk_await_ms: float = 10.0
+    data_wait_ratio: float = 0.20
+    data_utilization_min: float = 0.92
+    comm_overhead_max: float = 0.15
+    fragmentation_min: float = 0.70
+    checkpoint_stale_seconds: float = 3600.0
+    low_throughput_ratio: float = 0.5
+    loss_spike_sigma: float = 6.0
+    grad_explode_factor: float = 10.0
+    for_short: str = "30s"
+    for_long: str = "2m"
+
+
+@dataclass(frozen=True)
+class Policy:
+    cost: CostPolicy = field(default_factory=CostPolicy)
+    guard: GuardPolicy = field(default_factory=GuardPolicy)
+    alerts: AlertPolicy = field(default_factory=AlertPolicy)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _build(cls: type, values: Any, where: str, source: str) -> Any:
+    if not isinstance(values, dict):
+        raise PolicyError(f"{source}: {where}: expected a mapping, got {type(values).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        name = f"{where}.{key}" if where else str(key)
+        if key not in fields:
+            raise PolicyError(f"{source}: {name}: unknown key (known: {', '.join(sorted(fields))})")
+        default = getattr(cls(), key)
+        if dataclasses.is_dataclass(default):
+            kwargs[key] = _build(type(default), value, name, source)
+        elif isinstance(default, bool) or not isinstance(value, type(default)) and not (
+                isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool)):
+            raise PolicyError(f"{source}: {name}: expected {type(default).__name__}, got {value!r}")
+        else:
+            if isinstance(default, (int, float)) and value < 0:
+                raise PolicyError(f"{source}: {name}: must not be negative, got {value!r}")
+            kwargs[key] = type(default)(value)
+    return cls(**kwargs)
+
+
+def load(path: str | Path | None = None) -> Policy:
+    """The defaults, overridden by the YAML file at `path` when given."""
+    if path is None:
+        return Policy()
+    source = str(path)
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise PolicyError(f"{source}: no such policy file") from None
+    except yaml.YAMLError as exc:
+        raise PolicyError(f"{source}: not valid YAML: {exc}") from None
+    policy = _build(Policy, data, "", source)
+    tiers = policy.cost.tiers
+    if not tiers.warn <= tiers.throttle <= tiers.stop:
+        raise PolicyError(f"{source}: cost.tiers: expected warn <= throttle <= stop, got {tiers}")
+    return policy
+
+
+def dump(policy: Policy) -> str:
+    return yaml.safe_dump(policy.to_dict(), sort_keys=False)

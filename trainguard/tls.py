@@ -1,0 +1,320 @@
+"""The Training Log Standard (TLS) v1: one JSON object per line, shared by the trainer, the agent and replay.
+
+Writing is strict and fast (msgspec, one `os.write` per record so a reader never sees half a line from
+a live writer). Reading is lenient where real logs are: unit strings such as ``"78%"``, ``"18GB/s"`` or
+``"512MiB"`` are normalised, RFC 3339 or Unix timestamps are both accepted, and the ``NaN``/``Infinity``
+literals that Python's ``json`` writes are read as floats. A line that cannot be read raises
+:class:`TLSError` naming the file, the line and the field; nothing is dropped silently.
+
+Decoded records are plain dicts: ``timestamp`` becomes Unix seconds (float), numeric fields become
+numbers, unknown keys are kept as they are.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+import msgspec
+
+SCHEMA_ID = "tls/1"
+SCHEMA_PATH = Path(__file__).with_name("schema") / "tls-v1.schema.json"
+
+SECTIONS = ("metrics", "hardware", "system", "event")
+
+# Fields whose values are numbers; strings with units are normalised for these only, so a free-text
+# field that happens to look like "5%" is never rewritten.
+NUMERIC_FIELDS: dict[str, frozenset[str]] = {
+    "metrics": frozenset({
+        "loss", "grad_norm", "learning_rate", "tokens_per_second", "samples_per_second",
+        "step_time_seconds", "data_wait_seconds", "forward_backward_seconds", "optimizer_seconds",
+        "comm_seconds", "mfu", "tokens_trained", "tokens_loaded", "val_loss",
+        "mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_bytes", "rss_bytes",
+    }),
+    "hardware": frozenset({
+        "gpu_util", "mem_util", "gpu_temp_c", "gpu_power_w", "mem_allocated_bytes", "mem_reserved_bytes",
+        "mem_peak_bytes", "disk_await_ms", "mem_used_bytes", "mem_total_bytes", "rss_bytes",
+        "cpu_percent", "sm_clock_mhz", "mem_clock_mhz", "power_limit_w",
+    }),
+    "system": frozenset({"data_throughput", "gpu_count", "world_size", "cost_usd", "checkpoint_age_seconds"}),
+}
+INT_FIELDS = frozenset({"tokens_trained", "tokens_loaded", "gpu_count", "world_size"})
+
+_BYTE_UNITS = {
+    "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "pb": 1e15,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
+}
+_TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
+_QUANTITY = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([A-Za-zµ%]*)(/s)?\s*$")
+
+
+class TLSError(ValueError):
+    """A record that cannot be read. ``str()`` names source, line and field when known."""
+
+    def __init__(self, message: str, source: str | None = None, line: int | None = None,
+                 field: str | None = None):
+        self.message, self.source, self.line, self.field = message, source, line, field
+        where = ":".join(str(p) for p in (source, line) if p is not None)
+        what = f"{field}: {message}" if field else message
+        super().__init__(f"{where}: {what}" if where else what)
+
+    def at(self, source: str | None, line: int | None) -> "TLSError":
+        return TLSError(self.message, source, line, self.field)
+
+
+# ---------------------------------------------------------------------------------------------- values
+
+def parse_quantity(value: Any, field: str) -> float:
+    """A number, or a string with a unit, in the field's base unit (bytes, seconds, percent, ms)."""
+    if isinstance(value, bool):
+        raise TLSError(f"expected a number, got {value!r}", field=field)
+    if isinstance(value, (int, float)):
+        return value
+    if not isinstance(value, str):
+        raise TLSError(f"expected a number, got {value!r}", field=field)
+    lowered = value.strip().lower()
+    if lowered in ("nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"):
+        return float(lowered.replace("infinity", "inf"))
+    match = _QUANTITY.match(value)
+    if not match:
+        raise TLSError(f"expected a number or a number with a unit, got {value!r}", field=field)
+    number, unit, per_second = float(match.group(1)), match.group(2), match.group(3)
+    key = unit.lower()
+    if unit in ("", "%"):
+        return number
+    if key in _BYTE_UNITS:
+        return number * _BYTE_UNITS[key]
+    if unit in _TIME_UNITS and not per_second:
+        seconds = number * _TIME_UNITS[unit]
+        return seconds * 1e3 if field.endswith("_ms") else seconds
+    if key in ("w", "c", "mhz", "tok", "tokens"):
+        return number
+    raise TLSError(f"unknown unit {unit!r} in {value!r}", field=field)
+
+
+def parse_timestamp(value: Any) -> float:
+    """RFC 3339 string (fractions and offsets allowed) or Unix seconds, as Unix seconds."""
+    if isinstance(value, bool):
+        raise TLSError(f"expected RFC 3339 or Unix seconds, got {value!r}", field="timestamp")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value):
+            raise TLSError(f"not a finite time: {value!r}", field="timestamp")
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return float(text)
+        except ValueError:
+            pass
+        try:
+            parsed = datetime.fromisoformat(text[:-1] + "+00:00" if text[-1:] in "Zz" else text)
+        except ValueError:
+            raise TLSError(f"not an RFC 3339 time: {value!r}", field="timestamp") from None
+        if parsed.tzinfo is None:  # RFC 3339 requires an offset; a bare time is read as UTC.
+            parsed = parsed.replace(tzinfo=timezone.utc)
+        return parsed.timestamp()
+    raise TLSError(f"expected RFC 3339 or Unix seconds, got {value!r}", field="timestamp")
+
+
+def format_timestamp(seconds: float) -> str:
+    """Unix seconds as RFC 3339 UTC with microseconds: ``2024-03-15T14:22:18.250000Z``."""
+    whole = int(seconds)
+    micros = int(round((seconds - whole) * 1e6))
+    if micros == 1_000_000:
+        whole, micros = whole + 1, 0
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{micros:06d}Z"
+
+
+def _normalise_section(name: str, section: Any) -> dict:
+    if not isinstance(section, dict):
+        raise TLSError(f"expected an object, got {type(section).__name__}", field=name)
+    numeric = NUMERIC_FIELDS.get(name)
+    if not numeric:
+        return section
+    out = dict(section)
+    for key, value in section.items():
+        if key in numeric and value is not None:
+            number = parse_quantity(value, f"{name}.{key}")
+            out[key] = int(number) if key in INT_FIELDS and math.isfinite(number) else number
+    if name == "hardware" and isinstance(out.get("gpus"), list):
+        out["gpus"] = [_normalise_section("hardware", gpu) for gpu in out["gpus"]]
+    return out
+
+
+def normalise(raw: Any) -> dict:
+    """Validate and normalise one decoded JSON value into a TLS record (raises TLSError)."""
+    if not isinstance(raw, dict):
+        raise TLSError(f"a record is a JSON object, got {type(raw).__name__}")
+    if "timestamp" not in raw:
+        raise TLSError("missing required field", field="timestamp")
+    record = dict(raw)
+    record["timestamp"] = parse_timestamp(raw["timestamp"])
+    for key in ("step", "rank"):
+        value = raw.get(key)
+        if value is None:
+            continue
+        try:
+            number = parse_quantity(value, key)
+        except TLSError:
+            raise TLSError(f"expected an integer, got {value!r}", field=key) from None
+        if not math.isfinite(number) or number != int(number):
+            raise TLSError(f"expected an integer, got {value!r}", field=key)
+        record[key] = int(number)
+    for name in SECTIONS:
+        if name in raw and raw[name] is not None:
+            record[name] = _normalise_section(name, raw[name])
+    event = record.get("event")
+    if event is not None and not isinstance(event.get("type"), str):
+        raise TLSError("an event needs a string 'type'", field="event.type")
+    return record
+
+
+# --------------------------------------------------------------------------------------------- decode
+
+_decoder = msgspec.json.Decoder()
+
+
+def decode(line: bytes | str, source: str | None = None, lineno: int | None = None) -> dict:
+    """One line of TLS into a normalised record; TLSError names source, line and field."""
+    try:
+        raw = _decoder.decode(line)
+    except msgspec.DecodeError:
+        # The slow path reads what msgspec refuses but Python's json writes: NaN and Infinity.
+        try:
+            raw = json.loads(line)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise TLSError(f"not valid JSON ({exc})", source, lineno) from None
+    try:
+        return normalise(raw)
+    except TLSError as exc:
+        raise exc.at(source, lineno) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One line of a TLS file: a record, or the error that stopped it being one."""
+
+    source: str
+    lineno: int
+    record: dict | None
+    error: TLSError | None = None
+
+
+def open_log(path: str | os.PathLike) -> IO[bytes]:
+    """Open a TLS file for reading, plain, gzip or zstd by its suffix."""
+    path = str(path)
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith(".zst"):
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    return open(path, "rb")
+
+
+def iter_lines(path: str | os.PathLike) -> Iterator[Line]:
+    """Every non-blank line of a TLS file in order; memory stays flat however long the file."""
+    source = str(path)
+    with open_log(path) as handle:
+        for lineno, raw in enumerate(handle, 1):
+            if not raw.strip():
+                continue
+            try:
+                yield Line(source, lineno, decode(raw, source, lineno))
+            except TLSError as exc:
+                if not raw.endswith(b"\n"):
+                    exc = TLSError(f"truncated last line ({exc.message})", source, lineno)
+                yield Line(source, lineno, None, exc)
+
+
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """All records of a small file; raises the first TLSError (tests and tools, not hot paths)."""
+    records = []
+    for line in iter_lines(path):
+        if line.error:
+            raise line.error
+        records.append(line.record)
+    return records
+
+
+# --------------------------------------------------------------------------------------------- encode
+
+_encoder = msgspec.json.Encoder()
+
+
+def _has_non_finite(record: dict) -> bool:
+    for name in ("metrics", "hardware", "system"):
+        section = record.get(name)
+        if section:
+            for value in section.values():
+                if value.__class__ is float and not math.isfinite(value):
+                    return True
+    return False
+
+
+def encode(record: dict) -> bytes:
+    """One record as a line of JSON (with the trailing newline).
+
+    A non-finite loss is the most important thing a log can say, so NaN and Infinity are written as
+    Python's json writes them rather than as null.
+    """
+    if _has_non_finite(record):
+        return json.dumps(record, separators=(",", ":"), allow_nan=True).encode() + b"\n"
+    return _encoder.encode(record) + b"\n"
+
+
+class Writer:
+    """Appends records to a TLS file, one `os.write` per record on an O_APPEND descriptor.
+
+    A single write of one line keeps readers (the agent) from seeing partial records from a live
+    process, and leaves nothing buffered to lose when the process is killed.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, record: dict) -> None:
+        os.write(self._fd, encode(record))
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def make_record(*, step: int | None = None, timestamp: float | None = None, **sections: Any) -> dict:
+    """A TLS v1 record with the envelope filled in; sections passed by name (metrics=..., event=...)."""
+    record: dict[str, Any] = {"schema": SCHEMA_ID,
+                              "timestamp": format_timestamp(time.time() if timestamp is None else timestamp)}
+    if step is not None:
+        record["step"] = step
+    for key, value in sections.items():
+        if value is not None:
+            record[key] = value
+    return record
+
+
+def event(kind: str, *, step: int | None = None, timestamp: float | None = None, **fields: Any) -> dict:
+    """A TLS record carrying one event (``{"type": kind, ...}``)."""
+    return make_record(step=step, timestamp=timestamp, event={"type": kind, **fields})
+
+
+def load_schema() -> dict:
+    return json.loads(SCHEMA_PATH.read_text())

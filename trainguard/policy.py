@@ -40,6 +40,9 @@ class CostPolicy:
     window_steps: int = 50
     # Steps needed before any tier may act.
     min_steps: int = 20
+    # Billable devices when not 0; else the GPU count from the records. CPU-only runs (demo, tests)
+    # report no GPUs and are billed as this many devices.
+    gpu_count_override: int = 0
 
 
 @dataclass(frozen=True)

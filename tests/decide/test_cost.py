@@ -1,0 +1,45 @@
+from trainguard.decide.cost import CostMeter
+from trainguard.policy import CostPolicy, CostTiers
+
+
+def run(meter, steps, seconds_per_step, gpus=8, start_step=0, t0=0.0):
+    out = []
+    for i in range(steps):
+        out += meter.observe(start_step + i, t0 + i * seconds_per_step, gpus)
+    return out
+
+
+def test_on_budget_run_never_acts():
+    # 8 GPUs x $2/h = $16/h; $120 per 1000 steps -> 7.5 h per 1000 steps = 27 s a step.
+    meter = CostMeter(CostPolicy())
+    assert run(meter, 500, 27.0) == []
+    assert abs(meter.state.cost_per_1k_steps - 120.0) < 1e-6
+    assert abs(meter.state.overrun_ratio) < 1e-9
+
+
+def test_each_tier_fires_once_in_order():
+    meter = CostMeter(CostPolicy())
+    decisions = run(meter, 100, 27.0 * 1.35) + run(meter, 100, 27.0 * 1.7, start_step=100, t0=100 * 27 * 1.35)
+    decisions += run(meter, 200, 27.0 * 2.5, start_step=200, t0=1e6)
+    assert [d.action for d in decisions] == ["cost_warn", "cost_throttle", "cost_stop"]
+    assert meter.state.tier == "stop"
+    assert decisions[0].detail["budget_per_1k_steps"] == 120.0
+
+
+def test_tiers_wait_for_min_steps():
+    meter = CostMeter(CostPolicy(min_steps=20))
+    assert run(meter, 20, 1000.0) == []
+    assert [d.action for d in meter.observe(20, 20 * 1000.0, 8)] == ["cost_warn", "cost_throttle", "cost_stop"]
+
+
+def test_override_bills_cpu_runs_and_counts_spend():
+    meter = CostMeter(CostPolicy(gpu_count_override=2, price_per_gpu_hour=3.6))
+    run(meter, 11, 360.0, gpus=0)  # 10 intervals of 0.1 h on 2 devices at $3.6
+    assert abs(meter.state.cost_usd - 7.2) < 1e-9
+
+
+def test_steps_going_back_restart_the_window():
+    meter = CostMeter(CostPolicy(tiers=CostTiers(warn=0.3, throttle=0.6, stop=1.0)))
+    run(meter, 50, 27.0)
+    assert meter.observe(10, 50 * 27.0, 8) == []
+    assert meter.state.steps_in_window == 0

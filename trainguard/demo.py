@@ -1,0 +1,123 @@
+"""`trainguard demo`: the whole product on one machine, no servers needed.
+
+It trains the tiny model (CPU, or GPU when present) with the agent beside it, injects faults the guard
+must handle (a NaN step, then a burst of loss spikes that forces a rollback to the last stable
+checkpoint), writes `report.html` and prints where everything is. With `--with-prometheus` it also runs
+Prometheus and Alertmanager with the generated rules and route, so an alert fires, reaches the agent's
+webhook and acts on the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from trainguard import tls
+
+STEPS = 240
+FAULTS = ("nan@40", "spike@150", "spike@151", "spike@152")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run-dir", type=Path, help="where to put the run (default: ./runs/demo-<time>)")
+    parser.add_argument("--with-prometheus", action="store_true",
+                        help="also run Prometheus and Alertmanager (Debian packages) with the generated rules")
+    parser.add_argument("--steps", type=int, default=STEPS, help=f"training steps (default {STEPS})")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = (args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if args.with_prometheus:
+        from trainguard.stack import run_full_stack_demo
+
+        return run_full_stack_demo(run_dir, args.steps)
+    return run_local_demo(run_dir, args.steps)
+
+
+def trainguard_command(*words: str) -> list[str]:
+    return [sys.executable, "-m", "trainguard.cli", *words]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_agent(run_dir: Path, port: int, *extra: str) -> subprocess.Popen:
+    log = open(run_dir / "agent.log", "ab")
+    return subprocess.Popen(trainguard_command("agent", "--run-dir", str(run_dir), "--listen",
+                                               f"127.0.0.1:{port}", *extra),
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop(process: subprocess.Popen, timeout: float = 10.0) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def run_local_demo(run_dir: Path, steps: int) -> int:
+    port = free_port()
+    say(f"run directory     {run_dir}")
+    agent = start_agent(run_dir, port)
+    say(f"agent             http://127.0.0.1:{port}/metrics  (log: {run_dir / 'agent.log'})")
+    train = trainguard_command("train", "--run-dir", str(run_dir), "--steps", str(steps),
+                               "--checkpoint-every", "25", *sum((["--inject", f] for f in FAULTS), []))
+    say(f"training          {steps} steps of the tiny GPT, faults injected: {', '.join(FAULTS)}")
+    try:
+        code = subprocess.call(train, env={**os.environ, "TRAINGUARD_LOG_JSON": "0"})
+        time.sleep(1.5)  # one more agent interval, so the node log holds the end of the run
+    finally:
+        stop(agent)
+    return finish(run_dir, code)
+
+
+def finish(run_dir: Path, code: int) -> int:
+    from trainguard.report.cli import write_report
+
+    report = write_report(run_dir, run_dir / "report.html")
+    print_story(run_dir)
+    say(f"TLS logs          {run_dir / 'tls'}")
+    say(f"checkpoints       {run_dir / 'checkpoints'}   (trainguard checkpoint list {run_dir})")
+    say(f"report            {report}")
+    say(f"replay it         trainguard replay {run_dir}")
+    if code != 0:
+        say(f"training exited with code {code}; see the messages above")
+    return code
+
+
+def print_story(run_dir: Path) -> None:
+    """What the guard and the actions did, from the rank-0 log: the demo's point, in a few lines."""
+    path = run_dir / "tls" / "rank-0.jsonl"
+    if not path.exists():
+        return
+    last = None
+    for line in tls.iter_lines(path):
+        record = line.record
+        if record is None:
+            continue
+        event = record.get("event")
+        if event and event["type"] not in ("checkpoint_saved", "run_start"):
+            fields = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("type",) and not isinstance(v, dict))
+            say(f"  step {record.get('step', '?'):>5}  {event['type']:<20} {fields}")
+        elif "metrics" in record:
+            last = record
+    if last:
+        say(f"final step        {last.get('step')}  loss {last['metrics'].get('loss'):.4f}")
+
+
+def say(text: str) -> None:
+    print(f"[trainguard demo] {text}", flush=True)

@@ -82,6 +82,42 @@ class AlertPolicy:
     grad_explode_factor: float = 10.0
     for_short: str = "30s"
     for_long: str = "2m"
+    # The webhook's ledger (trainguard/decide/ledger.py): a second rollback or restore within the cooldown
+    # joins the first (one incident, several alerts); restores beyond the hourly limit page a human.
+    action_cooldown_seconds: float = 120.0
+    max_restores_per_hour: int = 3
+
+
+@dataclass(frozen=True)
+class DiagnosePolicy:
+    """Thresholds `trainguard diagnose` needs beyond the alert thresholds (which it reads from `alerts`)."""
+
+    warmup_steps: int = 5               # first steps of each rank left out of timing statistics (compile, caches)
+    min_steps: int = 10                 # steps after warm-up a timing check needs
+    straggler_score_min: float = 0.75   # NVRx relative score (fastest rank's median / this rank's); below = straggler
+    slow_step_factor: float = 1.5       # a step slower than this times the median compute time is a slow step
+    jitter_max: float = 0.10            # share of compute time lost to slow steps that counts as a problem
+    clock_ratio_min: float = 0.85       # SM clock under this share of its max while busy = throttled
+    link_ratio_min: float = 0.5         # PCIe/NVLink link running under this share of its capability
+    leak_min_bytes: float = 512.0 * 2**20  # device memory growth, not matched by the allocator's, that counts
+    plateau_window_steps: int = 100     # loss compared across the two halves of the last window
+    plateau_min_improvement: float = 0.01   # relative loss improvement across the window
+    grad_trend_max_ratio: float = 3.0   # grad-norm median of the last quarter over the second quarter
+
+
+@dataclass(frozen=True)
+class PreflightPolicy:
+    """What `trainguard preflight` accepts on a node before a long run."""
+
+    idle_temp_c_max: float = 60.0          # a GPU hotter than this while idle has a cooling problem
+    idle_clock_ratio_min: float = 0.5      # max SM clock allowed now over the device's max (clock locks, power caps)
+    checkpoints_of_headroom: float = 4.0   # free space for this many checkpoints (keep_last 3 + one in flight)
+    checkpoint_write_seconds_max: float = 300.0   # a checkpoint must write within this at the measured speed
+    write_probe_bytes: int = 64 * 2**20    # bytes written (and fsynced) to measure the write speed
+    collective_timeout_seconds: float = 60.0
+    nccl_ib_timeout_min: int = 14          # NCCL_IB_TIMEOUT is 4.096 us * 2^N per retry: under 14 retries
+    nccl_ib_timeout_max: int = 24          # too eagerly, over 24 a dead peer takes minutes to notice
+    heartbeat_timeout_seconds_max: float = 1800.0   # TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC upper bound
 
 
 @dataclass(frozen=True)
@@ -89,6 +125,8 @@ class Policy:
     cost: CostPolicy = field(default_factory=CostPolicy)
     guard: GuardPolicy = field(default_factory=GuardPolicy)
     alerts: AlertPolicy = field(default_factory=AlertPolicy)
+    diagnose: DiagnosePolicy = field(default_factory=DiagnosePolicy)
+    preflight: PreflightPolicy = field(default_factory=PreflightPolicy)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

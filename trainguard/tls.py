@@ -221,19 +221,49 @@ def open_log(path: str | os.PathLike) -> IO[bytes]:
     return open(path, "rb")
 
 
+def decode_line(raw: bytes, source: str, lineno: int) -> Line:
+    """One raw line (with its newline, if it had one) into a Line; a bad line without a newline is
+    reported as the truncated last line of a file a writer was still appending to."""
+    try:
+        return Line(source, lineno, decode(raw, source, lineno))
+    except TLSError as exc:
+        if not raw.endswith(b"\n"):
+            exc = TLSError(f"truncated last line ({exc.message})", source, lineno)
+        return Line(source, lineno, None, exc)
+
+
 def iter_lines(path: str | os.PathLike) -> Iterator[Line]:
     """Every non-blank line of a TLS file in order; memory stays flat however long the file."""
     source = str(path)
     with open_log(path) as handle:
         for lineno, raw in enumerate(handle, 1):
-            if not raw.strip():
-                continue
-            try:
-                yield Line(source, lineno, decode(raw, source, lineno))
-            except TLSError as exc:
-                if not raw.endswith(b"\n"):
-                    exc = TLSError(f"truncated last line ({exc.message})", source, lineno)
-                yield Line(source, lineno, None, exc)
+            if raw.strip():
+                yield decode_line(raw, source, lineno)
+
+
+_LOG_NAME = re.compile(r"^(?P<kind>rank|node)-(?P<name>.+?)\.jsonl(?:\.(?P<n>\d+))?(?:\.gz|\.zst)?$")
+
+
+@dataclass(frozen=True, slots=True)
+class LogFile:
+    """One TLS log of a run: ``kind`` is "rank" or "node", ``name`` the rank number or the host."""
+
+    kind: str
+    name: str
+    rotation: int     # 0 for the live file, N for ``.jsonl.N[.gz|.zst]``
+    path: Path
+
+
+def run_logs(tls_dir: str | os.PathLike) -> list[LogFile]:
+    """The TLS logs of a run's ``tls/`` directory in reading order: by kind and name, each log's rotated
+    parts oldest first (highest N), then its live file. Empty when the directory does not exist."""
+    root = Path(tls_dir)
+    found = []
+    for path in root.iterdir() if root.is_dir() else ():
+        match = _LOG_NAME.match(path.name)
+        if match and path.is_file():
+            found.append(LogFile(match.group("kind"), match.group("name"), int(match.group("n") or 0), path))
+    return sorted(found, key=lambda log: (log.kind, log.name, -log.rotation if log.rotation else 0))
 
 
 def read_records(path: str | os.PathLike) -> list[dict]:

@@ -1,0 +1,128 @@
+"""`trainguard agent`: the per-node sidecar (collectors, /metrics, /healthz, the node TLS log, the webhook).
+
+    trainguard agent --run-dir /data/runs/gpt --listen 127.0.0.1:9400 --config /etc/trainguard/agent.yaml
+
+Flags override the config file. SIGTERM or SIGINT stops it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import signal
+import threading
+
+from trainguard import log as tglog
+from trainguard.agent import config as agent_config
+
+WEBHOOK_MODULE = "trainguard.agent.webhook"   # optional: install(server, agent, config) adds its routes
+
+
+def _names(value: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run-dir", help="the training run's directory (RUN/tls, RUN/control, RUN/checkpoints)")
+    parser.add_argument("--listen", help=f"HOST:PORT to serve /metrics and /healthz (default {agent_config.DEFAULT_LISTEN})")
+    parser.add_argument("--config", help="YAML config file (see agent/configs/agent.yaml)")
+    parser.add_argument("--procfs", help="procfs root (default /proc; /host/proc in a container)")
+    parser.add_argument("--sysfs", help="sysfs root (default /sys)")
+    parser.add_argument("--devfs", help="devfs root (default /dev)")
+    parser.add_argument("--node", help="node name in records and labels (default: the host name)")
+    parser.add_argument("--collectors", type=_names, help="run exactly these collectors (comma-separated)")
+    parser.add_argument("--disable", type=_names, help="turn these collectors off (comma-separated)")
+    parser.add_argument("--interval", type=float, help="sampling interval of every collector, seconds")
+    parser.add_argument("--policy", help="policy file (cost budget tiers), default: RUN/policy.yaml or built-in")
+    parser.add_argument("--nodelog-max-bytes", help="rotate the node TLS log past this size (e.g. 64MiB)")
+    parser.add_argument("--list-collectors", action="store_true", help="list the collectors and exit")
+
+
+def build_config(args: argparse.Namespace, known: set[str]) -> agent_config.AgentConfig:
+    config = agent_config.load(args.config, known)
+    for flag in ("collectors", "disable"):
+        unknown = sorted(set(getattr(args, flag) or ()) - known)
+        if unknown:
+            raise agent_config.ConfigError(f"--{flag}: unknown collector(s) {', '.join(unknown)} "
+                                           f"(known: {', '.join(sorted(known))})")
+    return agent_config.with_flags(
+        config, listen=args.listen, run_dir=args.run_dir, procfs=args.procfs, sysfs=args.sysfs, devfs=args.devfs,
+        node=args.node, only=args.collectors, disabled=args.disable, interval=args.interval, policy=args.policy,
+        nodelog_max_bytes=args.nodelog_max_bytes)
+
+
+def run(args: argparse.Namespace) -> int:
+    from trainguard.agent import collectors
+    from trainguard.agent.collector import REGISTRY
+
+    known = set(REGISTRY) | set(collectors.MODULES)
+    if args.list_collectors:
+        for name in sorted(known):
+            cls = REGISTRY.get(name)
+            state = (f"default {'on' if cls.default_enabled else 'off'}, every {cls.interval:g}s" if cls
+                     else f"unavailable: {collectors.UNAVAILABLE.get(name, 'not registered')}")
+            print(f"{name:10s} {state}")
+        return 0
+    log = tglog.get("agent")
+    try:
+        config = build_config(args, known)
+    except agent_config.ConfigError as exc:
+        log.error(f"bad configuration: {exc}")
+        return 2
+    return serve(config)
+
+
+def serve(config: agent_config.AgentConfig, stop: threading.Event | None = None) -> int:
+    """Run the agent until SIGTERM/SIGINT (or `stop` is set); returns the exit status."""
+    from trainguard.agent.nodelog import NodeLog
+    from trainguard.agent.runner import Agent
+    from trainguard.agent.server import AgentServer
+
+    log = tglog.get("agent", node=config.node)
+    stop = stop or threading.Event()
+    agent = Agent(config)
+    host, port = config.listen_address
+    try:
+        server = AgentServer(agent, host, port, max_body_bytes=config.http.max_body_bytes,
+                             max_connections=config.http.max_connections)
+    except OSError as exc:
+        log.error(f"cannot listen on {config.listen}: {exc.strerror or exc}")
+        return 1
+    _install_webhook(server, agent, config, log)
+    nodelog = None
+    if config.run_dir is not None and config.nodelog.enabled:
+        nodelog = NodeLog(agent.tls_fragments, config.run_dir, config.node, interval=config.nodelog.interval,
+                          max_bytes=config.nodelog.max_bytes, keep=config.nodelog.keep)
+        agent.add_metrics_source(nodelog.families)
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: stop.set())
+    agent.start()
+    server.start()
+    if nodelog:
+        nodelog.start()
+    while not stop.wait(1.0):
+        agent.check()   # logs a collector that has just hung
+    log.info("stopping")
+    server.stop()
+    if nodelog:
+        nodelog.stop()
+    agent.stop()
+    log.info("stopped")
+    return 0
+
+
+def _install_webhook(server, agent, config, log) -> None:
+    """Let the webhook module add its routes (POST /api/v1/alerts) when it is part of this build."""
+    try:
+        module = importlib.import_module(WEBHOOK_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != WEBHOOK_MODULE:
+            raise
+        log.info("webhook not part of this build; /api/v1/alerts not served")
+        return
+    install = getattr(module, "install", None)
+    if install is None:
+        log.warning(f"{WEBHOOK_MODULE} has no install(server, agent, config); webhook not served")
+        return
+    install(server, agent, config)

@@ -1,0 +1,309 @@
+"""What the gpu collector reads from NVML for one GPU, and how the readings become metric families.
+
+Reading and rendering are separate so a GPU that is lost half-way through its reads contributes nothing
+(rather than half a GPU), and so the rendering is a pure function the tests can call.
+
+Names, units and help follow dcgm-exporter (etc/default-counters.csv and the DCGM field list): FB memory in
+MiB, power in W, energy in mJ, clocks in MHz, PCIe throughput in KB/s, NVLink bandwidth in DCGM's MB/s. All
+DCGM_* series are gauges: DCGM's names do not end in _total, so exposing its cumulative fields as counters would
+fail `promtool check metrics`, and PromQL's rate() works on them either way. What DCGM has no field for is
+exported as trainguard_gpu_*, in base units, with _total counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+MiB = 2**20
+UINT_MAX = 0xFFFFFFFF
+
+# Errors meaning "this GPU has no such reading": the series is left out, the collector carries on.
+# The first two will not change while NVML runs, so the call is not made again until a re-init.
+NEVER_SUPPORTED = ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_FUNCTION_NOT_FOUND")
+NOT_NOW = ("NVML_ERROR_NO_PERMISSION", "NVML_ERROR_NO_DATA", "NVML_ERROR_NOT_READY")
+# Errors meaning the GPU itself is gone (fell off the bus, driver wedged): trainguard_gpu_lost, then re-init.
+LOST = ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_UNKNOWN", "NVML_ERROR_GPU_NOT_FOUND", "NVML_ERROR_RESET_REQUIRED")
+
+# Batched in one nvmlDeviceGetFieldValues call per GPU: reading -> (NVML field constant, scope id)
+FIELDS = {
+    "ecc_sbe_volatile": ("NVML_FI_DEV_ECC_SBE_VOL_TOTAL", 0),
+    "ecc_dbe_volatile": ("NVML_FI_DEV_ECC_DBE_VOL_TOTAL", 0),
+    "ecc_sbe_aggregate": ("NVML_FI_DEV_ECC_SBE_AGG_TOTAL", 0),
+    "ecc_dbe_aggregate": ("NVML_FI_DEV_ECC_DBE_AGG_TOTAL", 0),
+    "memory_temp_c": ("NVML_FI_DEV_MEMORY_TEMP", 0),
+    "pcie_replays": ("NVML_FI_DEV_PCIE_REPLAY_COUNTER", 0),
+    "nvlink_crc_flit_errors": ("NVML_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", 0),
+    "nvlink_crc_data_errors": ("NVML_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", 0),
+    "nvlink_replay_errors": ("NVML_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", 0),
+    "nvlink_recovery_errors": ("NVML_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", 0),
+    "nvlink_links": ("NVML_FI_DEV_NVLINK_LINK_COUNT", 0),
+    # scope UINT_MAX: summed over all links (nvml.h); KiB since the driver loaded
+    "nvlink_tx_kib": ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX", UINT_MAX),
+    "nvlink_rx_kib": ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", UINT_MAX),
+    "pcie_tx_bytes": ("NVML_FI_DEV_PCIE_COUNT_TX_BYTES", 0),
+    "pcie_rx_bytes": ("NVML_FI_DEV_PCIE_COUNT_RX_BYTES", 0),
+}
+
+# (DCGM name, reading, help) -> one gauge per GPU
+DCGM_GAUGES = (
+    ("DCGM_FI_DEV_GPU_UTIL", "gpu_util", "GPU utilization (in %)."),
+    ("DCGM_FI_DEV_MEM_COPY_UTIL", "mem_copy_util", "Memory utilization (in %)."),
+    ("DCGM_FI_DEV_FB_USED", "fb_used_mib", "Framebuffer memory used (in MiB)."),
+    ("DCGM_FI_DEV_FB_FREE", "fb_free_mib", "Framebuffer memory free (in MiB)."),
+    ("DCGM_FI_DEV_FB_TOTAL", "fb_total_mib", "Framebuffer memory total (in MiB)."),
+    ("DCGM_FI_DEV_GPU_TEMP", "gpu_temp_c", "GPU temperature (in C)."),
+    ("DCGM_FI_DEV_MEMORY_TEMP", "memory_temp_c", "Memory temperature (in C)."),
+    ("DCGM_FI_DEV_POWER_USAGE", "power_w", "Power draw (in W)."),
+    ("DCGM_FI_DEV_ENFORCED_POWER_LIMIT", "power_limit_w", "Effective power limit that the driver enforces (in W)."),
+    ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "energy_mj", "Total energy consumption since boot (in mJ)."),
+    ("DCGM_FI_DEV_SM_CLOCK", "sm_clock_mhz", "SM clock frequency (in MHz)."),
+    ("DCGM_FI_DEV_MEM_CLOCK", "mem_clock_mhz", "Memory clock frequency (in MHz)."),
+    ("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "throttle_reasons", "Current clock throttle reasons (bitmask of "
+                                                               "nvmlClocksEventReason*)."),
+    ("DCGM_FI_DEV_PCIE_TX_THROUGHPUT", "pcie_tx_kbps", "PCIe TX throughput (in KB/s), NVML's 20 ms sample."),
+    ("DCGM_FI_DEV_PCIE_RX_THROUGHPUT", "pcie_rx_kbps", "PCIe RX throughput (in KB/s), NVML's 20 ms sample."),
+    ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "pcie_replays", "Total number of PCIe retries."),
+    ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "nvlink_bandwidth", "NVLink data throughput, TX+RX over all links, "
+                                                               "since the last update (in MB/s, as DCGM)."),
+    ("DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "nvlink_crc_flit_errors",
+     "Total number of NVLink flow-control CRC errors."),
+    ("DCGM_FI_DEV_NVLINK_CRC_DATA_ERROR_COUNT_TOTAL", "nvlink_crc_data_errors", "Total number of NVLink data CRC errors."),
+    ("DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL", "nvlink_replay_errors", "Total number of NVLink retries."),
+    ("DCGM_FI_DEV_NVLINK_RECOVERY_ERROR_COUNT_TOTAL", "nvlink_recovery_errors",
+     "Total number of NVLink recovery errors."),
+    ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "ecc_sbe_volatile", "Total number of single-bit volatile ECC errors."),
+    ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "ecc_dbe_volatile", "Total number of double-bit volatile ECC errors."),
+    ("DCGM_FI_DEV_ECC_SBE_AGG_TOTAL", "ecc_sbe_aggregate", "Total number of single-bit persistent ECC errors."),
+    ("DCGM_FI_DEV_ECC_DBE_AGG_TOTAL", "ecc_dbe_aggregate", "Total number of double-bit persistent ECC errors."),
+    ("DCGM_FI_DEV_RETIRED_SBE", "retired_sbe", "Total number of retired pages due to single-bit errors."),
+    ("DCGM_FI_DEV_RETIRED_DBE", "retired_dbe", "Total number of retired pages due to double-bit errors."),
+    ("DCGM_FI_DEV_RETIRED_PENDING", "retired_pending", "Total number of pages pending retirement."),
+    ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "remapped_correctable", "Number of remapped rows for correctable errors"),
+    ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "remapped_uncorrectable",
+     "Number of remapped rows for uncorrectable errors"),
+    ("DCGM_FI_DEV_ROW_REMAP_PENDING", "remap_pending", "Whether remapping of rows is pending (a reset applies it)"),
+    ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "remap_failure", "Whether remapping of rows has failed"),
+    ("DCGM_FI_DEV_XID_ERRORS", "last_xid", "Value of the last XID error encountered."),
+)
+
+# nvmlClocksEventReason* bit -> the names dcgm-exporter gives them (clock_events_collector.go)
+THROTTLE_REASONS = (
+    (0x001, "gpu_idle"), (0x002, "clocks_setting"), (0x004, "power_cap"), (0x008, "hw_slowdown"),
+    (0x010, "sync_boost"), (0x020, "sw_thermal"), (0x040, "hw_thermal"), (0x080, "hw_power_brake"),
+    (0x100, "display_clocks"),
+)
+
+LABEL_STYLES = {
+    # dcgm-exporter's GPU labels, but snake_case model/host names so `promtool check metrics` passes
+    "trainguard": ("gpu", "UUID", "pci_bus_id", "device", "model_name", "hostname"),
+    # exactly dcgm-exporter's GPU template, for dashboards that group by modelName or Hostname
+    "dcgm": ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname"),
+}
+
+
+@dataclass
+class GPU:
+    """One GPU as first enumerated: its identity never changes; its handle does, at each NVML re-init."""
+
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    pci: str                       # xid.pci_key
+    handle: Any = None
+    lost: bool = False
+    lost_reason: str = ""
+    recovering: bool = False       # re-initialised after being lost, not yet confirmed by a good reading
+    unsupported: set[str] = field(default_factory=set)
+    nvlink_previous: tuple[float, float] | None = None    # (time, TX+RX KiB) for the bandwidth gauge
+
+    def labels(self, node: str) -> list[str]:
+        return [str(self.index), self.uuid, self.pci_bus_id, f"nvidia{self.index}", self.name, node]
+
+
+def error_values(nvml, names) -> frozenset[int]:
+    return frozenset(getattr(nvml, name) for name in names if hasattr(nvml, name))
+
+
+class Reader:
+    """Reads one GPU; NOT_SUPPORTED-style errors drop the reading, LOST-style and others raise NVMLError."""
+
+    def __init__(self, nvml, pcie_throughput: bool = True):
+        self.nvml = nvml
+        self.pcie_throughput = pcie_throughput
+        self.never = error_values(nvml, NEVER_SUPPORTED)
+        self.not_now = error_values(nvml, NOT_NOW)
+        self.fields = [(name, getattr(nvml, constant), scope) for name, (constant, scope) in FIELDS.items()
+                       if hasattr(nvml, constant)]
+        self.throttle_call = ("nvmlDeviceGetCurrentClocksEventReasons"
+                              if hasattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons")
+                              else "nvmlDeviceGetCurrentClocksThrottleReasons")
+
+    def call(self, gpu: GPU, name: str, *args: Any) -> Any:
+        """nvml.<name>(handle, *args), or None when this GPU has no such reading."""
+        key = name + repr(args)
+        if key in gpu.unsupported:
+            return None
+        function: Callable | None = getattr(self.nvml, name, None)
+        if function is None:
+            gpu.unsupported.add(key)
+            return None
+        try:
+            return function(gpu.handle, *args)
+        except self.nvml.NVMLError as exc:
+            if exc.value in self.never:
+                gpu.unsupported.add(key)
+                return None
+            if exc.value in self.not_now:
+                return None
+            raise
+
+    def read(self, gpu: GPU, now: float) -> dict[str, Any]:
+        nvml, r = self.nvml, {}
+        util = self.call(gpu, "nvmlDeviceGetUtilizationRates")
+        if util is not None:
+            r["gpu_util"], r["mem_copy_util"] = util.gpu, util.memory
+        memory = self.call(gpu, "nvmlDeviceGetMemoryInfo")
+        if memory is not None:
+            r.update(mem_used_bytes=memory.used, mem_total_bytes=memory.total, fb_used_mib=memory.used // MiB,
+                     fb_free_mib=memory.free // MiB, fb_total_mib=memory.total // MiB)
+        _set(r, "gpu_temp_c", self.call(gpu, "nvmlDeviceGetTemperature", nvml.NVML_TEMPERATURE_GPU))
+        _set(r, "power_w", self.call(gpu, "nvmlDeviceGetPowerUsage"), per=1000)          # mW -> W
+        _set(r, "power_limit_w", self.call(gpu, "nvmlDeviceGetEnforcedPowerLimit"), per=1000)
+        _set(r, "energy_mj", self.call(gpu, "nvmlDeviceGetTotalEnergyConsumption"))
+        _set(r, "sm_clock_mhz", self.call(gpu, "nvmlDeviceGetClockInfo", nvml.NVML_CLOCK_SM))
+        _set(r, "mem_clock_mhz", self.call(gpu, "nvmlDeviceGetClockInfo", nvml.NVML_CLOCK_MEM))
+        _set(r, "throttle_reasons", self.call(gpu, self.throttle_call))
+        if self.pcie_throughput:   # each call samples the bus for 20 ms
+            _set(r, "pcie_tx_kbps", self.call(gpu, "nvmlDeviceGetPcieThroughput", nvml.NVML_PCIE_UTIL_TX_BYTES))
+            _set(r, "pcie_rx_kbps", self.call(gpu, "nvmlDeviceGetPcieThroughput", nvml.NVML_PCIE_UTIL_RX_BYTES))
+        rows = self.call(gpu, "nvmlDeviceGetRemappedRows")
+        if rows is not None:
+            (r["remapped_correctable"], r["remapped_uncorrectable"], r["remap_pending"], r["remap_failure"]) = rows
+        self._retired_pages(gpu, r)
+        self._fields(gpu, r, now)
+        processes = self.call(gpu, "nvmlDeviceGetComputeRunningProcesses")
+        r["processes"] = [(p.pid, p.usedGpuMemory) for p in processes or () if p.usedGpuMemory is not None]
+        return r
+
+    def _retired_pages(self, gpu: GPU, r: dict) -> None:
+        nvml = self.nvml
+        for name, cause in (("retired_sbe", "NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS"),
+                            ("retired_dbe", "NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR")):
+            pages = self.call(gpu, "nvmlDeviceGetRetiredPages", getattr(nvml, cause))
+            if pages is not None:
+                r[name] = len(pages)
+        pending = self.call(gpu, "nvmlDeviceGetRetiredPagesPendingStatus")
+        if pending is not None:
+            r["retired_pending"] = int(pending)
+
+    def _fields(self, gpu: GPU, r: dict, now: float) -> None:
+        values = self.call(gpu, "nvmlDeviceGetFieldValues", [(fid, scope) for _, fid, scope in self.fields])
+        for (name, _, _), value in zip(self.fields, values or ()):
+            if value.nvmlReturn == self.nvml.NVML_SUCCESS:
+                r[name] = _field_number(self.nvml, value)
+        if "nvlink_tx_kib" in r and "nvlink_rx_kib" in r:
+            total = r["nvlink_tx_kib"] + r["nvlink_rx_kib"]
+            before, gpu.nvlink_previous = gpu.nvlink_previous, (now, total)
+            if before is not None and now > before[0] and total >= before[1]:
+                # DCGM's own conversion (DcgmCacheManager): KiB/s divided by 1000, which DCGM calls MB/s
+                r["nvlink_bandwidth"] = (total - before[1]) / (now - before[0]) / 1000.0
+
+
+def _set(r: dict, key: str, value: Any, per: int = 1) -> None:
+    if value is not None:
+        r[key] = value / per if per != 1 else value
+
+
+def _field_number(nvml, value) -> float:
+    kind = value.valueType
+    if kind == nvml.NVML_VALUE_TYPE_DOUBLE:
+        return value.value.dVal
+    member = {nvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal", nvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+              nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal", nvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+              getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_SHORT", -1): "usVal"}.get(kind, "ullVal")
+    return getattr(value.value, member)
+
+
+# ------------------------------------------------------------------------------------------ rendering
+
+def families(gpus: list[GPU], readings: dict[int, dict], xid_counts: dict[tuple[str, int], int],
+             ranks_by_pid: dict[int, int], node: str, label_names: tuple[str, ...],
+             xid_sources: dict[str, bool]) -> list[Metric]:
+    """All GPU families from one update's readings ({gpu index: reading}); lost GPUs have no reading."""
+    labels = list(label_names)
+    out: list[Metric] = []
+    for name, key, help_ in DCGM_GAUGES:
+        family = GaugeMetricFamily(name, help_, labels=labels)
+        for gpu in gpus:
+            reading = readings.get(gpu.index)
+            if reading is not None and key in reading:
+                family.add_metric(gpu.labels(node), reading[key])
+        if family.samples:
+            out.append(family)
+    lost = GaugeMetricFamily("trainguard_gpu_lost", "1 while NVML reports the GPU lost (fell off the bus, driver "
+                             "wedged) or cannot reach it; NVML is re-initialised with backoff.", labels=labels)
+    throttle = GaugeMetricFamily("trainguard_gpu_clock_throttle_active", "1 while this clock throttle reason is "
+                                 "active (DCGM_FI_DEV_CLOCK_THROTTLE_REASONS decoded).", labels=[*labels, "reason"])
+    for gpu in gpus:
+        lost.add_metric(gpu.labels(node), 1 if gpu.lost else 0)
+        reasons = readings.get(gpu.index, {}).get("throttle_reasons")
+        if reasons is not None:
+            for bit, reason in THROTTLE_REASONS:
+                throttle.add_metric([*gpu.labels(node), reason], 1 if reasons & bit else 0)
+    out += [lost, throttle] if throttle.samples else [lost]
+    out += _counters(gpus, readings, node, labels)
+    out += _xid_families(gpus, xid_counts, node, labels, xid_sources)
+    out += _process_families(gpus, readings, ranks_by_pid, node, labels)
+    return out
+
+
+def _counters(gpus: list[GPU], readings: dict[int, dict], node: str, labels: list[str]) -> list[Metric]:
+    specs = (("trainguard_gpu_nvlink_transmitted_bytes", "nvlink_tx_kib", 1024, "NVLink data transmitted over all links."),
+             ("trainguard_gpu_nvlink_received_bytes", "nvlink_rx_kib", 1024, "NVLink data received over all links."),
+             ("trainguard_gpu_pcie_transmitted_bytes", "pcie_tx_bytes", 1, "Bytes the GPU transmitted over PCIe."),
+             ("trainguard_gpu_pcie_received_bytes", "pcie_rx_bytes", 1, "Bytes the GPU received over PCIe."))
+    out = []
+    for name, key, scale, help_ in specs:
+        family = CounterMetricFamily(name, help_, labels=labels)
+        for gpu in gpus:
+            reading = readings.get(gpu.index, {})
+            if key in reading:
+                family.add_metric(gpu.labels(node), reading[key] * scale)
+        if family.samples:
+            out.append(family)
+    return out
+
+
+def _xid_families(gpus: list[GPU], counts: dict[tuple[str, int], int], node: str, labels: list[str],
+                  sources: dict[str, bool]) -> list[Metric]:
+    by_pci = {gpu.pci: gpu for gpu in gpus}
+    family = CounterMetricFamily("trainguard_gpu_xid_errors", "XID errors by code, from NVML events and the kernel "
+                                 "log (the larger count of the two).", labels=[*labels, "xid"])
+    for (pci, xid), count in counts.items():
+        gpu = by_pci.get(pci)
+        gpu_labels = gpu.labels(node) if gpu else ["", "", pci, "", "", node]
+        family.add_metric([*gpu_labels, str(xid)], count)
+    available = GaugeMetricFamily("trainguard_gpu_xid_source_available", "1 if this XID source (nvml events, "
+                                  "kmsg) is readable here.", labels=["source"])
+    for source, ok in sorted(sources.items()):
+        available.add_metric([source], 1 if ok else 0)
+    return [f for f in (family, available) if f.samples]
+
+
+def _process_families(gpus: list[GPU], readings: dict[int, dict], ranks_by_pid: dict[int, int], node: str,
+                      labels: list[str]) -> list[Metric]:
+    family = GaugeMetricFamily("trainguard_gpu_process_memory_bytes", "GPU memory used by the trainer's ranks on "
+                               "this GPU (rank \"other\": processes that are no rank of the run).",
+                               labels=[*labels, "rank"])
+    for gpu in gpus:
+        per_rank: dict[str, int] = {}
+        for pid, used in readings.get(gpu.index, {}).get("processes", ()):
+            rank = str(ranks_by_pid[pid]) if pid in ranks_by_pid else "other"
+            per_rank[rank] = per_rank.get(rank, 0) + used
+        for rank, used in sorted(per_rank.items()):
+            family.add_metric([*gpu.labels(node), rank], used)
+    return [family] if family.samples else []

@@ -1,0 +1,237 @@
+"""host: CPU, memory and load of the node, the trainer processes, and the software versions.
+
+CPU, memory and load are parsed from the procfs root (so fixture trees work), with the values node_exporter
+reports: under its names for CPU and load (`node_cpu_seconds_total`, `node_load1` ...), under
+`trainguard_host_memory_*` for memory (its camelCase meminfo names fail `promtool check metrics`). The trainer's ranks are found through RUN/control/ranks/rank-<r>.json (pid, host) and read with
+psutil. `trainguard_node_info` carries torch, CUDA, NCCL, driver, kernel and Python versions, looked up
+once without importing torch, so an alert can catch a node that differs from the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from pathlib import Path
+
+import psutil
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from trainguard.agent.collector import Collector, Context, Sample, register
+from trainguard.agent.versions import software_versions
+
+USER_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+CPU_MODES = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+_PAREN = re.compile(r"\((.*)\)")
+
+
+# ------------------------------------------------------------------------------------------- procfs
+
+def parse_stat(text: str) -> dict:
+    """/proc/stat: per-CPU jiffies by mode, and the counters node_exporter's stat collector exports."""
+    cpus: dict[str, list[int]] = {}
+    counters: dict[str, int] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if not parts:
+            continue
+        key = parts[0]
+        if key.startswith("cpu"):
+            cpus["total" if key == "cpu" else key[3:]] = [int(v) for v in parts[1:11]]
+        elif key in ("ctxt", "btime", "processes", "procs_running", "procs_blocked", "intr"):
+            counters[key] = int(parts[1])
+    return {"cpus": cpus, "counters": counters}
+
+
+def parse_meminfo(text: str) -> dict[str, float]:
+    """/proc/meminfo as node_exporter names it: `Active(anon)` -> `Active_anon_bytes`; kB -> bytes."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 2 or not parts[0].endswith(":"):
+            continue
+        key = _PAREN.sub(r"_\1", parts[0][:-1])
+        value = float(parts[1])
+        if len(parts) == 3 and parts[2] == "kB":
+            out[f"{key}_bytes"] = value * 1024
+        else:
+            out[key] = value
+    return out
+
+
+def parse_loadavg(text: str) -> tuple[float, float, float]:
+    one, five, fifteen = text.split()[:3]
+    return float(one), float(five), float(fifteen)
+
+
+# ---------------------------------------------------------------------------------------- collector
+
+@register
+class HostCollector(Collector):
+    name = "host"
+    interval = 5.0
+    timeout = 5.0
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self._last_cpu: tuple[int, int] | None = None       # (busy, total) jiffies at the last update
+        self._processes: dict[int, psutil.Process] = {}      # rank -> process, kept so CPU times stay cheap
+        self._rank_files: dict[str, tuple[tuple[int, int], dict]] = {}   # name -> ((mtime_ns, size), info)
+        self._versions: dict[str, str] | None = None
+        self._hostnames = {ctx.node, socket.gethostname()}
+
+    def update(self) -> Sample:
+        procfs = self.ctx.procfs
+        stat = parse_stat((procfs / "stat").read_text())
+        memory = parse_meminfo((procfs / "meminfo").read_text())
+        load = parse_loadavg((procfs / "loadavg").read_text())
+        if self._versions is None:
+            self._versions = software_versions(self.ctx)
+        ranks = self._rank_processes()
+        families = [*_cpu_families(stat), *_memory_families(memory), *_load_families(load),
+                    *_rank_families(ranks), _info_family(self.ctx.node, self._versions)]
+        return Sample(families, tls=self._tls(stat, memory, load, ranks))
+
+    def _tls(self, stat: dict, memory: dict, load: tuple, ranks: dict) -> dict:
+        system = {"load1": load[0], "mem_total_bytes": memory.get("MemTotal_bytes"),
+                  "mem_available_bytes": memory.get("MemAvailable_bytes")}
+        if ranks:
+            system["trainer_rss_bytes"] = sum(r["rss"] for r in ranks.values() if r["up"])
+        fragment = {"system": {k: v for k, v in system.items() if v is not None}}
+        total = stat["cpus"].get("total")
+        if total:
+            busy, whole = sum(total[:8]) - total[3] - total[4], sum(total[:8])
+            if self._last_cpu is not None and whole > self._last_cpu[1]:
+                fragment["hardware"] = {"cpu_percent": round(
+                    100.0 * (busy - self._last_cpu[0]) / (whole - self._last_cpu[1]), 2)}
+            self._last_cpu = (busy, whole)
+        return fragment
+
+    # ------------------------------------------------------------------------------------ trainer
+
+    def _rank_infos(self) -> dict[int, dict]:
+        """RUN/control/ranks/rank-<r>.json of ranks on this node (parsed again only when a file changes)."""
+        if self.ctx.run_dir is None:
+            return {}
+        directory = Path(self.ctx.run_dir) / "control" / "ranks"
+        try:
+            entries = [e for e in os.scandir(directory) if re.fullmatch(r"rank-\d+\.json", e.name)]
+        except FileNotFoundError:
+            return {}
+        infos, seen = {}, set()
+        for entry in entries:
+            seen.add(entry.name)
+            try:
+                st = entry.stat()
+                cached = self._rank_files.get(entry.name)
+                if cached is None or cached[0] != (st.st_mtime_ns, st.st_size):
+                    cached = ((st.st_mtime_ns, st.st_size), json.loads(Path(entry.path).read_text()))
+                    self._rank_files[entry.name] = cached
+            except (OSError, ValueError):
+                continue   # mid-replace or unreadable: the next update sees it
+            info = cached[1]
+            if isinstance(info.get("pid"), int) and info.get("host", next(iter(self._hostnames))) in self._hostnames:
+                infos[int(entry.name[5:-5])] = info
+        for gone in set(self._rank_files) - seen:
+            del self._rank_files[gone]
+        return infos
+
+    def _rank_processes(self) -> dict[int, dict]:
+        out = {}
+        infos = self._rank_infos()
+        for rank in set(self._processes) - set(infos):
+            del self._processes[rank]
+        for rank, info in sorted(infos.items()):
+            process = self._processes.get(rank)
+            try:
+                if process is None or process.pid != info["pid"] or not process.is_running():
+                    process = self._processes[rank] = psutil.Process(info["pid"])
+                with process.oneshot():
+                    times, memory, threads = process.cpu_times(), process.memory_info(), process.num_threads()
+                out[rank] = {"up": True, "user": times.user, "system": times.system, "rss": memory.rss,
+                             "threads": threads}
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                self._processes.pop(rank, None)
+                out[rank] = {"up": False}
+        return out
+
+
+# ----------------------------------------------------------------------------------------- families
+
+def _cpu_families(stat: dict) -> list:
+    seconds = CounterMetricFamily("node_cpu_seconds_total", "Seconds the CPUs spent in each mode.",
+                                  labels=["cpu", "mode"])
+    guest = CounterMetricFamily("node_cpu_guest_seconds_total",
+                                "Seconds the CPUs spent in guests (VMs) for each mode.", labels=["cpu", "mode"])
+    for cpu, jiffies in sorted(((c, j) for c, j in stat["cpus"].items() if c != "total"), key=lambda i: int(i[0])):
+        for mode, value in zip(CPU_MODES, jiffies):
+            seconds.add_metric([cpu, mode], value / USER_HZ)
+        if len(jiffies) >= 10:
+            guest.add_metric([cpu, "user"], jiffies[8] / USER_HZ)
+            guest.add_metric([cpu, "nice"], jiffies[9] / USER_HZ)
+    counters = stat["counters"]
+    families = [seconds, guest]
+    for key, name, text, kind in (
+            ("ctxt", "node_context_switches_total", "Total number of context switches.", "counter"),
+            ("processes", "node_forks_total", "Total number of forks.", "counter"),
+            ("intr", "node_intr_total", "Total number of interrupts serviced.", "counter"),
+            ("btime", "node_boot_time_seconds", "Node boot time, in unixtime.", "gauge"),
+            ("procs_running", "node_procs_running", "Number of processes in runnable state.", "gauge"),
+            ("procs_blocked", "node_procs_blocked", "Number of processes blocked waiting for I/O to complete.",
+             "gauge")):
+        if key in counters:
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            families.append(cls(name, text, value=counters[key]))
+    return families
+
+
+# meminfo field -> trainguard name. node_exporter's names (node_memory_MemTotal_bytes) fail `promtool check
+# metrics` (camelCase), so the fields that matter get snake_case names of our own.
+MEMORY_FIELDS = {
+    "MemTotal_bytes": "total_bytes", "MemFree_bytes": "free_bytes", "MemAvailable_bytes": "available_bytes",
+    "Buffers_bytes": "buffers_bytes", "Cached_bytes": "cached_bytes", "Shmem_bytes": "shared_bytes",
+    "SwapTotal_bytes": "swap_total_bytes", "SwapFree_bytes": "swap_free_bytes", "Dirty_bytes": "dirty_bytes",
+    "Writeback_bytes": "writeback_bytes", "AnonPages_bytes": "anon_bytes", "Mapped_bytes": "mapped_bytes",
+    "Slab_bytes": "slab_bytes", "Committed_AS_bytes": "committed_bytes", "CommitLimit_bytes": "commit_limit_bytes",
+    "Hugepagesize_bytes": "hugepage_size_bytes", "HugePages_Total": "hugepages",
+    "HugePages_Free": "hugepages_free",
+}
+
+
+def _memory_families(memory: dict[str, float]) -> list:
+    return [GaugeMetricFamily(f"trainguard_host_memory_{name}", f"/proc/meminfo {field.split('_bytes')[0]}.",
+                              value=memory[field])
+            for field, name in MEMORY_FIELDS.items() if field in memory]
+
+
+def _load_families(load: tuple[float, float, float]) -> list:
+    return [GaugeMetricFamily(f"node_load{window}", f"{window}m load average.", value=value)
+            for window, value in zip((1, 5, 15), load)]
+
+
+def _rank_families(ranks: dict[int, dict]) -> list:
+    up = GaugeMetricFamily("trainguard_rank_process_up", "1 when the rank's process (from control/ranks) is alive.",
+                           labels=["rank"])
+    cpu = CounterMetricFamily("trainguard_rank_cpu_seconds", "CPU time of the rank's process, by mode.",
+                              labels=["rank", "mode"])
+    rss = GaugeMetricFamily("trainguard_rank_resident_memory_bytes", "Resident memory of the rank's process.",
+                            labels=["rank"])
+    threads = GaugeMetricFamily("trainguard_rank_threads", "Threads of the rank's process.", labels=["rank"])
+    for rank, values in sorted(ranks.items()):
+        label = str(rank)
+        up.add_metric([label], 1 if values["up"] else 0)
+        if values["up"]:
+            cpu.add_metric([label, "user"], values["user"])
+            cpu.add_metric([label, "system"], values["system"])
+            rss.add_metric([label], values["rss"])
+            threads.add_metric([label], values["threads"])
+    return [up, cpu, rss, threads]
+
+
+def _info_family(node: str, versions: dict[str, str]) -> GaugeMetricFamily:
+    from prometheus_client.core import InfoMetricFamily
+
+    info = InfoMetricFamily("trainguard_node", "Software versions on the node (compare across nodes).")
+    info.add_metric([], {"node": node, **versions})
+    return info

@@ -1,0 +1,160 @@
+"""Disk and network IO from <procfs>/diskstats and <procfs>/net/dev, and the checkpoint filesystem's space.
+
+Disk and NIC series carry node_exporter's names, labels, units and device filters (diskstats and netdev
+collectors), so `node_disk_*` / `node_network_*` queries and dashboards work unchanged; counters stay raw and
+rates are PromQL's job. tests/agent/test_node_exporter_crosscheck.py compares both with the real
+prometheus-node-exporter on the same roots. What node_exporter cannot know is the run: the space left where
+checkpoints go (trainguard_checkpoint_fs_*), and the disk await the TLS node record carries.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ..collector import Collector, Sample, register
+from ..procfs import DiskStats, read_diskstats, read_net_dev
+from .options import DeviceFilter, options
+
+# node_exporter's diskstats default: partitions, ram/zram, loop and floppy devices are not disks of their own
+DISK_EXCLUDE_DEFAULT = r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]|nvme\d+n\d+p)\d+$"
+UNIX_SECTOR_BYTES = 512.0   # diskstats sectors are always 512 bytes, whatever the device's block size
+SECONDS_PER_MS = 1e-3
+
+# diskstats field -> (node_disk_ name, help, scale, counter?) in node_exporter's order; a kernel writing fewer
+# fields gives fewer series, as node_exporter does.
+DISK_SERIES = (
+    ("reads_completed", "reads_completed_total", "The total number of reads completed successfully.", 1, True),
+    ("reads_merged", "reads_merged_total", "The total number of reads merged.", 1, True),
+    ("sectors_read", "read_bytes_total", "The total number of bytes read successfully.", UNIX_SECTOR_BYTES, True),
+    ("read_ms", "read_time_seconds_total", "The total number of seconds spent by all reads.", SECONDS_PER_MS, True),
+    ("writes_completed", "writes_completed_total", "The total number of writes completed successfully.", 1, True),
+    ("writes_merged", "writes_merged_total", "The number of writes merged.", 1, True),
+    ("sectors_written", "written_bytes_total", "The total number of bytes written successfully.",
+     UNIX_SECTOR_BYTES, True),
+    ("write_ms", "write_time_seconds_total", "This is the total number of seconds spent by all writes.",
+     SECONDS_PER_MS, True),
+    ("ios_in_progress", "io_now", "The number of I/Os currently in progress.", 1, False),
+    ("io_ms", "io_time_seconds_total", "Total seconds spent doing I/Os.", SECONDS_PER_MS, True),
+    ("weighted_io_ms", "io_time_weighted_seconds_total", "The weighted # of seconds spent doing I/Os.",
+     SECONDS_PER_MS, True),
+    ("discards_completed", "discards_completed_total", "The total number of discards completed successfully.", 1, True),
+    ("discards_merged", "discards_merged_total", "The total number of discards merged.", 1, True),
+    ("sectors_discarded", "discarded_sectors_total", "The total number of sectors discarded successfully.", 1, True),
+    ("discard_ms", "discard_time_seconds_total", "This is the total number of seconds spent by all discards.",
+     SECONDS_PER_MS, True),
+    ("flushes_completed", "flush_requests_total", "The total number of flush requests completed successfully", 1, True),
+    ("flush_ms", "flush_requests_time_seconds_total",
+     "This is the total number of seconds spent by all flush requests.", SECONDS_PER_MS, True),
+)
+
+
+@register
+class IOCollector(Collector):
+    name = "io"
+    interval = 5.0
+    timeout = 10.0
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        opts = options(ctx.options, self.name, device_exclude=DISK_EXCLUDE_DEFAULT, device_include=None,
+                       netdev_device_exclude=None, netdev_device_include=None, checkpoint_dir=None)
+        self.disks = DeviceFilter(self.name, opts["device_exclude"], opts["device_include"])
+        self.nics = DeviceFilter(self.name, opts["netdev_device_exclude"], opts["netdev_device_include"],
+                                 prefix="netdev_device")
+        checkpoints = opts["checkpoint_dir"] or (ctx.run_dir / "checkpoints" if ctx.run_dir else None)
+        self.checkpoint_dir = Path(checkpoints) if checkpoints else None
+        self._previous: dict[str, DiskStats] = {}
+
+    def update(self) -> Sample:
+        disks = [d for d in read_diskstats(self.ctx.procfs) if not self.disks.ignored(d.device)]
+        nics = {name: stats for name, stats in read_net_dev(self.ctx.procfs).items() if not self.nics.ignored(name)}
+        result = disk_families(disks) + network_families(nics)
+        if self.checkpoint_dir is not None:
+            result += checkpoint_families(self.checkpoint_dir)
+        tls = {}
+        await_ms = disk_await_ms(self._previous, disks)
+        if await_ms is not None:
+            tls["hardware"] = {"disk_await_ms": await_ms}
+        self._previous = {d.device: d for d in disks}
+        return Sample(families=result, tls=tls)
+
+
+def disk_families(disks: list[DiskStats]) -> list[Metric]:
+    families = []
+    for field, name, help_, scale, is_counter in DISK_SERIES:
+        kind = CounterMetricFamily if is_counter else GaugeMetricFamily
+        family = kind(f"node_disk_{name}", help_, labels=["device"])
+        for disk in disks:
+            if field in disk.stats:
+                family.add_metric([disk.device], disk.stats[field] * scale)
+        if family.samples:
+            families.append(family)
+    return families
+
+
+def network_families(nics: dict[str, dict[str, int]]) -> list[Metric]:
+    """node_exporter's netdev series from /proc/net/dev: node_network_<column>_total{device}."""
+    families: dict[str, CounterMetricFamily] = {}
+    for device, stats in nics.items():
+        for key, value in stats.items():
+            if key not in families:
+                families[key] = CounterMetricFamily(f"node_network_{key}", f"Network device statistic {key}.",
+                                                    labels=["device"])
+            families[key].add_metric([device], value)
+    return [families[key] for key in sorted(families)]
+
+
+def checkpoint_families(directory: Path) -> list[Metric]:
+    """Space of the filesystem checkpoints go to (the nearest existing parent if the directory is not made yet)."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    stat = os.statvfs(existing)
+    mountpoint = _mountpoint(existing)
+    values = (
+        ("avail_bytes", "Bytes free for unprivileged users on the checkpoint filesystem.", stat.f_bavail),
+        ("free_bytes", "Bytes free on the checkpoint filesystem (root's reserve included).", stat.f_bfree),
+        ("size_bytes", "Size of the checkpoint filesystem in bytes.", stat.f_blocks),
+    )
+    families = []
+    for suffix, help_, blocks in values:
+        family = GaugeMetricFamily(f"trainguard_checkpoint_fs_{suffix}", help_, labels=["mountpoint"])
+        family.add_metric([mountpoint], blocks * stat.f_frsize)
+        families.append(family)
+    return families
+
+
+def _mountpoint(path: Path) -> str:
+    path = path.resolve()
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return str(path)
+
+
+def disk_await_ms(previous: dict[str, DiskStats], current: list[DiskStats]) -> float | None:
+    """The worst per-disk await (ms per completed read or write) since the last update, as iostat's r/w_await.
+
+    The worst disk, not an average: one saturated checkpoint or dataset disk stalls the run while the others idle.
+    None when no disk completed an I/O in the interval (await is undefined, not zero).
+    """
+    worst = None
+    for disk in current:
+        before = previous.get(disk.device)
+        if before is None:
+            continue
+        ops = _delta(disk, before, "reads_completed") + _delta(disk, before, "writes_completed")
+        if ops <= 0:
+            continue
+        waited = _delta(disk, before, "read_ms") + _delta(disk, before, "write_ms")
+        value = waited / ops
+        worst = value if worst is None else max(worst, value)
+    return None if worst is None else round(worst, 3)
+
+
+def _delta(now: DiskStats, before: DiskStats, field: str) -> int:
+    # A counter going back means the device was replaced or the counter wrapped: count from zero.
+    change = now.stats[field] - before.stats[field]
+    return change if change >= 0 else now.stats[field]

@@ -1,0 +1,251 @@
+"""training: the trainer's step telemetry (RUN/tls/rank-*.jsonl) as metrics, followed incrementally.
+
+Each update reads only what the ranks appended since the last one (agent/tail.py), folds it into
+`TrainingState`, and saves offsets and state together, atomically, in RUN/agent/offsets-<node>.json: an
+agent killed at any moment and restarted resumes exactly there, so no step is lost or counted twice.
+A malformed line is counted (`trainguard_tls_malformed_lines_total{file}`) and logged with file:line.
+
+Labels are `run_id` and `rank` (bounded by the world size); never step or pid. The cost meter of the
+run (trainguard.decide.cost) is fed the lead rank's steps; its tier decisions go to the agent's
+decision handlers (the executor), its state to `trainguard_cost_*`.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from trainguard import log as tglog
+from trainguard import policy as tgpolicy
+from trainguard import tls
+from trainguard.agent.collector import Collector, CollectorDisabled, Context, Sample, register
+from trainguard.agent.tail import Follower, load_json, save_json_atomic
+from trainguard.agent.training_state import STEP_GAUGES, TrainingState
+
+try:  # the cost meter is the lead's pure state machine; the agent runs without it if it is absent
+    from trainguard.decide.cost import CostMeter
+except ImportError:  # pragma: no cover - integration point, see report
+    CostMeter = None
+
+RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
+STATE_VERSION = 1
+MAX_ERRORS_LOGGED = 20          # per update; the counter has them all
+TIER_VALUES = {"ok": 0, "warn": 1, "throttle": 2, "stop": 3}
+
+
+@register
+class TrainingCollector(Collector):
+    name = "training"
+    interval = 2.0
+    timeout = 10.0
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        if ctx.run_dir is None:
+            raise CollectorDisabled("no run directory given (--run-dir), nothing to follow")
+        self.run_dir = Path(ctx.run_dir)
+        self.log = tglog.get("agent.training", node=ctx.node)
+        self.follower = Follower(self.run_dir / "tls", "rank-*.jsonl")
+        self.offsets_path = self.run_dir / "agent" / f"offsets-{ctx.node}.json"
+        self.state = TrainingState()
+        self.meter = self._cost_meter(ctx.options.get("policy"))
+        self.on_decision = None          # set by the agent: callable(Decision)
+        self.restored = self._restore()
+        self._cost_rank: int | None = None
+
+    # ---------------------------------------------------------------------------------- persistence
+
+    def _cost_meter(self, policy_path):
+        if CostMeter is None:
+            self.log.warning("cost meter unavailable (trainguard.decide.cost missing); no trainguard_cost_* metrics")
+            return None
+        path = policy_path or (self.run_dir / "policy.yaml" if (self.run_dir / "policy.yaml").exists() else None)
+        return CostMeter(tgpolicy.load(path).cost)
+
+    def _restore(self) -> bool:
+        try:
+            saved = load_json(self.offsets_path)
+        except ValueError as exc:  # a damaged file: start over rather than refuse to run
+            self.log.error("offsets file unreadable; following from the start", error=str(exc))
+            return False
+        if not saved or saved.get("version") != STATE_VERSION:
+            return False
+        self.follower.restore(saved.get("files") or {})
+        self.state = TrainingState.from_dict(saved.get("state") or {})
+        if self.meter is not None and saved.get("cost"):
+            self.meter.load_state_dict(saved["cost"])
+        self._cost_rank = saved.get("cost_rank")
+        self.log.info("resumed from saved offsets", path=str(self.offsets_path),
+                      files=len(self.follower.positions))
+        return True
+
+    def _save(self) -> None:
+        payload = {"version": STATE_VERSION, "saved_at": time.time(), "files": self.follower.state(),
+                   "state": self.state.to_dict(), "cost_rank": self._cost_rank,
+                   "cost": self.meter.state_dict() if self.meter is not None else None}
+        save_json_atomic(self.offsets_path, payload)
+
+    # --------------------------------------------------------------------------------------- update
+
+    def update(self) -> Sample:
+        deadline = time.monotonic() + self.timeout / 2
+        consumed = errors_logged = 0
+        while True:   # catch up in bounded reads, within half the timeout
+            chunks = list(self.follower.poll())
+            for chunk in chunks:
+                consumed += 1
+                errors_logged += self._ingest(chunk, errors_logged < MAX_ERRORS_LOGGED)
+            if not chunks or time.monotonic() > deadline:
+                break
+        for message in self.follower.events:
+            self.log.info(f"tls file {message}")
+        self.follower.events.clear()
+        if consumed:
+            self._save()
+        now = time.time()
+        return Sample(self._families(now), tls=self.state.tls_fragment(now))
+
+    def _ingest(self, chunk, log_error: bool) -> int:
+        """Fold one line in; returns 1 when it was malformed."""
+        name = Path(chunk.source).name
+        try:
+            if chunk.overlong:
+                raise tls.TLSError(f"line longer than {self.follower.max_line_bytes} bytes", chunk.source,
+                                   chunk.lineno)
+            record = tls.decode(chunk.data, chunk.source, chunk.lineno)
+        except tls.TLSError as exc:
+            self.state.count(self.state.malformed, name)
+            if log_error:
+                self.log.warning("malformed TLS line", error=str(exc))
+            return 1
+        self.state.count(self.state.records, name)
+        rank = record.get("rank")
+        if not isinstance(rank, int):
+            match = RANK_FILE.match(_base_name(name))
+            rank = int(match.group(1)) if match else -1
+        if self.state.apply(record, rank):
+            self._meter_step(record, rank)
+        return 0
+
+    def _meter_step(self, record: dict, rank: int) -> None:
+        if self.meter is None:
+            return
+        if self._cost_rank is None or rank < self._cost_rank:
+            self._cost_rank = rank
+        if rank != self._cost_rank:
+            return   # the run's cost is metered once, from one rank's steps
+        gpus = self.state.ranks[rank].gpu_count
+        if gpus is None:
+            gpus = len(self.follower.positions)
+        for decision in self.meter.observe(step=record["step"], timestamp=record["timestamp"], gpu_count=gpus):
+            self.log.warning("cost decision", action=decision.action, reason=decision.reason, step=decision.step)
+            if self.on_decision is not None:
+                self.on_decision(decision)
+
+    # ------------------------------------------------------------------------------------- families
+
+    def _families(self, now: float) -> list:
+        state = self.state
+        labels = ["run_id", "rank"]
+        gauges = {key: GaugeMetricFamily(name, text, labels=labels) for key, (name, text) in STEP_GAUGES.items()}
+        step = GaugeMetricFamily("trainguard_training_step", "Latest step the rank finished.", labels=labels)
+        last = GaugeMetricFamily("trainguard_training_last_step_timestamp_seconds",
+                                 "Unix time of the rank's latest step record.", labels=labels)
+        steps = CounterMetricFamily("trainguard_training_steps", "Step records read from the rank's TLS log.",
+                                    labels=labels)
+        events = CounterMetricFamily("trainguard_training_events", "Events in the rank's TLS log, by type "
+                                     "(guard decisions, checkpoints, actions ...).", labels=labels + ["type"])
+        for rank, rs in sorted(state.ranks.items()):
+            values = [rs.run_id, str(rank)]
+            for key, value in rs.metrics.items():
+                gauges[key].add_metric(values, value)
+            if rs.step is not None:
+                step.add_metric(values, rs.step)
+                last.add_metric(values, rs.last_step_time)
+            steps.add_metric(values, rs.steps_total)
+            for kind, count in sorted(rs.events.items()):
+                events.add_metric(values + [kind], count)
+        families = [*gauges.values(), step, last, steps, events, *self._file_families(), *self._checkpoint(now)]
+        return families + self._cost_families()
+
+    def _file_families(self) -> list:
+        records = CounterMetricFamily("trainguard_tls_records", "TLS records read, by file.", labels=["file"])
+        malformed = CounterMetricFamily("trainguard_tls_malformed_lines",
+                                        "TLS lines that could not be read (logged with file:line), by file.",
+                                        labels=["file"])
+        for name in sorted(set(self.state.records) | set(self.state.malformed)):
+            records.add_metric([name], self.state.records.get(name, 0))
+            malformed.add_metric([name], self.state.malformed.get(name, 0))
+        return [records, malformed]
+
+    def _checkpoint(self, now: float) -> list:
+        state = self.state
+        on_disk = _newest_checkpoint(self.run_dir)   # a checkpoint saved without an event still counts
+        if on_disk is not None and (state.checkpoint_time is None or on_disk[0] > state.checkpoint_time):
+            state.checkpoint_time, state.checkpoint_step = on_disk
+            state.checkpoint_name = f"step_{on_disk[1]}"
+        if state.checkpoint_time is None:
+            return []
+        labels = ["run_id"]
+        age = GaugeMetricFamily("trainguard_checkpoint_age_seconds", "Seconds since the latest checkpoint was saved.",
+                                labels=labels)
+        age.add_metric([state.run_id], max(0.0, now - state.checkpoint_time))
+        stamp = GaugeMetricFamily("trainguard_checkpoint_last_timestamp_seconds",
+                                  "Unix time the latest checkpoint was saved.", labels=labels)
+        stamp.add_metric([state.run_id], state.checkpoint_time)
+        families = [age, stamp]
+        if state.checkpoint_step is not None:
+            step = GaugeMetricFamily("trainguard_checkpoint_last_step", "Step of the latest checkpoint.", labels=labels)
+            step.add_metric([state.run_id], state.checkpoint_step)
+            families.append(step)
+        return families
+
+    def _cost_families(self) -> list:
+        if self.meter is None or self._cost_rank is None:
+            return []
+        cost = self.meter.state
+        run = [self.state.run_id]
+        spec = [("trainguard_cost_usd", "Cost of the run metered so far (GPU-hours x price).", cost.cost_usd),
+                ("trainguard_cost_per_1k_steps_usd", "Cost per 1000 steps over the recent window.",
+                 cost.cost_per_1k_steps),
+                ("trainguard_cost_overrun_ratio", "Cost per 1000 steps over budget, minus 1 (0.3 = 30% over).",
+                 cost.overrun_ratio),
+                ("trainguard_cost_tier", "Budget tier reached: 0 ok, 1 warn, 2 throttle, 3 stop.",
+                 TIER_VALUES.get(cost.tier, 0)),
+                ("trainguard_cost_budget_per_1k_steps_usd", "Budget per 1000 steps from the policy.",
+                 self.meter.policy.budget_per_1k_steps)]
+        families = []
+        for name, text, value in spec:
+            family = GaugeMetricFamily(name, text, labels=["run_id"])
+            family.add_metric(run, value)
+            families.append(family)
+        return families
+
+
+def _base_name(name: str) -> str:
+    """rank-3.jsonl.1 (a rotated file being drained) -> rank-3.jsonl."""
+    return name.split(".jsonl", 1)[0] + ".jsonl" if ".jsonl" in name else name
+
+
+def _newest_checkpoint(run_dir: Path) -> tuple[float, int] | None:
+    """(mtime of its manifest, step) of the newest RUN/checkpoints/step_<N>/manifest.json, when no event said."""
+    best = None
+    try:
+        entries = list((run_dir / "checkpoints").iterdir())
+    except OSError:
+        return None
+    for entry in entries:
+        match = re.fullmatch(r"step_(\d+)", entry.name)
+        if not match:
+            continue
+        try:
+            mtime = (entry / "manifest.json").stat().st_mtime
+        except OSError:
+            continue
+        if best is None or int(match.group(1)) > best[1]:
+            best = (mtime, int(match.group(1)))
+    return best
+

@@ -1,0 +1,262 @@
+"""The executor: the ledger's verdicts carried out on the run, each one recorded durably first.
+
+For every notice (an Alertmanager alert, or a decision of the agent's embedded path):
+
+1. the ledger (trainguard/decide/ledger.py) decides: act, duplicate, superseded, coalesced, escalated ...;
+2. the verdict is appended to ``RUN/tls/node-<node>-actions.jsonl`` as a TLS ``alert`` event and fsynced,
+   and logged (structlog) - the intent, before anything happens;
+3. an action is executed: ``rollback`` and ``cost_*`` become a request line in ``RUN/control/actions.jsonl``
+   (fsynced; the trainer's control channel, trainer/control.py, makes every rank act on the same step);
+   ``restore`` also ends this node's ranks (``RUN/control/ranks/rank-*.json``) so torch's elastic launcher
+   starts them again from the latest verified checkpoint;
+4. the result is appended as a TLS ``action`` event (fsynced) carrying the request ``id``.
+
+Only then does the webhook answer 2xx. Request ids are derived from the incident (the ledger key, or
+the cost tier), and a request whose id is already in the control file is not appended again, so
+re-executing after a crash between 2 and 4 (``recover()`` does, at start) or from a second agent on a
+shared run directory never makes the trainer act twice.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from prometheus_client.core import CounterMetricFamily
+
+from trainguard import actions, tls
+from trainguard import log as tglog
+from trainguard.agent import restore
+from trainguard.decide.ledger import Ledger, Limits, Notice, Verdict
+
+DEFAULT_GRACE_SECONDS = 5.0
+
+
+# ------------------------------------------------------------------------------------------- settings
+
+@dataclass(frozen=True)
+class WebhookSettings:
+    """The agent config's ``webhook:`` section, checked (a bad value names ``webhook.<key>``)."""
+
+    token_file: Path
+    default_token_file: Path
+    dry_run: bool = False
+    max_body_bytes: int = 2**20
+    embedded: bool = True
+    restore_grace_seconds: float = DEFAULT_GRACE_SECONDS
+
+    KEYS = ("token_file", "dry_run", "max_body_bytes", "embedded", "restore_grace_seconds")
+
+    @classmethod
+    def from_config(cls, config) -> "WebhookSettings":
+        from trainguard.agent.config import ConfigError
+
+        values: Mapping[str, Any] = dict(config.webhook or {})
+        unknown = sorted(set(values) - set(cls.KEYS))
+        if unknown:
+            raise ConfigError(f"webhook.{unknown[0]}: unknown key (known: {', '.join(cls.KEYS)})")
+        run_dir = Path(config.run_dir) if config.run_dir is not None else Path(".")
+        default = run_dir / "agent" / "webhook.token"
+        kwargs: dict[str, Any] = {"token_file": Path(values.get("token_file") or default),
+                                  "default_token_file": default}
+        for key, kind in (("dry_run", bool), ("embedded", bool)):
+            if key in values:
+                if not isinstance(values[key], bool):
+                    raise ConfigError(f"webhook.{key}: expected true or false, got {values[key]!r}")
+                kwargs[key] = values[key]
+        if "max_body_bytes" in values:
+            kwargs["max_body_bytes"] = _size(values["max_body_bytes"])
+        if "restore_grace_seconds" in values:
+            grace = values["restore_grace_seconds"]
+            if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
+                raise ConfigError(f"webhook.restore_grace_seconds: expected seconds >= 0, got {grace!r}")
+            kwargs["restore_grace_seconds"] = float(grace)
+        return cls(**kwargs)
+
+
+def _size(value: Any) -> int:
+    from trainguard.agent.config import ConfigError
+
+    try:
+        size = int(tls.parse_quantity(value, "webhook.max_body_bytes"))
+    except tls.TLSError as exc:
+        raise ConfigError(str(exc)) from None
+    if size <= 0:
+        raise ConfigError(f"webhook.max_body_bytes: must be positive, got {value!r}")
+    return size
+
+
+# -------------------------------------------------------------------------------------- durable files
+
+class EventLog:
+    """Appends TLS records and fsyncs them: what is written here survives a crash of the agent."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def append(self, records: Iterable[dict]) -> None:
+        data = b"".join(tls.encode(record) for record in records)
+        if not data:
+            return
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def events(self) -> list[dict]:
+        """Every event recorded so far (a malformed line, e.g. torn by a crash, is skipped)."""
+        if not self.path.exists():
+            return []
+        return [line.record["event"] for line in tls.iter_lines(self.path)
+                if line.record is not None and isinstance(line.record.get("event"), dict)]
+
+
+def append_request(path: Path, request: dict) -> bool:
+    """Append one control request unless its id is already there (under an exclusive lock); fsynced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            handle.seek(0)
+            for raw in handle:
+                try:
+                    if json.loads(raw).get("id") == request["id"]:
+                        return False
+                except (ValueError, AttributeError):
+                    continue
+            handle.write(json.dumps(request, separators=(",", ":")).encode() + b"\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+            return True
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def request_id(verdict: Verdict) -> str:
+    """Stable per incident: a cost tier acts once per run, any other action once per ledger key."""
+    if verdict.action in actions.COST_ORDER:
+        return f"cost-{verdict.action}"
+    digest = hashlib.sha1(f"{verdict.notice.key}|{verdict.action}".encode()).hexdigest()[:16]
+    return f"{verdict.action}-{digest}"
+
+
+# -------------------------------------------------------------------------------------------- executor
+
+class Executor:
+    def __init__(self, run_dir: str | os.PathLike, node: str, ledger: Ledger, *, host: str | None = None,
+                 restore_grace_seconds: float = DEFAULT_GRACE_SECONDS, clock: Callable[[], float] = time.time):
+        self.run_dir = Path(run_dir)
+        self.node, self.host = node, host or socket.gethostname()
+        self.ledger, self.clock = ledger, clock
+        self.grace = restore_grace_seconds
+        self.records = EventLog(self.run_dir / "tls" / f"node-{node}-actions.jsonl")
+        self.control_path = self.run_dir / "control" / "actions.jsonl"
+        self.log = tglog.get("agent.executor", node=node)
+        self._lock = threading.Lock()
+        self.outcomes: dict[str, int] = {}
+        self.executed: dict[str, int] = {}
+        self.recover()
+
+    @classmethod
+    def for_agent(cls, config, policy, settings) -> "Executor":
+        ledger = Ledger(Limits.from_policy(policy), dry_run=settings.dry_run)
+        return cls(config.run_dir, config.node, ledger, restore_grace_seconds=settings.restore_grace_seconds)
+
+    # ------------------------------------------------------------------------------------- submit
+    def submit(self, notices: list[Notice]) -> list[Verdict]:
+        """Decide, record, execute, record: returns when every decision is on disk."""
+        with self._lock:
+            now = self.clock()
+            verdicts = self.ledger.decide_all(notices, now)
+            self.records.append(self._alert_record(v, now) for v in verdicts)
+            for verdict in verdicts:
+                self._log_verdict(verdict)
+            results = [self._execute(v, now) for v in verdicts if v.executes]
+            self.records.append(results)
+            return verdicts
+
+    def _alert_record(self, verdict: Verdict, now: float) -> dict:
+        event = verdict.as_event()
+        event.pop("type")
+        step = event.pop("step", None)
+        if verdict.executes:
+            event["request_id"] = request_id(verdict)
+        self.outcomes[verdict.outcome] = self.outcomes.get(verdict.outcome, 0) + 1
+        return {**tls.event("alert", step=step, timestamp=now, **event), "node": self.node}
+
+    def _log_verdict(self, verdict: Verdict) -> None:
+        n = verdict.notice
+        fields = dict(alertname=n.alertname, status=n.status, outcome=verdict.outcome, action=verdict.action,
+                      requested=n.action, reason=verdict.reason, key=n.key, source=n.source, dry_run=verdict.dry_run)
+        if verdict.action == "page":
+            self.log.error("escalated to a human: rate limit reached", **fields)
+        elif verdict.outcome in ("act", "escalated"):
+            self.log.warning("dry run: would act" if verdict.dry_run else "acting on alert", **fields)
+        else:
+            self.log.info("alert recorded", **fields)
+
+    # ------------------------------------------------------------------------------------ execute
+    def _execute(self, verdict: Verdict, now: float) -> dict:
+        n = verdict.notice
+        request = {"id": request_id(verdict), "action": verdict.action, "alertname": n.alertname,
+                   "reason": verdict.reason, "issued_at": now}
+        result: dict[str, Any] = {"id": request["id"], "action": verdict.action, "alertname": n.alertname,
+                                  "reason": verdict.reason, "key": n.key, "source": n.source, "issued_at": now}
+        try:
+            result["appended"] = append_request(self.control_path, request)
+            if verdict.action == actions.RESTORE:
+                result.update(restore.end_local_ranks(self.run_dir, self.host, started_before=n.starts_at,
+                                                    grace_seconds=self.grace))
+            result["outcome"] = "issued"
+        except OSError as exc:
+            result.update(outcome="failed", error=f"{type(exc).__name__}: {exc}")
+            self.log.error("action failed", action=verdict.action, alertname=n.alertname, error=result["error"])
+        self.executed[verdict.action] = self.executed.get(verdict.action, 0) + 1
+        self.log.warning("action issued", **{k: v for k, v in result.items() if k != "issued_at"})
+        return {**tls.event("action", timestamp=now, **result), "node": self.node}
+
+    # ----------------------------------------------------------------------------------- recovery
+    def recover(self) -> int:
+        """Rebuild the ledger from the record; redo an action decided but not recorded as done (a crash)."""
+        events = self.records.events()
+        done = {e.get("id") for e in events if e.get("type") == "action"}
+        pending = []
+        for event in events:
+            if event.get("type") != "alert":
+                continue
+            self.ledger.remember(event)
+            if event.get("request_id") and event["request_id"] not in done:
+                pending.append(event)
+        for event in pending:
+            self.log.warning("redoing an action decided before a restart", action=event.get("action"),
+                             alertname=event.get("alertname"), id=event["request_id"])
+            notice = Notice(alertname=event.get("alertname", ""), status="firing", action=event.get("requested"),
+                            key=event["key"], starts_at=event.get("starts_at"), source=event.get("source", ""))
+            verdict = Verdict(notice, event["outcome"], event["action"], event.get("reason", ""),
+                              float(event.get("decided_at") or 0.0))
+            self.records.append([self._execute(verdict, self.clock())])
+        return len(pending)
+
+    # ------------------------------------------------------------------------------------ metrics
+    def families(self) -> list:
+        verdicts = CounterMetricFamily("trainguard_alert_verdicts", "Alerts and embedded decisions the ledger "
+                                       "decided, by outcome (act, duplicate, coalesced, escalated ...).",
+                                       labels=["outcome"])
+        for outcome, count in sorted(self.outcomes.items()):
+            verdicts.add_metric([outcome], count)
+        executed = CounterMetricFamily("trainguard_actions_executed", "Actions the agent carried out on the run.",
+                                       labels=["action"])
+        for action, count in sorted(self.executed.items()):
+            executed.add_metric([action], count)
+        return [verdicts, executed]

@@ -1,0 +1,277 @@
+"""Small parsers for the kernel files the host collectors read, and for the trainer's rank files.
+
+Each reads one source under a root that is a parameter (``/proc``, ``/sys``, or a fixture tree), returns plain
+data and raises :class:`ParseError` naming the file, the line and the field when the input is not what the
+kernel writes. Units are left as the kernel gives them; the collectors convert, in one place each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ParseError(ValueError):
+    """A kernel or run-dir file that does not parse; the message names file, line and field."""
+
+    def __init__(self, path: Path | str, message: str, line: int | None = None, field: str | None = None):
+        where = f"{path}" + (f":{line}" if line is not None else "")
+        what = f" field {field!r}" if field else ""
+        super().__init__(f"{where}:{what} {message}")
+        self.path, self.line, self.field = str(path), line, field
+
+
+def _int(text: str, path: Path, line: int | None, name: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ParseError(path, f"expected an integer, got {text!r}", line, name) from None
+
+
+# ------------------------------------------------------------------------------------- /proc/diskstats
+
+# Field names in kernel order (Documentation/admin-guide/iostats.rst). Kernels before 4.18 write the first 11,
+# 4.18 adds 4 discard fields, 5.5 adds 2 flush fields; a line carries whatever its kernel knows.
+DISKSTAT_FIELDS = (
+    "reads_completed", "reads_merged", "sectors_read", "read_ms",
+    "writes_completed", "writes_merged", "sectors_written", "write_ms",
+    "ios_in_progress", "io_ms", "weighted_io_ms",
+    "discards_completed", "discards_merged", "sectors_discarded", "discard_ms",
+    "flushes_completed", "flush_ms",
+)
+
+
+@dataclass(frozen=True)
+class DiskStats:
+    major: int
+    minor: int
+    device: str
+    stats: dict[str, int]    # the DISKSTAT_FIELDS this kernel wrote, in order
+
+
+def read_diskstats(procfs: Path) -> list[DiskStats]:
+    path = Path(procfs) / "diskstats"
+    disks = []
+    with open(path, encoding="ascii", errors="replace") as lines:
+        for lineno, line in enumerate(lines, 1):
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) < 3 + 11 or len(parts) > 3 + len(DISKSTAT_FIELDS):
+                raise ParseError(path, f"expected 14 to {3 + len(DISKSTAT_FIELDS)} fields, got {len(parts)}", lineno)
+            values = parts[3:]
+            stats = {name: _int(value, path, lineno, name) for name, value in zip(DISKSTAT_FIELDS, values)}
+            disks.append(DiskStats(_int(parts[0], path, lineno, "major"), _int(parts[1], path, lineno, "minor"),
+                                   parts[2], stats))
+    return disks
+
+
+# -------------------------------------------------------------------------------------- /proc/net/dev
+
+def read_net_dev(procfs: Path) -> dict[str, dict[str, int]]:
+    """{device: {"receive_bytes": n, ..., "transmit_colls": n}} with the names of the file's own header."""
+    path = Path(procfs) / "net" / "dev"
+    with open(path, encoding="ascii", errors="replace") as handle:
+        lines = handle.read().splitlines()
+    if len(lines) < 2 or lines[1].count("|") != 2:
+        raise ParseError(path, "missing the 'face |bytes ... |bytes ...' header", 2)
+    _, receive, transmit = lines[1].split("|")
+    names = [f"receive_{n}" for n in receive.split()] + [f"transmit_{n}" for n in transmit.split()]
+    devices: dict[str, dict[str, int]] = {}
+    for lineno, line in enumerate(lines[2:], 3):
+        if not line.strip():
+            continue
+        device, sep, rest = line.partition(":")
+        values = rest.split()
+        if not sep or len(values) != len(names):
+            raise ParseError(path, f"expected 'device: {len(names)} numbers'", lineno)
+        devices[device.strip()] = {name: _int(value, path, lineno, name) for name, value in zip(names, values)}
+    return devices
+
+
+# --------------------------------------------------------------------------- /sys/class/infiniband
+
+# port_rcv_data and port_xmit_data (and their _64 twins) count 32-bit words: "divided by 4 unconditionally"
+# per the IBA spec and Mellanox, so bytes are four times the file. node_exporter (procfs) multiplies the same way.
+IB_WORD_COUNTERS = frozenset({"port_rcv_data", "port_xmit_data", "port_rcv_data_64", "port_xmit_data_64"})
+# hw_counters files that are settings, not counters
+IB_HW_NOT_COUNTERS = frozenset({"lifespan"})
+
+
+@dataclass
+class IBPort:
+    device: str
+    port: int
+    state: str
+    state_id: int
+    phys_state: str
+    phys_state_id: int
+    rate_bytes_per_second: int
+    link_layer: str = ""
+    counters: dict[str, int] = field(default_factory=dict)       # counters/ (bytes where IB_WORD_COUNTERS)
+    counters_ext: dict[str, int] = field(default_factory=dict)   # counters_ext/ (kernels before 4.5)
+    hw_counters: dict[str, int] = field(default_factory=dict)    # hw_counters/ (mlx5, irdma)
+
+
+@dataclass
+class IBDevice:
+    name: str
+    board_id: str
+    firmware_version: str
+    hca_type: str
+    ports: list[IBPort]
+
+
+def _sys_read(path: Path) -> str:
+    return path.read_text(encoding="ascii", errors="replace").strip()
+
+
+def _parse_state(path: Path) -> tuple[int, str]:
+    """'4: ACTIVE' -> (4, 'ACTIVE')."""
+    text = _sys_read(path)
+    number, sep, name = text.partition(":")
+    if not sep:
+        raise ParseError(path, f"expected 'ID: NAME', got {text!r}", 1)
+    return _int(number.strip(), path, 1, "id"), name.strip()
+
+
+def _parse_rate(path: Path) -> int:
+    """'400 Gb/sec (4X NDR)' -> bytes per second.
+
+    The number goes through a 32-bit float, as procfs's ParseFloat(s, 32) does, so fractional rates such as
+    '14.0625 Gb/sec' give node_exporter's bytes exactly.
+    """
+    text = _sys_read(path)
+    number = text.split(" ", 1)[0]
+    try:
+        gbits = struct.unpack("f", struct.pack("f", float(number)))[0]
+    except ValueError:
+        raise ParseError(path, f"expected '<Gb/s> Gb/sec ...', got {text!r}", 1, "rate") from None
+    return int(gbits * 125_000_000)
+
+
+def _read_counter_dir(directory: Path, words: frozenset[str] = frozenset(),
+                      strict: frozenset[str] = frozenset()) -> dict[str, int]:
+    """Every regular file holding an unsigned integer; 'N/A (no PMA)' and unreadable files are skipped.
+
+    A file in `strict` that holds something else is an error; any other such file is not a counter and is skipped.
+    """
+    counters: dict[str, int] = {}
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except FileNotFoundError:
+        return counters
+    for entry in entries:
+        if not entry.is_file():
+            continue
+        try:
+            text = _sys_read(Path(entry.path))
+        except (PermissionError, OSError):   # sysfs answers EINVAL/EOPNOTSUPP for counters a port lacks
+            continue
+        if text.startswith("N/A"):
+            continue
+        if not text.isdigit():
+            if entry.name in strict:
+                raise ParseError(entry.path, f"expected an unsigned integer, got {text!r}", 1, entry.name)
+            continue
+        value = int(text)
+        counters[entry.name] = value * 4 if entry.name in words else value
+    return counters
+
+
+def _optional(path: Path) -> str:
+    try:
+        return _sys_read(path)
+    except FileNotFoundError:
+        return ""
+
+
+def read_infiniband(sysfs: Path, strict: frozenset[str] = frozenset()) -> list[IBDevice]:
+    """Every HCA under <sysfs>/class/infiniband with its ports, sorted by name; [] when there is none.
+
+    `strict`: counter files whose content must be a number (the ones the caller exports by name).
+    """
+    base = Path(sysfs) / "class" / "infiniband"
+    try:
+        names = sorted(os.listdir(base))
+    except FileNotFoundError:
+        return []
+    return [_read_ib_device(base / name, strict) for name in names]
+
+
+def _read_ib_device(path: Path, strict: frozenset[str]) -> IBDevice:
+    ports = []
+    for port_name in sorted(os.listdir(path / "ports"), key=lambda p: int(p) if p.isdigit() else -1):
+        if not port_name.isdigit():
+            raise ParseError(path / "ports" / port_name, "port directory is not a number")
+        ports.append(_read_ib_port(path.name, int(port_name), path / "ports" / port_name, strict))
+    return IBDevice(name=path.name, board_id=_optional(path / "board_id"),
+                    firmware_version=_sys_read(path / "fw_ver"), hca_type=_optional(path / "hca_type"), ports=ports)
+
+
+def _read_ib_port(device: str, number: int, path: Path, strict: frozenset[str]) -> IBPort:
+    state_id, state = _parse_state(path / "state")
+    phys_id, phys = _parse_state(path / "phys_state")
+    return IBPort(device=device, port=number, state=state, state_id=state_id, phys_state=phys,
+                  phys_state_id=phys_id, rate_bytes_per_second=_parse_rate(path / "rate"),
+                  link_layer=_optional(path / "link_layer"),
+                  counters=_read_counter_dir(path / "counters", IB_WORD_COUNTERS, strict),
+                  counters_ext=_read_counter_dir(path / "counters_ext", IB_WORD_COUNTERS, strict),
+                  hw_counters={k: v for k, v in _read_counter_dir(path / "hw_counters").items()
+                               if k not in IB_HW_NOT_COUNTERS})
+
+
+# ------------------------------------------------------------------------------- /proc/<pid>/environ
+
+def read_environ(procfs: Path, pid: int) -> dict[str, str] | None:
+    """The environment a process started with, or None when it is gone or not ours to read."""
+    try:
+        raw = (Path(procfs) / str(pid) / "environ").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+# -------------------------------------------------------------------------- RUN/control/ranks/*.json
+
+_RANK_FILE = re.compile(r"^rank-(\d+)\.json$")
+
+
+def read_rank_pids(run_dir: Path | None, node: str) -> dict[int, int]:
+    """{rank: pid} of the trainer ranks on this node, from RUN/control/ranks/rank-<r>.json ({"pid", "host"}).
+
+    A rank file written by another host (a shared run directory) is not ours; one without "host" is taken as
+    ours. A file being replaced right now, or a partial one, is skipped this time and read on the next update.
+    """
+    if run_dir is None:
+        return {}
+    directory = Path(run_dir) / "control" / "ranks"
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return {}
+    ranks = {}
+    for name in names:
+        match = _RANK_FILE.match(name)
+        if not match:
+            continue
+        try:
+            info = json.loads((directory / name).read_text())
+        except (OSError, ValueError):
+            continue
+        pid = info.get("pid") if isinstance(info, dict) else None
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            continue
+        if info.get("host") not in (None, node):
+            continue
+        ranks[int(match.group(1))] = pid
+    return dict(sorted(ranks.items()))

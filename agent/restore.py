@@ -1,0 +1,121 @@
+"""The `restore` action's hands: find this node's trainer ranks and end them.
+
+Each rank describes itself in ``RUN/control/ranks/rank-<r>.json`` (pid, host, started_at; written by
+trainer/control.py). Ending the ranks is all the agent does: torch's elastic launcher (torchrun, started
+by ``trainguard train --nproc K --max-restarts R``) sees its workers fail, starts them again, and they
+resume from the newest verified checkpoint.
+
+Only processes that are provably the ranks that were running when the trouble began are signalled:
+- on this host (`host` in the rank file);
+- started before the alert began (`started_before`), so a rank the launcher has already restarted is
+  never ended by a late or repeated alert;
+- the pid still belongs to that rank: the process was created no later than the rank file says it
+  started (a reused pid belongs to a younger process).
+
+SIGTERM first; SIGKILL after a grace period for a rank that ignores it (a rank hung inside a collective
+may never run its Python signal handlers).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from trainguard import log as tglog
+
+CREATE_TIME_SLACK = 1.0     # seconds between process creation and the rank file, rounding included
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    pid: int
+    host: str
+    started_at: float
+    path: Path
+
+
+def read_ranks(run_dir: str | Path) -> tuple[list[RankInfo], list[str]]:
+    """Every readable rank file, and a message for each unreadable one (file and field named)."""
+    found, problems = [], []
+    for path in sorted((Path(run_dir) / "control" / "ranks").glob("rank-*.json")):
+        try:
+            data = json.loads(path.read_text())
+            found.append(RankInfo(int(data["rank"]), int(data["pid"]), str(data["host"]),
+                                  float(data["started_at"]), path))
+        except FileNotFoundError:
+            continue    # replaced between the listing and the read: the launcher is restarting it
+        except (ValueError, KeyError, TypeError) as exc:
+            problems.append(f"{path}: {type(exc).__name__}: {exc}")
+    return found, problems
+
+
+def live_process(info: RankInfo) -> psutil.Process | None:
+    """The rank's process if it is still the one the rank file describes, else None."""
+    try:
+        process = psutil.Process(info.pid)
+        if process.create_time() > info.started_at + CREATE_TIME_SLACK:
+            return None    # the pid was reused by a younger process
+        return process
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def local_ranks(run_dir: str | Path, host: str) -> list[tuple[RankInfo, psutil.Process]]:
+    """This host's ranks whose processes are alive."""
+    infos, _ = read_ranks(run_dir)
+    return [(info, process) for info in infos if info.host == host
+            for process in [live_process(info)] if process is not None]
+
+
+def end_local_ranks(run_dir: str | Path, host: str, started_before: float | None = None,
+                    grace_seconds: float = 5.0) -> dict:
+    """SIGTERM this host's ranks that started before `started_before`; SIGKILL what is left after the grace."""
+    log = tglog.get("agent.restore", host=host)
+    infos, problems = read_ranks(run_dir)
+    ended, skipped = [], []
+    victims: list[psutil.Process] = []
+    for info in infos:
+        why = _reason_to_spare(info, host, started_before)
+        process = None if why else live_process(info)
+        if why is None and process is None:
+            why = "not running"
+        if why:
+            skipped.append({"rank": info.rank, "pid": info.pid, "why": why})
+            continue
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            skipped.append({"rank": info.rank, "pid": info.pid, "why": "exited"})
+            continue
+        victims.append(process)
+        ended.append({"rank": info.rank, "pid": info.pid})
+    if victims:
+        timer = threading.Timer(grace_seconds, _kill_survivors, (victims, log))
+        timer.daemon = True
+        timer.start()
+    for problem in problems:
+        log.warning("rank file unreadable", error=problem)
+    return {"ended": ended, "skipped": skipped, **({"problems": problems} if problems else {})}
+
+
+def _reason_to_spare(info: RankInfo, host: str, started_before: float | None) -> str | None:
+    if info.host != host:
+        return f"on host {info.host}"
+    if started_before is not None and info.started_at >= started_before:
+        return "started after the alert began"
+    return None
+
+
+def _kill_survivors(victims: list[psutil.Process], log) -> None:
+    for process in victims:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                process.kill()     # psutil checks the pid still names the same process
+                log.warning("rank ignored SIGTERM; killed", pid=process.pid)
+        except psutil.Error:
+            continue

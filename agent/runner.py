@@ -1,0 +1,350 @@
+"""Runs the enabled collectors, each in its own daemon thread at its own interval, and serves their cache.
+
+A scrape never calls `update()`: it reads what each collector's last update left, so a slow driver or
+disk never stalls `/metrics`. Every update is timed. One that raises is reported as failed; one still
+running past its timeout is reported as hung (its thread is left alone, no next call starts while it
+runs, and whatever it returns late is discarded). A collector that is failed or hung has no metrics in
+the exposition, as in node_exporter, and `trainguard_scrape_collector_success` says so; the others go on.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+
+import trainguard
+from trainguard import log as tglog
+from trainguard.agent.collector import REGISTRY, Collector, CollectorDisabled, Context, Sample
+from trainguard.agent.config import AgentConfig
+
+STARTING, OK, FAILED, HUNG, DISABLED = "starting", "ok", "failed", "hung", "disabled"
+
+
+@dataclass(frozen=True)
+class View:
+    """A collector's state as a scrape sees it at one instant."""
+
+    name: str
+    status: str
+    success: bool | None
+    duration: float | None
+    families: list[Metric]
+    tls: dict
+    last_success_time: float | None
+    error: str | None
+    failures: int
+    updates: int
+    interval: float
+    timeout: float
+
+    def to_dict(self) -> dict:
+        return {"status": self.status, "success": self.success, "duration_seconds": self.duration,
+                "last_success_timestamp": self.last_success_time, "error": self.error,
+                "failures": self.failures, "updates": self.updates, "interval_seconds": self.interval,
+                "timeout_seconds": self.timeout}
+
+
+class CollectorRunner:
+    """One collector: its thread, its schedule, and what its last update left."""
+
+    def __init__(self, cls: type[Collector], ctx: Context, interval: float, timeout: float,
+                 on_created: Callable[[Collector], None] | None = None):
+        self.name, self.interval, self.timeout = cls.name, interval, timeout
+        self._cls, self._ctx, self._on_created = cls, ctx, on_created
+        self._log = tglog.get("agent.collector", collector=self.name)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.collector: Collector | None = None
+        self._status, self._success, self._duration = STARTING, None, None
+        self._families: list[Metric] = []
+        self._tls: dict = {}
+        self._last_success_time: float | None = None
+        self._error: str | None = None
+        self._failures = self._updates = 0
+        self._in_flight_since: float | None = None   # monotonic start of the update now running
+        self._hang_logged = False
+
+    # ------------------------------------------------------------------------------------- thread
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=f"collector-{self.name}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        next_due = time.monotonic()
+        while not self._stop.is_set():
+            if not self._run_once():
+                return
+            now = time.monotonic()
+            # Fixed rate; ticks missed by a slow update are skipped, not made up in a burst.
+            next_due = max(next_due + self.interval, now)
+            if self._stop.wait(next_due - now):
+                return
+
+    def _run_once(self) -> bool:
+        """One update; False when the collector disabled itself."""
+        started = time.monotonic()
+        with self._lock:
+            self._in_flight_since = started
+        try:
+            if self.collector is None:
+                self.collector = self._cls(self._ctx)
+                if self._on_created:
+                    self._on_created(self.collector)
+            sample = self.collector.update()
+        except CollectorDisabled as exc:
+            self._disable(str(exc))
+            return False
+        except Exception as exc:  # a collector's failure is reported, never propagated
+            self._finish(started, None, f"{type(exc).__name__}: {exc}")
+        else:
+            if not isinstance(sample, Sample):
+                self._finish(started, None, f"update() returned {type(sample).__name__}, not a Sample")
+            else:
+                self._finish(started, sample, None)
+        return True
+
+    def _finish(self, started: float, sample: Sample | None, error: str | None) -> None:
+        duration = time.monotonic() - started
+        if sample is not None and duration > self.timeout:
+            sample, error = None, f"update took {duration:.2f}s, over its {self.timeout:g}s timeout"
+        with self._lock:
+            was = self._status
+            self._in_flight_since = None
+            self._duration, self._updates = duration, self._updates + 1
+            if sample is not None:
+                self._status, self._success, self._error = OK, True, None
+                self._families, self._tls = sample.families, sample.tls
+                self._last_success_time = time.time()
+            else:
+                self._status, self._success, self._error = FAILED, False, error
+                self._families, self._tls = [], {}
+                self._failures += 1
+            self._hang_logged = False
+        # Log transitions only: a collector failing every second must not flood the log.
+        if sample is None and was != FAILED:
+            self._log.warning("collector failed", error=error, duration_seconds=round(duration, 4))
+        elif sample is not None and was in (FAILED, HUNG):
+            self._log.info("collector recovered", duration_seconds=round(duration, 4))
+
+    def _disable(self, reason: str) -> None:
+        with self._lock:
+            self._status, self._success, self._error = DISABLED, None, reason
+            self._in_flight_since = None
+            self._families, self._tls = [], {}
+        self._log.warning(f"collector disabled: {reason}")
+
+    # ------------------------------------------------------------------------------------- reads
+
+    def view(self, now: float | None = None) -> View:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            status, success, duration = self._status, self._success, self._duration
+            families, tls = self._families, self._tls
+            running_for = None if self._in_flight_since is None else now - self._in_flight_since
+            if running_for is not None and running_for > self.timeout:
+                status, success, duration, families, tls = HUNG, False, running_for, [], {}
+                if not self._hang_logged:
+                    self._hang_logged = True
+                    self._log.warning("collector hung", running_seconds=round(running_for, 2),
+                                      timeout_seconds=self.timeout)
+            return View(self.name, status, success, duration, families, tls, self._last_success_time,
+                        self._error if status != HUNG else f"update running for {running_for:.1f}s, "
+                        f"over its {self.timeout:g}s timeout", self._failures, self._updates,
+                        self.interval, self.timeout)
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._thread is not None and self._thread.is_alive():
+            # Hung inside update(): closing under it could crash a driver; the daemon thread dies with us.
+            self._log.warning("collector still running at shutdown; left behind")
+            return
+        if self.collector is not None:
+            try:
+                self.collector.close()
+            except Exception as exc:
+                self._log.warning("collector close failed", error=f"{type(exc).__name__}: {exc}")
+
+
+@dataclass
+class _Duplicates:
+    """Families whose name another collector already exported: dropped, logged once per name."""
+
+    logged: set = field(default_factory=set)
+
+
+class Agent:
+    """The enabled collectors, their runners, and the private registry /metrics serves."""
+
+    def __init__(self, config: AgentConfig, registry: Mapping[str, type[Collector]] | None = None):
+        self.config = config
+        self.started_at = time.time()
+        self._log = tglog.get("agent", node=config.node)
+        self._sources: list[Callable[[], Iterable[Metric]]] = []
+        self._decision_handlers: list[Callable] = []
+        self._duplicates = _Duplicates()
+        self.runners = self._build_runners(dict(REGISTRY if registry is None else registry))
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_CachedExposition(self))
+        self.registry.register(ProcessCollector(registry=None))
+
+    def _build_runners(self, classes: dict[str, type[Collector]]) -> dict[str, CollectorRunner]:
+        runners = {}
+        for name in sorted(classes):
+            cls = classes[name]
+            if not self.config.is_enabled(name, cls.default_enabled):
+                continue
+            settings = self.config.collector(name)
+            ctx = Context(procfs=self.config.procfs, sysfs=self.config.sysfs, devfs=self.config.devfs,
+                          run_dir=self.config.run_dir, node=self.config.node,
+                          options={**self._shared_options(), **settings.options})
+            runners[name] = CollectorRunner(cls, ctx, self.config.interval_of(name, cls.interval),
+                                            self.config.timeout_of(name, cls.timeout), self._attach)
+        return runners
+
+    def _shared_options(self) -> dict:
+        """Options every collector sees besides its own section: the policy file, when the agent has one."""
+        return {"policy": str(self.config.policy)} if self.config.policy else {}
+
+    def _attach(self, collector: Collector) -> None:
+        """Hooks a collector may offer: `on_decision` (the training collector's cost decisions)."""
+        if hasattr(collector, "on_decision"):
+            collector.on_decision = self._dispatch_decision
+
+    # ---------------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> "Agent":
+        from trainguard.agent import collectors as loaded
+
+        for module, reason in sorted(getattr(loaded, "UNAVAILABLE", {}).items()):
+            self._log.warning(f"collector module {module} unavailable: {reason}")
+        for runner in self.runners.values():
+            runner.start()
+        self._log.info("agent started", collectors=sorted(self.runners), version=trainguard.__version__)
+        return self
+
+    def stop(self, timeout: float = 2.0) -> None:
+        deadline = time.monotonic() + timeout
+        for runner in self.runners.values():
+            runner._stop.set()
+        for runner in self.runners.values():
+            runner.stop(max(0.0, deadline - time.monotonic()))
+
+    def check(self) -> list[View]:
+        """Views of every collector now (also logs a newly hung one); call it periodically from the main loop."""
+        now = time.monotonic()
+        return [runner.view(now) for runner in self.runners.values()]
+
+    # -------------------------------------------------------------------------------------- hooks
+
+    def add_metrics_source(self, source: Callable[[], Iterable[Metric]]) -> None:
+        """Add families computed on each scrape from state the caller already holds (cheap, non-blocking)."""
+        self._sources.append(source)
+
+    def add_decision_handler(self, handler: Callable) -> None:
+        """Called with each decision the agent's own state machines make (e.g. the cost meter's cost_warn)."""
+        self._decision_handlers.append(handler)
+
+    def _dispatch_decision(self, decision) -> None:
+        if not self._decision_handlers:
+            self._log.info("decision (no handler attached)", action=getattr(decision, "action", decision))
+        for handler in self._decision_handlers:
+            try:
+                handler(decision)
+            except Exception as exc:
+                self._log.error("decision handler failed", error=f"{type(exc).__name__}: {exc}")
+
+    def tls_fragments(self) -> dict[str, dict]:
+        """Each healthy collector's latest TLS fragment, by collector name."""
+        return {view.name: view.tls for view in self.check() if view.tls}
+
+    def health(self) -> dict:
+        from trainguard.agent import collectors as loaded
+
+        views = self.check()
+        return {"status": "ok", "node": self.config.node, "version": trainguard.__version__,
+                "uptime_seconds": round(time.time() - self.started_at, 3),
+                "collectors": {view.name: view.to_dict() for view in views},
+                "unavailable": dict(getattr(loaded, "UNAVAILABLE", {}))}
+
+    # ----------------------------------------------------------------------------------- exposition
+
+    def families(self) -> Iterable[Metric]:
+        views = self.check()
+        seen: set[str] = set()
+        for view in views:
+            for family in view.families:
+                if family.name in seen:
+                    if family.name not in self._duplicates.logged:
+                        self._duplicates.logged.add(family.name)
+                        self._log.error("metric family exported twice; dropped", metric=family.name,
+                                        collector=view.name)
+                    continue
+                seen.add(family.name)
+                yield family
+        yield from _scrape_families(views)
+        yield _agent_info(self.config)
+        for source in self._sources:
+            try:
+                yield from source()
+            except Exception as exc:
+                self._log.error("metrics source failed", error=f"{type(exc).__name__}: {exc}")
+
+
+class _CachedExposition:
+    """client_python's custom-collector pattern: families from state already held, nothing read on scrape."""
+
+    def __init__(self, agent: Agent):
+        self._agent = agent
+
+    def describe(self) -> list:
+        return []  # the set of names changes with what collectors find; nothing to check at registration
+
+    def collect(self) -> Iterable[Metric]:
+        return self._agent.families()
+
+
+def _scrape_families(views: list[View]) -> list[Metric]:
+    """node_exporter's per-collector duration and success, plus when each last succeeded."""
+    duration = GaugeMetricFamily("trainguard_scrape_collector_duration_seconds",
+                                 "Duration of the collector's last update (of the one in flight when hung).",
+                                 labels=["collector"])
+    success = GaugeMetricFamily("trainguard_scrape_collector_success",
+                                "Whether the collector's last update succeeded (0 when failed or hung).",
+                                labels=["collector"])
+    last = GaugeMetricFamily("trainguard_collector_last_success_timestamp_seconds",
+                             "Unix time of the collector's last successful update.", labels=["collector"])
+    failures = CounterMetricFamily("trainguard_collector_failures", "Failed or timed-out updates of the collector.",
+                                   labels=["collector"])
+    disabled = GaugeMetricFamily("trainguard_collector_disabled",
+                                 "1 when the collector disabled itself (it cannot run here; see /healthz).",
+                                 labels=["collector"])
+    for view in views:
+        if view.status == DISABLED:
+            disabled.add_metric([view.name], 1)
+            continue
+        if view.success is None:  # first update not finished yet
+            continue
+        duration.add_metric([view.name], view.duration)
+        success.add_metric([view.name], 1 if view.success else 0)
+        failures.add_metric([view.name], view.failures)
+        if view.last_success_time is not None:
+            last.add_metric([view.name], view.last_success_time)
+    return [duration, success, last, failures, disabled]
+
+
+def _agent_info(config: AgentConfig) -> Metric:
+    info = InfoMetricFamily("trainguard_agent", "The trainguard agent's build and where it runs.")
+    info.add_metric([], {"version": trainguard.__version__, "python": platform.python_version(),
+                         "node": config.node})
+    return info

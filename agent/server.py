@@ -1,0 +1,217 @@
+"""The agent's HTTP server: /metrics, /healthz, and a route table other parts plug into.
+
+Standard library only (ThreadingHTTPServer). /metrics renders the collectors' cached samples; nothing on
+the request path reads a device. Other parts of the agent add routes; the webhook adds
+
+    server.add_route("POST", "/api/v1/alerts", handler)   # handler(Request) -> (status, headers, body)
+
+The server bounds what a client can cost: request bodies over `max_body_bytes` are refused (413) before
+they are read, a body needs a Content-Length (411), at most `max_connections` requests are handled at
+once (503 beyond), and a silent client is dropped after `read_timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import gzip
+import http.server
+import json
+import threading
+from dataclasses import dataclass
+from email.message import Message
+from typing import Callable, Mapping
+from urllib.parse import parse_qs, urlsplit
+
+from prometheus_client.exposition import choose_encoder
+
+from trainguard import log as tglog
+
+Response = tuple[int, Mapping[str, str], bytes]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a route handler gets: the body is already read, and within the size limit."""
+
+    method: str
+    path: str
+    query: Mapping[str, list[str]]
+    headers: Message                # case-insensitive: request.headers.get("Authorization")
+    body: bytes
+    client: tuple[str, int]
+
+    def json(self):
+        """The body decoded as JSON (raises ValueError on bad JSON)."""
+        return json.loads(self.body or b"null")
+
+
+Handler = Callable[[Request], Response]
+
+
+def json_response(status: int, payload, headers: Mapping[str, str] | None = None) -> Response:
+    body = json.dumps(payload, indent=1, sort_keys=True).encode() + b"\n"
+    return status, {"Content-Type": "application/json", **(headers or {})}, body
+
+
+class AgentServer:
+    """A threading HTTP server with a route table; `agent` (a runner.Agent) provides /metrics and /healthz."""
+
+    def __init__(self, agent=None, host: str = "127.0.0.1", port: int = 9400, *, max_body_bytes: int = 2**20,
+                 max_connections: int = 16, read_timeout: float = 10.0):
+        self.agent = agent
+        self.max_body_bytes = max_body_bytes
+        self._routes: dict[tuple[str, str], Handler] = {}
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._log = tglog.get("agent.server")
+        self._thread: threading.Thread | None = None
+        handler = type("BoundHandler", (_RequestHandler,), {"server_app": self, "timeout": read_timeout})
+        self.httpd = _Server((host, port), handler)
+        if agent is not None:
+            self.add_route("GET", "/metrics", self._metrics)
+            self.add_route("GET", "/healthz", self._healthz)
+            self.add_route("GET", "/", self._index)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.httpd.server_address[:2]
+
+    @property
+    def url(self) -> str:
+        host, port = self.address
+        return f"http://{host}:{port}"
+
+    def add_route(self, method: str, path: str, handler: Handler) -> None:
+        """Serve `method path` (exact path, query string ignored for matching) with `handler`."""
+        key = (method.upper(), path)
+        if key in self._routes:
+            raise ValueError(f"route {method} {path} already taken")
+        self._routes[key] = handler
+
+    def start(self) -> "AgentServer":
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name="agent-http", daemon=True)
+        self._thread.start()
+        self._log.info("listening", url=self.url, routes=[f"{m} {p}" for m, p in sorted(self._routes)])
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self.httpd.shutdown()
+            self._thread.join(5)
+        self.httpd.server_close()
+
+    # ---------------------------------------------------------------------------------- routing
+
+    def dispatch(self, method: str, raw_path: str, headers: Message, body: bytes, client) -> Response:
+        parts = urlsplit(raw_path)
+        handler = self._routes.get((method, parts.path))
+        if handler is None:
+            allowed = sorted(m for m, p in self._routes if p == parts.path)
+            if allowed:
+                return 405, {"Allow": ", ".join(allowed), "Content-Type": "text/plain"}, b"method not allowed\n"
+            return 404, {"Content-Type": "text/plain"}, b"not found\n"
+        request = Request(method, parts.path, parse_qs(parts.query), headers, body, client)
+        try:
+            return handler(request)
+        except Exception as exc:
+            self._log.exception("handler failed", method=method, path=parts.path)
+            return 500, {"Content-Type": "text/plain"}, f"internal error: {type(exc).__name__}\n".encode()
+
+    def _metrics(self, request: Request) -> Response:
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        body = encoder(self.agent.registry)
+        headers = {"Content-Type": content_type}
+        if "gzip" in request.headers.get("Accept-Encoding", ""):
+            body, headers["Content-Encoding"] = gzip.compress(body, compresslevel=1), "gzip"
+        return 200, headers, body
+
+    def _healthz(self, request: Request) -> Response:
+        return json_response(200, self.agent.health())
+
+    def _index(self, request: Request) -> Response:
+        links = "".join(f'<li><a href="{p}">{p}</a></li>' for m, p in sorted(self._routes) if m == "GET" and p != "/")
+        html = f"<html><head><title>trainguard agent</title></head><body><h1>trainguard agent</h1><ul>{links}</ul>"
+        return 200, {"Content-Type": "text/html; charset=utf-8"}, (html + "</body></html>\n").encode()
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 64
+
+    def process_request(self, request, client_address):
+        app = self.RequestHandlerClass.server_app
+        if not app._slots.acquire(blocking=False):
+            # Too many requests at once: answer 503 on the spot rather than queue threads without bound.
+            try:
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.RequestHandlerClass.server_app._slots.release()
+
+
+class _RequestHandler(http.server.BaseHTTPRequestHandler):
+    server_app: AgentServer
+    protocol_version = "HTTP/1.1"   # keep-alive, as Prometheus scrapes
+    server_version = "trainguard-agent"
+
+    def do_GET(self) -> None:
+        self._handle(b"")
+
+    def do_HEAD(self) -> None:
+        self._handle(b"", head=True)
+
+    def do_POST(self) -> None:
+        body = self._read_body()
+        if body is not None:
+            self._handle(body)
+
+    do_PUT = do_DELETE = do_POST
+
+    def _read_body(self) -> bytes | None:
+        length_header = self.headers.get("Content-Length")
+        if length_header is None:
+            self._send(411, {"Content-Type": "text/plain"}, b"a request body needs a Content-Length\n", close=True)
+            return None
+        try:
+            length = int(length_header)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self._send(400, {"Content-Type": "text/plain"}, b"bad Content-Length\n", close=True)
+            return None
+        limit = self.server_app.max_body_bytes
+        if length > limit:
+            self._send(413, {"Content-Type": "text/plain"},
+                       f"request body of {length} bytes is over the limit of {limit}\n".encode(), close=True)
+            return None
+        return self.rfile.read(length)
+
+    def _handle(self, body: bytes, head: bool = False) -> None:
+        method = "GET" if head else self.command
+        status, headers, payload = self.server_app.dispatch(method, self.path, self.headers, body,
+                                                            self.client_address)
+        self._send(status, headers, b"" if head else payload, length=len(payload))
+
+    def _send(self, status: int, headers: Mapping[str, str], body: bytes, close: bool = False,
+              length: int | None = None) -> None:
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body) if length is None else length))
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        if body:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args) -> None:
+        pass  # one line per scrape is noise; errors are logged where they happen

@@ -1,0 +1,191 @@
+"""Follows the lines appended to a set of files, as `tail -F` does, without losing or repeating one.
+
+- Only complete lines are returned; a partial last line (a writer mid-write) is read again next time.
+- Rotation by rename (the inode at the path changes): the rest of the old file is read first, found by its
+  inode among the files beside it, then the new file from its start.
+- Truncation (the file is shorter than what was read, or its first bytes changed): read again from 0.
+- New files matching the pattern are picked up on the next poll.
+- Restarts: `state()` is a JSON-able position per file (inode, offset, line number, a checksum of the
+  first bytes); `restore()` it, and reading resumes exactly where it stopped. Persist it together with
+  whatever was derived from the lines (one atomic file), and no line is counted twice or lost.
+
+Memory is bounded: a poll reads at most `max_read_bytes` per file, and a line longer than
+`max_line_bytes` is returned as overlong (the caller reports it) and skipped to its end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+HEAD_BYTES = 256   # the prefix checksummed to tell a file from a new one that reused its inode
+
+
+@dataclass
+class Position:
+    inode: int
+    device: int
+    offset: int = 0        # bytes of complete lines consumed
+    lineno: int = 0        # lines consumed (for file:line in error messages)
+    head_crc: int = 0      # crc32 of the first min(offset, HEAD_BYTES) bytes
+    head_len: int = 0
+    skipping: bool = False  # inside an overlong line: discard up to its newline
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One complete line (without its newline), or an overlong line's first bytes (`overlong` True)."""
+
+    source: str
+    lineno: int
+    data: bytes
+    overlong: bool = False
+
+
+class Follower:
+    """Follows every file in `directory` whose name matches `pattern` (a glob)."""
+
+    def __init__(self, directory: str | os.PathLike, pattern: str, *, max_read_bytes: int = 4 << 20,
+                 max_line_bytes: int = 1 << 20):
+        if max_read_bytes < max_line_bytes:
+            raise ValueError("max_read_bytes must be at least max_line_bytes")
+        self.directory = Path(directory)
+        self.pattern = pattern
+        self.max_read_bytes, self.max_line_bytes = max_read_bytes, max_line_bytes
+        self.positions: dict[str, Position] = {}
+        self.events: list[str] = []      # "rotated rank-0.jsonl", "truncated ..." since last read; for logs
+
+    # ---------------------------------------------------------------------------------- persistence
+
+    def state(self) -> dict:
+        return {name: asdict(pos) for name, pos in self.positions.items()}
+
+    def restore(self, state: dict) -> None:
+        self.positions = {name: Position(**values) for name, values in state.items()}
+
+    # -------------------------------------------------------------------------------------- reading
+
+    def poll(self) -> Iterator[Chunk]:
+        """The complete lines appended since the last poll, file by file, in order within each file."""
+        current = {path.name: path for path in sorted(self.directory.glob(self.pattern)) if path.is_file()}
+        for name in sorted(set(self.positions) - set(current)):
+            # Renamed away with no successor yet: finish the old file, then forget it.
+            yield from self._drain_moved(name)
+            del self.positions[name]
+        for name, path in current.items():
+            yield from self._poll_file(name, path)
+
+    def _poll_file(self, name: str, path: Path) -> Iterator[Chunk]:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return
+        pos = self.positions.get(name)
+        if pos is None:
+            pos = self.positions[name] = Position(st.st_ino, st.st_dev)
+        elif (pos.inode, pos.device) != (st.st_ino, st.st_dev):
+            yield from self._drain_moved(name)
+            self.events.append(f"rotated {path}")
+            pos = self.positions[name] = Position(st.st_ino, st.st_dev)
+        elif st.st_size < pos.offset or not self._same_head(path, pos):
+            self.events.append(f"truncated {path} (had read {pos.offset} bytes, now {st.st_size})")
+            pos = self.positions[name] = Position(st.st_ino, st.st_dev)
+        if st.st_size > pos.offset:
+            yield from self._read(path, pos)
+
+    def _drain_moved(self, name: str) -> Iterator[Chunk]:
+        """Read the rest of the file `name` was before it was renamed, found beside it by its inode."""
+        pos = self.positions[name]
+        try:
+            entries = list(os.scandir(self.directory))
+        except OSError:
+            return
+        for entry in entries:
+            try:
+                if entry.inode() == pos.inode and entry.stat().st_dev == pos.device and entry.is_file():
+                    moved = Path(entry.path)
+                    if not self._same_head(moved, pos):
+                        return
+                    while True:   # to its end, a bounded read at a time
+                        before = pos.offset
+                        yield from self._read(moved, pos)
+                        if pos.offset == before:
+                            return
+            except OSError:
+                continue
+
+    def _same_head(self, path: Path, pos: Position) -> bool:
+        if pos.head_len == 0:
+            return True
+        try:
+            with open(path, "rb") as handle:
+                head = handle.read(pos.head_len)
+        except OSError:
+            return False
+        return len(head) == pos.head_len and zlib.crc32(head) == pos.head_crc
+
+    def _read(self, path: Path, pos: Position) -> Iterator[Chunk]:
+        source = str(path)
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(pos.offset)
+                data = handle.read(self.max_read_bytes)
+                if pos.head_len < HEAD_BYTES and pos.offset + len(data) > pos.head_len:
+                    handle.seek(0)
+                    head = handle.read(HEAD_BYTES)
+        except OSError:
+            return
+        end = data.rfind(b"\n")
+        chunks: list[Chunk] = []
+        if end < 0:
+            if pos.skipping:                          # still inside an overlong line already reported
+                pos.offset += len(data)
+            elif len(data) >= self.max_line_bytes:    # a line that will not fit: report it, skip to its end
+                pos.lineno += 1
+                chunks.append(Chunk(source, pos.lineno, data[: self.max_line_bytes], True))
+                pos.offset += len(data)
+                pos.skipping = True
+        else:
+            start = 0
+            for line in data[: end + 1].split(b"\n")[:-1]:
+                start += len(line) + 1
+                if pos.skipping:
+                    pos.skipping = False
+                    continue
+                pos.lineno += 1
+                if len(line) > self.max_line_bytes:
+                    chunks.append(Chunk(source, pos.lineno, line[: self.max_line_bytes], True))
+                elif line.strip():
+                    chunks.append(Chunk(source, pos.lineno, line))
+            pos.offset += start
+        if pos.head_len < HEAD_BYTES:
+            usable = min(HEAD_BYTES, pos.offset)
+            if usable > pos.head_len:
+                pos.head_len, pos.head_crc = usable, zlib.crc32(head[:usable])
+        yield from chunks
+
+
+def save_json_atomic(path: str | os.PathLike, payload: dict) -> None:
+    """Write JSON to `path` so a reader (or a restart after a kill) sees the old file or the new, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as handle:
+        json.dump(payload, handle, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
+def load_json(path: str | os.PathLike) -> dict | None:
+    """The JSON at `path`, or None when there is none; a damaged file raises ValueError naming it."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None

@@ -1,0 +1,376 @@
+"""The Prometheus rules of trainguard, from one source of truth (the monitoring-mixin pattern).
+
+Every alert and recording rule is defined once here, with its thresholds taken from the policy
+(`trainguard.policy.Policy().alerts` and `.cost`), and rendered into one rule file per concern:
+
+    training.rules.yml   loss, gradients, stalls, throughput, data utilisation, checkpoints
+    hardware.rules.yml   GPU temperature, Xid errors, allocator fragmentation
+    io-nccl.rules.yml    disk await, data loader starvation, communication overhead, NCCL watchdog
+    cost.rules.yml       cost per 1000 steps, budget overrun, the three budget tiers
+    meta.rules.yml       the agent itself, environment drift between nodes
+
+The files under alerts/ are generated with the default policy and checked in; a test renders them
+again and fails on any difference. `trainguard alerts render --policy FILE` renders a run's own.
+
+An alert that should act carries an `action` label from `trainguard.actions`; Alertmanager routes those
+to the agent's webhook (see alertmanager.py) and the agent's ledger decides what to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from trainguard import actions
+from trainguard.policy import Policy
+
+RUNBOOK_BASE = "https://github.com/trainguard/trainguard/blob/main/docs/runbooks.md"
+AGENT_JOB = "trainguard"
+
+# Windows: rates over RATE, baselines (median, peak) over BASELINE. Counters are left raw by the agent
+# (as node_exporter leaves them) so every ratio below is a ratio of rates over the same window.
+RATE = "5m"
+BASELINE = "30m"
+# A baseline needs this many samples before a spike or an explosion can be judged against it.
+BASELINE_MIN_SAMPLES = 10
+# Per run: nodes of one run report the same step counter, so steps are `max`ed and GPUs `sum`med.
+RUN = "job, run_id"
+NODE = "job, instance"
+# A node's ranks are running (the host collector checks the pids in RUN/control/ranks): a run that ended
+# or was stopped is not stalled, and its checkpoints do not go stale.
+RANKS_UP = f"max by ({NODE}) (trainguard_rank_process_up) > 0"
+
+
+@dataclass(frozen=True)
+class Record:
+    record: str
+    expr: str
+
+    def to_dict(self) -> dict:
+        return {"record": self.record, "expr": _clean(self.expr)}
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    expr: str
+    severity: str                  # critical | warning | info
+    summary: str
+    description: str
+    for_: str = "0s"
+    action: str | None = None      # from trainguard.actions; routed to the agent's webhook
+    labels: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.action is not None and self.action not in actions.REMOTE_ACTIONS:
+            raise ValueError(f"alert {self.name}: action {self.action!r} is not one of {actions.REMOTE_ACTIONS}")
+
+    def to_dict(self) -> dict:
+        labels = {"severity": self.severity, **self.labels}
+        if self.action:
+            labels["action"] = self.action
+        rule = {"alert": self.name, "expr": _clean(self.expr)}
+        if self.for_ not in ("0s", "0", ""):
+            rule["for"] = self.for_
+        rule["labels"] = labels
+        rule["annotations"] = {
+            "summary": self.summary,
+            "description": self.description,
+            "runbook_url": f"{RUNBOOK_BASE}#{self.name.lower()}",
+        }
+        return rule
+
+
+@dataclass(frozen=True)
+class Group:
+    file: str          # rule file stem: <file>.rules.yml
+    name: str
+    rules: tuple
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "rules": [rule.to_dict() for rule in self.rules]}
+
+
+def _clean(expr: str) -> str:
+    """One line per clause, no trailing blanks: readable in the YAML and in Prometheus' UI."""
+    return "\n".join(line.rstrip() for line in expr.strip().splitlines())
+
+
+def _num(value: float) -> str:
+    """A threshold as PromQL writes it: 0.3, not 0.30000000000000004; 10, not 10.0."""
+    text = f"{value:.10g}"
+    return text
+
+
+# ----------------------------------------------------------------------------------------- training
+
+def training(policy: Policy) -> list[Group]:
+    a = policy.alerts
+    records = Group("training", "trainguard-training.records", (
+        Record("trainguard:training_loss:median" + BASELINE,
+               f"quantile_over_time(0.5, trainguard_training_loss[{BASELINE}])"),
+        # A robust spread (interquartile range / 1.349 estimates sigma for normal noise): one spike
+        # barely moves it, so the spike stands out against the baseline it is part of.
+        Record("trainguard:training_loss:robust_stddev" + BASELINE,
+               f"(quantile_over_time(0.75, trainguard_training_loss[{BASELINE}])\n"
+               f" - quantile_over_time(0.25, trainguard_training_loss[{BASELINE}])) / 1.349"),
+        Record("trainguard:training_grad_norm:median" + BASELINE,
+               f"quantile_over_time(0.5, trainguard_training_grad_norm[{BASELINE}])"),
+        # tokens_trained and tokens_loaded are the trainer's running totals, gauges that a rollback
+        # sets back: their slope (deriv) is the rate, and a rollback shows as the loss it is.
+        Record("trainguard:effective_throughput:tokens_per_second",
+               f"sum by ({RUN}) (deriv(trainguard_training_tokens_trained[{RATE}]))"),
+        Record("trainguard:data_utilization:ratio",
+               f"sum by ({RUN}) (deriv(trainguard_training_tokens_trained[{RATE}]))\n"
+               f"/ (sum by ({RUN}) (deriv(trainguard_training_tokens_loaded[{RATE}])) > 0)"),
+    ))
+    alerts = Group("training", "trainguard-training.alerts", (
+        Alert("LossNaN", "trainguard_training_loss != trainguard_training_loss\n"
+                         "or abs(trainguard_training_loss) == +Inf",
+              "critical", "Training loss is NaN or infinite on {{ $labels.instance }}",
+              "The loss has stayed non-finite for " + a.for_short + ". The guard skips a non-finite step "
+              "on its own; a loss that stays non-finite means the weights or optimizer state are "
+              "already corrupt, so the run is rolled back to its last stable checkpoint.",
+              for_=a.for_short, action=actions.ROLLBACK),
+        Alert("LossSpike",
+              f"trainguard_training_loss\n"
+              f"> trainguard:training_loss:median{BASELINE}\n"
+              f"  + {_num(a.loss_spike_sigma)} * trainguard:training_loss:robust_stddev{BASELINE}\n"
+              f"  + 0.001 * abs(trainguard:training_loss:median{BASELINE})\n"
+              f"and count_over_time(trainguard_training_loss[{BASELINE}]) >= {BASELINE_MIN_SAMPLES}",
+              "critical", "Loss spike on {{ $labels.instance }}: {{ $value | printf \"%.4g\" }}",
+              f"The loss is more than {_num(a.loss_spike_sigma)} robust standard deviations above its "
+              f"{BASELINE} median. The run is rolled back to its last stable checkpoint, the data window "
+              "is skipped and the learning rate lowered.",
+              action=actions.ROLLBACK),
+        Alert("GradNormExplosion",
+              f"trainguard_training_grad_norm\n"
+              f"> {_num(a.grad_explode_factor)} * trainguard:training_grad_norm:median{BASELINE}\n"
+              f"and count_over_time(trainguard_training_grad_norm[{BASELINE}]) >= {BASELINE_MIN_SAMPLES}",
+              "critical", "Gradient norm explosion on {{ $labels.instance }}: {{ $value | printf \"%.4g\" }}",
+              f"The global gradient norm is more than {_num(a.grad_explode_factor)} times its {BASELINE} "
+              "median. The run is rolled back to its last stable checkpoint with a lower learning rate.",
+              action=actions.ROLLBACK),
+        Alert("TrainingStalled",
+              f"min by ({NODE}, run_id) (time() - trainguard_training_last_step_timestamp_seconds)\n"
+              f"> {_num(a.stall_seconds)}\n"
+              f"and on ({NODE}) {RANKS_UP}",
+              "critical", "No training step for over " + _num(a.stall_seconds) + "s on {{ $labels.instance }}",
+              "The ranks on this node have not finished a step for " + _num(a.stall_seconds) + " s and the "
+              "run has not ended: a hung collective, a dead rank or a stuck data loader. The agent ends "
+              "the node's ranks; torch's elastic launcher starts them again and they resume from the "
+              "latest verified checkpoint.",
+              for_=a.for_short, action=actions.RESTORE),
+        Alert("LowEffectiveThroughput",
+              f"trainguard:effective_throughput:tokens_per_second\n"
+              f"< {_num(a.low_throughput_ratio)} * max_over_time(trainguard:effective_throughput:tokens_per_second[{BASELINE}])",
+              "warning", "Effective throughput of {{ $labels.job }} is under "
+              + f"{a.low_throughput_ratio:.0%} of its recent peak",
+              "Tokens trained per second (skipped and rolled-back steps excluded) fell under "
+              f"{a.low_throughput_ratio:.0%} of the best of the last {BASELINE}. Look at the data loader, "
+              "the disks, communication overhead and stragglers.",
+              for_=a.for_long),
+        Alert("LowDataUtilization",
+              "trainguard:data_utilization:ratio < " + _num(a.data_utilization_min),
+              "warning", "Only {{ $value | humanizePercentage }} of loaded tokens are trained",
+              f"Tokens trained / tokens loaded is under {a.data_utilization_min:.0%} over {RATE}: steps are "
+              "skipped or rolled back, or batches are padded. Each lost token was paid for.",
+              for_=a.for_long),
+        Alert("CheckpointStale",
+              "time() - trainguard_checkpoint_last_timestamp_seconds > " + _num(a.checkpoint_stale_seconds)
+              + f"\nand on ({NODE}) {RANKS_UP}",
+              "warning", "No checkpoint for over {{ $value | humanizeDuration }} on {{ $labels.instance }}",
+              f"The newest verified checkpoint is older than {_num(a.checkpoint_stale_seconds)} s: a "
+              "failure now loses that much work. Check the checkpoint directory's disk and the trainer's "
+              "checkpoint events.",
+              for_=a.for_short),
+    ))
+    return [records, alerts]
+
+
+# ----------------------------------------------------------------------------------------- hardware
+
+def hardware(policy: Policy) -> list[Group]:
+    a = policy.alerts
+    records = Group("hardware", "trainguard-hardware.records", (
+        Record("trainguard:memory_fragmentation:ratio",
+               "trainguard_training_memory_allocated_bytes\n"
+               "/ (trainguard_training_memory_reserved_bytes > 0)"),
+    ))
+    alerts = Group("hardware", "trainguard-hardware.alerts", (
+        Alert("GPUOverheating", "DCGM_FI_DEV_GPU_TEMP > " + _num(a.gpu_temp_c),
+              "warning", "GPU {{ $labels.gpu }} on {{ $labels.instance }} at {{ $value }} °C",
+              f"The GPU is above {_num(a.gpu_temp_c)} °C and will throttle its clocks, slowing every rank "
+              "that waits for it. Check airflow, fans and the power limit.",
+              for_=a.for_long),
+        Alert("GPUXidError", f"changes(DCGM_FI_DEV_XID_ERRORS[{RATE}]) > 0 or DCGM_FI_DEV_XID_ERRORS > 0",
+              "critical", "Xid {{ $value }} on GPU {{ $labels.gpu }} of {{ $labels.instance }}",
+              "The driver reported an Xid error. Some (48, 63, 64, 74, 79, 94, 95) mean the GPU needs a "
+              "reset or the node needs draining; see the runbook before restarting the run here."),
+        Alert("GPUMemoryFragmented", "trainguard:memory_fragmentation:ratio < " + _num(a.fragmentation_min),
+              "warning", "Allocator memory fragmented on {{ $labels.instance }}: "
+              "{{ $value | humanizePercentage }} of reserved memory in use",
+              f"Allocated / reserved device memory is under {_num(a.fragmentation_min)}: the caching "
+              "allocator holds blocks it cannot reuse, which ends in out-of-memory errors at a "
+              "batch that used to fit.",
+              for_=a.for_long),
+    ))
+    return [records, alerts]
+
+
+# ----------------------------------------------------------------------------------------- io, nccl
+
+def io_nccl(policy: Policy) -> list[Group]:
+    a = policy.alerts
+    records = Group("io-nccl", "trainguard-io-nccl.records", (
+        # Average time per completed operation, as iostat's await: time spent / operations.
+        Record("instance_device:node_disk_await:seconds",
+               f"(rate(node_disk_read_time_seconds_total[{RATE}]) + rate(node_disk_write_time_seconds_total[{RATE}]))\n"
+               f"/ (rate(node_disk_reads_completed_total[{RATE}]) + rate(node_disk_writes_completed_total[{RATE}]) > 0)"),
+        # Per-step timings are gauges of each rank's latest step; their means over the window are a
+        # sample of the window's steps.
+        Record("trainguard:data_wait:ratio",
+               f"avg_over_time(trainguard_training_data_wait_seconds[{RATE}])\n"
+               f"/ (avg_over_time(trainguard_training_step_time_seconds[{RATE}]) > 0)"),
+        Record("trainguard:comm_overhead:ratio",
+               f"avg_over_time(trainguard_training_comm_seconds[{RATE}])\n"
+               f"/ (avg_over_time(trainguard_training_step_time_seconds[{RATE}]) > 0)"),
+    ))
+    alerts = Group("io-nccl", "trainguard-io-nccl.alerts", (
+        Alert("DiskAwaitHigh", "instance_device:node_disk_await:seconds > " + _num(a.disk_await_ms / 1000.0),
+              "warning", "Disk {{ $labels.device }} on {{ $labels.instance }} averages "
+              "{{ $value | humanizeDuration }} per operation",
+              f"Average disk await is above {_num(a.disk_await_ms)} ms over {RATE}: data loading and "
+              "checkpoint writes on this disk are slow.",
+              for_=a.for_long),
+        Alert("DataLoaderStarved", "trainguard:data_wait:ratio > " + _num(a.data_wait_ratio),
+              "warning", "Ranks on {{ $labels.instance }} wait for data {{ $value | humanizePercentage }} of the time",
+              f"More than {a.data_wait_ratio:.0%} of step time is spent waiting for the next batch: add "
+              "loader workers, prefetch, or move the data to faster storage.",
+              for_=a.for_long),
+        Alert("CommOverheadHigh", "trainguard:comm_overhead:ratio > " + _num(a.comm_overhead_max),
+              "warning", "Communication takes {{ $value | humanizePercentage }} of step time on {{ $labels.instance }}",
+              f"More than {a.comm_overhead_max:.0%} of step time is spent in collectives: a slow link, a "
+              "straggler rank, or buckets too small to overlap with compute.",
+              for_=a.for_long),
+        Alert("NCCLWatchdogTimeout", f"increase(trainguard_nccl_watchdog_timeouts_total[{RATE}]) > 0",
+              "critical", "NCCL watchdog timed out on {{ $labels.instance }}",
+              "A collective did not finish within the process group's timeout: a rank is hung or a link "
+              "is down. The agent ends the node's ranks; torch's elastic launcher starts them again from "
+              "the latest verified checkpoint.",
+              action=actions.RESTORE),
+    ))
+    return [records, alerts]
+
+
+# --------------------------------------------------------------------------------------------- cost
+
+def cost(policy: Policy) -> list[Group]:
+    """The CostMeter's arithmetic (trainguard/decide/cost.py) in PromQL, with the same policy numbers.
+
+    cost per 1000 steps = GPUs x price per GPU-hour / steps per hour x 1000; overrun = that / budget - 1.
+    Like the meter, no tier is judged before `min_steps` steps, nor while no step is being made.
+    """
+    c = policy.cost
+    records = Group("cost", "trainguard-cost.records", (
+        Record("trainguard:training_steps:rate" + RATE,
+               f"max by ({RUN}) (rate(trainguard_training_steps_total[{RATE}]))"),
+        Record("trainguard:billable_gpus:max", f"max by ({RUN}) (trainguard_cost_billable_gpus)"),
+        Record("trainguard:cost_per_1k_steps:usd",
+               f"trainguard:billable_gpus:max * {_num(c.price_per_gpu_hour)} / 3600\n"
+               f"/ (trainguard:training_steps:rate{RATE} > 0) * 1000\n"
+               f"and on ({RUN}) max by ({RUN}) (increase(trainguard_training_steps_total[{RATE}])) "
+               f">= {c.min_steps}"),
+        Record("trainguard:cost_budget_overrun:ratio",
+               f"trainguard:cost_per_1k_steps:usd / {_num(c.budget_per_1k_steps)} - 1"),
+    ))
+    tiers = (("CostBudgetWarn", c.tiers.warn, actions.COST_WARN, "warning",
+              "Evaluation and profiling are paused."),
+             ("CostBudgetThrottle", c.tiers.throttle, actions.COST_THROTTLE, "critical",
+              "Cached device memory is freed and the micro-batch cut by 25%, with gradient accumulation "
+              "keeping the tokens per optimizer step."),
+             ("CostBudgetStop", c.tiers.stop, actions.COST_STOP, "critical",
+              "A verified checkpoint is saved, the run stops cleanly and writes a cost summary."))
+    alerts = Group("cost", "trainguard-cost.alerts", tuple(
+        Alert(name, f"trainguard:cost_budget_overrun:ratio >= {_num(tier)}", severity,
+              f"Cost of {{{{ $labels.job }}}} is {{{{ $value | humanizePercentage }}}} over budget",
+              f"Cost per 1000 steps is at least {tier:.0%} over the budget of "
+              f"${_num(c.budget_per_1k_steps)} (at ${_num(c.price_per_gpu_hour)} per GPU-hour). {did}",
+              for_=policy.alerts.for_short, action=action)
+        for name, tier, action, severity, did in tiers))
+    return [records, alerts]
+
+
+# --------------------------------------------------------------------------------------------- meta
+
+def meta(policy: Policy, agent_job: str = AGENT_JOB) -> list[Group]:
+    a = policy.alerts
+    alerts = Group("meta", "trainguard-meta.alerts", (
+        Alert("AgentDown", f'up{{job="{agent_job}"}} == 0',
+              "critical", "trainguard agent {{ $labels.instance }} is down",
+              "Prometheus cannot scrape the agent: this node's GPUs, IO and training are unwatched and "
+              "its alerts cannot act. Check the agent's process and its log.",
+              for_=a.for_short),
+        Alert("EnvironmentMismatch",
+              "count by (job) (\n"
+              "  count by (job, torch, cuda, nccl, driver, python, trainguard) (trainguard_node_info)\n"
+              ") > 1",
+              "warning", "Nodes of {{ $labels.job }} run {{ $value }} different software environments",
+              "The nodes of this run report different torch, CUDA, NCCL, driver or Python versions: "
+              "numerics and collectives may differ between ranks. Compare trainguard_node_info "
+              "across nodes.",
+              for_=a.for_short),
+    ))
+    return [alerts]
+
+
+CONCERNS = (training, hardware, io_nccl, cost, meta)
+
+
+def groups(policy: Policy | None = None) -> list[Group]:
+    policy = policy or Policy()
+    return [group for concern in CONCERNS for group in concern(policy)]
+
+
+def alerts(policy: Policy | None = None) -> list[Alert]:
+    return [rule for group in groups(policy) for rule in group.rules if isinstance(rule, Alert)]
+
+
+HEADER = "# Generated by `trainguard alerts render` from alerts/rules.py and the policy. Do not edit.\n"
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line expressions as YAML block scalars (``|``), so the files read like hand-written rules."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def dump(data: dict) -> str:
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=120)
+
+
+def render(policy: Policy | None = None) -> dict[str, str]:
+    """{file name: YAML text} of every rule file."""
+    files: dict[str, list[dict]] = {}
+    for group in groups(policy):
+        files.setdefault(f"{group.file}.rules.yml", []).append(group.to_dict())
+    return {name: HEADER + dump({"groups": body}) for name, body in files.items()}
+
+
+def write(out_dir: str | Path, policy: Policy | None = None) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in render(policy).items():
+        path = out / name
+        path.write_text(text)
+        written.append(path)
+    return written

@@ -1,0 +1,352 @@
+"""trainguard's Grafana dashboards, from one source of truth (the monitoring-mixin pattern).
+
+Five dashboards, each a list of panels written with the builders in grafana.py; thresholds come from the
+policy (trainguard.policy), the same numbers the alerts and the guard act on. The JSON files beside this
+module are generated from it and checked in; tests/dashboards fails when they drift, and runs every
+query below against a real Prometheus that scraped a real training run.
+
+    python -m trainguard.dashboards.build            # rewrite dashboards/*.json
+    trainguard dashboards render --out DIR           # the same, elsewhere, optionally with a policy
+
+A query that can only have data when something goes wrong says so (`event_only=` with the reason), or
+falls back to zero with `or vector(0)`; nothing is left out of the query test silently.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+from trainguard.policy import Policy
+from trainguard.dashboards.grafana import (ORANGE, RED, YELLOW, Annotation, Board, Panel, Query, Row, Threshold,
+                                           Variable, q, stat, state_timeline, table, timeseries)
+
+OUT_DIR = Path(__file__).resolve().parent
+RATE = "$__rate_interval"
+
+# Label matchers by dashboard scope. `run_id` and `hostname` default to ".*" (All), so series without
+# the label (dcgm-exporter's, node_exporter's) still match.
+RUN = '{job=~"$job", run_id=~"$run_id"}'
+GPU = '{job=~"$job", hostname=~"$hostname", gpu=~"$gpu"}'
+AGENT = '{job=~"$job"}'
+# node_* series carry no host name; the agent's info metric maps its instance to the node it runs on.
+ON_HOST = 'and on (instance) trainguard_agent_info{job=~"$job", node=~"$hostname"}'
+
+
+def run(metric: str, **labels: str) -> str:
+    """`metric{job=~"$job", run_id=~"$run_id", label="value"...}`."""
+    extra = "".join(f', {key}="{value}"' for key, value in labels.items())
+    return metric + RUN[:-1] + extra + "}"
+
+
+def gpu(metric: str) -> str:
+    return metric + GPU
+
+
+def node(expr: str) -> str:
+    return f"({expr}) {ON_HOST}"
+
+
+# ------------------------------------------------------------------------------------------ variables
+
+DATASOURCE = Variable("datasource", "Data source")
+
+
+def job_var(anchor: str) -> Variable:
+    return Variable("job", "Job", f"label_values({anchor}, job)")
+
+
+RUN_ID = Variable("run_id", "Run", 'label_values(trainguard_training_step{job=~"$job"}, run_id)')
+HOSTNAME = Variable("hostname", "Host", 'label_values(trainguard_agent_info{job=~"$job"}, node)')
+GPU_ID = Variable("gpu", "GPU", 'label_values(DCGM_FI_DEV_GPU_UTIL{job=~"$job", hostname=~"$hostname"}, gpu)')
+
+
+# ---------------------------------------------------------------------------------------- annotations
+
+def event_annotation(name: str, types: str, color: str, why: str = "") -> Annotation:
+    expr = (f'sum by (run_id, type) (increase(trainguard_training_events_total{{job=~"$job", run_id=~"$run_id",'
+            f' type=~"{types}"}}[1m])) > 0')
+    return Annotation(name, expr, color, name.rstrip("s").lower() + " ({{type}})", event_only=why)
+
+
+ANNOTATIONS = (
+    event_annotation("Checkpoints", "checkpoint_saved", "green"),
+    event_annotation("Skipped steps", "skip_step", "orange",
+                     "only when the guard skips a bad step (the test run injects faults to cause them)"),
+    event_annotation("Rollbacks", "rollback", "red",
+                     "only when the guard or an alert rolls the run back"),
+    event_annotation("Restores", "restore|checkpoint_restored|run_start", "blue"),
+    Annotation("Alerts", 'ALERTS{alertstate="firing", job=~"$job"}', "purple", "{{alertname}}",
+               event_only="ALERTS exists only while an alert fires"),
+)
+
+
+# ----------------------------------------------------------------------------------------- dashboards
+
+def training(policy: Policy) -> Board:
+    a = policy.alerts
+    items = [
+        Row("Progress"),
+        stat("Step", q(f"max({run('trainguard_training_step')})")),
+        stat("Loss", q(f"max({run('trainguard_training_loss', rank='0')})"), decimals=4),
+        stat("Tokens / s", q(f"sum({run('trainguard_training_tokens_per_second')})"), unit="short"),
+        stat("MFU", q(f"avg({run('trainguard_training_mfu_ratio')})"), unit="percentunit",
+             thresholds=(Threshold(0, RED), Threshold(0.2, YELLOW), Threshold(0.35, "green"))),
+        stat("Checkpoint age", q(f"max({run('trainguard_checkpoint_age_seconds')})"), unit="s",
+             thresholds=(Threshold(a.checkpoint_stale_seconds, RED),)),
+        stat("Skipped steps", q(f"sum({run('trainguard_training_events_total', type='skip_step')}) or vector(0)"),
+             thresholds=(Threshold(1, ORANGE),)),
+        Row("Optimisation"),
+        timeseries("Loss", q(f"max by (run_id) ({run('trainguard_training_loss')})", "{{run_id}} loss"),
+                   q(f"max by (run_id) ({run('trainguard_training_val_loss')})", "{{run_id}} validation",
+                     event_only="validation runs every eval_every steps; a short run may have none"),
+                   width=8),
+        timeseries("Gradient norm", q(f"max by (run_id) ({run('trainguard_training_grad_norm')})", "{{run_id}}"),
+                   width=8, description=f"Global norm before clipping. The guard skips a step above "
+                                        f"{policy.guard.grad_explode_factor:g}x its EMA."),
+        timeseries("Learning rate", q(f"max by (run_id) ({run('trainguard_training_learning_rate')})",
+                                      "{{run_id}}"), width=8),
+        Row("Speed"),
+        timeseries("Tokens per second", q(f"sum by (run_id) ({run('trainguard_training_tokens_per_second')})",
+                                          "{{run_id}}"), width=8),
+        timeseries("MFU", q(f"avg by (run_id) ({run('trainguard_training_mfu_ratio')})", "{{run_id}}"),
+                   unit="percentunit", min=0, width=8),
+        timeseries("Step time by rank", q(f"max by (rank) ({run('trainguard_training_step_time_seconds')})",
+                                          "rank {{rank}}"), unit="s", width=8,
+                   description="A rank slower than the others is a straggler: every other rank waits for it."),
+        timeseries("Step time breakdown", *[
+            q(f"avg({run(f'trainguard_training_{part}_seconds')})", label)
+            for part, label in (("data_wait", "data wait"), ("forward_backward", "forward + backward"),
+                                ("optimizer", "optimizer"), ("comm", "communication"))],
+                   unit="s", stack=True, width=12,
+                   description="Mean over ranks. Communication overlaps backward, so the stack can exceed the step."),
+        timeseries("Step time", q(f"avg({run('trainguard_training_step_time_seconds')})", "step"), unit="s",
+                   width=12),
+        Row("Memory"),
+        timeseries("Device memory by rank", *[
+            q(f"max by (rank) ({run(f'trainguard_training_memory_{kind}_bytes')})", f"rank {{{{rank}}}} {kind}")
+            for kind in ("allocated", "reserved")], unit="bytes", width=12),
+        timeseries("Allocated / reserved",
+                   q(f"max by (rank) ({run('trainguard_training_memory_allocated_bytes')})"
+                     f" / max by (rank) ({run('trainguard_training_memory_reserved_bytes')} > 0)", "rank {{rank}}",
+                     event_only="needs a CUDA device: a CPU run reserves no device memory"),
+                   unit="percentunit", min=0, max=1, width=12,
+                   thresholds=(Threshold(0, RED), Threshold(a.fragmentation_min, "green"))),
+    ]
+    return Board("trainguard-training", "trainguard / Training",
+                 "Loss, gradients, learning rate, throughput, MFU and step time of a run, with checkpoints and "
+                 "guard actions as annotations.",
+                 [DATASOURCE, job_var("trainguard_training_step"), RUN_ID], items, ANNOTATIONS)
+
+
+def gpu_node(policy: Policy) -> Board:
+    a = policy.alerts
+    temp = (Threshold(a.gpu_temp_c - 5, YELLOW), Threshold(a.gpu_temp_c, RED))
+    legend = "{{hostname}} GPU {{gpu}}"
+    items = [
+        Row("GPUs"),
+        stat("GPUs", q(f"count({gpu('DCGM_FI_DEV_GPU_UTIL')})")),
+        stat("Mean utilisation", q(f"avg({gpu('DCGM_FI_DEV_GPU_UTIL')})"), unit="percent"),
+        stat("Hottest GPU", q(f"max({gpu('DCGM_FI_DEV_GPU_TEMP')})"), unit="celsius", thresholds=temp),
+        stat("Power", q(f"sum({gpu('DCGM_FI_DEV_POWER_USAGE')})"), unit="watt"),
+        stat("Memory used", q(f"sum({gpu('DCGM_FI_DEV_FB_USED')})"), unit="decmbytes"),
+        stat("Xid errors", q(f"count({gpu('DCGM_FI_DEV_XID_ERRORS')} > 0) or vector(0)"),
+             thresholds=(Threshold(1, RED),),
+             description="GPUs whose last Xid error code is not 0 (DCGM_FI_DEV_XID_ERRORS holds the last code)."),
+        timeseries("GPU utilisation", q(gpu("DCGM_FI_DEV_GPU_UTIL"), legend), unit="percent", min=0, max=100),
+        timeseries("GPU temperature", q(gpu("DCGM_FI_DEV_GPU_TEMP"), legend), unit="celsius", thresholds=temp),
+        timeseries("Framebuffer memory used", q(gpu("DCGM_FI_DEV_FB_USED"), legend), unit="decmbytes", min=0),
+        timeseries("Power draw", q(gpu("DCGM_FI_DEV_POWER_USAGE"), legend), unit="watt", min=0),
+        timeseries("SM clock", q(f"{gpu('DCGM_FI_DEV_SM_CLOCK')} * 1e6", legend), unit="hertz"),
+        timeseries("Last Xid error", q(gpu("DCGM_FI_DEV_XID_ERRORS"), legend), unit="none",
+                   description="The code of the GPU's last Xid error; 0 when none (see the GPUXidError runbook)."),
+        Row("Node"),
+        timeseries("CPU busy", q(node(f'1 - avg by (instance) (rate(node_cpu_seconds_total{{job=~"$job",'
+                                      f' mode="idle"}}[{RATE}]))'), "{{instance}}"),
+                   unit="percentunit", min=0, max=1, width=8),
+        timeseries("Memory available", q(node('node_memory_MemAvailable_bytes{job=~"$job"}'), "{{instance}}"),
+                   unit="bytes", min=0, width=8),
+        timeseries("Load", q(node('node_load1{job=~"$job"}'), "{{instance}} 1m"), width=8),
+        timeseries("Rank processes up", q(f'sum by (instance) (trainguard_rank_process_up{AGENT})', "{{instance}}"),
+                   width=12, min=0, description="Rank processes the agent finds alive (from RUN/control/ranks)."),
+        timeseries("Rank resident memory", q(f"trainguard_rank_resident_memory_bytes{AGENT}", "rank {{rank}}"),
+                   unit="bytes", width=12),
+    ]
+    return Board("trainguard-gpu-node", "trainguard / GPU and node",
+                 "GPU health under DCGM's metric names (so the panels work on dcgm-exporter data too) and the "
+                 "node's CPU, memory and rank processes.",
+                 [DATASOURCE, job_var("trainguard_agent_info"), HOSTNAME, GPU_ID], items)
+
+
+def cost_goodput(policy: Policy) -> Board:
+    c = policy.cost
+    budget = c.budget_per_1k_steps
+    tiers = (Threshold(budget * (1 + c.tiers.warn), YELLOW), Threshold(budget * (1 + c.tiers.throttle), ORANGE),
+             Threshold(budget * (1 + c.tiers.stop), RED))
+    overrun = (Threshold(c.tiers.warn, YELLOW), Threshold(c.tiers.throttle, ORANGE), Threshold(c.tiers.stop, RED))
+    tier_names = [{"type": "value", "options": {str(v): {"text": t, "color": col, "index": v}}}
+                  for v, t, col in ((0, "ok", "green"), (1, "warn", YELLOW), (2, "throttle", ORANGE), (3, "stop", RED))]
+    items = [
+        Row("Cost"),
+        stat("Spent", q(f"max({run('trainguard_cost_usd')})"), unit="currencyUSD", width=6),
+        stat("Cost per 1000 steps", q(f"max({run('trainguard_cost_per_1k_steps_usd')})"), unit="currencyUSD",
+             thresholds=tiers, width=6),
+        stat("Over budget", q(f"max({run('trainguard_cost_overrun_ratio')})"), unit="percentunit",
+             thresholds=overrun, width=6),
+        stat("Breaker", q(f"max({run('trainguard_cost_tier')})"), mappings=tier_names, width=6,
+             thresholds=(Threshold(1, YELLOW), Threshold(2, ORANGE), Threshold(3, RED))),
+        timeseries("Cost per 1000 steps against budget",
+                   q(f"max by (run_id) ({run('trainguard_cost_per_1k_steps_usd')})", "{{run_id}} (agent meter)"),
+                   q(f"max by (run_id) ({run('trainguard_cost_budget_per_1k_steps_usd')})", "budget"),
+                   unit="currencyUSD", min=0, thresholds=tiers,
+                   description=f"Tiers at +{c.tiers.warn:.0%} (warn), +{c.tiers.throttle:.0%} (throttle) and "
+                               f"+{c.tiers.stop:.0%} (stop) over ${budget:g} per 1000 steps."),
+        timeseries("Burn against budget",
+                   q(f"max by (run_id) (deriv({run('trainguard_cost_usd')}[{RATE}])) * 3600", "{{run_id}} burn"),
+                   q(f"max by (run_id) ({run('trainguard_cost_budget_per_1k_steps_usd')}) / 1000"
+                     f" * max by (run_id) (deriv({run('trainguard_training_step')}[{RATE}])) * 3600",
+                     "{{run_id}} budget at this step rate"),
+                   unit="currencyUSD", min=0, description="Dollars per hour spent, and what the budget allows per "
+                                                          "hour at the current step rate."),
+        state_timeline("Breaker state", q(f"max by (run_id) ({run('trainguard_cost_tier')})", "{{run_id}}"),
+                       mappings=tier_names, width=12, height=5,
+                       thresholds=(Threshold(1, YELLOW), Threshold(2, ORANGE), Threshold(3, RED))),
+        timeseries("Spend", q(f"max by (run_id) ({run('trainguard_cost_usd')})", "{{run_id}}"),
+                   unit="currencyUSD", width=12, height=5),
+        Row("Goodput"),
+        timeseries("Goodput and badput, share of step time", *[
+            q(f"avg({run(f'trainguard_training_{part}_seconds')})"
+              f" / avg({run('trainguard_training_step_time_seconds')} > 0)", label)
+            for part, label in (("forward_backward", "goodput: forward + backward"),
+                                ("optimizer", "goodput: optimizer"), ("data_wait", "badput: data wait"),
+                                ("comm", "badput: communication"))],
+                   unit="percentunit", stack=True, min=0, width=12),
+        timeseries("Steps lost", *[
+            q(f"sum({run('trainguard_training_events_total', type=kind)}) or vector(0)", label)
+            for kind, label in (("skip_step", "skipped steps"), ("rollback", "rollbacks"),
+                                ("restore", "restores"))], width=12,
+                   description="Guard and recovery events so far; each discards work already paid for."),
+    ]
+    return Board("trainguard-cost-goodput", "trainguard / Cost and goodput",
+                 "Spend, cost per 1000 steps against the policy's budget and tiers, the cost breaker, and "
+                 "where step time goes.",
+                 [DATASOURCE, job_var("trainguard_training_step"), RUN_ID], items)
+
+
+def comms_io(policy: Policy) -> Board:
+    a = policy.alerts
+    share = lambda part: (f"avg by (run_id) ({run(f'trainguard_training_{part}_seconds')})"
+                          f" / avg by (run_id) ({run('trainguard_training_step_time_seconds')} > 0)")
+    await_expr = (f'(rate(node_disk_read_time_seconds_total{{job=~"$job"}}[{RATE}])'
+                  f' + rate(node_disk_write_time_seconds_total{{job=~"$job"}}[{RATE}]))'
+                  f' / (rate(node_disk_reads_completed_total{{job=~"$job"}}[{RATE}])'
+                  f' + rate(node_disk_writes_completed_total{{job=~"$job"}}[{RATE}]) > 0)')
+    ib = lambda name: f'rate(node_infiniband_{name}_total{{job=~"$job"}}[{RATE}])'
+    items = [
+        Row("Communication"),
+        timeseries("Communication share of step time", q(share("comm"), "{{run_id}}"), unit="percentunit",
+                   min=0, thresholds=(Threshold(a.comm_overhead_max, RED),), width=12),
+        timeseries("NCCL errors and watchdog timeouts",
+                   q(f"sum(increase(trainguard_nccl_errors_total{AGENT}[{RATE}])) or vector(0)", "errors"),
+                   q(f"sum(increase(trainguard_nccl_watchdog_timeouts_total{AGENT}[{RATE}])) or vector(0)",
+                     "watchdog timeouts"), width=12, thresholds=(Threshold(1, RED),)),
+        timeseries("InfiniBand receive", q(node(f"{ib('port_data_received_bytes')}"), "{{instance}} {{device}}:{{port}}"),
+                   unit="Bps", width=8),
+        timeseries("InfiniBand transmit", q(node(f"{ib('port_data_transmitted_bytes')}"),
+                                            "{{instance}} {{device}}:{{port}}"), unit="Bps", width=8),
+        timeseries("InfiniBand errors", q(node(f"{ib('port_errors_received')} + {ib('port_discards_received')}")
+                                          + " or vector(0)", "{{instance}} {{device}}:{{port}}"), width=8),
+        Row("Storage and data"),
+        timeseries("Disk await", q(node(await_expr), "{{instance}} {{device}}"), unit="s",
+                   thresholds=(Threshold(a.disk_await_ms / 1000, RED),), width=8),
+        timeseries("Disk throughput",
+                   q(node(f'rate(node_disk_read_bytes_total{{job=~"$job"}}[{RATE}])'), "{{device}} read"),
+                   q(node(f'rate(node_disk_written_bytes_total{{job=~"$job"}}[{RATE}])'), "{{device}} write"),
+                   unit="Bps", width=8),
+        timeseries("Data wait share of step time", q(share("data_wait"), "{{run_id}}"), unit="percentunit",
+                   min=0, thresholds=(Threshold(a.data_wait_ratio, RED),), width=8),
+        timeseries("Network", q(node(f'rate(node_network_receive_bytes_total{{job=~"$job", device!="lo"}}[{RATE}])'),
+                                "{{device}} rx"),
+                   q(node(f'rate(node_network_transmit_bytes_total{{job=~"$job", device!="lo"}}[{RATE}])'),
+                     "{{device}} tx"), unit="Bps", width=12),
+        timeseries("Checkpoint filesystem free", q(f"trainguard_checkpoint_fs_avail_bytes{AGENT}", "{{mountpoint}}"),
+                   unit="bytes", min=0, width=12),
+    ]
+    return Board("trainguard-comms-io", "trainguard / Comms and IO",
+                 "Collective communication, NCCL health, InfiniBand, disks and data loading.",
+                 [DATASOURCE, job_var("trainguard_agent_info"), HOSTNAME, RUN_ID], items)
+
+
+def alerts_actions(policy: Policy) -> Board:
+    items = [
+        Row("Alerts"),
+        stat("Firing", q('count(ALERTS{alertstate="firing", job=~"$job"}) or vector(0)'),
+             thresholds=(Threshold(1, RED),), width=6),
+        stat("Pending", q('count(ALERTS{alertstate="pending", job=~"$job"}) or vector(0)'),
+             thresholds=(Threshold(1, YELLOW),), width=6),
+        stat("Agents up", q('sum(up{job=~"$job"})'), width=6),
+        stat("Collectors failing", q(f"count(trainguard_scrape_collector_success{AGENT} == 0) or vector(0)"),
+             thresholds=(Threshold(1, RED),), width=6),
+        table("Alerts now", q('ALERTS{job=~"$job"}', event_only="ALERTS exists only while an alert is pending or "
+                                                                "firing"), width=24, height=6),
+        timeseries("Alerts over time", q('count by (alertname) (ALERTS{alertstate="firing", job=~"$job"})',
+                                         "{{alertname}}", event_only="ALERTS exists only while an alert fires"),
+                   width=24, height=6),
+        Row("Actions"),
+        timeseries("Guard and recovery events", q(
+            f'sum by (type) (increase(trainguard_training_events_total{{job=~"$job",'
+            f' type=~"skip_step|rollback|restore|checkpoint_restored|cost_warn|cost_throttle|cost_stop|action"}}[{RATE}]))',
+            "{{type}}", event_only="only when the guard or an alert acts (the test run injects faults)"), width=12),
+        timeseries("Webhook actions", q(f"sum by (action, outcome) (trainguard_actions_total{AGENT}) or vector(0)",
+                                        "{{action}} {{outcome}}"), width=12),
+        timeseries("Collector health", q(f"trainguard_scrape_collector_success{AGENT}", "{{instance}} {{collector}}"),
+                   min=0, max=1, width=12),
+        timeseries("Collector duration", q(f"trainguard_scrape_collector_duration_seconds{AGENT}",
+                                           "{{instance}} {{collector}}"), unit="s", width=12),
+    ]
+    return Board("trainguard-alerts-actions", "trainguard / Alerts and actions",
+                 "Alerts firing and pending, the actions they and the guard took, and the agent's own health.",
+                 [DATASOURCE, job_var("trainguard_agent_info")], items, ANNOTATIONS[-1:])
+
+
+BOARDS = {"training.json": training, "gpu-node.json": gpu_node, "cost-goodput.json": cost_goodput,
+          "comms-io.json": comms_io, "alerts-actions.json": alerts_actions}
+
+
+# ------------------------------------------------------------------------------------------- output
+
+def boards(policy: Policy | None = None) -> dict[str, Board]:
+    policy = policy or Policy()
+    return {name: make(policy) for name, make in BOARDS.items()}
+
+
+def render(policy: Policy | None = None) -> dict[str, str]:
+    """file name -> JSON text, exactly as checked in."""
+    return {name: json.dumps(board.to_json(), indent=2, ensure_ascii=False) + "\n"
+            for name, board in boards(policy).items()}
+
+
+def write(out_dir: str | Path = OUT_DIR, policy: Policy | None = None) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in render(policy).items():
+        (out / name).write_text(text, encoding="utf-8")
+        written.append(out / name)
+    return written
+
+
+def queries(policy: Policy | None = None) -> Iterator[tuple[str, str, Query]]:
+    """(dashboard uid, panel or annotation title, query) for every query of every dashboard."""
+    for board in boards(policy).values():
+        for panel in board.panels():
+            for query in panel.queries:
+                yield board.uid, panel.title, query
+        for annotation in board.annotations:
+            yield board.uid, f"annotation: {annotation.name}", Query(annotation.expr, "", annotation.event_only)
+
+
+if __name__ == "__main__":
+    for path in write():
+        print(path)

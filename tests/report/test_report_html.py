@@ -1,0 +1,82 @@
+"""The HTML report: self-contained, every section present, and drawn by a real browser without errors."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.report.browser import chromium
+from tests.report.synthetic import write_run
+from trainguard.report import render_report, write_report
+
+TRAINGUARD = [sys.executable, "-m", "trainguard.cli"]
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    return write_run(tmp_path_factory.mktemp("run"), steps=120, ranks=2, gpus=2, spike_at=80)
+
+
+def test_report_is_one_file_that_loads_nothing(synthetic):
+    html = render_report(synthetic)
+    assert "Content-Security-Policy" in html and "default-src 'none'" in html
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
+    assert "url(" not in html and "@import" not in html
+
+
+def test_report_has_every_section_and_the_story(synthetic):
+    html = render_report(synthetic)
+    for anchor in ("summary", "training", "throughput", "gpus", "io", "cost", "goodput", "events", "logs"):
+        assert f'id="{anchor}"' in html
+    for chart in ("Loss", "Gradient norm", "Learning rate", "Tokens per second", "Step time breakdown",
+                  "GPU utilisation", "GPU memory used", "GPU temperature", "Disk await", "Cost per 1000 steps against budget"):
+        assert f"<figcaption>{chart}</figcaption><svg" in html, chart
+    story = html[html.index('<ul class="story">'):]
+    for fact in ("steps 1–120", "spike@80", "skip_step", "rollback", "LossSpike", "6 checkpoint(s) saved",
+                 "1 malformed log line"):
+        assert fact in story, fact
+    loss = html[html.index("<figcaption>Loss</figcaption>"):html.index("<figcaption>Gradient norm")]
+    for kind in ("checkpoint", "skip", "rollback", "alert", "fault"):
+        assert f'class="mark mark-{kind}"' in loss, kind
+    assert "rank-0.jsonl:130" in html        # the malformed line, named
+
+
+def test_cpu_run_says_plainly_there_are_no_gpus(tmp_path):
+    html = render_report(write_run(tmp_path, node=False, gpus=0, spike_at=None, malformed=0))
+    assert "No per-GPU data" in html and "CPU run" in html
+    assert "No faults were injected." in html and "The guard took no action." in html
+
+
+def test_browser_draws_every_chart_and_logs_nothing(synthetic, tmp_path):
+    path = write_report(synthetic, tmp_path / "report.html")
+    dom, console = chromium(path, tmp_path)
+    assert console == []
+    charts = int(re.search(r'<body[^>]* data-charts="(\d+)"', dom).group(1))
+    drawn = int(re.search(r'<body[^>]* data-drawn="(\d+)"', dom).group(1))
+    assert charts >= 15 and drawn == charts
+    assert len(re.findall(r'<figure class="plot" data-chart="\d+" data-drawn="\d+"', dom)) == charts
+
+
+def test_browser_check_catches_a_broken_page(tmp_path):
+    # The harness above must be able to fail: a page whose script throws is reported, and draws nothing.
+    page = tmp_path / "broken.html"
+    page.write_text('<!doctype html><body data-charts="1"><script>missing.call();</script></body>')
+    dom, console = chromium(page, tmp_path)
+    assert any("missing is not defined" in line for line in console)
+    assert "data-drawn" not in dom
+
+
+def test_cli_writes_the_default_path_and_names_a_missing_run(synthetic, tmp_path):
+    done = subprocess.run(TRAINGUARD + ["report", str(synthetic)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(synthetic / "report.html") and (synthetic / "report.html").stat().st_size
+    out = tmp_path / "elsewhere" / "r.html"
+    done = subprocess.run(TRAINGUARD + ["report", str(synthetic), "-o", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and out.read_text().startswith("<!doctype html>")
+    done = subprocess.run(TRAINGUARD + ["report", str(tmp_path / "nope")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and "nope: no such run directory" in done.stderr

@@ -1,0 +1,9 @@
+"""Every trainer test gets a checkpoint key of its own (never the user's real one)."""
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _key_in_tmp(tmp_path, monkeypatch):
+    """No test may read or create the user's real checkpoint key."""
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_KEY", str(tmp_path / "keys" / "checkpoint.key"))

@@ -1,0 +1,343 @@
+"""Checkpoint directories on disk: hashed while written, atomic, durable; verified while read.
+
+A checkpoint is written into ``RUN/checkpoints/.tmp-step_<N>-<host>-<pid>/``; every file is hashed on
+its way to disk, fsynced, the manifest is written last, the directory is fsynced and renamed to
+``step_<N>``, and the parent is fsynced. A crash at any point leaves either the old state or the new
+one under the final name, never a partial checkpoint. Deletion is the same in reverse: rename out of
+the way first, then remove.
+
+Reading mirrors writing: a file is read once into memory, hashed on the way in, compared with the
+manifest, and only then handed to ``torch.load(..., weights_only=True)``, so a file swapped between the
+check and the load cannot slip through.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import re
+import shutil
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Any
+
+from trainguard.trainer.checkpoint import manifest as mf
+from trainguard.trainer.checkpoint.manifest import CheckpointError, FileEntry, VerifyResult
+
+CHUNK = 8 << 20
+# Below this a write is hashed inline: handing it to the hash thread costs more than it saves.
+PARALLEL_HASH_MIN = 1 << 20
+TMP, TRASH = ".tmp-", ".trash-"
+_PRIVATE = re.compile(r"^\.(tmp|trash)-(.+)-(.+)-(\d+)$")
+# Private dirs of another host cannot be checked for a live owner; they are removed once this old.
+FOREIGN_STALE_SECONDS = 24 * 3600
+
+_hash_pool: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """One thread that hashes while the caller's thread writes or reads; hashlib releases the GIL."""
+    global _hash_pool
+    if _hash_pool is None:
+        _hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-hash")
+    return _hash_pool
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------- writing
+
+class HashingWriter:
+    """The file object handed to ``torch.save``: each byte is hashed as it goes to disk, no second pass.
+
+    Large writes (tensor storages) are hashed on the hash thread while this thread writes them, so the
+    cost is close to the slower of the two rather than their sum.
+    """
+
+    def __init__(self, raw: IO[bytes]):
+        self._raw = raw
+        self._sha = hashlib.sha256()
+        self.bytes = 0
+        # torch.save masks an error raised by write() with its own "unexpected pos" error when it closes
+        # the archive; the first real one (ENOSPC, EIO) is kept here to be reported instead.
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        try:
+            if view.nbytes >= PARALLEL_HASH_MIN:
+                hashing = _pool().submit(self._sha.update, view)
+                try:
+                    self._raw.write(view)
+                finally:
+                    hashing.result()  # torch reuses the memory once write() returns
+            else:
+                self._sha.update(view)
+                self._raw.write(view)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+        self.bytes += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+def save_file(path: Path, obj: Any) -> FileEntry:
+    """torch.save `obj` to a new file at `path`, hashed while written, flushed and fsynced."""
+    import torch
+
+    with open(path, "xb") as raw:
+        writer = HashingWriter(raw)
+        try:
+            torch.save(obj, writer)
+        except Exception:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
+        raw.flush()
+        os.fsync(raw.fileno())
+    return FileEntry(path.name, writer.hexdigest(), writer.bytes)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "xb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def host_tag() -> str:
+    """This host's name as it appears in private directory names (no dashes: they separate fields)."""
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+
+
+def private_dir(root: Path, kind: str, name: str) -> Path:
+    """A name no other process or host uses: ``.tmp-step_12-node7-4242``."""
+    return root / f"{kind}{name}-{host_tag()}-{os.getpid()}"
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Atomically give the finished directory `tmp` its final name (replacing an older one of that name)."""
+    fsync_dir(tmp)
+    aside = None
+    if final.exists():  # a step saved again after a rollback: move the old one out of the way first
+        aside = private_dir(final.parent, TRASH, final.name)
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def copy_dir(source: Path, names: list[str], final: Path) -> None:
+    """Copy the named files of a checkpoint to `final`, with the same tmp, fsync and rename as a save."""
+    tmp = private_dir(final.parent, TMP, final.name)
+    try:
+        tmp.mkdir()
+        for name in names:
+            shutil.copyfile(source / name, tmp / name)
+            with open(tmp / name, "rb+") as handle:
+                os.fsync(handle.fileno())
+        publish(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a checkpoint so that a crash half-way never leaves half a checkpoint under its name."""
+    aside = private_dir(path.parent, TRASH, path.name)
+    os.rename(path, aside)
+    fsync_dir(path.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _owner_is_gone(host: str, pid: int, age: float) -> bool:
+    if host != host_tag():
+        return age > FOREIGN_STALE_SECONDS
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def clean_stale(root: Path) -> list[Path]:
+    """Remove the temporary and half-deleted directories that crashed processes left behind."""
+    removed = []
+    now = time.time()
+    for path in root.iterdir() if root.is_dir() else ():
+        match = _PRIVATE.match(path.name)
+        if not match or not path.is_dir():
+            continue
+        try:
+            age = now - path.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if _owner_is_gone(match.group(3), int(match.group(4)), age):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+# --------------------------------------------------------------------------------- reading, verifying
+
+class _SizeChanged(Exception):
+    pass
+
+
+def _read_hashed(handle: IO[bytes], size: int, target: memoryview | None) -> str:
+    """SHA-256 of exactly `size` bytes of `handle`, read into `target` (or scratch buffers) while the hash
+    thread digests the previous chunk."""
+    sha = hashlib.sha256()
+    scratch = None if target is not None else [memoryview(bytearray(min(CHUNK, size) or 1)) for _ in range(2)]
+    pending, pos, turn = None, 0, 0
+    while pos < size:
+        want = min(CHUNK, size - pos)
+        view = target[pos:pos + want] if target is not None else scratch[turn % 2][:want]
+        got = handle.readinto(view)
+        if pending is not None:
+            pending.result()
+        if not got:
+            break
+        pending = _pool().submit(sha.update, view[:got])
+        pos, turn = pos + got, turn + 1
+    if pending is not None:
+        pending.result()
+    if pos != size or handle.read(1):
+        raise _SizeChanged
+    return sha.hexdigest()
+
+
+def _check_file(path: Path, entry: FileEntry, target: memoryview | None, deep: bool) -> tuple[str, str] | None:
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size != entry.bytes:
+                return mf.SIZE_MISMATCH, (f"{entry.name} has {size} bytes, the manifest says {entry.bytes} "
+                                          "(truncated or extended)")
+            if not deep:
+                return None
+            digest = _read_hashed(handle, size, target)
+    except FileNotFoundError:
+        return mf.MISSING_FILE, f"{entry.name} is listed in the manifest but not there"
+    except _SizeChanged:
+        return mf.SIZE_MISMATCH, f"{entry.name} changed size while it was read"
+    if digest != entry.sha256:
+        return mf.HASH_MISMATCH, (f"{entry.name} has sha256 {digest[:12]}…, the manifest says "
+                                  f"{entry.sha256[:12]}… (content changed)")
+    return None
+
+
+def read_manifest(path: Path) -> dict:
+    try:
+        data = (path / mf.MANIFEST_NAME).read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError("no manifest.json (a save that never finished, or not a trainguard checkpoint)",
+                              code=mf.MISSING_MANIFEST, path=path) from None
+    except OSError as exc:
+        raise CheckpointError(f"manifest.json: {exc.strerror}", code=mf.UNREADABLE_MANIFEST, path=path) from None
+    try:
+        return mf.parse(data)
+    except ValueError as exc:
+        raise CheckpointError(f"manifest.json: {exc}", code=mf.UNREADABLE_MANIFEST, path=path) from None
+
+
+def verify_dir(path: Path, key: bytes, key_id: str, *, deep: bool = True) -> VerifyResult:
+    """Manifest, signature, step, and every file's size (and, when `deep`, its SHA-256)."""
+    step = mf.step_of_dir(path.name)
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as exc:
+        return VerifyResult.refused(path, exc.code, str(exc), step)
+    problem = mf.check_signature(manifest, key, key_id) or mf.check_step(manifest, path.name)
+    for entry in mf.entries(manifest) if problem is None else ():
+        problem = _check_file(path / entry.name, entry, None, deep)
+        if problem:
+            break
+    if problem:
+        return VerifyResult.refused(path, *problem, step)
+    return VerifyResult(path, True, mf.OK, "ok", manifest["step"], manifest)
+
+
+def read_verified(path: Path, entry: FileEntry) -> bytearray:
+    """The file's bytes, read once and hashed on the way in; CheckpointError unless they match `entry`."""
+    buffer = bytearray(entry.bytes)
+    problem = _check_file(path, entry, memoryview(buffer), deep=True)
+    if problem:
+        code, detail = problem
+        raise CheckpointError(f"{path.parent}: {code.replace('_', ' ')}: {detail}", code=code, path=path)
+    return buffer
+
+
+class _MemoryReader:
+    """A read-only file over bytes already in memory, for torch.load (which copies with readinto)."""
+
+    def __init__(self, buffer: bytearray):
+        self._view, self._pos = memoryview(buffer), 0
+
+    def readinto(self, target: Any) -> int:
+        target = memoryview(target).cast("B")
+        n = max(0, min(target.nbytes, len(self._view) - self._pos))
+        target[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
+        data = bytes(self._view[self._pos:end])
+        self._pos = max(self._pos, end)
+        return data
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+
+def load_verified(path: Path, entry: FileEntry, map_location: Any) -> Any:
+    """Read, check against the manifest entry, then ``torch.load(weights_only=True)``; nothing else loads."""
+    import torch
+
+    buffer = read_verified(path, entry)
+    try:
+        return torch.load(_MemoryReader(buffer), map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"{path.parent}: unsafe content: {entry.name}: torch.load(weights_only=True) "
+                              f"refused it ({_why_refused(exc)})", code=mf.UNSAFE_CONTENT, path=path) from None
+
+
+def _why_refused(exc: Exception) -> str:
+    """The line of torch's long weights_only message that names what was refused."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(exc).splitlines()]
+    lines = [line for line in lines if line]
+    named = [line for line in lines if "GLOBAL" in line or "Unsupported" in line or "WeightsUnpickler" in line]
+    return (named or lines or [type(exc).__name__])[0]

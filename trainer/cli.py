@@ -1,0 +1,133 @@
+"""`trainguard train`: the bundled trainer's command line.
+
+    trainguard train --run-dir runs/a --steps 200 --checkpoint-every 50 --inject nan@40
+    trainguard train --run-dir runs/b --nproc 2 --max-restarts 3      # two local ranks, torchrun-style
+
+The configuration is resolved once here (preset or ``--config`` file, then ``--set``, then flags),
+checked, and written to ``RUN/config.yaml``; every rank then reads that one file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from trainguard.trainer import config as cfg
+from trainguard.trainer.faults import FaultError, parse as parse_fault
+
+# flag -> (section, key): flags override the config file.
+FLAG_KEYS = {
+    "steps": ("run", "steps"), "seed": ("run", "seed"), "device": ("run", "device"),
+    "checkpoint_every": ("run", "checkpoint_every"), "keep_last": ("run", "keep_last"),
+    "key_file": ("run", "key_file"), "eval_every": ("run", "eval_every"), "policy": ("run", "policy"),
+    "peak_flops": ("run", "peak_flops"), "run_id": ("run", "run_id"), "log_every": ("run", "log_every"),
+    "data": ("data", "path"), "batch_size": ("optim", "batch_size"),
+    "micro_batch_size": ("optim", "micro_batch_size"), "lr": ("optim", "lr"),
+}
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every rank understands (also `python -m trainguard.trainer.train` under torchrun)."""
+    parser.add_argument("--run-dir", type=Path, required=True, help="run directory (TLS logs, checkpoints, control)")
+    parser.add_argument("--config", metavar="FILE|PRESET",
+                        help="YAML config file or preset name (tiny, small, gpt2); default tiny on CPU, small on GPU")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value, e.g. --set model.n_layer=4 (repeatable)")
+    parser.add_argument("--steps", type=int, help="optimizer steps to train to")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--checkpoint-every", type=int, metavar="N", help="save a verified checkpoint every N steps")
+    parser.add_argument("--keep-last", type=int, metavar="N", help="checkpoints to keep (plus the newest stable one)")
+    parser.add_argument("--key-file", help="HMAC key file for checkpoint manifests")
+    parser.add_argument("--async-checkpoint", action="store_true", default=None,
+                        help="write checkpoints on a background thread")
+    parser.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:RANK]",
+                        help="inject a fault: nan, spike, gradexplode, hang, crash, slowio, corrupt-checkpoint")
+    parser.add_argument("--telemetry", choices=("on", "off"), help="per-step TLS records (default on)")
+    parser.add_argument("--policy", metavar="FILE", help="policy YAML (guard thresholds)")
+    parser.add_argument("--data", metavar="DIR|GLOB", help="text directory or uint16 .bin shards (default: Python stdlib source)")
+    parser.add_argument("--batch-size", type=int, help="sequences per rank per optimizer step")
+    parser.add_argument("--micro-batch-size", type=int, help="sequences per forward pass (gradient accumulation)")
+    parser.add_argument("--lr", type=float, help="peak learning rate")
+    parser.add_argument("--eval-every", type=int, metavar="N", help="validation loss every N steps")
+    parser.add_argument("--peak-flops", type=float, metavar="FLOPS", help="peak FLOP/s per device for MFU")
+    parser.add_argument("--run-id")
+    parser.add_argument("--log-every", type=int, metavar="N")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--nproc", type=int, default=1, metavar="K",
+                        help="local ranks, launched through torch's elastic launcher (gloo on CPU, nccl on GPU)")
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="R",
+                        help="restarts of failed or killed workers by the elastic launcher (default 0)")
+
+
+def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
+    """Preset or --config, then --set, then flags; raises ConfigError naming the file (or flag) and key."""
+    config = cfg.TrainConfig()
+    cfg.load_file(config, args.config or cfg.default_preset(_default_device(args.device)))
+    for assignment in args.set:
+        cfg.set_value(config, assignment)
+    for flag, (section, key) in FLAG_KEYS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            cfg.apply_values(config, {section: {key: value}}, "", f"--{flag.replace('_', '-')}")
+    if args.telemetry is not None:
+        config.run.telemetry = args.telemetry == "on"
+    if args.async_checkpoint:
+        config.run.async_checkpoint = True
+    config.run.inject = list(config.run.inject) + list(args.inject)
+    for spec in config.run.inject:
+        try:
+            parse_fault(spec)
+        except FaultError as exc:
+            raise cfg.ConfigError(str(exc)) from None
+    _absolute_paths(config)
+    if config.run.policy:
+        from trainguard import policy
+
+        try:
+            policy.load(config.run.policy)
+        except policy.PolicyError as exc:
+            raise cfg.ConfigError(str(exc)) from None
+    return cfg.validate(config, source=args.config or "config")
+
+
+def _absolute_paths(config: cfg.TrainConfig) -> None:
+    """Ranks may start elsewhere (another node's working directory): resolve relative paths once."""
+    for section, key in (("run", "policy"), ("run", "key_file"), ("data", "path"), ("data", "cache_dir")):
+        holder = getattr(config, section)
+        value = getattr(holder, key)
+        if value and not value.startswith(("/", "~")):
+            setattr(holder, key, str(Path(value).absolute()))
+
+
+def _default_device(requested: str | None) -> str:
+    if requested in ("cpu", "cuda"):
+        return requested
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = build_config(args)
+    except cfg.ConfigError as exc:
+        print(f"trainguard train: {exc}", file=sys.stderr)
+        return 2
+    run_dir = args.run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not config.run.run_id:
+        config.run.run_id = run_dir.name
+    resolved = run_dir / "config.yaml"
+    resolved.write_text(config.dump())
+    if args.nproc > 1 or args.max_restarts > 0:
+        from trainguard.trainer.launch import launch
+
+        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=args.max_restarts)
+    from trainguard.trainer.train import run_worker
+
+    return run_worker(config, run_dir)

@@ -1,0 +1,218 @@
+"""The trainer's configuration: one dataclass tree, read from a YAML file and then from flags.
+
+    model:  {n_layer: 2, n_head: 2, n_embd: 64, block_size: 64}
+    optim:  {lr: 3.0e-3, batch_size: 8}
+    run:    {steps: 40, checkpoint_every: 10}
+
+A named preset (``tiny``, ``small``) is a YAML file in ``trainer/configs/``; ``--config`` takes a preset
+name or a path. An unknown key or a value of the wrong type is an error naming the file and the key.
+The launcher writes the fully resolved tree to ``RUN/config.yaml``, and every rank reads that file, so all
+ranks (and a later look at the run) agree on exactly one configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PRESETS_DIR = Path(__file__).with_name("configs")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 2
+    n_head: int = 2
+    n_embd: int = 64
+    block_size: int = 64
+    vocab_size: int = 256        # byte-level tokens
+    dropout: float = 0.0
+    bias: bool = False
+
+
+@dataclass
+class DataConfig:
+    # A directory of text files (byte-level tokens), a glob of uint16 .bin shards, or "" for the Python
+    # standard library's own source, which exists on every machine offline.
+    path: str = ""
+    pattern: str = "*.py"        # which files of a text directory are read
+    val_fraction: float = 0.02   # tail of the token stream held out for validation
+    cache_dir: str = ""          # tokenised text cache; "" means ~/.cache/trainguard
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    decay_steps: int = 0         # cosine decay length; 0 means run.steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    batch_size: int = 8          # sequences per rank per optimizer step
+    micro_batch_size: int = 0    # sequences per forward pass; 0 means batch_size (no accumulation)
+
+
+@dataclass
+class RunConfig:
+    steps: int = 40
+    seed: int = 1337
+    device: str = "auto"         # auto | cpu | cuda
+    telemetry: bool = True
+    checkpoint_every: int = 0    # steps; 0 saves only at the end
+    keep_last: int = 3
+    async_checkpoint: bool = False
+    key_file: str = ""           # HMAC key for checkpoint manifests; "" means the checkpoint default
+    eval_every: int = 0          # periodic validation loss (non-critical work: paused by cost_warn)
+    eval_batches: int = 4        # validation batches per check (also the stable-checkpoint check)
+    stable_val_factor: float = 1.5   # a checkpoint is stable if val loss <= factor * best so far
+    policy: str = ""             # policy YAML (guard thresholds); "" means the defaults
+    inject: list = field(default_factory=list)   # fault injections, "KIND@STEP[:RANK]"
+    peak_flops: float = 0.0      # peak FLOP/s per device for MFU; 0 means the table (or a CPU measure)
+    run_id: str = ""             # "" means the run directory's name
+    log_every: int = 10
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def dump(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ------------------------------------------------------------------------------------------- loading
+
+def _coerce(value: Any, default: Any, name: str, source: str) -> Any:
+    """`value` as the type of `default`, or a ConfigError naming source and key."""
+    def wrong() -> ConfigError:
+        return ConfigError(f"{source}: {name}: expected {type(default).__name__}, got {value!r}")
+
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("on", "true", "yes", "1", "off", "false", "no", "0"):
+            return value.lower() in ("on", "true", "yes", "1")
+        raise wrong()
+    if isinstance(default, int):
+        if isinstance(value, bool):
+            raise wrong()
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise wrong() from None
+        raise wrong()
+    if isinstance(default, float):
+        if isinstance(value, bool):
+            raise wrong()
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise wrong() from None
+        raise wrong()
+    if isinstance(default, list):
+        if isinstance(value, list):
+            return [str(item) for item in value]
+        if isinstance(value, str):
+            return [value]
+        raise wrong()
+    if isinstance(default, str):
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise wrong()
+    raise wrong()
+
+
+def apply_values(target: Any, values: Any, where: str, source: str) -> None:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: {where or 'top level'}: expected a mapping, got {type(values).__name__}")
+    known = {f.name for f in dataclasses.fields(target)}
+    for key, value in values.items():
+        name = f"{where}.{key}" if where else str(key)
+        if key not in known:
+            raise ConfigError(f"{source}: {name}: unknown key (known: {', '.join(sorted(known))})")
+        current = getattr(target, key)
+        if dataclasses.is_dataclass(current):
+            apply_values(current, value, name, source)
+        else:
+            setattr(target, key, _coerce(value, current, name, source))
+
+
+def config_path(name_or_path: str) -> Path:
+    """A preset name (``tiny``) or a path to a YAML file."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path
+    preset = PRESETS_DIR / f"{name_or_path}.yaml"
+    if not preset.exists():
+        names = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
+        raise ConfigError(f"{name_or_path}: no such config file or preset (presets: {names})")
+    return preset
+
+
+def load_file(config: TrainConfig, name_or_path: str) -> TrainConfig:
+    """Overlay a YAML file (or preset) on `config`, in place."""
+    path = config_path(name_or_path)
+    source = str(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such config file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    apply_values(config, data, "", source)
+    return config
+
+
+def set_value(config: TrainConfig, assignment: str, source: str = "--set") -> None:
+    """Apply one ``section.key=value`` override (value parsed as YAML: numbers, booleans, lists)."""
+    key, sep, raw = assignment.partition("=")
+    if not sep or "." not in key:
+        raise ConfigError(f"{source}: expected SECTION.KEY=VALUE, got {assignment!r}")
+    section, _, name = key.strip().partition(".")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    apply_values(config, {section: {name: value}}, "", source)
+
+
+def validate(config: TrainConfig, source: str = "config") -> TrainConfig:
+    m, o, r = config.model, config.optim, config.run
+    checks = [
+        (m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head ({m.n_head})"),
+        (m.vocab_size >= 256, "model.vocab_size", "byte-level data needs at least 256"),
+        (o.batch_size >= 1, "optim.batch_size", "must be at least 1"),
+        (0 <= o.micro_batch_size <= o.batch_size, "optim.micro_batch_size", "must be 0..optim.batch_size"),
+        (r.steps >= 0, "run.steps", "must not be negative"),
+        (r.device in ("auto", "cpu", "cuda"), "run.device", "must be auto, cpu or cuda"),
+        (0 < config.data.val_fraction < 0.5, "data.val_fraction", "must be between 0 and 0.5"),
+    ]
+    for ok, key, message in checks:
+        if not ok:
+            raise ConfigError(f"{source}: {key}: {message}")
+    return config
+
+
+def default_preset(device: str) -> str:
+    return "small" if device == "cuda" else "tiny"

@@ -1,0 +1,140 @@
+"""The control channel: requests the agent appends to ``RUN/control/actions.jsonl``.
+
+    {"id": "a1", "action": "cost_throttle", "alertname": "CostBudgetThrottle", "reason": "...", "issued_at": ...}
+
+Rank 0 looks at the file once per step with a single ``os.stat`` and reads only bytes it has not seen.
+A new request becomes two numbers (action code, line number) in the vector the step already
+all-reduces, so every rank learns of it in the same step and acts together; ranks other than 0 then read
+that one line to acknowledge it with its ``id``. Handled ids are kept in ``RUN/control/acked.jsonl`` so a
+restarted run does not act on a request twice.
+
+Each rank also describes itself in ``RUN/control/ranks/rank-<r>.json`` (pid, host, start time): the agent's
+``restore`` ends those processes and torch's elastic launcher starts them again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections import deque
+from pathlib import Path
+
+from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, RESTORE, ROLLBACK
+
+# Codes travel in a float64 all-reduce; 0 means "nothing this step".
+CODES = {ROLLBACK: 1, COST_WARN: 2, COST_THROTTLE: 3, COST_STOP: 4}
+ACTIONS_BY_CODE = {code: action for action, code in CODES.items()}
+
+
+class ControlChannel:
+    def __init__(self, run_dir: str | os.PathLike, rank: int, log=None):
+        self.dir = Path(run_dir) / "control"
+        self.path = self.dir / "actions.jsonl"
+        self.acked_path = self.dir / "acked.jsonl"
+        self.rank, self.log = rank, log
+        self.offset = 0          # bytes of actions.jsonl already read
+        self.lines_read = 0      # complete lines already read
+        self.pending: deque[tuple[int, dict]] = deque()
+        self.acked = self._read_acked() if rank == 0 else set()
+
+    def _read_acked(self) -> set[str]:
+        try:
+            return {json.loads(line)["id"] for line in self.acked_path.read_text().splitlines() if line.strip()}
+        except FileNotFoundError:
+            return set()
+
+    def poll(self) -> tuple[int, int]:
+        """(code, line number) of the next request to act on, or (0, 0). Rank 0 only; one stat a step."""
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            size = 0
+        if size > self.offset:
+            self._read_new(size)
+        if not self.pending:
+            return 0, 0
+        lineno, request = self.pending.popleft()
+        return CODES[request["action"]], lineno
+
+    def _read_new(self, size: int) -> None:
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset)
+            chunk = handle.read(size - self.offset)
+        complete = chunk[:chunk.rfind(b"\n") + 1]   # a line still being written waits for the next step
+        self.offset += len(complete)
+        for raw in complete.splitlines():
+            self.lines_read += 1
+            request = self._parse(raw, self.lines_read)
+            if request is not None:
+                self.pending.append((self.lines_read, request))
+
+    def _parse(self, raw: bytes, lineno: int) -> dict | None:
+        """A request to act on, or None (blank, already handled, not ours, or malformed: logged)."""
+        if not raw.strip():
+            return None
+        try:
+            request = json.loads(raw)
+            action, request_id = request["action"], str(request["id"])
+        except (ValueError, KeyError, TypeError) as exc:
+            self._warn("control request ignored", where=f"{self.path}:{lineno}", error=repr(exc))
+            return None
+        if request_id in self.acked or action == RESTORE:   # restore is carried out by the agent
+            return None
+        if action not in CODES:
+            self._warn("control request ignored", where=f"{self.path}:{lineno}",
+                       error=f"unknown action {action!r}")
+            return None
+        return request
+
+    def request_at(self, lineno: int) -> dict:
+        """The request on line `lineno` (1-based): how ranks other than 0 learn the id to acknowledge."""
+        with open(self.path, "rb") as handle:
+            for number, raw in enumerate(handle, 1):
+                if number == lineno:
+                    return json.loads(raw)
+        raise LookupError(f"{self.path}:{lineno}: no such line")
+
+    def ack(self, request: dict, step: int) -> None:
+        """Remember that the request was handled (rank 0), so a restart does not handle it again."""
+        if self.rank != 0:
+            return
+        self.acked.add(str(request["id"]))
+        line = json.dumps({"id": str(request["id"]), "action": request["action"], "step": step,
+                           "time": time.time()})
+        fd = os.open(self.acked_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+        finally:
+            os.close(fd)
+
+    def _warn(self, message: str, **fields) -> None:
+        if self.log is not None:
+            self.log.warning(message, **fields)
+
+
+def write_rank_file(run_dir: str | os.PathLike, rank: int, **extra) -> Path:
+    """``RUN/control/ranks/rank-<r>.json``: who to signal to restart this rank (atomic replace)."""
+    directory = Path(run_dir) / "control" / "ranks"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank-{rank}.json"
+    info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time(), **extra}
+    tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
+    return path
+
+
+def append_request(run_dir: str | os.PathLike, action: str, *, request_id: str, alertname: str = "",
+                   reason: str = "") -> None:
+    """Append one request as the agent does (used by drills and tests; the agent has its own writer)."""
+    path = Path(run_dir) / "control" / "actions.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"id": request_id, "action": action, "alertname": alertname, "reason": reason,
+                       "issued_at": time.time()})
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)

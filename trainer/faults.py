@@ -1,0 +1,154 @@
+"""Fault injection for tests, the demo and drills: ``--inject KIND@STEP[:RANK]``, repeatable.
+
+| kind                 | at STEP, on RANK (default)                                                      |
+|----------------------|---------------------------------------------------------------------------------|
+| `nan`                | the loss (and so every gradient) becomes NaN (all ranks)                         |
+| `spike`              | the loss is multiplied by SPIKE_FACTOR before backward (all ranks)               |
+| `gradexplode`        | gradients are scaled by GRAD_FACTOR; the loss is left alone (all ranks)          |
+| `hang`               | the rank sleeps forever, as a deadlocked collective would look (rank 0)          |
+| `crash`              | the rank kills itself with SIGKILL, no clean-up (rank 0)                         |
+| `slowio`             | the data loader sleeps SLOWIO_SECONDS per batch for SLOWIO_STEPS steps (all)      |
+| `corrupt-checkpoint` | one byte is flipped in the first checkpoint saved at or after STEP (rank 0)      |
+
+A fault fires once per run, across restarts and rollbacks: it is recorded in
+``RUN/control/faults-fired.jsonl`` (fsynced, before a crash or hang happens), which every rank reads at
+start, so ``crash@50`` does not crash the resumed run again. Each firing is a ``fault_injected`` event.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+KINDS = ("nan", "spike", "gradexplode", "hang", "crash", "slowio", "corrupt-checkpoint")
+DEFAULT_RANK = {"hang": 0, "crash": 0, "corrupt-checkpoint": 0}   # others: every rank
+
+SPIKE_FACTOR = 100.0
+GRAD_FACTOR = 1e4
+SLOWIO_SECONDS = 0.5
+SLOWIO_STEPS = 5
+
+
+class FaultError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int | None    # None: every rank
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}@{self.step}" + ("" if self.rank is None else f":{self.rank}")
+
+    def applies_to(self, rank: int) -> bool:
+        return self.rank is None or self.rank == rank
+
+
+def parse(spec: str) -> Fault:
+    """``KIND@STEP`` or ``KIND@STEP:RANK`` (RANK an integer or ``all``)."""
+    kind, sep, rest = spec.partition("@")
+    step_text, _, rank_text = rest.partition(":")
+    if not sep or kind not in KINDS:
+        raise FaultError(f"--inject {spec!r}: expected KIND@STEP[:RANK] with KIND one of {', '.join(KINDS)}")
+    try:
+        step = int(step_text)
+        rank = None if rank_text == "all" else int(rank_text) if rank_text else DEFAULT_RANK.get(kind)
+    except ValueError:
+        raise FaultError(f"--inject {spec!r}: STEP and RANK must be integers") from None
+    if step < 1 or (rank is not None and rank < 0):
+        raise FaultError(f"--inject {spec!r}: STEP must be >= 1 and RANK >= 0")
+    return Fault(kind, step, rank)
+
+
+class FaultInjector:
+    """The faults of this run that apply to this rank and have not fired yet."""
+
+    def __init__(self, specs: list[str], run_dir: str | os.PathLike, rank: int,
+                 emit: Callable[..., object]):
+        self.rank, self.emit = rank, emit
+        self.fired_path = Path(run_dir) / "control" / "faults-fired.jsonl"
+        fired = self._read_fired()
+        self.pending = [f for f in map(parse, specs) if f.applies_to(rank) and f.key not in fired]
+        self.slow_until = 0
+
+    def _read_fired(self) -> set[str]:
+        try:
+            lines = self.fired_path.read_text().splitlines()
+        except FileNotFoundError:
+            return set()
+        return {json.loads(line)["fault"] for line in lines if line.strip()}
+
+    def _take(self, kind: str, step: int, at_or_after: bool = False) -> Fault | None:
+        for fault in self.pending:
+            if fault.kind == kind and (fault.step == step or at_or_after and step >= fault.step):
+                self.pending.remove(fault)
+                return fault
+        return None
+
+    def _fire(self, fault: Fault, step: int, **detail: object) -> None:
+        """Record the firing durably first: the fault may end this process a moment later."""
+        self.fired_path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({"fault": fault.key, "step": step, "rank": self.rank, "time": time.time()})
+        fd = os.open(self.fired_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.emit("fault_injected", step=step, kind=fault.kind, fault=fault.key, **detail)
+
+    # ---------------------------------------------------------------------------------- the hooks
+    def loss_factors(self, step: int) -> tuple[float, float]:
+        """(factor on the reported loss, extra factor on the gradients) for this step's backward."""
+        loss_factor = grad_factor = 1.0
+        if fault := self._take("nan", step):
+            self._fire(fault, step)
+            loss_factor = float("nan")
+        if fault := self._take("spike", step):
+            self._fire(fault, step, factor=SPIKE_FACTOR)
+            loss_factor *= SPIKE_FACTOR
+        if fault := self._take("gradexplode", step):
+            self._fire(fault, step, factor=GRAD_FACTOR)
+            grad_factor = GRAD_FACTOR
+        return loss_factor, grad_factor
+
+    def data_delay(self, step: int) -> float:
+        """Seconds the data loader should stall before this step's batch (slowio)."""
+        if fault := self._take("slowio", step):
+            self._fire(fault, step, seconds=SLOWIO_SECONDS, steps=SLOWIO_STEPS)
+            self.slow_until = step + SLOWIO_STEPS
+        return SLOWIO_SECONDS if step < self.slow_until else 0.0
+
+    def process_faults(self, step: int) -> None:
+        """hang and crash: this process stops making progress, or dies without cleaning up."""
+        if fault := self._take("crash", step):
+            self._fire(fault, step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault := self._take("hang", step):
+            self._fire(fault, step)
+            while True:
+                time.sleep(3600)
+
+    def after_checkpoint(self, step: int, directory: Path, wait: Callable[[], None]) -> None:
+        """corrupt-checkpoint: flip one byte in the middle of the largest file of a fresh checkpoint
+        (after `wait` has made it durable, so an async save is corrupted on disk, not in flight)."""
+        if not (fault := self._take("corrupt-checkpoint", step, at_or_after=True)):
+            return
+        wait()
+        victim = max((p for p in directory.iterdir() if p.is_file() and p.name != "manifest.json"),
+                     key=lambda p: p.stat().st_size)
+        offset = victim.stat().st_size // 2
+        with open(victim, "r+b") as handle:
+            handle.seek(offset)
+            byte = handle.read(1)
+            handle.seek(offset)
+            handle.write(bytes([byte[0] ^ 0xFF]))
+        self._fire(fault, step, file=str(victim), offset=offset)

@@ -1,0 +1,229 @@
+"""Step telemetry: one TLS v1 record per step per rank, from any training loop.
+
+    from trainguard.trainer.telemetry import StepTelemetry, StepTimer
+
+    telemetry = StepTelemetry(run_dir, rank=rank, world_size=world, run_id="exp1",
+                              flops_per_token=model.flops_per_token(), peak_flops=989e12)
+    timer = StepTimer()
+    for step in range(1, steps + 1):
+        timer.start()
+        x, y = next(batches);                   timer.mark("data_wait")
+        loss = model(x, y)[1]; loss.backward(); timer.mark("forward_backward")
+        norm = clip_grad_norm_(params, 1.0)
+        optimizer.step(); optimizer.zero_grad(); timer.mark("optimizer")
+        telemetry.step(step, loss=loss, grad_norm=norm, learning_rate=lr,
+                       tokens=x.numel(), samples=len(x), timings=timer.stop())
+
+Values may be floats or 0-d tensors: every tensor handed to one `step()` call is stacked and copied to
+the host with a single ``.tolist()``, so telemetry costs at most one device-to-host sync per step (the
+bundled trainer hands over host floats it already has, and costs none). Records go to
+``RUN/tls/rank-<r>.jsonl`` through `trainguard.tls.Writer`, one ``os.write`` each.
+
+Throughput and token counters are this rank's; loss, gradient norms and learning rate are the global
+values the loop passes. `event()` writes decision and lifecycle events; they are an audit log and are
+written even when step records are turned off (``enabled=False``, the ``--telemetry off`` baseline).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from trainguard import tls
+from trainguard.trainer.mfu import mfu as compute_mfu
+
+try:
+    import torch
+except ImportError:  # the library also serves loops that hand over plain floats
+    torch = None
+
+
+class StepTimer:
+    """Host-side phase timer: `mark(phase)` charges the time since the last mark to `phase`."""
+
+    __slots__ = ("_start", "_last", "phases")
+
+    def __init__(self):
+        self._start = self._last = 0.0
+        self.phases: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._start = self._last = time.perf_counter()
+        self.phases = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
+
+    def stop(self) -> dict[str, float]:
+        """Phase durations in seconds, keyed ``<phase>_seconds``, plus ``step_time_seconds``."""
+        out = {f"{name}_seconds": seconds for name, seconds in self.phases.items()}
+        out["step_time_seconds"] = time.perf_counter() - self._start
+        return out
+
+
+class CommTimer:
+    """A DDP communication hook that all-reduces gradient buckets and times each all-reduce.
+
+    `ddp.register_comm_hook(None, timer.hook)`; after the step's host sync, `take()` returns the seconds
+    spent in gradient all-reduce since the last call. On CPU (gloo) the end is stamped by the future's
+    callback; on GPU (NCCL) by CUDA events on the stream, read only once the step has synced, so the
+    timer adds no synchronisation of its own.
+    """
+
+    def __init__(self, device_type: str = "cpu"):
+        self.cuda = device_type == "cuda"
+        self._spans: list = []
+
+    def hook(self, state, bucket):   # unannotated: DDP rejects annotations it cannot resolve
+        import torch.distributed as dist
+
+        tensor = bucket.buffer()
+        tensor.div_(dist.get_world_size())
+        start = self._stamp()
+        future = dist.all_reduce(tensor, async_op=True).get_future()
+
+        def finished(fut):
+            self._spans.append((start, self._stamp()))
+            return fut.value()[0]
+
+        return future.then(finished)
+
+    def _stamp(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def take(self) -> float:
+        spans, self._spans = self._spans, []
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in spans if b.query()) / 1e3
+        return sum(b - a for a, b in spans)
+
+
+class MemoryProbe:
+    """Memory of this process without a device sync: the CUDA caching allocator's counters on GPU,
+    resident set size on CPU (one pread of /proc/self/statm where there is one)."""
+
+    def __init__(self, device_type: str):
+        self.cuda = device_type == "cuda"
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        try:
+            self._statm = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            self._statm = -1
+
+    def read(self) -> dict[str, int]:
+        if self.cuda:
+            return {"mem_allocated_bytes": torch.cuda.memory_allocated(),
+                    "mem_reserved_bytes": torch.cuda.memory_reserved(),
+                    "mem_peak_bytes": torch.cuda.max_memory_allocated()}
+        if self._statm >= 0:
+            return {"rss_bytes": int(os.pread(self._statm, 128, 0).split()[1]) * self._page}
+        import psutil
+
+        return {"rss_bytes": psutil.Process().memory_info().rss}
+
+    def close(self) -> None:
+        if self._statm >= 0:
+            os.close(self._statm)
+            self._statm = -1
+
+
+def _host_values(values: dict[str, Any]) -> dict[str, Any]:
+    """Replace every tensor among `values` (and inside dict values) by a float, with one .tolist()."""
+    if torch is None:
+        return values
+    where, tensors = [], []
+    for key, value in values.items():
+        if isinstance(value, torch.Tensor):
+            where.append((key, None))
+            tensors.append(value)
+        elif isinstance(value, dict):
+            for sub, item in value.items():
+                if isinstance(item, torch.Tensor):
+                    where.append((key, sub))
+                    tensors.append(item)
+    if not tensors:
+        return values
+    floats = torch.stack([t.detach().float().reshape(()) for t in tensors]).tolist()
+    out = {key: dict(value) if isinstance(value, dict) else value for key, value in values.items()}
+    for (key, sub), number in zip(where, floats):
+        if sub is None:
+            out[key] = number
+        else:
+            out[key][sub] = number
+    return out
+
+
+class StepTelemetry:
+    """Writes one TLS record per `step()` to ``RUN/tls/rank-<rank>.jsonl``."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
+                 run_id: str | None = None, node: str | None = None, device_type: str = "cpu",
+                 gpu_count: int | None = None, flops_per_token: float = 0.0, peak_flops: float = 0.0,
+                 enabled: bool = True):
+        self.path = Path(run_dir) / "tls" / f"rank-{rank}.jsonl"
+        self.writer = tls.Writer(self.path)
+        self.enabled = enabled
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.memory = MemoryProbe(device_type)
+        self.envelope = {"run_id": run_id or Path(run_dir).name, "node": node or socket.gethostname(),
+                         "rank": rank}
+        if gpu_count is None:
+            gpu_count = world_size if device_type == "cuda" else 0
+        self.system: dict[str, Any] = {"gpu_count": gpu_count, "world_size": world_size}
+        self.last_checkpoint: str | None = None
+
+    def step(self, step: int, *, loss: Any, timings: dict[str, float], tokens: int, samples: int,
+             grad_norm: Any = None, grad_norm_by_layer: dict | None = None, learning_rate: Any = None,
+             tokens_trained: int | None = None, tokens_loaded: int | None = None,
+             timestamp: float | None = None, **extra: Any) -> dict | None:
+        """Write this step's record (and return it); None when telemetry is off."""
+        if not self.enabled:
+            return None
+        values = _host_values({"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate,
+                               "grad_norm_by_layer": grad_norm_by_layer, **extra})
+        seconds = timings["step_time_seconds"]
+        tokens_per_second = tokens / seconds if seconds > 0 else 0.0
+        metrics = {key: value for key, value in values.items() if value is not None}
+        metrics.update(timings)
+        metrics["tokens_per_second"] = tokens_per_second
+        metrics["samples_per_second"] = samples / seconds if seconds > 0 else 0.0
+        if self.peak_flops:
+            metrics["mfu"] = compute_mfu(self.flops_per_token, tokens_per_second, self.peak_flops)
+        if tokens_trained is not None:
+            metrics["tokens_trained"] = tokens_trained
+        if tokens_loaded is not None:
+            metrics["tokens_loaded"] = tokens_loaded
+        system = self.system if self.last_checkpoint is None else {
+            **self.system, "last_checkpoint": self.last_checkpoint}
+        record = {"schema": tls.SCHEMA_ID,
+                  "timestamp": tls.format_timestamp(time.time() if timestamp is None else timestamp),
+                  **self.envelope, "step": step, "metrics": metrics,
+                  "hardware": self.memory.read(), "system": system}
+        self.writer.write(record)
+        return record
+
+    def event(self, kind: str, /, step: int | None = None, **fields: Any) -> dict:
+        """Write an event record (``{"type": kind, ...}``); `step` goes in the envelope and the event."""
+        body = {"type": kind, **fields}
+        if step is not None:
+            body["step"] = step
+        record = {"schema": tls.SCHEMA_ID, "timestamp": tls.format_timestamp(time.time()),
+                  **self.envelope}
+        if step is not None:
+            record["step"] = step
+        record["event"] = body
+        self.writer.write(record)
+        return record
+
+    def close(self) -> None:
+        self.writer.close()
+        self.memory.close()

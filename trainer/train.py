@@ -1,0 +1,61 @@
+"""One rank of the bundled trainer: ``python -m trainguard.trainer.train --run-dir RUN [flags]``.
+
+This is what torch's elastic launcher starts on every rank, locally (``trainguard train --nproc K``) or
+across nodes with torchrun directly (see docs/trainer.md). It joins the process group torchrun set up in
+the environment (gloo on CPU, NCCL on GPU), builds the `Trainer` and runs it; the exit code tells the
+launcher what happened (0 done or cost-stopped, 3 stopped by the guard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from trainguard import log
+from trainguard.trainer import cli
+from trainguard.trainer.config import ConfigError, TrainConfig
+from trainguard.trainer.loop import DistInfo, Trainer
+
+# A rank that hangs is found by the agent's TrainingStalled alert and restarted; the collective timeout
+# is the backstop when no agent runs.
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+def run_worker(config: TrainConfig, run_dir: Path) -> int:
+    info = DistInfo.from_env()
+    joined = False
+    if info.world_size > 1 and not dist.is_initialized():
+        cuda = config.run.device == "cuda" or config.run.device == "auto" and torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(info.local_rank)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
+        joined = True
+    try:
+        return Trainer(config, run_dir, info).run()
+    finally:
+        if joined:
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainguard.trainer.train",
+                                     description="one rank of the bundled trainer (started by torchrun)")
+    cli.add_config_arguments(parser)
+    args = parser.parse_args(argv)
+    log.configure()
+    try:
+        config = cli.build_config(args)
+    except ConfigError as exc:
+        print(f"trainguard train: {exc}", file=sys.stderr)
+        return 2
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    return run_worker(config, args.run_dir.resolve())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""The ledger: alerts (and the agent's own decisions) in, what to execute out.
+
+Alertmanager repeats itself (group intervals, repeat intervals, retries), several alerts can describe one
+incident, the embedded cost meter and the `CostBudget*` alerts see the same tier, and an action that
+keeps failing must not loop. The ledger turns that stream into at most one action per incident:
+
+- idempotent per (fingerprint, startsAt): a repeat is a DUPLICATE and acts once;
+- `resolved` closes an open alert and never acts;
+- cost tiers act once each per run, whichever path saw them first; a weaker tier after a stronger one
+  is SUPERSEDED; tiers arriving together act in order (warn, throttle, stop);
+- a rollback or restore within `action_cooldown_seconds` of the last one is COALESCED into it;
+- rate limits with escalation: past `guard.max_rollbacks_per_hour` rollbacks a further rollback becomes
+  a clean `cost_stop` (the run is not converging; save it and stop spending), past
+  `alerts.max_restores_per_hour` restores a further restore pages a human (ending ranks again will not
+  help a node that keeps hanging);
+- dry-run decides exactly as a live ledger, but nothing executes.
+
+Pure: no clock (the caller passes `now`), no files. The agent records every verdict (`Verdict.as_event`)
+before it replies to Alertmanager, and rebuilds the ledger after a restart with `remember()`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from trainguard import actions
+from trainguard.decide.decision import Decision
+from trainguard.policy import Policy
+
+FIRING, RESOLVED_STATUS = "firing", "resolved"
+
+# Outcomes
+ACT = "act"                    # the action executes (or would, in dry-run)
+ESCALATED = "escalated"        # over a rate limit: a stronger action executes, or a human is paged
+DUPLICATE = "duplicate"        # seen before (same alert, or a tier that already acted)
+SUPERSEDED = "superseded"      # a stronger cost tier already acted
+COALESCED = "coalesced"        # joins an action of the same kind within the cooldown
+RESOLVED = "resolved"          # an alert closed; never acts
+NO_ACTION = "no_action"        # an alert without an action label: recorded, routed to humans only
+
+PAGE = "page"                  # the escalation of a restore: no action on the run, a human must look
+HOUR = 3600.0
+
+
+@dataclass(frozen=True)
+class Notice:
+    """One alert, as the ledger sees it: from the webhook, or a decision of the agent's embedded path."""
+
+    alertname: str
+    status: str                        # firing | resolved
+    action: str | None                 # the `action` label (from trainguard.actions), or None
+    key: str                           # the de-duplication key: "fingerprint@startsAt" for alerts
+    starts_at: float | None = None
+    source: str = "alertmanager"       # alertmanager | embedded
+    reason: str = ""
+    step: int | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_decision(cls, decision: Decision, alertname: str, key: str) -> "Notice":
+        """A decision of the embedded path (cost meter, stall watchdog) as a firing notice."""
+        return cls(alertname=alertname, status=FIRING, action=decision.action, key=key,
+                   starts_at=decision.timestamp, source="embedded", reason=decision.reason, step=decision.step)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    notice: Notice
+    outcome: str
+    action: str | None             # what executes (ACT, ESCALATED); None otherwise, or PAGE
+    reason: str
+    decided_at: float
+    dry_run: bool = False
+    detail: Mapping = field(default_factory=dict)
+
+    @property
+    def executes(self) -> bool:
+        """True when the executor must carry out `action` now."""
+        return self.action in actions.REMOTE_ACTIONS and not self.dry_run
+
+    def as_event(self) -> dict:
+        """The TLS `alert` event that records this verdict (and lets a restarted ledger `remember` it)."""
+        n = self.notice
+        event = {"type": "alert", "alertname": n.alertname, "status": n.status, "key": n.key,
+                 "source": n.source, "requested": n.action, "outcome": self.outcome, "action": self.action,
+                 "reason": self.reason, "decided_at": self.decided_at}
+        if n.starts_at is not None:
+            event["starts_at"] = n.starts_at
+        if n.step is not None:
+            event["step"] = n.step
+        if self.dry_run:
+            event["dry_run"] = True
+        if self.detail:
+            event["detail"] = dict(self.detail)
+        return event
+
+
+@dataclass(frozen=True)
+class Limits:
+    cooldown_seconds: float = 120.0
+    max_rollbacks_per_hour: int = 3
+    max_restores_per_hour: int = 3
+
+    @classmethod
+    def from_policy(cls, policy: Policy) -> "Limits":
+        return cls(cooldown_seconds=policy.alerts.action_cooldown_seconds,
+                   max_rollbacks_per_hour=policy.guard.max_rollbacks_per_hour,
+                   max_restores_per_hour=policy.alerts.max_restores_per_hour)
+
+
+# A rollback past its limit stops the run cleanly; a restore past its limit pages a human.
+ESCALATION = {actions.ROLLBACK: actions.COST_STOP, actions.RESTORE: PAGE}
+
+
+class Ledger:
+    def __init__(self, limits: Limits | None = None, dry_run: bool = False):
+        self.limits = limits or Limits()
+        self.dry_run = dry_run
+        self.seen: set[str] = set()               # keys of firing notices already decided
+        self.open: set[str] = set()               # firing alerts not resolved yet
+        self.cost_level = 0                       # COST_ORDER of the strongest tier that acted
+        self.executed: dict[str, deque[float]] = {actions.ROLLBACK: deque(), actions.RESTORE: deque()}
+
+    # ------------------------------------------------------------------------------------ decide
+    def decide_all(self, notices: Iterable[Notice], now: float) -> list[Verdict]:
+        """Verdicts for one webhook payload: closes first, then firing alerts with cost tiers in order."""
+        ordered = sorted(notices, key=lambda n: (n.status == FIRING, actions.COST_ORDER.get(n.action, 0)))
+        return [self.decide(notice, now) for notice in ordered]
+
+    def decide(self, notice: Notice, now: float) -> Verdict:
+        if notice.status == RESOLVED_STATUS:
+            closed = notice.key in self.open
+            self.open.discard(notice.key)
+            return self._verdict(notice, RESOLVED, None, "closed" if closed else "not open here", now)
+        if notice.key in self.seen:
+            return self._verdict(notice, DUPLICATE, None, "already decided", now)
+        self.seen.add(notice.key)
+        self.open.add(notice.key)
+        if notice.action is None:
+            return self._verdict(notice, NO_ACTION, None, "no action label", now)
+        if notice.action in actions.COST_ORDER:
+            return self._cost(notice, now)
+        return self._limited(notice, now)
+
+    def _cost(self, notice: Notice, now: float) -> Verdict:
+        level = actions.COST_ORDER[notice.action]
+        if level == self.cost_level:
+            return self._verdict(notice, DUPLICATE, None, "tier already acted", now)
+        if level < self.cost_level:
+            return self._verdict(notice, SUPERSEDED, None, "a stronger tier already acted", now)
+        self.cost_level = level
+        return self._verdict(notice, ACT, notice.action, notice.reason or notice.alertname, now)
+
+    def _limited(self, notice: Notice, now: float) -> Verdict:
+        """rollback and restore: coalesce within the cooldown, escalate past the hourly limit."""
+        action = notice.action
+        history = self.executed[action]
+        while history and history[0] <= now - HOUR:
+            history.popleft()
+        if history and now - history[-1] < self.limits.cooldown_seconds:
+            return self._verdict(notice, COALESCED, None, f"{action} {now - history[-1]:.0f}s ago", now)
+        limit = (self.limits.max_rollbacks_per_hour if action == actions.ROLLBACK
+                 else self.limits.max_restores_per_hour)
+        if len(history) >= limit:
+            return self._escalate(notice, len(history), now)
+        history.append(now)
+        return self._verdict(notice, ACT, action, notice.reason or notice.alertname, now)
+
+    def _escalate(self, notice: Notice, count: int, now: float) -> Verdict:
+        stronger = ESCALATION[notice.action]
+        detail = {f"{notice.action}s_last_hour": count}
+        reason = f"{notice.action}_limit"
+        if stronger in actions.COST_ORDER:
+            if self.cost_level >= actions.COST_ORDER[stronger]:
+                return self._verdict(notice, SUPERSEDED, None, f"{reason}; run already stopping", now, detail)
+            self.cost_level = actions.COST_ORDER[stronger]
+        return self._verdict(notice, ESCALATED, stronger, reason, now, detail)
+
+    def _verdict(self, notice: Notice, outcome: str, action: str | None, reason: str, now: float,
+                 detail: Mapping | None = None) -> Verdict:
+        return Verdict(notice, outcome, action, reason, now, self.dry_run, detail or {})
+
+    # ------------------------------------------------------------------------------- persistence
+    def remember(self, event: Mapping) -> None:
+        """Fold a recorded verdict (`Verdict.as_event()`) back in, so a restarted agent does not act twice."""
+        key, status, outcome = event.get("key"), event.get("status"), event.get("outcome")
+        if not key or event.get("dry_run") and not self.dry_run:
+            return      # a live ledger owes nothing to what a dry run only pretended to do
+        if status == RESOLVED_STATUS:
+            self.open.discard(key)
+            return
+        if status != FIRING or outcome == DUPLICATE:
+            return
+        self.seen.add(key)
+        self.open.add(key)
+        action = event.get("action")
+        if outcome not in (ACT, ESCALATED):
+            return
+        if action in actions.COST_ORDER:
+            self.cost_level = max(self.cost_level, actions.COST_ORDER[action])
+        elif action in self.executed and outcome == ACT:
+            self.executed[action].append(float(event.get("decided_at") or 0.0))

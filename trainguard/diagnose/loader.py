@@ -1,0 +1,159 @@
+"""A run directory's TLS logs as the columns the checks read: the only I/O of `trainguard diagnose`.
+
+Step series come from the trainer's ``rank-<r>.jsonl`` files (one record per step per rank); hardware
+and host series from the agent's ``node-<host>.jsonl`` files (rotated parts included, oldest first).
+Values are kept in ``array('d')`` columns (NaN where a record lacks the field), so a run of millions of
+steps fits in memory. A malformed line is kept as its `TLSError` (file, line, field) and reported; it
+never stops the diagnosis and is never dropped silently.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainguard.tls import TLSError, iter_lines, run_logs
+
+NAN = math.nan
+ERRORS_KEPT = 50
+
+# Rank columns: TLS field -> sections looked in, in order (the trainer puts memory under `hardware`).
+RANK_FIELDS = {
+    "step_time_seconds": ("metrics",),
+    "data_wait_seconds": ("metrics",),
+    "comm_seconds": ("metrics",),
+    "forward_backward_seconds": ("metrics",),
+    "optimizer_seconds": ("metrics",),
+    "loss": ("metrics",),
+    "grad_norm": ("metrics",),
+    "tokens_trained": ("metrics",),
+    "tokens_loaded": ("metrics",),
+    "mem_allocated_bytes": ("hardware", "metrics"),
+    "mem_reserved_bytes": ("hardware", "metrics"),
+}
+# Per-GPU columns of the agent's node records (`hardware.gpus[]`), DCGM's meanings, base units.
+GPU_FIELDS = (
+    "gpu_util", "gpu_temp_c", "gpu_power_w", "power_limit_w", "sm_clock_mhz", "sm_clock_max_mhz",
+    "mem_used_bytes", "mem_total_bytes", "clocks_event_reasons",
+    "pcie_link_gen", "pcie_link_gen_max", "pcie_link_width", "pcie_link_width_max",
+    "pcie_tx_bytes_per_second", "pcie_rx_bytes_per_second",
+    "nvlink_bandwidth_bytes_per_second", "nvlink_bandwidth_max_bytes_per_second",
+    "xid_errors_total", "ecc_sbe_volatile_total", "ecc_dbe_volatile_total",
+    "remapped_rows_uncorrectable_total", "remapped_rows_pending",
+)
+NODE_FIELDS = ("disk_await_ms",)
+
+
+class Columns:
+    """Named float columns of equal length plus a step and a timestamp per row."""
+
+    def __init__(self, names):
+        self.names = tuple(names)
+        self.steps = array("q")          # -1 where a row has no step
+        self.timestamps = array("d")
+        self.values = {name: array("d") for name in self.names}
+
+    def append(self, step: int | None, timestamp: float, row: dict) -> None:
+        self.steps.append(-1 if step is None else step)
+        self.timestamps.append(timestamp)
+        for name in self.names:
+            self.values[name].append(row.get(name, NAN))
+
+    def __len__(self) -> int:
+        return len(self.timestamps)
+
+    def has(self, name: str) -> bool:
+        """True when at least one row holds a finite value of `name`."""
+        return any(math.isfinite(v) for v in self.values.get(name, ()))
+
+
+@dataclass
+class RunData:
+    """Everything the checks read: built by `load_run`, or by tests directly."""
+
+    run_dir: str
+    ranks: dict[int, Columns] = field(default_factory=dict)            # rank -> step rows
+    rank_nodes: dict[int, str] = field(default_factory=dict)           # rank -> host it ran on
+    gpus: dict[tuple[str, str], Columns] = field(default_factory=dict)  # (host, gpu id) -> samples
+    nodes: dict[str, Columns] = field(default_factory=dict)            # host -> node-level samples
+    events: list[dict] = field(default_factory=list)                   # every event record
+    malformed: int = 0
+    errors: list[str] = field(default_factory=list)                    # the first ERRORS_KEPT, with file:line
+    files: list[str] = field(default_factory=list)
+    records: int = 0
+
+
+def _number(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return NAN
+    return float(value)
+
+
+def _pick(record: dict, name: str, sections: tuple[str, ...]) -> float:
+    for section in sections:
+        part = record.get(section)
+        if isinstance(part, dict) and name in part:
+            return _number(part[name])
+    return NAN
+
+
+def add_rank_record(run: RunData, rank: int, record: dict) -> None:
+    """One trainer record: a step row when it carries step metrics; an event either way."""
+    if isinstance(record.get("event"), dict):
+        run.events.append(record)
+    metrics = record.get("metrics")
+    if not isinstance(metrics, dict) or record.get("step") is None:
+        return
+    if isinstance(record.get("node"), str):
+        run.rank_nodes.setdefault(rank, record["node"])
+    row = {name: _pick(record, name, sections) for name, sections in RANK_FIELDS.items()}
+    run.ranks.setdefault(rank, Columns(RANK_FIELDS)).append(record["step"], record["timestamp"], row)
+
+
+def add_node_record(run: RunData, host: str, record: dict) -> None:
+    """One joined agent record: per-GPU rows from `hardware.gpus`, node rows (disk await), events."""
+    if isinstance(record.get("event"), dict):
+        run.events.append(record)
+    hardware = record.get("hardware")
+    if not isinstance(hardware, dict):
+        return
+    ts = record["timestamp"]
+    if any(name in hardware for name in NODE_FIELDS):
+        row = {name: _number(hardware.get(name)) for name in NODE_FIELDS}
+        run.nodes.setdefault(host, Columns(NODE_FIELDS)).append(None, ts, row)
+    for position, gpu in enumerate(hardware.get("gpus") or ()):
+        if not isinstance(gpu, dict):
+            continue
+        gpu_id = str(gpu.get("gpu", gpu.get("index", position)))
+        row = {name: _number(gpu.get(name)) for name in GPU_FIELDS}
+        run.gpus.setdefault((host, gpu_id), Columns(GPU_FIELDS)).append(None, ts, row)
+
+
+def _note_error(run: RunData, error: TLSError) -> None:
+    run.malformed += 1
+    if len(run.errors) < ERRORS_KEPT:
+        run.errors.append(str(error))
+
+
+def load_run(run_dir: str | Path) -> RunData:
+    """Read RUN/tls/*.jsonl (or a tls directory itself); FileNotFoundError when there is no such directory."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such run directory")
+    tls_dir = root / "tls" if (root / "tls").is_dir() else root
+    run = RunData(run_dir=str(root))
+    for log in run_logs(tls_dir):
+        run.files.append(str(log.path))
+        for line in iter_lines(log.path):
+            if line.error:
+                _note_error(run, line.error)
+                continue
+            run.records += 1
+            record = line.record
+            if log.kind == "node":
+                add_node_record(run, log.name, record)
+            elif log.name.isdigit():
+                add_rank_record(run, record.get("rank", int(log.name)), record)
+    return run

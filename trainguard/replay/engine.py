@@ -1,0 +1,137 @@
+"""The replay engine: the live run's own Guard and CostMeter over a recorded stream, in the log's time.
+
+Nothing here decides anything: `trainguard.decide.guard.Guard` and `trainguard.decide.cost.CostMeter`
+do, exactly as in the trainer and the agent. This module only picks which records are training steps
+and feeds them in order:
+
+- a training step is a record with a step and both ``metrics.loss`` and ``metrics.grad_norm`` (the
+  guard needs both); a record with only one of them is counted in ``partial_steps`` and not decided;
+- with several ranks, only the lead rank's steps are decided (loss and gradient norms are global, so
+  every rank carries the same numbers); records without a rank are followed only when no input has one;
+- a step number that goes back within one file is a rollback or restart and is decided again, as the
+  live run did; from another file (a second node's copy of the same steps) it is a duplicate and skipped;
+- after the guard says ``stop`` the live run would have ended: the guard is not asked again, the cost
+  meter keeps metering so the timeline shows what the rest of the log cost.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from trainguard import actions as vocabulary
+from trainguard.decide.cost import CostMeter
+from trainguard.decide.guard import STOP, Guard
+from trainguard.policy import Policy
+
+# Called with every stream entry (timestamp, file index, ordinal, typed record, dict or None) in
+# order, before the record is decided: the alert series (series.Exporters) are built this way.
+Observer = Callable[[tuple], None]
+_FIRST_SEEN = object()
+
+
+@dataclass(frozen=True)
+class Action:
+    action: str
+    step: int | None
+    timestamp: float
+    reason: str
+    source: str                     # "guard" | "cost" (who decided), "log" (recorded by the live run)
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    records: int = 0
+    first_timestamp: float | None = None
+    last_timestamp: float | None = None
+    steps: int = 0                  # training steps decided
+    duplicate_steps: int = 0        # other ranks' or other files' copies of decided steps
+    partial_steps: int = 0          # steps lacking loss or grad_norm
+    actions: list[Action] = field(default_factory=list)
+    recorded: list[Action] = field(default_factory=list)   # decisions the live run wrote in the log
+    cost: dict = field(default_factory=dict)
+
+
+def _action(decision, source: str) -> Action:
+    return Action(decision.action, decision.step, decision.timestamp, decision.reason, source,
+                  dict(decision.detail))
+
+
+def _recorded(record, when: float) -> Action | None:
+    """A decision event the live run logged (skip_step, rollback, restore, cost_*, stop)."""
+    event = record.event
+    if event.type not in vocabulary.ACTIONS and event.type != STOP:
+        return None
+    return Action(event.type, record.step, when, event.alertname or "", "log")
+
+
+def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None,
+           meter: CostMeter | None = None) -> Outcome:
+    """Feed every training step of `stream` (a source.Stream, or its entries) to a fresh Guard and to
+    `meter` (a fresh CostMeter unless given: the alert series read the same one)."""
+    guard, meter = Guard(policy.guard), meter or CostMeter(policy.cost)
+    check, meter_observe = guard.check, meter.observe
+    out = Outcome()
+    found = out.actions
+    first = last = None
+    entries = iter(stream)
+    # The stream knows the lead rank once opened; a plain iterable of entries follows its first step's rank.
+    lead = getattr(stream, "lead_rank", _FIRST_SEEN)
+    last_step, last_file, gpus, guarding = None, None, None, True
+    records = 0
+    for entry in entries:
+        when, file_index, _, record, _ = entry
+        records += 1
+        if first is None:
+            first = last = when
+        elif when > last:
+            last = when
+        if observer is not None:
+            observer(entry)
+        system = record.system
+        if system is not None and system.gpu_count:
+            gpus = system.gpu_count
+        elif record.hardware is not None and record.hardware.gpus:
+            gpus = len(record.hardware.gpus)
+        if record.event is not None:
+            logged = _recorded(record, when)
+            if logged is not None:
+                out.recorded.append(logged)
+        metrics, step = record.metrics, record.step
+        if metrics is None or step is None:
+            continue
+        loss, grad_norm = metrics.loss, metrics.grad_norm
+        if loss is None or grad_norm is None:
+            if loss is not None or grad_norm is not None:
+                out.partial_steps += 1
+            continue
+        if lead is _FIRST_SEEN:
+            lead = record.rank
+        if record.rank != lead or (file_index != last_file and last_step is not None and step <= last_step):
+            out.duplicate_steps += 1
+            continue
+        last_step, last_file = step, file_index
+        out.steps += 1
+        if guarding:
+            decision = check(step, loss, grad_norm, metrics.grad_norm_by_layer, when)
+            if decision.action is not None:
+                found.append(_action(decision, "guard"))
+                guarding = decision.action != STOP
+        for decision in meter_observe(step, when, gpus):
+            found.append(_action(decision, "cost"))
+    out.records, out.first_timestamp, out.last_timestamp = records, first, last
+    state = meter.state
+    out.cost = {"cost_usd": state.cost_usd, "cost_per_1k_steps": state.cost_per_1k_steps,
+                "overrun_ratio": state.overrun_ratio, "tier": state.tier, "gpu_count": state.gpu_count}
+    return out
+
+
+def finite_or_text(value: Any) -> Any:
+    """JSON has no NaN: a non-finite float in a decision's detail is written as its name."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: finite_or_text(item) for key, item in value.items()}
+    return value

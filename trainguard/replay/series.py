@@ -1,0 +1,172 @@
+"""The series the agent would have exported for a recorded log, as Prometheus would have scraped them.
+
+Replay does not know metric names: it drives the agent's own code. Training records are folded into the
+training collector's `TrainingState` and turned into metric families by the training collector; disk
+await goes through the IO collector's `disk_families`; GPU readings through the GPU collector. What
+comes out is sampled on a scrape grid (every `interval` seconds from the first record), each sample
+being the latest value exported at that instant, with the `job` and `instance` labels a scrape adds.
+
+One exporter per node (the records' ``node``), as there is one agent per node. Which records feed the
+training state mirrors the agent: the ranks' own records (a ``rank`` field, or a ``rank-<r>.jsonl``
+file); a node log's joined copy of the lead rank's metrics is used only when no input has ranks.
+
+Prometheus test time starts at zero, so a value that is a Unix time (``*_timestamp_seconds``, the
+Prometheus naming convention) is shifted by the grid's origin, as `time()` in a rule is.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from trainguard.agent import training_state
+from trainguard.agent.collectors import io as io_collector
+from trainguard.agent.collectors import training as training_collector
+from trainguard.agent.procfs import DiskStats
+
+JOB = "trainguard"                  # the agent's scrape job (alerts/rules.py AGENT_JOB)
+DEFAULT_INSTANCE = "replay"         # records without a `node`
+REPLAY_DISK = "replay"              # the one disk a node log's worst-disk await stands for
+_RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl")
+
+SeriesKey = tuple   # (metric name, ((label, value), ...)) with labels sorted
+
+
+def _samples(families) -> Iterable[tuple[str, dict, float]]:
+    for family in families:
+        for sample in family.samples:
+            yield sample.name, sample.labels, sample.value
+
+
+class NodeExporter:
+    """What one node's agent would export, fed the node's records in time order."""
+
+    def __init__(self, node: str, meter, cost_rank: int | None):
+        self.node = node
+        self.training = training_state.TrainingState()
+        self.meter, self.cost_rank = meter, cost_rank
+        self.disk_ops = 0           # synthetic diskstats: one completed read per await reading
+        self.disk_wait_ms = 0.0
+        self.trained = False
+
+    def observe_training(self, raw: dict, rank: int) -> None:
+        if self.training.apply(raw, rank):
+            self.trained = True
+
+    def observe_hardware(self, hardware: dict) -> None:
+        await_ms = hardware.get("disk_await_ms")
+        if isinstance(await_ms, (int, float)) and math.isfinite(await_ms):
+            # rate(read_time) / rate(reads) over a window is then the mean await the node log recorded there.
+            self.disk_ops += 1
+            self.disk_wait_ms += await_ms
+
+    def families(self, now: float) -> list:
+        families = list(self._training_families(now)) if self.training.ranks else []
+        if self.disk_ops:
+            disk = DiskStats(0, 0, REPLAY_DISK, {"reads_completed": self.disk_ops, "read_ms": self.disk_wait_ms,
+                                                 "writes_completed": 0, "write_ms": 0})
+            families += io_collector.disk_families([disk])
+        return families
+
+    def _training_families(self, now: float) -> list:
+        # The training collector builds its families in a method; it is driven here without a run
+        # directory (no follower, no checkpoint directory on disk). See docs/replay.md, "Integration".
+        collector = object.__new__(training_collector.TrainingCollector)
+        collector.state, collector.meter, collector._cost_rank = self.training, self.meter, self.cost_rank
+        collector.run_dir = Path("/nonexistent-replay-run-dir")
+        return collector._families(now)
+
+
+@dataclass
+class Grid:
+    origin: float
+    interval: float
+
+    def tick(self, index: int) -> float:
+        return self.origin + index * self.interval
+
+
+class SeriesTable:
+    """Samples exported series on the scrape grid: values[key][tick] (None: not exported then)."""
+
+    def __init__(self, grid: Grid):
+        self.grid = grid
+        self.ticks = 0
+        self.values: dict[SeriesKey, list[float | None]] = {}
+
+    def scrape_until(self, when: float, families_at: Callable[[float], Iterable[tuple[str, dict, float]]],
+                     inclusive: bool = False) -> None:
+        """Every scrape before `when` (and at it, if inclusive), each seeing what was exported then."""
+        while True:
+            at = self.grid.tick(self.ticks)
+            if at > when or (at == when and not inclusive):
+                return
+            self._scrape(families_at(at))
+
+    def _scrape(self, samples: Iterable[tuple[str, dict, float]]) -> None:
+        index = self.ticks
+        for name, labels, value in samples:
+            if name.endswith("_timestamp_seconds"):
+                value -= self.grid.origin
+            column = self.values.get((name, labels))
+            if column is None:
+                column = self.values[(name, labels)] = [None] * index
+            column.append(float(value))
+        for column in self.values.values():
+            if len(column) == index:
+                column.append(None)
+        self.ticks += 1
+
+
+class Exporters:
+    """Routes stream entries to per-node exporters and scrapes them on the grid (the engine's observer).
+
+    `stream` is the source.Stream being replayed: its files name the ranks, its lead rank (known once
+    it is opened) is the rank the cost series follow."""
+
+    def __init__(self, stream, meter, interval: float):
+        self.stream, self.meter, self.interval = stream, meter, interval
+        self.nodes: dict[str, NodeExporter] = {}
+        self.table: SeriesTable | None = None
+
+    def __call__(self, entry) -> None:
+        when, file_index, _, record, raw = entry
+        if self.table is None:
+            self.table = SeriesTable(Grid(when, self.interval))
+        self.table.scrape_until(when, self._samples)
+        node = str(raw.get("node") or DEFAULT_INSTANCE)
+        exporter = self.nodes.get(node)
+        if exporter is None:
+            exporter = self.nodes[node] = NodeExporter(node, self.meter, self.stream.lead_rank)
+        rank = self._rank(raw, file_index)
+        if rank is not None:
+            if record.step is not None and raw.get("step") is None:
+                raw = {**raw, "step": record.step}     # the step replay gave a step-less record
+            exporter.observe_training(raw, rank)
+        hardware = raw.get("hardware")
+        if isinstance(hardware, dict):
+            exporter.observe_hardware(hardware)
+
+    def _rank(self, raw: dict, file_index: int) -> int | None:
+        rank = raw.get("rank")
+        if isinstance(rank, int):
+            return rank
+        match = _RANK_FILE.match(self.stream.files[file_index].name)
+        if match:
+            return int(match.group(1))
+        return 0 if self.stream.lead_rank is None else None
+
+    def _samples(self, now: float) -> Iterable[tuple[str, tuple, float]]:
+        for node, exporter in self.nodes.items():
+            scrape = {"instance": node, "job": JOB}    # target labels win, as with honor_labels: false
+            for name, labels, value in _samples(exporter.families(now)):
+                yield name, tuple(sorted({**labels, **scrape}.items())), value
+
+    def finish(self, last: float, hold: float = 0.0) -> SeriesTable | None:
+        """Scrape up to the last record (and `hold` seconds past it, as if the agent kept exporting)."""
+        if self.table is not None:
+            self.table.scrape_until(last + hold, self._samples, inclusive=True)
+        return self.table

@@ -1,0 +1,283 @@
+"""Replay input: TLS files and run directories as one stream of records in time order.
+
+A file is read in blocks of whole lines and each block is decoded by msgspec straight into typed
+structs holding only the fields the guard and the cost meter read (the fast path: no dicts, unknown
+keys skipped in C). A block the typed decoder refuses is split in halves until the refused lines are
+alone; those lines go through `trainguard.tls.decode_line`, the lenient reference reader (unit strings,
+``NaN`` literals, Unix or RFC 3339 times), and what that reader refuses is a malformed line: counted,
+kept with its file and line, never fatal. With ``full=True`` (the alert-rule path needs every field)
+every line goes through the lenient reader, which checks every field, and the stream carries the
+whole record dict beside the typed struct. So without ``--rules`` a bad value in a field replay does
+not read (say ``"gpu_temp_c": "hot"``) is not counted as malformed; with ``--rules`` it is.
+
+Several files are merged by time with a heap over one open reader per file, so memory stays flat
+however long the logs: at most one block per file is in memory.
+
+Records without ``step``: a record that carries training metrics (``loss`` or ``grad_norm``) but no
+step, as the seed example form, is given the step after the last one seen in the same file (1 for the
+first); every other record without a step (hardware samples, events) is not a training step and keeps
+``step = None``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import os
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Iterable, Iterator, Union
+
+import msgspec
+
+from trainguard import tls
+
+BLOCK_BYTES = 1 << 16          # one block of lines per decode call: ~300 trainer records
+MAX_MALFORMED_KEPT = 1000      # details kept; every malformed line is counted
+LOG_PATTERNS = ("*.jsonl", "*.jsonl.*")   # rank-0.jsonl, node-a.jsonl.3.gz, x.jsonl.zst
+
+
+# ----------------------------------------------------------------------------------------- records
+
+class Metrics(msgspec.Struct, kw_only=True, gc=False):
+    loss: Union[float, None] = None
+    grad_norm: Union[float, None] = None
+    grad_norm_by_layer: Union[dict[str, float], None] = None
+
+
+class Hardware(msgspec.Struct, kw_only=True, gc=False):
+    gpus: Union[list[Any], None] = None          # only counted: GPUs seen, when gpu_count is absent
+
+
+class System(msgspec.Struct, kw_only=True, gc=False):
+    gpu_count: Union[int, None] = None
+
+
+class Event(msgspec.Struct, kw_only=True, gc=False):
+    type: str
+    alertname: Union[str, None] = None
+
+
+_AwareTime = Annotated[datetime, msgspec.Meta(tz=True)]
+
+
+class Record(msgspec.Struct, kw_only=True, gc=False):
+    """The fields replay reads; unknown keys are skipped. `timestamp` is Unix seconds once streamed."""
+
+    timestamp: Union[float, _AwareTime]
+    step: Union[int, None] = None
+    rank: Union[int, None] = None
+    metrics: Union[Metrics, None] = None
+    hardware: Union[Hardware, None] = None
+    system: Union[System, None] = None
+    event: Union[Event, None] = None
+
+
+_typed = msgspec.json.Decoder(Record)
+
+
+@dataclass(frozen=True)
+class Malformed:
+    file: str
+    line: int
+    error: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.error}"
+
+
+# An entry of the merged stream: (timestamp, file index, ordinal in file, typed record, dict or None).
+Entry = tuple
+
+
+class Problems:
+    """Malformed lines: all counted, the first MAX_MALFORMED_KEPT kept with file and line."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.kept: list[Malformed] = []
+
+    def add(self, file: str, line: int, error: str) -> None:
+        self.count += 1
+        if len(self.kept) < MAX_MALFORMED_KEPT:
+            self.kept.append(Malformed(file, line, error))
+
+
+# ------------------------------------------------------------------------------------------- inputs
+
+class InputError(ValueError):
+    pass
+
+
+def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
+    """Files as given; a directory stands for its TLS logs (RUN/tls/ of a run directory, else its own)."""
+    files: list[Path] = []
+    for given in paths:
+        path = Path(given)
+        if path.is_dir():
+            folder = path / "tls" if (path / "tls").is_dir() else path
+            found = sorted({p for pattern in LOG_PATTERNS for p in folder.glob(pattern) if p.is_file()})
+            if not found:
+                raise InputError(f"{path}: no TLS logs (*.jsonl, *.jsonl.gz, *.jsonl.zst) in {folder}")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise InputError(f"{path}: no such file or directory")
+    return files
+
+
+# ------------------------------------------------------------------------------------- one file
+
+def _blocks(handle) -> Iterator[bytes]:
+    """Whole lines, about BLOCK_BYTES at a time; the last block may end without a newline."""
+    rest = b""
+    while True:
+        chunk = handle.read(BLOCK_BYTES)
+        if not chunk:
+            if rest:
+                yield rest
+            return
+        chunk = rest + chunk if rest else chunk
+        cut = chunk.rfind(b"\n") + 1
+        if cut == 0:
+            rest = chunk
+            continue
+        rest = chunk[cut:]
+        yield chunk[:cut] if rest else chunk
+
+
+def _to_typed(record: dict) -> Record:
+    """The lenient reader's dict as the typed record (raises msgspec.ValidationError naming the field)."""
+    return msgspec.convert(record, Record)
+
+
+def _refused(line: tls.Line, problems: Problems) -> None:
+    error = line.error
+    problems.add(line.source, line.lineno, error.message if error.field is None else f"{error.field}: {error.message}")
+
+
+def _lenient(raw: bytes, source: str, lineno: int, problems: Problems) -> Record | None:
+    line = tls.decode_line(raw, source, lineno)
+    if line.error is not None:
+        _refused(line, problems)
+        return None
+    try:
+        return _to_typed(line.record)
+    except msgspec.ValidationError as exc:
+        problems.add(source, lineno, str(exc))
+        return None
+
+
+def _decode_block(block: bytes, first_line: int, source: str, problems: Problems) -> list[Record]:
+    """Typed decode of many lines at once; refused lines are isolated by halving the block."""
+    try:
+        return _typed.decode_lines(block)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
+    lines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
+    if lines <= 1:
+        record = _lenient(block, source, first_line, problems) if block.strip() else None
+        return [] if record is None else [record]
+    middle = 0
+    for _ in range(lines // 2):
+        middle = block.index(b"\n", middle) + 1
+    return (_decode_block(block[:middle], first_line, source, problems)
+            + _decode_block(block[middle:], first_line + lines // 2, source, problems))
+
+
+def _typed_chunks(path: Path, problems: Problems) -> Iterator[tuple[list[Record], None]]:
+    source = str(path)
+    lineno = 1
+    with tls.open_log(path) as handle:
+        for block in _blocks(handle):
+            yield _decode_block(block, lineno, source, problems), None
+            lineno += block.count(b"\n")
+
+
+FULL_CHUNK = 256
+
+
+def _full_chunks(path: Path, problems: Problems) -> Iterator[tuple[list[Record], list[dict]]]:
+    """Every line through the lenient reader; the typed record and the whole dict side by side."""
+    records: list[Record] = []
+    raws: list[dict] = []
+    for line in tls.iter_lines(path):
+        if line.error is not None:
+            _refused(line, problems)
+            continue
+        try:
+            records.append(_to_typed(line.record))
+        except msgspec.ValidationError as exc:
+            problems.add(line.source, line.lineno, str(exc))
+            continue
+        raws.append(line.record)
+        if len(records) == FULL_CHUNK:
+            yield records, raws
+            records, raws = [], []
+    if records:
+        yield records, raws
+
+
+def _entry_blocks(path: Path, index: int, problems: Problems, full: bool) -> Iterator[list[Entry]]:
+    """One file's records as lists of stream entries (a list per block keeps the per-record Python work
+    to one loop here): timestamps as Unix seconds, step-less training records numbered."""
+    last_step = 0
+    ordinal = 0
+    for records, raws in (_full_chunks if full else _typed_chunks)(path, problems):
+        entries = []
+        append = entries.append
+        for position, record in enumerate(records):
+            when = record.timestamp
+            if when.__class__ is not float:
+                when = record.timestamp = when.timestamp()
+            step = record.step
+            if step is None:
+                metrics = record.metrics
+                if metrics is not None and (metrics.loss is not None or metrics.grad_norm is not None):
+                    step = record.step = last_step + 1
+                    last_step = step
+            else:
+                last_step = step
+            ordinal += 1
+            append((when, index, ordinal, record, None if raws is None else raws[position]))
+        yield entries
+
+
+# ---------------------------------------------------------------------------------------- stream
+
+class Stream:
+    """Every record of every input, merged by time (ties: the order the files were given, then file order).
+
+    Iterate once. `lead_rank` is the lowest rank found at the head of the inputs (None when the logs
+    carry no rank): the engine follows that rank's steps so several ranks' copies count once.
+    """
+
+    def __init__(self, paths: Iterable[str | os.PathLike], *, full: bool = False):
+        self.files = expand(paths)
+        self.problems = Problems()
+        self.full = full
+        self.lead_rank: int | None = None
+        self._iterator: Iterator[Entry] | None = None
+
+    def __iter__(self) -> Iterator[Entry]:
+        if self._iterator is not None:
+            raise RuntimeError("a replay stream is read once")
+        readers = [itertools.chain.from_iterable(_entry_blocks(path, i, self.problems, self.full))
+                   for i, path in enumerate(self.files)]
+        heads = []
+        for reader in readers:
+            first = next(reader, None)
+            if first is not None:
+                heads.append(itertools.chain((first,), reader))
+                rank = first[3].rank
+                if rank is not None and (self.lead_rank is None or rank < self.lead_rank):
+                    self.lead_rank = rank
+        self._iterator = heads[0] if len(heads) == 1 else heapq.merge(*heads)
+        return self._iterator
+
+    @property
+    def malformed(self) -> int:
+        return self.problems.count

@@ -1,0 +1,32 @@
+"""The run report (`trainguard report`) and the terminal view (`trainguard status`).
+
+    from trainguard.report import write_report
+    path = write_report("runs/demo")            # -> runs/demo/report.html
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from trainguard.report.data import Run, load_run
+
+__all__ = ["Run", "load_run", "render_report", "write_report"]
+
+
+def render_report(run_dir: str | os.PathLike, policy=None) -> str:
+    """The HTML report of a run directory, as a string."""
+    from trainguard.report.html import render
+
+    return render(load_run(run_dir, policy=policy))
+
+
+def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, policy=None) -> Path:
+    """Write the report (default RUN/report.html) atomically and return its path."""
+    target = Path(out) if out is not None else Path(run_dir) / "report.html"
+    html = render_report(run_dir, policy=policy)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    partial.write_text(html, encoding="utf-8")
+    os.replace(partial, target)   # a browser reloading the report never sees half a file
+    return target

@@ -1,0 +1,26 @@
+"""`trainguard report RUN_DIR [-o FILE] [--policy FILE]`: one self-contained HTML file, no network."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from trainguard import policy as policy_mod
+from trainguard.report import write_report  # noqa: F401  (also the library entry point: demo uses it)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (with tls/ and checkpoints/)")
+    parser.add_argument("-o", "--output", metavar="FILE", help="where to write the report (default RUN_DIR/report.html)")
+    parser.add_argument("--policy", metavar="FILE", help="policy YAML for cost and thresholds (default: built-in)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        policy = policy_mod.load(args.policy)
+        path = write_report(args.run_dir, args.output, policy=policy)
+    except (FileNotFoundError, policy_mod.PolicyError) as exc:
+        print(f"trainguard report: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0

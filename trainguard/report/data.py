@@ -1,0 +1,352 @@
+"""A run directory as chart-ready data: one streaming pass over its TLS logs, memory flat however long.
+
+Training metrics come from one rank (rank 0, else the lowest present), since every rank logs the same
+global loss; hardware comes from the agent's node logs (per host, per GPU), falling back to the ranks'
+own `hardware` sections when no agent ran. Malformed lines are counted and the first few kept with
+their file and line, never dropped silently. Cost is metered by the very `CostMeter` the agent runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from trainguard import policy as policy_mod
+from trainguard.decide.cost import CostMeter
+from trainguard.report.downsample import MAX_POINTS, Sampled, Series
+from trainguard.tls import iter_lines
+
+ERRORS_KEPT = 20
+RECENT_EVENTS = 200
+# Copies of one event (every rank acknowledging an action, the agent echoing the trainer) land within
+# seconds of each other; the same event again later is a new occurrence.
+DUPLICATE_WINDOW_S = 30.0
+# Series per source are created on demand for every numeric key; this bounds a log that invents keys.
+MAX_KEYS = 64
+
+# Chart markers: event types (or the `action` of an `action` event) by the kind of mark they get.
+MARKER_KINDS = {
+    "checkpoint_saved": "checkpoint",
+    "skip_step": "skip",
+    "rollback": "rollback",
+    "restore": "restore",
+    "checkpoint_restored": "restore",
+    "alert": "alert",
+    "fault_injected": "fault",
+}
+
+_ROTATED = re.compile(r"^(?P<base>.+\.jsonl)(?:\.(?P<n>\d+))?(?:\.gz|\.zst)?$")
+
+
+@dataclass
+class Marker:
+    timestamp: float
+    kind: str            # checkpoint | skip | rollback | restore | alert | fault
+    label: str
+    step: int | None = None
+
+
+@dataclass
+class EventRow:
+    timestamp: float
+    type: str
+    step: int | None
+    detail: str
+    source: str
+
+
+@dataclass
+class Checkpoint:
+    name: str
+    step: int | None
+    manifest: dict | None
+    error: str | None = None
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    run_id: str | None = None
+    files: list[str] = field(default_factory=list)
+    records: int = 0
+    malformed: int = 0
+    errors: list[str] = field(default_factory=list)
+    start: float | None = None
+    end: float | None = None
+    primary_rank: int | None = None
+    ranks: set[int] = field(default_factory=set)
+    hosts: set[str] = field(default_factory=set)
+    first_step: int | None = None
+    last_step: int | None = None
+    step_records: int = 0
+    training: dict[str, Series] = field(default_factory=dict)          # metrics.<key>
+    hardware: dict[str, dict[str, Series]] = field(default_factory=dict)  # host -> hardware/system key
+    gpus: dict[tuple[str, str], dict[str, Series]] = field(default_factory=dict)  # (host, gpu) -> key
+    gpu_names: dict[tuple[str, str], str] = field(default_factory=dict)
+    cost: dict[str, Series] = field(default_factory=dict)
+    cost_state: Any = None
+    gpu_count: int = 0
+    event_counts: Counter = field(default_factory=Counter)
+    markers: dict[str, Sampled] = field(default_factory=dict)
+    events: Sampled = field(default_factory=lambda: Sampled(RECENT_EVENTS))
+    alerts: Counter = field(default_factory=Counter)
+    actions: Counter = field(default_factory=Counter)
+    faults: list[str] = field(default_factory=list)
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    last_checkpoint: str | None = None
+    goodput: Any = None
+    goodput_error: str | None = None
+    policy: Any = None
+
+    @property
+    def duration(self) -> float:
+        return (self.end - self.start) if self.start is not None and self.end is not None else 0.0
+
+
+# ------------------------------------------------------------------------------------------- files
+
+def log_files(run_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(node logs, rank logs) in reading order: a log's rotated parts oldest first, then the live file."""
+    tls = run_dir / "tls"
+    if not tls.is_dir():
+        return [], []
+
+    def order(path: Path) -> tuple[str, int]:
+        match = _ROTATED.match(path.name)
+        base, n = (match.group("base"), int(match.group("n") or 0)) if match else (path.name, 0)
+        return base, -n if n else 0   # .jsonl.3.gz, .jsonl.2.gz, .jsonl.1.gz, then .jsonl
+
+    files = sorted((p for p in tls.iterdir() if _ROTATED.match(p.name) and p.is_file()), key=order)
+    return ([p for p in files if p.name.startswith("node-")], [p for p in files if p.name.startswith("rank-")])
+
+
+def _rank_of(path: Path) -> int | None:
+    match = re.match(r"rank-(\d+)\.jsonl", path.name)
+    return int(match.group(1)) if match else None
+
+
+def _host_of(path: Path) -> str:
+    return _ROTATED.match(path.name).group("base")[len("node-"):-len(".jsonl")]
+
+
+def read_checkpoints(run_dir: Path) -> list[Checkpoint]:
+    root = run_dir / "checkpoints"
+    found = []
+    for path in sorted(root.glob("step_*")) if root.is_dir() else []:
+        match = re.fullmatch(r"step_(\d+)", path.name)
+        if not match or not path.is_dir():
+            continue
+        manifest, error = None, None
+        try:
+            manifest = json.loads((path / "manifest.json").read_text())
+        except FileNotFoundError:
+            error = "no manifest.json (incomplete or not verified)"
+        except (ValueError, OSError) as exc:
+            error = f"unreadable manifest.json: {exc}"
+        found.append(Checkpoint(path.name, int(match.group(1)), manifest, error))
+    return sorted(found, key=lambda c: c.step)
+
+
+# ------------------------------------------------------------------------------------------ loading
+
+class _Loader:
+    def __init__(self, run: Run, max_points: int):
+        self.run = run
+        self.max_points = max_points
+        self.meter = CostMeter(run.policy.cost)
+        self.seen_events: OrderedDict[tuple, float] = OrderedDict()
+        self.gpus_by_host: dict[str, int] = {}
+        self.rank_gpu_count = 0
+
+    def series(self, table: dict, key: str) -> Series | None:
+        found = table.get(key)
+        if found is None and len(table) < MAX_KEYS:
+            found = table[key] = Series(self.max_points)
+        return found
+
+    def add_numbers(self, table: dict, section: Any, ts: float, skip: Iterable[str] = ()) -> None:
+        if not isinstance(section, dict):
+            return
+        for key, value in section.items():
+            if key in skip or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            series = self.series(table, key)
+            if series is not None:
+                series.add(ts, float(value))
+
+    def read(self, path: Path, handle) -> None:
+        run = self.run
+        run.files.append(str(path))
+        for line in iter_lines(path):
+            if line.error is not None:
+                run.malformed += 1
+                if len(run.errors) < ERRORS_KEPT:
+                    run.errors.append(str(line.error))
+                continue
+            record = line.record
+            run.records += 1
+            ts = record["timestamp"]
+            run.start = ts if run.start is None else min(run.start, ts)
+            run.end = ts if run.end is None else max(run.end, ts)
+            run.run_id = run.run_id or record.get("run_id")
+            handle(record, ts)
+
+    # A node record: hardware per host and per GPU; training too when no rank logs exist.
+    def node_record(self, host: str, with_training: bool):
+        def handle(record: dict, ts: float) -> None:
+            host_name = record.get("node") or host
+            self.run.hosts.add(host_name)
+            table = self.run.hardware.setdefault(host_name, {})
+            hardware = record.get("hardware") or {}
+            self.add_numbers(table, hardware, ts, skip=("gpus",))
+            self.add_numbers(table, record.get("system"), ts)
+            gpus = hardware.get("gpus")
+            if isinstance(gpus, list):
+                self.gpus_by_host[host_name] = max(self.gpus_by_host.get(host_name, 0), len(gpus))
+                for i, gpu in enumerate(gpus):
+                    if isinstance(gpu, dict):
+                        self.gpu_record(host_name, i, gpu, ts)
+            if with_training:
+                self.training_record(record, ts)
+            self.event(record, ts, source=host_name)
+        return handle
+
+    def gpu_record(self, host: str, position: int, gpu: dict, ts: float) -> None:
+        ident = str(next((gpu[k] for k in ("gpu", "index", "minor_number") if gpu.get(k) is not None), position))
+        key = (host, ident)
+        if key not in self.run.gpus and len(self.run.gpus) >= MAX_KEYS:
+            return
+        self.add_numbers(self.run.gpus.setdefault(key, {}), gpu, ts)
+        name = gpu.get("name") or gpu.get("modelName")
+        if name:
+            self.run.gpu_names[key] = str(name)
+
+    def rank_record(self, rank: int | None, primary: bool):
+        def handle(record: dict, ts: float) -> None:
+            run = self.run
+            rank_id = record.get("rank", rank)
+            if rank_id is not None:
+                run.ranks.add(rank_id)
+            count = (record.get("system") or {}).get("gpu_count")
+            if isinstance(count, int) and count > 0:
+                self.rank_gpu_count = max(self.rank_gpu_count, count)
+            if primary:
+                self.training_record(record, ts)
+                if not run.hosts:   # no agent: the trainer's own hardware section is all there is
+                    self.add_numbers(run.hardware.setdefault(record.get("node") or f"rank {rank_id}", {}),
+                                     record.get("hardware"), ts, skip=("gpus",))
+            self.event(record, ts, source=f"rank {rank_id}" if rank_id is not None else "trainer")
+        return handle
+
+    def training_record(self, record: dict, ts: float) -> None:
+        run, metrics = self.run, record.get("metrics")
+        self.add_numbers(run.training, metrics, ts, skip=("grad_norm_by_layer",))
+        last = (record.get("system") or {}).get("last_checkpoint")
+        if isinstance(last, str):
+            run.last_checkpoint = last
+        step = record.get("step")
+        if not isinstance(metrics, dict) or step is None:
+            return
+        run.step_records += 1
+        run.first_step = step if run.first_step is None else min(run.first_step, step)
+        run.last_step = step if run.last_step is None else max(run.last_step, step)
+        gpus = self.rank_gpu_count or sum(self.gpus_by_host.values())
+        for decision in self.meter.observe(step, ts, gpus or None):
+            run.cost_state = self.meter.state
+        state = self.meter.state
+        for key in ("cost_usd", "cost_per_1k_steps"):
+            self.series(run.cost, key).add(ts, getattr(state, key))
+
+    def event(self, record: dict, ts: float, source: str) -> None:
+        event = record.get("event")
+        if not isinstance(event, dict):
+            return
+        kind = event["type"]
+        step = event.get("step", record.get("step"))
+        identity = (kind, step, event.get("id"), event.get("alertname"), event.get("action"),
+                    event.get("reason"), event.get("status"))
+        previous = self.seen_events.get(identity)
+        if previous is not None and abs(ts - previous) <= DUPLICATE_WINDOW_S:
+            return
+        self.seen_events[identity] = ts
+        self.seen_events.move_to_end(identity)
+        while len(self.seen_events) > 4096:
+            self.seen_events.popitem(last=False)
+        self.count_event(kind, event, step, ts, source)
+
+    def count_event(self, kind: str, event: dict, step: int | None, ts: float, source: str) -> None:
+        run = self.run
+        run.event_counts[kind] += 1
+        if kind == "alert" and event.get("status", "firing") == "firing":
+            run.alerts[str(event.get("alertname", "?"))] += 1
+        if kind == "action" or kind in ("skip_step", "rollback", "restore", "cost_warn", "cost_throttle",
+                                        "cost_stop", "stop"):
+            run.actions[str(event.get("action", kind))] += 1
+        if kind == "fault_injected" and len(run.faults) < ERRORS_KEPT:
+            name = str(event.get("fault") or event.get("kind") or "?")
+            run.faults.append(name if "@" in name else f"{name}@{step}")
+        marker = MARKER_KINDS.get(event.get("action") if kind == "action" else kind)
+        if marker and not (kind == "alert" and event.get("status") == "resolved"):
+            label = event_label(kind, event, step)
+            run.markers.setdefault(marker, Sampled(400)).add(Marker(ts, marker, label, step))
+        run.events.add(EventRow(ts, kind, step, event_detail(event), source))
+
+
+def event_label(kind: str, event: dict, step: int | None) -> str:
+    name = event.get("alertname") or event.get("action") or ""
+    reason = event.get("reason") or event.get("kind") or ""
+    parts = [kind] + [p for p in (name, reason) if p and p != kind]
+    return " ".join(str(p) for p in parts) + (f" @ step {step}" if step is not None else "")
+
+
+def event_detail(event: dict) -> str:
+    shown = {k: v for k, v in event.items() if k != "type" and not isinstance(v, (dict, list))}
+    return ", ".join(f"{k}={v}" for k, v in list(shown.items())[:8])
+
+
+def load_run(run_dir: str | Path, policy=None, max_points: int = MAX_POINTS) -> Run:
+    """Read a run directory (RUN/tls/*.jsonl, RUN/checkpoints/) into a `Run`; raises FileNotFoundError."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such run directory")
+    run = Run(run_dir=root, policy=policy or policy_mod.load(None))
+    loader = _Loader(run, max_points)
+    node_files, rank_files = log_files(root)
+    ranks = sorted({r for r in map(_rank_of, rank_files) if r is not None})
+    run.primary_rank = ranks[0] if ranks else None
+    for path in node_files:
+        loader.read(path, loader.node_record(_host_of(path), with_training=not rank_files))
+    for path in rank_files:
+        loader.read(path, loader.rank_record(_rank_of(path), primary=_rank_of(path) == run.primary_rank))
+    run.gpu_count = loader.meter.state.gpu_count
+    run.cost_state = loader.meter.state
+    run.checkpoints = read_checkpoints(root)
+    if run.checkpoints and not run.last_checkpoint:
+        run.last_checkpoint = run.checkpoints[-1].name
+    _add_goodput(run, node_files + rank_files)
+    return run
+
+
+def _add_goodput(run: Run, files: list[Path]) -> None:
+    """Goodput by cause from trainguard.goodput, when that module is part of this build."""
+    try:
+        from trainguard import goodput
+    except ImportError:
+        return
+    try:
+        run.goodput = goodput.from_files(files, policy=run.policy)
+    except Exception as exc:  # a report still renders without this section; the reason is shown
+        run.goodput_error = f"{type(exc).__name__}: {exc}"
+
+
+def final(series: Series | None) -> float | None:
+    return series.last[1] if series and series.last else None
+
+
+def finite_or_none(value: Any) -> float | None:
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None

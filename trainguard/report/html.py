@@ -1,0 +1,261 @@
+"""The run report as one self-contained HTML file: inline CSS, inline SVG charts, a few lines of inline script.
+
+A Content-Security-Policy with `default-src 'none'` makes the promise checkable: the page cannot load
+anything from anywhere, and a browser says so on its console if anything tries.
+"""
+
+from __future__ import annotations
+
+import time
+from html import escape
+from pathlib import Path
+
+from trainguard.report import charts
+from trainguard.report.charts import HLine, Line, Mark, format_value
+from trainguard.report.data import Run
+from trainguard.report.summary import goodput_shares, sentences, tiles
+
+ASSETS = Path(__file__).with_name("assets")
+CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
+MARKED = ("checkpoint", "skip", "rollback", "restore", "alert", "fault")
+STEP_PARTS = (("data_wait_seconds", "data wait"), ("forward_backward_seconds", "forward + backward"),
+              ("optimizer_seconds", "optimizer"), ("comm_seconds", "communication"))
+GPU_LINES_MAX = 16
+BADPUT_COLORS = ("#e03131", "#f08c00", "#ae3ec9", "#1c7ed6", "#0c8599", "#868e96", "#c2255c", "#5c940d")
+
+
+class Page:
+    """Builds the figures of one run; every chart shares the run's time axis and event marks."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.t0 = run.start or 0.0
+        self.x_range = (run.start, run.end) if run.start is not None and run.end and run.end > run.start else None
+        self.marks = [Mark(m.timestamp, kind, m.label)
+                      for kind in MARKED for m in run.markers.get(kind, ())]
+        self.charts = 0
+
+    def figure(self, title: str, lines: list[Line], unit: str = "", *, empty: str, marks: bool = False,
+               hlines: list[HLine] = (), note: str = "", y_min: float | None = None,
+               y_max: float | None = None) -> str:
+        kept = [line for line in lines if line.points]
+        head = f"<figcaption>{escape(title)}</figcaption>"
+        if not kept:
+            return f'<figure class="plot empty">{head}<p class="absent">{escape(empty)}</p></figure>'
+        self.charts += 1
+        svg = charts.line_chart(kept, t0=self.t0, unit=unit, marks=self.marks if marks else (),
+                                hlines=hlines, y_min=y_min, y_max=y_max, x_range=self.x_range)
+        keys = "".join(f'<button type="button" class="key" data-series="{i}" style="--c:{color}">'
+                       f'{escape(line.label)}</button>'
+                       for i, (line, color) in enumerate(zip(kept, charts.line_colors(kept))))
+        foot = f'<p class="note">{escape(note)}</p>' if note else ""
+        return f'<figure class="plot" data-chart="{self.charts}">{head}{svg}<div class="keys">{keys}</div>{foot}</figure>'
+
+    def training(self, key: str, label: str | None = None) -> Line:
+        series = self.run.training.get(key)
+        return Line(label or key, series.points() if series else [])
+
+
+# ------------------------------------------------------------------------------------------ sections
+
+def _section(title: str, body: str, anchor: str) -> str:
+    return f'<section id="{anchor}"><h2>{escape(title)}</h2>{body}</section>'
+
+
+def _nonfinite_note(run: Run, key: str) -> str:
+    series = run.training.get(key)
+    return f"{series.nonfinite} non-finite value(s) not drawn." if series and series.nonfinite else ""
+
+
+def training_section(page: Page) -> str:
+    run = page.run
+    legend = "".join(f'<span class="mk" style="--c:{charts.MARK_COLORS[k]}">{charts.MARK_NAMES[k]}'
+                     f' ({len(run.markers[k])}{"+" if run.markers[k].thinned else ""})</span>'
+                     for k in MARKED if k in run.markers)
+    body = f'<p class="marklegend">{legend or "No checkpoints, skipped steps, rollbacks, restores or alerts."}</p>'
+    empty = "No training metrics recorded."
+    body += page.figure("Loss", [page.training("loss"), page.training("val_loss", "validation loss")],
+                        empty=empty, marks=True, note=_nonfinite_note(run, "loss"))
+    body += page.figure("Gradient norm", [page.training("grad_norm", "grad norm")], empty=empty, marks=True,
+                        note=_nonfinite_note(run, "grad_norm"))
+    body += page.figure("Learning rate", [page.training("learning_rate", "learning rate")], empty=empty,
+                        marks=True)
+    return _section("Training", body, "training")
+
+
+def throughput_section(page: Page) -> str:
+    body = page.figure("Tokens per second", [page.training("tokens_per_second", "tokens/s")], "tok/s",
+                       empty="No throughput recorded.", y_min=0)
+    body += page.figure("Model FLOPs utilisation (MFU)", [page.training("mfu", "MFU")], "ratio",
+                        empty="No MFU recorded (the trainer reports it when it knows the device's peak FLOPs).",
+                        y_min=0)
+    lines = [page.training("step_time_seconds", "step time")] + [page.training(k, n) for k, n in STEP_PARTS]
+    body += page.figure("Step time breakdown", lines, "s", empty="No step timing recorded.", y_min=0,
+                        note="The parts overlap when communication runs during backward.")
+    return _section("Throughput", body, "throughput")
+
+
+def _gpu_lines(run: Run, key: str) -> tuple[list[Line], str]:
+    keys = sorted(run.gpus)
+    lines = []
+    for host, gpu in keys[:GPU_LINES_MAX]:
+        series = run.gpus[(host, gpu)].get(key)
+        label = f"{host} GPU {gpu}" if len(run.hosts) > 1 else f"GPU {gpu}"
+        lines.append(Line(label, series.points() if series else []))
+    note = f"Showing {GPU_LINES_MAX} of {len(keys)} GPUs." if len(keys) > GPU_LINES_MAX else ""
+    return lines, note
+
+
+def gpu_section(page: Page) -> str:
+    run = page.run
+    if not run.gpus:
+        where = "no agent node logs (RUN/tls/node-*.jsonl)" if not run.hosts else "no per-GPU records"
+        body = (f'<p class="absent">No per-GPU data: this run has {where}. That is expected for a CPU run; '
+                f'on GPU nodes the agent records utilisation, memory and temperature per GPU.</p>')
+        return _section("GPUs", body + _host_memory(page), "gpus")
+    body = ""
+    for title, key, unit, extra in (("GPU utilisation", "gpu_util", "percent", {"y_min": 0, "y_max": 100}),
+                                    ("GPU memory used", "mem_used_bytes", "bytes", {"y_min": 0}),
+                                    ("GPU memory utilisation", "mem_util", "percent", {"y_min": 0, "y_max": 100}),
+                                    ("GPU temperature", "gpu_temp_c", "°C", {}),
+                                    ("GPU power", "gpu_power_w", "W", {"y_min": 0})):
+        lines, note = _gpu_lines(run, key)
+        hlines = ([HLine(run.policy.alerts.gpu_temp_c, f"GPUOverheating {run.policy.alerts.gpu_temp_c:g} °C")]
+                  if key == "gpu_temp_c" else [])
+        body += page.figure(title, lines, unit, empty=f"No {title.lower()} recorded.", note=note, hlines=hlines,
+                            **extra)
+    return _section("GPUs", body, "gpus")
+
+
+def _host_memory(page: Page) -> str:
+    lines = [page.training(k, n) for k, n in (("mem_allocated_bytes", "allocated"),
+                                               ("mem_reserved_bytes", "reserved"), ("rss_bytes", "process RSS"))]
+    return page.figure("Trainer memory (rank 0)", lines, "bytes", empty="No trainer memory recorded.", y_min=0)
+
+
+def _host_lines(run: Run, key: str, label: str) -> list[Line]:
+    return [Line(f"{label} {host}" if len(run.hardware) > 1 else label, table[key].points())
+            for host, table in sorted(run.hardware.items()) if key in table]
+
+
+def io_section(page: Page) -> str:
+    run, alerts = page.run, page.run.policy.alerts
+    body = page.figure("Disk await", _host_lines(run, "disk_await_ms", "await"), "ms",
+                       hlines=[HLine(alerts.disk_await_ms, f"DiskAwaitHigh {alerts.disk_await_ms:g} ms")],
+                       empty="No disk await recorded (the agent's io collector writes it).", y_min=0)
+    body += page.figure("Data throughput", _host_lines(run, "data_throughput", "read"), "bytes/s",
+                        empty="No data throughput recorded.", y_min=0)
+    step = run.training.get("step_time_seconds")
+    shares = []
+    for key, label in (("data_wait_seconds", "data wait share"), ("comm_seconds", "communication share")):
+        part = run.training.get(key)
+        if part and step and step.mean:
+            shares.append(Line(label, [(x, y / step.mean) for x, y in part.points()]))
+    body += page.figure("Data wait and communication, share of step time", shares, "ratio", y_min=0,
+                        hlines=[HLine(alerts.data_wait_ratio, f"DataLoaderStarved {alerts.data_wait_ratio:.0%}"),
+                                HLine(alerts.comm_overhead_max, f"CommOverheadHigh {alerts.comm_overhead_max:.0%}",
+                                      "#f08c00")],
+                        empty="No data wait or communication time recorded.",
+                        note="Relative to the run's mean step time.")
+    nccl = [row for row in run.events if "nccl" in row.type.lower() or "NCCL" in row.detail]
+    body += _event_table(nccl, "NCCL events", "No NCCL errors or watchdog timeouts were recorded.")
+    return _section("IO and NCCL", body, "io")
+
+
+def cost_section(page: Page) -> str:
+    run, policy = page.run, page.run.policy.cost
+    series = run.cost.get("cost_per_1k_steps")
+    budget = policy.budget_per_1k_steps
+    hlines = [HLine(budget, f"budget {format_value(budget, 'usd')}", "#2f9e44")] + [
+        HLine(budget * (1 + getattr(policy.tiers, tier)), f"{tier} +{getattr(policy.tiers, tier):.0%}", color)
+        for tier, color in (("warn", "#f08c00"), ("throttle", "#e8590c"), ("stop", "#e03131"))]
+    lines = [Line("cost per 1000 steps", [(x, y) for x, y in series.points() if y > 0] if series else [])]
+    body = page.figure("Cost per 1000 steps against budget", lines, "usd", hlines=hlines, y_min=0,
+                       empty="No step records to meter.", marks=False,
+                       note=f"Metered by the agent's CostMeter over the last {policy.window_steps} steps at "
+                            f"{format_value(policy.price_per_gpu_hour, 'usd')} per GPU-hour.")
+    spent = run.cost.get("cost_usd")
+    body += page.figure("Spend", [Line("spent", spent.points() if spent else [])], "usd", y_min=0,
+                        empty="No spend metered.")
+    return _section("Cost", body, "cost")
+
+
+def goodput_section(page: Page) -> str:
+    run = page.run
+    shares = goodput_shares(run)
+    if not shares:
+        why = run.goodput_error or "this build has no trainguard.goodput, or the run is too short to measure"
+        return _section("Goodput", f'<p class="absent">No goodput breakdown: {escape(why)}.</p>', "goodput")
+    parts = [("goodput", shares["goodput"], "#2f9e44")] + [
+        (cause, share, BADPUT_COLORS[i % len(BADPUT_COLORS)])
+        for i, (cause, share) in enumerate(sorted(((k, v) for k, v in shares.items() if k != "goodput"),
+                                                   key=lambda kv: -kv[1]))]
+    page.charts += 1
+    rows = "".join(f"<tr><td><span class='sw' style='--c:{c}'></span>{escape(n)}</td><td>{v:.1%}</td></tr>"
+                   for n, v, c in parts)
+    body = (f'<figure class="plot" data-chart="{page.charts}"><figcaption>Share of wall time</figcaption>'
+            f'{charts.share_bar(parts, "ratio")}</figure><table class="small"><tr><th>time</th><th>share</th></tr>'
+            f'{rows}</table>')
+    return _section("Goodput and badput", body, "goodput")
+
+
+def _event_table(rows, title: str, empty: str) -> str:
+    if not rows:
+        return f'<h3>{escape(title)}</h3><p class="absent">{escape(empty)}</p>'
+    body = "".join(f"<tr><td>{time.strftime('%H:%M:%S', time.gmtime(r.timestamp))}</td><td>{escape(r.type)}</td>"
+                   f"<td>{'' if r.step is None else r.step}</td><td>{escape(r.source)}</td>"
+                   f"<td>{escape(r.detail)}</td></tr>" for r in rows)
+    return (f'<h3>{escape(title)}</h3><table><tr><th>time (UTC)</th><th>event</th><th>step</th><th>from</th>'
+            f'<th>detail</th></tr>{body}</table>')
+
+
+def events_section(page: Page) -> str:
+    run = page.run
+    counts = ", ".join(f"{k} ×{v}" for k, v in run.event_counts.most_common()) or "none"
+    thinned = " (evenly thinned to fit)" if run.events.thinned else ""
+    body = f"<p>Events by type: {escape(counts)}.</p>"
+    body += _event_table(sorted(run.events, key=lambda r: r.timestamp), f"Events{thinned}", "No events were recorded.")
+    rows = "".join(f"<tr><td>{escape(c.name)}</td><td>{escape(c.error or 'manifest present')}</td></tr>"
+                   for c in run.checkpoints)
+    body += (f"<h3>Checkpoints on disk</h3><table><tr><th>checkpoint</th><th>state</th></tr>{rows}</table>"
+             if rows else '<h3>Checkpoints on disk</h3><p class="absent">None.</p>')
+    return _section("Events and checkpoints", body, "events")
+
+
+def quality_section(run: Run) -> str:
+    files = "".join(f"<li><code>{escape(f)}</code></li>" for f in run.files) or "<li>none</li>"
+    errors = "".join(f"<li><code>{escape(e)}</code></li>" for e in run.errors)
+    more = f"<p>…and {run.malformed - len(run.errors)} more.</p>" if run.malformed > len(run.errors) else ""
+    body = (f"<p>{run.records:,} records read, {run.malformed:,} malformed line(s).</p>"
+            + (f"<ul class='errors'>{errors}</ul>{more}" if errors else "")
+            + f"<details><summary>Files read ({len(run.files)})</summary><ul>{files}</ul></details>")
+    return _section("Logs read", body, "logs")
+
+
+# ---------------------------------------------------------------------------------------------- page
+
+def render(run: Run) -> str:
+    page = Page(run)
+    sections = [training_section(page), throughput_section(page), gpu_section(page), io_section(page),
+                cost_section(page), goodput_section(page), events_section(page), quality_section(run)]
+    tile_html = "".join(f'<div class="tile {t.tone}"><div class="v">{escape(t.value)}</div>'
+                        f'<div class="l">{escape(t.label)}</div></div>' for t in tiles(run))
+    story = "".join(f"<li>{escape(s)}</li>" for s in sentences(run))
+    span = ""
+    if run.start is not None:
+        span = (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(run.start)) + " – "
+                + time.strftime("%H:%M:%S UTC", time.gmtime(run.end)))
+    title = f"trainguard report: {run.run_id or run.run_dir.name}"
+    nav = "".join(f'<a href="#{a}">{n}</a>' for a, n in (("training", "Training"), ("throughput", "Throughput"),
+                  ("gpus", "GPUs"), ("io", "IO & NCCL"), ("cost", "Cost"), ("goodput", "Goodput"),
+                  ("events", "Events"), ("logs", "Logs")))
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f'<title>{escape(title)}</title><style>{(ASSETS / "report.css").read_text()}</style></head>'
+            f'<body data-charts="{page.charts}"><header><h1>{escape(title)}</h1>'
+            f'<p class="sub">{escape(str(run.run_dir))} · {escape(span)} · generated '
+            f'{time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}</p><nav>{nav}</nav></header>'
+            f'<main><div class="tiles">{tile_html}</div><section id="summary"><h2>What happened</h2>'
+            f'<ul class="story">{story}</ul></section>{"".join(sections)}</main>'
+            f'<script>{(ASSETS / "report.js").read_text()}</script></body></html>')

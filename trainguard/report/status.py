@@ -1,0 +1,208 @@
+"""`trainguard status RUN_DIR`: the run at a glance, for people who live in a terminal.
+
+It reads only the tail of each live TLS log (the last `--tail-kib`), so it answers at once on a log of
+any size and can run in `watch -n 5`. Alerts are firing when their latest event in that tail says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from trainguard.report.charts import format_elapsed, format_value
+from trainguard.report.data import event_detail, log_files, read_checkpoints
+from trainguard.tls import TLSError, decode
+
+TAIL_KIB = 256
+
+
+@dataclass
+class Status:
+    run_dir: str
+    run_id: str | None = None
+    updated: float | None = None
+    step: int | None = None
+    rank: int | None = None
+    ranks: list[int] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+    last_checkpoint: str | None = None
+    checkpoints_on_disk: int = 0
+    gpus: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    firing: list[str] = field(default_factory=list)
+    resolved: list[str] = field(default_factory=list)
+    malformed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def tail_records(path: Path, max_bytes: int) -> tuple[list[dict], list[str]]:
+    """Records in the last `max_bytes` of a TLS file (the partial first line skipped) and the errors met."""
+    with open(path, "rb") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        start = max(0, size - max_bytes)
+        handle.seek(start)
+        data = handle.read()
+    lines = data.split(b"\n")
+    if start > 0:
+        lines = lines[1:]           # began mid-line
+    first_lineno = None if start > 0 else 1
+    records, errors = [], []
+    for offset, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            records.append(decode(raw, str(path), None if first_lineno is None else first_lineno + offset))
+        except TLSError as exc:
+            if offset == len(lines) - 1 and not data.endswith(b"\n"):
+                continue            # a live writer's next line, not yet complete
+            errors.append(str(exc))
+    return records, errors
+
+
+def collect(run_dir: str | os.PathLike, tail_kib: int = TAIL_KIB, recent: int = 8) -> Status:
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"{root}: no such run directory")
+    status = Status(run_dir=str(root))
+    node_files, rank_files = log_files(root)
+    live = [p for p in node_files + rank_files if p.name.endswith(".jsonl")]
+    events: list[tuple[float, dict, str]] = []
+    ranks = sorted(int(p.name[5:-6]) for p in rank_files if p.name.endswith(".jsonl") and p.name[5:-6].isdigit())
+    status.ranks = ranks
+    for path in live:
+        records, errors = tail_records(path, tail_kib * 1024)
+        status.malformed += len(errors)
+        status.errors += errors[:5]
+        primary = path.name == f"rank-{ranks[0]}.jsonl" if ranks else path.name.startswith("node-")
+        for record in records:
+            _take(status, record, primary, path.name.startswith("node-"))
+            if isinstance(record.get("event"), dict):
+                events.append((record["timestamp"], record, path.stem))
+    _take_events(status, sorted(events, key=lambda e: e[0]), recent)
+    checkpoints = read_checkpoints(root)
+    status.checkpoints_on_disk = len(checkpoints)
+    if checkpoints and not status.last_checkpoint:
+        status.last_checkpoint = checkpoints[-1].name
+    return status
+
+
+def _take(status: Status, record: dict, primary: bool, from_node: bool) -> None:
+    ts = record["timestamp"]
+    status.updated = ts if status.updated is None else max(status.updated, ts)
+    status.run_id = status.run_id or record.get("run_id")
+    metrics = record.get("metrics")
+    if primary and isinstance(metrics, dict) and record.get("step") is not None:
+        if status.step is None or ts >= status.metrics.get("_ts", 0):
+            status.step, status.rank = record["step"], record.get("rank")
+            status.metrics = {**metrics, "_ts": ts}
+    last = (record.get("system") or {}).get("last_checkpoint")
+    if isinstance(last, str):
+        status.last_checkpoint = last
+    gpus = (record.get("hardware") or {}).get("gpus")
+    if from_node and isinstance(gpus, list):
+        host = record.get("node", "")
+        status.gpus = [g for g in status.gpus if g.get("_host") != host] + [
+            {**g, "_host": host} for g in gpus if isinstance(g, dict)]
+
+
+def _take_events(status: Status, events: list[tuple[float, dict, str]], recent: int) -> None:
+    alert_state: dict[str, str] = {}
+    seen: dict[tuple, float] = {}
+    shown = []
+    for ts, record, source in events:
+        event = record["event"]
+        key = (event["type"], event.get("step", record.get("step")), event.get("alertname"), event.get("action"),
+               event.get("id"), event.get("status"))
+        if key in seen and ts - seen[key] < 30:
+            continue                # the same event from another rank or echoed by the agent
+        seen[key] = ts
+        if event["type"] == "alert" and event.get("alertname"):
+            alert_state[str(event["alertname"])] = str(event.get("status", "firing"))
+        shown.append({"timestamp": ts, "type": event["type"], "step": event.get("step", record.get("step")),
+                      "detail": event_detail(event), "source": source})
+    status.events = shown[-recent:] if recent else []
+    status.firing = sorted(n for n, s in alert_state.items() if s == "firing")
+    status.resolved = sorted(n for n, s in alert_state.items() if s != "firing")
+
+
+# ------------------------------------------------------------------------------------------- output
+
+def _clock(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(ts))
+
+
+def render(status: Status, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    m = status.metrics
+    lines = [f"run      {status.run_id or Path(status.run_dir).name}  ({status.run_dir})"]
+    if status.updated is None:
+        return "\n".join(lines + ["         no TLS records yet under tls/"])
+    lines[0] += f"  updated {format_elapsed(now - status.updated)} ago"
+    if status.step is not None:
+        parts = [f"step {status.step:,}"] + [f"{label} {format_value(m[key], unit)}" for key, label, unit in (
+            ("loss", "loss", ""), ("grad_norm", "grad norm", ""), ("learning_rate", "lr", "")) if key in m]
+        lines.append("training " + "   ".join(parts))
+        speed = [f"{label} {format_value(m[key], unit)}" for key, label, unit in (
+            ("tokens_per_second", "", "tok/s"), ("mfu", "MFU", "ratio"), ("step_time_seconds", "step", "s"))
+            if key in m]
+        if m.get("step_time_seconds"):
+            speed += [f"{label} {m[key] / m['step_time_seconds']:.0%}" for key, label in (
+                ("data_wait_seconds", "data wait"), ("comm_seconds", "comm")) if key in m]
+        if speed:
+            lines.append("speed    " + "   ".join(s.strip() for s in speed))
+    else:
+        lines.append("training no step records yet")
+    ranks = f"   ranks {','.join(map(str, status.ranks))}" if status.ranks else ""
+    lines.append(f"ckpt     {status.last_checkpoint or 'none yet'}   {status.checkpoints_on_disk} on disk{ranks}")
+    lines.append("gpus     " + _gpu_line(status.gpus))
+    alerts = f"FIRING {', '.join(status.firing)}" if status.firing else "none firing"
+    if status.resolved:
+        alerts += f"   (resolved: {', '.join(status.resolved)})"
+    lines.append("alerts   " + alerts)
+    if status.malformed:
+        lines.append(f"logs     {status.malformed} malformed line(s), e.g. {status.errors[0]}")
+    lines.append("events" + ("" if status.events else "   none in the recent log"))
+    for e in status.events:
+        step = f"step {e['step']}" if e["step"] is not None else ""
+        lines.append(f"  {_clock(e['timestamp'])}  {step:<11}{e['type']:<20}{e['detail']}"[:160])
+    return "\n".join(lines)
+
+
+def _gpu_line(gpus: list[dict]) -> str:
+    if not gpus:
+        return "none recorded (CPU run, or no agent)"
+    def peak(key: str, unit: str) -> str:
+        values = [g[key] for g in gpus if isinstance(g.get(key), (int, float))]
+        return f"{format_value(max(values), unit)}" if values else "n/a"
+    utils = [g["gpu_util"] for g in gpus if isinstance(g.get("gpu_util"), (int, float))]
+    util = f"util {min(utils):.0f}–{max(utils):.0f}%" if utils else "util n/a"
+    return f"{len(gpus)}  {util}   temp max {peak('gpu_temp_c', '°C')}   mem max {peak('mem_used_bytes', 'bytes')}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    parser.add_argument("--events", type=int, default=8, metavar="N", help="recent events to show (default 8)")
+    parser.add_argument("--tail-kib", type=int, default=TAIL_KIB, metavar="KIB",
+                        help=f"how much of each log's end to read (default {TAIL_KIB})")
+    parser.add_argument("--json", action="store_true", help="print the status as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        status = collect(args.run_dir, tail_kib=args.tail_kib, recent=args.events)
+    except FileNotFoundError as exc:
+        print(f"trainguard status: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        data = asdict(status)
+        data["metrics"].pop("_ts", None)
+        data["gpus"] = [{k: v for k, v in g.items()} for g in status.gpus]
+        print(json.dumps(data, default=str, allow_nan=True))
+    else:
+        print(render(status))
+    return 0

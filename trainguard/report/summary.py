@@ -1,0 +1,138 @@
+"""What happened in a run, in a few plain sentences and headline numbers (the report's top, and `status`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainguard.report.charts import format_elapsed, format_value
+from trainguard.report.data import Run, final
+
+GUARD_ACTIONS = ("skip_step", "rollback", "restore", "stop")
+COST_ACTIONS = ("cost_warn", "cost_throttle", "cost_stop")
+
+
+@dataclass
+class Tile:
+    label: str
+    value: str
+    tone: str = ""        # "" | "good" | "warn" | "bad"
+
+
+def _counted(counter, names=None) -> str:
+    items = [(k, v) for k, v in counter.most_common() if names is None or k in names]
+    return ", ".join(f"{name} ×{count}" if count > 1 else name for name, count in items)
+
+
+def _num(value: float | None, unit: str = "") -> str:
+    return "n/a" if value is None else format_value(value, unit)
+
+
+def describe_hardware(run: Run) -> str:
+    if run.gpus:
+        models = sorted(set(run.gpu_names.values()))
+        return f"{len(run.gpus)} GPU(s)" + (f" ({', '.join(models)})" if models else "")
+    return "no GPUs recorded (a CPU run, or no agent beside the trainer)"
+
+
+def sentences(run: Run) -> list[str]:
+    out = []
+    nodes = len(run.hosts) or 1
+    if run.last_step is None:
+        out.append(f"No training steps were recorded in {run.run_dir} ({run.records} records read).")
+    else:
+        out.append(f"Trained steps {run.first_step}–{run.last_step} ({run.step_records} step records from rank "
+                   f"{run.primary_rank if run.primary_rank is not None else '?'} of {len(run.ranks) or 1}) over "
+                   f"{format_elapsed(run.duration)} on {nodes} node(s) with {describe_hardware(run)}.")
+    loss = run.training.get("loss")
+    if loss:
+        low = loss.y_range()[0]
+        text = f"Loss went from {loss.first[1]:.4g} to {loss.last[1]:.4g} (lowest {low:.4g})"
+        if loss.nonfinite:
+            text += f"; {loss.nonfinite} step(s) logged a non-finite loss"
+        out.append(text + ".")
+    tokens, mfu = run.training.get("tokens_per_second"), run.training.get("mfu")
+    if tokens:
+        text = f"Throughput averaged {format_value(tokens.mean, 'tok/s')}"
+        out.append(text + (f", MFU {format_value(mfu.mean, 'ratio')}." if mfu else "."))
+    out.append(f"Injected faults: {', '.join(run.faults)}." if run.faults else "No faults were injected.")
+    guard = _counted(run.actions, GUARD_ACTIONS)
+    out.append(f"Guard and recovery actions: {guard}." if guard else "The guard took no action.")
+    out.append(f"Alerts fired: {_counted(run.alerts)}." if run.alerts else "No alerts fired.")
+    cost = _cost_sentence(run)
+    if cost:
+        out.append(cost)
+    if run.checkpoints or run.event_counts.get("checkpoint_saved"):
+        saved = run.event_counts.get("checkpoint_saved", 0)
+        verified = sum(1 for c in run.checkpoints if c.manifest is not None)
+        out.append(f"{saved} checkpoint(s) saved; {len(run.checkpoints)} on disk ({verified} with a manifest),"
+                   f" latest {run.last_checkpoint or 'none'}.")
+    else:
+        out.append("No checkpoints were saved.")
+    goodput = goodput_sentence(run)
+    if goodput:
+        out.append(goodput)
+    if run.malformed:
+        out.append(f"{run.malformed} malformed log line(s) could not be read (listed at the end).")
+    return out
+
+
+def _cost_sentence(run: Run) -> str:
+    state, policy = run.cost_state, run.policy.cost
+    if state is None or not run.cost.get("cost_usd"):
+        return ""
+    taken = _counted(run.actions, COST_ACTIONS)
+    return (f"Spent {format_value(state.cost_usd, 'usd')} at {format_value(policy.price_per_gpu_hour, 'usd')}"
+            f" per GPU-hour on {state.gpu_count or 0} billable device(s); the latest cost per 1000 steps is "
+            f"{format_value(state.cost_per_1k_steps, 'usd')} against a budget of "
+            f"{format_value(policy.budget_per_1k_steps, 'usd')} (tier {state.tier})"
+            + (f"; cost actions: {taken}." if taken else "."))
+
+
+def goodput_sentence(run: Run) -> str:
+    shares = goodput_shares(run)
+    if not shares:
+        return ""
+    good = shares.get("goodput", 0.0)
+    bad = sorted(((k, v) for k, v in shares.items() if k != "goodput" and v > 0), key=lambda kv: -kv[1])
+    text = f"Goodput {good:.0%} of wall time"
+    return text + (f"; badput: {', '.join(f'{k} {v:.0%}' for k, v in bad[:5])}." if bad else ".")
+
+
+def goodput_shares(run: Run) -> dict[str, float]:
+    """{'goodput': share, <badput cause>: share, ...} from trainguard.goodput's result, if it ran."""
+    result = run.goodput
+    if result is None:
+        return {}
+    total = float(getattr(result, "total_seconds", 0.0) or 0.0)
+    if total <= 0:
+        return {}
+    shares = {"goodput": float(result.goodput_seconds) / total}
+    for cause, seconds in dict(result.badput_seconds).items():
+        shares[str(cause)] = float(seconds) / total
+    return shares
+
+
+def tiles(run: Run) -> list[Tile]:
+    loss = run.training.get("loss")
+    out = [
+        Tile("steps", "n/a" if run.last_step is None else f"{run.last_step:,}"),
+        Tile("final loss", _num(final(loss)), "bad" if loss and loss.nonfinite else ""),
+        Tile("tokens/s", _num(run.training["tokens_per_second"].mean, "") if run.training.get("tokens_per_second")
+             else "n/a"),
+        Tile("MFU", _num(run.training["mfu"].mean, "ratio") if run.training.get("mfu") else "n/a"),
+        Tile("wall time", format_elapsed(run.duration)),
+    ]
+    taken = sum(run.actions[a] for a in GUARD_ACTIONS)
+    out.append(Tile("guard actions", str(taken), "warn" if taken else "good"))
+    out.append(Tile("alerts", str(sum(run.alerts.values())), "warn" if run.alerts else "good"))
+    if run.cost_state is not None and run.cost.get("cost_usd"):
+        tier = run.cost_state.tier
+        out.append(Tile("spend", format_value(run.cost_state.cost_usd, "usd"),
+                        {"ok": "good", "warn": "warn"}.get(tier, "bad")))
+    shares = goodput_shares(run)
+    if shares:
+        good = shares.get("goodput", 0.0)
+        out.append(Tile("goodput", f"{good:.0%}", "good" if good >= 0.9 else "warn"))
+    if run.malformed:
+        out.append(Tile("malformed lines", str(run.malformed), "bad"))
+    return out

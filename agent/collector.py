@@ -36,6 +36,7 @@ class Context:
     run_dir: Path | None = None
     node: str = field(default_factory=socket.gethostname)
     options: Mapping[str, Any] = field(default_factory=dict)   # this collector's own section of the config file
+    policy: Path | None = None         # the policy file (cost tiers) the agent was given, if any
 
 
 @dataclass

@@ -7,9 +7,8 @@ kernel writes. Units are left as the kernel gives them; the collectors convert, 
 
 from __future__ import annotations
 
-import json
 import os
-import re
+import socket
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,35 +242,16 @@ def read_environ(procfs: Path, pid: int) -> dict[str, str] | None:
 
 # -------------------------------------------------------------------------- RUN/control/ranks/*.json
 
-_RANK_FILE = re.compile(r"^rank-(\d+)\.json$")
-
-
 def read_rank_pids(run_dir: Path | None, node: str) -> dict[int, int]:
-    """{rank: pid} of the trainer ranks on this node, from RUN/control/ranks/rank-<r>.json ({"pid", "host"}).
+    """{rank: pid} of the trainer ranks on this node, from RUN/control/ranks/rank-<r>.json (agent/restore.py).
 
-    A rank file written by another host (a shared run directory) is not ours; one without "host" is taken as
-    ours. A file being replaced right now, or a partial one, is skipped this time and read on the next update.
+    The trainer writes its host name; the agent's node name may be configured otherwise, so either matches.
+    A rank file of another host (a shared run directory) is not ours.
     """
     if run_dir is None:
         return {}
-    directory = Path(run_dir) / "control" / "ranks"
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return {}
-    ranks = {}
-    for name in names:
-        match = _RANK_FILE.match(name)
-        if not match:
-            continue
-        try:
-            info = json.loads((directory / name).read_text())
-        except (OSError, ValueError):
-            continue
-        pid = info.get("pid") if isinstance(info, dict) else None
-        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-            continue
-        if info.get("host") not in (None, node):
-            continue
-        ranks[int(match.group(1))] = pid
-    return dict(sorted(ranks.items()))
+    from .restore import read_ranks     # psutil and logging only when a run directory is watched
+
+    ours = {node, socket.gethostname()}
+    infos, _ = read_ranks(run_dir)
+    return {info.rank: info.pid for info in sorted(infos, key=lambda i: i.rank) if info.host in ours}

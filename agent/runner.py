@@ -43,12 +43,13 @@ class View:
     updates: int
     interval: float
     timeout: float
+    cpu_seconds: float
 
     def to_dict(self) -> dict:
         return {"status": self.status, "success": self.success, "duration_seconds": self.duration,
                 "last_success_timestamp": self.last_success_time, "error": self.error,
                 "failures": self.failures, "updates": self.updates, "interval_seconds": self.interval,
-                "timeout_seconds": self.timeout}
+                "timeout_seconds": self.timeout, "cpu_seconds": round(self.cpu_seconds, 6)}
 
 
 class CollectorRunner:
@@ -69,6 +70,7 @@ class CollectorRunner:
         self._last_success_time: float | None = None
         self._error: str | None = None
         self._failures = self._updates = 0
+        self._cpu_seconds = 0.0    # CPU time of this collector's updates (its thread's clock), all updates
         self._in_flight_since: float | None = None   # monotonic start of the update now running
         self._hang_logged = False
 
@@ -91,7 +93,7 @@ class CollectorRunner:
 
     def _run_once(self) -> bool:
         """One update; False when the collector disabled itself."""
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.thread_time()
         with self._lock:
             self._in_flight_since = started
         try:
@@ -103,6 +105,8 @@ class CollectorRunner:
         except CollectorDisabled as exc:
             self._disable(str(exc))
             return False
+        finally:
+            self._cpu_seconds += time.thread_time() - cpu_started
         except Exception as exc:  # a collector's failure is reported, never propagated
             self._finish(started, None, f"{type(exc).__name__}: {exc}")
         else:
@@ -159,7 +163,7 @@ class CollectorRunner:
             return View(self.name, status, success, duration, families, tls, self._last_success_time,
                         self._error if status != HUNG else f"update running for {running_for:.1f}s, "
                         f"over its {self.timeout:g}s timeout", self._failures, self._updates,
-                        self.interval, self.timeout)
+                        self.interval, self.timeout, self._cpu_seconds)
 
     def stop(self, timeout: float) -> None:
         self._stop.set()
@@ -206,15 +210,11 @@ class Agent:
                 continue
             settings = self.config.collector(name)
             ctx = Context(procfs=self.config.procfs, sysfs=self.config.sysfs, devfs=self.config.devfs,
-                          run_dir=self.config.run_dir, node=self.config.node,
-                          options={**self._shared_options(), **settings.options})
+                          run_dir=self.config.run_dir, node=self.config.node, options=dict(settings.options),
+                          policy=self.config.policy)
             runners[name] = CollectorRunner(cls, ctx, self.config.interval_of(name, cls.interval),
                                             self.config.timeout_of(name, cls.timeout), self._attach)
         return runners
-
-    def _shared_options(self) -> dict:
-        """Options every collector sees besides its own section: the policy file, when the agent has one."""
-        return {"policy": str(self.config.policy)} if self.config.policy else {}
 
     def _attach(self, collector: Collector) -> None:
         """Hooks a collector may offer: `on_decision` (the training collector's cost decisions)."""
@@ -326,6 +326,9 @@ def _scrape_families(views: list[View]) -> list[Metric]:
                              "Unix time of the collector's last successful update.", labels=["collector"])
     failures = CounterMetricFamily("trainguard_collector_failures", "Failed or timed-out updates of the collector.",
                                    labels=["collector"])
+    cpu = CounterMetricFamily("trainguard_collector_cpu_seconds",
+                              "CPU time the collector's updates used (what sampling costs the node).",
+                              labels=["collector"])
     disabled = GaugeMetricFamily("trainguard_collector_disabled",
                                  "1 when the collector disabled itself (it cannot run here; see /healthz).",
                                  labels=["collector"])
@@ -338,9 +341,10 @@ def _scrape_families(views: list[View]) -> list[Metric]:
         duration.add_metric([view.name], view.duration)
         success.add_metric([view.name], 1 if view.success else 0)
         failures.add_metric([view.name], view.failures)
+        cpu.add_metric([view.name], view.cpu_seconds)
         if view.last_success_time is not None:
             last.add_metric([view.name], view.last_success_time)
-    return [duration, success, last, failures, disabled]
+    return [duration, success, last, failures, cpu, disabled]
 
 
 def _agent_info(config: AgentConfig) -> Metric:

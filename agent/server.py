@@ -21,9 +21,8 @@ from email.message import Message
 from typing import Callable, Mapping
 from urllib.parse import parse_qs, urlsplit
 
-from prometheus_client.exposition import choose_encoder
-
 from trainguard import log as tglog
+from trainguard.agent import exposition
 
 Response = tuple[int, Mapping[str, str], bytes]
 
@@ -117,8 +116,7 @@ class AgentServer:
             return 500, {"Content-Type": "text/plain"}, f"internal error: {type(exc).__name__}\n".encode()
 
     def _metrics(self, request: Request) -> Response:
-        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-        body = encoder(self.agent.registry)
+        body, content_type = exposition.encode(self.agent.registry, request.headers.get("Accept", ""))
         headers = {"Content-Type": content_type}
         if "gzip" in request.headers.get("Accept-Encoding", ""):
             body, headers["Content-Encoding"] = gzip.compress(body, compresslevel=1), "gzip"

@@ -175,7 +175,7 @@ def save_json_atomic(path: str | os.PathLike, payload: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as handle:
-        json.dump(payload, handle, separators=(",", ":"))
+        handle.write(json.dumps(payload, separators=(",", ":")))   # dumps: the C encoder, one write
     os.replace(tmp, path)
 
 

@@ -4,7 +4,7 @@ Importing torch would cost the agent seconds of CPU and hundreds of MB of memory
 version comes from its package metadata, its CUDA version from `torch/version.py` read as text, NCCL's
 from the `nvidia-nccl-cu*` wheel torch depends on, the driver's from sysfs/procfs. Only when torch was
 built with CUDA and no NCCL wheel is installed (a source or conda build) does the agent ask
-`torch.cuda.nccl.version()`, once, and only if the host collector's option `nccl_from_torch` is on.
+`torch.cuda.nccl.version()`, once, and only if the host collector's option `nccl_from_torch` is on (the default).
 """
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ def kernel_version(ctx: Context) -> str:
         return platform.release()
 
 
-def software_versions(ctx: Context) -> dict[str, str]:
+def software_versions(ctx: Context, ask_torch: bool = True) -> dict[str, str]:
     cuda = torch_cuda_version()
     return {"python": platform.python_version(), "trainguard": trainguard.__version__,
             "torch": package_version("torch"), "cuda": cuda,
-            "nccl": nccl_version(cuda, bool(ctx.options.get("nccl_from_torch", True))),
+            "nccl": nccl_version(cuda, ask_torch),
             "driver": driver_version(ctx), "kernel": kernel_version(ctx)}

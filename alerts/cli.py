@@ -43,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     test.add_argument("--dir", default=str(PACKAGE_DIR), help="rendered directory to check (default: %(default)s)")
 
 
+def main(argv: list[str]) -> int:
+    """`trainguard alerts ARGV...` in-process (tests, scripts)."""
+    parser = argparse.ArgumentParser(prog="trainguard alerts")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.alerts_command == "render":
         return render(args)

@@ -205,10 +205,11 @@ def hardware(policy: Policy) -> list[Group]:
               f"The GPU is above {_num(a.gpu_temp_c)} °C and will throttle its clocks, slowing every rank "
               "that waits for it. Check airflow, fans and the power limit.",
               for_=a.for_long),
-        Alert("GPUXidError", f"changes(DCGM_FI_DEV_XID_ERRORS[{RATE}]) > 0 or DCGM_FI_DEV_XID_ERRORS > 0",
-              "critical", "Xid {{ $value }} on GPU {{ $labels.gpu }} of {{ $labels.instance }}",
-              "The driver reported an Xid error. Some (48, 63, 64, 74, 79, 94, 95) mean the GPU needs a "
-              "reset or the node needs draining; see the runbook before restarting the run here."),
+        Alert("GPUXidError", f"increase(trainguard_gpu_xid_errors_total[{RATE}]) > 0",
+              "critical", "Xid {{ $labels.xid }} on GPU {{ $labels.gpu }} of {{ $labels.instance }}",
+              "The driver reported an Xid error (NVML events and the kernel log). Some (48, 63, 64, 74, 79, "
+              "94, 95) mean the GPU needs a reset or the node needs draining; see the runbook before "
+              "restarting the run here."),
         Alert("GPUMemoryFragmented", "trainguard:memory_fragmentation:ratio < " + _num(a.fragmentation_min),
               "warning", "Allocator memory fragmented on {{ $labels.instance }}: "
               "{{ $value | humanizePercentage }} of reserved memory in use",
@@ -255,7 +256,8 @@ def io_nccl(policy: Policy) -> list[Group]:
               f"More than {a.comm_overhead_max:.0%} of step time is spent in collectives: a slow link, a "
               "straggler rank, or buckets too small to overlap with compute.",
               for_=a.for_long),
-        Alert("NCCLWatchdogTimeout", f"increase(trainguard_nccl_watchdog_timeouts_total[{RATE}]) > 0",
+        Alert("NCCLWatchdogTimeout",
+              f'sum by ({NODE}) (increase(trainguard_nccl_events_total{{kind=~"watchdog_timeout|watchdog_stuck"}}[{RATE}])) > 0',
               "critical", "NCCL watchdog timed out on {{ $labels.instance }}",
               "A collective did not finish within the process group's timeout: a rank is hung or a link "
               "is down. The agent ends the node's ranks; torch's elastic launcher starts them again from "
@@ -295,7 +297,7 @@ def cost(policy: Policy) -> list[Group]:
               "A verified checkpoint is saved, the run stops cleanly and writes a cost summary."))
     alerts = Group("cost", "trainguard-cost.alerts", tuple(
         Alert(name, f"trainguard:cost_budget_overrun:ratio >= {_num(tier)}", severity,
-              f"Cost of {{{{ $labels.job }}}} is {{{{ $value | humanizePercentage }}}} over budget",
+              f"Cost of run {{{{ $labels.run_id }}}} is {{{{ $value | humanizePercentage }}}} over budget",
               f"Cost per 1000 steps is at least {tier:.0%} over the budget of "
               f"${_num(c.budget_per_1k_steps)} (at ${_num(c.price_per_gpu_hour)} per GPU-hour). {did}",
               for_=policy.alerts.for_short, action=action)

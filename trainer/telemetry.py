@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from trainguard import tls
-from trainguard.trainer.mfu import mfu as compute_mfu
 
 try:
     import torch
@@ -136,6 +135,17 @@ class MemoryProbe:
             self._statm = -1
 
 
+def _has_tensor(values: dict[str, Any]) -> bool:
+    if torch is None:
+        return False
+    tensor = torch.Tensor
+    for value in values.values():
+        if isinstance(value, tensor) or value.__class__ is dict and any(
+                isinstance(item, tensor) for item in value.values()):
+            return True
+    return False
+
+
 def _host_values(values: dict[str, Any]) -> dict[str, Any]:
     """Replace every tensor among `values` (and inside dict values) by a float, with one .tolist()."""
     if torch is None:
@@ -188,16 +198,19 @@ class StepTelemetry:
         """Write this step's record (and return it); None when telemetry is off."""
         if not self.enabled:
             return None
-        values = _host_values({"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate,
-                               "grad_norm_by_layer": grad_norm_by_layer, **extra})
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": learning_rate,
+                   "grad_norm_by_layer": grad_norm_by_layer, **extra}
+        if _has_tensor(metrics):
+            metrics = _host_values(metrics)
+        for key in [key for key, value in metrics.items() if value is None]:
+            del metrics[key]
+        metrics.update(timings)
         seconds = timings["step_time_seconds"]
         tokens_per_second = tokens / seconds if seconds > 0 else 0.0
-        metrics = {key: value for key, value in values.items() if value is not None}
-        metrics.update(timings)
         metrics["tokens_per_second"] = tokens_per_second
         metrics["samples_per_second"] = samples / seconds if seconds > 0 else 0.0
         if self.peak_flops:
-            metrics["mfu"] = compute_mfu(self.flops_per_token, tokens_per_second, self.peak_flops)
+            metrics["mfu"] = self.flops_per_token * tokens_per_second / self.peak_flops
         if tokens_trained is not None:
             metrics["tokens_trained"] = tokens_trained
         if tokens_loaded is not None:

@@ -125,13 +125,21 @@ def parse_timestamp(value: Any) -> float:
     raise TLSError(f"expected RFC 3339 or Unix seconds, got {value!r}", field="timestamp")
 
 
+_second_prefix: tuple[int, str] = (-1, "")   # the last whole second formatted (one per second, not per call)
+
+
 def format_timestamp(seconds: float) -> str:
     """Unix seconds as RFC 3339 UTC with microseconds: ``2024-03-15T14:22:18.250000Z``."""
+    global _second_prefix
     whole = int(seconds)
     micros = int(round((seconds - whole) * 1e6))
     if micros == 1_000_000:
         whole, micros = whole + 1, 0
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{micros:06d}Z"
+    cached_whole, prefix = _second_prefix
+    if cached_whole != whole:
+        prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))
+        _second_prefix = (whole, prefix)
+    return f"{prefix}.{micros:06d}Z"
 
 
 def _normalise_section(name: str, section: Any) -> dict:

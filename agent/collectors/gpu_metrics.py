@@ -65,7 +65,6 @@ DCGM_GAUGES = (
                                                                "nvmlClocksEventReason*)."),
     ("DCGM_FI_DEV_PCIE_TX_THROUGHPUT", "pcie_tx_kbps", "PCIe TX throughput (in KB/s), NVML's 20 ms sample."),
     ("DCGM_FI_DEV_PCIE_RX_THROUGHPUT", "pcie_rx_kbps", "PCIe RX throughput (in KB/s), NVML's 20 ms sample."),
-    ("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "pcie_replays", "Total number of PCIe retries."),
     ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "nvlink_bandwidth", "NVLink data throughput, TX+RX over all links, "
                                                                "since the last update (in MB/s, as DCGM)."),
     ("DCGM_FI_DEV_NVLINK_CRC_FLIT_ERROR_COUNT_TOTAL", "nvlink_crc_flit_errors",
@@ -204,7 +203,7 @@ class Reader:
         values = self.call(gpu, "nvmlDeviceGetFieldValues", [(fid, scope) for _, fid, scope in self.fields])
         for (name, _, _), value in zip(self.fields, values or ()):
             if value.nvmlReturn == self.nvml.NVML_SUCCESS:
-                r[name] = _field_number(self.nvml, value)
+                r[name] = field_number(self.nvml, value)
         if "nvlink_tx_kib" in r and "nvlink_rx_kib" in r:
             total = r["nvlink_tx_kib"] + r["nvlink_rx_kib"]
             before, gpu.nvlink_previous = gpu.nvlink_previous, (now, total)
@@ -218,7 +217,7 @@ def _set(r: dict, key: str, value: Any, per: int = 1) -> None:
         r[key] = value / per if per != 1 else value
 
 
-def _field_number(nvml, value) -> float:
+def field_number(nvml, value) -> float:
     kind = value.valueType
     if kind == nvml.NVML_VALUE_TYPE_DOUBLE:
         return value.value.dVal
@@ -265,7 +264,9 @@ def _counters(gpus: list[GPU], readings: dict[int, dict], node: str, labels: lis
     specs = (("trainguard_gpu_nvlink_transmitted_bytes", "nvlink_tx_kib", 1024, "NVLink data transmitted over all links."),
              ("trainguard_gpu_nvlink_received_bytes", "nvlink_rx_kib", 1024, "NVLink data received over all links."),
              ("trainguard_gpu_pcie_transmitted_bytes", "pcie_tx_bytes", 1, "Bytes the GPU transmitted over PCIe."),
-             ("trainguard_gpu_pcie_received_bytes", "pcie_rx_bytes", 1, "Bytes the GPU received over PCIe."))
+             ("trainguard_gpu_pcie_received_bytes", "pcie_rx_bytes", 1, "Bytes the GPU received over PCIe."),
+             # DCGM_FI_DEV_PCIE_REPLAY_COUNTER: promtool rejects a metric name containing "counter"
+             ("trainguard_gpu_pcie_replays", "pcie_replays", 1, "PCIe replays (retries) of the GPU's link."))
     out = []
     for name, key, scale, help_ in specs:
         family = CounterMetricFamily(name, help_, labels=labels)

@@ -19,6 +19,7 @@ import psutil
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from trainguard.agent.collector import Collector, Context, Sample, register
+from trainguard.agent.collectors.options import options
 from trainguard.agent.versions import software_versions
 
 USER_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -75,6 +76,7 @@ class HostCollector(Collector):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
+        self.opts = options(ctx.options, self.name, nccl_from_torch=True)
         self._last_cpu: tuple[int, int] | None = None       # (busy, total) jiffies at the last update
         self._processes: dict[int, psutil.Process] = {}      # rank -> process, kept so CPU times stay cheap
         self._rank_files: dict[str, tuple[tuple[int, int], dict]] = {}   # name -> ((mtime_ns, size), info)
@@ -87,7 +89,7 @@ class HostCollector(Collector):
         memory = parse_meminfo((procfs / "meminfo").read_text())
         load = parse_loadavg((procfs / "loadavg").read_text())
         if self._versions is None:
-            self._versions = software_versions(self.ctx)
+            self._versions = software_versions(self.ctx, ask_torch=self.opts["nccl_from_torch"])
         ranks = self._rank_processes()
         families = [*_cpu_families(stat), *_memory_families(memory), *_load_families(load),
                     *_rank_families(ranks), _info_family(self.ctx.node, self._versions)]

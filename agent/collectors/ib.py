@@ -100,7 +100,7 @@ def families(devices: list[IBDevice]) -> list[Metric]:
                              labels=PORT_LABELS)
     counters = {file: CounterMetricFamily(f"node_infiniband_{name}", help_, labels=PORT_LABELS)
                 for table in (COUNTERS, COUNTERS_EXT) for file, (name, help_) in table.items()}
-    hw = CounterMetricFamily("trainguard_infiniband_hw_counter", "RDMA hardware counters of the port from "
+    hw = CounterMetricFamily("trainguard_infiniband_port_hw", "RDMA hardware counters of the port from "
                              "sysfs hw_counters/ (retransmits, ack timeouts, out-of-buffer drops, CNPs), by file name.",
                              labels=[*PORT_LABELS, "counter"])
     for device in devices:

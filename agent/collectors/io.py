@@ -59,9 +59,11 @@ class IOCollector(Collector):
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        opts = options(ctx.options, self.name, device_exclude=DISK_EXCLUDE_DEFAULT, device_include=None,
+        opts = options(ctx.options, self.name, device_exclude=None, device_include=None,
                        netdev_device_exclude=None, netdev_device_include=None, checkpoint_dir=None)
-        self.disks = DeviceFilter(self.name, opts["device_exclude"], opts["device_include"])
+        # as node_exporter: the default exclusion applies unless an include pattern is given instead
+        exclude = opts["device_exclude"] or (None if opts["device_include"] else DISK_EXCLUDE_DEFAULT)
+        self.disks = DeviceFilter(self.name, exclude, opts["device_include"])
         self.nics = DeviceFilter(self.name, opts["netdev_device_exclude"], opts["netdev_device_include"],
                                  prefix="netdev_device")
         checkpoints = opts["checkpoint_dir"] or (ctx.run_dir / "checkpoints" if ctx.run_dir else None)

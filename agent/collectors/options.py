@@ -13,8 +13,12 @@ from typing import Any, Mapping
 
 from ..config import ConfigError
 
+# Keys the runner passes to every collector besides its own section (agent/runner.py _shared_options).
+SHARED = frozenset({"policy"})
+
 
 def options(given: Mapping[str, Any], collector: str, **defaults: Any) -> dict[str, Any]:
+    given = {key: value for key, value in given.items() if key not in SHARED or key in defaults}
     for key in given:
         if key not in defaults:
             raise ConfigError(f"collectors.{collector}.{key}: unknown option (known: {', '.join(sorted(defaults))})")

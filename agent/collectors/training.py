@@ -1,8 +1,10 @@
 """training: the trainer's step telemetry (RUN/tls/rank-*.jsonl) as metrics, followed incrementally.
 
 Each update reads only what the ranks appended since the last one (agent/tail.py), folds it into
-`TrainingState`, and saves offsets and state together, atomically, in RUN/agent/offsets-<node>.json: an
-agent killed at any moment and restarted resumes exactly there, so no step is lost or counted twice.
+`TrainingState`, and saves offsets and state together, atomically, in RUN/agent/offsets-<node>.json (at
+most every `save_every_seconds`, and at shutdown): an agent killed at any moment and restarted resumes from
+the last save, re-reading what it read since with the counters of that moment, so no step is lost or
+counted twice.
 A malformed line is counted (`trainguard_tls_malformed_lines_total{file}`) and logged with file:line.
 
 Labels are `run_id` and `rank` (bounded by the world size); never step or pid. The cost meter of the
@@ -22,6 +24,7 @@ from trainguard import log as tglog
 from trainguard import policy as tgpolicy
 from trainguard import tls
 from trainguard.agent.collector import Collector, CollectorDisabled, Context, Sample, register
+from trainguard.agent.collectors.options import options
 from trainguard.agent.tail import Follower, load_json, save_json_atomic
 from trainguard.agent.training_state import STEP_GAUGES, TrainingState
 
@@ -51,7 +54,11 @@ class TrainingCollector(Collector):
         self.follower = Follower(self.run_dir / "tls", "rank-*.jsonl")
         self.offsets_path = self.run_dir / "agent" / f"offsets-{ctx.node}.json"
         self.state = TrainingState()
-        self.meter = self._cost_meter(ctx.options.get("policy"))
+        opts = options(ctx.options, self.name, policy=None, save_every_seconds=5.0)
+        self.save_every = opts["save_every_seconds"]
+        self._unsaved = False
+        self._saved_at: float | None = None   # monotonic time of the last save; None: never
+        self.meter = self._cost_meter(opts["policy"] or ctx.policy)
         self.on_decision = None          # set by the agent: callable(Decision)
         self.restored = self._restore()
         self._cost_rank: int | None = None
@@ -87,6 +94,11 @@ class TrainingCollector(Collector):
                    "state": self.state.to_dict(), "cost_rank": self._cost_rank,
                    "cost": self.meter.state_dict() if self.meter is not None else None}
         save_json_atomic(self.offsets_path, payload)
+        self._unsaved, self._saved_at = False, time.monotonic()
+
+    def close(self) -> None:
+        if self._unsaved:
+            self._save()
 
     # --------------------------------------------------------------------------------------- update
 
@@ -103,7 +115,8 @@ class TrainingCollector(Collector):
         for message in self.follower.events:
             self.log.info(f"tls file {message}")
         self.follower.events.clear()
-        if consumed:
+        self._unsaved = self._unsaved or consumed > 0
+        if self._unsaved and (self._saved_at is None or time.monotonic() - self._saved_at >= self.save_every):
             self._save()
         now = time.time()
         return Sample(self._families(now), tls=self.state.tls_fragment(now))

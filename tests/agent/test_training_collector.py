@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 
 import pytest
@@ -39,7 +40,8 @@ def event_record(kind: str, step: int, timestamp: float, rank: int = 0, **fields
 
 
 def collector(run_dir, **options) -> TrainingCollector:
-    return TrainingCollector(Context(run_dir=run_dir, node="node-a", options=options))
+    """Saves after every update unless told otherwise, so each test sees its state on disk."""
+    return TrainingCollector(Context(run_dir=run_dir, node="node-a", options={"save_every_seconds": 0.0, **options}))
 
 
 @pytest.fixture
@@ -112,15 +114,18 @@ def test_checkpoint_age_from_events_and_from_disk(run_dir):
     manifest = run_dir / "checkpoints" / "step_10" / "manifest.json"
     manifest.parent.mkdir(parents=True)
     manifest.write_text("{}")
+    written = time.time() - 3600
+    os.utime(manifest, (written, written))
     values = samples(source.update())          # no event yet: the newest manifest on disk says when
     assert get(values, "trainguard_checkpoint_last_step", run_id="") == 10
+    assert get(values, "trainguard_checkpoint_last_timestamp_seconds", run_id="") == pytest.approx(written)
     saved_at = time.time() - 120
     with tls.Writer(run_dir / "tls" / "rank-0.jsonl") as writer:
-        writer.write(event_record("checkpoint_saved", 20, saved_at + 1e6))
+        writer.write(event_record("checkpoint_saved", 20, saved_at))
     sample = source.update()
     values = samples(sample)
     assert get(values, "trainguard_checkpoint_last_step", run_id="gpt") == 20
-    assert get(values, "trainguard_checkpoint_last_timestamp_seconds", run_id="gpt") == saved_at + 1e6
+    assert get(values, "trainguard_checkpoint_last_timestamp_seconds", run_id="gpt") == pytest.approx(saved_at)
     assert sample.tls["system"]["last_checkpoint"] == "step_20"
 
 
@@ -203,3 +208,23 @@ def test_tls_fragment_for_the_node_record(run_dir):
 def test_without_a_run_dir_the_collector_disables_itself():
     with pytest.raises(CollectorDisabled, match="no run directory"):
         TrainingCollector(Context(run_dir=None))
+
+
+def test_saves_are_spaced_but_a_restart_still_counts_each_step_once(run_dir):
+    path = run_dir / "tls" / "rank-0.jsonl"
+    offsets = run_dir / "agent" / "offsets-node-a.json"
+    with tls.Writer(path) as writer:
+        writer.write(step_record(1, 0))
+        first = collector(run_dir, save_every_seconds=3600.0)
+        first.update()                       # the first read saves (nothing saved yet)
+        for step in range(2, 6):
+            writer.write(step_record(step, 0))
+            first.update()                   # read, but not saved: within the spacing
+        assert json.loads(offsets.read_text())["state"]["ranks"]["0"]["steps_total"] == 1
+        killed_values = samples(first.update())
+        assert get(killed_values, "trainguard_training_steps_total", run_id="gpt", rank="0") == 5
+        second = collector(run_dir)          # the first was killed: resume from the save after step 1
+        values = samples(second.update())
+    assert get(values, "trainguard_training_steps_total", run_id="gpt", rank="0") == 5
+    first.close()                            # a clean stop saves what is unsaved
+    assert json.loads(offsets.read_text())["state"]["ranks"]["0"]["steps_total"] == 5

@@ -91,10 +91,10 @@ def test_sampled_thins_evenly():
     assert len(gaps) == 1                      # evenly spaced
 
 
-def _peak_bytes_loading(run_dir: Path) -> int:
+def _peak_bytes_loading(run_dir: Path, goodput: bool = False) -> int:
     tracemalloc.start()
     try:
-        run = load_run(run_dir)
+        run = load_run(run_dir, goodput=goodput)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -114,8 +114,23 @@ def _long_log(root: Path, steps: int) -> Path:
 
 
 def test_memory_stays_flat_as_the_log_grows(tmp_path):
-    small = _peak_bytes_loading(_long_log(tmp_path / "small", 8_000))
-    large = _peak_bytes_loading(_long_log(tmp_path / "large", 40_000))
+    small = _peak_bytes_loading(_long_log(tmp_path / "small", 4_000))
+    large = _peak_bytes_loading(_long_log(tmp_path / "large", 20_000))
     # five times the records, nearly the same memory: only bounded buckets and samples are kept
     assert large < small * 1.5 + 512 * 1024, (small, large)
     assert large < 16 * 2**20
+    # The goodput breakdown is the one part that grows with the run: a few numbers per step.
+    with_goodput = _peak_bytes_loading(tmp_path / "large", goodput=True)
+    assert with_goodput - large < 20_000 * 1024, (large, with_goodput)
+
+
+def test_goodput_comes_from_trainguard_goodput(tmp_path):
+    from trainguard.goodput import compute
+    from trainguard.tls import read_records
+
+    root = write_run(tmp_path, ranks=1, malformed=0)
+    run = load_run(root)
+    expected = compute(read_records(root / "tls" / "rank-0.jsonl"))
+    assert math.isclose(run.goodput.productive_seconds, expected.productive_seconds)
+    assert run.goodput.badput_seconds == expected.badput_seconds
+    assert run.goodput.badput_seconds["skipped_steps"] > 0

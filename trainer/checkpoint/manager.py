@@ -108,6 +108,7 @@ class CheckpointManager:
         self._log = log or tglog.get("checkpoint")
         self._lock = threading.RLock()  # directory changes (publish, retention) against scans
         self._pending: tuple[SaveHandle, threading.Thread] | None = None
+        self._stager = state_mod.Stager()
         for path in () if inspect_only else store.clean_stale(self.root):
             self._log.info("checkpoint_stale_removed", path=str(path))
 
@@ -133,7 +134,7 @@ class CheckpointManager:
             self._write(handle, parts, meta, began)
             self._surface(handle)
             return handle
-        parts = state_mod.snapshot(parts)
+        parts = self._stager.stage(parts)
         handle.blocking_seconds = time.perf_counter() - began
         worker = threading.Thread(target=self._write, args=(handle, parts, meta, began),
                                   name=f"trainguard-checkpoint-{step}")

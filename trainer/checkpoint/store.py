@@ -35,7 +35,27 @@ _PRIVATE = re.compile(r"^\.(tmp|trash)-(.+)-(.+)-(\d+)$")
 # Private dirs of another host cannot be checked for a live owner; they are removed once this old.
 FOREIGN_STALE_SECONDS = 24 * 3600
 
+# Ask the kernel to start writing back every this many bytes, so the final fsync waits for the tail only.
+WRITEBACK_EVERY = 32 << 20
+
 _hash_pool: ThreadPoolExecutor | None = None
+_sync_file_range = None
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """sync_file_range(SYNC_FILE_RANGE_WRITE): start writeback of a range without waiting (Linux; elsewhere
+    a no-op and the fsync at the end does all the work)."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        function = getattr(libc, "sync_file_range", None)
+        if function is not None:
+            function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        _sync_file_range = function or False
+    if _sync_file_range:
+        _sync_file_range(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE; a failure only loses the head start
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -68,6 +88,7 @@ class HashingWriter:
         self._raw = raw
         self._sha = hashlib.sha256()
         self.bytes = 0
+        self._written_back = 0
         # torch.save masks an error raised by write() with its own "unexpected pos" error when it closes
         # the archive; the first real one (ENOSPC, EIO) is kept here to be reported instead.
         self.error: OSError | None = None
@@ -88,6 +109,10 @@ class HashingWriter:
             self.error = self.error or exc
             raise
         self.bytes += view.nbytes
+        if self.bytes - self._written_back >= WRITEBACK_EVERY:
+            self._raw.flush()
+            _start_writeback(self._raw.fileno(), self._written_back, self.bytes - self._written_back)
+            self._written_back = self.bytes
         return view.nbytes
 
     def flush(self) -> None:
@@ -205,15 +230,14 @@ class _SizeChanged(Exception):
     pass
 
 
-def _read_hashed(handle: IO[bytes], size: int, target: memoryview | None) -> str:
-    """SHA-256 of exactly `size` bytes of `handle`, read into `target` (or scratch buffers) while the hash
-    thread digests the previous chunk."""
+def _read_hashed(handle: IO[bytes], size: int) -> str:
+    """SHA-256 of exactly `size` bytes of `handle`, read into one scratch buffer while the hash thread
+    digests the other."""
     sha = hashlib.sha256()
-    scratch = None if target is not None else [memoryview(bytearray(min(CHUNK, size) or 1)) for _ in range(2)]
+    scratch = [memoryview(bytearray(min(CHUNK, size) or 1)) for _ in range(2)]
     pending, pos, turn = None, 0, 0
     while pos < size:
-        want = min(CHUNK, size - pos)
-        view = target[pos:pos + want] if target is not None else scratch[turn % 2][:want]
+        view = scratch[turn % 2][:min(CHUNK, size - pos)]
         got = handle.readinto(view)
         if pending is not None:
             pending.result()
@@ -228,24 +252,32 @@ def _read_hashed(handle: IO[bytes], size: int, target: memoryview | None) -> str
     return sha.hexdigest()
 
 
-def _check_file(path: Path, entry: FileEntry, target: memoryview | None, deep: bool) -> tuple[str, str] | None:
+def _check_handle(handle: IO[bytes], entry: FileEntry, deep: bool) -> tuple[str, str] | None:
+    size = os.fstat(handle.fileno()).st_size
+    if size != entry.bytes:
+        return mf.SIZE_MISMATCH, f"{entry.name} has {size} bytes, the manifest says {entry.bytes} (truncated or extended)"
+    if not deep:
+        return None
     try:
-        with open(path, "rb", buffering=0) as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size != entry.bytes:
-                return mf.SIZE_MISMATCH, (f"{entry.name} has {size} bytes, the manifest says {entry.bytes} "
-                                          "(truncated or extended)")
-            if not deep:
-                return None
-            digest = _read_hashed(handle, size, target)
-    except FileNotFoundError:
-        return mf.MISSING_FILE, f"{entry.name} is listed in the manifest but not there"
+        digest = _read_hashed(handle, size)
     except _SizeChanged:
         return mf.SIZE_MISMATCH, f"{entry.name} changed size while it was read"
     if digest != entry.sha256:
         return mf.HASH_MISMATCH, (f"{entry.name} has sha256 {digest[:12]}…, the manifest says "
                                   f"{entry.sha256[:12]}… (content changed)")
     return None
+
+
+def _missing(entry: FileEntry) -> tuple[str, str]:
+    return mf.MISSING_FILE, f"{entry.name} is listed in the manifest but not there"
+
+
+def _check_file(path: Path, entry: FileEntry, deep: bool) -> tuple[str, str] | None:
+    try:
+        with open(path, "rb", buffering=0) as handle:
+            return _check_handle(handle, entry, deep)
+    except FileNotFoundError:
+        return _missing(entry)
 
 
 def read_manifest(path: Path) -> dict:
@@ -271,7 +303,7 @@ def verify_dir(path: Path, key: bytes, key_id: str, *, deep: bool = True) -> Ver
         return VerifyResult.refused(path, exc.code, str(exc), step)
     problem = mf.check_signature(manifest, key, key_id) or mf.check_step(manifest, path.name)
     for entry in mf.entries(manifest) if problem is None else ():
-        problem = _check_file(path / entry.name, entry, None, deep)
+        problem = _check_file(path / entry.name, entry, deep)
         if problem:
             break
     if problem:
@@ -279,60 +311,38 @@ def verify_dir(path: Path, key: bytes, key_id: str, *, deep: bool = True) -> Ver
     return VerifyResult(path, True, mf.OK, "ok", manifest["step"], manifest)
 
 
-def read_verified(path: Path, entry: FileEntry) -> bytearray:
-    """The file's bytes, read once and hashed on the way in; CheckpointError unless they match `entry`."""
-    buffer = bytearray(entry.bytes)
-    problem = _check_file(path, entry, memoryview(buffer), deep=True)
-    if problem:
-        code, detail = problem
-        raise CheckpointError(f"{path.parent}: {code.replace('_', ' ')}: {detail}", code=code, path=path)
-    return buffer
-
-
-class _MemoryReader:
-    """A read-only file over bytes already in memory, for torch.load (which copies with readinto)."""
-
-    def __init__(self, buffer: bytearray):
-        self._view, self._pos = memoryview(buffer), 0
-
-    def readinto(self, target: Any) -> int:
-        target = memoryview(target).cast("B")
-        n = max(0, min(target.nbytes, len(self._view) - self._pos))
-        target[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def read(self, size: int = -1) -> bytes:
-        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._pos + size)
-        data = bytes(self._view[self._pos:end])
-        self._pos = max(self._pos, end)
-        return data
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-
 def load_verified(path: Path, entry: FileEntry, map_location: Any) -> Any:
-    """Read, check against the manifest entry, then ``torch.load(weights_only=True)``; nothing else loads."""
+    """Hash the file, then ``torch.load(weights_only=True)`` it through the same descriptor; nothing else loads.
+
+    One descriptor means a file renamed over this one in between is not what gets loaded; a write into
+    this very file in between changes its ctime, which is compared after the load. Either way, weights_only
+    means nothing in the file is ever executed.
+    """
     import torch
 
-    buffer = read_verified(path, entry)
+    def refuse(code: str, detail: str) -> CheckpointError:
+        return CheckpointError(f"{path.parent}: {code.replace('_', ' ')}: {detail}", code=code, path=path)
+
     try:
-        return torch.load(_MemoryReader(buffer), map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(f"{path.parent}: unsafe content: {entry.name}: torch.load(weights_only=True) "
-                              f"refused it ({_why_refused(exc)})", code=mf.UNSAFE_CONTENT, path=path) from None
+        handle = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise refuse(*_missing(entry)) from None
+    with handle:
+        before = os.fstat(handle.fileno())
+        problem = _check_handle(handle, entry, deep=True)
+        if problem:
+            raise refuse(*problem)
+        handle.seek(0)
+        try:
+            state = torch.load(handle, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise refuse(mf.UNSAFE_CONTENT, f"{entry.name}: torch.load(weights_only=True) refused it "
+                                            f"({_why_refused(exc)})") from None
+        after = os.fstat(handle.fileno())
+    if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (before.st_size, before.st_mtime_ns,
+                                                                 before.st_ctime_ns):
+        raise refuse(mf.HASH_MISMATCH, f"{entry.name} was written to while it was being loaded")
+    return state
 
 
 def _why_refused(exc: Exception) -> str:

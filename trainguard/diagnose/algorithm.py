@@ -30,7 +30,6 @@ def fragmentation(run: RunData, policy: Policy) -> Finding:
     ratio, rank, rows = worst
     cols = run.ranks[rank]
     allocated, reserved = cols.values["mem_allocated_bytes"], cols.values["mem_reserved_bytes"]
-    below = [i for i in rows if allocated[i] < limit * reserved[i]]
     evidence = {"rank": rank, "median_ratio": rounded(ratio, 3), "threshold": limit,
                 "reserved_bytes_median": median(reserved[i] for i in rows),
                 "allocated_bytes_median": median(allocated[i] for i in rows)}
@@ -40,7 +39,7 @@ def fragmentation(run: RunData, policy: Policy) -> Finding:
     return problem(LAYER, check, f"rank {rank}'s caching allocator holds {1 / ratio:.1f}x the memory its tensors use "
                                  f"(allocated/reserved {ratio:.2f} < {limit}): fragmented; try "
                                  "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-                   len(below) / len(rows), **evidence)
+                   1.0 - ratio, **evidence)
 
 
 def _loss_rows(run: RunData, field: str, warmup: int) -> tuple[int, Columns, list[int]] | None:

@@ -57,7 +57,7 @@ def render(data: RunData, findings: list[Finding]) -> str:
     problems = [f for f in findings if f.status == PROBLEM]
     lines.append("")
     if problems:
-        lines.append("Likely causes of lost throughput, in the order to look at them:")
+        lines.append("Likely causes of lost throughput, biggest share of the run first:")
         for n, f in enumerate(problems, 1):
             lines.append(f"{n:>2}. [{f.layer}] {f.check} (score {f.score:.2f})")
             lines.append(f"    {f.cause}")

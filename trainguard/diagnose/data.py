@@ -37,8 +37,14 @@ def data_wait(run: RunData, policy: Policy) -> Finding:
     evidence["stretches"] = stretches(cols, rows, lambda i: wait[i] > limit * step_time[i])
     how_much = (f"{whole:.0%} of step time" if whole > limit else
                 f"{window:.0%} of step time in its worst {settings.min_steps} steps ({whole:.0%} over the run)")
-    return problem(LAYER, check, f"rank {rank} waits for data {how_much} (limit {limit:.0%}): "
-                                 "the input pipeline starves training", whole, **evidence)
+    others = [v[0] for r, v in found.items() if r != rank]
+    # One rank starved while the others are not: they wait for it in the all-reduce instead.
+    alone = bool(others) and max(others) <= limit and max(others) < whole / 2
+    consequence = ("the other ranks wait for it in the all-reduce: a data straggler" if alone
+                   else "the input pipeline starves training")
+    evidence["straggler"] = alone
+    return problem(LAYER, check, f"rank {rank} waits for data {how_much} (limit {limit:.0%}): {consequence}",
+                   whole, **evidence)
 
 
 def disk_await(run: RunData, policy: Policy) -> Finding:

@@ -4,9 +4,14 @@ A finding is a `problem` (the check saw a likely cause of lost throughput, with 
 check had the data and saw nothing) or `no_data` (the logs do not hold what the check needs, and
 `needs` says what). Checks never guess: a check that cannot tell says so.
 
-`score` orders problems within a layer. For timing checks it is the share of step time the cause
-costs (0.3 = 30% of the run's time); for conditions (a hot GPU, slow disks) it is the share of samples
-in the condition; for events (XID, ECC) it is 1.
+`score` is the share of the run a cause takes, 0..1, so causes from different layers compare: for
+timing checks the share of step time lost (0.3 = 30% of the run's time); for conditions (a throttled
+GPU, slow disks, a degraded link) the share of samples in the condition; for wasted resources the share
+wasted (loaded tokens never trained, reserved memory holding no tensor, steps spent on a plateau); for
+error events (XID, uncorrectable ECC) 1, since they explain everything above them.
+
+Problems are ranked by score, biggest first; equal scores go in the order an operator should look
+(hardware, driver, framework, data, algorithm: a lower layer explains symptoms in the layers above).
 """
 
 from __future__ import annotations
@@ -52,5 +57,6 @@ def no_data(layer: str, check: str, needs: str, **evidence: Any) -> Finding:
 
 
 def rank_findings(findings: list[Finding]) -> list[Finding]:
-    """Problems first, in layer order (strongest first within a layer), then checks without data, then the clean ones."""
-    return sorted(findings, key=lambda f: (_STATUS_ORDER[f.status], LAYERS.index(f.layer), -f.score))
+    """Problems first, biggest share of the run first (layer order breaks ties), then checks without data,
+    then the clean ones, each of those in layer order."""
+    return sorted(findings, key=lambda f: (_STATUS_ORDER[f.status], -round(f.score, 2), LAYERS.index(f.layer)))

@@ -19,7 +19,8 @@ NEEDS_AGENT = "the agent's GPU samples (hardware.gpus[] in RUN/tls/node-<host>.j
 
 # NVML clocks-event reasons that cost throughput: SW power cap, HW slowdown, SW thermal, HW thermal,
 # HW power brake (nvmlClocksEventReason*; idle, app clocks, sync boost and display are not a slowdown).
-SLOWDOWN_REASONS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
+# Named as dcgm-exporter and the agent's GPU collector name them.
+SLOWDOWN_REASONS = {0x4: "power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
                     0x80: "hw_power_brake"}
 SLOWDOWN_MASK = sum(SLOWDOWN_REASONS)
 BUSY_UTIL = 50.0            # a clock is only judged while the GPU has work
@@ -45,11 +46,11 @@ def gpu_slowdown(run: RunData, policy: Policy) -> Finding:
         v = cols.values
 
         def slow(i: int) -> bool:   # NaN compares false: a field the sample lacks never flags it
-            return (v["gpu_temp_c"][i] > limit or bool(_reasons(v["clocks_event_reasons"][i]))
+            return (v["gpu_temp_c"][i] > limit or bool(_reasons(v["throttle_reasons"][i]))
                     or v["gpu_util"][i] > BUSY_UTIL and v["sm_clock_mhz"][i] < ratio_min * v["sm_clock_max_mhz"][i])
 
         rows = [i for i in range(len(cols)) if any(finite(v[name][i]) for name in
-                                                   ("gpu_temp_c", "clocks_event_reasons", "sm_clock_mhz"))]
+                                                   ("gpu_temp_c", "throttle_reasons", "sm_clock_mhz"))]
         if not rows:
             continue
         seen = True
@@ -67,7 +68,7 @@ def gpu_slowdown(run: RunData, policy: Policy) -> Finding:
                 "threshold_temp_c": limit, "clock_ratio_min": ratio_min, "sustained_seconds": sustain}
     if not runs:
         return ok(LAYER, check, f"no GPU ran hot or throttled for {policy.alerts.for_short}", **evidence)
-    reasons = sorted({name for r in runs for i in r for name in _reasons(v["clocks_event_reasons"][i])})
+    reasons = sorted({name for r in runs for i in r for name in _reasons(v["throttle_reasons"][i])})
     evidence.update(reasons=reasons, share_of_samples=rounded(affected),
                     stretches=[describe(cols, r) for r in runs[:MAX_RANGES]])
     why = ", ".join(reasons) if reasons else f"temperature or SM clock under {ratio_min:.0%} of max"
@@ -84,8 +85,8 @@ def _pcie_capacity(v: dict, i: int, current: bool) -> float:
 
 
 def gpu_links(run: RunData, policy: Policy) -> Finding:
-    """PCIe links trained below their generation or width, or NVLink bandwidth under its capability:
-    throughput far under what the link can carry, whatever the workload asks of it."""
+    """PCIe links trained below their generation or width, or NVLink links down: the link can carry only
+    part of what it was built for, so transfers run far under its capacity whatever the workload asks."""
     check, ratio_min = "gpu_links", policy.diagnose.link_ratio_min
     worst, seen = None, False
     for key, cols in sorted(run.gpus.items()):
@@ -93,8 +94,7 @@ def gpu_links(run: RunData, policy: Policy) -> Finding:
         ratios = {}
         for i in range(len(cols)):
             pcie = _pcie_capacity(v, i, True) / _pcie_capacity(v, i, False)
-            nvlink = v["nvlink_bandwidth_bytes_per_second"][i] / v["nvlink_bandwidth_max_bytes_per_second"][i] \
-                if v["nvlink_bandwidth_max_bytes_per_second"][i] > 0 else float("nan")
+            nvlink = v["nvlink_links_active"][i] / v["nvlink_links"][i] if v["nvlink_links"][i] > 0 else float("nan")
             found = [r for r in (pcie, nvlink) if finite(r)]
             if found:
                 ratios[i] = min(found)
@@ -106,7 +106,7 @@ def gpu_links(run: RunData, policy: Policy) -> Finding:
         if worst is None or share > worst[0]:
             worst = (share, key, low, ratios)
     if not seen:
-        return no_data(LAYER, check, f"PCIe link generation/width (current and max) or NVLink bandwidth in {NEEDS_AGENT}")
+        return no_data(LAYER, check, f"PCIe link generation/width (current and max) or NVLink links (active of all) in {NEEDS_AGENT}")
     share, key, low, ratios = worst
     cols = run.gpus[key]
     evidence = {"gpu": _gpu_label(key), "min_ratio": rounded(min(ratios.values()), 3), "threshold": ratio_min}
@@ -114,15 +114,16 @@ def gpu_links(run: RunData, policy: Policy) -> Finding:
         return ok(LAYER, check, f"every link runs at {min(ratios.values()):.0%} or more of its capability", **evidence)
     v = cols.values
     i = low[0]
-    evidence.update(share_of_samples=rounded(share), pcie={"gen": v["pcie_link_gen"][i],
-                    "gen_max": v["pcie_link_gen_max"][i], "width": v["pcie_link_width"][i],
-                    "width_max": v["pcie_link_width_max"][i]}, stretches=[describe(cols, [j]) for j in low[:1]])
+    evidence.update(share_of_samples=rounded(share), stretches=[describe(cols, [low[0]]), describe(cols, [low[-1]])],
+                    link={name: v[name][i] for name in ("pcie_link_gen", "pcie_link_gen_max", "pcie_link_width",
+                                                         "pcie_link_width_max", "nvlink_links_active", "nvlink_links")
+                          if finite(v[name][i])})
     return problem(LAYER, check, f"{_gpu_label(key)}'s link carries {ratios[i]:.0%} of its capability (under "
                                  f"{ratio_min:.0%}): a trained-down PCIe link or a degraded NVLink", share, **evidence)
 
 
-ERROR_COUNTERS = {"xid_errors_total": "XID errors", "ecc_dbe_volatile_total": "uncorrectable ECC errors",
-                  "remapped_rows_uncorrectable_total": "rows remapped for uncorrectable errors"}
+ERROR_COUNTERS = {"xid_errors": "XID errors", "ecc_dbe_volatile": "uncorrectable ECC errors",
+                  "remapped_uncorrectable": "rows remapped for uncorrectable errors"}
 
 
 def gpu_errors(run: RunData, policy: Policy) -> Finding:
@@ -141,9 +142,9 @@ def gpu_errors(run: RunData, policy: Policy) -> Finding:
                 first = next(b for a, b in zip(rows, rows[1:]) if values[b] > values[a])
                 found.append({"gpu": _gpu_label(key), "what": what, "increase": int(increase),
                               "first_seen": describe(cols, [first])["from"]})
-        pending = rows_with(cols, ("remapped_rows_pending",))
+        pending = rows_with(cols, ("remap_pending",))
         seen = seen or bool(pending)
-        if any(cols.values["remapped_rows_pending"][i] > 0 for i in pending):
+        if any(cols.values["remap_pending"][i] > 0 for i in pending):
             found.append({"gpu": _gpu_label(key), "what": "a row remap pending (needs a GPU reset)", "increase": 1})
     xid_events = [e for e in run.events if "xid" in str(e["event"].get("type", "")).lower()]
     for event in xid_events:

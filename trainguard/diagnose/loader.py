@@ -33,15 +33,13 @@ RANK_FIELDS = {
     "mem_allocated_bytes": ("hardware", "metrics"),
     "mem_reserved_bytes": ("hardware", "metrics"),
 }
-# Per-GPU columns of the agent's node records (`hardware.gpus[]`), DCGM's meanings, base units.
+# Per-GPU columns of the agent's node records (`hardware.gpus[]`), named as the GPU collector's readings.
 GPU_FIELDS = (
-    "gpu_util", "gpu_temp_c", "gpu_power_w", "power_limit_w", "sm_clock_mhz", "sm_clock_max_mhz",
-    "mem_used_bytes", "mem_total_bytes", "clocks_event_reasons",
+    "gpu_util", "gpu_temp_c", "sm_clock_mhz", "sm_clock_max_mhz", "throttle_reasons",
+    "mem_used_bytes", "mem_total_bytes",
     "pcie_link_gen", "pcie_link_gen_max", "pcie_link_width", "pcie_link_width_max",
-    "pcie_tx_bytes_per_second", "pcie_rx_bytes_per_second",
-    "nvlink_bandwidth_bytes_per_second", "nvlink_bandwidth_max_bytes_per_second",
-    "xid_errors_total", "ecc_sbe_volatile_total", "ecc_dbe_volatile_total",
-    "remapped_rows_uncorrectable_total", "remapped_rows_pending",
+    "nvlink_links", "nvlink_links_active",
+    "xid_errors", "ecc_dbe_volatile", "remapped_uncorrectable", "remap_pending",
 )
 NODE_FIELDS = ("disk_await_ms",)
 

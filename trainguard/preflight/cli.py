@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 def render_table(report: result_mod.Report) -> str:
     width = shutil.get_terminal_size((100, 24)).columns
     name_width = max(len(c.name) for c in report.checks) if report.checks else 5
-    lead = name_width + 16
+    lead = name_width + 17
     lines = [f"{'check':<{name_width}}  {'result':<6} {'time':>6}  detail"]
     for check in report.checks:
         body = textwrap.wrap(check.message, max(30, width - lead)) or [""]

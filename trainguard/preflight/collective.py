@@ -83,19 +83,26 @@ def check_collective(timeout: float, backend: str | None = None) -> CheckResult:
                     if any(p.exitcode not in (None, 0) for p in ranks):
                         break   # a rank died without a word (killed, segfault): no point waiting
         finally:
-            for process in ranks:
-                process.join(timeout=5)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
+            exit_codes = {r: p.exitcode for r, p in enumerate(ranks)}   # as they were at the verdict
+            _stop(ranks, grace=10.0 if len(reports) == WORLD else 0.0)
     details["seconds"] = round(time.monotonic() - began, 3)
-    return _verdict(reports, ranks, backend, timeout, details)
+    return _verdict(reports, exit_codes, backend, timeout, details)
 
 
-def _verdict(reports: dict, ranks: list, backend: str, timeout: float, details: dict) -> CheckResult:
+def _stop(ranks: list, grace: float) -> None:
+    """Let ranks that reported exit on their own (within `grace`); kill the rest, then reap them all."""
+    for process in ranks:
+        process.join(timeout=grace)
+        if process.is_alive():
+            process.kill()
+    for process in ranks:
+        process.join()
+
+
+def _verdict(reports: dict, exit_codes: dict, backend: str, timeout: float, details: dict) -> CheckResult:
     silent = [r for r in range(WORLD) if r not in reports]
     if silent:
-        codes = {r: ranks[r].exitcode for r in silent}
+        codes = {r: exit_codes[r] for r in silent}
         how = "did not finish" if all(c is None or c < 0 for c in codes.values()) else "died"
         return CheckResult("collective", FAIL, f"{backend} all-reduce over {WORLD} ranks: rank(s) "
                                                f"{', '.join(map(str, silent))} {how} within {timeout:g} s "

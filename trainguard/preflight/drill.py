@@ -45,10 +45,14 @@ def run_drill(base: Path | None = None, corrupt_steps: Iterable[int] = (BAD,)) -
     from trainguard.trainer.checkpoint import CheckpointManager
     from trainguard.trainer.faults import FaultInjector
 
-    if base is not None:
-        base.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix=".preflight-drill-", dir=base))
     events: list[dict] = []
+    try:
+        if base is not None:
+            base.mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix=".preflight-drill-", dir=base))
+    except OSError as exc:
+        return CheckResult("checkpoint_drill", FAIL, f"drill could not run: cannot make its directory under "
+                                                     f"{base}: {exc.strerror or exc}", {"directory": str(base)})
 
     def sink(event_type: str, /, **fields: Any) -> None:
         events.append({"type": event_type, **fields})

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.policy import PreflightPolicy
-from trainguard.preflight.result import FAIL, PASS, CheckResult
+from trainguard.preflight.result import FAIL, PASS, SKIP, CheckResult
 
 PROBE_CHUNK = 4 << 20
+PROBE_SHARE_OF_FREE = 0.1    # the speed probe never takes more than this of the free space
 # AdamW in fp32: weights, exp_avg and exp_avg_sq, 4 bytes each per parameter.
 BYTES_PER_PARAMETER = 12
 
@@ -60,7 +61,7 @@ def checkpoint_estimate(run_dir: Path | None, checkpoint_dir: Path) -> tuple[int
 
 
 def _writable_dir(path: Path) -> str | None:
-    """None when `path` is (or could be made) a directory; else why not."""
+    """None when `path` is a directory or could be made one (it is then made, as the trainer would); else why not."""
     if path.exists() and not path.is_dir():
         return f"{path} exists and is not a directory"
     try:
@@ -87,26 +88,31 @@ def measure_write(directory: Path, size: int) -> float:
     return size / max(time.perf_counter() - began, 1e-9)
 
 
+def size_text(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 def check_storage(checkpoint_dir: Path | None, run_dir: Path | None, policy: PreflightPolicy) -> CheckResult:
     if checkpoint_dir is None:
-        return CheckResult("storage", "skip", "no checkpoint directory: pass --run-dir DIR (or --checkpoint-dir DIR)")
+        return CheckResult("storage", SKIP, "no checkpoint directory: pass --run-dir DIR (or --checkpoint-dir DIR)")
     details: dict[str, Any] = {"directory": str(checkpoint_dir)}
     why = _writable_dir(checkpoint_dir)
     if why:
         return CheckResult("storage", FAIL, f"checkpoint directory unusable: {why}", details)
+    free = shutil.disk_usage(checkpoint_dir).free
+    probe = max(1, int(min(policy.write_probe_bytes, free * PROBE_SHARE_OF_FREE)))
     try:
-        speed = measure_write(checkpoint_dir, policy.write_probe_bytes)
+        speed = measure_write(checkpoint_dir, probe)
     except OSError as exc:
         reason = "no space left" if exc.errno == errno.ENOSPC else exc.strerror or str(exc)
         return CheckResult("storage", FAIL, f"cannot write to the checkpoint directory {checkpoint_dir}: {reason}",
                            details)
-    free = shutil.disk_usage(checkpoint_dir).free
-    details.update(free_bytes=free, write_bytes_per_second=round(speed))
+    details.update(free_bytes=free, probe_bytes=probe, write_bytes_per_second=round(speed))
     estimate = checkpoint_estimate(run_dir, checkpoint_dir)
     if estimate is None or estimate[0] <= 0:
         details["checkpoint_bytes"] = None
         note = estimate[1] if estimate else "no checkpoint and no RUN/config.yaml to size one from"
-        return CheckResult("storage", PASS, f"writable at {speed / 1e6:.0f} MB/s, {free / 2**30:.1f} GiB free; "
+        return CheckResult("storage", PASS, f"writable at {speed / 1e6:.0f} MB/s, {size_text(free)} free; "
                                             f"checkpoint size unknown ({note})", details)
     size, source = estimate
     needed = policy.checkpoints_of_headroom * size
@@ -115,12 +121,12 @@ def check_storage(checkpoint_dir: Path | None, run_dir: Path | None, policy: Pre
                    checkpoint_write_seconds=round(seconds, 3))
     problems = []
     if free < needed:
-        problems.append(f"{free / 2**30:.2f} GiB free, needs {needed / 2**30:.2f} GiB "
-                        f"({policy.checkpoints_of_headroom:g} checkpoints of {size / 2**30:.2f} GiB, {source})")
+        problems.append(f"{size_text(free)} free, needs {size_text(needed)} "
+                        f"({policy.checkpoints_of_headroom:g} checkpoints of {size_text(size)}, {source})")
     if seconds > policy.checkpoint_write_seconds_max:
-        problems.append(f"a {size / 2**30:.2f} GiB checkpoint takes {seconds:.0f} s at {speed / 1e6:.0f} MB/s "
+        problems.append(f"a {size_text(size)} checkpoint takes {seconds:.0f} s at {speed / 1e6:.0f} MB/s "
                         f"(limit {policy.checkpoint_write_seconds_max:g} s)")
     if problems:
         return CheckResult("storage", FAIL, f"{checkpoint_dir}: " + "; ".join(problems), details)
-    return CheckResult("storage", PASS, f"{free / 2**30:.1f} GiB free, {speed / 1e6:.0f} MB/s: a checkpoint of "
-                                        f"{size / 2**20:.1f} MiB writes in {seconds:.2f} s", details)
+    return CheckResult("storage", PASS, f"{size_text(free)} free, {speed / 1e6:.0f} MB/s: a checkpoint of "
+                                        f"{size_text(size)} ({source}) writes in {seconds:.2f} s", details)

@@ -10,6 +10,7 @@ and feeds them in order:
   every rank carries the same numbers); records without a rank are followed only when no input has one;
 - a step number that goes back within one file is a rollback or restart and is decided again, as the
   live run did; from another file (a second node's copy of the same steps) it is a duplicate and skipped;
+- the decisions the live run logged (``recorded``) are read from the same rank's events;
 - after the guard says ``stop`` the live run would have ended: the guard is not asked again, the cost
   meter keeps metering so the timeline shows what the rest of the log cost.
 """
@@ -22,6 +23,7 @@ from typing import Any, Callable, Iterable
 
 from trainguard import actions as vocabulary
 from trainguard.decide.cost import CostMeter
+from trainguard.decide.decision import Decision
 from trainguard.decide.guard import STOP, Guard
 from trainguard.policy import Policy
 
@@ -39,6 +41,7 @@ class Action:
     reason: str
     source: str                     # "guard" | "cost" (who decided), "log" (recorded by the live run)
     detail: dict = field(default_factory=dict)
+    decision: Decision | None = field(default=None, repr=False, compare=False)   # as the decider made it
 
 
 @dataclass
@@ -56,7 +59,7 @@ class Outcome:
 
 def _action(decision, source: str) -> Action:
     return Action(decision.action, decision.step, decision.timestamp, decision.reason, source,
-                  dict(decision.detail))
+                  dict(decision.detail), decision)
 
 
 def _recorded(record, when: float) -> Action | None:
@@ -64,7 +67,8 @@ def _recorded(record, when: float) -> Action | None:
     event = record.event
     if event.type not in vocabulary.ACTIONS and event.type != STOP:
         return None
-    return Action(event.type, record.step, when, event.alertname or "", "log")
+    why = event.reason if isinstance(event.reason, str) else event.alertname
+    return Action(event.type, record.step, when, why if isinstance(why, str) else "", "log")
 
 
 def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None,
@@ -95,7 +99,7 @@ def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None
             gpus = system.gpu_count
         elif record.hardware is not None and record.hardware.gpus:
             gpus = len(record.hardware.gpus)
-        if record.event is not None:
+        if record.event is not None and (record.rank == lead or lead is _FIRST_SEEN):
             logged = _recorded(record, when)
             if logged is not None:
                 out.recorded.append(logged)

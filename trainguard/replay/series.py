@@ -6,7 +6,8 @@ await goes through the IO collector's `disk_families`; GPU readings through the 
 comes out is sampled on a scrape grid (every `interval` seconds from the first record), each sample
 being the latest value exported at that instant, with the `job` and `instance` labels a scrape adds.
 
-One exporter per node (the records' ``node``), as there is one agent per node. Which records feed the
+A node log's per-GPU readings (``hardware.gpus``) are turned back into the gpu collector's readings and
+rendered by its pure `gpu_metrics.families`. One exporter per node (the records' ``node``), as there is one agent per node. Which records feed the
 training state mirrors the agent: the ranks' own records (a ``rank`` field, or a ``rank-<r>.jsonl``
 file); a node log's joined copy of the lead rank's metrics is used only when no input has ranks.
 
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from trainguard.agent import training_state
+from trainguard.agent.collectors import gpu_metrics
+from trainguard.agent.collectors import host as host_collector
 from trainguard.agent.collectors import io as io_collector
 from trainguard.agent.collectors import training as training_collector
 from trainguard.agent.procfs import DiskStats
@@ -30,6 +33,11 @@ from trainguard.agent.procfs import DiskStats
 JOB = "trainguard"                  # the agent's scrape job (alerts/rules.py AGENT_JOB)
 DEFAULT_INSTANCE = "replay"         # records without a `node`
 REPLAY_DISK = "replay"              # the one disk a node log's worst-disk await stands for
+GPU_LABELS = gpu_metrics.LABEL_STYLES["trainguard"]    # the gpu collector's default label style
+# TLS per-GPU keys that differ from the gpu collector's reading keys (the inverse of GPUCollector._tls;
+# every other DCGM gauge reading has the same name in TLS). See docs/replay.md, "Integration".
+_TLS_TO_READING = {"gpu_power_w": "power_w"}
+_READING_KEYS = {key for _, key, _ in gpu_metrics.DCGM_GAUGES}
 _RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl")
 
 SeriesKey = tuple   # (metric name, ((label, value), ...)) with labels sorted
@@ -50,11 +58,17 @@ class NodeExporter:
         self.meter, self.cost_rank = meter, cost_rank
         self.disk_ops = 0           # synthetic diskstats: one completed read per await reading
         self.disk_wait_ms = 0.0
+        self.gpus: list[dict] = []  # the latest per-GPU entries
+        self.ranks_up: dict[int, bool] = {}
         self.trained = False
 
     def observe_training(self, raw: dict, rank: int) -> None:
         if self.training.apply(raw, rank):
             self.trained = True
+        # The host collector checks the rank's pid; a log shows the process from its first record to its
+        # `run_end` event (a rank that crashed without one reads as up: a log cannot tell).
+        event = raw.get("event")
+        self.ranks_up[rank] = not (isinstance(event, dict) and event.get("type") == "run_end")
 
     def observe_hardware(self, hardware: dict) -> None:
         await_ms = hardware.get("disk_await_ms")
@@ -62,14 +76,44 @@ class NodeExporter:
             # rate(read_time) / rate(reads) over a window is then the mean await the node log recorded there.
             self.disk_ops += 1
             self.disk_wait_ms += await_ms
+        gpus = hardware.get("gpus")
+        if isinstance(gpus, list) and gpus:
+            self.gpus = [gpu for gpu in gpus if isinstance(gpu, dict)]
+        elif any(key in hardware for key in ("gpu_temp_c", "gpu_util", "gpu_power_w")):
+            self.gpus = [{"gpu": 0, **hardware}]     # a node-level reading (the seed form): one GPU
 
     def families(self, now: float) -> list:
         families = list(self._training_families(now)) if self.training.ranks else []
+        if self.ranks_up:
+            families += self._rank_up_families()
         if self.disk_ops:
             disk = DiskStats(0, 0, REPLAY_DISK, {"reads_completed": self.disk_ops, "read_ms": self.disk_wait_ms,
                                                  "writes_completed": 0, "write_ms": 0})
             families += io_collector.disk_families([disk])
+        if self.gpus:
+            families += self._gpu_families()
         return families
+
+    def _rank_up_families(self) -> list:
+        # Only the liveness family of the host collector's rank families: CPU, memory and threads of the
+        # process are not in a log, and are not made up here.
+        alive = {rank: {"up": up, "user": 0.0, "system": 0.0, "rss": 0, "threads": 0}
+                 for rank, up in self.ranks_up.items()}
+        return [family for family in host_collector._rank_families(alive)
+                if family.name == "trainguard_rank_process_up"]
+
+    def _gpu_families(self) -> list:
+        """The per-GPU entries as readings, rendered by the gpu collector's own pure `families`."""
+        gpus, readings = [], {}
+        for position, entry in enumerate(self.gpus):
+            index = entry.get("gpu") if isinstance(entry.get("gpu"), int) else position
+            gpu = gpu_metrics.GPU(index, str(entry.get("uuid", "")), str(entry.get("name", "")), "", "",
+                                  lost=bool(entry.get("lost")))
+            gpus.append(gpu)
+            reading = {_TLS_TO_READING.get(key, key): value for key, value in entry.items()
+                       if isinstance(value, (int, float)) and not isinstance(value, bool)}
+            readings[index] = {key: value for key, value in reading.items() if key in _READING_KEYS}
+        return gpu_metrics.families(gpus, readings, {}, {}, self.node, GPU_LABELS, {})
 
     def _training_families(self, now: float) -> list:
         # The training collector builds its families in a method; it is driven here without a run

@@ -57,7 +57,8 @@ class System(msgspec.Struct, kw_only=True, gc=False):
 
 class Event(msgspec.Struct, kw_only=True, gc=False):
     type: str
-    alertname: Union[str, None] = None
+    reason: Any = None          # free-form in TLS: read as whatever the log holds
+    alertname: Any = None
 
 
 _AwareTime = Annotated[datetime, msgspec.Meta(tz=True)]

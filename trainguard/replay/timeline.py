@@ -3,6 +3,12 @@
     from trainguard.replay import replay_logs
     result = replay_logs(["runs/exp1"], policy, rules_dir="alerts")
     result.to_json()      # the design's `trainguard replay --json` document
+
+What acts, as in the live system: the guard's decisions act inside the trainer, directly. The cost
+meter's tier decisions (the agent's embedded path) and the firing alerts that carry an `action` label
+(the Alertmanager path) both go through the agent's ledger (`trainguard.decide.ledger.Ledger`), in time
+order, so each cost tier acts once whichever path saw it first, a second restore within the cooldown
+joins the first, and rate limits escalate. `actions` lists what executes; `ledger` every verdict.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from pathlib import Path
 from typing import Iterable
 
 from trainguard import tls
+from trainguard.decide import ledger as tgledger
 from trainguard.decide.cost import CostMeter
 from trainguard.policy import Policy
 from trainguard.replay import engine, expect, rules, source
@@ -26,6 +33,8 @@ class Result:
     outcome: engine.Outcome
     problems: source.Problems
     alerts: list[rules.FiredAlert] | None = None     # None: the rules were not evaluated
+    actions: list[engine.Action] = field(default_factory=list)      # what executes, in time order
+    verdicts: list[tgledger.Verdict] = field(default_factory=list)  # the ledger's every verdict
     rules_dir: str | None = None
     scrape_interval: float = DEFAULT_SCRAPE_INTERVAL
     lead_rank: int | None = None
@@ -36,7 +45,7 @@ class Result:
     # ---------------------------------------------------------------------------------- expectations
     def found(self) -> list[expect.Found]:
         items = [expect.Found("action", a.action, a.step, a.timestamp, reason=a.reason)
-                 for a in self.outcome.actions]
+                 for a in self.actions]
         items += [expect.Found("alert", a.alertname, None, a.starts_at, severity=a.severity, labels=a.labels)
                   for a in self.alerts or []]
         return items
@@ -55,7 +64,7 @@ class Result:
             "malformed": self.problems.count,
             "first_timestamp": _time(out.first_timestamp),
             "last_timestamp": _time(out.last_timestamp),
-            "actions": [_action(a) for a in out.actions],
+            "actions": [_action(a) for a in self.actions],
             "alerts": [_alert(a) for a in self.alerts or []],
             # additions to the design's document
             "malformed_lines": [{"file": m.file, "line": m.line, "error": m.error} for m in self.problems.kept],
@@ -65,6 +74,7 @@ class Result:
             "partial_steps": out.partial_steps,
             "lead_rank": self.lead_rank,
             "recorded_actions": [_action(a) for a in out.recorded],
+            "ledger": [_verdict(v) for v in self.verdicts],
             "cost": out.cost,
             "rules": None if self.alerts is None else {"dir": self.rules_dir,
                                                        "scrape_interval_seconds": self.scrape_interval},
@@ -81,6 +91,13 @@ def _time(seconds: float | None) -> str | None:
 def _action(action: engine.Action) -> dict:
     return {"action": action.action, "step": action.step, "timestamp": _time(action.timestamp),
             "reason": action.reason, "source": action.source, "detail": engine.finite_or_text(action.detail)}
+
+
+def _verdict(verdict: tgledger.Verdict) -> dict:
+    notice = verdict.notice
+    return {"alertname": notice.alertname, "source": notice.source, "requested": notice.action,
+            "outcome": verdict.outcome, "action": verdict.action, "reason": verdict.reason,
+            "timestamp": _time(verdict.decided_at)}
 
 
 def _alert(alert: rules.FiredAlert) -> dict:
@@ -112,4 +129,28 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
         table = exporters.finish(outcome.last_timestamp, hold) if outcome.records else None
         result.alerts = rules.evaluate(table, rules_dir, keep=keep_test)
         result.rules_dir = str(rules_dir)
+    result.actions, result.verdicts = _execute(outcome.actions, result.alerts or [], policy)
     return result
+
+
+def _execute(decided: list[engine.Action], alerts: list[rules.FiredAlert], policy: Policy
+             ) -> tuple[list[engine.Action], list[tgledger.Verdict]]:
+    """Guard actions as they are; cost decisions and acting alerts through the agent's ledger."""
+    from trainguard.agent.actions_embedded import cost_notice   # the agent's own cost notice
+
+    notices = [cost_notice(action.decision) for action in decided if action.source == "cost"]
+    for alert in alerts:
+        labels = {"alertname": alert.alertname, **alert.labels}
+        notices.append(tgledger.Notice(alertname=alert.alertname, status=tgledger.FIRING,
+                                       action=alert.labels.get("action"),
+                                       key=f"{sorted(labels.items())}@{_time(alert.starts_at)}",
+                                       starts_at=alert.starts_at, reason=alert.alertname, labels=labels))
+    ledger = tgledger.Ledger(tgledger.Limits.from_policy(policy))
+    verdicts = [ledger.decide(notice, notice.starts_at)
+                for notice in sorted(notices, key=lambda n: (n.starts_at, n.source != "embedded"))]
+    executed = [engine.Action(v.action, v.notice.step, v.decided_at, v.notice.reason,
+                              "cost" if v.notice.source == "embedded" else "alert",
+                              {"alertname": v.notice.alertname, "outcome": v.outcome})
+                for v in verdicts if v.action is not None]
+    guard = [action for action in decided if action.source != "cost"]
+    return sorted(guard + executed, key=lambda a: a.timestamp), verdicts

@@ -14,17 +14,18 @@ from trainguard.report.data import Run, load_run
 __all__ = ["Run", "load_run", "render_report", "write_report"]
 
 
-def render_report(run_dir: str | os.PathLike, policy=None) -> str:
+def render_report(run_dir: str | os.PathLike, policy=None, goodput: bool = True) -> str:
     """The HTML report of a run directory, as a string."""
     from trainguard.report.html import render
 
-    return render(load_run(run_dir, policy=policy))
+    return render(load_run(run_dir, policy=policy, goodput=goodput))
 
 
-def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, policy=None) -> Path:
+def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, policy=None,
+                 goodput: bool = True) -> Path:
     """Write the report (default RUN/report.html) atomically and return its path."""
     target = Path(out) if out is not None else Path(run_dir) / "report.html"
-    html = render_report(run_dir, policy=policy)
+    html = render_report(run_dir, policy=policy, goodput=goodput)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     partial.write_text(html, encoding="utf-8")

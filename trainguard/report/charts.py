@@ -61,6 +61,19 @@ def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
     return ticks
 
 
+# Steps a time axis ticks at: seconds, minutes, hours, days as people count them.
+TIME_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400,
+              172800, 604800)
+
+
+def time_ticks(low: float, high: float, count: int = 8) -> list[float]:
+    """Elapsed-time ticks on round durations (15s, 5m, 2h...) covering [low, high]."""
+    span = max(high - low, 1e-9)
+    step = next((s for s in TIME_STEPS if span / s <= count), TIME_STEPS[-1] * math.ceil(span / count / TIME_STEPS[-1]))
+    first = math.ceil(low / step) * step
+    return [first + i * step for i in range(int((high - first) // step) + 1)]
+
+
 def _si(value: float, suffixes=((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))) -> str:
     for scale, suffix in suffixes:
         if abs(value) >= scale:
@@ -99,13 +112,18 @@ def format_value(value: float, unit: str = "") -> str:
 
 
 def format_elapsed(seconds: float) -> str:
-    seconds = max(0.0, seconds)
+    """12s, 4m30s, 3h05m, 2d04h: a duration at the precision people read one."""
+    seconds = int(round(max(0.0, seconds)))
     if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m" if seconds % 60 < 1 else f"{seconds / 60:.1f}m"
-    hours, rest = divmod(int(seconds), 3600)
-    return f"{hours}h{rest // 60:02d}m"
+        return f"{seconds}s"
+    minutes, secs = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m" + (f"{secs:02d}s" if secs else "")
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
 
 
 # ------------------------------------------------------------------------------------------- charts
@@ -168,7 +186,7 @@ def _axes(frame: _Frame, t0: float, unit: str) -> list[str]:
         parts.append(f'<line class="grid" x1="{PAD_L}" x2="{right}" y1="{y:.1f}" y2="{y:.1f}"/>'
                      f'<text class="tick" x="{PAD_L - 6}" y="{y + 4:.1f}" text-anchor="end">'
                      f'{escape(format_value(tick, unit))}</text>')
-    for tick in nice_ticks(frame.x0 - t0, frame.x1 - t0, 8):
+    for tick in time_ticks(frame.x0 - t0, frame.x1 - t0):
         x = frame.px(tick + t0)
         if PAD_L - 0.5 <= x <= right + 0.5:
             parts.append(f'<line class="tickmark" x1="{x:.1f}" x2="{x:.1f}" y1="{bottom}" y2="{bottom + 4}"/>'

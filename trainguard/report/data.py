@@ -40,6 +40,8 @@ MARKER_KINDS = {
     "fault_injected": "fault",
 }
 
+GOODPUT_METRICS = ("data_wait_seconds", "step_time_seconds")
+
 _ROTATED = re.compile(r"^(?P<base>.+\.jsonl)(?:\.(?P<n>\d+))?(?:\.gz|\.zst)?$")
 
 
@@ -155,13 +157,16 @@ def read_checkpoints(run_dir: Path) -> list[Checkpoint]:
 # ------------------------------------------------------------------------------------------ loading
 
 class _Loader:
-    def __init__(self, run: Run, max_points: int):
+    def __init__(self, run: Run, max_points: int, with_goodput: bool):
         self.run = run
         self.max_points = max_points
         self.meter = CostMeter(run.policy.cost)
         self.seen_events: OrderedDict[tuple, float] = OrderedDict()
         self.gpus_by_host: dict[str, int] = {}
         self.rank_gpu_count = 0
+        # Goodput needs the whole step sequence (median step, steps a rollback threw away): only the
+        # fields it reads are kept, one small record per step of the primary rank.
+        self.goodput_records: list[dict] | None = [] if with_goodput else None
 
     def series(self, table: dict, key: str) -> Series | None:
         found = table.get(key)
@@ -213,6 +218,7 @@ class _Loader:
                         self.gpu_record(host_name, i, gpu, ts)
             if with_training:
                 self.training_record(record, ts)
+                self.keep_for_goodput(record, ts)
             self.event(record, ts, source=host_name)
         return handle
 
@@ -237,11 +243,27 @@ class _Loader:
                 self.rank_gpu_count = max(self.rank_gpu_count, count)
             if primary:
                 self.training_record(record, ts)
+                self.keep_for_goodput(record, ts)
                 if not run.hosts:   # no agent: the trainer's own hardware section is all there is
                     self.add_numbers(run.hardware.setdefault(record.get("node") or f"rank {rank_id}", {}),
                                      record.get("hardware"), ts, skip=("gpus",))
             self.event(record, ts, source=f"rank {rank_id}" if rank_id is not None else "trainer")
         return handle
+
+    def keep_for_goodput(self, record: dict, ts: float) -> None:
+        if self.goodput_records is None:
+            return
+        slim: dict[str, Any] = {"timestamp": ts}
+        if record.get("step") is not None:
+            slim["step"] = record["step"]
+        if isinstance(record.get("event"), dict):
+            slim["event"] = record["event"]
+        elif isinstance(record.get("metrics"), dict):
+            metrics = record["metrics"]
+            slim["metrics"] = {k: metrics[k] for k in GOODPUT_METRICS if k in metrics}
+        else:
+            return
+        self.goodput_records.append(slim)
 
     def training_record(self, record: dict, ts: float) -> None:
         run, metrics = self.run, record.get("metrics")
@@ -305,17 +327,23 @@ def event_label(kind: str, event: dict, step: int | None) -> str:
 
 
 def event_detail(event: dict) -> str:
-    shown = {k: v for k, v in event.items() if k != "type" and not isinstance(v, (dict, list))}
-    return ", ".join(f"{k}={v}" for k, v in list(shown.items())[:8])
+    """`key=value, ...` of an event's scalar fields (its type and step are shown on their own)."""
+    shown = [(k, v) for k, v in event.items()
+             if k not in ("type", "step") and v is not None and not isinstance(v, (dict, list))]
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown[:8])
 
 
-def load_run(run_dir: str | Path, policy=None, max_points: int = MAX_POINTS) -> Run:
-    """Read a run directory (RUN/tls/*.jsonl, RUN/checkpoints/) into a `Run`; raises FileNotFoundError."""
+def load_run(run_dir: str | Path, policy=None, max_points: int = MAX_POINTS, goodput: bool = True) -> Run:
+    """Read a run directory (RUN/tls/*.jsonl, RUN/checkpoints/) into a `Run`; raises FileNotFoundError.
+
+    Memory is bounded by `max_points` per series, except the goodput breakdown (`goodput=True`), which
+    keeps a few numbers per step of the primary rank.
+    """
     root = Path(run_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no such run directory")
     run = Run(run_dir=root, policy=policy or policy_mod.load(None))
-    loader = _Loader(run, max_points)
+    loader = _Loader(run, max_points, goodput)
     node_files, rank_files = log_files(root)
     ranks = sorted({r for r in map(_rank_of, rank_files) if r is not None})
     run.primary_rank = ranks[0] if ranks else None
@@ -328,20 +356,21 @@ def load_run(run_dir: str | Path, policy=None, max_points: int = MAX_POINTS) -> 
     run.checkpoints = read_checkpoints(root)
     if run.checkpoints and not run.last_checkpoint:
         run.last_checkpoint = run.checkpoints[-1].name
-    _add_goodput(run, node_files + rank_files)
+    if loader.goodput_records:
+        _add_goodput(run, loader.goodput_records)
+    elif not goodput:
+        run.goodput_error = "left out on request (--no-goodput)"
     return run
 
 
-def _add_goodput(run: Run, files: list[Path]) -> None:
-    """Goodput by cause from trainguard.goodput, when that module is part of this build."""
+def _add_goodput(run: Run, records: list[dict]) -> None:
+    """Goodput and badput by cause, by trainguard.goodput (the same numbers `trainguard goodput` prints)."""
+    from trainguard import goodput
+
     try:
-        from trainguard import goodput
-    except ImportError:
-        return
-    try:
-        run.goodput = goodput.from_files(files, policy=run.policy)
-    except Exception as exc:  # a report still renders without this section; the reason is shown
-        run.goodput_error = f"{type(exc).__name__}: {exc}"
+        run.goodput = goodput.compute(records)
+    except Exception as exc:  # the report still renders without this section, and says why
+        run.goodput_error = f"goodput could not be computed ({type(exc).__name__}: {exc})"
 
 
 def final(series: Series | None) -> float | None:

@@ -170,13 +170,17 @@ def cost_section(page: Page) -> str:
         HLine(budget * (1 + getattr(policy.tiers, tier)), f"{tier} +{getattr(policy.tiers, tier):.0%}", color)
         for tier, color in (("warn", "#f08c00"), ("throttle", "#e8590c"), ("stop", "#e03131"))]
     lines = [Line("cost per 1000 steps", [(x, y) for x, y in series.points() if y > 0] if series else [])]
+    metered = run.cost_state is not None and run.cost_state.gpu_count > 0
+    empty = ("No step records to meter." if run.last_step is None or metered else
+             "Not metered: the run recorded no GPUs (a CPU run); set cost.gpu_count_override in the policy "
+             "to bill it as that many devices.")
     body = page.figure("Cost per 1000 steps against budget", lines, "usd", hlines=hlines, y_min=0,
-                       empty="No step records to meter.", marks=False,
+                       empty=empty, marks=False,
                        note=f"Metered by the agent's CostMeter over the last {policy.window_steps} steps at "
                             f"{format_value(policy.price_per_gpu_hour, 'usd')} per GPU-hour.")
     spent = run.cost.get("cost_usd")
-    body += page.figure("Spend", [Line("spent", spent.points() if spent else [])], "usd", y_min=0,
-                        empty="No spend metered.")
+    body += page.figure("Spend", [Line("spent", spent.points() if spent and metered else [])], "usd", y_min=0,
+                        empty=empty)
     return _section("Cost", body, "cost")
 
 
@@ -184,12 +188,12 @@ def goodput_section(page: Page) -> str:
     run = page.run
     shares = goodput_shares(run)
     if not shares:
-        why = run.goodput_error or "this build has no trainguard.goodput, or the run is too short to measure"
+        why = run.goodput_error or "the run has no step records to measure"
         return _section("Goodput", f'<p class="absent">No goodput breakdown: {escape(why)}.</p>', "goodput")
-    parts = [("goodput", shares["goodput"], "#2f9e44")] + [
-        (cause, share, BADPUT_COLORS[i % len(BADPUT_COLORS)])
-        for i, (cause, share) in enumerate(sorted(((k, v) for k, v in shares.items() if k != "goodput"),
-                                                   key=lambda kv: -kv[1]))]
+    badput = sorted(((k, v) for k, v in shares.items() if k != "goodput" and v > 0), key=lambda kv: -kv[1])
+    parts = [("productive training", shares["goodput"], "#2f9e44")] + [
+        (cause.replace("_", " "), share, BADPUT_COLORS[i % len(BADPUT_COLORS)])
+        for i, (cause, share) in enumerate(badput)]
     page.charts += 1
     rows = "".join(f"<tr><td><span class='sw' style='--c:{c}'></span>{escape(n)}</td><td>{v:.1%}</td></tr>"
                    for n, v, c in parts)

@@ -80,6 +80,9 @@ def _cost_sentence(run: Run) -> str:
     state, policy = run.cost_state, run.policy.cost
     if state is None or not run.cost.get("cost_usd"):
         return ""
+    if not state.gpu_count:
+        return ("Cost was not metered: the run recorded no GPUs (a CPU run); set cost.gpu_count_override "
+                "in the policy to bill it as that many devices.")
     taken = _counted(run.actions, COST_ACTIONS)
     return (f"Spent {format_value(state.cost_usd, 'usd')} at {format_value(policy.price_per_gpu_hour, 'usd')}"
             f" per GPU-hour on {state.gpu_count or 0} billable device(s); the latest cost per 1000 steps is "
@@ -93,9 +96,10 @@ def goodput_sentence(run: Run) -> str:
     if not shares:
         return ""
     good = shares.get("goodput", 0.0)
-    bad = sorted(((k, v) for k, v in shares.items() if k != "goodput" and v > 0), key=lambda kv: -kv[1])
+    bad = sorted(((k, v) for k, v in shares.items() if k != "goodput" and v >= 0.005), key=lambda kv: -kv[1])
     text = f"Goodput {good:.0%} of wall time"
-    return text + (f"; badput: {', '.join(f'{k} {v:.0%}' for k, v in bad[:5])}." if bad else ".")
+    listed = ", ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in bad[:5])
+    return text + (f"; badput: {listed}." if bad else ".")
 
 
 def goodput_shares(run: Run) -> dict[str, float]:
@@ -106,7 +110,7 @@ def goodput_shares(run: Run) -> dict[str, float]:
     total = float(getattr(result, "total_seconds", 0.0) or 0.0)
     if total <= 0:
         return {}
-    shares = {"goodput": float(result.goodput_seconds) / total}
+    shares = {"goodput": float(result.productive_seconds) / total}
     for cause, seconds in dict(result.badput_seconds).items():
         shares[str(cause)] = float(seconds) / total
     return shares
@@ -125,7 +129,7 @@ def tiles(run: Run) -> list[Tile]:
     taken = sum(run.actions[a] for a in GUARD_ACTIONS)
     out.append(Tile("guard actions", str(taken), "warn" if taken else "good"))
     out.append(Tile("alerts", str(sum(run.alerts.values())), "warn" if run.alerts else "good"))
-    if run.cost_state is not None and run.cost.get("cost_usd"):
+    if run.cost_state is not None and run.cost_state.gpu_count and run.cost.get("cost_usd"):
         tier = run.cost_state.tier
         out.append(Tile("spend", format_value(run.cost_state.cost_usd, "usd"),
                         {"ok": "good", "warn": "warn"}.get(tier, "bad")))

@@ -1,0 +1,109 @@
+"""The embedded path: the cost meter's tiers and the stall watchdog feed the same executor as the webhook."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.alerts.helpers import read_jsonl
+from trainguard import actions
+from trainguard.agent.actions_embedded import DecisionHandler, StallWatchdog, cost_notice
+from trainguard.agent.executor import Executor
+from trainguard.decide.cost import CostMeter
+from trainguard.decide.decision import Decision
+from trainguard.decide.ledger import Ledger, Notice
+from trainguard.policy import CostPolicy
+
+
+@pytest.fixture
+def rank(tmp_path):
+    """One live process registered as rank 0 of a run in tmp_path, with a TLS file."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    info = {"rank": 0, "pid": process.pid, "host": socket.gethostname(), "started_at": time.time()}
+    (tmp_path / "control" / "ranks").mkdir(parents=True)
+    (tmp_path / "control" / "ranks" / "rank-0.json").write_text(json.dumps(info))
+    (tmp_path / "tls").mkdir()
+    (tmp_path / "tls" / "rank-0.jsonl").write_text('{"timestamp": 1, "step": 1, "metrics": {"loss": 3}}\n')
+    yield process
+    process.kill()
+    process.wait()
+
+
+def touch(path, when):
+    os.utime(path, (when, when))
+
+
+def test_every_cost_tier_of_the_meter_reaches_the_trainer_once_in_order(tmp_path):
+    executor = Executor(tmp_path, "n1", Ledger())
+    handler = DecisionHandler(executor.submit)
+    meter = CostMeter(CostPolicy(budget_per_1k_steps=1.0, min_steps=5, window_steps=10))
+    for step in range(40):      # 8 GPUs, 10 s a step: $44 per 1000 steps against a budget of $1
+        for decision in meter.observe(step=step, timestamp=10.0 * step, gpu_count=8):
+            handler(decision)
+    assert [r["action"] for r in read_jsonl(tmp_path / "control" / "actions.jsonl")] == [
+        "cost_warn", "cost_throttle", "cost_stop"]
+    alerts = [r["event"] for r in read_jsonl(tmp_path / "tls" / "node-n1-actions.jsonl")
+              if r["event"]["type"] == "alert"]
+    assert [(e["alertname"], e["source"]) for e in alerts] == [
+        ("CostBudgetWarn", "embedded"), ("CostBudgetThrottle", "embedded"), ("CostBudgetStop", "embedded")]
+
+
+def test_the_alert_path_after_the_embedded_path_is_a_duplicate(tmp_path):
+    executor = Executor(tmp_path, "n1", Ledger())
+    executor.submit([cost_notice(Decision(actions.COST_WARN, "cost_overrun_warn", 30, 300.0))])
+    [late] = executor.submit([Notice("CostBudgetWarn", "firing", actions.COST_WARN, "f00d@t")])
+    assert late.outcome == "duplicate"
+    assert len(read_jsonl(tmp_path / "control" / "actions.jsonl")) == 1
+
+
+def test_a_decision_that_is_not_a_cost_tier_is_ignored(tmp_path):
+    executor = Executor(tmp_path, "n1", Ledger())
+    DecisionHandler(executor.submit)(Decision("skip_step", "nan", 3, 1.0))
+    assert not (tmp_path / "control" / "actions.jsonl").exists()
+
+
+def test_the_watchdog_sees_a_stall_only_when_live_ranks_stop_writing(tmp_path, rank):
+    started = json.loads((tmp_path / "control" / "ranks" / "rank-0.json").read_text())["started_at"]
+    clock = [started + 100]
+    watchdog = StallWatchdog(tmp_path, stall_seconds=30, submit=None, clock=lambda: clock[0])
+    tls_file = tmp_path / "tls" / "rank-0.jsonl"
+    touch(tls_file, started - 5)
+    assert watchdog.check() is None                      # silent since before the rank started: starting up
+    touch(tls_file, started + 90)
+    assert watchdog.check() is None                      # wrote 10 s ago
+    touch(tls_file, started + 20)
+    stalled = watchdog.check()                           # 80 s without a write
+    assert stalled is not None and (stalled.action, stalled.alertname) == ("restore", "TrainingStalled")
+    assert stalled.source == "embedded" and stalled.starts_at == clock[0]
+    rank.kill()
+    rank.wait()
+    assert watchdog.check() is None                      # the ranks are gone: ended, not stalled
+
+
+def test_the_watchdog_restores_once_per_stall(tmp_path, rank):
+    # A rank that ignores SIGTERM stays alive through the grace period: the watchdog keeps finding the
+    # same stall, and must neither act nor record again.
+    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\n"
+                                 "time.sleep(120)"], stdout=subprocess.PIPE)
+    assert stubborn.stdout.readline() == b"ready\n"
+    started = time.time()
+    (tmp_path / "control" / "ranks" / "rank-0.json").write_text(json.dumps(
+        {"rank": 0, "pid": stubborn.pid, "host": socket.gethostname(), "started_at": started}))
+    touch(tmp_path / "tls" / "rank-0.jsonl", started + 0.5)
+    executor = Executor(tmp_path, "n1", Ledger(), restore_grace_seconds=1.0)
+    watchdog = StallWatchdog(tmp_path, stall_seconds=30, submit=executor.submit, clock=lambda: started + 60)
+    watchdog.interval = 0.05
+    watchdog.start()
+    try:
+        assert stubborn.wait(10) is not None       # SIGTERM ignored, SIGKILL after the grace
+    finally:
+        watchdog.stop()
+    restores = [r for r in read_jsonl(tmp_path / "control" / "actions.jsonl") if r["action"] == "restore"]
+    assert len(restores) == 1
+    alerts = [r["event"] for r in read_jsonl(tmp_path / "tls" / "node-n1-actions.jsonl") if r["event"]["type"] == "alert"]
+    assert len(alerts) == 1 and alerts[0]["source"] == "embedded"

@@ -1,0 +1,188 @@
+"""The executor: durable records, control requests, ending real rank processes, recovery after a crash."""
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.alerts.helpers import read_jsonl
+from trainguard import actions
+from trainguard.agent.executor import EventLog, Executor, append_request, request_id
+from trainguard.decide.ledger import Ledger, Limits, Notice
+from trainguard.trainer.control import ControlChannel
+
+HOST = socket.gethostname()
+
+
+def notice(name="LossSpike", action=actions.ROLLBACK, key="fp@1", starts_at=None, status="firing"):
+    return Notice(alertname=name, status=status, action=action, key=key, starts_at=starts_at)
+
+
+def actions_log(run_dir, node="n1"):
+    return [r["event"] for r in read_jsonl(run_dir / "tls" / f"node-{node}-actions.jsonl")]
+
+
+def requests(run_dir):
+    return read_jsonl(run_dir / "control" / "actions.jsonl")
+
+
+@pytest.fixture
+def ranks():
+    """Start real processes standing in for trainer ranks; every one is reaped at the end."""
+    started = []
+
+    def start(rank, run_dir, *, ignore_term=False, host=HOST, started_at=None):
+        code = ("import signal, sys, time\n"
+                + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else "")
+                + "print('ready', flush=True)\ntime.sleep(120)\n")
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        assert process.stdout.readline() == b"ready\n"
+        started.append(process)
+        info = {"rank": rank, "pid": process.pid, "host": host,
+                "started_at": time.time() if started_at is None else started_at}
+        path = run_dir / "control" / "ranks" / f"rank-{rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(info))
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def test_a_decision_is_on_disk_before_its_action_and_names_the_alert(tmp_path):
+    executor = Executor(tmp_path, "n1", Ledger())
+    [verdict] = executor.submit([notice()])
+    alert_event, action_event = actions_log(tmp_path)
+    assert alert_event["type"] == "alert" and alert_event["outcome"] == "act"
+    assert alert_event["request_id"] == action_event["id"] == request_id(verdict)
+    assert action_event["type"] == "action" and action_event["alertname"] == "LossSpike"
+    assert action_event["outcome"] == "issued" and action_event["appended"] is True
+    [request] = requests(tmp_path)
+    assert request == {"id": request_id(verdict), "action": "rollback", "alertname": "LossSpike",
+                       "reason": "LossSpike", "issued_at": request["issued_at"]}
+
+
+def test_the_trainer_control_channel_reads_what_the_executor_writes(tmp_path):
+    Executor(tmp_path, "n1", Ledger()).submit(
+        [notice("CostBudgetWarn", actions.COST_WARN, "c1"), notice("CostBudgetThrottle", actions.COST_THROTTLE, "c2")])
+    channel = ControlChannel(tmp_path, rank=0)
+    codes = [channel.poll()[0] for _ in range(3)]
+    assert codes == [2, 3, 0]     # cost_warn, cost_throttle, then nothing
+
+
+def test_cost_tiers_from_two_agents_on_one_run_reach_the_trainer_once(tmp_path):
+    first, second = Executor(tmp_path, "n1", Ledger()), Executor(tmp_path, "n2", Ledger())
+    first.submit([notice("CostBudgetWarn", actions.COST_WARN, "embedded:cost_warn")])
+    second.submit([notice("CostBudgetWarn", actions.COST_WARN, "embedded:cost_warn")])
+    assert [r["action"] for r in requests(tmp_path)] == ["cost_warn"]
+    assert actions_log(tmp_path, "n2")[-1]["appended"] is False
+
+
+def test_append_request_skips_an_id_already_there(tmp_path):
+    path = tmp_path / "control" / "actions.jsonl"
+    assert append_request(path, {"id": "a", "action": "rollback"})
+    path.open("a").write("not json\n")
+    assert not append_request(path, {"id": "a", "action": "rollback"})
+    assert append_request(path, {"id": "b", "action": "rollback"})
+    assert [json.loads(line)["id"] for line in path.read_text().splitlines() if line.startswith("{")] == ["a", "b"]
+
+
+def test_dry_run_records_but_executes_nothing(tmp_path, ranks):
+    rank = ranks(0, tmp_path)
+    executor = Executor(tmp_path, "n1", Ledger(dry_run=True))
+    verdicts = executor.submit([notice(), notice("TrainingStalled", actions.RESTORE, "s", starts_at=time.time() + 5)])
+    assert [v.action for v in verdicts] == ["rollback", "restore"]
+    assert requests(tmp_path) == []
+    assert [e["type"] for e in actions_log(tmp_path)] == ["alert", "alert"]
+    assert all(e["dry_run"] for e in actions_log(tmp_path))
+    time.sleep(0.2)
+    assert rank.poll() is None
+
+
+def test_restore_ends_this_hosts_ranks_that_were_running_when_the_alert_began(tmp_path, ranks):
+    hung = [ranks(0, tmp_path), ranks(1, tmp_path)]
+    alert_began = time.time() + 0.01
+    time.sleep(0.05)
+    restarted = ranks(2, tmp_path)                                   # started after the alert began
+    elsewhere = ranks(3, tmp_path, host="other-node", started_at=alert_began - 10)
+    executor = Executor(tmp_path, "n1", Ledger(), restore_grace_seconds=5)
+    executor.submit([notice("TrainingStalled", actions.RESTORE, "s@1", starts_at=alert_began)])
+    for process in hung:
+        assert process.wait(10) == -signal.SIGTERM
+    assert restarted.poll() is None and elsewhere.poll() is None
+    action = actions_log(tmp_path)[-1]
+    assert sorted(e["rank"] for e in action["ended"]) == [0, 1]
+    assert {s["rank"]: s["why"] for s in action["skipped"]} == {2: "started after the alert began",
+                                                                3: "on host other-node"}
+    assert requests(tmp_path)[0]["action"] == "restore"
+
+
+def test_restore_kills_a_rank_that_ignores_sigterm(tmp_path, ranks):
+    stubborn = ranks(0, tmp_path, ignore_term=True)
+    executor = Executor(tmp_path, "n1", Ledger(), restore_grace_seconds=0.3)
+    executor.submit([notice("TrainingStalled", actions.RESTORE, "s@1", starts_at=time.time() + 1)])
+    assert stubborn.wait(10) == -signal.SIGKILL
+
+
+def test_restore_never_signals_a_reused_pid(tmp_path, ranks):
+    young = ranks(0, tmp_path)
+    created = psutil.Process(young.pid).create_time()
+    info = json.loads((tmp_path / "control" / "ranks" / "rank-0.json").read_text())
+    info["started_at"] = created - 100        # the rank file describes an older process with that pid
+    (tmp_path / "control" / "ranks" / "rank-0.json").write_text(json.dumps(info))
+    Executor(tmp_path, "n1", Ledger()).submit([notice("TrainingStalled", actions.RESTORE, "s", starts_at=time.time())])
+    time.sleep(0.2)
+    assert young.poll() is None
+    assert actions_log(tmp_path)[-1]["skipped"] == [{"rank": 0, "pid": young.pid, "why": "not running"}]
+
+
+def test_a_restarted_agent_acts_on_nothing_twice(tmp_path):
+    Executor(tmp_path, "n1", Ledger(Limits(cooldown_seconds=120))).submit(
+        [notice(key="a"), notice("CostBudgetStop", actions.COST_STOP, "c")])
+    again = Executor(tmp_path, "n1", Ledger(Limits(cooldown_seconds=120)))
+    outcomes = [v.outcome for v in again.submit([notice(key="a"), notice(key="b"),
+                                                 notice("CostBudgetWarn", actions.COST_WARN, "w")])]
+    assert outcomes == ["duplicate", "coalesced", "superseded"]
+    assert len(requests(tmp_path)) == 2
+
+
+def test_an_action_decided_but_not_done_before_a_crash_is_redone_once(tmp_path):
+    executor = Executor(tmp_path, "n1", Ledger())
+    [verdict] = executor.ledger.decide_all([notice()], now=time.time())
+    executor.records.append([executor._alert_record(verdict, time.time())])     # crash right after the intent
+    assert requests(tmp_path) == []
+    recovered = Executor(tmp_path, "n1", Ledger())
+    assert [r["id"] for r in requests(tmp_path)] == [request_id(verdict)]
+    assert recovered.recover() == 0
+    assert len(requests(tmp_path)) == 1
+
+
+def test_a_torn_last_line_does_not_stop_recovery(tmp_path):
+    Executor(tmp_path, "n1", Ledger()).submit([notice(key="a")])
+    with open(tmp_path / "tls" / "node-n1-actions.jsonl", "ab") as handle:
+        handle.write(b'{"timestamp": 1, "event": {"type": "al')
+    again = Executor(tmp_path, "n1", Ledger())
+    assert again.submit([notice(key="a")])[0].outcome == "duplicate"
+
+
+def test_verdicts_and_actions_are_counted_for_metrics(tmp_path):
+    executor = Executor(tmp_path, "n1", Ledger())
+    executor.submit([notice(key="a"), notice(key="a"), notice("GPUOverheating", None, "g")])
+    verdicts, executed = executor.families()
+    assert {s.labels["outcome"]: s.value for s in verdicts.samples} == {"act": 1, "duplicate": 1, "no_action": 1}
+    assert {s.labels["action"]: s.value for s in executed.samples} == {"rollback": 1}
+
+
+def test_event_log_fsyncs_whole_records(tmp_path):
+    log = EventLog(tmp_path / "x.jsonl")
+    log.append([{"timestamp": 1.0, "event": {"type": "alert", "key": "k"}}])
+    log.append([])
+    assert [e["key"] for e in log.events()] == ["k"]

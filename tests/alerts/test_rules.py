@@ -1,0 +1,153 @@
+"""The generated rules: one source of truth, checked in, linted and unit-tested with the real promtool/amtool."""
+
+import dataclasses
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from tests.servers import require_binary
+from trainguard import actions
+from trainguard.alerts import alertmanager, cli, rules
+from trainguard.policy import Policy
+
+ROOT = Path(__file__).resolve().parents[2]
+ALERTS_DIR = ROOT / "alerts"
+CORE_ALERTS = {
+    "LossNaN", "LossSpike", "GradNormExplosion", "TrainingStalled", "GPUOverheating", "GPUXidError",
+    "GPUMemoryFragmented", "DiskAwaitHigh", "DataLoaderStarved", "LowEffectiveThroughput", "LowDataUtilization",
+    "CommOverheadHigh", "NCCLWatchdogTimeout", "CheckpointStale", "CostBudgetWarn", "CostBudgetThrottle",
+    "CostBudgetStop", "EnvironmentMismatch", "AgentDown",
+}
+ACTIONS = {"LossNaN": "rollback", "LossSpike": "rollback", "GradNormExplosion": "rollback",
+           "TrainingStalled": "restore", "NCCLWatchdogTimeout": "restore", "CostBudgetWarn": "cost_warn",
+           "CostBudgetThrottle": "cost_throttle", "CostBudgetStop": "cost_stop"}
+
+
+def rendered_alerts(directory: Path) -> dict[str, dict]:
+    found = {}
+    for path in sorted(directory.glob("*.rules.yml")):
+        for group in yaml.safe_load(path.read_text())["groups"]:
+            for rule in group["rules"]:
+                if "alert" in rule:
+                    found[rule["alert"]] = rule
+    return found
+
+
+def test_checked_in_files_match_the_generator(tmp_path):
+    """Fails when alerts/*.yml drift from alerts/rules.py: run `trainguard alerts render` and commit."""
+    assert cli.main(["render", "--out", str(tmp_path)]) == 0
+    produced = sorted(p.name for p in tmp_path.iterdir())
+    checked_in = sorted(p.name for p in ALERTS_DIR.glob("*.yml"))
+    assert produced == checked_in
+    for name in produced:
+        assert (tmp_path / name).read_text() == (ALERTS_DIR / name).read_text(), f"alerts/{name} drifted"
+
+
+def test_every_core_alert_is_there_with_its_labels_and_annotations():
+    alerts = rendered_alerts(ALERTS_DIR)
+    assert set(alerts) == CORE_ALERTS
+    for name, rule in alerts.items():
+        assert rule["labels"]["severity"] in ("critical", "warning", "info"), name
+        assert rule["labels"].get("action") == ACTIONS.get(name), name
+        annotations = rule["annotations"]
+        assert annotations["summary"] and annotations["description"], name
+        assert annotations["runbook_url"].endswith("docs/runbooks.md#" + name.lower()), name
+
+
+def test_every_runbook_url_has_its_section():
+    anchors = {re.sub(r"[^a-z0-9 -]", "", line[3:].strip().lower()).replace(" ", "-")
+               for line in (ROOT / "docs" / "runbooks.md").read_text().splitlines() if line.startswith("## ")}
+    for rule in rendered_alerts(ALERTS_DIR).values():
+        assert rule["annotations"]["runbook_url"].rsplit("#", 1)[1] in anchors
+
+
+def test_an_action_outside_the_vocabulary_is_refused():
+    try:
+        rules.Alert("X", "vector(1)", "critical", "s", "d", action="reboot")
+    except ValueError as exc:
+        assert "reboot" in str(exc)
+    else:
+        raise AssertionError("an unknown action was accepted")
+
+
+def test_thresholds_come_from_the_policy(tmp_path):
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(
+        "cost: {price_per_gpu_hour: 3.5, budget_per_1k_steps: 40, tiers: {warn: 0.1, throttle: 0.2, stop: 0.5}}\n"
+        "alerts: {stall_seconds: 7, disk_await_ms: 25, for_short: 2s, data_utilization_min: 0.8}\n")
+    out = tmp_path / "out"
+    assert cli.main(["render", "--policy", str(policy_file), "--out", str(out)]) == 0
+    alerts = rendered_alerts(out)
+    assert alerts["CostBudgetWarn"]["expr"].endswith(">= 0.1")
+    assert alerts["CostBudgetStop"]["expr"].endswith(">= 0.5")
+    assert alerts["CostBudgetStop"]["for"] == "2s"
+    assert "> 7\n" in alerts["TrainingStalled"]["expr"] and alerts["TrainingStalled"]["for"] == "2s"
+    assert alerts["DiskAwaitHigh"]["expr"].endswith("> 0.025")
+    assert alerts["LowDataUtilization"]["expr"].endswith("< 0.8")
+    cost = (out / "cost.rules.yml").read_text()
+    assert "* 3.5 / 3600" in cost and "/ 40 - 1" in cost
+    assert ">= 20" in cost   # min_steps, as the cost meter
+    assert Policy().cost.min_steps == 20
+
+
+def test_a_bad_policy_is_refused_naming_the_key(tmp_path, capsys):
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text("alerts: {stall_secs: 7}\n")
+    assert cli.main(["render", "--policy", str(policy_file), "--out", str(tmp_path / "out")]) == 2
+    assert "alerts.stall_secs: unknown key" in capsys.readouterr().err
+
+
+def test_promtool_check_and_unit_tests_pass():
+    require_binary("promtool")
+    require_binary("amtool")
+    for command in cli.checks(ALERTS_DIR):
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, f"{' '.join(command[:3])}:\n{result.stdout}{result.stderr}"
+    assert len(cli.checks(ALERTS_DIR)) == 3   # check rules, test rules, check-config
+
+
+def test_the_unit_tests_catch_a_changed_threshold(tmp_path):
+    """The promtool tests can fail: with a laxer policy, the 'fires' cases must break."""
+    promtool = require_binary("promtool")
+    lax = Policy(alerts=dataclasses.replace(Policy().alerts, loss_spike_sigma=1000.0, stall_seconds=100000.0))
+    rules.write(tmp_path, lax)
+    shutil.copytree(ALERTS_DIR / "tests", tmp_path / "tests")
+    result = subprocess.run([promtool, "test", "rules", str(tmp_path / "tests" / "training.test.yml")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "LossSpike" in result.stdout + result.stderr and "TrainingStalled" in result.stdout + result.stderr
+
+
+def test_alertmanager_routes_actions_to_the_agents_and_everything_to_a_human(tmp_path):
+    amtool = require_binary("amtool")
+    config = tmp_path / "alertmanager.yml"
+    config.write_text(alertmanager.render(["10.0.0.1:9400", "10.0.0.2:9400"], token_file="/etc/tg/token"))
+    check = subprocess.run([amtool, "check-config", str(config)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    def receivers(*labels: str) -> list[str]:
+        result = subprocess.run([amtool, "config", "routes", "test", f"--config.file={config}", *labels],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return sorted(result.stdout.strip().split(","))
+
+    first, second = (alertmanager.receiver_name(a) for a in ("10.0.0.1:9400", "10.0.0.2:9400"))
+    assert receivers("alertname=LossSpike", "action=rollback", "instance=10.0.0.2:9400") == sorted([first, "human"])
+    assert receivers("alertname=CostBudgetStop", "action=cost_stop") == sorted([first, "human"])
+    assert receivers("alertname=TrainingStalled", "action=restore", "instance=10.0.0.2:9400") == sorted(
+        [second, "human"])
+    assert receivers("alertname=TrainingStalled", "action=restore", "instance=10.0.0.9:9400") == ["human"]
+    assert receivers("alertname=GPUOverheating") == ["human"]
+
+
+def test_the_webhook_receivers_carry_the_bearer_token_file():
+    config = alertmanager.config(["127.0.0.1:9400"], token_file="/run/secrets/tg")
+    hook = config["receivers"][1]["webhook_configs"][0]
+    assert hook["url"] == "http://127.0.0.1:9400/api/v1/alerts"
+    assert hook["http_config"]["authorization"] == {"type": "Bearer", "credentials_file": "/run/secrets/tg"}
+    assert hook["send_resolved"] is True
+    run_wide = config["route"]["routes"][0]
+    assert set(run_wide["matchers"][0].split('"')[1].split("|")) == set(actions.REMOTE_ACTIONS) - {"restore"}

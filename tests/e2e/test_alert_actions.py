@@ -1,0 +1,117 @@
+"""End to end, real servers: a fault in training -> Prometheus alert -> Alertmanager -> agent webhook -> action.
+
+Each scenario runs the bundled trainer (tiny model, CPU), one agent (`trainguard agent`), Prometheus with
+the rules rendered from the scenario's policy, and Alertmanager with the generated route, all on loopback.
+The agents' embedded path is off here: these tests prove the alert path; tests/alerts/test_embedded.py
+covers the embedded one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.e2e.stack import read_records, record_timing, stack
+
+pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.timeout(300)]
+
+# Slow data for a few steps at a time (0.5 s per batch for 5 steps): paces the start of the run so the
+# loss baseline has its samples at 1 s scrapes, and keeps a burst of spikes on screen for a few scrapes.
+PACE = [f"--inject=slowio@{step}" for step in (1, 6, 11, 16)]
+
+
+def of_type(kind, **fields):
+    return lambda r: r["event"]["type"] == kind and all(r["event"].get(k) == v for k, v in fields.items())
+
+
+def test_loss_spike_alert_rolls_back_and_the_run_finishes(tmp_path):
+    spikes = [f"--inject=spike@{step}" for step in range(25, 33)]
+    with stack(tmp_path) as s:
+        s.start_agent("n1")
+        s.start_servers()
+        trainer = s.train("--steps", "50", "--checkpoint-every", "10", *PACE, "--inject=slowio@25", *spikes)
+
+        rollback = s.wait_for_event(s.rank_events, of_type("rollback", source="control"), 150,
+                                    "the trainer's rollback on the alert's request")
+        assert s.wait_trainer(trainer, 150) == 0
+
+        fault = next(r for r in s.rank_events() if r["event"]["type"] == "fault_injected"
+                     and r["event"]["kind"] == "spike")
+        alerts = [r["event"] for r in s.agent_events("n1") if r["event"]["type"] == "alert"]
+        assert any(e["alertname"] == "LossSpike" and e["status"] == "firing" for e in alerts)
+        # The spike also blows up the gradient norm: LossSpike and GradNormExplosion describe one incident,
+        # and the ledger turns them into one rollback (the other is coalesced into it).
+        decided = [e for e in alerts if e["outcome"] == "act"]
+        assert len(decided) == 1 and decided[0]["action"] == "rollback" and decided[0]["source"] == "alertmanager"
+        assert decided[0]["alertname"] in ("LossSpike", "GradNormExplosion")
+        assert all(e["outcome"] in ("coalesced", "duplicate", "resolved") for e in alerts if e is not decided[0])
+        [issued] = [r for r in s.agent_events("n1") if r["event"]["type"] == "action"]
+        assert issued["event"]["id"] == decided[0]["request_id"] == rollback["event"]["id"]
+        assert rollback["event"]["alertname"] == decided[0]["alertname"]
+        assert rollback["event"]["restored_step"] is not None and rollback["event"]["restored_step"] <= 30
+        events = s.rank_events()
+        assert not [r for r in events if r["event"]["type"] == "skip_step"]      # the guard left it to the alert
+        assert events[-1]["event"] == {"type": "run_end", "step": 50, "reason": "completed"}
+        record_timing("loss spike -> LossSpike -> rollback",
+                      to_action=issued["timestamp"] - fault["timestamp"],
+                      to_trainer=rollback["timestamp"] - fault["timestamp"])
+
+
+def test_hang_is_restored_and_the_run_resumes_from_the_latest_verified_checkpoint(tmp_path):
+    with stack(tmp_path) as s:
+        s.start_agent("n1")
+        s.start_servers()
+        trainer = s.train("--steps", "40", "--checkpoint-every", "10", "--nproc", "2", "--max-restarts", "2",
+                          "--inject=hang@25")
+
+        issued = s.wait_for_event(lambda: s.agent_events("n1"), of_type("action", action="restore"), 150,
+                                  "the agent's restore")
+        assert sorted(e["rank"] for e in issued["event"]["ended"]) == [0, 1]
+        assert s.wait_trainer(trainer, 180) == 0
+
+        events = s.rank_events()
+        fault = next(r for r in events if r["event"]["type"] == "fault_injected")
+        starts = [r for r in events if r["event"]["type"] == "run_start"]
+        assert [r["event"]["resumed_from"] for r in starts] == [None, 20]
+        assert starts[1]["event"]["restart_count"] >= 1
+        decided = [r["event"] for r in s.agent_events("n1") if r["event"]["type"] == "alert"
+                   and r["event"]["outcome"] == "act"]
+        assert [(e["alertname"], e["action"]) for e in decided] == [("TrainingStalled", "restore")]
+        assert events[-1]["event"]["type"] == "run_end" and events[-1]["step"] == 40
+        steps = [r["step"] for r in s.rank_events(1) if r["event"]["type"] == "run_end"]
+        assert steps == [40]
+        record_timing("hang -> TrainingStalled -> restore",
+                      to_action=issued["timestamp"] - fault["timestamp"],
+                      to_trainer=starts[1]["timestamp"] - fault["timestamp"])
+
+
+def test_a_low_budget_warns_then_throttles_then_stops_with_a_verified_checkpoint(tmp_path):
+    # One billed device at $2/h; a tiny CPU step costs well over $0.01 per 1000 steps: every tier is crossed.
+    policy = {"cost": {"budget_per_1k_steps": 0.01, "gpu_count_override": 1, "min_steps": 20}}
+    with stack(tmp_path, policy) as s:
+        s.start_agent("n1")
+        s.start_servers()
+        trainer = s.train("--steps", "2000", "--checkpoint-every", "50", *PACE)
+        assert s.wait_trainer(trainer, 200) == 0
+
+        acted = [r for r in s.rank_events() if r["event"]["type"] == "action"]
+        assert [r["event"]["action"] for r in acted] == ["cost_warn", "cost_throttle", "cost_stop"]
+        assert [r["event"]["alertname"] for r in acted] == ["CostBudgetWarn", "CostBudgetThrottle", "CostBudgetStop"]
+        assert acted[0]["step"] <= acted[1]["step"] <= acted[2]["step"]
+        decided = [r["event"] for r in s.agent_events("n1") if r["event"]["type"] == "alert"
+                   and r["event"]["outcome"] == "act"]
+        assert [(e["alertname"], e["source"]) for e in decided] == [
+            ("CostBudgetWarn", "alertmanager"), ("CostBudgetThrottle", "alertmanager"),
+            ("CostBudgetStop", "alertmanager")]
+        end = s.rank_events()[-1]
+        assert end["event"]["type"] == "run_end" and end["event"]["reason"] == "cost_stop"
+        summary = json.loads((s.run_dir / "cost_summary.json").read_text())
+        assert summary["checkpoint_verified"] is True and summary["step"] == end["step"]
+        assert (s.run_dir / "checkpoints" / f"step_{end['step']}" / "manifest.json").exists()
+        steps = [r for r in read_records(s.run_dir / "tls" / "rank-0.jsonl") if r.get("metrics")]
+        first_judged = steps[policy["cost"]["min_steps"]]     # the first step the budget could be judged on
+        issued = [r for r in s.agent_events("n1") if r["event"]["type"] == "action"]
+        record_timing("low budget -> CostBudget* -> cost_warn, throttle, stop",
+                      to_action=issued[0]["timestamp"] - first_judged["timestamp"],
+                      to_trainer=acted[-1]["timestamp"] - first_judged["timestamp"])

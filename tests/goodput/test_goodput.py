@@ -1,0 +1,155 @@
+"""Goodput on synthetic runs whose answers are known, and the invariant that the pieces add up."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainguard.goodput import CAUSES, GoodputConfig, compute
+
+
+class Run:
+    """Builds TLS records (as trainguard.tls.decode returns them) at explicit times."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def step(self, t: float, step: int, step_time: float | None = None, data_wait: float | None = None) -> "Run":
+        metrics = {"loss": 2.0}
+        if step_time is not None:
+            metrics["step_time_seconds"] = step_time
+        if data_wait is not None:
+            metrics["data_wait_seconds"] = data_wait
+        self.records.append({"timestamp": t, "step": step, "metrics": metrics})
+        return self
+
+    def steps(self, t0: float, first: int, last: int, every: float = 1.0) -> "Run":
+        for i, step in enumerate(range(first, last + 1)):
+            self.step(t0 + i * every, step, step_time=every)
+        return self
+
+    def event(self, t: float, type_: str, **fields) -> "Run":
+        self.records.append({"timestamp": t, "event": {"type": type_, **fields}})
+        return self
+
+
+def assert_adds_up(result) -> None:
+    assert result.productive_seconds + sum(result.badput_seconds.values()) == pytest.approx(result.total_seconds)
+    assert all(v >= -1e-9 for v in result.badput_seconds.values()) and 0 <= result.goodput_ratio <= 1
+
+
+def test_startup_data_wait_checkpoint_stall_and_shutdown():
+    run = Run().event(0, "run_started")
+    run.step(5, 1, step_time=1)                 # startup 4, step 1 took 1
+    run.step(6, 2).step(7, 3, data_wait=0.25)   # data wait 0.25
+    run.event(7.5, "checkpoint_saved", step=3, blocking_seconds=0.5, seconds=0.5)  # blocked 7.0-7.5
+    run.step(8.5, 4).step(9.5, 5)
+    run.step(15.5, 6)                           # 6 s where 1 s is usual: a 5 s stall
+    run.steps(16.5, 7, 10)
+    run.event(20, "run_finished")               # 0.5 s after the last step: other
+    result = compute(run.records)
+    assert result.total_seconds == 20
+    assert result.productive_seconds == pytest.approx(9.75)
+    assert result.badput_seconds == pytest.approx({"startup": 4, "checkpoint_save": 0.5, "rollback": 0,
+                                                   "restart_recovery": 0, "stalls": 5, "data_wait": 0.25,
+                                                   "skipped_steps": 0, "other": 0.5})
+    assert result.goodput_ratio == pytest.approx(9.75 / 20)
+    assert result.median_step_seconds == 1 and result.productive_steps == 10
+    assert result.badput_ratio["stalls"] == pytest.approx(0.25)
+    assert_adds_up(result)
+
+
+def test_rollback_wastes_the_steps_after_the_restored_checkpoint_and_skips_count():
+    run = Run().event(0, "run_started").steps(1, 1, 10)          # steps 1..10 at t=1..10
+    run.event(8.1, "skip_step", step=8)                           # thrown away by the rollback anyway
+    run.event(10.2, "rollback", step=10, reason="loss_spike")
+    run.event(11, "checkpoint_restored", step=5)
+    run.step(12, 6, step_time=1)                                  # 10 -> 11 restoring: rollback
+    run.steps(13, 7, 12)                                          # steps 7..12 at t=13..18
+    run.event(16.1, "skip_step", step=10)                         # a skip in the new timeline
+    result = compute(run.records)
+    assert result.total_seconds == 18 and result.rollbacks == 1 and result.restarts == 0
+    assert result.badput_seconds["rollback"] == pytest.approx(5 + 1)      # steps 6..10, and the restore
+    assert result.badput_seconds["skipped_steps"] == pytest.approx(1)
+    assert result.productive_seconds == pytest.approx(5 + 1 + 6 - 1)
+    assert result.productive_steps == 11
+    assert_adds_up(result)
+
+
+def test_a_rollback_without_a_restored_event_is_seen_from_the_step_going_back():
+    run = Run().event(0, "run_started").steps(1, 1, 10)
+    run.event(10.2, "rollback", step=10)
+    run.step(12, 6, step_time=1).steps(13, 7, 8)
+    result = compute(run.records)
+    assert result.badput_seconds["rollback"] == pytest.approx(5 + 1) and result.restarts == 0
+
+
+def _crashed_run(announced: bool) -> Run:
+    run = Run().event(0, "run_started").steps(1, 1, 6)
+    run.event(4.0, "checkpoint_saved", step=4, blocking_seconds=0.0, seconds=0.0)
+    run.event(6.5, "fault_injected", kind="crash")                # the last record before the crash
+    if announced:
+        run.event(20, "run_started").event(22, "checkpoint_restored", step=4)
+    run.step(25, 5, step_time=1).steps(26, 6, 8)                  # resumed: 5..8 at t=25..28
+    return run
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_a_restart_costs_the_downtime_and_the_steps_since_the_checkpoint(announced):
+    result = compute(_crashed_run(announced).records)
+    assert result.restarts == 1 and result.total_seconds == 28
+    assert result.badput_seconds["restart_recovery"] == pytest.approx((24 - 6.5) + 2)  # downtime; steps 5, 6
+    assert result.badput_seconds["stalls"] == pytest.approx(0.5)                        # after step 6, before dying
+    assert result.productive_seconds == pytest.approx(4 + 4)
+    assert_adds_up(result)
+
+
+def test_async_blocking_is_charged_where_the_save_started():
+    run = Run().event(0, "run_started").steps(1, 1, 10)
+    # An async save started at 7.1, blocked 0.1 s to copy, became durable at 9.9.
+    run.event(9.9, "checkpoint_saved", step=7, blocking_seconds=0.1, seconds=2.8, started_at=7.1, **{"async": True})
+    result = compute(run.records)
+    assert result.badput_seconds["checkpoint_save"] == pytest.approx(0.1)
+    assert result.productive_seconds == pytest.approx(10 - 0.1)
+
+
+def test_stall_factor_is_configurable():
+    run = Run().steps(0, 1, 9).step(10.5, 10)   # one step of 2.5 s among 1 s steps
+    assert compute(run.records).badput_seconds["stalls"] == 0
+    assert compute(run.records, GoodputConfig(stall_factor=2)).badput_seconds["stalls"] == pytest.approx(1.5)
+
+
+def test_records_out_of_order_and_nothing_at_all():
+    run = Run().event(0, "run_started").steps(1, 1, 5)
+    assert compute(reversed(run.records)) == compute(run.records)
+    empty = compute([])
+    assert empty.total_seconds == 0 and empty.goodput_ratio == 0 and set(empty.badput_seconds) == set(CAUSES)
+
+
+_record = st.one_of(
+    st.builds(lambda s, st_, dw: ("step", s, st_, dw), st.integers(0, 30), st.floats(0, 3), st.floats(0, 1)),
+    st.sampled_from([("run_started",), ("rollback",), ("fault_injected",)]),
+    st.builds(lambda s: ("checkpoint_restored", s), st.integers(0, 30)),
+    st.builds(lambda s: ("skip_step", s), st.integers(0, 30)),
+    st.builds(lambda b, s: ("checkpoint_saved", b, s), st.floats(0, 5), st.floats(0, 10)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.0, 5.0), _record), max_size=60))
+def test_any_sequence_of_records_adds_up(items):
+    run, t = Run(), 0.0
+    for gap, rec in items:
+        t += gap
+        if rec[0] == "step":
+            run.step(t, rec[1], step_time=rec[2], data_wait=rec[3])
+        elif rec[0] == "checkpoint_saved":
+            run.event(t, "checkpoint_saved", blocking_seconds=rec[1], seconds=rec[2])
+        elif len(rec) == 2:
+            run.event(t, rec[0], step=rec[1])
+        else:
+            run.event(t, rec[0])
+    result = compute(run.records)
+    assert_adds_up(result)
+    assert result.total_seconds == pytest.approx(t - items[0][0] if items else 0)

@@ -1,0 +1,67 @@
+"""Shared pieces of the preflight tests: real mounts when root may make them, a fresh log pipeline."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import structlog
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging():
+    """`trainguard.cli.main` points structlog at the stream of the moment (capsys's, closed afterwards)."""
+    yield
+    structlog.reset_defaults()
+
+
+@pytest.fixture(autouse=True)
+def _key_in_tmp(tmp_path, monkeypatch):
+    """No test may read or create the user's real checkpoint key."""
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_KEY", str(tmp_path / "env" / "checkpoint.key"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _mount(args: list[str], target: Path) -> None:
+    """Run mount; skip where mounting is not permitted, but fail under CI=true as root, where it must work."""
+    try:
+        result = subprocess.run(["mount", *args, str(target)], capture_output=True, text=True, timeout=30)
+        problem = result.stderr.strip() if result.returncode else None
+    except FileNotFoundError:
+        problem = "no mount command"
+    if problem:
+        message = f"cannot mount here ({problem})"
+        if os.environ.get("CI", "").lower() == "true" and os.geteuid() == 0:
+            pytest.fail(f"{message}; CI=true as root requires it", pytrace=False)
+        pytest.skip(message)
+
+
+@pytest.fixture
+def mounts(tmp_path):
+    """`mounts.tmpfs(size)` and `mounts.read_only(source)`: real mounts, unmounted after the test."""
+    made: list[Path] = []
+
+    class Mounts:
+        @staticmethod
+        def tmpfs(size: str) -> Path:
+            target = tmp_path / f"tmpfs{len(made)}"
+            target.mkdir()
+            _mount(["-t", "tmpfs", "-o", f"size={size}", "tmpfs"], target)
+            made.append(target)
+            return target
+
+        @staticmethod
+        def read_only(source: Path) -> Path:
+            """A read-only bind mount of `source`: even root cannot write there."""
+            target = tmp_path / f"ro{len(made)}"
+            target.mkdir()
+            _mount(["--bind", str(source)], target)
+            made.append(target)
+            _mount(["-o", "remount,bind,ro"], target)
+            return target
+
+    yield Mounts
+    for target in reversed(made):
+        subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)

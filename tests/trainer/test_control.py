@@ -1,0 +1,107 @@
+"""The control channel in the loop: requests the agent appends to RUN/control/actions.jsonl."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from tests.trainer.helpers import events, final_losses, step_records, train
+from trainguard.trainer.checkpoint.manager import CheckpointManager
+from trainguard.trainer.control import ControlChannel, append_request
+
+
+def test_cost_throttle_cuts_the_micro_batch_and_keeps_tokens_per_step(tmp_path):
+    plain, throttled = tmp_path / "plain", tmp_path / "throttled"
+    assert train(plain, "--steps", "6") == 0
+    append_request(throttled, "cost_throttle", request_id="t1", alertname="CostBudgetThrottle", reason="over")
+    assert train(throttled, "--steps", "6") == 0
+
+    (ack,) = events(throttled, "action")
+    assert ack == {"type": "action", "action": "cost_throttle", "id": "t1", "alertname": "CostBudgetThrottle",
+                   "reason": "over", "micro_batch_before": 8, "micro_batch_size": 6, "grad_accum_steps": 2,
+                   "step": 1}
+    steps = step_records(throttled)
+    assert [r["metrics"]["micro_batch_size"] for r in steps] == [8, 6, 6, 6, 6, 6]
+    assert [r["metrics"]["grad_accum_steps"] for r in steps] == [1, 2, 2, 2, 2, 2]
+    loaded = [r["metrics"]["tokens_loaded"] for r in steps]
+    assert [b - a for a, b in zip(loaded, loaded[1:])] == [8 * 64] * 5        # tokens per step unchanged
+    # the same gradient, only accumulated in two parts: the losses follow the unthrottled run's
+    for step, loss in final_losses(plain).items():
+        assert final_losses(throttled)[step] == pytest.approx(loss, rel=1e-4)
+    assert json.loads((throttled / "control" / "acked.jsonl").read_text())["id"] == "t1"
+
+
+def test_cost_stop_ends_cleanly_with_a_verified_checkpoint_and_a_summary(tmp_path):
+    run = tmp_path / "run"
+    append_request(run, "cost_warn", request_id="w1", alertname="CostBudgetWarn")
+    append_request(run, "cost_stop", request_id="s1", alertname="CostBudgetStop", reason="budget spent")
+    assert train(run, "--steps", "40", "--eval-every", "1") == 0
+
+    acks = [(e["action"], e["id"], e["step"]) for e in events(run, "action")]
+    assert acks == [("cost_warn", "w1", 1), ("cost_stop", "s1", 2)]
+    assert [e["purpose"] for e in events(run, "evaluation")] == ["checkpoint"]   # periodic eval paused
+    assert events(run, "run_end")[-1] == {"type": "run_end", "reason": "cost_stop",
+                                          "alertname": "CostBudgetStop", "step": 2}
+    checkpoint = CheckpointManager(run).latest_verified()
+    assert checkpoint.step == 2
+    summary = json.loads((run / "cost_summary.json").read_text())
+    assert summary["step"] == 2 and summary["checkpoint_verified"] is True
+    assert summary["stopped_by"] == {"id": "s1", "alertname": "CostBudgetStop", "reason": "budget spent"}
+    assert summary["tokens_trained"] == 2 * 8 * 64 and summary["wall_hours"] > 0
+
+    # Restarted, the run carries on from step 2: handled requests are not handled again.
+    assert train(run, "--steps", "4") == 0
+    assert [r["step"] for r in step_records(run)] == [1, 2, 3, 4]
+    assert len(events(run, "action")) == 2
+
+
+def test_rollback_request_restores_the_last_stable_checkpoint(tmp_path):
+    run = tmp_path / "run"
+
+    def request_after_step_12():
+        path = run / "tls" / "rank-0.jsonl"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if path.exists() and '"step":12,"metrics"' in path.read_text():
+                append_request(run, "rollback", request_id="r1", alertname="LossSpike", reason="drill")
+                return
+            time.sleep(0.005)
+
+    agent = threading.Thread(target=request_after_step_12)
+    agent.start()
+    assert train(run, "--steps", "24", "--checkpoint-every", "10") == 0
+    agent.join()
+    (ack,) = events(run, "action")
+    (rollback,) = events(run, "rollback")
+    assert ack["id"] == rollback["id"] == "r1" and rollback["source"] == "control"
+    assert rollback["alertname"] == "LossSpike"
+    assert rollback["restored_step"] == 10 * (rollback["step"] // 10)
+    assert step_records(run)[-1]["step"] == 24
+
+
+def test_channel_reads_only_new_complete_lines_and_reports_bad_ones(tmp_path):
+    warnings = []
+
+    class Log:
+        def warning(self, message, **fields):
+            warnings.append(fields)
+
+    channel = ControlChannel(tmp_path, rank=0, log=Log())
+    assert channel.poll() == (0, 0)
+    path = tmp_path / "control" / "actions.jsonl"
+    append_request(tmp_path, "cost_warn", request_id="a")
+    with open(path, "a") as handle:
+        handle.write('{"id": "b", "action": "explode"}\nnot json\n{"id": "c", "action": "restore"}\n')
+        handle.write('{"id": "d", "action": "rollback"')          # still being written
+    assert channel.poll() == (2, 1)
+    assert channel.poll() == (0, 0)
+    assert [w["where"] for w in warnings] == [f"{path}:2", f"{path}:3"]
+    with open(path, "a") as handle:
+        handle.write("}\n")
+    assert channel.poll() == (1, 5)
+    assert channel.request_at(5)["id"] == "d"
+    channel.ack(channel.request_at(5), step=7)
+    assert ControlChannel(tmp_path, rank=0).poll() == (2, 1)      # a restart skips only acknowledged ids

@@ -1,0 +1,242 @@
+"""Goodput and badput by cause, from TLS records. Pure: records in, numbers out (no files, no clocks).
+
+In the spirit of Google's ml-goodput-measurement: the wall time of a run (first record to last) is cut
+into pieces, each piece is either productive training or badput with one cause, and the pieces add up
+to the whole, so ``productive + sum(badput) == total``.
+
+- ``startup``: run start (first record) to the start of the first step.
+- ``checkpoint_save``: the time saves blocked training (``blocking_seconds`` of ``checkpoint_saved``).
+- ``rollback``: steps thrown away by a rollback (those after the restored checkpoint, up to the
+  rollback), plus the time from the rollback to the first step after it.
+- ``restart_recovery``: from the last record before a restart to the start of the first step after
+  it, plus the steps lost since the checkpoint the restarted run resumed from.
+- ``stalls``: the part of a step interval above `stall_factor` x the median step, and a process's time
+  after its last step when it then restarted (a hang before the kill).
+- ``data_wait``: ``metrics.data_wait_seconds`` of each step.
+- ``skipped_steps``: steps whose update the guard skipped (``skip_step`` events).
+- ``other``: what is left, such as shutdown after the last step.
+
+A step's interval runs from the previous step record to its own record. A restart is seen from a
+``run_started`` event, a ``checkpoint_restored`` event that no ``rollback`` explains, or a step number
+that goes back without either.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Iterable
+
+CAUSES = ("startup", "checkpoint_save", "rollback", "restart_recovery", "stalls", "data_wait",
+          "skipped_steps", "other")
+RUN_STARTED = "run_started"
+
+
+@dataclass(frozen=True)
+class GoodputConfig:
+    # A step interval (less checkpoint and data wait) above this many times the median is a stall.
+    stall_factor: float = 3.0
+
+
+@dataclass(frozen=True)
+class Goodput:
+    total_seconds: float
+    productive_seconds: float
+    goodput_ratio: float
+    badput_seconds: dict[str, float]
+    productive_steps: int
+    restarts: int
+    rollbacks: int
+    median_step_seconds: float | None
+    first_timestamp: float | None
+    last_timestamp: float | None
+
+    @property
+    def badput_ratio(self) -> dict[str, float]:
+        total = self.total_seconds
+        return {cause: (seconds / total if total > 0 else 0.0) for cause, seconds in self.badput_seconds.items()}
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "badput_ratio": self.badput_ratio}
+
+
+@dataclass
+class _Segment:
+    """A stretch of wall time with one meaning; blocking checkpoint time found inside is taken out first."""
+
+    start: float
+    end: float
+    kind: str                      # "step", or a badput cause for the whole stretch
+    step: int | None = None
+    data_wait: float = 0.0
+    wasted: str | None = None      # "rollback" / "restart_recovery": the step was thrown away later
+    skipped: bool = False
+    blocking: float = 0.0
+
+
+@dataclass
+class _Timeline:
+    """Pass one: records (in time order) into segments, with rollbacks, restarts and skips marked."""
+
+    segments: list[_Segment] = field(default_factory=list)
+    saves: list[tuple[float, float]] = field(default_factory=list)   # (start, blocking seconds)
+    cursor: float | None = None       # wall time attributed so far
+    last_ts: float | None = None
+    last_step: int | None = None
+    lead_in: str | None = "startup"   # cause of the time before the next step, when it is not a step
+    rollback_pending: bool = False
+    pending_skips: set[int] = field(default_factory=set)
+    restarts: int = 0
+    rollbacks: int = 0
+
+    def feed(self, record: dict) -> None:
+        ts = float(record["timestamp"])
+        if self.cursor is None:
+            self.cursor = ts
+        event = record.get("event")
+        if isinstance(event, dict):
+            self._event(event, record, ts)
+        elif isinstance(record.get("metrics"), dict) and isinstance(record.get("step"), int):
+            self._step(record, ts)
+        self.last_ts = ts
+
+    def _event(self, event: dict, record: dict, ts: float) -> None:
+        kind, step = event.get("type"), event.get("step", record.get("step"))
+        if kind == RUN_STARTED and self.last_step is not None:
+            self._restart()
+        elif kind == "rollback":
+            self.rollbacks += 1
+            self.rollback_pending = True
+        elif kind == "checkpoint_restored" and isinstance(step, int):
+            if self.rollback_pending:
+                self._throw_away_after(step, "rollback")
+                self.rollback_pending, self.lead_in = False, "rollback"
+            else:
+                if self.lead_in is None:  # restored in the middle of a process's steps: a new process
+                    self._restart()
+                self._throw_away_after(step, "restart_recovery")
+        elif kind == "checkpoint_saved":
+            seconds = _number(event.get("blocking_seconds"))
+            if seconds > 0:
+                started = event.get("started_at")
+                started = float(started) if isinstance(started, (int, float)) else ts - _number(event.get("seconds"))
+                self.saves.append((started, seconds))
+        elif kind == "skip_step" and isinstance(step, int):
+            if not self._mark_skipped(step):
+                self.pending_skips.add(step)
+
+    def _step(self, record: dict, ts: float) -> None:
+        step, metrics = record["step"], record["metrics"]
+        if self.last_step is not None and step <= self.last_step and self.lead_in is None:
+            if self.rollback_pending:   # a rollback without a checkpoint_restored event
+                self._throw_away_after(step - 1, "rollback")
+                self.rollback_pending, self.lead_in = False, "rollback"
+            else:                       # the step count went back: a restart nobody announced
+                self._restart()
+                self._throw_away_after(step - 1, "restart_recovery")
+        start = self.cursor
+        if self.lead_in is not None:
+            # The step itself took step_time_seconds (when given); the time before it is the lead-in.
+            start = max(self.cursor, ts - _number(metrics.get("step_time_seconds")))
+            self._add(self.cursor, start, self.lead_in)
+            self.lead_in = None
+        segment = _Segment(start, ts, "step", step, data_wait=_number(metrics.get("data_wait_seconds")))
+        self.segments.append(segment)
+        if step in self.pending_skips:
+            self.pending_skips.discard(step)
+            segment.skipped = True
+        self.cursor, self.last_step = ts, step
+
+    def _restart(self) -> None:
+        """A new process: its predecessor's time after its last step was a hang (or its shutdown)."""
+        self.restarts += 1
+        self._add(self.cursor, self.last_ts, "stalls")
+        self.lead_in, self.rollback_pending = "restart_recovery", False
+
+    def _throw_away_after(self, kept_step: int, cause: str) -> None:
+        for segment in reversed(self.segments):
+            if segment.kind != "step" or segment.wasted:
+                continue
+            if segment.step <= kept_step:
+                break
+            segment.wasted = cause
+        self.pending_skips = {s for s in self.pending_skips if s <= kept_step}
+        self.last_step = kept_step
+
+    def _mark_skipped(self, step: int) -> bool:
+        for segment in reversed(self.segments[-8:]):  # the step's own record is at most a few records back
+            if segment.kind == "step" and segment.step == step and not segment.wasted:
+                segment.skipped = True
+                return True
+        return False
+
+    def _add(self, start: float, end: float, kind: str) -> None:
+        if end > start:
+            self.segments.append(_Segment(start, end, kind))
+            self.cursor = end
+
+    def finish(self) -> None:
+        if self.last_ts is not None:
+            self._add(self.cursor, self.last_ts, "other")
+
+
+def _number(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else 0.0
+
+
+def _attribute_saves(segments: list[_Segment], saves: list[tuple[float, float]]) -> None:
+    """Each save's blocking time belongs to the segment in which it started."""
+    starts = [segment.start for segment in segments]
+    for started, seconds in saves:
+        index = max(0, bisect.bisect_right(starts, started) - 1)
+        if segments:
+            segments[index].blocking += seconds
+
+
+def compute(records: Iterable[dict], config: GoodputConfig = GoodputConfig()) -> Goodput:
+    """Goodput of a run from its TLS records (one rank's log is enough; order is restored by time)."""
+    timeline = _Timeline()
+    for record in sorted(records, key=lambda r: float(r["timestamp"])):
+        timeline.feed(record)
+    timeline.finish()
+    segments = timeline.segments
+    _attribute_saves(segments, timeline.saves)
+
+    badput = dict.fromkeys(CAUSES, 0.0)
+    work: list[tuple[_Segment, float]] = []   # step segments with their time left after saves and data
+    for segment in segments:
+        left = segment.end - segment.start
+        blocked = min(segment.blocking, left)
+        badput["checkpoint_save"] += blocked
+        left -= blocked
+        if segment.kind != "step":
+            badput[segment.kind] += left
+            continue
+        waited = min(segment.data_wait, left)
+        badput["data_wait"] += waited
+        work.append((segment, left - waited))
+
+    # A first step without step_time_seconds has no length of its own; it says nothing about step time.
+    lengths = [seconds for _, seconds in work if seconds > 0]
+    median = statistics.median(lengths) if lengths else None
+    productive, productive_steps = 0.0, 0
+    for segment, seconds in work:
+        if median is not None and seconds > config.stall_factor * median:
+            badput["stalls"] += seconds - median
+            seconds = median
+        if segment.wasted:
+            badput[segment.wasted] += seconds
+        elif segment.skipped:
+            badput["skipped_steps"] += seconds
+        else:
+            productive += seconds
+            productive_steps += 1
+
+    first, last = (segments[0].start, segments[-1].end) if segments else (timeline.cursor, timeline.last_ts)
+    total = (last - first) if first is not None and last is not None else 0.0
+    return Goodput(
+        total_seconds=total, productive_seconds=productive,
+        goodput_ratio=productive / total if total > 0 else 0.0,
+        badput_seconds=badput, productive_steps=productive_steps, restarts=timeline.restarts,
+        rollbacks=timeline.rollbacks, median_step_seconds=median, first_timestamp=first, last_timestamp=last)

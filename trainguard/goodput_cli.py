@@ -1,0 +1,100 @@
+"""`trainguard goodput RUN_DIR [--json]`: goodput and badput of a run, by cause, from its TLS log.
+
+Reads ``RUN/tls/rank-0.jsonl`` (the lowest rank there is, or ``--rank``; a TLS file may be given
+instead of a run directory). Every malformed line is reported as ``file:line: message`` on stderr and
+left out of the numbers.
+
+Exit codes: 0 computed; 1 computed, but some lines were malformed; 2 usage error, no log, no records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from trainguard import tls
+from trainguard.goodput import CAUSES, Goodput, GoodputConfig, compute
+
+EXIT_OK, EXIT_MALFORMED, EXIT_USAGE = 0, 1, 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = "exit codes: 0 ok, 1 some lines malformed (reported, numbers still shown), 2 nothing to read"
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run directory, or one TLS .jsonl file")
+    parser.add_argument("--rank", type=int, help="read this rank's log (default: the lowest, normally 0)")
+    parser.add_argument("--stall-factor", type=float, default=GoodputConfig.stall_factor,
+                        help="a step this many times the median is a stall (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def find_log(run_dir: Path, rank: int | None) -> Path:
+    if run_dir.is_file():
+        return run_dir
+    if rank is not None:
+        path = run_dir / "tls" / f"rank-{rank}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such log")
+        return path
+    logs = [(int(m.group(1)), p) for p in (run_dir / "tls").glob("rank-*.jsonl")
+            if (m := re.fullmatch(r"rank-(\d+)\.jsonl", p.name))]
+    if not logs:
+        raise FileNotFoundError(f"{run_dir / 'tls'}: no rank-*.jsonl log")
+    return min(logs)[1]
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.stall_factor <= 1:
+        print(f"trainguard goodput: --stall-factor must be above 1, got {args.stall_factor}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        path = find_log(args.run_dir, args.rank)
+    except FileNotFoundError as exc:
+        print(f"trainguard goodput: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    records, malformed = [], []
+    for line in tls.iter_lines(path):
+        if line.error is not None:
+            malformed.append(str(line.error))
+            print(line.error, file=sys.stderr)
+        else:
+            records.append(line.record)
+    if not records:
+        print(f"trainguard goodput: {path}: no records", file=sys.stderr)
+        return EXIT_USAGE
+    result = compute(records, GoodputConfig(stall_factor=args.stall_factor))
+    if args.json:
+        print(json.dumps({"source": str(path), "records": len(records), "malformed": malformed,
+                          **result.to_dict()}, indent=2))
+    else:
+        print(render(result, path, len(records), len(malformed)))
+    return EXIT_MALFORMED if malformed else EXIT_OK
+
+
+def render(result: Goodput, path: Path, records: int, malformed: int) -> str:
+    lines = [f"{path}: {records} records" + (f", {malformed} malformed (see stderr)" if malformed else ""),
+             f"  {'wall time':<18}{_duration(result.total_seconds):>12}",
+             f"  {'productive':<18}{_duration(result.productive_seconds):>12}  {_pct(result.goodput_ratio)}"
+             "  goodput",
+             "  badput by cause:"]
+    ratios = result.badput_ratio
+    for cause in CAUSES:
+        lines.append(f"    {cause:<16}{_duration(result.badput_seconds[cause]):>12}  {_pct(ratios[cause])}")
+    median = f"{result.median_step_seconds:.3f}s" if result.median_step_seconds is not None else "n/a"
+    lines.append(f"  steps {result.productive_steps}, restarts {result.restarts}, rollbacks {result.rollbacks}, "
+                 f"median step {median}")
+    return "\n".join(lines)
+
+
+def _pct(ratio: float) -> str:
+    return f"{100 * ratio:6.2f}%"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.2f}s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"

@@ -1,0 +1,120 @@
+"""`trainguard replay LOG_OR_RUN_DIR... [--policy FILE] [--rules DIR] [--json] [--expect FILE]`
+
+Exit status: 0 done (and the expectation met), 1 the replay does not match --expect, 2 bad input
+(no such log, a bad policy, expectation or rules directory, promtool missing). Malformed log lines are
+never fatal: they are counted and listed with file and line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from trainguard import policy as tgpolicy
+from trainguard import tls
+from trainguard.replay import expect, rules, source
+from trainguard.replay.timeline import DEFAULT_SCRAPE_INTERVAL, Result, replay_logs
+
+MALFORMED_SHOWN = 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="+", metavar="LOG_OR_RUN_DIR",
+                        help="TLS logs (.jsonl, .jsonl.gz, .jsonl.zst) or run directories (their tls/ logs)")
+    parser.add_argument("--policy", metavar="FILE", help="policy YAML (default: the built-in policy)")
+    parser.add_argument("--rules", metavar="DIR",
+                        help="evaluate these Prometheus alert rules (e.g. alerts/) over the recorded series with "
+                             "promtool")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON document")
+    parser.add_argument("--expect", metavar="FILE", help="expected actions and alerts (YAML); exit 1 on a mismatch")
+    parser.add_argument("--scrape-interval", type=float, default=DEFAULT_SCRAPE_INTERVAL, metavar="SECONDS",
+                        help="with --rules: the scrape and rule evaluation interval (default %(default)s)")
+    parser.add_argument("--hold", type=float, default=0.0, metavar="SECONDS",
+                        help="with --rules: keep evaluating this long after the last record, as if the agent "
+                             "kept exporting its last values (a log that ends in a hang)")
+    parser.add_argument("--keep-test", metavar="FILE", help="with --rules: keep the generated promtool test here")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        policy = tgpolicy.load(args.policy)
+        expected = expect.load(args.expect) if args.expect else None
+        rules_dir = args.rules
+        result = replay_logs(args.inputs, policy, rules_dir=rules_dir, scrape_interval=args.scrape_interval,
+                             hold=args.hold, keep_test=args.keep_test)
+    except (tgpolicy.PolicyError, expect.ExpectError, source.InputError, rules.RulesError, OSError) as exc:
+        print(f"trainguard replay: {exc}", file=sys.stderr)
+        return 2
+    diff = result.check(expected) if expected is not None else None
+    if args.json:
+        json.dump(result.to_json(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(render(result))
+    if diff:
+        print(f"trainguard replay: does not match {expected.source}:", file=sys.stderr)
+        for line in diff:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- human form
+
+def render(result: Result) -> str:
+    out, origin = result.outcome, result.outcome.first_timestamp
+    lines = [_summary(result)]
+    if result.actions:
+        lines += ["", "actions (what would have executed: guard, cost meter, alerts through the ledger)"]
+        lines += [_action_line(a, origin) for a in result.actions]
+    else:
+        lines += ["", "actions: none"]
+    if result.alerts is not None:
+        lines += ["", f"alerts (rules in {result.rules_dir}, evaluated by promtool every {result.scrape_interval:g}s)"]
+        lines += [_alert_line(a, origin) for a in result.alerts] or ["  none"]
+    if out.recorded:
+        lines += ["", "recorded in the log (what the live run did)"]
+        lines += [_action_line(a, origin) for a in out.recorded]
+    if result.problems.count:
+        lines += ["", f"malformed lines: {result.problems.count}"]
+        lines += [f"  {m}" for m in result.problems.kept[:MALFORMED_SHOWN]]
+        if result.problems.count > MALFORMED_SHOWN:
+            lines.append(f"  ... and {result.problems.count - MALFORMED_SHOWN} more (--json lists "
+                         f"{len(result.problems.kept)})")
+    if result.diff is not None:
+        lines += ["", f"expectation {result.expect_file}: " + ("met" if not result.diff else "NOT met")]
+    return "\n".join(lines) + "\n"
+
+
+def _summary(result: Result) -> str:
+    out = result.outcome
+    files = f"{len(result.files)} file" + ("s" if len(result.files) != 1 else "")
+    head = f"replay: {files}, {out.records:,} records, {result.problems.count:,} malformed"
+    if out.first_timestamp is None:
+        return head + ", no records"
+    span = expect.offset_text(out.last_timestamp, out.first_timestamp)
+    lines = [f"{head}, {tls.format_timestamp(out.first_timestamp)} .. {tls.format_timestamp(out.last_timestamp)} "
+             f"({span.lstrip('+')})",
+             f"steps decided: {out.steps:,}" + (f" (rank {result.lead_rank})" if result.lead_rank is not None else "")
+             + (f", {out.duplicate_steps:,} copies from other ranks or nodes skipped" if out.duplicate_steps else "")
+             + (f", {out.partial_steps:,} without both loss and grad_norm" if out.partial_steps else "")]
+    cost = out.cost
+    if cost.get("gpu_count"):
+        lines.append(f"cost: ${cost['cost_usd']:,.2f} on {cost['gpu_count']} GPUs, "
+                     f"${cost['cost_per_1k_steps']:,.2f} per 1000 steps at the end "
+                     f"({cost['overrun_ratio']:+.0%} against budget, tier {cost['tier']})")
+    return "\n".join(lines)
+
+
+def _action_line(action, origin: float) -> str:
+    step = f"step {action.step}" if action.step is not None else ""
+    return (f"  {expect.offset_text(action.timestamp, origin):>12}  {step:>12}  {action.action:14} "
+            f"{action.reason:28} {action.source}")
+
+
+def _alert_line(alert, origin: float) -> str:
+    ends = expect.offset_text(alert.ends_at, origin) if alert.ends_at is not None else "(firing at the end)"
+    labels = " ".join(f"{k}={v}" for k, v in sorted(alert.labels.items()))
+    return (f"  {expect.offset_text(alert.starts_at, origin):>12} .. {ends:<12}  {alert.alertname:24} "
+            f"{alert.severity or '':9} {labels}")

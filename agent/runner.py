@@ -96,24 +96,23 @@ class CollectorRunner:
         started, cpu_started = time.monotonic(), time.thread_time()
         with self._lock:
             self._in_flight_since = started
+        sample, error = None, None
         try:
             if self.collector is None:
                 self.collector = self._cls(self._ctx)
                 if self._on_created:
                     self._on_created(self.collector)
             sample = self.collector.update()
+            if not isinstance(sample, Sample):
+                sample, error = None, f"update() returned {type(sample).__name__}, not a Sample"
         except CollectorDisabled as exc:
             self._disable(str(exc))
             return False
+        except Exception as exc:  # a collector's failure is reported, never propagated
+            error = f"{type(exc).__name__}: {exc}"
         finally:
             self._cpu_seconds += time.thread_time() - cpu_started
-        except Exception as exc:  # a collector's failure is reported, never propagated
-            self._finish(started, None, f"{type(exc).__name__}: {exc}")
-        else:
-            if not isinstance(sample, Sample):
-                self._finish(started, None, f"update() returned {type(sample).__name__}, not a Sample")
-            else:
-                self._finish(started, sample, None)
+        self._finish(started, sample, error)
         return True
 
     def _finish(self, started: float, sample: Sample | None, error: str | None) -> None:

@@ -271,17 +271,23 @@ def install(server, agent, config) -> None:
     from trainguard.agent import actions_embedded
     from trainguard.agent.executor import Executor, WebhookSettings
 
+    from trainguard.agent.config import ConfigError
+
     log = tglog.get("agent.webhook", node=config.node)
-    settings = WebhookSettings.from_config(config)
     if config.run_dir is None:
         log.warning("no run directory (--run-dir): nothing to act on; /api/v1/alerts not served")
         return
-    policy = policy_mod.load(config.policy or _run_policy(config.run_dir))
+    try:
+        settings = WebhookSettings.from_config(config)
+        policy = policy_mod.load(config.policy or _run_policy(config.run_dir))
+    except (ConfigError, policy_mod.PolicyError) as exc:
+        log.error(f"bad configuration: {exc}")
+        raise SystemExit(2) from None
     try:
         token = load_token(settings.token_file, create=settings.token_file == settings.default_token_file)
     except (OSError, ValueError) as exc:
-        log.error("webhook token unreadable; /api/v1/alerts not served", error=str(exc))
-        return
+        log.error(f"bad configuration: webhook.token_file: {exc}")
+        raise SystemExit(2) from None
     executor = Executor.for_agent(config, policy, settings)
     limit = min(settings.max_body_bytes, getattr(server, "max_body_bytes", settings.max_body_bytes))
     webhook = Webhook(token, executor, limit)

@@ -139,7 +139,8 @@ def report(times: dict[str, list[float]], size: int, repeat: int, command: str) 
     ]
     save_ratio = med["verified"] / med["raw"]
     blocking_ratio = med["async_blocking"] / med["verified"]
-    host = f"{platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}, Python {platform.python_version()}"
+    host = (f"{platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
     lines = [SECTION, "",
              f"`{command}` — GPT ~51M parameters + AdamW state, {size / 2**20:.0f} MiB per checkpoint, on CPU, "
              f"median of {repeat}; {host}; {time.strftime('%Y-%m-%d', time.gmtime())}. Every measurement starts "
@@ -175,7 +176,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", type=Path, help="where to write (default: a temporary directory)")
-    parser.add_argument("--write-docs", action="store_true", help=f"replace the '{SECTION}' section of docs/benchmarks.md")
+    parser.add_argument("--write-docs", action="store_true",
+                        help=f"replace the '{SECTION}' section of docs/benchmarks.md")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="trainguard-bench-ckpt-", dir=args.dir))
     try:

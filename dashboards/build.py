@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from trainguard.policy import Policy
-from trainguard.dashboards.grafana import (ORANGE, RED, YELLOW, Annotation, Board, Panel, Query, Row, Threshold,
+from trainguard.dashboards.grafana import (ORANGE, RED, YELLOW, Annotation, Board, Query, Row, Threshold,
                                            Variable, q, stat, state_timeline, table, timeseries)
 
 OUT_DIR = Path(__file__).resolve().parent
@@ -46,6 +46,9 @@ def gpu(metric: str) -> str:
 
 def node(expr: str) -> str:
     return f"({expr}) {ON_HOST}"
+
+
+XID_WHY = "the agent exports Xid series once a GPU has had an Xid error (dcgm-exporter exports a 0)"
 
 
 # ------------------------------------------------------------------------------------------ variables
@@ -95,7 +98,8 @@ def training(policy: Policy) -> Board:
              thresholds=(Threshold(0, RED), Threshold(0.2, YELLOW), Threshold(0.35, "green"))),
         stat("Checkpoint age", q(f"max({run('trainguard_checkpoint_age_seconds')})"), unit="s",
              thresholds=(Threshold(a.checkpoint_stale_seconds, RED),)),
-        stat("Skipped steps", q(f"sum({run('trainguard_training_events_total', type='skip_step')}) or vector(0)"),
+        stat("Skipped steps", q(f"sum(max by (run_id) ({run('trainguard_training_events_total', type='skip_step')}))"
+                                f" or vector(0)"),
              thresholds=(Threshold(1, ORANGE),)),
         Row("Optimisation"),
         timeseries("Loss", q(f"max by (run_id) ({run('trainguard_training_loss')})", "{{run_id}} loss"),
@@ -151,7 +155,7 @@ def gpu_node(policy: Policy) -> Board:
         stat("Hottest GPU", q(f"max({gpu('DCGM_FI_DEV_GPU_TEMP')})"), unit="celsius", thresholds=temp),
         stat("Power", q(f"sum({gpu('DCGM_FI_DEV_POWER_USAGE')})"), unit="watt"),
         stat("Memory used", q(f"sum({gpu('DCGM_FI_DEV_FB_USED')})"), unit="decmbytes"),
-        stat("Xid errors", q(f"count({gpu('DCGM_FI_DEV_XID_ERRORS')} > 0) or vector(0)"),
+        stat("GPUs with Xid errors", q(f"count({gpu('DCGM_FI_DEV_XID_ERRORS')} > 0) or vector(0)"),
              thresholds=(Threshold(1, RED),),
              description="GPUs whose last Xid error code is not 0 (DCGM_FI_DEV_XID_ERRORS holds the last code)."),
         timeseries("GPU utilisation", q(gpu("DCGM_FI_DEV_GPU_UTIL"), legend), unit="percent", min=0, max=100),
@@ -159,13 +163,15 @@ def gpu_node(policy: Policy) -> Board:
         timeseries("Framebuffer memory used", q(gpu("DCGM_FI_DEV_FB_USED"), legend), unit="decmbytes", min=0),
         timeseries("Power draw", q(gpu("DCGM_FI_DEV_POWER_USAGE"), legend), unit="watt", min=0),
         timeseries("SM clock", q(f"{gpu('DCGM_FI_DEV_SM_CLOCK')} * 1e6", legend), unit="hertz"),
-        timeseries("Last Xid error", q(gpu("DCGM_FI_DEV_XID_ERRORS"), legend), unit="none",
-                   description="The code of the GPU's last Xid error; 0 when none (see the GPUXidError runbook)."),
+        timeseries("Xid errors", q(f"sum by (hostname, gpu, xid) (increase(trainguard_gpu_xid_errors_total{GPU}[{RATE}]))",
+                                   "{{hostname}} GPU {{gpu}} Xid {{xid}}", event_only=XID_WHY),
+                   q(gpu("DCGM_FI_DEV_XID_ERRORS"), f"{legend} last Xid", event_only=XID_WHY), unit="none",
+                   description="Xid errors by code, and the last code per GPU (see the GPUXidError runbook)."),
         Row("Node"),
         timeseries("CPU busy", q(node(f'1 - avg by (instance) (rate(node_cpu_seconds_total{{job=~"$job",'
                                       f' mode="idle"}}[{RATE}]))'), "{{instance}}"),
                    unit="percentunit", min=0, max=1, width=8),
-        timeseries("Memory available", q(node('node_memory_MemAvailable_bytes{job=~"$job"}'), "{{instance}}"),
+        timeseries("Memory available", q(node('trainguard_host_memory_available_bytes{job=~"$job"}'), "{{instance}}"),
                    unit="bytes", min=0, width=8),
         timeseries("Load", q(node('node_load1{job=~"$job"}'), "{{instance}} 1m"), width=8),
         timeseries("Rank processes up", q(f'sum by (instance) (trainguard_rank_process_up{AGENT})', "{{instance}}"),
@@ -223,10 +229,11 @@ def cost_goodput(policy: Policy) -> Board:
                                 ("comm", "badput: communication"))],
                    unit="percentunit", stack=True, min=0, width=12),
         timeseries("Steps lost", *[
-            q(f"sum({run('trainguard_training_events_total', type=kind)}) or vector(0)", label)
+            q(f"sum(max by (run_id) ({run('trainguard_training_events_total', type=kind)})) or vector(0)", label)
             for kind, label in (("skip_step", "skipped steps"), ("rollback", "rollbacks"),
                                 ("restore", "restores"))], width=12,
-                   description="Guard and recovery events so far; each discards work already paid for."),
+                   description="Guard and recovery events so far (counted once per run, not per rank); each "
+                               "discards work already paid for."),
     ]
     return Board("trainguard-cost-goodput", "trainguard / Cost and goodput",
                  "Spend, cost per 1000 steps against the policy's budget and tiers, the cost breaker, and "
@@ -248,9 +255,10 @@ def comms_io(policy: Policy) -> Board:
         timeseries("Communication share of step time", q(share("comm"), "{{run_id}}"), unit="percentunit",
                    min=0, thresholds=(Threshold(a.comm_overhead_max, RED),), width=12),
         timeseries("NCCL errors and watchdog timeouts",
-                   q(f"sum(increase(trainguard_nccl_errors_total{AGENT}[{RATE}])) or vector(0)", "errors"),
-                   q(f"sum(increase(trainguard_nccl_watchdog_timeouts_total{AGENT}[{RATE}])) or vector(0)",
-                     "watchdog timeouts"), width=12, thresholds=(Threshold(1, RED),)),
+                   q(f'sum by (kind) (increase(trainguard_nccl_events_total{{job=~"$job",'
+                     f' kind=~"error|abort|watchdog_timeout|watchdog_stuck"}}[{RATE}]))', "{{kind}}"),
+                   width=12, thresholds=(Threshold(1, RED),),
+                   description="NCCL errors, aborts and process-group watchdog timeouts found in the ranks' logs."),
         timeseries("InfiniBand receive", q(node(f"{ib('port_data_received_bytes')}"), "{{instance}} {{device}}:{{port}}"),
                    unit="Bps", width=8),
         timeseries("InfiniBand transmit", q(node(f"{ib('port_data_transmitted_bytes')}"),
@@ -298,8 +306,15 @@ def alerts_actions(policy: Policy) -> Board:
             f'sum by (type) (increase(trainguard_training_events_total{{job=~"$job",'
             f' type=~"skip_step|rollback|restore|checkpoint_restored|cost_warn|cost_throttle|cost_stop|action"}}[{RATE}]))',
             "{{type}}", event_only="only when the guard or an alert acts (the test run injects faults)"), width=12),
-        timeseries("Webhook actions", q(f"sum by (action, outcome) (trainguard_actions_total{AGENT}) or vector(0)",
-                                        "{{action}} {{outcome}}"), width=12),
+        timeseries("Actions the agent carried out",
+                   q(f"sum by (action) (trainguard_actions_executed_total{AGENT}) or vector(0)", "{{action}}"),
+                   width=12),
+        timeseries("Alert verdicts", q(f"sum by (outcome) (trainguard_alert_verdicts_total{AGENT}) or vector(0)",
+                                       "{{outcome}}"), width=12,
+                   description="What the agent's ledger decided for each alert or embedded decision: act, "
+                               "duplicate, coalesced, escalated ..."),
+        timeseries("Webhook requests", q(f"sum by (code) (increase(trainguard_webhook_requests_total{AGENT}[{RATE}]))"
+                                         f" or vector(0)", "{{code}}"), width=12),
         timeseries("Collector health", q(f"trainguard_scrape_collector_success{AGENT}", "{{instance}} {{collector}}"),
                    min=0, max=1, width=12),
         timeseries("Collector duration", q(f"trainguard_scrape_collector_duration_seconds{AGENT}",

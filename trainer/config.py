@@ -49,8 +49,8 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    min_lr: float = 3e-4
+    lr: float = 1e-3
+    min_lr: float = 1e-4
     warmup_steps: int = 10
     decay_steps: int = 0         # cosine decay length; 0 means run.steps
     weight_decay: float = 0.1

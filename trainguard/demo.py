@@ -53,10 +53,24 @@ def free_port() -> int:
 
 
 def start_agent(run_dir: Path, port: int, *extra: str) -> subprocess.Popen:
-    log = open(run_dir / "agent.log", "ab")
-    return subprocess.Popen(trainguard_command("agent", "--run-dir", str(run_dir), "--listen",
-                                               f"127.0.0.1:{port}", *extra),
-                            stdout=log, stderr=subprocess.STDOUT)
+    """The sidecar, waited for until /healthz answers. If it cannot start, the run goes on without it."""
+    import urllib.request
+
+    log_path = run_dir / "agent.log"
+    with open(log_path, "ab") as log:
+        agent = subprocess.Popen(trainguard_command("agent", "--run-dir", str(run_dir), "--listen",
+                                                    f"127.0.0.1:{port}", *extra),
+                                 stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and agent.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
+                return agent
+        except OSError:
+            time.sleep(0.2)
+    tail = log_path.read_text(errors="replace")[-1500:]
+    say(f"the agent did not start (training goes on without it); its log {log_path} ends:\n{tail}")
+    return agent
 
 
 def stop(process: subprocess.Popen, timeout: float = 10.0) -> None:
@@ -99,20 +113,34 @@ def finish(run_dir: Path, code: int) -> int:
     return code
 
 
+# Events that tell the demo's story; checkpoints and evaluations are in the report.
+STORY = {
+    "fault_injected": ("fault",),
+    "skip_step": ("reason",),
+    "rollback": ("reason", "restored_step", "steps_lost", "lr_scale"),
+    "restore": ("reason", "restored_step"),
+    "action": ("action", "alertname", "reason"),
+    "alert": ("alertname", "status"),
+    "run_end": ("reason",),
+}
+
+
 def print_story(run_dir: Path) -> None:
     """What the guard and the actions did, from the rank-0 log: the demo's point, in a few lines."""
     path = run_dir / "tls" / "rank-0.jsonl"
     if not path.exists():
         return
     last = None
+    say("what happened (rank 0):")
     for line in tls.iter_lines(path):
         record = line.record
         if record is None:
+            say(f"  unreadable line: {line.error}")
             continue
         event = record.get("event")
-        if event and event["type"] not in ("checkpoint_saved", "run_start"):
-            fields = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("type",) and not isinstance(v, dict))
-            say(f"  step {record.get('step', '?'):>5}  {event['type']:<20} {fields}")
+        if event and event["type"] in STORY:
+            fields = ", ".join(f"{k}={event[k]}" for k in STORY[event["type"]] if event.get(k) is not None)
+            say(f"  step {record.get('step', '?'):>5}  {event['type']:<15} {fields}")
         elif "metrics" in record:
             last = record
     if last:

@@ -6,6 +6,7 @@ to the whole, so ``productive + sum(badput) == total``.
 
 - ``startup``: run start (first record) to the start of the first step.
 - ``checkpoint_save``: the time saves blocked training (``blocking_seconds`` of ``checkpoint_saved``).
+- ``evaluation``: validation passes (``seconds`` of ``evaluation`` events, when the trainer gives it).
 - ``rollback``: steps thrown away by a rollback (those after the restored checkpoint, up to the
   rollback), plus the time from the rollback to the first step after it.
 - ``restart_recovery``: from the last record before a restart to the start of the first step after
@@ -17,8 +18,9 @@ to the whole, so ``productive + sum(badput) == total``.
 - ``other``: what is left, such as shutdown after the last step.
 
 A step's interval runs from the previous step record to its own record. A restart is seen from a
-``run_started`` event, a ``checkpoint_restored`` event that no ``rollback`` explains, or a step number
-that goes back without either.
+``run_start`` event after steps, a ``checkpoint_restored`` event that no ``rollback`` explains, or a
+step number that goes back without either. The events may come in either order before the next step
+(the trainer restores, then announces ``rollback`` or ``run_start``).
 """
 
 from __future__ import annotations
@@ -28,9 +30,16 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
-CAUSES = ("startup", "checkpoint_save", "rollback", "restart_recovery", "stalls", "data_wait",
+CAUSES = ("startup", "checkpoint_save", "evaluation", "rollback", "restart_recovery", "stalls", "data_wait",
           "skipped_steps", "other")
-RUN_STARTED = "run_started"
+# Events that say how long they held training up: type -> (cause, field with the seconds). The time is
+# charged to the stretch in which the event started (`started_at`, else its time minus `seconds`).
+TIMED_EVENTS = {"checkpoint_saved": ("checkpoint_save", "blocking_seconds"),
+                "evaluation": ("evaluation", "seconds")}
+RUN_START = "run_start"
+# Events a process writes before its first step. If a restart is confirmed, the previous process ended
+# at the record before the first of them.
+_PROCESS_START = ("checkpoint_invalid", "checkpoint_restored", RUN_START)
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,7 @@ class Goodput:
 
 @dataclass
 class _Segment:
-    """A stretch of wall time with one meaning; blocking checkpoint time found inside is taken out first."""
+    """A stretch of wall time with one meaning; timed events found inside (saves) are taken out first."""
 
     start: float
     end: float
@@ -72,7 +81,7 @@ class _Segment:
     data_wait: float = 0.0
     wasted: str | None = None      # "rollback" / "restart_recovery": the step was thrown away later
     skipped: bool = False
-    blocking: float = 0.0
+    timed: list[tuple[str, float]] = field(default_factory=list)   # (cause, seconds) that started here
 
 
 @dataclass
@@ -80,12 +89,14 @@ class _Timeline:
     """Pass one: records (in time order) into segments, with rollbacks, restarts and skips marked."""
 
     segments: list[_Segment] = field(default_factory=list)
-    saves: list[tuple[float, float]] = field(default_factory=list)   # (start, blocking seconds)
+    timed: list[tuple[float, str, float]] = field(default_factory=list)   # (start, cause, seconds)
     cursor: float | None = None       # wall time attributed so far
     last_ts: float | None = None
     last_step: int | None = None
     lead_in: str | None = "startup"   # cause of the time before the next step, when it is not a step
-    rollback_pending: bool = False
+    rollback_pending: bool = False    # a rollback was announced; resolved at the next step
+    restored: int | None = None       # step of a checkpoint restored since the last step
+    boundary: float | None = None     # last record before the first process-start event since the last step
     pending_skips: set[int] = field(default_factory=set)
     restarts: int = 0
     rollbacks: int = 0
@@ -103,38 +114,35 @@ class _Timeline:
 
     def _event(self, event: dict, record: dict, ts: float) -> None:
         kind, step = event.get("type"), event.get("step", record.get("step"))
-        if kind == RUN_STARTED and self.last_step is not None:
+        if kind in _PROCESS_START and self.boundary is None:
+            self.boundary = self.last_ts if self.last_ts is not None else ts
+        if kind == RUN_START and self.lead_in is None:
             self._restart()
         elif kind == "rollback":
             self.rollbacks += 1
             self.rollback_pending = True
+            if isinstance(event.get("restored_step"), int):
+                self.restored = event["restored_step"]
         elif kind == "checkpoint_restored" and isinstance(step, int):
-            if self.rollback_pending:
-                self._throw_away_after(step, "rollback")
-                self.rollback_pending, self.lead_in = False, "rollback"
-            else:
-                if self.lead_in is None:  # restored in the middle of a process's steps: a new process
-                    self._restart()
-                self._throw_away_after(step, "restart_recovery")
-        elif kind == "checkpoint_saved":
-            seconds = _number(event.get("blocking_seconds"))
-            if seconds > 0:
-                started = event.get("started_at")
-                started = float(started) if isinstance(started, (int, float)) else ts - _number(event.get("seconds"))
-                self.saves.append((started, seconds))
+            self.restored = step
         elif kind == "skip_step" and isinstance(step, int):
             if not self._mark_skipped(step):
                 self.pending_skips.add(step)
+        elif kind in TIMED_EVENTS:
+            self._timed(TIMED_EVENTS[kind], event, ts)
+
+    def _timed(self, charge: tuple[str, str], event: dict, ts: float) -> None:
+        cause, name = charge
+        seconds = _number(event.get(name))
+        if seconds > 0:
+            started = event.get("started_at")
+            if not isinstance(started, (int, float)):
+                started = ts - _number(event.get("seconds"))  # the event is written when it ends
+            self.timed.append((float(started), cause, seconds))
 
     def _step(self, record: dict, ts: float) -> None:
         step, metrics = record["step"], record["metrics"]
-        if self.last_step is not None and step <= self.last_step and self.lead_in is None:
-            if self.rollback_pending:   # a rollback without a checkpoint_restored event
-                self._throw_away_after(step - 1, "rollback")
-                self.rollback_pending, self.lead_in = False, "rollback"
-            else:                       # the step count went back: a restart nobody announced
-                self._restart()
-                self._throw_away_after(step - 1, "restart_recovery")
+        self._resolve(step)
         start = self.cursor
         if self.lead_in is not None:
             # The step itself took step_time_seconds (when given); the time before it is the lead-in.
@@ -148,10 +156,26 @@ class _Timeline:
             segment.skipped = True
         self.cursor, self.last_step = ts, step
 
+    def _resolve(self, step: int) -> None:
+        """Before a step: what the rollback, restore or restart since the previous step threw away."""
+        if self.rollback_pending:
+            kept = self.restored if self.restored is not None else step - 1
+            self._throw_away_after(kept, "rollback")
+            self.lead_in = "rollback"
+        elif self.restored is not None:
+            if self.lead_in is None:   # restored with no rollback in a process that had stepped: a new one
+                self._restart()
+            self._throw_away_after(self.restored, "restart_recovery")
+        elif self.last_step is not None and step <= self.last_step:
+            if self.lead_in is None:   # the step count went back and nobody said why: a restart
+                self._restart()
+            self._throw_away_after(step - 1, "restart_recovery")  # started over without a checkpoint
+        self.rollback_pending, self.restored, self.boundary = False, None, None
+
     def _restart(self) -> None:
         """A new process: its predecessor's time after its last step was a hang (or its shutdown)."""
         self.restarts += 1
-        self._add(self.cursor, self.last_ts, "stalls")
+        self._add(self.cursor, self.boundary if self.boundary is not None else self.last_ts, "stalls")
         self.lead_in, self.rollback_pending = "restart_recovery", False
 
     def _throw_away_after(self, kept_step: int, cause: str) -> None:
@@ -185,13 +209,12 @@ def _number(value: object) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else 0.0
 
 
-def _attribute_saves(segments: list[_Segment], saves: list[tuple[float, float]]) -> None:
-    """Each save's blocking time belongs to the segment in which it started."""
+def _attribute_timed(segments: list[_Segment], timed: list[tuple[float, str, float]]) -> None:
+    """Each timed event belongs to the segment in which it started."""
     starts = [segment.start for segment in segments]
-    for started, seconds in saves:
-        index = max(0, bisect.bisect_right(starts, started) - 1)
+    for started, cause, seconds in timed:
         if segments:
-            segments[index].blocking += seconds
+            segments[max(0, bisect.bisect_right(starts, started) - 1)].timed.append((cause, seconds))
 
 
 def compute(records: Iterable[dict], config: GoodputConfig = GoodputConfig()) -> Goodput:
@@ -201,15 +224,16 @@ def compute(records: Iterable[dict], config: GoodputConfig = GoodputConfig()) ->
         timeline.feed(record)
     timeline.finish()
     segments = timeline.segments
-    _attribute_saves(segments, timeline.saves)
+    _attribute_timed(segments, timeline.timed)
 
     badput = dict.fromkeys(CAUSES, 0.0)
-    work: list[tuple[_Segment, float]] = []   # step segments with their time left after saves and data
+    work: list[tuple[_Segment, float]] = []   # step segments with their time left after timed events and data
     for segment in segments:
         left = segment.end - segment.start
-        blocked = min(segment.blocking, left)
-        badput["checkpoint_save"] += blocked
-        left -= blocked
+        for cause, seconds in segment.timed:
+            taken = min(seconds, left)
+            badput[cause] += taken
+            left -= taken
         if segment.kind != "step":
             badput[segment.kind] += left
             continue

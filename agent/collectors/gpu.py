@@ -25,10 +25,10 @@ from typing import Any
 from trainguard import log
 
 from ..collector import Collector, CollectorDisabled, Sample, register
+from ..config import ConfigError
 from ..procfs import read_rank_pids
 from . import gpu_metrics
 from .gpu_metrics import GPU, LABEL_STYLES, LOST, Reader, error_values
-from ..config import ConfigError
 from .options import options
 from .xid import KmsgSource, NvmlEventSource, XidCounts, pci_key_from_bus_id
 

@@ -118,3 +118,13 @@ def test_kmsg_and_nvml_seeing_the_same_xid_count_it_once(tmp_path):
 def test_kmsg_off_by_option(tmp_path):
     v = values(collector(tmp_path, FakeNVML("xid"), kmsg=False).update().families)
     assert series("trainguard_gpu_xid_source_available", source="kmsg") not in v
+
+
+def test_fake_steps_by_time_in_agent_processes(tmp_path):
+    """TRAINGUARD_FAKE_NVML_STEP_S: the fake moves one sample per step of time, delivering the XIDs it passes."""
+    nvml = FakeNVML("xid", step_seconds=10.0)
+    gpu = collector(tmp_path, nvml)
+    nvml._started -= 25.0                 # as if 25 s had passed: samples 1 and 2
+    v = values(gpu.update().families)
+    assert nvml.position == 2
+    assert v[series("trainguard_gpu_xid_errors_total", **GPU0, xid="13")] == 2

@@ -102,5 +102,6 @@ def test_restore_when_nothing_verifies_exits_1(run_dir, key_file, capsys):
 def test_the_installed_command_uses_the_same_exit_codes(run_dir, key_file):
     trainguard = Path(sys.executable).with_name("trainguard")
     result = subprocess.run([str(trainguard), "checkpoint", "verify", str(run_dir), "--key-file", str(key_file)],
-                            capture_output=True, text=True, timeout=120, env={**os.environ, "TRAINGUARD_LOG_JSON": "1"})
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "TRAINGUARD_LOG_JSON": "1"})
     assert result.returncode == 1 and "step_3: FAILED" in result.stdout

@@ -72,7 +72,8 @@ def test_latest_verified_is_the_newest_and_stable_only_skips_unstable(tmp_path, 
     assert manager.latest_verified().step == 30
     assert manager.latest_verified(stable_only=True).step == 10
     assert manager.load_latest(stable_only=True)[0].step == 10
-    assert [(i.step, i.stable, i.ok) for i in manager.list()] == [(10, True, True), (20, False, True), (30, False, True)]
+    rows = [(i.step, i.stable, i.ok) for i in manager.list()]
+    assert rows == [(10, True, True), (20, False, True), (30, False, True)]
 
 
 def test_key_file_is_created_0600_once_and_reused(tmp_path, key_file):

@@ -3,7 +3,6 @@ recorded fake, tests/fakes/fake_nvml.py) writes the node records, diagnose reads
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
@@ -14,8 +13,9 @@ from trainguard import tls
 from trainguard.agent.collector import Context
 from trainguard.agent.collectors.gpu import GPUCollector
 from trainguard.diagnose import NO_DATA, OK, PROBLEM, diagnose_run
-from trainguard.diagnose.hardware import gpu_links
+from trainguard.diagnose.hardware import gpu_links, gpu_slowdown
 from trainguard.diagnose.loader import RunData, add_node_record
+from trainguard.policy import Policy
 
 GiB = 2**30
 INTERVAL = 5.0
@@ -95,13 +95,24 @@ def test_a_link_trained_down_is_named_from_records():
         gpu = {"gpu": 0, "pcie_link_gen": 4 if n >= 3 else 5, "pcie_link_gen_max": 5,
                "pcie_link_width": 4 if n >= 3 else 16, "pcie_link_width_max": 16}
         add_node_record(run, "node-b", {"timestamp": records.START + n * INTERVAL, "hardware": {"gpus": [gpu]}})
-    finding = gpu_links(run, records_policy())
+    finding = gpu_links(run, Policy())
     assert finding.status == PROBLEM and finding.evidence["gpu"] == "node-b GPU 0"
     assert finding.evidence["min_ratio"] == pytest.approx(4 * 1.969 / (16 * 3.938), abs=0.01)
     assert finding.score == pytest.approx(0.7)
 
 
-def records_policy():
-    from trainguard.policy import Policy
-
-    return copy.deepcopy(Policy())
+def test_throttle_reasons_and_low_clocks_are_named_from_records():
+    """Fields the GPU collector reads but does not yet put in its node records (see docs/diagnose.md)."""
+    run = RunData(run_dir="-")
+    for n in range(20):
+        braked = 8 <= n < 16
+        gpus = [{"gpu": 0, "gpu_util": 99, "gpu_temp_c": 70, "sm_clock_mhz": 1980, "sm_clock_max_mhz": 1980,
+                 "throttle_reasons": 0},
+                {"gpu": 1, "gpu_util": 99, "gpu_temp_c": 70, "sm_clock_mhz": 1095 if braked else 1980,
+                 "sm_clock_max_mhz": 1980, "throttle_reasons": 0x80 if braked else 0}]
+        add_node_record(run, "node-c", {"timestamp": records.START + n * INTERVAL, "hardware": {"gpus": gpus}})
+    finding = gpu_slowdown(run, Policy())
+    assert finding.status == PROBLEM and finding.evidence["gpu"] == "node-c GPU 1"
+    assert finding.evidence["reasons"] == ["hw_power_brake", "SM clock under 85% of max while busy"]
+    assert finding.score == pytest.approx(8 / 20)
+    assert finding.evidence["stretches"][0]["rows"] == 8

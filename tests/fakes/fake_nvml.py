@@ -58,7 +58,6 @@ DEVICE_CALLS = (
     "nvmlDeviceGetPcieThroughput", "nvmlDeviceGetRemappedRows", "nvmlDeviceGetRetiredPages",
     "nvmlDeviceGetRetiredPagesPendingStatus", "nvmlDeviceGetComputeRunningProcesses",
 )
-NOT_CALLS = ("lost", "xid_events")
 
 
 class ScenarioError(ValueError):

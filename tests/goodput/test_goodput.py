@@ -40,7 +40,7 @@ def assert_adds_up(result) -> None:
 
 
 def test_startup_data_wait_checkpoint_stall_and_shutdown():
-    run = Run().event(0, "run_started")
+    run = Run().event(0, "run_start")
     run.step(5, 1, step_time=1)                 # startup 4, step 1 took 1
     run.step(6, 2).step(7, 3, data_wait=0.25)   # data wait 0.25
     run.event(7.5, "checkpoint_saved", step=3, blocking_seconds=0.5, seconds=0.5)  # blocked 7.0-7.5
@@ -51,7 +51,8 @@ def test_startup_data_wait_checkpoint_stall_and_shutdown():
     result = compute(run.records)
     assert result.total_seconds == 20
     assert result.productive_seconds == pytest.approx(9.75)
-    assert result.badput_seconds == pytest.approx({"startup": 4, "checkpoint_save": 0.5, "rollback": 0,
+    assert result.badput_seconds == pytest.approx({"startup": 4, "checkpoint_save": 0.5, "evaluation": 0,
+                                                   "rollback": 0,
                                                    "restart_recovery": 0, "stalls": 5, "data_wait": 0.25,
                                                    "skipped_steps": 0, "other": 0.5})
     assert result.goodput_ratio == pytest.approx(9.75 / 20)
@@ -60,11 +61,14 @@ def test_startup_data_wait_checkpoint_stall_and_shutdown():
     assert_adds_up(result)
 
 
-def test_rollback_wastes_the_steps_after_the_restored_checkpoint_and_skips_count():
-    run = Run().event(0, "run_started").steps(1, 1, 10)          # steps 1..10 at t=1..10
+@pytest.mark.parametrize("trainer_order", [True, False])
+def test_rollback_wastes_the_steps_after_the_restored_checkpoint_and_skips_count(trainer_order):
+    run = Run().event(0, "run_start").steps(1, 1, 10)           # steps 1..10 at t=1..10
     run.event(8.1, "skip_step", step=8)                           # thrown away by the rollback anyway
-    run.event(10.2, "rollback", step=10, reason="loss_spike")
-    run.event(11, "checkpoint_restored", step=5)
+    if trainer_order:  # the trainer restores first, then announces the rollback with the step restored
+        run.event(10.8, "checkpoint_restored", step=5).event(11, "rollback", step=10, restored_step=5)
+    else:
+        run.event(10.2, "rollback", step=10, reason="loss_spike").event(11, "checkpoint_restored", step=5)
     run.step(12, 6, step_time=1)                                  # 10 -> 11 restoring: rollback
     run.steps(13, 7, 12)                                          # steps 7..12 at t=13..18
     run.event(16.1, "skip_step", step=10)                         # a skip in the new timeline
@@ -78,7 +82,7 @@ def test_rollback_wastes_the_steps_after_the_restored_checkpoint_and_skips_count
 
 
 def test_a_rollback_without_a_restored_event_is_seen_from_the_step_going_back():
-    run = Run().event(0, "run_started").steps(1, 1, 10)
+    run = Run().event(0, "run_start").steps(1, 1, 10)
     run.event(10.2, "rollback", step=10)
     run.step(12, 6, step_time=1).steps(13, 7, 8)
     result = compute(run.records)
@@ -86,11 +90,12 @@ def test_a_rollback_without_a_restored_event_is_seen_from_the_step_going_back():
 
 
 def _crashed_run(announced: bool) -> Run:
-    run = Run().event(0, "run_started").steps(1, 1, 6)
+    run = Run().event(0, "run_start").steps(1, 1, 6)
     run.event(4.0, "checkpoint_saved", step=4, blocking_seconds=0.0, seconds=0.0)
     run.event(6.5, "fault_injected", kind="crash")                # the last record before the crash
-    if announced:
-        run.event(20, "run_started").event(22, "checkpoint_restored", step=4)
+    if announced:  # what the trainer writes as it starts again: skipped checkpoints, restore, run_start
+        run.event(20, "checkpoint_invalid", step=6, reason="hash mismatch")
+        run.event(22, "checkpoint_restored", step=4).event(23, "run_start", resumed_from=4)
     run.step(25, 5, step_time=1).steps(26, 6, 8)                  # resumed: 5..8 at t=25..28
     return run
 
@@ -105,13 +110,34 @@ def test_a_restart_costs_the_downtime_and_the_steps_since_the_checkpoint(announc
     assert_adds_up(result)
 
 
+def test_a_restart_that_restores_nothing_is_seen_from_run_start():
+    run = Run().event(0, "run_start").steps(1, 1, 3).event(3.5, "fault_injected", kind="crash")
+    run.event(10, "run_start").step(12, 1, step_time=1).steps(13, 2, 3)
+    result = compute(run.records)
+    assert result.restarts == 1 and result.badput_seconds["stalls"] == pytest.approx(0.5)
+    assert result.badput_seconds["restart_recovery"] == pytest.approx((11 - 3.5) + 3)
+    assert result.productive_seconds == pytest.approx(3)
+
+
 def test_async_blocking_is_charged_where_the_save_started():
-    run = Run().event(0, "run_started").steps(1, 1, 10)
+    run = Run().event(0, "run_start").steps(1, 1, 10)
     # An async save started at 7.1, blocked 0.1 s to copy, became durable at 9.9.
     run.event(9.9, "checkpoint_saved", step=7, blocking_seconds=0.1, seconds=2.8, started_at=7.1, **{"async": True})
     result = compute(run.records)
     assert result.badput_seconds["checkpoint_save"] == pytest.approx(0.1)
     assert result.productive_seconds == pytest.approx(10 - 0.1)
+
+
+def test_evaluation_time_is_its_own_cause_not_a_stall():
+    run = Run().event(0, "run_start").steps(1, 1, 5)
+    run.event(7.5, "evaluation", step=5, val_loss=2.0, seconds=2.5)   # 5.0-7.5 validating
+    run.event(7.6, "checkpoint_saved", step=5, blocking_seconds=0.1, seconds=0.1)
+    run.steps(8.6, 6, 10)
+    result = compute(run.records)
+    assert result.badput_seconds["evaluation"] == pytest.approx(2.5)
+    assert result.badput_seconds["checkpoint_save"] == pytest.approx(0.1)
+    assert result.badput_seconds["stalls"] == 0 and result.productive_seconds == pytest.approx(10)
+    assert_adds_up(result)
 
 
 def test_stall_factor_is_configurable():
@@ -121,7 +147,7 @@ def test_stall_factor_is_configurable():
 
 
 def test_records_out_of_order_and_nothing_at_all():
-    run = Run().event(0, "run_started").steps(1, 1, 5)
+    run = Run().event(0, "run_start").steps(1, 1, 5)
     assert compute(reversed(run.records)) == compute(run.records)
     empty = compute([])
     assert empty.total_seconds == 0 and empty.goodput_ratio == 0 and set(empty.badput_seconds) == set(CAUSES)
@@ -129,10 +155,11 @@ def test_records_out_of_order_and_nothing_at_all():
 
 _record = st.one_of(
     st.builds(lambda s, st_, dw: ("step", s, st_, dw), st.integers(0, 30), st.floats(0, 3), st.floats(0, 1)),
-    st.sampled_from([("run_started",), ("rollback",), ("fault_injected",)]),
+    st.sampled_from([("run_start",), ("rollback",), ("fault_injected",), ("checkpoint_invalid",)]),
     st.builds(lambda s: ("checkpoint_restored", s), st.integers(0, 30)),
     st.builds(lambda s: ("skip_step", s), st.integers(0, 30)),
     st.builds(lambda b, s: ("checkpoint_saved", b, s), st.floats(0, 5), st.floats(0, 10)),
+    st.builds(lambda s: ("evaluation", s), st.floats(0, 5)),
 )
 
 
@@ -146,6 +173,8 @@ def test_any_sequence_of_records_adds_up(items):
             run.step(t, rec[1], step_time=rec[2], data_wait=rec[3])
         elif rec[0] == "checkpoint_saved":
             run.event(t, "checkpoint_saved", blocking_seconds=rec[1], seconds=rec[2])
+        elif rec[0] == "evaluation":
+            run.event(t, "evaluation", seconds=rec[1])
         elif len(rec) == 2:
             run.event(t, rec[0], step=rec[1])
         else:

@@ -23,7 +23,7 @@ def _write_run(run_dir, *, with_checkpoints=False, key_file=None):
     """A rank-0 log: startup 2 s, ten 1 s steps; with checkpoints, real saves logged through on_event."""
     writer = tls.Writer(run_dir / "tls" / "rank-0.jsonl")
     clock = {"t": 1000.0}
-    writer.write(tls.event("run_started", timestamp=clock["t"]))
+    writer.write(tls.event("run_start", timestamp=clock["t"]))
     saved = []
     manager = None
     if with_checkpoints:

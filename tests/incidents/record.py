@@ -111,8 +111,8 @@ def main(argv: list[str]) -> int:
         print(f"{name}:", flush=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"incident-{name}-"))
         try:
-            run(scratch / "run", RECORDINGS[name])
-            for path in keep(scratch / "run", name):
+            run(scratch / name, RECORDINGS[name])
+            for path in keep(scratch / name, name):
                 print(f"  {path.relative_to(HERE)}  {path.stat().st_size:,} bytes")
         finally:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -21,7 +21,8 @@ __all__ = ["Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointManager
            "info_of", "verify"]
 
 
-def verify(path: str | os.PathLike, *, key_file: str | os.PathLike | None = None, deep: bool = True) -> VerifyResult:
+def verify(path: str | os.PathLike, *, key_file: str | os.PathLike | None = None,
+           deep: bool = True) -> VerifyResult:
     """Check one checkpoint directory: manifest, signature, step, and each file's size and SHA-256.
 
     Never creates a key: without the key that signed it, a checkpoint cannot be verified.

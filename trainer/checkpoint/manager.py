@@ -210,7 +210,8 @@ class CheckpointManager:
             f"{kept}", code="write_failed", path=handle.path)
         handle.error.__cause__ = exc
         handle._done.set()
-        self._log.error("checkpoint_save_failed", step=handle.step, error=str(handle.error), on_error=self.on_error)
+        self._log.error("checkpoint_save_failed", step=handle.step, error=str(handle.error),
+                        on_error=self.on_error)
         self._emit("checkpoint_failed", step=handle.step, path=str(handle.path), reason=str(handle.error))
 
     def _get_world_size(self) -> int:
@@ -250,7 +251,8 @@ class CheckpointManager:
                 self._emit("checkpoint_deleted", step=step, path=str(path), reason="retention")
         superseded = self.root / SUPERSEDED
         if superseded.is_dir():
-            for path in sorted(superseded.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)[self.keep_last:]:
+            newest_first = sorted(superseded.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+            for path in newest_first[self.keep_last:]:
                 shutil.rmtree(path, ignore_errors=True)
 
     def supersede_after(self, step: int) -> list[Path]:
@@ -283,7 +285,8 @@ class CheckpointManager:
             self.supersede_after(ckpt.step)
             result = self._verify(final, deep=True)
         if not result.ok:
-            raise CheckpointError(f"{final}: the copy does not verify: {result.reason}", code=result.code, path=final)
+            raise CheckpointError(f"{final}: the copy does not verify: {result.reason}", code=result.code,
+                                  path=final)
         return Checkpoint.of(result)
 
     # -------------------------------------------------------------------------------- find and load
@@ -331,7 +334,8 @@ class CheckpointManager:
             self._skipped(ckpt.path, exc.code, str(exc))
             raise
 
-    def load_latest(self, *, stable_only: bool = False, map_location: Any = "cpu") -> tuple[Checkpoint, dict] | None:
+    def load_latest(self, *, stable_only: bool = False,
+                    map_location: Any = "cpu") -> tuple[Checkpoint, dict] | None:
         """Restore in one pass: the newest checkpoint whose manifest verifies and whose files hash right
         and load safely, with its state. Each file is read once (hashed on the way in)."""
         with self._lock:

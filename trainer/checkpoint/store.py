@@ -255,7 +255,8 @@ def _read_hashed(handle: IO[bytes], size: int) -> str:
 def _check_handle(handle: IO[bytes], entry: FileEntry, deep: bool) -> tuple[str, str] | None:
     size = os.fstat(handle.fileno()).st_size
     if size != entry.bytes:
-        return mf.SIZE_MISMATCH, f"{entry.name} has {size} bytes, the manifest says {entry.bytes} (truncated or extended)"
+        return mf.SIZE_MISMATCH, (f"{entry.name} has {size} bytes, the manifest says {entry.bytes} "
+                                  "(truncated or extended)")
     if not deep:
         return None
     try:

@@ -94,6 +94,8 @@ class Verdict:
             event["dry_run"] = True
         if self.detail:
             event["detail"] = dict(self.detail)
+        if n.labels:
+            event["labels"] = dict(n.labels)
         return event
 
 

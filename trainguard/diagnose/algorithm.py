@@ -91,7 +91,9 @@ def grad_norm_trend(run: RunData, policy: Policy) -> Finding:
     second, last = rows[quarter:2 * quarter], rows[-quarter:]
     early, late = median(norm[i] for i in second), median(norm[i] for i in last)
     ratio = late / early if early > 0 else float("inf")
-    guard = [e["event"]["type"] for e in run.events if e["event"].get("type") in ("skip_step", "rollback")]
+    # one rank's own events: every rank logs the same guard decision, and the agent may echo it
+    guard = [e["event"]["type"] for e in run.events
+             if e.get("rank") == rank and e["event"].get("type") in ("skip_step", "rollback")]
     evidence = {"rank": rank, "median_second_quarter": rounded(early), "median_last_quarter": rounded(late),
                 "ratio": rounded(ratio, 3), "threshold": settings.grad_trend_max_ratio,
                 "steps": [cols.steps[second[0]], cols.steps[last[-1]]],

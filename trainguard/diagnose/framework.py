@@ -19,11 +19,14 @@ from trainguard.policy import Policy
 LAYER = "framework"
 
 
-def compute_seconds(cols: Columns, i: int) -> float:
-    """Step time less data wait and comm (each counted as 0 when the record lacks it)."""
-    values = cols.values
-    waited = sum(v for v in (values["data_wait_seconds"][i], values["comm_seconds"][i]) if not math.isnan(v))
-    return max(0.0, values["step_time_seconds"][i] - waited)
+def compute_seconds(cols: Columns, rows: list[int]) -> list[float]:
+    """Step time less data wait and comm on each of `rows` (a wait the record lacks counts as 0)."""
+    step_time, wait, comm = (cols.values[name] for name in ("step_time_seconds", "data_wait_seconds", "comm_seconds"))
+    out = []
+    for i in rows:
+        rest = step_time[i] - (wait[i] if wait[i] == wait[i] else 0.0) - (comm[i] if comm[i] == comm[i] else 0.0)
+        out.append(rest if rest > 0.0 else 0.0)
+    return out
 
 
 def comm_share(run: RunData, policy: Policy) -> Finding:
@@ -66,7 +69,7 @@ def stragglers(run: RunData, policy: Policy) -> Finding:
         if len(rows) < settings.min_steps:
             continue
         step_medians[rank] = median(cols.values["step_time_seconds"][i] for i in rows)
-        sections["compute_seconds"][rank] = median(compute_seconds(cols, i) for i in rows)
+        sections["compute_seconds"][rank] = median(compute_seconds(cols, rows))
         optimizer = median(cols.values["optimizer_seconds"][i] for i in rows)
         if not math.isnan(optimizer):
             sections["optimizer_seconds"][rank] = optimizer
@@ -105,7 +108,7 @@ def step_jitter(run: RunData, policy: Policy) -> Finding:
         rows = timed_rows(cols, settings.warmup_steps)
         if len(rows) < settings.min_steps:
             continue
-        compute = {i: compute_seconds(cols, i) for i in rows}
+        compute = dict(zip(rows, compute_seconds(cols, rows)))
         typical = median(compute.values())
         slow = [i for i in rows if compute[i] > settings.slow_step_factor * typical]
         total = sum(cols.values["step_time_seconds"][i] for i in rows)
@@ -117,7 +120,7 @@ def step_jitter(run: RunData, policy: Policy) -> Finding:
     lost, rank, slow, typical = worst
     cols = run.ranks[rank]
     rows = timed_rows(cols, settings.warmup_steps)
-    compute = [compute_seconds(cols, i) for i in rows]
+    compute = compute_seconds(cols, rows)
     evidence = {"rank": rank, "median_compute_seconds": rounded(typical, 6),
                 "p90_compute_seconds": rounded(quantile(compute, 0.9), 6), "slow_steps": len(slow),
                 "steps": len(rows), "threshold": settings.jitter_max}

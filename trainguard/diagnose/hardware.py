@@ -7,6 +7,8 @@ one hot sample is not a diagnosis.
 
 from __future__ import annotations
 
+import math
+
 from trainguard.diagnose.finding import Finding, no_data, ok, problem
 from trainguard.diagnose.loader import RunData
 from trainguard.diagnose.stats import (MAX_RANGES, describe, finite, prometheus_duration, rounded, rows_with,
@@ -22,7 +24,6 @@ NEEDS_AGENT = "the agent's GPU samples (hardware.gpus[] in RUN/tls/node-<host>.j
 # Named as dcgm-exporter and the agent's GPU collector name them.
 SLOWDOWN_REASONS = {0x4: "power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
                     0x80: "hw_power_brake"}
-SLOWDOWN_MASK = sum(SLOWDOWN_REASONS)
 BUSY_UTIL = 50.0            # a clock is only judged while the GPU has work
 # PCIe bytes per second per lane by generation (after line coding), for the link's capacity.
 PCIE_LANE_BYTES = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
@@ -41,38 +42,45 @@ def gpu_slowdown(run: RunData, policy: Policy) -> Finding:
     `diagnose.clock_ratio_min` of its max — sustained for `alerts.for_short`."""
     check, limit, ratio_min = "gpu_slowdown", policy.alerts.gpu_temp_c, policy.diagnose.clock_ratio_min
     sustain = prometheus_duration(policy.alerts.for_short)
-    worst, seen = None, False
+    worst, hottest = None, math.nan
     for key, cols in sorted(run.gpus.items()):
         v = cols.values
 
-        def slow(i: int) -> bool:   # NaN compares false: a field the sample lacks never flags it
-            return (v["gpu_temp_c"][i] > limit or bool(_reasons(v["throttle_reasons"][i]))
-                    or v["gpu_util"][i] > BUSY_UTIL and v["sm_clock_mhz"][i] < ratio_min * v["sm_clock_max_mhz"][i])
+        def hot(i: int) -> bool:    # NaN compares false: a field the sample lacks never flags it
+            return v["gpu_temp_c"][i] > limit
+
+        def clocked_down(i: int) -> bool:
+            return v["gpu_util"][i] > BUSY_UTIL and v["sm_clock_mhz"][i] < ratio_min * v["sm_clock_max_mhz"][i]
+
+        def slow(i: int) -> bool:
+            return hot(i) or bool(_reasons(v["throttle_reasons"][i])) or clocked_down(i)
 
         rows = [i for i in range(len(cols)) if any(finite(v[name][i]) for name in
                                                    ("gpu_temp_c", "throttle_reasons", "sm_clock_mhz"))]
         if not rows:
             continue
-        seen = True
+        hottest = max([hottest, *(v["gpu_temp_c"][i] for i in rows if finite(v["gpu_temp_c"][i]))],
+                      key=lambda t: -math.inf if math.isnan(t) else t)
         runs = sustained(cols, rows, slow, sustain)
         affected = sum(len(r) for r in runs) / len(rows)
         if worst is None or affected > worst[0]:
-            worst = (affected, key, runs, rows)
-    if not seen:
+            flagged = [i for r in runs for i in r]
+            why = sorted({name for i in flagged for name in _reasons(v["throttle_reasons"][i])})
+            if any(hot(i) for i in flagged):
+                why.append(f"temperature up to {max(v['gpu_temp_c'][i] for i in flagged):g} C")
+            if any(clocked_down(i) for i in flagged):
+                why.append(f"SM clock under {ratio_min:.0%} of max while busy")
+            worst = (affected, key, runs, why)
+    if worst is None:
         return no_data(LAYER, check, f"GPU temperature, clocks or clocks-event reasons in {NEEDS_AGENT}")
-    affected, key, runs, rows = worst
-    cols = run.gpus[key]
-    v = cols.values
-    evidence = {"gpu": _gpu_label(key), "max_temp_c": rounded(max((v["gpu_temp_c"][i] for i in rows
-                                                                   if finite(v["gpu_temp_c"][i])), default=float("nan"))),
-                "threshold_temp_c": limit, "clock_ratio_min": ratio_min, "sustained_seconds": sustain}
+    affected, key, runs, why = worst
+    evidence = {"max_temp_c": rounded(hottest), "threshold_temp_c": limit, "clock_ratio_min": ratio_min,
+                "sustained_seconds": sustain}
     if not runs:
         return ok(LAYER, check, f"no GPU ran hot or throttled for {policy.alerts.for_short}", **evidence)
-    reasons = sorted({name for r in runs for i in r for name in _reasons(v["throttle_reasons"][i])})
-    evidence.update(reasons=reasons, share_of_samples=rounded(affected),
-                    stretches=[describe(cols, r) for r in runs[:MAX_RANGES]])
-    why = ", ".join(reasons) if reasons else f"temperature or SM clock under {ratio_min:.0%} of max"
-    return problem(LAYER, check, f"{_gpu_label(key)} slowed down ({why}) for {affected:.0%} of samples: "
+    evidence.update(gpu=_gpu_label(key), reasons=why, share_of_samples=rounded(affected),
+                    stretches=[describe(run.gpus[key], r) for r in runs[:MAX_RANGES]])
+    return problem(LAYER, check, f"{_gpu_label(key)} slowed down ({'; '.join(why)}) for {affected:.0%} of samples: "
                                  "every rank waits for the slowest GPU", affected, **evidence)
 
 

@@ -33,6 +33,7 @@ RANK_FIELDS = {
     "mem_allocated_bytes": ("hardware", "metrics"),
     "mem_reserved_bytes": ("hardware", "metrics"),
 }
+_RANK_LOOKUP = [(name, sections[0] == "hardware") for name, sections in RANK_FIELDS.items()]
 # Per-GPU columns of the agent's node records (`hardware.gpus[]`), named as the GPU collector's readings.
 GPU_FIELDS = (
     "gpu_util", "gpu_temp_c", "sm_clock_mhz", "sm_clock_max_mhz", "throttle_reasons",
@@ -52,12 +53,14 @@ class Columns:
         self.steps = array("q")          # -1 where a row has no step
         self.timestamps = array("d")
         self.values = {name: array("d") for name in self.names}
+        self._ordered = [self.values[name] for name in self.names]
 
-    def append(self, step: int | None, timestamp: float, row: dict) -> None:
+    def append(self, step: int | None, timestamp: float, row) -> None:
+        """`row`: the values in `names` order (NaN for a missing one)."""
         self.steps.append(-1 if step is None else step)
         self.timestamps.append(timestamp)
-        for name in self.names:
-            self.values[name].append(row.get(name, NAN))
+        for column, value in zip(self._ordered, row):
+            column.append(value)
 
     def __len__(self) -> int:
         return len(self.timestamps)
@@ -89,12 +92,11 @@ def _number(value) -> float:
     return float(value)
 
 
-def _pick(record: dict, name: str, sections: tuple[str, ...]) -> float:
-    for section in sections:
-        part = record.get(section)
-        if isinstance(part, dict) and name in part:
-            return _number(part[name])
-    return NAN
+def _columns(table: dict, key, names) -> Columns:
+    found = table.get(key)
+    if found is None:
+        found = table[key] = Columns(names)
+    return found
 
 
 def add_rank_record(run: RunData, rank: int, record: dict) -> None:
@@ -106,8 +108,13 @@ def add_rank_record(run: RunData, rank: int, record: dict) -> None:
         return
     if isinstance(record.get("node"), str):
         run.rank_nodes.setdefault(rank, record["node"])
-    row = {name: _pick(record, name, sections) for name, sections in RANK_FIELDS.items()}
-    run.ranks.setdefault(rank, Columns(RANK_FIELDS)).append(record["step"], record["timestamp"], row)
+    # tls.normalise has made every one of these a number already (they are all TLS numeric fields)
+    hardware = record.get("hardware") or {}
+    row = []
+    for name, in_hardware in _RANK_LOOKUP:
+        value = hardware.get(name) if in_hardware and name in hardware else metrics.get(name)
+        row.append(NAN if value is None else value)
+    _columns(run.ranks, rank, RANK_FIELDS).append(record["step"], record["timestamp"], row)
 
 
 def add_node_record(run: RunData, host: str, record: dict) -> None:
@@ -119,14 +126,14 @@ def add_node_record(run: RunData, host: str, record: dict) -> None:
         return
     ts = record["timestamp"]
     if any(name in hardware for name in NODE_FIELDS):
-        row = {name: _number(hardware.get(name)) for name in NODE_FIELDS}
-        run.nodes.setdefault(host, Columns(NODE_FIELDS)).append(None, ts, row)
+        row = [_number(hardware.get(name)) for name in NODE_FIELDS]
+        _columns(run.nodes, host, NODE_FIELDS).append(None, ts, row)
     for position, gpu in enumerate(hardware.get("gpus") or ()):
         if not isinstance(gpu, dict):
             continue
         gpu_id = str(gpu.get("gpu", gpu.get("index", position)))
-        row = {name: _number(gpu.get(name)) for name in GPU_FIELDS}
-        run.gpus.setdefault((host, gpu_id), Columns(GPU_FIELDS)).append(None, ts, row)
+        row = [_number(gpu.get(name)) for name in GPU_FIELDS]
+        _columns(run.gpus, (host, gpu_id), GPU_FIELDS).append(None, ts, row)
 
 
 def _note_error(run: RunData, error: TLSError) -> None:

@@ -65,7 +65,8 @@ def render_table(report: result_mod.Report) -> str:
     lead = name_width + 17
     lines = [f"{'check':<{name_width}}  {'result':<6} {'time':>6}  detail"]
     for check in report.checks:
-        body = textwrap.wrap(check.message, max(30, width - lead)) or [""]
+        body = textwrap.wrap(check.message, max(30, width - lead), break_long_words=False,
+                             break_on_hyphens=False) or [""]   # paths stay whole
         lines.append(f"{check.name:<{name_width}}  {MARKS[check.status]:<6} {check.seconds:>5.1f}s  {body[0]}")
         lines.extend(" " * lead + more for more in body[1:])
     failed = [c.name for c in report.checks if c.status == "fail"]

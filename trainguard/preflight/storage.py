@@ -74,7 +74,7 @@ def _writable_dir(path: Path) -> str | None:
 def measure_write(directory: Path, size: int) -> float:
     """Bytes per second of writing and fsyncing `size` bytes into `directory` (the probe is removed)."""
     probe = directory / f".preflight-probe-{os.getpid()}"
-    chunk = os.urandom(min(PROBE_CHUNK, size))   # incompressible, so a compressing filesystem cannot flatter
+    chunk = memoryview(os.urandom(min(PROBE_CHUNK, size)))   # incompressible: no compressing filesystem flatters
     began = time.perf_counter()
     fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:

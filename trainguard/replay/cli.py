@@ -28,11 +28,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "promtool")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON document")
     parser.add_argument("--expect", metavar="FILE", help="expected actions and alerts (YAML); exit 1 on a mismatch")
-    parser.add_argument("--scrape-interval", type=float, default=DEFAULT_SCRAPE_INTERVAL, metavar="SECONDS",
-                        help="with --rules: the scrape and rule evaluation interval (default %(default)s)")
-    parser.add_argument("--hold", type=float, default=0.0, metavar="SECONDS",
+    parser.add_argument("--scrape-interval", type=float, metavar="SECONDS",
+                        help=f"with --rules: the scrape and rule evaluation interval (default: the --expect "
+                             f"file's replay.scrape_interval, else {DEFAULT_SCRAPE_INTERVAL:g})")
+    parser.add_argument("--hold", type=float, metavar="SECONDS",
                         help="with --rules: keep evaluating this long after the last record, as if the agent "
-                             "kept exporting its last values (a log that ends in a hang)")
+                             "kept exporting its last values (a log that ends in a hang; default: the --expect "
+                             "file's replay.hold, else 0)")
     parser.add_argument("--keep-test", metavar="FILE", help="with --rules: keep the generated promtool test here")
 
 
@@ -40,9 +42,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         policy = tgpolicy.load(args.policy)
         expected = expect.load(args.expect) if args.expect else None
-        rules_dir = args.rules
-        result = replay_logs(args.inputs, policy, rules_dir=rules_dir, scrape_interval=args.scrape_interval,
-                             hold=args.hold, keep_test=args.keep_test)
+        options = expected.replay if expected is not None else {}
+        scrape_interval = _first(args.scrape_interval, options.get("scrape_interval"), DEFAULT_SCRAPE_INTERVAL)
+        if scrape_interval <= 0:
+            raise expect.ExpectError(f"--scrape-interval must be above zero, got {scrape_interval:g}")
+        result = replay_logs(args.inputs, policy, rules_dir=args.rules, scrape_interval=scrape_interval,
+                             hold=_first(args.hold, options.get("hold"), 0.0), keep_test=args.keep_test)
     except (tgpolicy.PolicyError, expect.ExpectError, source.InputError, rules.RulesError, OSError) as exc:
         print(f"trainguard replay: {exc}", file=sys.stderr)
         return 2
@@ -58,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {line}", file=sys.stderr)
         return 1
     return 0
+
+
+def _first(*values):
+    return next(value for value in values if value is not None)
 
 
 # ----------------------------------------------------------------------------------------- human form

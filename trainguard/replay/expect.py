@@ -7,6 +7,7 @@
     alerts:                                          # checked when replay runs with --rules
       - {alertname: GPUOverheating, time: ["+2m", "+6m"], labels: {gpu: "0"}}
     strict: true        # the default: an action or alert that no entry expects is a mismatch
+    replay: {hold: 150, scrape_interval: 15}   # how the incident is replayed, when the command line does not say
 
     # a healthy run: no action and no alert at all
     none: true
@@ -31,6 +32,7 @@ from trainguard import tls
 _DURATION = re.compile(r"^\+?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?(?:(\d+(?:\.\d+)?)s)?$")
 _ACTION_KEYS = {"action", "step", "time", "reason", "count"}
 _ALERT_KEYS = {"alertname", "time", "labels", "severity", "count"}
+REPLAY_OPTIONS = ("hold", "scrape_interval")
 
 
 class ExpectError(ValueError):
@@ -72,6 +74,7 @@ class Expected:
     none: bool = False
     strict: bool = True
     entries: tuple[Entry, ...] = ()
+    replay: dict = field(default_factory=dict)     # {"hold": s, "scrape_interval": s}
 
     @property
     def wants_alerts(self) -> bool:
@@ -91,10 +94,10 @@ def load(path: str | Path) -> Expected:
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ExpectError(f"{source}: expected a mapping with actions, alerts, none or strict")
-    unknown = set(data) - {"actions", "alerts", "none", "strict", "description"}
+    unknown = set(data) - {"actions", "alerts", "none", "strict", "description", "replay"}
     if unknown:
         raise ExpectError(f"{source}: {sorted(unknown)[0]}: unknown key (known: actions, alerts, none, strict, "
-                          "description)")
+                          "replay, description)")
     none, strict = _flag(data, "none", False, source), _flag(data, "strict", True, source)
     entries = [_entry(item, "action", f"actions[{i}]", source) for i, item in enumerate(_list(data, "actions", source))]
     entries += [_entry(item, "alert", f"alerts[{i}]", source) for i, item in enumerate(_list(data, "alerts", source))]
@@ -102,7 +105,22 @@ def load(path: str | Path) -> Expected:
         raise ExpectError(f"{source}: none: true cannot be combined with expected actions or alerts")
     if not none and not entries:
         raise ExpectError(f"{source}: expects nothing; say `none: true` for a run that must do nothing")
-    return Expected(source, none, strict, tuple(entries))
+    return Expected(source, none, strict, tuple(entries), _replay_options(data.get("replay"), source))
+
+
+def _replay_options(value: Any, source: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ExpectError(f"{source}: replay: expected a mapping with hold and/or scrape_interval")
+    options = {}
+    for key, item in value.items():
+        if key not in REPLAY_OPTIONS:
+            raise ExpectError(f"{source}: replay.{key}: unknown key (known: {', '.join(REPLAY_OPTIONS)})")
+        if isinstance(item, bool) or not isinstance(item, (int, float)) or item < 0:
+            raise ExpectError(f"{source}: replay.{key}: expected seconds (a number >= 0), got {item!r}")
+        options[key] = float(item)
+    return options
 
 
 def _flag(data: dict, key: str, default: bool, source: str) -> bool:

@@ -8,9 +8,7 @@ their file and line, never dropped silently. Cost is metered by the very `CostMe
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any, Iterable
 from trainguard import policy as policy_mod
 from trainguard.decide.cost import CostMeter
 from trainguard.report.downsample import MAX_POINTS, Sampled, Series
+from trainguard.report.files import Checkpoint, host_of, log_files, rank_of, read_checkpoints
 from trainguard.tls import iter_lines
 
 ERRORS_KEPT = 20
@@ -30,19 +29,28 @@ DUPLICATE_WINDOW_S = 30.0
 MAX_KEYS = 64
 
 # Chart markers: event types (or the `action` of an `action` event) by the kind of mark they get.
+# `checkpoint_restored` gets none: it is a part of a rollback or of a restart, which have their own.
 MARKER_KINDS = {
     "checkpoint_saved": "checkpoint",
     "skip_step": "skip",
     "rollback": "rollback",
     "restore": "restore",
-    "checkpoint_restored": "restore",
     "alert": "alert",
     "fault_injected": "fault",
 }
 
+
+def marker_kind(kind: str, event: dict) -> str | None:
+    if kind == "action":
+        kind = str(event.get("action"))
+    if kind == "run_start":   # a process that resumed from a checkpoint: a restart, the end of a restore
+        return "restore" if event.get("resumed_from") is not None else None
+    if kind == "alert" and event.get("status") == "resolved":
+        return None
+    return MARKER_KINDS.get(kind)
+
 GOODPUT_METRICS = ("data_wait_seconds", "step_time_seconds")
 
-_ROTATED = re.compile(r"^(?P<base>.+\.jsonl)(?:\.(?P<n>\d+))?(?:\.gz|\.zst)?$")
 
 
 @dataclass
@@ -60,14 +68,6 @@ class EventRow:
     step: int | None
     detail: str
     source: str
-
-
-@dataclass
-class Checkpoint:
-    name: str
-    step: int | None
-    manifest: dict | None
-    error: str | None = None
 
 
 @dataclass
@@ -99,6 +99,7 @@ class Run:
     alerts: Counter = field(default_factory=Counter)
     actions: Counter = field(default_factory=Counter)
     faults: list[str] = field(default_factory=list)
+    restarts: int = 0
     checkpoints: list[Checkpoint] = field(default_factory=list)
     last_checkpoint: str | None = None
     goodput: Any = None
@@ -108,50 +109,6 @@ class Run:
     @property
     def duration(self) -> float:
         return (self.end - self.start) if self.start is not None and self.end is not None else 0.0
-
-
-# ------------------------------------------------------------------------------------------- files
-
-def log_files(run_dir: Path) -> tuple[list[Path], list[Path]]:
-    """(node logs, rank logs) in reading order: a log's rotated parts oldest first, then the live file."""
-    tls = run_dir / "tls"
-    if not tls.is_dir():
-        return [], []
-
-    def order(path: Path) -> tuple[str, int]:
-        match = _ROTATED.match(path.name)
-        base, n = (match.group("base"), int(match.group("n") or 0)) if match else (path.name, 0)
-        return base, -n if n else 0   # .jsonl.3.gz, .jsonl.2.gz, .jsonl.1.gz, then .jsonl
-
-    files = sorted((p for p in tls.iterdir() if _ROTATED.match(p.name) and p.is_file()), key=order)
-    return ([p for p in files if p.name.startswith("node-")], [p for p in files if p.name.startswith("rank-")])
-
-
-def _rank_of(path: Path) -> int | None:
-    match = re.match(r"rank-(\d+)\.jsonl", path.name)
-    return int(match.group(1)) if match else None
-
-
-def _host_of(path: Path) -> str:
-    return _ROTATED.match(path.name).group("base")[len("node-"):-len(".jsonl")]
-
-
-def read_checkpoints(run_dir: Path) -> list[Checkpoint]:
-    root = run_dir / "checkpoints"
-    found = []
-    for path in sorted(root.glob("step_*")) if root.is_dir() else []:
-        match = re.fullmatch(r"step_(\d+)", path.name)
-        if not match or not path.is_dir():
-            continue
-        manifest, error = None, None
-        try:
-            manifest = json.loads((path / "manifest.json").read_text())
-        except FileNotFoundError:
-            error = "no manifest.json (incomplete or not verified)"
-        except (ValueError, OSError) as exc:
-            error = f"unreadable manifest.json: {exc}"
-        found.append(Checkpoint(path.name, int(match.group(1)), manifest, error))
-    return sorted(found, key=lambda c: c.step)
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -164,6 +121,7 @@ class _Loader:
         self.seen_events: OrderedDict[tuple, float] = OrderedDict()
         self.gpus_by_host: dict[str, int] = {}
         self.rank_gpu_count = 0
+        self.checkpoint_ts = float("-inf")
         # Goodput needs the whole step sequence (median step, steps a rollback threw away): only the
         # fields it reads are kept, one small record per step of the primary rank.
         self.goodput_records: list[dict] | None = [] if with_goodput else None
@@ -250,6 +208,11 @@ class _Loader:
             self.event(record, ts, source=f"rank {rank_id}" if rank_id is not None else "trainer")
         return handle
 
+    def note_checkpoint(self, name: str, ts: float) -> None:
+        """The latest checkpoint by time, from records' `last_checkpoint` and `checkpoint_saved` events."""
+        if ts >= self.checkpoint_ts:
+            self.run.last_checkpoint, self.checkpoint_ts = name, ts
+
     def keep_for_goodput(self, record: dict, ts: float) -> None:
         if self.goodput_records is None:
             return
@@ -270,7 +233,7 @@ class _Loader:
         self.add_numbers(run.training, metrics, ts, skip=("grad_norm_by_layer",))
         last = (record.get("system") or {}).get("last_checkpoint")
         if isinstance(last, str):
-            run.last_checkpoint = last
+            self.note_checkpoint(last, ts)
         step = record.get("step")
         if not isinstance(metrics, dict) or step is None:
             return
@@ -304,6 +267,8 @@ class _Loader:
     def count_event(self, kind: str, event: dict, step: int | None, ts: float, source: str) -> None:
         run = self.run
         run.event_counts[kind] += 1
+        if kind == "checkpoint_saved" and step is not None:
+            self.note_checkpoint(f"step_{step}", ts)
         if kind == "alert" and event.get("status", "firing") == "firing":
             run.alerts[str(event.get("alertname", "?"))] += 1
         if kind == "action" or kind in ("skip_step", "rollback", "restore", "cost_warn", "cost_throttle",
@@ -312,8 +277,10 @@ class _Loader:
         if kind == "fault_injected" and len(run.faults) < ERRORS_KEPT:
             name = str(event.get("fault") or event.get("kind") or "?")
             run.faults.append(name if "@" in name else f"{name}@{step}")
-        marker = MARKER_KINDS.get(event.get("action") if kind == "action" else kind)
-        if marker and not (kind == "alert" and event.get("status") == "resolved"):
+        if kind == "run_start" and event.get("resumed_from") is not None:
+            run.restarts += 1
+        marker = marker_kind(kind, event)
+        if marker:
             label = event_label(kind, event, step)
             run.markers.setdefault(marker, Sampled(400)).add(Marker(ts, marker, label, step))
         run.events.add(EventRow(ts, kind, step, event_detail(event), source))
@@ -323,7 +290,9 @@ def event_label(kind: str, event: dict, step: int | None) -> str:
     name = event.get("alertname") or event.get("action") or ""
     reason = event.get("reason") or event.get("kind") or ""
     parts = [kind] + [p for p in (name, reason) if p and p != kind]
-    return " ".join(str(p) for p in parts) + (f" @ step {step}" if step is not None else "")
+    text = " ".join(str(p) for p in parts) + (f" @ step {step}" if step is not None else "")
+    restored = event.get("restored_step", event.get("resumed_from"))
+    return text + (f" → back to {restored}" if restored is not None else "")
 
 
 def event_detail(event: dict) -> str:
@@ -345,12 +314,12 @@ def load_run(run_dir: str | Path, policy=None, max_points: int = MAX_POINTS, goo
     run = Run(run_dir=root, policy=policy or policy_mod.load(None))
     loader = _Loader(run, max_points, goodput)
     node_files, rank_files = log_files(root)
-    ranks = sorted({r for r in map(_rank_of, rank_files) if r is not None})
+    ranks = sorted({r for r in map(rank_of, rank_files) if r is not None})
     run.primary_rank = ranks[0] if ranks else None
     for path in node_files:
-        loader.read(path, loader.node_record(_host_of(path), with_training=not rank_files))
+        loader.read(path, loader.node_record(host_of(path), with_training=not rank_files))
     for path in rank_files:
-        loader.read(path, loader.rank_record(_rank_of(path), primary=_rank_of(path) == run.primary_rank))
+        loader.read(path, loader.rank_record(rank_of(path), primary=rank_of(path) == run.primary_rank))
     run.gpu_count = loader.meter.state.gpu_count
     run.cost_state = loader.meter.state
     run.checkpoints = read_checkpoints(root)

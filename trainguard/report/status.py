@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainguard.report.charts import format_elapsed, format_value
-from trainguard.report.data import event_detail, log_files, read_checkpoints
+from trainguard.report.data import event_detail
+from trainguard.report.files import log_files, read_checkpoints
 from trainguard.tls import TLSError, decode
 
 TAIL_KIB = 256
@@ -38,6 +39,7 @@ class Status:
     resolved: list[str] = field(default_factory=list)
     malformed: int = 0
     errors: list[str] = field(default_factory=list)
+    checkpoint_ts: float = field(default=float("-inf"), repr=False)
 
 
 def tail_records(path: Path, max_bytes: int) -> tuple[list[dict], list[str]]:
@@ -101,8 +103,12 @@ def _take(status: Status, record: dict, primary: bool, from_node: bool) -> None:
             status.step, status.rank = record["step"], record.get("rank")
             status.metrics = {**metrics, "_ts": ts}
     last = (record.get("system") or {}).get("last_checkpoint")
-    if isinstance(last, str):
-        status.last_checkpoint = last
+    event = record.get("event")
+    if isinstance(event, dict) and event["type"] == "checkpoint_saved":
+        step = event.get("step", record.get("step"))
+        last = f"step_{step}" if step is not None else last
+    if isinstance(last, str) and ts >= status.checkpoint_ts:
+        status.last_checkpoint, status.checkpoint_ts = last, ts
     gpus = (record.get("hardware") or {}).get("gpus")
     if from_node and isinstance(gpus, list):
         host = record.get("node", "")
@@ -201,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         data = asdict(status)
         data["metrics"].pop("_ts", None)
+        data.pop("checkpoint_ts", None)
         data["gpus"] = [{k: v for k, v in g.items()} for g in status.gpus]
         print(json.dumps(data, default=str, allow_nan=True))
     else:

@@ -57,6 +57,8 @@ def sentences(run: Run) -> list[str]:
     out.append(f"Injected faults: {', '.join(run.faults)}." if run.faults else "No faults were injected.")
     guard = _counted(run.actions, GUARD_ACTIONS)
     out.append(f"Guard and recovery actions: {guard}." if guard else "The guard took no action.")
+    if run.restarts:
+        out.append(f"The run restarted {run.restarts} time(s), each resuming from its latest verified checkpoint.")
     out.append(f"Alerts fired: {_counted(run.alerts)}." if run.alerts else "No alerts fired.")
     cost = _cost_sentence(run)
     if cost:

@@ -1,0 +1,77 @@
+"""The webhook installed in the real agent HTTP server, as `trainguard agent` does it."""
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.alerts.helpers import alert, payload, read_jsonl
+from trainguard.agent.config import AgentConfig
+from trainguard.agent.runner import Agent
+from trainguard.agent.server import AgentServer
+from trainguard.agent.webhook import install
+
+
+def request(url, data: bytes, headers: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+@pytest.fixture
+def served(tmp_path):
+    def serve(**webhook):
+        config = AgentConfig(run_dir=tmp_path, node="n1", webhook=webhook)
+        agent = Agent(config, registry={})
+        server = AgentServer(agent, "127.0.0.1", 0)
+        started.append(server)
+        install(server, agent, config)
+        server.start()
+        return server, agent
+    started = []
+    yield serve
+    for server in started:
+        server.stop()
+
+
+def test_install_serves_the_webhook_with_a_generated_private_token(tmp_path, served):
+    server, agent = served(embedded=False)
+    token_file = tmp_path / "agent" / "webhook.token"
+    assert (token_file.stat().st_mode & 0o777) == 0o600
+    url = server.url + "/api/v1/alerts"
+    body = json.dumps(payload(alert())).encode()
+    assert request(url, body, {"Content-Type": "application/json"})[0] == 401
+    status, answer = request(url, body, {"Content-Type": "application/json",
+                                         "Authorization": "Bearer " + token_file.read_text().strip()})
+    assert status == 200 and answer["verdicts"][0]["outcome"] == "act"
+    assert [r["action"] for r in read_jsonl(tmp_path / "control" / "actions.jsonl")] == ["rollback"]
+    names = {family.name for family in agent.families()}
+    assert {"trainguard_webhook_requests", "trainguard_alert_verdicts", "trainguard_actions_executed"} <= names
+
+
+def test_dry_run_from_the_config_executes_nothing(tmp_path, served):
+    token_file = tmp_path / "token"
+    token_file.write_text("t0k3n\n")
+    server, _ = served(token_file=str(token_file), dry_run=True, embedded=False)
+    status, answer = request(server.url + "/api/v1/alerts", json.dumps(payload(alert())).encode(),
+                             {"Content-Type": "application/json", "Authorization": "Bearer t0k3n"})
+    assert status == 200 and answer["verdicts"][0]["dry_run"] is True
+    assert not (tmp_path / "control" / "actions.jsonl").exists()
+    [event] = [r["event"] for r in read_jsonl(tmp_path / "tls" / "node-n1-actions.jsonl")]
+    assert event["dry_run"] is True and event["action"] == "rollback"
+
+
+def test_a_bad_webhook_setting_stops_the_agent_naming_the_key(tmp_path, served, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        served(dry_run="yes")
+    assert stopped.value.code == 2
+
+
+def test_an_explicit_token_file_must_exist(tmp_path, served):
+    with pytest.raises(SystemExit) as stopped:
+        served(token_file=str(tmp_path / "missing.token"), embedded=False)
+    assert stopped.value.code == 2

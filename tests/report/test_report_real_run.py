@@ -1,0 +1,46 @@
+"""The report and status of a real `trainguard train` run (CPU), drawn by headless Chromium."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.report.browser import chromium
+
+TRAINGUARD = [sys.executable, "-m", "trainguard.cli"]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("real") / "run"
+    done = subprocess.run(TRAINGUARD + ["train", "--run-dir", str(run_dir), "--steps", "60", "--checkpoint-every",
+                                        "20", "--inject", "nan@30"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return run_dir
+
+
+def test_report_of_a_real_run_marks_its_events_and_draws(trained, tmp_path):
+    done = subprocess.run(TRAINGUARD + ["report", str(trained)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    html = (trained / "report.html").read_text()
+    story = html[html.index('<ul class="story">'):]
+    assert "Trained steps 1–60" in story and "nan@30" in story and "skip_step" in story
+    assert "No per-GPU data" in html                  # a CPU run, said plainly
+    loss = html[html.index("<figcaption>Loss</figcaption>"):html.index("<figcaption>Gradient norm")]
+    assert loss.count('class="mark mark-checkpoint"') == 3 and 'class="mark mark-skip"' in loss
+    dom, console = chromium(trained / "report.html", tmp_path)
+    assert console == []
+    charts = int(re.search(r'data-charts="(\d+)"', dom).group(1))
+    assert charts >= 8 and f'data-drawn="{charts}"' in dom
+
+
+def test_status_of_a_real_run(trained):
+    done = subprocess.run(TRAINGUARD + ["status", str(trained)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"^training step 60 +loss \d", done.stdout, re.M)
+    assert re.search(r"^ckpt +step_60", done.stdout, re.M)
+    assert "skip_step" in done.stdout and "run_end" in done.stdout

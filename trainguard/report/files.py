@@ -1,0 +1,60 @@
+"""Where a run directory keeps its logs and checkpoints: TLS files in reading order, checkpoint manifests."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_ROTATED = re.compile(r"^(?P<base>.+\.jsonl)(?:\.(?P<n>\d+))?(?:\.gz|\.zst)?$")
+
+
+@dataclass
+class Checkpoint:
+    name: str
+    step: int | None
+    manifest: dict | None
+    error: str | None = None
+
+
+def log_files(run_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(node logs, rank logs) in reading order: a log's rotated parts oldest first, then the live file."""
+    tls = run_dir / "tls"
+    if not tls.is_dir():
+        return [], []
+
+    def order(path: Path) -> tuple[str, int]:
+        match = _ROTATED.match(path.name)
+        base, n = (match.group("base"), int(match.group("n") or 0)) if match else (path.name, 0)
+        return base, -n if n else 0   # .jsonl.3.gz, .jsonl.2.gz, .jsonl.1.gz, then .jsonl
+
+    files = sorted((p for p in tls.iterdir() if _ROTATED.match(p.name) and p.is_file()), key=order)
+    return ([p for p in files if p.name.startswith("node-")], [p for p in files if p.name.startswith("rank-")])
+
+
+def rank_of(path: Path) -> int | None:
+    match = re.match(r"rank-(\d+)\.jsonl", path.name)
+    return int(match.group(1)) if match else None
+
+
+def host_of(path: Path) -> str:
+    return _ROTATED.match(path.name).group("base")[len("node-"):-len(".jsonl")]
+
+
+def read_checkpoints(run_dir: Path) -> list[Checkpoint]:
+    root = run_dir / "checkpoints"
+    found = []
+    for path in sorted(root.glob("step_*")) if root.is_dir() else []:
+        match = re.fullmatch(r"step_(\d+)", path.name)
+        if not match or not path.is_dir():
+            continue
+        manifest, error = None, None
+        try:
+            manifest = json.loads((path / "manifest.json").read_text())
+        except FileNotFoundError:
+            error = "no manifest.json (incomplete or not verified)"
+        except (ValueError, OSError) as exc:
+            error = f"unreadable manifest.json: {exc}"
+        found.append(Checkpoint(path.name, int(match.group(1)), manifest, error))
+    return sorted(found, key=lambda c: c.step)

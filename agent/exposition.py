@@ -36,40 +36,53 @@ def _escape_value(value: str) -> str:
     return value
 
 
-def _simple(family: Metric, openmetrics: bool) -> bool:
+_labels_cache: dict[tuple, str | None] = {}
+LABELS_CACHE_MAX = 16384     # distinct label sets remembered (series are bounded: a few thousand at most)
+
+
+def _labels(labels: dict) -> str | None:
+    """`{k="v",...}` sorted as client_python writes it, remembered per label set; None for a non-plain name."""
+    key = tuple(labels.items())
+    text = _labels_cache.get(key)
+    if text is None and key not in _labels_cache:
+        if all(_plain(name) for name in labels):
+            text = "{" + ",".join(f'{k}="{_escape_value(v)}"' for k, v in sorted(labels.items())) + "}"
+        if len(_labels_cache) >= LABELS_CACHE_MAX:
+            _labels_cache.clear()
+        _labels_cache[key] = text
+    return text
+
+
+def _samples(family: Metric, openmetrics: bool) -> list[str] | None:
+    """The family's sample lines, or None if one of them needs client_python's encoder."""
+    lines = []
+    reserved = () if openmetrics else (family.name + "_created", family.name + "_gsum", family.name + "_gcount")
+    for sample in family.samples:
+        if sample.timestamp is not None or sample.exemplar or sample.native_histogram or not _plain(sample.name) \
+                or sample.name in reserved:
+            return None
+        labels = _labels(sample.labels) if sample.labels else ""
+        if labels is None:
+            return None
+        lines.append(f"{sample.name}{labels} {floatToGoString(sample.value)}\n")
+    return lines
+
+
+def _block(family: Metric, openmetrics: bool) -> list[str] | None:
+    """The family as client_python would write it, or None when only client_python can."""
     if family.type not in SIMPLE_TYPES or not _plain(family.name) or (openmetrics and family.unit):
-        return False
-    for sample in family.samples:
-        if sample.timestamp is not None or sample.exemplar or sample.native_histogram or not _plain(sample.name):
-            return False
-        if not openmetrics and sample.name in (family.name + "_created", family.name + "_gsum",
-                                               family.name + "_gcount"):
-            return False
-        for label in sample.labels:
-            if not _plain(label):
-                return False
-    return True
-
-
-def _samples(family: Metric, out: list[str]) -> None:
-    for sample in family.samples:
-        if sample.labels:
-            labels = ",".join(f'{k}="{_escape_value(v)}"' for k, v in sorted(sample.labels.items()))
-            out.append(f"{sample.name}{{{labels}}} {floatToGoString(sample.value)}\n")
-        else:
-            out.append(f"{sample.name} {floatToGoString(sample.value)}\n")
-
-
-def _text_block(family: Metric, out: list[str]) -> None:
-    name = _TEXT_NAME.get(family.type, "{}").format(family.name)
-    help_text = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
-    out.append(f"# HELP {name} {help_text}\n# TYPE {name} {SIMPLE_TYPES[family.type]}\n")
-    _samples(family, out)
-
-
-def _openmetrics_block(family: Metric, out: list[str]) -> None:
-    out.append(f"# HELP {family.name} {_escape_value(family.documentation)}\n# TYPE {family.name} {family.type}\n")
-    _samples(family, out)
+        return None
+    lines = _samples(family, openmetrics)
+    if lines is None:
+        return None
+    if openmetrics:
+        header = f"# HELP {family.name} {_escape_value(family.documentation)}\n# TYPE {family.name} {family.type}\n"
+    else:
+        name = _TEXT_NAME.get(family.type, "{}").format(family.name)
+        help_text = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        header = f"# HELP {name} {help_text}\n# TYPE {name} {SIMPLE_TYPES[family.type]}\n"
+    lines.insert(0, header)
+    return lines
 
 
 class _One:
@@ -88,10 +101,10 @@ def render(families: Iterable[Metric], openmetrics: bool, library: Callable | No
         library = partial(om_format.generate_latest, escaping=om_format.UNDERSCORES) if openmetrics \
             else text_format.generate_latest
     out: list[str] = []
-    block = _openmetrics_block if openmetrics else _text_block
     for family in families:
-        if _simple(family, openmetrics):
-            block(family, out)
+        lines = _block(family, openmetrics)
+        if lines is not None:
+            out.extend(lines)
         else:
             text = library(_One(family)).decode()
             out.append(text[: -len("# EOF\n")] if openmetrics else text)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import platform
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry
@@ -164,6 +164,9 @@ class CollectorRunner:
                         f"over its {self.timeout:g}s timeout", self._failures, self._updates,
                         self.interval, self.timeout, self._cpu_seconds)
 
+    def request_stop(self) -> None:
+        self._stop.set()
+
     def stop(self, timeout: float) -> None:
         self._stop.set()
         if self._thread is not None:
@@ -179,13 +182,6 @@ class CollectorRunner:
                 self._log.warning("collector close failed", error=f"{type(exc).__name__}: {exc}")
 
 
-@dataclass
-class _Duplicates:
-    """Families whose name another collector already exported: dropped, logged once per name."""
-
-    logged: set = field(default_factory=set)
-
-
 class Agent:
     """The enabled collectors, their runners, and the private registry /metrics serves."""
 
@@ -195,7 +191,7 @@ class Agent:
         self._log = tglog.get("agent", node=config.node)
         self._sources: list[Callable[[], Iterable[Metric]]] = []
         self._decision_handlers: list[Callable] = []
-        self._duplicates = _Duplicates()
+        self._duplicates_logged: set[str] = set()   # family names seen twice (dropped), logged once each
         self.runners = self._build_runners(dict(REGISTRY if registry is None else registry))
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_CachedExposition(self))
@@ -235,7 +231,7 @@ class Agent:
     def stop(self, timeout: float = 2.0) -> None:
         deadline = time.monotonic() + timeout
         for runner in self.runners.values():
-            runner._stop.set()
+            runner.request_stop()   # all at once, so they wind down together
         for runner in self.runners.values():
             runner.stop(max(0.0, deadline - time.monotonic()))
 
@@ -279,25 +275,33 @@ class Agent:
     # ----------------------------------------------------------------------------------- exposition
 
     def families(self) -> Iterable[Metric]:
+        """Every family a scrape serves; a name exported twice is served once (the first) and logged once."""
         views = self.check()
         seen: set[str] = set()
+        for origin, family in self._all_families(views):
+            if family.name in seen:
+                if family.name not in self._duplicates_logged:
+                    self._duplicates_logged.add(family.name)
+                    self._log.error("metric family exported twice; dropped", metric=family.name, source=origin)
+                continue
+            seen.add(family.name)
+            yield family
+
+    def _all_families(self, views: list[View]) -> Iterable[tuple[str, Metric]]:
         for view in views:
             for family in view.families:
-                if family.name in seen:
-                    if family.name not in self._duplicates.logged:
-                        self._duplicates.logged.add(family.name)
-                        self._log.error("metric family exported twice; dropped", metric=family.name,
-                                        collector=view.name)
-                    continue
-                seen.add(family.name)
-                yield family
-        yield from _scrape_families(views)
-        yield _agent_info(self.config)
+                yield view.name, family
+        for family in _scrape_families(views):
+            yield "agent", family
+        yield "agent", _agent_info(self.config)
         for source in self._sources:
             try:
-                yield from source()
+                families = list(source())
             except Exception as exc:
                 self._log.error("metrics source failed", error=f"{type(exc).__name__}: {exc}")
+                continue
+            for family in families:
+                yield getattr(source, "__qualname__", "source"), family
 
 
 class _CachedExposition:

@@ -6,7 +6,7 @@ the request path reads a device. Other parts of the agent add routes; the webhoo
     server.add_route("POST", "/api/v1/alerts", handler)   # handler(Request) -> (status, headers, body)
 
 The server bounds what a client can cost: request bodies over `max_body_bytes` are refused (413) before
-they are read, a body needs a Content-Length (411), at most `max_connections` requests are handled at
+they are read, a body needs a Content-Length (411), at most `max_connections` connections are served at
 once (503 beyond), and a silent client is dropped after `read_timeout` seconds.
 """
 
@@ -139,7 +139,7 @@ class _Server(http.server.ThreadingHTTPServer):
     def process_request(self, request, client_address):
         app = self.RequestHandlerClass.server_app
         if not app._slots.acquire(blocking=False):
-            # Too many requests at once: answer 503 on the spot rather than queue threads without bound.
+            # Too many connections at once: answer 503 on the spot rather than queue threads without bound.
             try:
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
             except OSError:

@@ -15,6 +15,7 @@ Memory is bounded: a poll reads at most `max_read_bytes` per file, and a line lo
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import zlib
@@ -58,6 +59,7 @@ class Follower:
         self.max_read_bytes, self.max_line_bytes = max_read_bytes, max_line_bytes
         self.positions: dict[str, Position] = {}
         self.events: list[str] = []      # "rotated rank-0.jsonl", "truncated ..." since last read; for logs
+        self.more = False                # the last poll stopped at max_read_bytes in some file
 
     # ---------------------------------------------------------------------------------- persistence
 
@@ -70,14 +72,26 @@ class Follower:
     # -------------------------------------------------------------------------------------- reading
 
     def poll(self) -> Iterator[Chunk]:
-        """The complete lines appended since the last poll, file by file, in order within each file."""
-        current = {path.name: path for path in sorted(self.directory.glob(self.pattern)) if path.is_file()}
+        """The complete lines appended since the last poll, file by file, in order within each file.
+
+        Reads at most `max_read_bytes` per file; `more` is then True, and another poll reads on.
+        """
+        self.more = False
+        current = self._matching()
         for name in sorted(set(self.positions) - set(current)):
             # Renamed away with no successor yet: finish the old file, then forget it.
             yield from self._drain_moved(name)
             del self.positions[name]
-        for name, path in current.items():
+        for name, path in sorted(current.items()):
             yield from self._poll_file(name, path)
+
+    def _matching(self) -> dict[str, Path]:
+        try:
+            with os.scandir(self.directory) as entries:
+                return {e.name: Path(e.path) for e in entries
+                        if fnmatch.fnmatchcase(e.name, self.pattern) and e.is_file()}
+        except FileNotFoundError:
+            return {}
 
     def _poll_file(self, name: str, path: Path) -> Iterator[Chunk]:
         try:
@@ -91,56 +105,69 @@ class Follower:
             yield from self._drain_moved(name)
             self.events.append(f"rotated {path}")
             pos = self.positions[name] = Position(st.st_ino, st.st_dev)
-        elif st.st_size < pos.offset or not self._same_head(path, pos):
+        elif st.st_size < pos.offset:
             self.events.append(f"truncated {path} (had read {pos.offset} bytes, now {st.st_size})")
             pos = self.positions[name] = Position(st.st_ino, st.st_dev)
         if st.st_size > pos.offset:
-            yield from self._read(path, pos)
+            chunks = self._read(path, pos)
+            if chunks is None:   # same inode, other first bytes: rewritten in place, longer than before
+                self.events.append(f"truncated {path} (rewritten from the start)")
+                pos = self.positions[name] = Position(st.st_ino, st.st_dev)
+                chunks = self._read(path, pos) or []
+            yield from chunks
 
     def _drain_moved(self, name: str) -> Iterator[Chunk]:
         """Read the rest of the file `name` was before it was renamed, found beside it by its inode."""
         pos = self.positions[name]
         try:
-            entries = list(os.scandir(self.directory))
+            with os.scandir(self.directory) as scan:
+                entries = list(scan)
         except OSError:
             return
         for entry in entries:
             try:
-                if entry.inode() == pos.inode and entry.stat().st_dev == pos.device and entry.is_file():
-                    moved = Path(entry.path)
-                    if not self._same_head(moved, pos):
-                        return
-                    while True:   # to its end, a bounded read at a time
-                        before = pos.offset
-                        yield from self._read(moved, pos)
-                        if pos.offset == before:
-                            return
+                if entry.inode() != pos.inode or entry.stat().st_dev != pos.device or not entry.is_file():
+                    continue
             except OSError:
                 continue
+            while True:   # to its end, a bounded read at a time
+                before = pos.offset
+                chunks = self._read(Path(entry.path), pos)
+                if not chunks and pos.offset == before:   # None (not the same file) or nothing left
+                    return
+                yield from chunks
 
-    def _same_head(self, path: Path, pos: Position) -> bool:
-        if pos.head_len == 0:
-            return True
+    def _read(self, path: Path, pos: Position) -> list[Chunk] | None:
+        """Complete lines from `pos` on (one open, positioned reads); None if the file's first bytes changed."""
         try:
-            with open(path, "rb") as handle:
-                head = handle.read(pos.head_len)
+            fd = os.open(path, os.O_RDONLY)
         except OSError:
-            return False
-        return len(head) == pos.head_len and zlib.crc32(head) == pos.head_crc
+            return []
+        try:
+            if pos.head_len:
+                head = os.pread(fd, pos.head_len, 0)
+                if len(head) != pos.head_len or zlib.crc32(head) != pos.head_crc:
+                    return None
+            data = os.pread(fd, self.max_read_bytes, pos.offset)
+            if pos.head_len < HEAD_BYTES and pos.offset + len(data) > pos.head_len:
+                head = os.pread(fd, HEAD_BYTES, 0)
+        except OSError:
+            return []
+        finally:
+            os.close(fd)
+        if len(data) == self.max_read_bytes:
+            self.more = True
+        chunks = self._split(str(path), pos, data)
+        if pos.head_len < HEAD_BYTES:
+            usable = min(HEAD_BYTES, pos.offset)
+            if usable > pos.head_len:
+                pos.head_len, pos.head_crc = usable, zlib.crc32(head[:usable])
+        return chunks
 
-    def _read(self, path: Path, pos: Position) -> Iterator[Chunk]:
-        source = str(path)
-        try:
-            with open(path, "rb") as handle:
-                handle.seek(pos.offset)
-                data = handle.read(self.max_read_bytes)
-                if pos.head_len < HEAD_BYTES and pos.offset + len(data) > pos.head_len:
-                    handle.seek(0)
-                    head = handle.read(HEAD_BYTES)
-        except OSError:
-            return
-        end = data.rfind(b"\n")
+    def _split(self, source: str, pos: Position, data: bytes) -> list[Chunk]:
+        """The complete lines of `data` (read at `pos.offset`), advancing `pos` past them."""
         chunks: list[Chunk] = []
+        end = data.rfind(b"\n")
         if end < 0:
             if pos.skipping:                          # still inside an overlong line already reported
                 pos.offset += len(data)
@@ -149,24 +176,18 @@ class Follower:
                 chunks.append(Chunk(source, pos.lineno, data[: self.max_line_bytes], True))
                 pos.offset += len(data)
                 pos.skipping = True
-        else:
-            start = 0
-            for line in data[: end + 1].split(b"\n")[:-1]:
-                start += len(line) + 1
-                if pos.skipping:
-                    pos.skipping = False
-                    continue
-                pos.lineno += 1
-                if len(line) > self.max_line_bytes:
-                    chunks.append(Chunk(source, pos.lineno, line[: self.max_line_bytes], True))
-                elif line.strip():
-                    chunks.append(Chunk(source, pos.lineno, line))
-            pos.offset += start
-        if pos.head_len < HEAD_BYTES:
-            usable = min(HEAD_BYTES, pos.offset)
-            if usable > pos.head_len:
-                pos.head_len, pos.head_crc = usable, zlib.crc32(head[:usable])
-        yield from chunks
+            return chunks
+        for line in data[:end].split(b"\n"):
+            if pos.skipping:
+                pos.skipping = False
+                continue
+            pos.lineno += 1
+            if len(line) > self.max_line_bytes:
+                chunks.append(Chunk(source, pos.lineno, line[: self.max_line_bytes], True))
+            elif line.strip():
+                chunks.append(Chunk(source, pos.lineno, line))
+        pos.offset += end + 1
+        return chunks
 
 
 def save_json_atomic(path: str | os.PathLike, payload: dict) -> None:

@@ -39,18 +39,14 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "mem_peak_bytes": ("trainguard_training_memory_peak_bytes", "Peak device memory allocated, latest step."),
     "rss_bytes": ("trainguard_training_resident_memory_bytes", "Resident memory of the rank, as it reported it."),
 }
-_MEMORY_KEYS = ("mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_bytes", "rss_bytes")
+_MEMORY_KEYS = frozenset({"mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_bytes", "rss_bytes"})
 
 
 def _scalars(section: dict | None, keys) -> dict[str, float]:
+    """The numbers among `keys` in a record section (bools and strings left out)."""
     if not section:
         return {}
-    out = {}
-    for key in keys:
-        value = section.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = value
-    return out
+    return {k: v for k, v in section.items() if k in keys and (type(v) is float or type(v) is int)}
 
 
 @dataclass

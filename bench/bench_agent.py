@@ -16,6 +16,7 @@ collection plus scrape, for both), and a burst of back-to-back scrapes (CPU per 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import subprocess
@@ -139,6 +140,12 @@ def burst(servers: dict, count: int) -> dict:
     return out
 
 
+def collector_cpu(agent_url: str) -> dict[str, tuple[float, int]]:
+    """(CPU seconds, updates) so far per collector, from the agent's own accounting (/healthz)."""
+    health = json.loads(urllib.request.urlopen(agent_url + "/healthz", timeout=10).read())
+    return {name: (c["cpu_seconds"], c["updates"]) for name, c in health["collectors"].items()}
+
+
 def run(seconds: float, burst_count: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as tmp:
         work = Path(tmp)
@@ -150,11 +157,13 @@ def run(seconds: float, burst_count: int) -> dict:
         servers = {"agent": agent, "node_exporter": node_exporter}
         try:
             time.sleep(5)   # warm-up: every collector has sampled a few times, caches are filled
-            health = urllib.request.urlopen(agent + "/healthz", timeout=10).read().decode()
+            before = collector_cpu(agent)
             idle = measure(servers, seconds, None)
             scraped = measure(servers, seconds, 1.0)
+            by_collector = {name: (cpu - before[name][0]) / max(1, updates - before[name][1])
+                            for name, (cpu, updates) in collector_cpu(agent).items()}
             bursts = burst(servers, burst_count)
-            result = {"idle": idle, "scraped": scraped, "burst": bursts, "health": health,
+            result = {"idle": idle, "scraped": scraped, "burst": bursts, "by_collector": by_collector,
                       "series": {name: series_count(s) for name, s in servers.items()},
                       "bytes": {name: scrape(s) for name, s in servers.items()},
                       "rss": {name: peak_rss_bytes(s.process.pid) for name, s in servers.items()}}
@@ -196,6 +205,7 @@ def report(result: dict, seconds: float, burst_count: int, command: str) -> str:
         f"- idle cost under 1% of one core at 1 s sampling: {'met' if idle_rate['agent'] < 0.01 else 'NOT met'} "
         f"({idle_rate['agent'] * 100:.2f} %)",
     ]
+    breakdown = ", ".join(f"{name} {cpu * 1e3:.2f}" for name, cpu in sorted(result["by_collector"].items()))
     host = f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
     return "\n".join([
         "## Agent", "",
@@ -205,7 +215,9 @@ def report(result: dict, seconds: float, burst_count: int, command: str) -> str:
         f"{STEPS_PER_SECOND} steps/s each, plus the node log each second); node_exporter runs its default "
         "collectors. CPU from /proc/<pid>/stat, peak RSS from VmHWM. The host is shared with other work, "
         "so absolute figures move between runs; the ratio is the figure to read.", "",
-        *lines, "", *verdict, ""])
+        *lines, "", *verdict,
+        f"- CPU per update by collector, ms (the agent's own `trainguard_collector_cpu_seconds_total`): {breakdown}",
+        ""])
 
 
 def write_docs(section: str) -> Path:

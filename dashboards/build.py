@@ -8,8 +8,9 @@ query below against a real Prometheus that scraped a real training run.
     python -m trainguard.dashboards.build            # rewrite dashboards/*.json
     trainguard dashboards render --out DIR           # the same, elsewhere, optionally with a policy
 
-A query that can only have data when something goes wrong says so (`event_only=` with the reason), or
-falls back to zero with `or vector(0)`; nothing is left out of the query test silently.
+A query that can only have data when something happens (an event, such as an Xid error) or on some
+hardware (a CUDA device) says so, `only_when="..."` with the reason, or falls back to zero with
+`or vector(0)`; nothing is left out of the query test silently.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def node(expr: str) -> str:
     return f"({expr}) {ON_HOST}"
 
 
+CUDA_WHY = "needs a CUDA device: a CPU run has no caching allocator"
 XID_WHY = "the agent exports Xid series once a GPU has had an Xid error (dcgm-exporter exports a 0)"
 
 
@@ -70,7 +72,7 @@ GPU_ID = Variable("gpu", "GPU", 'label_values(DCGM_FI_DEV_GPU_UTIL{job=~"$job", 
 def event_annotation(name: str, types: str, color: str, why: str = "") -> Annotation:
     expr = (f'sum by (run_id, type) (increase(trainguard_training_events_total{{job=~"$job", run_id=~"$run_id",'
             f' type=~"{types}"}}[1m])) > 0')
-    return Annotation(name, expr, color, name.rstrip("s").lower() + " ({{type}})", event_only=why)
+    return Annotation(name, expr, color, name.rstrip("s").lower() + " ({{type}})", only_when=why)
 
 
 ANNOTATIONS = (
@@ -79,9 +81,10 @@ ANNOTATIONS = (
                      "only when the guard skips a bad step (the test run injects faults to cause them)"),
     event_annotation("Rollbacks", "rollback", "red",
                      "only when the guard or an alert rolls the run back"),
-    event_annotation("Restores", "restore|checkpoint_restored|run_start", "blue"),
+    event_annotation("Restores", "restore|checkpoint_restored", "blue",
+                     "only when ranks restart from a checkpoint or a rollback restores one"),
     Annotation("Alerts", 'ALERTS{alertstate="firing", job=~"$job"}', "purple", "{{alertname}}",
-               event_only="ALERTS exists only while an alert fires"),
+               only_when="ALERTS exists only while an alert fires"),
 )
 
 
@@ -104,7 +107,7 @@ def training(policy: Policy) -> Board:
         Row("Optimisation"),
         timeseries("Loss", q(f"max by (run_id) ({run('trainguard_training_loss')})", "{{run_id}} loss"),
                    q(f"max by (run_id) ({run('trainguard_training_val_loss')})", "{{run_id}} validation",
-                     event_only="validation runs every eval_every steps; a short run may have none"),
+                     only_when="validation runs every eval_every steps; a short run may have none"),
                    width=8),
         timeseries("Gradient norm", q(f"max by (run_id) ({run('trainguard_training_grad_norm')})", "{{run_id}}"),
                    width=8, description=f"Global norm before clipping. The guard skips a step above "
@@ -128,13 +131,16 @@ def training(policy: Policy) -> Board:
         timeseries("Step time", q(f"avg({run('trainguard_training_step_time_seconds')})", "step"), unit="s",
                    width=12),
         Row("Memory"),
-        timeseries("Device memory by rank", *[
-            q(f"max by (rank) ({run(f'trainguard_training_memory_{kind}_bytes')})", f"rank {{{{rank}}}} {kind}")
-            for kind in ("allocated", "reserved")], unit="bytes", width=12),
+        timeseries("Memory by rank", *[
+            q(f"max by (rank) ({run(f'trainguard_training_memory_{kind}_bytes')})", f"rank {{{{rank}}}} {kind}",
+              only_when=CUDA_WHY) for kind in ("allocated", "reserved")],
+                   q(f"max by (rank) ({run('trainguard_training_resident_memory_bytes')})", "rank {{rank}} resident"),
+                   unit="bytes", width=12, description="Device memory the CUDA caching allocator holds (allocated) "
+                                                       "and reserves, and the rank process's resident host memory."),
         timeseries("Allocated / reserved",
                    q(f"max by (rank) ({run('trainguard_training_memory_allocated_bytes')})"
                      f" / max by (rank) ({run('trainguard_training_memory_reserved_bytes')} > 0)", "rank {{rank}}",
-                     event_only="needs a CUDA device: a CPU run reserves no device memory"),
+                     only_when=CUDA_WHY),
                    unit="percentunit", min=0, max=1, width=12,
                    thresholds=(Threshold(0, RED), Threshold(a.fragmentation_min, "green"))),
     ]
@@ -164,8 +170,8 @@ def gpu_node(policy: Policy) -> Board:
         timeseries("Power draw", q(gpu("DCGM_FI_DEV_POWER_USAGE"), legend), unit="watt", min=0),
         timeseries("SM clock", q(f"{gpu('DCGM_FI_DEV_SM_CLOCK')} * 1e6", legend), unit="hertz"),
         timeseries("Xid errors", q(f"sum by (hostname, gpu, xid) (increase(trainguard_gpu_xid_errors_total{GPU}[{RATE}]))",
-                                   "{{hostname}} GPU {{gpu}} Xid {{xid}}", event_only=XID_WHY),
-                   q(gpu("DCGM_FI_DEV_XID_ERRORS"), f"{legend} last Xid", event_only=XID_WHY), unit="none",
+                                   "{{hostname}} GPU {{gpu}} Xid {{xid}}", only_when=XID_WHY),
+                   q(gpu("DCGM_FI_DEV_XID_ERRORS"), f"{legend} last Xid", only_when=XID_WHY), unit="none",
                    description="Xid errors by code, and the last code per GPU (see the GPUXidError runbook)."),
         Row("Node"),
         timeseries("CPU busy", q(node(f'1 - avg by (instance) (rate(node_cpu_seconds_total{{job=~"$job",'
@@ -296,16 +302,16 @@ def alerts_actions(policy: Policy) -> Board:
         stat("Agents up", q('sum(up{job=~"$job"})'), width=6),
         stat("Collectors failing", q(f"count(trainguard_scrape_collector_success{AGENT} == 0) or vector(0)"),
              thresholds=(Threshold(1, RED),), width=6),
-        table("Alerts now", q('ALERTS{job=~"$job"}', event_only="ALERTS exists only while an alert is pending or "
+        table("Alerts now", q('ALERTS{job=~"$job"}', only_when="ALERTS exists only while an alert is pending or "
                                                                 "firing"), width=24, height=6),
         timeseries("Alerts over time", q('count by (alertname) (ALERTS{alertstate="firing", job=~"$job"})',
-                                         "{{alertname}}", event_only="ALERTS exists only while an alert fires"),
+                                         "{{alertname}}", only_when="ALERTS exists only while an alert fires"),
                    width=24, height=6),
         Row("Actions"),
         timeseries("Guard and recovery events", q(
             f'sum by (type) (increase(trainguard_training_events_total{{job=~"$job",'
             f' type=~"skip_step|rollback|restore|checkpoint_restored|cost_warn|cost_throttle|cost_stop|action"}}[{RATE}]))',
-            "{{type}}", event_only="only when the guard or an alert acts (the test run injects faults)"), width=12),
+            "{{type}}", only_when="only when the guard or an alert acts (the test run injects faults)"), width=12),
         timeseries("Actions the agent carried out",
                    q(f"sum by (action) (trainguard_actions_executed_total{AGENT}) or vector(0)", "{{action}}"),
                    width=12),
@@ -359,7 +365,7 @@ def queries(policy: Policy | None = None) -> Iterator[tuple[str, str, Query]]:
             for query in panel.queries:
                 yield board.uid, panel.title, query
         for annotation in board.annotations:
-            yield board.uid, f"annotation: {annotation.name}", Query(annotation.expr, "", annotation.event_only)
+            yield board.uid, f"annotation: {annotation.name}", Query(annotation.expr, "", annotation.only_when)
 
 
 if __name__ == "__main__":

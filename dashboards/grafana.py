@@ -18,16 +18,17 @@ GREEN, YELLOW, ORANGE, RED = "green", "#EAB839", "orange", "red"
 
 @dataclass(frozen=True)
 class Query:
-    """One PromQL target. `event_only` says why it can only have data when something goes wrong."""
+    """One PromQL target. `only_when` names the condition without which it has no data (an event such as a
+    skipped step or an Xid error, or hardware such as a CUDA device); empty: it always has data."""
 
     expr: str
     legend: str = ""
-    event_only: str = ""
+    only_when: str = ""
     instant: bool = False
 
 
-def q(expr: str, legend: str = "", *, event_only: str = "", instant: bool = False) -> Query:
-    return Query(" ".join(expr.split()), legend, event_only, instant)
+def q(expr: str, legend: str = "", *, only_when: str = "", instant: bool = False) -> Query:
+    return Query(" ".join(expr.split()), legend, only_when, instant)
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def state_timeline(title: str, *queries: Query, **kw) -> Panel:
 
 
 def table(title: str, *queries: Query, **kw) -> Panel:
-    return Panel(title, [Query(x.expr, x.legend, x.event_only, instant=True) for x in queries], "table", **kw)
+    return Panel(title, [Query(x.expr, x.legend, x.only_when, instant=True) for x in queries], "table", **kw)
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ class Annotation:
     expr: str
     color: str
     title: str
-    event_only: str = ""
+    only_when: str = ""
 
     def to_json(self) -> dict:
         return {"name": self.name, "datasource": DATASOURCE, "enable": True, "hide": False,

@@ -10,6 +10,7 @@ checked, and written to ``RUN/config.yaml``; every rank then reads that one file
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from trainguard.trainer.faults import FaultError, parse as parse_fault
 FLAG_KEYS = {
     "steps": ("run", "steps"), "seed": ("run", "seed"), "device": ("run", "device"),
     "checkpoint_every": ("run", "checkpoint_every"), "keep_last": ("run", "keep_last"),
+    "checkpoint_every_seconds": ("run", "checkpoint_every_seconds"),
     "key_file": ("run", "key_file"), "eval_every": ("run", "eval_every"), "policy": ("run", "policy"),
     "peak_flops": ("run", "peak_flops"), "run_id": ("run", "run_id"), "log_every": ("run", "log_every"),
     "data": ("data", "path"), "batch_size": ("optim", "batch_size"),
@@ -38,6 +40,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--checkpoint-every", type=int, metavar="N", help="save a verified checkpoint every N steps")
+    parser.add_argument("--checkpoint-every-seconds", type=float, metavar="S",
+                        help="also save when S seconds have passed since the last checkpoint")
     parser.add_argument("--keep-last", type=int, metavar="N", help="checkpoints to keep (plus the newest stable one)")
     parser.add_argument("--key-file", help="HMAC key file for checkpoint manifests")
     parser.add_argument("--async-checkpoint", action="store_true", default=None,
@@ -46,7 +50,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="inject a fault: nan, spike, gradexplode, hang, crash, slowio, corrupt-checkpoint")
     parser.add_argument("--telemetry", choices=("on", "off"), help="per-step TLS records (default on)")
     parser.add_argument("--policy", metavar="FILE", help="policy YAML (guard thresholds)")
-    parser.add_argument("--data", metavar="DIR|GLOB", help="text directory or uint16 .bin shards (default: Python stdlib source)")
+    parser.add_argument("--data", metavar="DIR|GLOB",
+                        help="text directory or uint16 .bin shards (default: Python stdlib source)")
     parser.add_argument("--batch-size", type=int, help="sequences per rank per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per forward pass (gradient accumulation)")
     parser.add_argument("--lr", type=float, help="peak learning rate")
@@ -112,6 +117,17 @@ def _default_device(requested: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def write_resolved(config: cfg.TrainConfig, run_dir: Path) -> Path:
+    """``RUN/config.yaml``: the configuration every rank trains with (atomic; untouched when unchanged)."""
+    path = run_dir / "config.yaml"
+    text = config.dump()
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_name(f".config.yaml.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
@@ -122,8 +138,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     if not config.run.run_id:
         config.run.run_id = run_dir.name
-    resolved = run_dir / "config.yaml"
-    resolved.write_text(config.dump())
+    resolved = write_resolved(config, run_dir)
     if args.nproc > 1 or args.max_restarts > 0:
         from trainguard.trainer.launch import launch
 

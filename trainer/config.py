@@ -68,6 +68,8 @@ class RunConfig:
     device: str = "auto"         # auto | cpu | cuda
     telemetry: bool = True
     checkpoint_every: int = 0    # steps; 0 saves only at the end
+    checkpoint_every_seconds: float = 0.0   # also by time (rank 0's clock, so all ranks agree); 0 = off
+    checkpoint_on_error: str = "warn"       # a failed save: "warn" trains on (the previous one stays), "raise" ends
     keep_last: int = 3
     async_checkpoint: bool = False
     key_file: str = ""           # HMAC key for checkpoint manifests; "" means the checkpoint default
@@ -206,6 +208,7 @@ def validate(config: TrainConfig, source: str = "config") -> TrainConfig:
         (0 <= o.micro_batch_size <= o.batch_size, "optim.micro_batch_size", "must be 0..optim.batch_size"),
         (r.steps >= 0, "run.steps", "must not be negative"),
         (r.device in ("auto", "cpu", "cuda"), "run.device", "must be auto, cpu or cuda"),
+        (r.checkpoint_on_error in ("warn", "raise"), "run.checkpoint_on_error", "must be warn or raise"),
         (0 < config.data.val_fraction < 0.5, "data.val_fraction", "must be between 0 and 0.5"),
     ]
     for ok, key, message in checks:

@@ -30,8 +30,8 @@ def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: in
     try:
         elastic_launch(config, entrypoint=sys.executable)(*worker)
     except ChildFailedError as exc:
-        failure = exc.get_first_failure()[1]
-        log.get("launch").error("training failed", restarts_allowed=max_restarts, rank=failure.global_rank if hasattr(failure, "global_rank") else failure.local_rank,
+        rank, failure = exc.get_first_failure()
+        log.get("launch").error("training failed", restarts_allowed=max_restarts, rank=rank,
                                 exitcode=failure.exitcode, error_file=failure.error_file or None)
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0

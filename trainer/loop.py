@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,10 +72,8 @@ class Trainer:
 
         self.model = GPT(config.model).to(self.device)
         self.ddp = self._wrap(self.model, run.telemetry)
-        params = [p for p in self.model.parameters()]
-        layer_names, owners = self.model.layer_of_parameters()
-        self.layer_names = layer_names
-        self.norms = GradNorms(params, owners, layer_names)
+        self.layer_names, owners = self.model.layer_of_parameters()
+        self.norms = GradNorms(list(self.model.parameters()), owners, self.layer_names)
         self.optimizer = torch.optim.AdamW(
             self.model.optimizer_groups(config.optim.weight_decay), lr=config.optim.lr,
             betas=(config.optim.beta1, config.optim.beta2), fused=self.device.type == "cuda")
@@ -98,9 +97,10 @@ class Trainer:
         self.guard = Guard(self.policy.guard)
         self.faults = FaultInjector(run.inject, self.run_dir, self.rank, emit=self.telemetry.event)
         self.control = ControlChannel(self.run_dir, self.rank, self.log)
-        self.checkpoints = Checkpoints(self.run_dir, rank=self.rank, world_size=self.world,
-                                       on_event=self.telemetry.event, key_file=run.key_file, keep_last=run.keep_last,
-                                       async_save=run.async_checkpoint)
+        self.checkpoints = Checkpoints(
+            self.run_dir, rank=self.rank, world_size=self.world, on_event=self.telemetry.event,
+            key_file=run.key_file, keep_last=run.keep_last, async_save=run.async_checkpoint,
+            on_error=run.checkpoint_on_error)
         self.recovery = Recovery(self)
         self.progress = Progress(run.steps, run.log_every, self.log) if self.rank == 0 else None
 
@@ -110,6 +110,7 @@ class Trainer:
         self.best_val = math.inf
         self.trouble_since_checkpoint = False   # any skip or rollback since the last checkpoint
         self.eval_paused = False                # cost_warn pauses non-critical work
+        self.last_checkpoint_time = None        # rank 0's clock at the last save (the same on every rank)
 
     def _wrap(self, model: torch.nn.Module, telemetry: bool):
         self.comm_timer = None
@@ -192,43 +193,62 @@ class Trainer:
         timer.mark("optimizer")
         self.step = step
 
-        extra = {"comm_seconds": self.comm_timer.take()} if self.comm_timer else {}
         timings = timer.stop()
-        tokens = batch * cfg.model.block_size
-        self.telemetry.step(
-            step, loss=loss_seen, grad_norm=health.grad_norm, grad_norm_by_layer=layers, learning_rate=lr,
-            tokens=tokens, samples=batch, timings=timings, tokens_trained=self.tokens_trained,
-            tokens_loaded=self.train_data.tokens_loaded(), micro_batch_size=self.micro_batch,
-            grad_accum_steps=-(-batch // self.micro_batch), timestamp=health.timestamp, **extra)
-        if self.progress:
-            self.progress.update(step, loss_seen, lr, tokens * self.world / timings["step_time_seconds"])
+        self._record(step, health, layers, loss_seen, lr, timings)
 
         if decision.action is not None and (code := self.recovery.on_decision(decision)) is not None:
             return code
         if health.control_code and (code := self.recovery.on_request(health.control_code,
                                                                     health.control_line)) is not None:
             return code
-        self.periodic_work()
+        self.periodic_work(health.timestamp)
         return None
 
-    def periodic_work(self) -> None:
+    def _record(self, step: int, health, layers: dict, loss: float, lr: float, timings: dict) -> None:
+        """This step's TLS record and progress line, from values already on the host."""
+        batch = self.cfg.optim.batch_size
+        tokens = batch * self.cfg.model.block_size
+        extra = {"comm_seconds": self.comm_timer.take()} if self.comm_timer else {}
+        self.telemetry.step(
+            step, loss=loss, grad_norm=health.grad_norm, grad_norm_by_layer=layers, learning_rate=lr,
+            tokens=tokens, samples=batch, timings=timings, tokens_trained=self.tokens_trained,
+            tokens_loaded=self.train_data.tokens_loaded(), micro_batch_size=self.micro_batch,
+            grad_accum_steps=-(-batch // self.micro_batch), timestamp=health.timestamp, **extra)
+        if self.progress:
+            self.progress.update(step, loss, lr, tokens * self.world / timings["step_time_seconds"])
+
+    def periodic_work(self, now: float) -> None:
+        """Checkpoint and evaluation when due; `now` is rank 0's clock, so every rank agrees on time."""
         run = self.cfg.run
-        due = run.checkpoint_every and self.step % run.checkpoint_every == 0 and self.step < run.steps
-        if due and self.last_saved_step() != self.step:   # not again right after restoring this very step
+        if self.last_checkpoint_time is None:
+            self.last_checkpoint_time = now
+        by_steps = run.checkpoint_every and self.step % run.checkpoint_every == 0
+        by_time = run.checkpoint_every_seconds and now - self.last_checkpoint_time >= run.checkpoint_every_seconds
+        # never twice for one step (a rollback or resume has just restored this very step)
+        if (by_steps or by_time) and self.step < run.steps and self.last_saved_step() != self.step:
             self.save_checkpoint()
+            self.last_checkpoint_time = now
         if run.eval_every and self.step % run.eval_every == 0 and not self.eval_paused:
-            val = self.validation_loss()
-            self.telemetry.event("evaluation", step=self.step, val_loss=val, purpose="periodic")
+            self.evaluate("periodic")
 
     # --------------------------------------------------------------------------------- evaluation
+    def evaluate(self, purpose: str, **fields) -> float:
+        """Validation loss, written as an `evaluation` event with the seconds it held training up."""
+        began = time.perf_counter()
+        val = self.validation_loss()
+        self.telemetry.event("evaluation", step=self.step, val_loss=val, purpose=purpose,
+                             seconds=time.perf_counter() - began, **fields)
+        return val
+
     @torch.no_grad()
     def validation_loss(self) -> float:
         """Mean loss over the same `eval_batches` validation batches every time (comparable over time)."""
         self.model.eval()
         self.val_data.consumed = 0
-        total = torch.zeros((), device=self.device, dtype=torch.float64)
+        rows = self.cfg.optim.micro_batch_size or self.cfg.optim.batch_size   # not the throttled size:
+        total = torch.zeros((), device=self.device, dtype=torch.float64)     # the same windows every time
         for _ in range(self.cfg.run.eval_batches):
-            x, y = self.val_data.next_batch(self.micro_batch)
+            x, y = self.val_data.next_batch(rows)
             with self.autocast():
                 total += self.model(x, y)[1].double()
         mean = total / self.cfg.run.eval_batches
@@ -244,17 +264,20 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Validation check, then rank 0 saves; stable if val loss is sane and the guard saw no trouble."""
-        val = self.validation_loss()
+        val = self.evaluate("checkpoint", guard_trouble=self.trouble_since_checkpoint)
         sane = math.isfinite(val) and val <= self.cfg.run.stable_val_factor * self.best_val
         stable = sane and not self.trouble_since_checkpoint
         if stable:
             self.best_val = min(self.best_val, val)
-        self.telemetry.event("evaluation", step=self.step, val_loss=val, purpose="checkpoint", stable=stable,
-                             guard_trouble=self.trouble_since_checkpoint)
+        saved = True
         if self.rank == 0:
             path = self.checkpoints.save(self.step, self.recovery.capture_state(), stable,
                                          meta={"val_loss": val if math.isfinite(val) else None})
-            self.faults.after_checkpoint(self.step, path, wait=self.checkpoints.wait)
-        self.telemetry.last_checkpoint = f"step_{self.step}"
+            saved = path is not None   # a failed save with checkpoint_on_error "warn": the previous one stands
+            if saved:
+                self.faults.after_checkpoint(self.step, path, wait=self.checkpoints.wait)
+        if saved:
+            self.telemetry.last_checkpoint = f"step_{self.step}"
+        # the same on every rank whatever rank 0's save did, so all ranks keep taking the same decisions
         self.recovery.last_saved_step = self.step
         self.trouble_since_checkpoint = False

@@ -4,7 +4,8 @@
 
 Peak figures are the vendors' dense (no 2:4 sparsity) tensor-core numbers for the dtype the trainer
 uses on GPUs (bf16), from the data sheets. A CPU has no such figure, so on CPU the peak is measured
-once per process with a float32 matmul (as is an unknown GPU, in bf16); `--peak-flops` (run.peak_flops) overrides either.
+once per process with a float32 matmul (as is an unknown GPU, in bf16); `--peak-flops` (run.peak_flops)
+overrides either.
 """
 
 from __future__ import annotations

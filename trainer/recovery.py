@@ -69,6 +69,7 @@ class Recovery:
         t.step, t.tokens_trained = int(trainer["step"]), int(trainer["tokens_trained"])
         t.best_val, t.micro_batch = float(trainer["best_val"]), int(trainer["micro_batch_size"])
         self.last_saved_step = t.step
+        t.telemetry.last_checkpoint = f"step_{t.step}"
         t.log.info("resumed", step=t.step, tokens_trained=t.tokens_trained)
         return t.step
 
@@ -132,6 +133,7 @@ class Recovery:
         t.best_val = float(trainer["best_val"])
         t.checkpoints.abandon_after(t.step)
         self.last_saved_step = t.step
+        t.telemetry.last_checkpoint = f"step_{t.step}"
         t.trouble_since_checkpoint = False
         t.telemetry.event(ROLLBACK, step=from_step, source=source, restored_step=t.step,
                           checkpoint=str(checkpoint.path), steps_lost=from_step - t.step,

@@ -40,15 +40,18 @@ class Checkpoints:
     """The trainer's view of the checkpoint store: save on rank 0, pick on rank 0, load everywhere."""
 
     def __init__(self, run_dir: Path, *, rank: int, world_size: int, on_event: Callable[..., Any],
-                 key_file: str = "", keep_last: int = 3, async_save: bool = False):
+                 key_file: str = "", keep_last: int = 3, async_save: bool = False, on_error: str = "warn"):
         self.rank, self.world = rank, world_size
         self.manager = CheckpointManager(run_dir, key_file=key_file or None, keep_last=keep_last,
-                                         async_save=async_save, on_event=on_event, world_size=world_size)
+                                         async_save=async_save, on_error=on_error, on_event=on_event,
+                                         world_size=world_size)
         self.root = Path(run_dir) / "checkpoints"
 
-    def save(self, step: int, state: dict, stable: bool, meta: dict | None = None) -> Path:
-        """Rank 0 only. Returns the directory the checkpoint has (or will have, once durable)."""
-        return self.manager.save(step, state, stable=stable, meta=meta).path
+    def save(self, step: int, state: dict, stable: bool, meta: dict | None = None) -> Path | None:
+        """Rank 0 only. The directory the checkpoint has (or will have, once durable); None if the save
+        failed and the manager was told to warn rather than raise (it has logged and emitted why)."""
+        handle = self.manager.save(step, state, stable=stable, meta=meta)
+        return None if handle.error is not None else handle.path
 
     def wait(self) -> None:
         if self.rank == 0:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard import tls
+from trainguard.trainer.mfu import mfu as compute_mfu
 
 try:
     import torch
@@ -107,8 +108,15 @@ class CommTimer:
 
 
 class MemoryProbe:
-    """Memory of this process without a device sync: the CUDA caching allocator's counters on GPU,
-    resident set size on CPU (one pread of /proc/self/statm where there is one)."""
+    """Memory of this process without a device sync: the CUDA caching allocator's counters on GPU
+    (plain host counters), resident set size on CPU.
+
+    RSS takes a system call (a pread of /proc/self/statm), so it is read at most every RSS_INTERVAL
+    seconds and reused in between: it moves slowly, and the syscall is the largest single cost of a
+    record on a busy CPU.
+    """
+
+    RSS_INTERVAL = 0.5
 
     def __init__(self, device_type: str):
         self.cuda = device_type == "cuda"
@@ -117,17 +125,25 @@ class MemoryProbe:
             self._statm = os.open("/proc/self/statm", os.O_RDONLY)
         except OSError:
             self._statm = -1
+        self._rss: dict[str, int] = {}
+        self._rss_at = -self.RSS_INTERVAL
 
     def read(self) -> dict[str, int]:
         if self.cuda:
             return {"mem_allocated_bytes": torch.cuda.memory_allocated(),
                     "mem_reserved_bytes": torch.cuda.memory_reserved(),
                     "mem_peak_bytes": torch.cuda.max_memory_allocated()}
+        now = time.monotonic()
+        if now - self._rss_at >= self.RSS_INTERVAL:
+            self._rss, self._rss_at = {"rss_bytes": self._read_rss()}, now
+        return dict(self._rss)
+
+    def _read_rss(self) -> int:
         if self._statm >= 0:
-            return {"rss_bytes": int(os.pread(self._statm, 128, 0).split()[1]) * self._page}
+            return int(os.pread(self._statm, 128, 0).split()[1]) * self._page
         import psutil
 
-        return {"rss_bytes": psutil.Process().memory_info().rss}
+        return psutil.Process().memory_info().rss
 
     def close(self) -> None:
         if self._statm >= 0:
@@ -210,7 +226,7 @@ class StepTelemetry:
         metrics["tokens_per_second"] = tokens_per_second
         metrics["samples_per_second"] = samples / seconds if seconds > 0 else 0.0
         if self.peak_flops:
-            metrics["mfu"] = self.flops_per_token * tokens_per_second / self.peak_flops
+            metrics["mfu"] = compute_mfu(self.flops_per_token, tokens_per_second, self.peak_flops)
         if tokens_trained is not None:
             metrics["tokens_trained"] = tokens_trained
         if tokens_loaded is not None:

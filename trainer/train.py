@@ -53,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"trainguard train: {exc}", file=sys.stderr)
         return 2
-    args.run_dir.mkdir(parents=True, exist_ok=True)
-    return run_worker(config, args.run_dir.resolve())
+    run_dir = args.run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if DistInfo.from_env().rank == 0:   # started by torchrun directly: record what the ranks train with
+        cli.write_resolved(config, run_dir)
+    return run_worker(config, run_dir)
 
 
 if __name__ == "__main__":

@@ -101,20 +101,26 @@ def parse_quantity(value: Any, field: str) -> float:
     raise TLSError(f"unknown unit {unit!r} in {value!r}", field=field)
 
 
+# The times RFC 3339 can write (years 1 to 9999): a number outside them is not a time any reader can format.
+_EARLIEST, _LATEST = -62135596800.0, 253402300799.999999
+
+
 def parse_timestamp(value: Any) -> float:
     """RFC 3339 string (fractions and offsets allowed) or Unix seconds, as Unix seconds."""
     if isinstance(value, bool):
         raise TLSError(f"expected RFC 3339 or Unix seconds, got {value!r}", field="timestamp")
     if isinstance(value, (int, float)):
-        if not math.isfinite(value):
-            raise TLSError(f"not a finite time: {value!r}", field="timestamp")
+        if not math.isfinite(value) or not _EARLIEST <= value <= _LATEST:
+            raise TLSError(f"not a time between the years 1 and 9999: {value!r}", field="timestamp")
         return float(value)
     if isinstance(value, str):
         text = value.strip()
         try:
-            return float(text)
+            number = float(text)
         except ValueError:
             pass
+        else:
+            return parse_timestamp(number)   # "nan" and "1e400" are no more a time as strings than as numbers
         try:
             parsed = datetime.fromisoformat(text[:-1] + "+00:00" if text[-1:] in "Zz" else text)
         except ValueError:
@@ -195,12 +201,15 @@ def decode(line: bytes | str, source: str | None = None, lineno: int | None = No
     """One line of TLS into a normalised record; TLSError names source, line and field."""
     try:
         raw = _decoder.decode(line)
-    except msgspec.DecodeError:
-        # The slow path reads what msgspec refuses but Python's json writes: NaN and Infinity.
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        # The slow path reads what msgspec refuses but Python's json writes: NaN and Infinity. (msgspec
+        # raises UnicodeDecodeError, not DecodeError, for a bad byte inside a string; json names it.)
         try:
             raw = json.loads(line)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise TLSError(f"not valid JSON ({exc})", source, lineno) from None
+    except RecursionError:
+        raise TLSError("not valid TLS: JSON nested too deeply", source, lineno) from None
     try:
         return normalise(raw)
     except TLSError as exc:
@@ -243,10 +252,22 @@ def decode_line(raw: bytes, source: str, lineno: int) -> Line:
 def iter_lines(path: str | os.PathLike) -> Iterator[Line]:
     """Every non-blank line of a TLS file in order; memory stays flat however long the file."""
     source = str(path)
+    lineno = 0
     with open_log(path) as handle:
-        for lineno, raw in enumerate(handle, 1):
-            if raw.strip():
-                yield decode_line(raw, source, lineno)
+        try:
+            for lineno, raw in enumerate(handle, 1):
+                if raw.strip():
+                    yield decode_line(raw, source, lineno)
+        except _stream_errors() as exc:
+            # A corrupt or cut-off .gz/.zst (or a failing disk): what was read stands, the rest is one error.
+            yield Line(source, lineno + 1, None,
+                       TLSError(f"unreadable after line {lineno} ({type(exc).__name__}: {exc})", source, lineno + 1))
+
+
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    import zstandard
+
+    return OSError, EOFError, zstandard.ZstdError
 
 
 _LOG_NAME = re.compile(r"^(?P<kind>rank|node)-(?P<name>.+?)\.jsonl(?:\.(?P<n>\d+))?(?:\.gz|\.zst)?$")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("gpu", "io", "ib", "nccl", "host", "training")
+MODULES = ("gpu", "io", "ib", "nccl", "host", "training", "preflight")
 
 # module name -> why it could not be imported
 UNAVAILABLE: dict[str, str] = {}

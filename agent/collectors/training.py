@@ -14,6 +14,7 @@ decision handlers (the executor), its state to `trainguard_cost_*`.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
@@ -27,11 +28,8 @@ from trainguard.agent.collector import Collector, CollectorDisabled, Context, Sa
 from trainguard.agent.collectors.options import options
 from trainguard.agent.tail import Follower, load_json, save_json_atomic
 from trainguard.agent.training_state import STEP_GAUGES, TrainingState
+from trainguard.decide.cost import CostMeter
 
-try:  # the cost meter is the lead's pure state machine; the agent runs without it if it is absent
-    from trainguard.decide.cost import CostMeter
-except ImportError:  # pragma: no cover - integration point, see report
-    CostMeter = None
 
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
 STATE_VERSION = 1
@@ -60,15 +58,12 @@ class TrainingCollector(Collector):
         self._saved_at: float | None = None   # monotonic time of the last save; None: never
         self.meter = self._cost_meter(opts["policy"] or ctx.policy)
         self.on_decision = None          # set by the agent: callable(Decision)
+        self._cost_rank: int | None = None   # the rank whose steps feed the cost meter
         self.restored = self._restore()
-        self._cost_rank: int | None = None
 
     # ---------------------------------------------------------------------------------- persistence
 
-    def _cost_meter(self, policy_path):
-        if CostMeter is None:
-            self.log.warning("cost meter unavailable (trainguard.decide.cost missing); no trainguard_cost_* metrics")
-            return None
+    def _cost_meter(self, policy_path) -> CostMeter:
         path = policy_path or (self.run_dir / "policy.yaml" if (self.run_dir / "policy.yaml").exists() else None)
         return CostMeter(tgpolicy.load(path).cost)
 
@@ -82,7 +77,7 @@ class TrainingCollector(Collector):
             return False
         self.follower.restore(saved.get("files") or {})
         self.state = TrainingState.from_dict(saved.get("state") or {})
-        if self.meter is not None and saved.get("cost"):
+        if saved.get("cost"):
             self.meter.load_state_dict(saved["cost"])
         self._cost_rank = saved.get("cost_rank")
         self.log.info("resumed from saved offsets", path=str(self.offsets_path),
@@ -92,7 +87,7 @@ class TrainingCollector(Collector):
     def _save(self) -> None:
         payload = {"version": STATE_VERSION, "saved_at": time.time(), "files": self.follower.state(),
                    "state": self.state.to_dict(), "cost_rank": self._cost_rank,
-                   "cost": self.meter.state_dict() if self.meter is not None else None}
+                   "cost": self.meter.state_dict()}
         save_json_atomic(self.offsets_path, payload)
         self._unsaved, self._saved_at = False, time.monotonic()
 
@@ -110,7 +105,7 @@ class TrainingCollector(Collector):
             for chunk in chunks:
                 consumed += 1
                 errors_logged += self._ingest(chunk, errors_logged < MAX_ERRORS_LOGGED)
-            if not chunks or time.monotonic() > deadline:
+            if not self.follower.more or time.monotonic() > deadline:
                 break
         for message in self.follower.events:
             self.log.info(f"tls file {message}")
@@ -118,12 +113,13 @@ class TrainingCollector(Collector):
         self._unsaved = self._unsaved or consumed > 0
         if self._unsaved and (self._saved_at is None or time.monotonic() - self._saved_at >= self.save_every):
             self._save()
+        self._refresh_checkpoint()
         now = time.time()
         return Sample(self._families(now), tls=self.state.tls_fragment(now))
 
     def _ingest(self, chunk, log_error: bool) -> int:
         """Fold one line in; returns 1 when it was malformed."""
-        name = Path(chunk.source).name
+        name = os.path.basename(chunk.source)
         try:
             if chunk.overlong:
                 raise tls.TLSError(f"line longer than {self.follower.max_line_bytes} bytes", chunk.source,
@@ -144,8 +140,6 @@ class TrainingCollector(Collector):
         return 0
 
     def _meter_step(self, record: dict, rank: int) -> None:
-        if self.meter is None:
-            return
         if self._cost_rank is None or rank < self._cost_rank:
             self._cost_rank = rank
         if rank != self._cost_rank:
@@ -194,12 +188,16 @@ class TrainingCollector(Collector):
             malformed.add_metric([name], self.state.malformed.get(name, 0))
         return [records, malformed]
 
-    def _checkpoint(self, now: float) -> list:
+    def _refresh_checkpoint(self) -> None:
+        """A checkpoint on disk newer than the last checkpoint_saved event (or saved without one) counts too."""
         state = self.state
-        on_disk = _newest_checkpoint(self.run_dir)   # a checkpoint saved without an event still counts
+        on_disk = _newest_checkpoint(self.run_dir)
         if on_disk is not None and (state.checkpoint_time is None or on_disk[0] > state.checkpoint_time):
             state.checkpoint_time, state.checkpoint_step = on_disk
             state.checkpoint_name = f"step_{on_disk[1]}"
+
+    def _checkpoint(self, now: float) -> list:
+        state = self.state
         if state.checkpoint_time is None:
             return []
         labels = ["run_id"]
@@ -217,7 +215,7 @@ class TrainingCollector(Collector):
         return families
 
     def _cost_families(self) -> list:
-        if self.meter is None or self._cost_rank is None:
+        if self._cost_rank is None:
             return []
         cost = self.meter.state
         run = [self.state.run_id]
@@ -229,7 +227,9 @@ class TrainingCollector(Collector):
                 ("trainguard_cost_tier", "Budget tier reached: 0 ok, 1 warn, 2 throttle, 3 stop.",
                  TIER_VALUES.get(cost.tier, 0)),
                 ("trainguard_cost_budget_per_1k_steps_usd", "Budget per 1000 steps from the policy.",
-                 self.meter.policy.budget_per_1k_steps)]
+                 self.meter.policy.budget_per_1k_steps),
+                ("trainguard_cost_billable_gpus", "GPUs the run is billed for (policy override, else the records).",
+                 self.meter.gpus(None))]
         families = []
         for name, text, value in spec:
             family = GaugeMetricFamily(name, text, labels=["run_id"])

@@ -180,3 +180,23 @@ def test_a_real_prometheus_scrapes_the_agent(tmp_path):
             # Prometheus asks for OpenMetrics first; what it got is checked by its own parser above.
             health = prometheus_query(prometheus, "up")
             assert float(health[0]["value"][1]) == 1
+
+
+def test_connections_beyond_the_limit_get_503():
+    server = AgentServer(None, "127.0.0.1", 0, max_connections=1).start()
+    server.add_route("GET", "/ping", lambda req: (200, {}, b"pong"))
+    try:
+        host, port = server.address
+        first = http.client.HTTPConnection(host, port, timeout=10)
+        first.request("GET", "/ping")
+        assert first.getresponse().read() == b"pong"      # kept alive: it holds the one slot
+        second = http.client.HTTPConnection(host, port, timeout=10)
+        second.request("GET", "/ping")
+        assert second.getresponse().status == 503
+        second.close()
+        first.request("GET", "/ping")                       # the first connection is still served
+        assert first.getresponse().read() == b"pong"
+        first.close()
+        wait_for(lambda: request(server.url, "GET", "/ping")[0] == 200, 10, message="slot freed")
+    finally:
+        server.stop()

@@ -128,6 +128,14 @@ def test_trainer_processes_from_control_ranks(tmp_path):
         child.wait()
         values = values_of(collector.update().families)
         assert values[("trainguard_rank_process_up", (("rank", "0"),))] == 0
+        restarted = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:   # the elastic launcher starts the rank again: a new pid in its rank file
+            write_rank_file(tmp_path, 0, pid=restarted.pid)
+            values = values_of(collector.update().families)
+            assert values[("trainguard_rank_process_up", (("rank", "0"),))] == 1
+        finally:
+            restarted.kill()
+            restarted.wait()
     finally:
         child.kill()
         child.wait()

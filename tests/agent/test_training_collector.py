@@ -185,6 +185,7 @@ def test_cost_state_and_decisions(run_dir):
     assert get(values, "trainguard_cost_per_1k_steps_usd", **run) == pytest.approx(8 * 100 / 3600 * 1000)
     assert get(values, "trainguard_cost_usd", **run) == pytest.approx(29 * 8 * 100 / 3600)
     assert get(values, "trainguard_cost_tier", **run) == 3
+    assert get(values, "trainguard_cost_billable_gpus", **run) == 8
     assert get(values, "trainguard_cost_overrun_ratio", **run) > 1
     assert [d.action for d in decisions] == ["cost_warn", "cost_throttle", "cost_stop"]
     restarted = collector(run_dir)     # the tiers that fired are remembered across a restart

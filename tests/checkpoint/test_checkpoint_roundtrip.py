@@ -92,6 +92,15 @@ def test_key_file_is_created_0600_once_and_reused(tmp_path, key_file):
     assert verify(tmp_path / "a" / "checkpoints" / "step_1", key_file=key_file).ok  # ... but a's verifies
 
 
+def test_ranks_creating_the_key_at_once_agree_on_one(tmp_path, key_file):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        found = set(pool.map(lambda _: keys.load_key(key_file), range(8)))
+    assert found == {key_file.read_bytes().strip()}
+    assert [p.name for p in key_file.parent.iterdir()] == [key_file.name]  # no private leftovers
+
+
 def test_key_location_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(keys.ENV_VAR, str(tmp_path / "from-env.key"))
     manager = CheckpointManager(tmp_path / "run")

@@ -79,11 +79,11 @@ def test_every_panel_queries_prometheus_through_the_datasource_variable(rendered
             assert panel["fieldConfig"]["defaults"]["unit"], (name, panel["title"])
 
 
-def test_event_only_queries_say_why():
+def test_only_when_queries_say_why():
     queries = list(build.queries())
     assert len(queries) > 60
-    flagged = [(uid, title, query) for uid, title, query in queries if query.event_only]
-    assert all(len(query.event_only) > 20 for _, _, query in flagged)
+    flagged = [(uid, title, query) for uid, title, query in queries if query.only_when]
+    assert all(len(query.only_when) > 20 for _, _, query in flagged)
     assert len(flagged) < len(queries) / 5       # an escape hatch, not the rule
 
 

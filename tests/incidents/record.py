@@ -49,7 +49,7 @@ RECORDINGS = {
     "nan": Recording(("--nproc", "2", "--steps", "200", "--inject", "nan@150")),
     "gradient-explosion": Recording(("--steps", "200", "--inject", "gradexplode@150")),
     "hang": Recording(("--steps", "200", "--inject", "hang@80"), hang=True),
-    "healthy-long": Recording(("--steps", "3000", "--checkpoint-every", "500")),
+    "healthy-long": Recording(("--steps", "2000", "--checkpoint-every", "500")),
 }
 
 

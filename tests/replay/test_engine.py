@@ -119,3 +119,13 @@ def test_a_plain_list_of_entries_follows_its_first_steps_rank(tmp_path):
     log = write(tmp_path / "rank-3.jsonl", steps(1, 10, rank=3))
     entries = list(source.Stream([log]))
     assert engine.replay(entries, Policy()).steps == 10
+
+
+def test_a_null_layer_norm_is_read_as_nan_not_malformed(tmp_path):
+    # tls.encode writes a NaN nested in grad_norm_by_layer as null (msgspec); the guard must see NaN.
+    records = list(steps(1, 30))
+    for record in records:
+        record["metrics"]["grad_norm_by_layer"] = {"h.0": 1.0, "h.1": None if record["step"] == 25 else 1.0}
+    stream = source.Stream([write(tmp_path / "rank-0.jsonl", records)])
+    outcome = engine.replay(stream, Policy())
+    assert stream.malformed == 0 and outcome.steps == 30 and outcome.actions == []

@@ -53,7 +53,8 @@ def write_run(root: Path, steps: int = 120, ranks: int = 2, gpus: int = 2, spike
                         {"index": g, "name": "NVIDIA H100 80GB HBM3", "gpu_util": 90 - 5 * g + (i % 5),
                          "mem_util": 40.0, "mem_used_bytes": (30 + g) * 2**30, "gpu_temp_c": 60 + g + i / 20,
                          "gpu_power_w": 500 + 10 * g} for g in range(gpus)]},
-                    system={"data_throughput": 2e9, "gpu_count": gpus}))
+                    system={"data_throughput": 2e9, "gpu_count": gpus,
+                            "nccl_events": {"error": 0, "watchdog_timeout": 0, "init": ranks}}))
             if spike_at:
                 ts = T0 + spike_at * step_seconds + 3
                 writer.write(event("alert", timestamp=ts, node="host-a", alertname="LossSpike", status="firing",

@@ -80,3 +80,16 @@ def test_cli_writes_the_default_path_and_names_a_missing_run(synthetic, tmp_path
     done = subprocess.run(TRAINGUARD + ["report", str(tmp_path / "nope")], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 2 and "nope: no such run directory" in done.stderr
+
+
+def test_nccl_counts_of_the_agent_are_shown(tmp_path):
+    from trainguard.tls import Writer, make_record
+
+    root = write_run(tmp_path, steps=20, spike_at=None, malformed=0)
+    html = render_report(root)
+    assert "<td>init</td><td>2</td>" in html and "<td>error</td>" not in html
+    with Writer(root / "tls" / "node-host-a.jsonl") as writer:
+        writer.write(make_record(timestamp=1_710_512_600, node="host-a",
+                                 system={"nccl_events": {"error": 2, "watchdog_timeout": 1, "init": 2}}))
+    html = render_report(root)
+    assert "<td>error</td><td>2</td>" in html and "<td>watchdog_timeout</td><td>1</td>" in html

@@ -39,3 +39,15 @@ def test_crash_restart_by_the_launcher_skips_a_corrupt_checkpoint_and_matches(tm
     steps = [r["step"] for r in records(faulty) if "metrics" in r]
     assert steps == list(range(1, 25)) + list(range(11, 31))       # killed in step 25, resumed at 10
     assert final_losses(faulty) == final_losses(clean)
+
+
+def test_time_interval_and_async_saves_end_on_a_verified_checkpoint(tmp_path):
+    from trainguard.trainer.checkpoint.manager import CheckpointManager
+
+    run = tmp_path / "run"
+    assert train(run, "--steps", "6", "--checkpoint-every-seconds", "1e-9", "--async-checkpoint",
+                 "--keep-last", "2") == 0
+    saved = events(run, "checkpoint_saved")
+    assert [e["step"] for e in saved] == [2, 3, 4, 5, 6] and all(e["async"] for e in saved)
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_5", "step_6"]
+    assert CheckpointManager(run).latest_verified().step == 6

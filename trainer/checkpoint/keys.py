@@ -89,19 +89,28 @@ def _create_key(path: Path) -> None:
     """Write the new key under a private name, then hard-link it into place: readers never see a half-written
     key, and when several ranks start at once the first link wins and the others read that key."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # O_CREAT's mode is filtered by the umask; 0600 is the contract.
-        os.write(fd, secrets.token_hex(MIN_KEY_BYTES).encode() + b"\n")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    key = secrets.token_hex(MIN_KEY_BYTES).encode() + b"\n"
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    _write_private(tmp, key, os.O_TRUNC)
     try:
         os.link(tmp, path)
     except FileExistsError:
         pass
+    except OSError:  # a filesystem without hard links: an exclusive create still lets only one rank win
+        try:
+            _write_private(path, key, os.O_EXCL)
+        except FileExistsError:
+            pass
     finally:
         os.unlink(tmp)
     fsync_dir(path.parent)
 
+
+def _write_private(path: Path, data: bytes, mode_flag: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | mode_flag, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode is filtered by the umask; 0600 is the contract.
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

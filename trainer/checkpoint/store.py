@@ -6,9 +6,9 @@ its way to disk, fsynced, the manifest is written last, the directory is fsynced
 one under the final name, never a partial checkpoint. Deletion is the same in reverse: rename out of
 the way first, then remove.
 
-Reading mirrors writing: a file is read once into memory, hashed on the way in, compared with the
-manifest, and only then handed to ``torch.load(..., weights_only=True)``, so a file swapped between the
-check and the load cannot slip through.
+Reading: a file is opened once, hashed and compared with the manifest, then loaded with
+``torch.load(..., weights_only=True)`` through the same descriptor, and its ctime checked again after
+the load, so a file swapped or rewritten between the check and the load cannot slip through.
 """
 
 from __future__ import annotations

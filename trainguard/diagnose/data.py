@@ -33,8 +33,10 @@ def data_wait(run: RunData, policy: Policy) -> Finding:
     if whole <= limit and window <= limit:
         return ok(LAYER, check, f"data wait is {whole:.0%} of step time (limit {limit:.0%})", **evidence)
     cols = run.ranks[rank]
-    wait, step_time = cols.values["data_wait_seconds"], cols.values["step_time_seconds"]
-    evidence["stretches"] = stretches(cols, rows, lambda i: wait[i] > limit * step_time[i])
+    wait = cols.values["data_wait_seconds"]
+    # against a typical step, so a step that also stalled elsewhere still shows its wait
+    typical = median(cols.values["step_time_seconds"][i] for i in rows)
+    evidence["stretches"] = stretches(cols, rows, lambda i: wait[i] > limit * typical)
     how_much = (f"{whole:.0%} of step time" if whole > limit else
                 f"{window:.0%} of step time in its worst {settings.min_steps} steps ({whole:.0%} over the run)")
     others = [v[0] for r, v in found.items() if r != rank]

@@ -47,8 +47,9 @@ def comm_share(run: RunData, policy: Policy) -> Finding:
     if shares[rank] <= limit:
         return ok(LAYER, check, f"all-reduce takes {shares[rank]:.0%} of step time (limit {limit:.0%})", **evidence)
     cols = run.ranks[rank]
-    step_time, comm = cols.values["step_time_seconds"], cols.values["comm_seconds"]
-    evidence["stretches"] = stretches(cols, rows_of[rank], lambda i: comm[i] > limit * step_time[i])
+    comm = cols.values["comm_seconds"]
+    typical = median(cols.values["step_time_seconds"][i] for i in rows_of[rank])
+    evidence["stretches"] = stretches(cols, rows_of[rank], lambda i: comm[i] > limit * typical)
     return problem(LAYER, check, f"gradient all-reduce takes {shares[rank]:.0%} of step time even on the rank "
                                  f"that waits least (rank {rank}; limit {limit:.0%}): communication-bound",
                    shares[rank], **evidence)

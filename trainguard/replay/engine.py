@@ -119,7 +119,10 @@ def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None
         last_step, last_file = step, file_index
         out.steps += 1
         if guarding:
-            decision = check(step, loss, grad_norm, metrics.grad_norm_by_layer, when)
+            layers = metrics.grad_norm_by_layer
+            if layers and None in layers.values():
+                layers = {name: math.nan if norm is None else norm for name, norm in layers.items()}
+            decision = check(step, loss, grad_norm, layers, when)
             if decision.action is not None:
                 found.append(_action(decision, "guard"))
                 guarding = decision.action != STOP

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import os
 from dataclasses import dataclass
 from datetime import datetime
@@ -44,7 +43,8 @@ LOG_PATTERNS = ("*.jsonl", "*.jsonl.*")   # rank-0.jsonl, node-a.jsonl.3.gz, x.j
 class Metrics(msgspec.Struct, kw_only=True, gc=False):
     loss: Union[float, None] = None
     grad_norm: Union[float, None] = None
-    grad_norm_by_layer: Union[dict[str, float], None] = None
+    # null: how msgspec writes a NaN nested below a section (trainguard.tls.encode checks only the top)
+    grad_norm_by_layer: Union[dict[str, Union[float, None]], None] = None
 
 
 class Hardware(msgspec.Struct, kw_only=True, gc=False):

@@ -105,6 +105,8 @@ def format_value(value: float, unit: str = "") -> str:
     if unit == "ratio":
         return f"{value * 100:.3g}%"
     if unit == "usd":
+        if value != 0 and abs(value) < 1:
+            return f"${value:.3g}"
         return f"${value:,.2f}" if abs(value) < 1e4 else f"${_si(value)}"
     if unit in ("°C", "W", "MHz"):
         return f"{value:.3g} {unit}"
@@ -227,11 +229,16 @@ def line_chart(lines: Sequence[Line], *, t0: float, unit: str = "", marks: Seque
     parts = [f'<svg class="chart" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" preserveAspectRatio="none"'
              f' data-points="{sum(len(line.points) for line in lines)}" data-log="{int(log_y)}">']
     parts += _axes(frame, t0, unit)
-    for h in hlines:
+    label_ys: list[float] = []
+    for h in sorted(hlines, key=lambda h: -h.value):
         y = frame.py(h.value)
+        label_y = y - 4
+        if any(abs(label_y - other) < 11 for other in label_ys):
+            label_y = y + 11            # under its line, so two close thresholds stay readable
+        label_ys.append(label_y)
         parts.append(f'<g class="hline"><title>{escape(h.label)}</title><line x1="{PAD_L}" x2="{WIDTH - PAD_R}"'
                      f' y1="{y:.1f}" y2="{y:.1f}" stroke="{h.color}"/><text x="{WIDTH - PAD_R - 4}"'
-                     f' y="{y - 4:.1f}" text-anchor="end" fill="{h.color}">{escape(h.label)}</text></g>')
+                     f' y="{label_y:.1f}" text-anchor="end" fill="{h.color}">{escape(h.label)}</text></g>')
     parts += _marks(frame, [m for m in marks if x0 <= m.x <= x1])
     for i, line in enumerate(lines):
         color = line.color or PALETTE[i % len(PALETTE)]

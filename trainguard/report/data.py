@@ -91,6 +91,8 @@ class Run:
     gpus: dict[tuple[str, str], dict[str, Series]] = field(default_factory=dict)  # (host, gpu) -> key
     gpu_names: dict[tuple[str, str], str] = field(default_factory=dict)
     cost: dict[str, Series] = field(default_factory=dict)
+    shares: dict[str, Series] = field(default_factory=dict)           # data_wait / comm share of a step
+    nccl: dict[str, dict[str, int]] = field(default_factory=dict)     # host -> the agent's NCCL event counts
     cost_state: Any = None
     gpu_count: int = 0
     event_counts: Counter = field(default_factory=Counter)
@@ -106,9 +108,22 @@ class Run:
     goodput_error: str | None = None
     policy: Any = None
 
+    train_start: float | None = None     # first and last record of the rank the charts follow
+    train_end: float | None = None
+
+    @property
+    def span(self) -> tuple[float, float] | None:
+        """The run's time: its training rank's first to last record (the agent watches before and after)."""
+        if self.train_start is not None and self.train_end is not None:
+            return self.train_start, self.train_end
+        if self.start is not None and self.end is not None:
+            return self.start, self.end
+        return None
+
     @property
     def duration(self) -> float:
-        return (self.end - self.start) if self.start is not None and self.end is not None else 0.0
+        span = self.span
+        return span[1] - span[0] if span else 0.0
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -168,6 +183,9 @@ class _Loader:
             hardware = record.get("hardware") or {}
             self.add_numbers(table, hardware, ts, skip=("gpus",))
             self.add_numbers(table, record.get("system"), ts)
+            nccl = (record.get("system") or {}).get("nccl_events")
+            if isinstance(nccl, dict):
+                self.run.nccl[host_name] = {str(k): v for k, v in nccl.items() if isinstance(v, int)}
             gpus = hardware.get("gpus")
             if isinstance(gpus, list):
                 self.gpus_by_host[host_name] = max(self.gpus_by_host.get(host_name, 0), len(gpus))
@@ -230,6 +248,8 @@ class _Loader:
 
     def training_record(self, record: dict, ts: float) -> None:
         run, metrics = self.run, record.get("metrics")
+        run.train_start = ts if run.train_start is None else min(run.train_start, ts)
+        run.train_end = ts if run.train_end is None else max(run.train_end, ts)
         self.add_numbers(run.training, metrics, ts, skip=("grad_norm_by_layer",))
         last = (record.get("system") or {}).get("last_checkpoint")
         if isinstance(last, str):
@@ -237,6 +257,12 @@ class _Loader:
         step = record.get("step")
         if not isinstance(metrics, dict) or step is None:
             return
+        step_time = metrics.get("step_time_seconds")
+        if isinstance(step_time, (int, float)) and step_time > 0:
+            for part in ("data_wait", "comm"):
+                value = metrics.get(f"{part}_seconds")
+                if isinstance(value, (int, float)):
+                    self.series(run.shares, part).add(ts, value / step_time)
         run.step_records += 1
         run.first_step = step if run.first_step is None else min(run.first_step, step)
         run.last_step = step if run.last_step is None else max(run.last_step, step)

@@ -29,8 +29,9 @@ class Page:
 
     def __init__(self, run: Run):
         self.run = run
-        self.t0 = run.start or 0.0
-        self.x_range = (run.start, run.end) if run.start is not None and run.end and run.end > run.start else None
+        span = run.span
+        self.t0 = span[0] if span else 0.0
+        self.x_range = span if span and span[1] > span[0] else None
         self.marks = [Mark(m.timestamp, kind, m.label)
                       for kind in MARKED for m in run.markers.get(kind, ())]
         self.charts = 0
@@ -38,6 +39,10 @@ class Page:
     def figure(self, title: str, lines: list[Line], unit: str = "", *, empty: str, marks: bool = False,
                hlines: list[HLine] = (), note: str = "", y_min: float | None = None,
                y_max: float | None = None) -> str:
+        if self.x_range:   # the agent's records from before and after the run stay off the chart
+            low, high = self.x_range
+            lines = [Line(line.label, [p for p in line.points if low <= p[0] <= high], line.color, line.dash)
+                     for line in lines]
         kept = [line for line in lines if line.points]
         head = f"<figcaption>{escape(title)}</figcaption>"
         if not kept:
@@ -84,8 +89,11 @@ def training_section(page: Page) -> str:
 
 
 def throughput_section(page: Page) -> str:
+    ranks = len(page.run.ranks)
     body = page.figure("Tokens per second", [page.training("tokens_per_second", "tokens/s")], "tok/s",
-                       empty="No throughput recorded.", y_min=0)
+                       empty="No throughput recorded.", y_min=0,
+                       note=f"Rank {page.run.primary_rank}'s; the {ranks} ranks together train about {ranks} times "
+                            f"this." if ranks > 1 else "")
     body += page.figure("Model FLOPs utilisation (MFU)", [page.training("mfu", "MFU")], "ratio",
                         empty="No MFU recorded (the trainer reports it when it knows the device's peak FLOPs).",
                         y_min=0)
@@ -145,21 +153,32 @@ def io_section(page: Page) -> str:
                        empty="No disk await recorded (the agent's io collector writes it).", y_min=0)
     body += page.figure("Data throughput", _host_lines(run, "data_throughput", "read"), "bytes/s",
                         empty="No data throughput recorded.", y_min=0)
-    step = run.training.get("step_time_seconds")
-    shares = []
-    for key, label in (("data_wait_seconds", "data wait share"), ("comm_seconds", "communication share")):
-        part = run.training.get(key)
-        if part and step and step.mean:
-            shares.append(Line(label, [(x, y / step.mean) for x, y in part.points()]))
+    shares = [Line(label, run.shares[key].points() if key in run.shares else [])
+              for key, label in (("data_wait", "data wait"), ("comm", "communication"))]
     body += page.figure("Data wait and communication, share of step time", shares, "ratio", y_min=0,
                         hlines=[HLine(alerts.data_wait_ratio, f"DataLoaderStarved {alerts.data_wait_ratio:.0%}"),
                                 HLine(alerts.comm_overhead_max, f"CommOverheadHigh {alerts.comm_overhead_max:.0%}",
                                       "#f08c00")],
                         empty="No data wait or communication time recorded.",
-                        note="Relative to the run's mean step time.")
-    nccl = [row for row in run.events if "nccl" in row.type.lower() or "NCCL" in row.detail]
-    body += _event_table(nccl, "NCCL events", "No NCCL errors or watchdog timeouts were recorded.")
+                        note="Each step's part over that step's time (a single rank has no communication).")
+    body += _nccl(run)
     return _section("IO and NCCL", body, "io")
+
+
+def _nccl(run: Run) -> str:
+    counted = {host: {k: v for k, v in counts.items() if v} for host, counts in sorted(run.nccl.items())}
+    rows = "".join(f"<tr><td>{escape(host)}</td><td>{escape(kind)}</td><td>{count:,}</td></tr>"
+                   for host, counts in counted.items() for kind, count in sorted(counts.items()))
+    head = "<h3>NCCL events</h3>"
+    if rows:
+        head += f"<table><tr><th>host</th><th>event</th><th>count</th></tr>{rows}</table>"
+    elif run.nccl:
+        head += (f'<p class="absent">The agent on {escape(", ".join(sorted(run.nccl)))} found no NCCL errors, aborts '
+                 f'or watchdog timeouts in the ranks\' logs.</p>')
+    else:
+        head += '<p class="absent">No NCCL counts recorded (no agent node logs).</p>'
+    events = [row for row in run.events if "nccl" in row.type.lower() or "NCCL" in row.detail]
+    return head + (_event_table(events, "NCCL events in the logs", "") if events else "")
 
 
 def cost_section(page: Page) -> str:
@@ -246,9 +265,9 @@ def render(run: Run) -> str:
                         f'<div class="l">{escape(t.label)}</div></div>' for t in tiles(run))
     story = "".join(f"<li>{escape(s)}</li>" for s in sentences(run))
     span = ""
-    if run.start is not None:
-        span = (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(run.start)) + " – "
-                + time.strftime("%H:%M:%S UTC", time.gmtime(run.end)))
+    if run.span is not None:
+        span = (time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(run.span[0])) + " – "
+                + time.strftime("%H:%M:%S UTC", time.gmtime(run.span[1])))
     title = f"trainguard report: {run.run_id or run.run_dir.name}"
     nav = "".join(f'<a href="#{a}">{n}</a>' for a, n in (("training", "Training"), ("throughput", "Throughput"),
                   ("gpus", "GPUs"), ("io", "IO & NCCL"), ("cost", "Cost"), ("goodput", "Goodput"),

@@ -34,6 +34,7 @@ class Status:
     last_checkpoint: str | None = None
     checkpoints_on_disk: int = 0
     gpus: list[dict] = field(default_factory=list)
+    hosts: list[str] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
     firing: list[str] = field(default_factory=list)
     resolved: list[str] = field(default_factory=list)
@@ -110,6 +111,8 @@ def _take(status: Status, record: dict, primary: bool, from_node: bool) -> None:
     if isinstance(last, str) and ts >= status.checkpoint_ts:
         status.last_checkpoint, status.checkpoint_ts = last, ts
     gpus = (record.get("hardware") or {}).get("gpus")
+    if from_node and record.get("node") and record["node"] not in status.hosts:
+        status.hosts.append(record["node"])
     if from_node and isinstance(gpus, list):
         host = record.get("node", "")
         status.gpus = [g for g in status.gpus if g.get("_host") != host] + [
@@ -165,7 +168,7 @@ def render(status: Status, now: float | None = None) -> str:
         lines.append("training no step records yet")
     ranks = f"   ranks {','.join(map(str, status.ranks))}" if status.ranks else ""
     lines.append(f"ckpt     {status.last_checkpoint or 'none yet'}   {status.checkpoints_on_disk} on disk{ranks}")
-    lines.append("gpus     " + _gpu_line(status.gpus))
+    lines.append("gpus     " + _gpu_line(status))
     alerts = f"FIRING {', '.join(status.firing)}" if status.firing else "none firing"
     if status.resolved:
         alerts += f"   (resolved: {', '.join(status.resolved)})"
@@ -179,9 +182,10 @@ def render(status: Status, now: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def _gpu_line(gpus: list[dict]) -> str:
+def _gpu_line(status: Status) -> str:
+    gpus = status.gpus
     if not gpus:
-        return "none recorded (CPU run, or no agent)"
+        return "none" + (" (a CPU run)" if status.hosts else " recorded (no agent node log)")
     def peak(key: str, unit: str) -> str:
         values = [g[key] for g in gpus if isinstance(g.get(key), (int, float))]
         return f"{format_value(max(values), unit)}" if values else "n/a"

@@ -31,7 +31,9 @@ def describe_hardware(run: Run) -> str:
     if run.gpus:
         models = sorted(set(run.gpu_names.values()))
         return f"{len(run.gpus)} GPU(s)" + (f" ({', '.join(models)})" if models else "")
-    return "no GPUs recorded (a CPU run, or no agent beside the trainer)"
+    if run.hosts:
+        return "no GPUs (a CPU run: the agent found none)"
+    return "no GPUs recorded (no agent ran beside the trainer, and the trainer saw none)"
 
 
 def sentences(run: Run) -> list[str]:
@@ -53,6 +55,8 @@ def sentences(run: Run) -> list[str]:
     tokens, mfu = run.training.get("tokens_per_second"), run.training.get("mfu")
     if tokens:
         text = f"Throughput averaged {format_value(tokens.mean, 'tok/s')}"
+        if len(run.ranks) > 1:
+            text += f" per rank ({len(run.ranks)} ranks)"
         out.append(text + (f", MFU {format_value(mfu.mean, 'ratio')}." if mfu else "."))
     out.append(f"Injected faults: {', '.join(run.faults)}." if run.faults else "No faults were injected.")
     guard = _counted(run.actions, GUARD_ACTIONS)
@@ -123,8 +127,8 @@ def tiles(run: Run) -> list[Tile]:
     out = [
         Tile("steps", "n/a" if run.last_step is None else f"{run.last_step:,}"),
         Tile("final loss", _num(final(loss)), "bad" if loss and loss.nonfinite else ""),
-        Tile("tokens/s", _num(run.training["tokens_per_second"].mean, "") if run.training.get("tokens_per_second")
-             else "n/a"),
+        Tile("tokens/s" + (" per rank" if len(run.ranks) > 1 else ""),
+             _num(run.training["tokens_per_second"].mean, "") if run.training.get("tokens_per_second") else "n/a"),
         Tile("MFU", _num(run.training["mfu"].mean, "ratio") if run.training.get("mfu") else "n/a"),
         Tile("wall time", format_elapsed(run.duration)),
     ]

@@ -37,7 +37,7 @@ from trainguard import log as tglog
 from trainguard.agent import restore
 from trainguard.decide.ledger import Ledger, Limits, Notice, Verdict
 
-DEFAULT_GRACE_SECONDS = 5.0
+DEFAULT_GRACE_SECONDS = 0.0     # SIGKILL at once: see agent/restore.py
 
 
 # ------------------------------------------------------------------------------------------- settings

@@ -12,8 +12,12 @@ Only processes that are provably the ranks that were running when the trouble be
 - the pid still belongs to that rank: the process was created no later than the rank file says it
   started (a reused pid belongs to a younger process).
 
-SIGTERM first; SIGKILL after a grace period for a rank that ignores it (a rank hung inside a collective
-may never run its Python signal handlers).
+SIGKILL by default. A rank hung inside a collective never returns to the interpreter, so it cannot run
+a SIGTERM handler, and a signalled rank that lingers while the launcher already starts the next attempt
+can break that attempt's rendezvous (seen here with gloo: the new ranks fail to connect, or hang).
+Nothing is lost: every TLS record is on disk as it is written, and the ranks resume from the latest
+verified checkpoint. With a grace period (``webhook.restore_grace_seconds``), SIGTERM first and SIGKILL
+after it.
 """
 
 from __future__ import annotations
@@ -73,8 +77,8 @@ def local_ranks(run_dir: str | Path, host: str) -> list[tuple[RankInfo, psutil.P
 
 
 def end_local_ranks(run_dir: str | Path, host: str, started_before: float | None = None,
-                    grace_seconds: float = 5.0) -> dict:
-    """SIGTERM this host's ranks that started before `started_before`; SIGKILL what is left after the grace."""
+                    grace_seconds: float = 0.0) -> dict:
+    """End this host's ranks that started before `started_before`: SIGKILL, or SIGTERM and SIGKILL after a grace."""
     log = tglog.get("agent.restore", host=host)
     infos, problems = read_ranks(run_dir)
     ended, skipped = [], []
@@ -88,13 +92,13 @@ def end_local_ranks(run_dir: str | Path, host: str, started_before: float | None
             skipped.append({"rank": info.rank, "pid": info.pid, "why": why})
             continue
         try:
-            process.terminate()
+            process.kill() if grace_seconds <= 0 else process.terminate()
         except psutil.NoSuchProcess:
             skipped.append({"rank": info.rank, "pid": info.pid, "why": "exited"})
             continue
         victims.append(process)
         ended.append({"rank": info.rank, "pid": info.pid})
-    if victims:
+    if victims and grace_seconds > 0:
         timer = threading.Timer(grace_seconds, _kill_survivors, (victims, log))
         timer.daemon = True
         timer.start()

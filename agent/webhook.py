@@ -19,7 +19,7 @@ Configuration (the agent config's ``webhook:`` section):
       dry_run: false          # decide and record, execute nothing
       max_body_bytes: 1MiB
       embedded: true          # the agent's own cost meter and stall watchdog act too (actions_embedded.py)
-      restore_grace_seconds: 5
+      restore_grace_seconds: 0   # SIGKILL the ranks at once (a hung rank cannot run a SIGTERM handler)
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from trainguard.trainer.checkpoint import CheckpointManager
+from trainguard.trainer.checkpoint import CheckpointManager, store
 from trainguard.trainer.config import ModelConfig
 from trainguard.trainer.model import GPT
 
@@ -166,9 +166,10 @@ def report(times: dict[str, list[float]], size: int, repeat: int, command: str) 
              "descriptor)",
              f"- where a verified save's time goes: the durable peer (save + fsync) {med['raw_fsync']:.3f} s plus "
              f"SHA-256 of every byte {med['hash_floor']:.3f} s is {med['raw_fsync'] + med['hash_floor']:.3f} s "
-             f"done one after the other; measured {med['verified']:.3f} s. The hash runs on a second thread "
-             "beside the writer, so 1.25x raw is within reach only where that thread has a core to itself; "
-             "an async save's blocking part is a copy of the state into reused host buffers (memory bandwidth).",
+             f"done one after the other; measured {med['verified']:.3f} s. With 4+ CPUs the hash runs on a second "
+             f"thread beside the writer (here: {'yes' if store.PARALLEL_HASH else 'no, inline'}), so 1.25x raw is "
+             "within reach only where that thread has a core to itself; an async save's blocking part is a copy "
+             "of the state into reused host buffers (memory bandwidth).",
              "- all runs: " + ", ".join(f"{k} {' / '.join(f'{s:.3f}' for s in v)}" for k, v in times.items()), ""]
     return "\n".join(lines)
 
@@ -181,7 +182,7 @@ def write_docs(section: str) -> Path:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
+        text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + text[end + 1:] if end >= 0 else "")
     path.write_text(text if text.endswith("\n") else text + "\n")
     return path
 

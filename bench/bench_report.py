@@ -121,7 +121,10 @@ def render(results: dict, args, size: int) -> str:
         lines.append(f"| {case.replace('  ', ': ')} | {seconds:.2f} | {peak / 2**20:.0f} | {items:,} | "
                      f"{seconds / tb_s:.2f} | {peak / tb_mem:.2f} |")
     lines += ["", "items: chart points kept (load_run), HTML bytes (report), scalars kept (TensorBoard, 1000 per "
-              "tag by reservoir sampling), records (json.loads)."]
+              "tag by reservoir sampling), records (json.loads).", "",
+              "load_run's memory is flat in the log's length; the report's memory above it is the goodput "
+              "breakdown, which keeps a few numbers per step (`trainguard report --no-goodput` leaves it out). "
+              "Measured on 2 shared cores with other work running: the ratios are the point."]
     return "\n".join(lines) + "\n"
 
 

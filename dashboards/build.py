@@ -64,6 +64,8 @@ def job_var(anchor: str) -> Variable:
 
 RUN_ID = Variable("run_id", "Run", 'label_values(trainguard_training_step{job=~"$job"}, run_id)')
 HOSTNAME = Variable("hostname", "Host", 'label_values(trainguard_agent_info{job=~"$job"}, node)')
+# On the GPU dashboard hosts come from the GPU series, so it works on dcgm-exporter's data with no agent.
+GPU_HOSTNAME = Variable("hostname", "Host", 'label_values(DCGM_FI_DEV_GPU_UTIL{job=~"$job"}, hostname)')
 GPU_ID = Variable("gpu", "GPU", 'label_values(DCGM_FI_DEV_GPU_UTIL{job=~"$job", hostname=~"$hostname"}, gpu)')
 
 
@@ -188,7 +190,7 @@ def gpu_node(policy: Policy) -> Board:
     return Board("trainguard-gpu-node", "trainguard / GPU and node",
                  "GPU health under DCGM's metric names (so the panels work on dcgm-exporter data too) and the "
                  "node's CPU, memory and rank processes.",
-                 [DATASOURCE, job_var("trainguard_agent_info"), HOSTNAME, GPU_ID], items)
+                 [DATASOURCE, job_var("DCGM_FI_DEV_GPU_UTIL"), GPU_HOSTNAME, GPU_ID], items)
 
 
 def cost_goodput(policy: Policy) -> Board:

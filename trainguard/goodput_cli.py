@@ -39,7 +39,7 @@ def find_log(run_dir: Path, rank: int | None) -> Path:
             raise FileNotFoundError(f"{path}: no such log")
         return path
     logs = [(int(m.group(1)), p) for p in (run_dir / "tls").glob("rank-*.jsonl")
-            if (m := re.fullmatch(r"rank-(\d+)\.jsonl", p.name))]
+            if (m := re.fullmatch(r"rank-([0-9]+)\.jsonl", p.name))]
     if not logs:
         raise FileNotFoundError(f"{run_dir / 'tls'}: no rank-*.jsonl log")
     return min(logs)[1]

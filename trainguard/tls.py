@@ -265,9 +265,11 @@ def iter_lines(path: str | os.PathLike) -> Iterator[Line]:
 
 
 def _stream_errors() -> tuple[type[BaseException], ...]:
+    import zlib
+
     import zstandard
 
-    return OSError, EOFError, zstandard.ZstdError
+    return OSError, EOFError, zlib.error, zstandard.ZstdError
 
 
 _LOG_NAME = re.compile(r"^(?P<kind>rank|node)-(?P<name>.+?)\.jsonl(?:\.(?P<n>\d+))?(?:\.gz|\.zst)?$")

@@ -83,6 +83,8 @@ class HostCollector(Collector):
         self.opts = options(ctx.options, self.name, nccl_from_torch=True)
         self._last_cpu: tuple[int, int] | None = None       # (busy, total) jiffies at the last update
         self._started: dict[int, tuple[int, int]] = {}       # rank -> (pid, start time) of its process
+        self._pids: dict[int, int] = {}
+        self._ranks_version: tuple | None = None              # (inode, mtime) of control/ranks when read
         self._versions: dict[str, str] | None = None
 
     def update(self) -> Sample:
@@ -114,10 +116,24 @@ class HostCollector(Collector):
 
     # ------------------------------------------------------------------------------------ trainer
 
+    def _rank_pids(self) -> dict[int, int]:
+        """{rank: pid} on this node, read again only when RUN/control/ranks changes (ranks replace their file)."""
+        if self.ctx.run_dir is None:
+            return {}
+        try:
+            st = os.stat(os.path.join(self.ctx.run_dir, "control", "ranks"))
+            version = (st.st_ino, st.st_mtime_ns)
+        except OSError:
+            version = None
+        if version is None or version != self._ranks_version:
+            self._pids = read_rank_pids(self.ctx.run_dir, self.ctx.node)
+            self._ranks_version = version
+        return self._pids
+
     def _rank_processes(self) -> dict[int, dict]:
         """This node's ranks (RUN/control/ranks) with their process's CPU, RSS and threads, or up=False."""
         out = {}
-        pids = read_rank_pids(self.ctx.run_dir, self.ctx.node)
+        pids = self._rank_pids()
         for rank in set(self._started) - set(pids):
             del self._started[rank]
         for rank, pid in pids.items():

@@ -125,7 +125,13 @@ def test_restore_ends_this_hosts_ranks_that_were_running_when_the_alert_began(tm
     assert requests(tmp_path)[0]["action"] == "restore"
 
 
-def test_restore_kills_a_rank_that_ignores_sigterm(tmp_path, ranks):
+def test_restore_ends_ranks_with_sigkill_by_default(tmp_path, ranks):
+    hung = ranks(0, tmp_path)
+    Executor(tmp_path, "n1", Ledger()).submit([notice("TrainingStalled", actions.RESTORE, "s", starts_at=time.time() + 1)])
+    assert hung.wait(10) == -signal.SIGKILL
+
+
+def test_restore_with_a_grace_kills_a_rank_that_ignores_sigterm(tmp_path, ranks):
     stubborn = ranks(0, tmp_path, ignore_term=True)
     executor = Executor(tmp_path, "n1", Ledger(), restore_grace_seconds=0.3)
     executor.submit([notice("TrainingStalled", actions.RESTORE, "s@1", starts_at=time.time() + 1)])

@@ -201,3 +201,18 @@ def test_stale_temporaries_of_dead_processes_are_removed_at_start(tmp_path, key_
         (path / "model.pt").write_bytes(b"partial")
     CheckpointManager(tmp_path, key_file=key_file)
     assert not dead.exists() and alive.exists()
+
+
+def test_hashing_on_a_second_thread_and_inline_give_the_same_checkpoint(tmp_path, key_file, monkeypatch):
+    """Hosts with 4+ CPUs hash beside the writer, smaller ones inline: both paths, same bytes, same hashes."""
+    state = {"model": {"w": torch.randn(3 << 20), "b": torch.randn(10)}}  # a 12 MiB write, and small ones
+    manifests = {}
+    for parallel in (True, False):
+        monkeypatch.setattr(store, "PARALLEL_HASH", parallel)
+        manager = CheckpointManager(tmp_path / str(parallel), key_file=key_file)
+        manager.save(1, state, stable=True)
+        assert verify(manager.root / "step_1", key_file=key_file).ok
+        _, restored = manager.load_latest()
+        assert_same(restored, state)
+        manifests[parallel] = json.loads((manager.root / "step_1" / "manifest.json").read_text())["files"]
+    assert manifests[True] == manifests[False]

@@ -75,8 +75,7 @@ class Stack:
         config = {
             "collectors": {"training": {"interval": 0.5}, "host": {"interval": 1}},
             "nodelog": {"enabled": False},
-            "webhook": {"token_file": str(self.token_file), "embedded": embedded, "restore_grace_seconds": 3,
-                        "max_body_bytes": 65536},
+            "webhook": {"token_file": str(self.token_file), "embedded": embedded, "max_body_bytes": 65536},
         }
         config_path = self.tmp / f"agent-{node}.yaml"
         config_path.write_text(yaml.safe_dump(config))

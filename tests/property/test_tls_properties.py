@@ -131,7 +131,7 @@ def test_arbitrary_bytes_are_a_record_or_an_error_naming_source_and_line(data):
     decode_or_error(data)
 
 
-@settings(max_examples=examples(300))
+@settings(max_examples=examples(150))
 @given(st.one_of(json_values, st.dictionaries(
     st.sampled_from(["timestamp", "step", "rank", "metrics", "hardware", "system", "event", "x"]),
     json_values, max_size=6)))
@@ -139,7 +139,7 @@ def test_arbitrary_json_is_a_record_or_an_error_naming_source_and_line(document)
     decode_or_error(json.dumps(document))
 
 
-@settings(max_examples=examples(200))
+@settings(max_examples=examples(100))
 @given(valid_records())
 def test_valid_records_decode_to_what_was_written(pair):
     written, expected = pair
@@ -149,7 +149,7 @@ def test_valid_records_decode_to_what_was_written(pair):
         assert same(record, expected), (record, expected)
 
 
-@settings(max_examples=examples(300))
+@settings(max_examples=examples(200))
 @given(st.data())
 def test_mutated_valid_records_are_a_record_or_an_error(data):
     written, _ = data.draw(valid_records())
@@ -210,7 +210,7 @@ def check_line(line: tls.Line, source: str) -> None:
         assert_sound(line.record)
 
 
-@settings(max_examples=examples(100))
+@settings(max_examples=examples(50))
 @given(log_lines(), st.booleans())
 def test_iter_lines_reports_every_line_once_by_number(tmp_path_factory, lines, final_newline):
     data = b"\n".join(lines) + (b"\n" if final_newline and lines else b"")
@@ -219,7 +219,7 @@ def test_iter_lines_reports_every_line_once_by_number(tmp_path_factory, lines, f
     check_file(path, data)
 
 
-@settings(max_examples=examples(60))
+@settings(max_examples=examples(40))
 @given(log_lines(), st.sampled_from(["intact", "cut", "mutated", "garbage"]), st.data())
 @example([b'{"timestamp": 1}'] * 3, "garbage", None)
 def test_compressed_logs_intact_cut_or_damaged_never_raise(tmp_path_factory, lines, damage, data):

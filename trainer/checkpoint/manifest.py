@@ -19,9 +19,9 @@ from typing import Any
 FORMAT = "trainguard-checkpoint/1"
 MANIFEST_NAME = "manifest.json"
 ALGORITHM = "HMAC-SHA256"
-STEP_DIR = re.compile(r"^step_(\d+)$")
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+STEP_DIR = re.compile(r"\Astep_([0-9]+)\Z")
+_SAFE_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
+_HEX64 = re.compile(r"\A[0-9a-f]{64}\Z")
 
 # Why a checkpoint is refused; stable names for scripts (`--json`) and events.
 OK = "ok"
@@ -110,6 +110,8 @@ def parse(data: bytes) -> dict:
         manifest = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ValueError(f"not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ValueError("nested too deeply to be a manifest") from None
     if not isinstance(manifest, dict):
         raise ValueError("not a JSON object")
     if manifest.get("format") != FORMAT:
@@ -120,10 +122,14 @@ def parse(data: bytes) -> dict:
     _expect(manifest, "created_at", str)
     _expect(manifest, "key_id", str)
     signature = _expect(manifest, "signature", dict)
-    if signature.get("algorithm") != ALGORITHM or not isinstance(signature.get("value"), str):
-        raise ValueError(f"signature: expected {{'algorithm': {ALGORITHM!r}, 'value': hex}}")
+    if signature.get("algorithm") != ALGORITHM or not _HEX64.match(str(signature.get("value"))):
+        raise ValueError(f"signature: expected {{'algorithm': {ALGORITHM!r}, 'value': 64 lowercase hex digits}}")
     for name, entry in _expect(manifest, "files", dict).items():
         _check_entry(name, entry)
+    try:
+        canonical(manifest)  # what check_signature will hash must be serialisable (no absurd nesting)
+    except (RecursionError, ValueError) as exc:
+        raise ValueError(f"cannot be serialised canonically ({type(exc).__name__})") from None
     return manifest
 
 
@@ -159,7 +165,7 @@ def check_signature(manifest: dict, key: bytes, key_id: str) -> tuple[str, str] 
 
 def check_step(manifest: dict, dir_name: str) -> tuple[str, str] | None:
     """A signed checkpoint copied under another step's name is still refused."""
-    if step_of_dir(dir_name) != manifest["step"]:
+    if dir_name != f"step_{manifest['step']}":
         return STEP_MISMATCH, f"directory {dir_name} holds a manifest for step {manifest['step']}"
     return None
 

@@ -229,16 +229,17 @@ def line_chart(lines: Sequence[Line], *, t0: float, unit: str = "", marks: Seque
     parts = [f'<svg class="chart" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" preserveAspectRatio="none"'
              f' data-points="{sum(len(line.points) for line in lines)}" data-log="{int(log_y)}">']
     parts += _axes(frame, t0, unit)
-    label_ys: list[float] = []
+    right_ys: list[float] = []
     for h in sorted(hlines, key=lambda h: -h.value):
         y = frame.py(h.value)
-        label_y = y - 4
-        if any(abs(label_y - other) < 11 for other in label_ys):
-            label_y = y + 11            # under its line, so two close thresholds stay readable
-        label_ys.append(label_y)
+        # Labels sit above their line at the right; one too close to the last goes to the left end instead.
+        crowded = any(abs(y - other) < 14 for other in right_ys)
+        x, anchor = (PAD_L + 4, "start") if crowded else (WIDTH - PAD_R - 4, "end")
+        if not crowded:
+            right_ys.append(y)
         parts.append(f'<g class="hline"><title>{escape(h.label)}</title><line x1="{PAD_L}" x2="{WIDTH - PAD_R}"'
-                     f' y1="{y:.1f}" y2="{y:.1f}" stroke="{h.color}"/><text x="{WIDTH - PAD_R - 4}"'
-                     f' y="{label_y:.1f}" text-anchor="end" fill="{h.color}">{escape(h.label)}</text></g>')
+                     f' y1="{y:.1f}" y2="{y:.1f}" stroke="{h.color}"/><text x="{x}" y="{y - 4:.1f}"'
+                     f' text-anchor="{anchor}" fill="{h.color}">{escape(h.label)}</text></g>')
     parts += _marks(frame, [m for m in marks if x0 <= m.x <= x1])
     for i, line in enumerate(lines):
         color = line.color or PALETTE[i % len(PALETTE)]

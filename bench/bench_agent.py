@@ -212,7 +212,7 @@ def report(result: dict, seconds: float, burst_count: int, command: str) -> str:
         f"`{command}` — {seconds:g} s per phase, a burst of {burst_count} scrapes; {host}; "
         f"{time.strftime('%Y-%m-%d', time.gmtime())}. The agent runs every collector each second (8 GPUs "
         f"through the fake NVML `h100x8` scenario, io, ib, nccl, host, and training following {RANKS} ranks at "
-        f"{STEPS_PER_SECOND} steps/s each, plus the node log each second); node_exporter runs its default "
+        f"{STEPS_PER_SECOND} step(s)/s each, plus the node log each second); node_exporter runs its default "
         "collectors. CPU from /proc/<pid>/stat, peak RSS from VmHWM. The host is shared with other work, "
         "so absolute figures move between runs; the ratio is the figure to read.", "",
         *lines, "", *verdict,
@@ -228,7 +228,7 @@ def write_docs(section: str) -> Path:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
+        text = text[:start] + section + ("\n" + text[end + 1:] if end >= 0 else "")
     path.write_text(text if text.endswith("\n") else text + "\n")
     return path
 

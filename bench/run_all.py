@@ -197,7 +197,7 @@ def fault_to_action(out: str) -> list[Figure]:
 
 
 BENCHES: dict[str, Spec] = {
-    "agent": Spec("Agent beside node_exporter", [], ["--seconds", "5", "--burst", "50"], agent),
+    "agent": Spec("Agent", [], ["--seconds", "5", "--burst", "50"], agent),
     "checkpoint": Spec("Checkpoints", [], ["--repeat", "1"], checkpoint),
     "collectors": Spec("Collectors: gpu, io, ib, nccl", [], ["--iterations", "50"], collectors),
     "diagnose": Spec("Diagnose", [], ["--steps", "10000", "--repeat", "1"], diagnose),
@@ -343,8 +343,7 @@ def kept_sections(text: str, titles: set[str]) -> list[str]:
     return kept
 
 
-def render(results: list[dict]) -> str:
-    current = DOCS.read_text() if DOCS.exists() else ""
+def render(results: list[dict], current: str) -> str:
     order = {name: i for i, name in enumerate(BENCHES)}
     results = sorted(results, key=lambda r: (order.get(r["name"], len(order)), r["name"]))
     newest = max((r["started_at"] for r in results), default="")
@@ -370,9 +369,9 @@ def render(results: list[dict]) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def load_results() -> list[dict]:
+def load_results(out: Path) -> list[dict]:
     results = []
-    for path in sorted(OUT.glob("*.json")):
+    for path in sorted(out.glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except ValueError as exc:
@@ -389,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", help="comma-separated bench names (see --list)")
     parser.add_argument("--render", action="store_true", help="only render docs/benchmarks.md from bench/out/")
     parser.add_argument("--list", action="store_true", help="list the benches found and exit")
+    parser.add_argument("--out", type=Path, default=OUT, help="where the JSON results go (default bench/out)")
+    parser.add_argument("--docs", type=Path, default=DOCS, help="the file rendered (default docs/benchmarks.md)")
     args = parser.parse_args(argv)
     scripts = discover()
     if args.list:
@@ -402,12 +403,13 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [name for name in chosen if name not in scripts]
         if unknown:
             parser.error(f"unknown bench {', '.join(unknown)} (known: {', '.join(scripts)})")
-        OUT.mkdir(parents=True, exist_ok=True)
+        args.out.mkdir(parents=True, exist_ok=True)
         for name in chosen:
             result = run_bench(name, scripts[name], args.quick)
-            (OUT / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    DOCS.write_text(render(load_results()))
-    print(f"wrote {DOCS.relative_to(ROOT)}")
+            (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    current = args.docs.read_text() if args.docs.exists() else ""
+    args.docs.write_text(render(load_results(args.out), current))
+    print(f"wrote {args.docs}")
     return 0
 
 

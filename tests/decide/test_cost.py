@@ -43,3 +43,13 @@ def test_steps_going_back_restart_the_window():
     run(meter, 50, 27.0)
     assert meter.observe(10, 50 * 27.0, 8) == []
     assert meter.state.steps_in_window == 0
+
+
+def test_state_round_trip_meters_on_exactly():
+    a = CostMeter(CostPolicy())
+    run(a, 30, 27.0 * 1.2)
+    b = CostMeter(CostPolicy())
+    b.load_state_dict(a.state_dict())
+    for i in range(30, 60):
+        assert a.observe(i, i * 27.0 * 1.5, 8) == b.observe(i, i * 27.0 * 1.5, 8)
+    assert a.state == b.state

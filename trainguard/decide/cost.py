@@ -84,9 +84,16 @@ class CostMeter:
         return decisions
 
     def state_dict(self) -> dict:
-        return {"cost_usd": self.state.cost_usd, "fired": sorted(self.fired), "tier": self.state.tier}
+        """Plain data, so a restarted agent meters on exactly where it stopped."""
+        return {"cost_usd": self.state.cost_usd, "fired": sorted(self.fired), "tier": self.state.tier,
+                "gpu_count": self.state.gpu_count, "last_time": self._last_time,
+                "window": [list(sample) for sample in self.window]}
 
     def load_state_dict(self, state: dict) -> None:
         self.state.cost_usd = float(state.get("cost_usd", 0.0))
         self.fired = set(state.get("fired", []))
         self.state.tier = state.get("tier", "ok")
+        self.state.gpu_count = int(state.get("gpu_count", 0))
+        self._last_time = state.get("last_time")
+        self.window.clear()
+        self.window.extend((float(t), int(s)) for t, s in state.get("window", []))

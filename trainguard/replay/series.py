@@ -60,11 +60,9 @@ class NodeExporter:
         self.disk_wait_ms = 0.0
         self.gpus: list[dict] = []  # the latest per-GPU entries
         self.ranks_up: dict[int, bool] = {}
-        self.trained = False
 
     def observe_training(self, raw: dict, rank: int) -> None:
-        if self.training.apply(raw, rank):
-            self.trained = True
+        self.training.apply(raw, rank)
         # The host collector checks the rank's pid; a log shows the process from its first record to its
         # `run_end` event (a rank that crashed without one reads as up: a log cannot tell).
         event = raw.get("event")
@@ -184,7 +182,8 @@ class Exporters:
         node = str(raw.get("node") or DEFAULT_INSTANCE)
         exporter = self.nodes.get(node)
         if exporter is None:
-            exporter = self.nodes[node] = NodeExporter(node, self.meter, self.stream.lead_rank)
+            lead = self.stream.lead_rank
+            exporter = self.nodes[node] = NodeExporter(node, self.meter, 0 if lead is None else lead)
         rank = self._rank(raw, file_index)
         if rank is not None:
             if record.step is not None and raw.get("step") is None:
@@ -201,7 +200,7 @@ class Exporters:
         match = _RANK_FILE.match(self.stream.files[file_index].name)
         if match:
             return int(match.group(1))
-        return 0 if self.stream.lead_rank is None else None
+        return 0 if self.stream.lead_rank is None else None     # logs without ranks: rank 0, as the engine
 
     def _samples(self, now: float) -> Iterable[tuple[str, tuple, float]]:
         for node, exporter in self.nodes.items():

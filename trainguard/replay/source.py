@@ -24,12 +24,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import os
+import zlib
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Iterable, Iterator, Union
 
 import msgspec
+import zstandard
 
 from trainguard import tls
 
@@ -113,13 +115,15 @@ class InputError(ValueError):
 
 
 def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Files as given; a directory stands for its TLS logs (RUN/tls/ of a run directory, else its own)."""
+    """Files as given; a directory stands for its TLS logs (RUN/tls/ of a run directory, else its own):
+    the run's rank-/node- logs as `tls.run_logs` lists them, else every *.jsonl* file in it."""
     files: list[Path] = []
     for given in paths:
         path = Path(given)
         if path.is_dir():
             folder = path / "tls" if (path / "tls").is_dir() else path
-            found = sorted({p for pattern in LOG_PATTERNS for p in folder.glob(pattern) if p.is_file()})
+            found = [log.path for log in tls.run_logs(folder)] or sorted(
+                {p for pattern in LOG_PATTERNS for p in folder.glob(pattern) if p.is_file()})
             if not found:
                 raise InputError(f"{path}: no TLS logs (*.jsonl, *.jsonl.gz, *.jsonl.zst) in {folder}")
             files.extend(found)
@@ -189,13 +193,25 @@ def _decode_block(block: bytes, first_line: int, source: str, problems: Problems
             + _decode_block(block[middle:], first_line + lines // 2, source, problems))
 
 
+# A compressed log cut short (copied while it was written) ends the file, as one malformed line, in the
+# words of tls.iter_lines (the reader of the full path).
+_UNREADABLE = (EOFError, OSError, zlib.error, zstandard.ZstdError)
+
+
+def _cut_short(source: str, lineno: int, exc: Exception, problems: Problems) -> None:
+    problems.add(source, lineno, f"unreadable after line {lineno - 1} ({type(exc).__name__}: {exc})")
+
+
 def _typed_chunks(path: Path, problems: Problems) -> Iterator[tuple[list[Record], None]]:
     source = str(path)
     lineno = 1
     with tls.open_log(path) as handle:
-        for block in _blocks(handle):
-            yield _decode_block(block, lineno, source, problems), None
-            lineno += block.count(b"\n")
+        try:
+            for block in _blocks(handle):
+                yield _decode_block(block, lineno, source, problems), None
+                lineno += block.count(b"\n")
+        except _UNREADABLE as exc:
+            _cut_short(source, lineno, exc, problems)
 
 
 FULL_CHUNK = 256
@@ -205,7 +221,7 @@ def _full_chunks(path: Path, problems: Problems) -> Iterator[tuple[list[Record],
     """Every line through the lenient reader; the typed record and the whole dict side by side."""
     records: list[Record] = []
     raws: list[dict] = []
-    for line in tls.iter_lines(path):
+    for line in tls.iter_lines(path):       # a corrupt or cut-off .gz/.zst ends in one error Line
         if line.error is not None:
             _refused(line, problems)
             continue

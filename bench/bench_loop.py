@@ -93,7 +93,9 @@ def report(times: dict[str, list[tuple[float, float]]], preset: str, steps: int,
         f"single host sync; the timer runs in both), so the direct measure is the overhead: it {verdict} the "
         "< 1% target. The paired difference is the end-to-end cross-check; on a busy shared machine its "
         "noise is larger than the effect. CPU is process CPU time for steps (torch's threads included) and "
-        "the calling thread's for the telemetry call.", ""])
+        "the calling thread's for the telemetry call. In the loop a record costs several times what it costs "
+        "in the isolated benchmark above: it runs right after the optimizer step, with the CPU caches full of "
+        "torch's working set (a second record written at once costs the isolated figure again).", ""])
 
 
 def main() -> int:

@@ -16,11 +16,15 @@ best of `--repeat` runs, in one process:
   total  decode + decide  engine.replay(Stream(path)): what `trainguard replay LOG` does
 
 and states which of them reach the target (500,000 records/s: a million-step log in two seconds).
+`--breakdown` also times the guard's and the cost meter's inner methods one by one (their private
+names: a diagnosis for the decide code's owner, not an interface); each row includes the loop's own
+call of a lambda, which the last row ("a method call that does nothing") measures alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
@@ -117,6 +121,33 @@ def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[
     ]
 
 
+def breakdown(steps: list[tuple], repeat: int) -> list[tuple[str, str, int, float]]:
+    """Each inner method of the decide code called alone over the same steps (warm state)."""
+    policy = Policy()
+    warm_guard, warm_meter = Guard(policy.guard), CostMeter(policy.cost)
+    for step, loss, grad_norm, when in steps[:200]:
+        warm_guard.check(step, loss, grad_norm, None, when)
+        warm_meter.observe(step, when, 8)
+
+    def timed(name, call):
+        def run():
+            for step, loss, grad_norm, when in steps:
+                call(step, loss, grad_norm, when)
+        return ("", name, len(steps), best_of(repeat, run))
+
+    losses = warm_guard.losses
+    sigma = policy.guard.spike_sigma
+    return [
+        timed("  Guard._classify", lambda s, l, g, t: warm_guard._classify(l, g, None)),
+        timed("    _RollingStats.threshold", lambda s, l, g, t: losses.threshold(sigma)),
+        timed("  Guard._learn", lambda s, l, g, t: warm_guard._learn(l, g, None)),
+        timed("    _RollingStats.push", lambda s, l, g, t: losses.push(l)),
+        timed("  CostMeter._judge", lambda s, l, g, t: warm_meter._judge(s, t, 8)),
+        timed("  CostMeter.gpus", lambda s, l, g, t: warm_meter.gpus(8)),
+        timed("  a method call that does nothing", lambda s, l, g, t: None),
+    ]
+
+
 def report(rows: list[tuple[str, str, int, float]]) -> str:
     peer_rate = rows[0][2] / rows[0][3]
     lines = [f"{'stage':7} {'what':32} {'records':>9} {'seconds':>8} {'records/s':>11} {'us/rec':>7} "
@@ -136,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="steps held in memory for the decide-only measurements")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    parser.add_argument("--breakdown", action="store_true", help="time the decide code's inner methods too")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-replay-") as folder:
         path = Path(folder) / "rank-0.jsonl"
@@ -143,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"log: {args.records:,} records, {path.stat().st_size / 1e6:.0f} MB; "
               f"best of {args.repeat}; target {TARGET:,} records/s", flush=True)
         rows = measure(path, args.records, min(args.decide_records, args.records), args.repeat)
+        if args.breakdown:
+            steps = [(r.step, r.metrics.loss, r.metrics.grad_norm, when)
+                     for when, _, _, r, _ in itertools.islice(source.Stream([path]), args.decide_records)]
+            rows += breakdown(steps, args.repeat)
     print(report(rows))
     if args.json:
         print(json.dumps([{"stage": s, "what": w, "records": n, "seconds": t} for s, w, n, t in rows]))

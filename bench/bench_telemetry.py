@@ -135,18 +135,20 @@ def write_docs(section: str, heading: str = SECTION) -> Path:
     """Replace (or append) the section under `heading` in docs/benchmarks.md, leaving the others."""
     path = ROOT / "docs" / "benchmarks.md"
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    section = section.rstrip("\n") + "\n\n"   # a blank line before whatever heading follows
     start = text.find(heading + "\n")
     if start < 0:
         text = text.rstrip("\n") + "\n\n" + section
     else:
         end = text.find("\n## ", start + 1)
         text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
-    path.write_text(text if text.endswith("\n") else text + "\n")
+    path.write_text(text.rstrip("\n") + "\n")
     return path
 
 
 def replace_subsection(section: str, marker: str, body: str) -> str:
     """`section` with the block that starts at `marker` replaced by `body` (or `body` appended)."""
+    body = body.rstrip("\n") + "\n\n"
     start = section.find(marker)
     if start < 0:
         return section.rstrip("\n") + "\n\n" + body

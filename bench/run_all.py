@@ -169,10 +169,10 @@ def replay(out: str) -> list[Figure]:
 def report(out: str) -> list[Figure]:
     tb = row(out, "peer: TensorBoard")
     figures = []
-    for case in ("ours: load_run", "ours: report"):
+    for case, what in (("ours: load_run", "report: load a run's series (s)"),
+                       ("ours: report", "report: the whole HTML report (s)")):
         cells = row(out, case)
-        figures.append(Figure(f"report {case.split(': ')[1]} (s)", cells[1], "TensorBoard EventAccumulator", tb[1],
-                              number(cells[4])))
+        figures.append(Figure(what, cells[1], "TensorBoard EventAccumulator", tb[1], number(cells[4])))
     return figures
 
 
@@ -299,7 +299,7 @@ def summary(results: list[dict]) -> list[str]:
              "|---|---|---:|---|---:|---:|---|---|---|"]
     for r in results:
         where = ("**GPU**" if r["machine"].get("gpu") else "CPU") + (", quick" if r["quick"] else "")
-        if r["returncode"] != 0:
+        if r["returncode"] != 0 and not r["figures"]:
             lines.append(f"| {r['name']} | not measured: the bench failed ({r['returncode']}) | | | | | | | {where} |")
             continue
         if not r["figures"]:
@@ -307,7 +307,7 @@ def summary(results: list[dict]) -> list[str]:
                          f"| | | | | | | {where} |")
         for f in r["figures"]:
             met = "" if f["met"] is None else ("yes" if f["met"] else "**no**")
-            shown = "" if f["ratio"] is None else f"{f['ratio']:.2f}"
+            shown = "" if f["ratio"] is None else f"{f['ratio']:.3g}"
             lines.append(f"| {r['name']} | {f['measure']} | {f['ours']} | {f['peer_name']} | {f['peer']} | {shown} "
                          f"| {f['target']} | {met} | {where} |")
     return lines
@@ -327,7 +327,7 @@ def section(r: dict) -> list[str]:
     quick = " Quick run (`--quick`: small sizes): a smoke test, not the published figure." if r["quick"] else ""
     head = [f"## {r['title']}", "",
             f"`{r['command']}` — {r['started_at'][:10]}, {r['seconds']:.0f} s; {machine_text(r['machine'])}.{gpu}{quick}"]
-    if r["returncode"] != 0:
+    if r["returncode"] != 0 and not r.get("markdown"):
         return [*head, "", f"Not measured: the bench ended with {r['returncode']}:", "", "```",
                 *r["stderr_tail"].strip().splitlines()[-15:], "```", ""]
     return [*head, *lines, ""]

@@ -91,7 +91,7 @@ class Trainer:
         self.telemetry = StepTelemetry(
             self.run_dir, rank=self.rank, world_size=self.world, run_id=self.run_id,
             device_type=self.device.type, flops_per_token=self.model.flops_per_token(), peak_flops=peak,
-            enabled=run.telemetry)
+            gpu_count=run.gpu_count if run.gpu_count >= 0 else None, enabled=run.telemetry)
         self.peak_source = peak_source
         self.health = HealthSync(self.world, self.rank, self.device)
         self.guard = Guard(self.policy.guard)
@@ -146,6 +146,8 @@ class Trainer:
         try:
             while self.step < self.cfg.run.steps and code is None:
                 code = self.train_step()
+            if self.progress:
+                self.progress.close()   # end the bar's line before the closing log lines
             if code is None:
                 if self.last_saved_step() != self.step:
                     self.save_checkpoint()

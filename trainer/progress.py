@@ -40,3 +40,4 @@ class Progress:
         if self.tty and self._drawn:
             self.stream.write("\n")
             self.stream.flush()
+            self._drawn = 0.0

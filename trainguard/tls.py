@@ -312,13 +312,14 @@ def read_records(path: str | os.PathLike) -> list[dict]:
 _encoder = msgspec.json.Encoder()
 
 
-def _has_non_finite(record: dict) -> bool:
-    for name in ("metrics", "hardware", "system"):
-        section = record.get(name)
-        if section:
-            for value in section.values():
-                if value.__class__ is float and not math.isfinite(value):
-                    return True
+def _has_non_finite(values) -> bool:
+    for value in values:
+        cls = value.__class__
+        if cls is float:
+            if not math.isfinite(value):
+                return True
+        elif cls is dict and _has_non_finite(value.values()):   # grad_norm_by_layer and the like
+            return True
     return False
 
 
@@ -328,7 +329,7 @@ def encode(record: dict) -> bytes:
     A non-finite loss is the most important thing a log can say, so NaN and Infinity are written as
     Python's json writes them rather than as null.
     """
-    if _has_non_finite(record):
+    if _has_non_finite([record.get(name) or {} for name in ("metrics", "hardware", "system", "event")]):
         return json.dumps(record, separators=(",", ":"), allow_nan=True).encode() + b"\n"
     return _encoder.encode(record) + b"\n"
 

@@ -4,6 +4,7 @@ import dataclasses
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -151,3 +152,25 @@ def test_the_webhook_receivers_carry_the_bearer_token_file():
     assert hook["send_resolved"] is True
     run_wide = config["route"]["routes"][0]
     assert set(run_wide["matchers"][0].split('"')[1].split("|")) == set(actions.REMOTE_ACTIONS) - {"restore"}
+
+
+def test_the_alerts_test_command_passes_on_the_checked_in_files():
+    require_binary("promtool")
+    require_binary("amtool")
+    result = subprocess.run([str(Path(sys.executable).with_name("trainguard")), "alerts", "test"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count(": ok") == 3
+
+
+def test_every_metric_the_rules_read_is_exported_by_an_agent_collector():
+    """A renamed metric in agent/ would silence an alert: the names in the rules must be in the agent's code."""
+    sources = "\n".join(p.read_text() for p in (ROOT / "agent").rglob("*.py"))
+    exprs = "\n".join(rule.expr for group in rules.groups() for rule in group.rules)
+    names = set(re.findall(r"(?<![:\w])((?:trainguard|node|DCGM_FI)_[A-Za-z0-9_]+)(?![:\w])", exprs))
+    assert "trainguard_training_loss" in names and "node_disk_reads_completed_total" in names
+    for name in sorted(names):
+        spelled = {f'"{name}"'} | {f'"{name[:-len(suffix)]}"' for suffix in ("_total", "_info") if name.endswith(suffix)}
+        if name.startswith("node_disk_"):       # io.py builds these from a table: f"node_disk_{name}"
+            spelled.add(f'"{name[len("node_disk_"):]}"')
+        assert any(s in sources for s in spelled), f"{name} is read by the rules but no collector exports it"

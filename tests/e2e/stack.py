@@ -48,6 +48,12 @@ def merge(base: dict, extra: dict) -> dict:
         out[key] = {**out.get(key, {}), **value} if isinstance(value, dict) else value
     return out
 
+# Slow data for a few steps at a time (0.5 s per batch for 5 steps): paces the run so the loss baseline
+# has its samples at 1 s scrapes before the burst of spikes, keeps the burst on screen for a few scrapes,
+# and leaves the alert time to act before the last step.
+PACE = [f"--inject=slowio@{step}" for step in (1, 6, 11, 16, 25, 33, 38, 43)]
+SPIKES = [f"--inject=spike@{step}" for step in range(25, 33)]
+
 
 @dataclass
 class Agent:

@@ -12,13 +12,10 @@ import json
 
 import pytest
 
-from tests.e2e.stack import read_records, record_timing, stack
+from tests.e2e.stack import PACE, SPIKES, read_records, record_timing, stack
 
 pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.timeout(300)]
 
-# Slow data for a few steps at a time (0.5 s per batch for 5 steps): paces the start of the run so the
-# loss baseline has its samples at 1 s scrapes, and keeps a burst of spikes on screen for a few scrapes.
-PACE = [f"--inject=slowio@{step}" for step in (1, 6, 11, 16)]
 
 
 def of_type(kind, **fields):
@@ -26,11 +23,10 @@ def of_type(kind, **fields):
 
 
 def test_loss_spike_alert_rolls_back_and_the_run_finishes(tmp_path):
-    spikes = [f"--inject=spike@{step}" for step in range(25, 33)]
     with stack(tmp_path) as s:
         s.start_agent("n1")
         s.start_servers()
-        trainer = s.train("--steps", "50", "--checkpoint-every", "10", *PACE, "--inject=slowio@25", *spikes)
+        trainer = s.train("--steps", "50", "--checkpoint-every", "10", *PACE, *SPIKES)
 
         rollback = s.wait_for_event(s.rank_events, of_type("rollback", source="control"), 150,
                                     "the trainer's rollback on the alert's request")
@@ -92,7 +88,7 @@ def test_a_low_budget_warns_then_throttles_then_stops_with_a_verified_checkpoint
     with stack(tmp_path, policy) as s:
         s.start_agent("n1")
         s.start_servers()
-        trainer = s.train("--steps", "2000", "--checkpoint-every", "50", *PACE)
+        trainer = s.train("--steps", "2000", "--checkpoint-every", "50")
         assert s.wait_trainer(trainer, 200) == 0
 
         acted = [r for r in s.rank_events() if r["event"]["type"] == "action"]

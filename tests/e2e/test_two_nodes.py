@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.stack import record_timing, stack
+from tests.e2e.stack import PACE, SPIKES, record_timing, stack
 from tests.servers import free_port
 
 pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.timeout(300)]
 
-PACE = [f"--inject=slowio@{step}" for step in (1, 6, 11, 16)]
-
 
 def test_two_nodes_two_agents_one_rollback_acted_on_by_every_rank(tmp_path):
-    spikes = [f"--inject=spike@{step}" for step in range(25, 33)]
-    args = ["--steps", "50", "--checkpoint-every", "10", *PACE, "--inject=slowio@25", *spikes]
+    args = ["--steps", "50", "--checkpoint-every", "10", *PACE, *SPIKES]
     with stack(tmp_path) as s:
         s.start_agent("n1")
         s.start_agent("n2")

@@ -72,11 +72,19 @@ def watched_loads():
         yield loaded
 
 
+def signed_content(manifest: dict) -> bytes:
+    """What a verifier relies on: every signed byte, and the signature's algorithm and value (other keys
+    a forger adds inside the signature object are neither signed nor read)."""
+    body = {key: value for key, value in manifest.items() if key != "signature"}
+    signature = manifest["signature"]
+    return mf.canonical(body) + mf.canonical([signature["algorithm"], signature["value"]])
+
+
 def damage(data, directory: Path) -> bool:
     """Damage the checkpoint in `directory` one way or another; True when it is unchanged in substance
     (the signed content and every file's bytes are what they were), so that it must still verify."""
     manifest_path = directory / mf.MANIFEST_NAME
-    before = mf.canonical(json.loads(manifest_path.read_bytes()))
+    before = signed_content(json.loads(manifest_path.read_bytes()))
     files = sorted(p.name for p in directory.iterdir() if p.name != mf.MANIFEST_NAME)
     contents = {name: (directory / name).read_bytes() for name in files}
     kind = data.draw(st.sampled_from(["manifest bytes", "manifest json", "file bytes", "file replaced",
@@ -100,8 +108,8 @@ def damage(data, directory: Path) -> bool:
     else:   # a file the manifest does not list is ignored (it is never loaded)
         (directory / "notes.pt").write_bytes(data.draw(st.binary(max_size=64)))
     try:
-        after = mf.canonical(json.loads(manifest_path.read_bytes()))
-    except (OSError, ValueError, RecursionError):
+        after = signed_content(json.loads(manifest_path.read_bytes()))
+    except (OSError, ValueError, RecursionError, TypeError, KeyError):
         return False
     return after == before and all((directory / n).exists() and (directory / n).read_bytes() == c
                                    for n, c in contents.items())

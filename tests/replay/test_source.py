@@ -175,3 +175,18 @@ def test_malformed_details_are_capped_but_all_counted(tmp_path, monkeypatch):
     stream, entries = read(log)
     assert len(entries) == 1 and stream.malformed == 50 and len(stream.problems.kept) == 5
     assert json.dumps([str(m) for m in stream.problems.kept])   # printable
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_a_cut_off_gzip_keeps_what_was_read_and_reports_the_rest(tmp_path, full):
+    data = b"".join(step_line(step, T0 + step) for step in range(1, 50_001))
+    compressed = gzip.compress(data)
+    log = tmp_path / "rank-0.jsonl.gz"
+    log.write_bytes(compressed[: len(compressed) // 2])
+    stream, entries = read(log, full=full)
+    assert 10_000 < len(entries) < 50_000
+    assert [e[3].step for e in entries] == list(range(1, len(entries) + 1))
+    assert stream.malformed == 1
+    problem = stream.problems.kept[0]
+    assert problem.file == str(log) and problem.line > len(entries)
+    assert "unreadable after line" in problem.error and "EOFError" in problem.error

@@ -106,3 +106,8 @@ def test_writer_appends_whole_lines(tmp_path):
     assert records[-1]["event"] == {"type": "checkpoint_saved", "path": "step_2"}
     for line in path.read_text().splitlines():
         jsonschema.validate(json.loads(line), tls.load_schema())
+
+
+def test_non_finite_values_nested_in_a_section_survive_the_round_trip():
+    record = tls.make_record(step=1, timestamp=1.0, metrics={"loss": 1.0, "grad_norm_by_layer": {"h.0": float("nan")}})
+    assert math.isnan(tls.decode(tls.encode(record))["metrics"]["grad_norm_by_layer"]["h.0"])

@@ -63,3 +63,10 @@ def test_bad_input_is_a_clear_exit_not_a_traceback(tmp_path, capsys):
     policy.write_text("guard: {spike_sigma: loud}\n")
     assert main(["train", "--run-dir", str(tmp_path / "r"), "--policy", str(policy)]) == 2
     assert f"{policy}: guard.spike_sigma: expected float" in capsys.readouterr().err
+
+
+def test_gpu_count_override_reaches_the_records(tmp_path):
+    from tests.trainer.helpers import step_records, train
+
+    assert train(tmp_path / "run", "--steps", "2", "--set", "run.gpu_count=8") == 0
+    assert [r["system"]["gpu_count"] for r in step_records(tmp_path / "run")] == [8, 8]

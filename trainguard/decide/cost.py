@@ -37,6 +37,10 @@ class CostMeter:
         self.state = CostState()
         self.fired: set[str] = set()
         self._last_time: float | None = None
+        self._usd_per_gpu_second = self.policy.price_per_gpu_hour / 3600.0
+        self._min_steps = min(self.policy.min_steps, self.window.maxlen - 1)
+        self._tiers = sorted(((action, tier, getattr(self.policy.tiers, tier)) for action, tier in TIER_ACTIONS),
+                             key=lambda entry: entry[2])
 
     def gpus(self, seen: int | None) -> int:
         """Billable devices: the policy's override, else what the records say."""
@@ -49,9 +53,10 @@ class CostMeter:
     def observe(self, step: int, timestamp: float, gpu_count: int | None = None) -> list[Decision]:
         state, window = self.state, self.window
         gpus = self.gpus(gpu_count)
-        if self._last_time is not None and timestamp > self._last_time:
-            state.cost_usd += (timestamp - self._last_time) / 3600.0 * gpus * self.policy.price_per_gpu_hour
-        if self._last_time is None or timestamp >= self._last_time:
+        last = self._last_time
+        if last is None or timestamp >= last:
+            if last is not None:
+                state.cost_usd += (timestamp - last) * gpus * self._usd_per_gpu_second
             self._last_time = timestamp
         if window and step <= window[-1][1]:
             window.clear()          # a rollback or restart: steps went back, measure afresh
@@ -64,22 +69,24 @@ class CostMeter:
         state.steps_in_window = s1 - s0
         if s1 <= s0 or t1 <= t0:
             return []
-        state.cost_per_1k_steps = (t1 - t0) / 3600.0 * gpus * policy.price_per_gpu_hour / (s1 - s0) * 1000.0
-        state.overrun_ratio = state.cost_per_1k_steps / policy.budget_per_1k_steps - 1.0
-        if s1 - s0 < min(policy.min_steps, window.maxlen - 1):
+        state.cost_per_1k_steps = (t1 - t0) * gpus * self._usd_per_gpu_second / (s1 - s0) * 1000.0
+        overrun = state.overrun_ratio = state.cost_per_1k_steps / policy.budget_per_1k_steps - 1.0
+        if s1 - s0 < self._min_steps:
+            return []
+        tiers = self._tiers
+        if overrun < tiers[0][2]:       # the common case: under every tier
+            state.tier = "ok"
             return []
         decisions = []
-        tiers = policy.tiers
-        state.tier = "ok"
-        for action, tier in TIER_ACTIONS:
-            if state.overrun_ratio >= getattr(tiers, tier):
+        for action, tier, threshold in tiers:
+            if overrun >= threshold:
                 state.tier = tier
                 if action not in self.fired:
                     self.fired.add(action)
                     decisions.append(Decision(action, f"cost_overrun_{tier}", step, timestamp, {
                         "cost_per_1k_steps": round(state.cost_per_1k_steps, 4),
                         "budget_per_1k_steps": policy.budget_per_1k_steps,
-                        "overrun_ratio": round(state.overrun_ratio, 4), "cost_usd": round(state.cost_usd, 4),
+                        "overrun_ratio": round(overrun, 4), "cost_usd": round(state.cost_usd, 4),
                     }))
         return decisions
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from math import isfinite
 from typing import Mapping, NamedTuple
 
 from trainguard.actions import ROLLBACK, SKIP_STEP
@@ -27,6 +28,7 @@ from trainguard.policy import GuardPolicy
 
 STOP = "stop"
 HOUR = 3600.0
+NO_DETAIL: dict = {}
 
 
 class StepStats(NamedTuple):
@@ -60,13 +62,22 @@ class _RollingStats:
     def __len__(self) -> int:
         return len(self.values)
 
-    def threshold(self, sigma: float) -> float:
+    def _mean_variance(self) -> tuple[float, float]:
         n = len(self.values)
         mean = self.total / n
-        variance = max(self.total_sq / n - mean * mean, 0.0)
         # A floor on the spread: a loss that has been flat for a while must not turn noise into spikes.
-        std = max(math.sqrt(variance), 1e-3 * abs(mean), 1e-8)
-        return mean + sigma * std
+        floor = max(1e-3 * abs(mean), 1e-8)
+        return mean, max(self.total_sq / n - mean * mean, floor * floor)
+
+    def threshold(self, sigma: float) -> float:
+        mean, variance = self._mean_variance()
+        return mean + sigma * math.sqrt(variance)
+
+    def exceeds(self, value: float, sigma: float) -> bool:
+        """value > threshold(sigma), without the square root."""
+        mean, variance = self._mean_variance()
+        excess = value - mean
+        return excess > 0 and excess * excess > sigma * sigma * variance
 
 
 class Guard:
@@ -99,13 +110,14 @@ class Guard:
 
     def _classify(self, loss: float, grad_norm: float,
                   layers: Mapping[str, float] | None) -> tuple[str | None, dict]:
+        # This runs for every step of every replayed log: the common case (a healthy step) takes the
+        # cheapest comparisons first and computes no square root.
         policy = self.policy
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        if not (isfinite(loss) and isfinite(grad_norm)):
             return "nan", {"loss": loss, "grad_norm": grad_norm}
-        if len(self.losses) >= policy.spike_min_steps:
-            limit = self.losses.threshold(policy.spike_sigma)
-            if loss > limit:
-                return "loss_spike", {"loss": loss, "threshold": limit}
+        losses = self.losses
+        if len(losses.values) >= policy.spike_min_steps and losses.exceeds(loss, policy.spike_sigma):
+            return "loss_spike", {"loss": loss, "threshold": losses.threshold(policy.spike_sigma)}
         if self.good_grad_steps >= policy.grad_min_steps:
             limit = policy.grad_explode_factor * self.grad_ema
             if grad_norm > limit:
@@ -116,19 +128,20 @@ class Guard:
                     if ema is not None and norm > policy.layer_explode_factor * ema:
                         return "grad_explosion", {"layer": name, "grad_norm": norm,
                                                   "threshold": policy.layer_explode_factor * ema}
-        return None, {}
+        return None, NO_DETAIL
 
     def _learn(self, loss: float, grad_norm: float, layers: Mapping[str, float] | None) -> None:
         self.losses.push(loss)
         beta = self.policy.grad_ema_beta
-        self.grad_ema = grad_norm if self.grad_ema is None else beta * self.grad_ema + (1 - beta) * grad_norm
+        ema = self.grad_ema
+        self.grad_ema = grad_norm if ema is None else ema + (1 - beta) * (grad_norm - ema)
         self.good_grad_steps += 1
         if layers:
             emas = self.layer_ema
             for name, norm in layers.items():
                 if math.isfinite(norm):
                     ema = emas.get(name)
-                    emas[name] = norm if ema is None else beta * ema + (1 - beta) * norm
+                    emas[name] = norm if ema is None else ema + (1 - beta) * (norm - ema)
 
     def _escalate(self, step: int, timestamp: float, reason: str, detail: dict) -> Decision:
         policy = self.policy

@@ -18,6 +18,7 @@ from trainguard import log
 
 def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: int) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
@@ -25,7 +26,10 @@ def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: in
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
         rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
-        monitor_interval=0.5, start_method="spawn")
+        monitor_interval=0.5, start_method="spawn",
+        # Each rank's output is also kept under RUN/logs (as torchrun --log-dir --tee 3 does), where the
+        # agent's nccl collector reads NCCL warnings and watchdog timeouts.
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), tee=Std.ALL))
     worker = ("-m", "trainguard.trainer.train", "--run-dir", str(run_dir), "--config", str(resolved_config))
     try:
         elastic_launch(config, entrypoint=sys.executable)(*worker)

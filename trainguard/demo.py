@@ -115,6 +115,7 @@ def finish(run_dir: Path, code: int) -> int:
 
 # Events that tell the demo's story; checkpoints and evaluations are in the report.
 STORY = {
+    "run_start": ("resumed_from", "restart_count"),
     "fault_injected": ("fault",),
     "skip_step": ("reason",),
     "rollback": ("reason", "restored_step", "steps_lost", "lr_scale"),
@@ -138,6 +139,8 @@ def print_story(run_dir: Path) -> None:
             say(f"  unreadable line: {line.error}")
             continue
         event = record.get("event")
+        if event and event["type"] == "run_start" and not event.get("resumed_from"):
+            continue
         if event and event["type"] in STORY:
             fields = ", ".join(f"{k}={event[k]}" for k in STORY[event["type"]] if event.get(k) is not None)
             say(f"  step {record.get('step', '?'):>5}  {event['type']:<15} {fields}")

@@ -58,7 +58,7 @@ def test_hang_is_restored_and_the_run_resumes_from_the_latest_verified_checkpoin
     with stack(tmp_path) as s:
         s.start_agent("n1")
         s.start_servers()
-        trainer = s.train("--steps", "40", "--checkpoint-every", "10", "--nproc", "2", "--max-restarts", "2",
+        trainer = s.train("--steps", "40", "--checkpoint-every", "10", "--nproc", "2", "--max-restarts", "3",
                           "--inject=hang@25")
 
         issued = s.wait_for_event(lambda: s.agent_events("n1"), of_type("action", action="restore"), 150,

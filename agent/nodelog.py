@@ -152,9 +152,11 @@ class NodeLog:
             self.write_once()
 
     def stop(self) -> None:
+        """Stop the thread and write one last record, so a short run or a clean shutdown leaves its end."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5)
+            self.write_once()
         self.file.close()
 
     def families(self) -> list:

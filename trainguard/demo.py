@@ -52,14 +52,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# The demo run lasts a minute, so the agent samples and joins its node record every second or two.
+DEMO_AGENT_CONFIG = {
+    "nodelog": {"interval": 2},
+    "collectors": {"training": {"interval": 1}, "host": {"interval": 1}, "io": {"interval": 2}},
+}
+
+
 def start_agent(run_dir: Path, port: int, *extra: str) -> subprocess.Popen:
     """The sidecar, waited for until /healthz answers. If it cannot start, the run goes on without it."""
     import urllib.request
 
+    import yaml
+
     log_path = run_dir / "agent.log"
+    config_path = run_dir / "agent" / "demo-agent.yaml"
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(yaml.safe_dump(DEMO_AGENT_CONFIG))
     with open(log_path, "ab") as log:
         agent = subprocess.Popen(trainguard_command("agent", "--run-dir", str(run_dir), "--listen",
-                                                    f"127.0.0.1:{port}", *extra),
+                                                    f"127.0.0.1:{port}", "--config", str(config_path), *extra),
                                  stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and agent.poll() is None:

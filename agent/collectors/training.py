@@ -37,6 +37,9 @@ MAX_ERRORS_LOGGED = 20          # per update; the counter has them all
 TIER_VALUES = {"ok": 0, "warn": 1, "throttle": 2, "stop": 3}
 
 
+# Guard and recovery events exported at 0 until they happen (see _families).
+WATCHED_EVENTS = ("skip_step", "rollback", "restore", "action", "checkpoint_saved", "fault_injected", "stop")
+
 @register
 class TrainingCollector(Collector):
     name = "training"
@@ -173,7 +176,9 @@ class TrainingCollector(Collector):
                 step.add_metric(values, rs.step)
                 last.add_metric(values, rs.last_step_time)
             steps.add_metric(values, rs.steps_total)
-            for kind, count in sorted(rs.events.items()):
+            # The event types alerts and annotations look for exist from the start at 0: Prometheus sees
+            # no increase in a series' first sample, so a first rollback would otherwise go unseen.
+            for kind, count in sorted({**dict.fromkeys(WATCHED_EVENTS, 0), **rs.events}.items()):
                 events.add_metric(values + [kind], count)
         families = [*gauges.values(), step, last, steps, events, *self._file_families(), *self._checkpoint(now)]
         return families + self._cost_families()

@@ -270,21 +270,22 @@ def io_nccl(policy: Policy) -> list[Group]:
 # --------------------------------------------------------------------------------------------- cost
 
 def cost(policy: Policy) -> list[Group]:
-    """The CostMeter's arithmetic (trainguard/decide/cost.py) in PromQL, with the same policy numbers.
+    """The CostBudget* tiers over the agents' cost meters (trainguard/decide/cost.py), with the policy's numbers.
 
-    cost per 1000 steps = GPUs x price per GPU-hour / steps per hour x 1000; overrun = that / budget - 1.
-    Like the meter, no tier is judged before `min_steps` steps, nor while no step is being made.
+    The arithmetic (GPU-hours x price over the last `window_steps` steps, per 1000 steps) is done once, by the
+    pure meter every agent runs and exports as `trainguard_cost_*`; these rules aggregate it per run and judge
+    the tiers. A PromQL copy over a fixed time window would disagree with the meter: a run at budget pace on
+    8 GPUs makes a step every 27 s, too few in 5 minutes for a steady rate. Like the meter, no tier is judged
+    before `min_steps` steps have been made, nor while no step is being made.
     """
     c = policy.cost
+    stepping = (f"and on ({RUN}) max by ({RUN}) (trainguard_training_steps_total) >= {c.min_steps}\n"
+                f"and on ({RUN}) max by ({RUN}) (rate(trainguard_training_steps_total[{RATE}])) > 0")
     records = Group("cost", "trainguard-cost.records", (
         Record("trainguard:training_steps:rate" + RATE,
                f"max by ({RUN}) (rate(trainguard_training_steps_total[{RATE}]))"),
         Record("trainguard:billable_gpus:max", f"max by ({RUN}) (trainguard_cost_billable_gpus)"),
-        Record("trainguard:cost_per_1k_steps:usd",
-               f"trainguard:billable_gpus:max * {_num(c.price_per_gpu_hour)} / 3600\n"
-               f"/ (trainguard:training_steps:rate{RATE} > 0) * 1000\n"
-               f"and on ({RUN}) max by ({RUN}) (increase(trainguard_training_steps_total[{RATE}])) "
-               f">= {c.min_steps}"),
+        Record("trainguard:cost_per_1k_steps:usd", f"max by ({RUN}) (trainguard_cost_per_1k_steps_usd)\n{stepping}"),
         Record("trainguard:cost_budget_overrun:ratio",
                f"trainguard:cost_per_1k_steps:usd / {_num(c.budget_per_1k_steps)} - 1"),
     ))

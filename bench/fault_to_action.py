@@ -32,7 +32,7 @@ from tests.e2e.stack import read_records, stack  # noqa: E402
 SCENARIOS = {
     "hang": {"policy": {}, "args": ["--steps", "40", "--checkpoint-every", "10", "--nproc", "2",
                                     "--max-restarts", "3", "--inject=hang@25"]},
-    "cost": {"policy": {"cost": {"budget_per_1k_steps": 0.01, "gpu_count_override": 1, "min_steps": 20}},
+    "cost": {"policy": {"cost": {"budget_per_1k_steps": 0.0001, "gpu_count_override": 1, "min_steps": 20}},
              "args": ["--steps", "2000", "--checkpoint-every", "50"]},
 }
 

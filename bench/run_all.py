@@ -325,7 +325,7 @@ def section(r: dict) -> list[str]:
     if r["returncode"] != 0 and not r.get("markdown"):
         return [*head, "", f"Not measured: the bench ended with {r['returncode']}:", "", "```",
                 *r["stderr_tail"].strip().splitlines()[-15:], "```", ""]
-    return [*head, *lines, ""]
+    return [*head, *([""] if lines and lines[0].strip() else []), *lines, ""]
 
 
 def kept_sections(text: str, superseded: set[str]) -> list[str]:

@@ -83,8 +83,8 @@ def test_hang_is_restored_and_the_run_resumes_from_the_latest_verified_checkpoin
 
 
 def test_a_low_budget_warns_then_throttles_then_stops_with_a_verified_checkpoint(tmp_path):
-    # One billed device at $2/h; a tiny CPU step costs well over $0.01 per 1000 steps: every tier is crossed.
-    policy = {"cost": {"budget_per_1k_steps": 0.01, "gpu_count_override": 1, "min_steps": 20}}
+    # One billed device at $2/h; even a fast tiny CPU step (5 ms) costs 28x the $0.0001 budget per 1000 steps: every tier is crossed.
+    policy = {"cost": {"budget_per_1k_steps": 0.0001, "gpu_count_override": 1, "min_steps": 20}}
     with stack(tmp_path, policy) as s:
         s.start_agent("n1")
         s.start_servers()

@@ -26,6 +26,7 @@ It prints a summary and writes bench/out/soak.json, which bench/run_all.py rende
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -43,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from bench.run_all import OUT, machine  # noqa: E402
+from run_all import OUT, machine  # noqa: E402  (bench/ is on the path: this is a script beside it)
 from tests.e2e.stack import read_records, stack  # noqa: E402
 from tests.servers import http_get, start, wait_for  # noqa: E402
 
@@ -104,6 +105,22 @@ def restart_agent(s) -> None:
     agent.server.process.wait()
     agent.server = start(command, url=f"http://{agent.address}", ready_url=f"http://{agent.address}/healthz",
                          log_path=agent.log_path, env={**os.environ, "TRAINGUARD_LOG_JSON": "1"})
+
+
+def end_tree(process) -> None:
+    """SIGKILL a trainer and every process under it (the launcher's workers are not all in its group)."""
+    import psutil
+
+    try:
+        tree = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for child in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def last_step(run_dir: Path) -> int:
@@ -203,8 +220,7 @@ def soak(minutes: float, seed: int, servers: bool, keep: Path | None) -> dict:
                 time.sleep(0.5)
             if trainer.poll() is None:
                 print(f"  episode {n} stuck for {EPISODE_TIMEOUT:.0f} s: ended", flush=True)
-                os.killpg(trainer.pid, signal.SIGKILL)
-                trainer.wait()
+                end_tree(trainer)
             episodes.append({"faults": faults, "first": first, "target": target, "returncode": trainer.returncode,
                              "reached": last_step(s.run_dir)})
         sampler.done.set()

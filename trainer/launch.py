@@ -21,6 +21,10 @@ def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: in
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # torch shares the rendezvous TCP store across restart attempts; restarted gloo workers then read stale
+    # peer addresses ("connectFullMesh ... Connection refused") and may hang for good, so an agent's
+    # `restore` would not resume. A fresh store per attempt avoids it (multi-node torchrun: set it too).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"   # as torchrun does: K ranks must not each take every core
     config = LaunchConfig(

@@ -198,7 +198,8 @@ class Recovery:
         t = self.t
         started = _first_timestamp(t.telemetry.path) or time.time()
         hours = (time.time() - started) / 3600
-        gpus = t.telemetry.system["gpu_count"]
+        # Billed as the cost meter bills: the policy's override (CPU runs), else the GPUs the run uses.
+        gpus = t.policy.cost.gpu_count_override or t.telemetry.system["gpu_count"]
         price = t.policy.cost.price_per_gpu_hour
         return {"run_id": t.run_id, "step": t.step, "stopped_by": ids, "checkpoint": f"step_{t.step}",
                 "checkpoint_verified": verified, "tokens_trained": t.tokens_trained,

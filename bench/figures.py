@@ -1,0 +1,160 @@
+"""The headline figures of each bench, read from what it prints (bench/run_all.py runs them).
+
+Each bench prints its own report (most a Markdown section with a table, some plain text or JSON); a
+reader here picks out the figures worth a summary row: ours, the peer measured in the same run, the
+ratio, and the target the bench itself states. A reader that cannot find its row raises KeyError or
+ValueError naming what it looked for; run_all records that and still shows the bench's whole output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+
+@dataclass
+class Figure:
+    """One headline figure: ours beside the peer measured in the same run; ratio is ours / peer where
+    lower is better (times; for throughputs, the inverse of the rates)."""
+
+    measure: str
+    ours: str
+    peer_name: str
+    peer: str
+    ratio: float | None
+    target: str = ""
+    met: bool | None = None
+
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of every Markdown table row in `text` (separator rows left out)."""
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("|") and line.endswith("|") and not re.fullmatch(r"\|[\s:|-]+\|", line):
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def row(text: str, starts: str) -> list[str]:
+    """The first table row whose first cell starts with `starts` (KeyError naming it otherwise)."""
+    for cells in table_rows(text):
+        if cells[0].startswith(starts):
+            return cells
+    raise KeyError(f"no row starting {starts!r} in the output")
+
+
+def number(cell: str) -> float:
+    match = re.search(r"-?\d[\d,]*\.?\d*(?:e-?\d+)?", cell)
+    if not match:
+        raise ValueError(f"no number in {cell!r}")
+    return float(match.group(0).replace(",", ""))
+
+
+def ratio(ours: float, peer: float) -> float | None:
+    return ours / peer if peer else None
+
+
+def agent(out: str) -> list[Figure]:
+    cycle, rss = row(out, "CPU per collection + scrape"), row(out, "peak RSS")
+    scrape, idle = row(out, "CPU per scrape alone"), row(out, "idle cost")
+    return [Figure("agent CPU per collection + scrape, 1 s", cycle[1], "node_exporter", cycle[2], number(cycle[3]),
+                   "<= node_exporter", number(cycle[3]) <= 1),
+            Figure("agent CPU per scrape alone", scrape[1], "node_exporter", scrape[2], number(scrape[3])),
+            Figure("agent idle CPU (no scrapes)", idle[1], "node_exporter", idle[2], None, "< 1 % of a core",
+                   number(idle[1]) < 1),
+            Figure("agent peak RSS", rss[1], "node_exporter", rss[2], number(rss[3]))]
+
+
+def checkpoint(out: str) -> list[Figure]:
+    raw, save = row(out, "raw torch.save (peer)"), row(out, "verified save, sync")
+    blocking, load = row(out, "async save: blocking"), row(out, "raw torch.load + SHA-256")
+    restore = row(out, "verified restore")
+    save_ratio = number(save[1]) / number(raw[1])
+    block_ratio = number(blocking[1]) / number(save[1])
+    return [Figure("verified checkpoint save (s)", save[1], "raw torch.save", raw[1], save_ratio, "<= 1.25x",
+                   save_ratio <= 1.25),
+            Figure("async save, blocking part (s)", blocking[1], "sync verified save", save[1], block_ratio,
+                   "<= 0.10x", block_ratio <= 0.10),
+            Figure("verified restore (s)", restore[1], "raw torch.load + SHA-256", load[1],
+                   ratio(number(restore[1]), number(load[1])))]
+
+
+def collectors(out: str) -> list[Figure]:
+    figures = []
+    for label, starts in (("fixtures", "fixtures"), ("live /proc", "live")):
+        cells = row(out, starts)
+        figures.append(Figure(f"io + ib collectors, {label} (ms CPU)", cells[1], "node_exporter scrape", cells[2],
+                              number(cells[4])))
+    return figures
+
+
+def _stage(out: str, name: str) -> float:
+    match = re.search(rf"^\s*{re.escape(name)}\s+([\d.]+) s", out, re.M)
+    if not match:
+        raise KeyError(f"no line {name!r} in the output")
+    return float(match.group(1))
+
+
+def diagnose(out: str) -> list[Figure]:
+    peer, decode, total = (_stage(out, n) for n in ("peer json.loads", "decode tls.iter_lines", "total diagnose_run"))
+    return [Figure("TLS decode of a run (s)", f"{decode:.2f}", "json.loads", f"{peer:.2f}", decode / peer),
+            Figure("trainguard diagnose of a run (s)", f"{total:.2f}", "json.loads", f"{peer:.2f}", total / peer)]
+
+
+def loop(out: str) -> list[Figure]:
+    off, inside = row(out, "step, `--telemetry off`"), row(out, "inside `StepTelemetry.step`")
+    share = number(inside[1].split("(")[1]) / 100
+    return [Figure("telemetry per step (wall)", inside[1].split(" (")[0], "no-telemetry step", off[1], share,
+                   "< 1 % of a step", share < 0.01)]
+
+
+def preflight(out: str) -> list[Figure]:
+    match = re.search(r"preflight probe\s+([\d.]+) MB/s\s+dd conv=fsync\s+([\d.]+) MB/s", out)
+    if not match:
+        raise KeyError("no 'preflight probe ... dd conv=fsync' line in the output")
+    ours, peer = float(match.group(1)), float(match.group(2))
+    return [Figure("storage probe, fsynced write (MB/s)", f"{ours:.0f}", "dd conv=fsync", f"{peer:.0f}",
+                   peer / ours)]
+
+
+def replay(out: str) -> list[Figure]:
+    rows = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("[")))
+    by_stage = {r["stage"]: r for r in rows if r["stage"]}
+    peer, total = by_stage["peer"], by_stage["total"]
+    rate = total["records"] / total["seconds"]
+    return [Figure("trainguard replay LOG (records/s)", f"{rate:,.0f}", "json.loads",
+                   f"{peer['records'] / peer['seconds']:,.0f}", (total["seconds"] / total["records"])
+                   / (peer["seconds"] / peer["records"]), ">= 500,000 records/s", rate >= 500_000)]
+
+
+def report(out: str) -> list[Figure]:
+    tb = row(out, "peer: TensorBoard")
+    figures = []
+    for case, what in (("ours: load_run", "report: load a run's series (s)"),
+                       ("ours: report", "report: the whole HTML report (s)")):
+        cells = row(out, case)
+        figures.append(Figure(what, cells[1], "TensorBoard EventAccumulator", tb[1], number(cells[4])))
+    return figures
+
+
+def telemetry(out: str) -> list[Figure]:
+    ours = row(out, "trainguard")
+    figures = []
+    for peer_name in ("TensorBoard", "wandb"):
+        cells = row(out, peer_name)
+        figures.append(Figure("step record write (µs wall)", ours[1], peer_name, cells[1],
+                              number(ours[1]) / number(cells[1]), "<= 20 µs", number(ours[1]) <= 20))
+    return figures
+
+
+def fault_to_action(out: str) -> list[Figure]:
+    figures = []
+    for cells in table_rows(out)[1:]:
+        if cells[1] == "alerts":
+            embedded = next(c for c in table_rows(out) if c[0] == cells[0] and c[1] == "embedded")
+            figures.append(Figure(f"{cells[0]}: fault to action via Prometheus (s)", cells[2],
+                                  "the agent's embedded path", embedded[2], number(cells[4])))
+    return figures

@@ -35,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", type=float, help="sampling interval of every collector, seconds")
     parser.add_argument("--policy", help="policy file (cost budget tiers), default: RUN/policy.yaml or built-in")
     parser.add_argument("--nodelog-max-bytes", help="rotate the node TLS log past this size (e.g. 64MiB)")
+    parser.add_argument("--webhook-token-file", help="bearer token file of POST /api/v1/alerts "
+                        "(default RUN/agent/webhook.token, created 0600)")
+    parser.add_argument("--dry-run", action="store_true", default=None,
+                        help="decide and record alert actions, execute none")
     parser.add_argument("--list-collectors", action="store_true", help="list the collectors and exit")
 
 
@@ -48,7 +52,14 @@ def build_config(args: argparse.Namespace, known: set[str]) -> agent_config.Agen
     return agent_config.with_flags(
         config, listen=args.listen, run_dir=args.run_dir, procfs=args.procfs, sysfs=args.sysfs, devfs=args.devfs,
         node=args.node, only=args.collectors, disabled=args.disable, interval=args.interval, policy=args.policy,
-        nodelog_max_bytes=args.nodelog_max_bytes)
+        nodelog_max_bytes=args.nodelog_max_bytes, webhook=_webhook_flags(config, args))
+
+
+def _webhook_flags(config: agent_config.AgentConfig, args: argparse.Namespace) -> dict | None:
+    """--webhook-token-file and --dry-run over the config file's `webhook:` section."""
+    flags = {"token_file": args.webhook_token_file, "dry_run": args.dry_run}
+    flags = {key: value for key, value in flags.items() if value is not None}
+    return {**config.webhook, **flags} if flags else None
 
 
 def run(args: argparse.Namespace) -> int:

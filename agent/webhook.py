@@ -69,9 +69,9 @@ def parse_time(value: Any, field: str) -> float:
         raise PayloadError(field, f"not an RFC 3339 time: {value!r}")
     year, month, day, hour, minute, second = (int(g) for g in match.groups()[:6])
     fraction, zone = match.group(7) or "", match.group(8)
-    offset = timezone.utc if zone in "Zz" else timezone(
-        (1 if zone[0] == "+" else -1) * timedelta(hours=int(zone[1:3]), minutes=int(zone[4:6])))
     try:
+        offset = timezone.utc if zone in "Zz" else timezone(
+            (1 if zone[0] == "+" else -1) * timedelta(hours=int(zone[1:3]), minutes=int(zone[4:6])))
         moment = datetime(year, month, day, hour, minute, second, tzinfo=offset)
     except ValueError as exc:
         raise PayloadError(field, f"not a valid time: {value!r} ({exc})") from None
@@ -160,6 +160,8 @@ def decode_json(body: bytes) -> Any:
         return json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
     except UnicodeDecodeError as exc:
         raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 # ----------------------------------------------------------------------------------------- the token

@@ -9,6 +9,7 @@ launcher what happened (0 done or cost-stopped, 3 stopped by the guard).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -42,7 +43,23 @@ def run_worker(config: TrainConfig, run_dir: Path) -> int:
             dist.destroy_process_group()
 
 
+def die_with_launcher() -> None:
+    """Ask Linux to SIGKILL this rank when its launcher dies: a rank without its elastic agent can never
+    rendezvous again, and a hung one would otherwise hold its memory and GPU forever."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() == 1:       # the launcher died before prctl took effect
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     parser = argparse.ArgumentParser(prog="python -m trainguard.trainer.train",
                                      description="one rank of the bundled trainer (started by torchrun)")
     cli.add_config_arguments(parser)

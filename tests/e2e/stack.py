@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import yaml
 
 from tests.servers import free_port, http_get, start, start_alertmanager, start_prometheus, wait_for
@@ -163,6 +164,11 @@ class Stack:
 
     def stop(self) -> None:
         for process in self.trainers:
+            # The launcher's workers run in sessions of their own: end the whole tree, not just the group.
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(process.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        child.kill()
             if process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)

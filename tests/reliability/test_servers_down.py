@@ -21,6 +21,9 @@ from tests.servers import http_get, wait_for
 pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.timeout(300)]
 
 LOW_BUDGET = {"cost": {"budget_per_1k_steps": 0.01, "gpu_count_override": 1, "min_steps": 20}}
+# Slow data for the first 20 steps (0.5 s a batch): the run is still young when the meter can first judge
+# it, so the agent's requests reach a trainer that is still training, however fast the machine.
+PACE = [f"--inject=slowio@{step}" for step in (1, 6, 11, 16)]
 
 
 def test_with_prometheus_and_alertmanager_down_the_agent_serves_and_acts_alone(tmp_path):
@@ -45,7 +48,7 @@ def test_with_prometheus_and_alertmanager_down_the_agent_serves_and_acts_alone(t
         watcher = threading.Thread(target=watch)
         watcher.start()
         try:
-            trainer = s.train("--steps", "2000", "--checkpoint-every", "50")
+            trainer = s.train("--steps", "5000", "--checkpoint-every", "50", *PACE)
             assert s.wait_trainer(trainer, 240) == 0
         finally:
             done.set()

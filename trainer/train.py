@@ -37,7 +37,12 @@ def run_worker(config: TrainConfig, run_dir: Path) -> int:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
         joined = True
     try:
-        return Trainer(config, run_dir, info).run()
+        code = Trainer(config, run_dir, info).run()
+        if joined:
+            # Leave together: rank 0 may still be writing the final checkpoint, and gloo aborts (SIGABRT)
+            # a rank whose peer tears the connection down under it.
+            dist.barrier()
+        return code
     finally:
         if joined:
             dist.destroy_process_group()

@@ -7,7 +7,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import structlog
 
 
 @pytest.fixture(autouse=True)
@@ -15,12 +14,6 @@ def _key_in_tmp(tmp_path, monkeypatch):
     """No test may read or create the user's real key (~/.config/trainguard/checkpoint.key)."""
     monkeypatch.setenv("TRAINGUARD_CHECKPOINT_KEY", str(tmp_path / "env" / "checkpoint.key"))
 
-
-@pytest.fixture(autouse=True)
-def _fresh_logging():
-    """`trainguard.cli.main` points structlog at the stream of the moment (capsys's, closed afterwards)."""
-    yield
-    structlog.reset_defaults()
 
 
 @pytest.fixture

@@ -5,18 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import structlog
 import torch
 
 from trainguard import tls
 from trainguard.cli import main
 from trainguard.trainer.checkpoint import CheckpointManager
-
-
-@pytest.fixture(autouse=True)
-def _fresh_logging():
-    yield
-    structlog.reset_defaults()  # trainguard.cli.main bound structlog to capsys's stream
 
 
 def _write_run(run_dir, *, with_checkpoints=False, key_file=None):

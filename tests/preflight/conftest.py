@@ -7,14 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import structlog
 
-
-@pytest.fixture(autouse=True)
-def _fresh_logging():
-    """`trainguard.cli.main` points structlog at the stream of the moment (capsys's, closed afterwards)."""
-    yield
-    structlog.reset_defaults()
 
 
 @pytest.fixture(autouse=True)

@@ -109,7 +109,10 @@ def parse_listen(value: Any, where: str) -> tuple[str, int]:
     host = host.strip("[]")
     if not port.isdigit() or not 0 <= int(port) < 65536:
         raise ConfigError(f"{where}: port must be 0..65535, got {port!r}")
-    return host or "0.0.0.0", int(port)
+    if not host:   # ":9400" would mean every interface; the webhook can stop training, so say it outright
+        raise ConfigError(f"{where}: give the host: 127.0.0.1:{port} for this node only, "
+                          f"0.0.0.0:{port} for every interface (the webhook still needs its token)")
+    return host, int(port)
 
 
 def _number(value: Any, where: str, *, positive: bool = True) -> float:

@@ -139,3 +139,10 @@ def _health(url: str):
         return None
     health = json.loads(body) if status == 200 else None
     return health if health and all(c["updates"] for c in health["collectors"].values()) else None
+
+
+def test_an_empty_listen_host_is_refused_rather_than_binding_every_interface():
+    from trainguard.agent.config import ConfigError, parse_listen
+
+    with pytest.raises(ConfigError, match="127.0.0.1:9400 for this node only"):
+        parse_listen(":9400", "--listen")

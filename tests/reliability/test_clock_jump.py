@@ -112,9 +112,6 @@ def test_the_clock_going_back_never_lets_a_looping_run_past_the_rollback_limit(j
 
 # ------------------------------------------------------------------------------------------ known gaps
 
-@pytest.mark.xfail(strict=True, reason="ledger cooldown uses now - last with a wall clock: after the clock goes "
-                   "back, every rollback until it catches up is 'coalesced' (trainguard/decide/ledger.py "
-                   "_limited: coalesce only when 0 <= elapsed < cooldown)")
 def test_the_ledger_acts_on_a_new_incident_after_the_agent_clock_went_back():
     ledger = Ledger()
     first = Notice("LossSpike", "firing", "rollback", "a@1", starts_at=T0)

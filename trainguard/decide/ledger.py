@@ -161,7 +161,8 @@ class Ledger:
         history = self.executed[action]
         while history and history[0] <= now - HOUR:
             history.popleft()
-        if history and now - history[-1] < self.limits.cooldown_seconds:
+        # 0 <= elapsed: after the agent's clock steps back, a new incident is not "within" the old one's cooldown.
+        if history and 0 <= now - history[-1] < self.limits.cooldown_seconds:
             return self._verdict(notice, COALESCED, None, f"{action} {now - history[-1]:.0f}s ago", now)
         limit = (self.limits.max_rollbacks_per_hour if action == actions.ROLLBACK
                  else self.limits.max_restores_per_hour)

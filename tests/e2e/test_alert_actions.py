@@ -35,9 +35,12 @@ def test_loss_spike_alert_rolls_back_and_the_run_finishes(tmp_path):
         fault = next(r for r in s.rank_events() if r["event"]["type"] == "fault_injected"
                      and r["event"]["kind"] == "spike")
         alerts = [r["event"] for r in s.agent_events("n1") if r["event"]["type"] == "alert"]
-        assert any(e["alertname"] == "LossSpike" and e["status"] == "firing" for e in alerts)
         # The spike also blows up the gradient norm: LossSpike and GradNormExplosion describe one incident,
-        # and the ledger turns them into one rollback (the other is coalesced into it).
+        # and the ledger turns them into one rollback (the other is coalesced into it). Which of the two
+        # reaches the agent first depends on scrape timing; once the rollback has removed the spike, the
+        # other may never fire.
+        assert any(e["alertname"] in ("LossSpike", "GradNormExplosion") and e["status"] == "firing"
+                   for e in alerts)
         decided = [e for e in alerts if e["outcome"] == "act"]
         assert len(decided) == 1 and decided[0]["action"] == "rollback" and decided[0]["source"] == "alertmanager"
         assert decided[0]["alertname"] in ("LossSpike", "GradNormExplosion")

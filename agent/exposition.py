@@ -36,17 +36,41 @@ def _escape_value(value: str) -> str:
     return value
 
 
+def label_text(labels: dict) -> str | None:
+    """`{k="v",...}` sorted as client_python writes it ("" if empty); None for a name client_python must escape."""
+    if not labels:
+        return ""
+    if not all(_plain(name) for name in labels):
+        return None
+    return "{" + ",".join(f'{k}="{_escape_value(v)}"' for k, v in sorted(labels.items())) + "}"
+
+
+class Labels(dict):
+    """A label set made once (per GPU, disk, rank ...) and shared by its samples, with its text rendered once.
+
+    A plain dict to every reader of the samples; the renderer takes `text` instead of sorting and escaping
+    the labels again on each scrape. Treat it as frozen: `text` is what it held when it was made.
+    """
+
+    __slots__ = ("text",)
+
+    def __init__(self, names, values):
+        super().__init__(zip(names, values))
+        self.text = label_text(self)
+
+
 _labels_cache: dict[tuple, str | None] = {}
 LABELS_CACHE_MAX = 16384     # distinct label sets remembered (series are bounded: a few thousand at most)
 
 
 def _labels(labels: dict) -> str | None:
-    """`{k="v",...}` sorted as client_python writes it, remembered per label set; None for a non-plain name."""
+    """The label text of any label dict: a Labels carries it, others are remembered per label set."""
+    if labels.__class__ is Labels:
+        return labels.text
     key = tuple(labels.items())
     text = _labels_cache.get(key)
     if text is None and key not in _labels_cache:
-        if all(_plain(name) for name in labels):
-            text = "{" + ",".join(f'{k}="{_escape_value(v)}"' for k, v in sorted(labels.items())) + "}"
+        text = label_text(labels)
         if len(_labels_cache) >= LABELS_CACHE_MAX:
             _labels_cache.clear()
         _labels_cache[key] = text
@@ -57,14 +81,18 @@ def _samples(family: Metric, openmetrics: bool) -> list[str] | None:
     """The family's sample lines, or None if one of them needs client_python's encoder."""
     lines = []
     reserved = () if openmetrics else (family.name + "_created", family.name + "_gsum", family.name + "_gcount")
-    for sample in family.samples:
-        if sample.timestamp is not None or sample.exemplar or sample.native_histogram or not _plain(sample.name) \
-                or sample.name in reserved:
+    checked = None     # a family's samples mostly share one name: check it once
+    for name, labels, value, timestamp, exemplar, native_histogram in family.samples:
+        if timestamp is not None or exemplar or native_histogram:
             return None
-        labels = _labels(sample.labels) if sample.labels else ""
-        if labels is None:
+        if name != checked:
+            if not _plain(name) or name in reserved:
+                return None
+            checked = name
+        text = labels.text if labels.__class__ is Labels else _labels(labels) if labels else ""
+        if text is None:
             return None
-        lines.append(f"{sample.name}{labels} {floatToGoString(sample.value)}\n")
+        lines.append(f"{name}{text} {floatToGoString(value)}\n")
     return lines
 
 
@@ -95,31 +123,63 @@ class _One:
         return [self.family]
 
 
+def _library(openmetrics: bool) -> Callable:
+    return partial(om_format.generate_latest, escaping=om_format.UNDERSCORES) if openmetrics \
+        else text_format.generate_latest
+
+
+def _family_text(family: Metric, openmetrics: bool, library: Callable) -> str:
+    lines = _block(family, openmetrics)
+    if lines is not None:
+        return "".join(lines)
+    text = library(_One(family)).decode()
+    return text[: -len("# EOF\n")] if openmetrics else text
+
+
 def render(families: Iterable[Metric], openmetrics: bool, library: Callable | None = None) -> bytes:
     """The exposition of `families`, as client_python's encoder (`library`) would write it."""
-    if library is None:
-        library = partial(om_format.generate_latest, escaping=om_format.UNDERSCORES) if openmetrics \
-            else text_format.generate_latest
-    out: list[str] = []
-    for family in families:
-        lines = _block(family, openmetrics)
-        if lines is not None:
-            out.extend(lines)
-        else:
-            text = library(_One(family)).decode()
-            out.append(text[: -len("# EOF\n")] if openmetrics else text)
+    library = library or _library(openmetrics)
+    out = [_family_text(family, openmetrics, library) for family in families]
     if openmetrics:
         out.append("# EOF\n")
     return "".join(out).encode()
 
 
-def encode(registry, accept_header: str) -> tuple[bytes, str]:
+class Renderer:
+    """`render`, remembering each family's text until the next render in the same format.
+
+    A collector hands out the same family object again only when it has not changed (see collector.Sample),
+    so a family seen at the last scrape is not rendered again. Scrapes may run at once: each builds its own
+    table and the last one to finish keeps it; a race costs a render, never a wrong line.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[bool, dict[int, tuple[Metric, str]]] = {False: {}, True: {}}
+
+    def render(self, families: Iterable[Metric], openmetrics: bool, library: Callable | None = None) -> bytes:
+        library = library or _library(openmetrics)
+        last, now = self._last[openmetrics], {}
+        out = []
+        for family in families:
+            seen = last.get(id(family))
+            # the table holds the family itself, so its id cannot have been reused by another object
+            text = seen[1] if seen is not None and seen[0] is family else _family_text(family, openmetrics, library)
+            now[id(family)] = (family, text)
+            out.append(text)
+        self._last[openmetrics] = now
+        if openmetrics:
+            out.append("# EOF\n")
+        return "".join(out).encode()
+
+
+def encode(registry, accept_header: str, renderer: Renderer | None = None) -> tuple[bytes, str]:
     """(body, content type) for a scrape, negotiated from the Accept header as client_python does."""
+    draw = renderer.render if renderer is not None else render
     encoder, content_type = text_format.choose_encoder(accept_header)
     if encoder is text_format.generate_latest:
-        return render(registry.collect(), False, encoder), content_type
+        return draw(registry.collect(), False, encoder), content_type
     keywords = getattr(encoder, "keywords", {})
     if getattr(encoder, "func", None) is om_format.generate_latest and \
             keywords.get("escaping", om_format.UNDERSCORES) == om_format.UNDERSCORES:
-        return render(registry.collect(), True, encoder), content_type
+        return draw(registry.collect(), True, encoder), content_type
     return encoder(registry), content_type   # an escaping scheme asked for by name: the library's own path

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,18 @@ def _int(text: str, path: Path, line: int | None, name: str) -> int:
         return int(text)
     except ValueError:
         raise ParseError(path, f"expected an integer, got {text!r}", line, name) from None
+
+
+def read_small(path: str | os.PathLike, size: int = 1 << 16) -> bytes:
+    """A small kernel file, whole, in reads of `size` (one, for most): no Path objects, no text layer."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        parts = [os.read(fd, size)]
+        while parts[-1]:
+            parts.append(os.read(fd, size))
+        return b"".join(parts)
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------------------------------- /proc/diskstats
@@ -55,18 +68,23 @@ class DiskStats:
 def read_diskstats(procfs: Path) -> list[DiskStats]:
     path = Path(procfs) / "diskstats"
     disks = []
-    with open(path, encoding="ascii", errors="replace") as lines:
-        for lineno, line in enumerate(lines, 1):
-            parts = line.split()
-            if not parts:
-                continue
-            if len(parts) < 3 + 11 or len(parts) > 3 + len(DISKSTAT_FIELDS):
-                raise ParseError(path, f"expected 14 to {3 + len(DISKSTAT_FIELDS)} fields, got {len(parts)}", lineno)
-            values = parts[3:]
-            stats = {name: _int(value, path, lineno, name) for name, value in zip(DISKSTAT_FIELDS, values)}
-            disks.append(DiskStats(_int(parts[0], path, lineno, "major"), _int(parts[1], path, lineno, "minor"),
-                                   parts[2], stats))
+    for lineno, line in enumerate(read_small(path).decode("ascii", "replace").splitlines(), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) < 3 + 11 or len(parts) > 3 + len(DISKSTAT_FIELDS):
+            raise ParseError(path, f"expected 14 to {3 + len(DISKSTAT_FIELDS)} fields, got {len(parts)}", lineno)
+        disks.append(DiskStats(_int(parts[0], path, lineno, "major"), _int(parts[1], path, lineno, "minor"),
+                               parts[2], _numbers(DISKSTAT_FIELDS, parts[3:], path, lineno)))
     return disks
+
+
+def _numbers(names: tuple[str, ...] | list[str], values: list[str], path: Path, lineno: int) -> dict[str, int]:
+    """{name: int(value)}; a value that is no integer is a ParseError naming its field."""
+    try:
+        return dict(zip(names, map(int, values)))
+    except ValueError:
+        return {name: _int(value, path, lineno, name) for name, value in zip(names, values)}
 
 
 # -------------------------------------------------------------------------------------- /proc/net/dev
@@ -74,8 +92,7 @@ def read_diskstats(procfs: Path) -> list[DiskStats]:
 def read_net_dev(procfs: Path) -> dict[str, dict[str, int]]:
     """{device: {"receive_bytes": n, ..., "transmit_colls": n}} with the names of the file's own header."""
     path = Path(procfs) / "net" / "dev"
-    with open(path, encoding="ascii", errors="replace") as handle:
-        lines = handle.read().splitlines()
+    lines = read_small(path).decode("ascii", "replace").splitlines()
     if len(lines) < 2 or lines[1].count("|") != 2:
         raise ParseError(path, "missing the 'face |bytes ... |bytes ...' header", 2)
     _, receive, transmit = lines[1].split("|")
@@ -88,7 +105,7 @@ def read_net_dev(procfs: Path) -> dict[str, dict[str, int]]:
         values = rest.split()
         if not sep or len(values) != len(names):
             raise ParseError(path, f"expected 'device: {len(names)} numbers'", lineno)
-        devices[device.strip()] = {name: _int(value, path, lineno, name) for name, value in zip(names, values)}
+        devices[device.strip()] = _numbers(names, values, path, lineno)
     return devices
 
 
@@ -153,15 +170,6 @@ def _parse_rate(path: Path) -> int:
     return int(gbits * 125_000_000)
 
 
-def _read_small(path: str) -> bytes:
-    """One read of a small sysfs file: no Path objects, no text decoding (a port has ~50 counters per update)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, 4096).strip()
-    finally:
-        os.close(fd)
-
-
 def _read_counter_dir(directory: Path, words: frozenset[str] = frozenset(),
                       strict: frozenset[str] = frozenset()) -> dict[str, int]:
     """Every regular file holding an unsigned integer; 'N/A (no PMA)' and unreadable files are skipped.
@@ -177,7 +185,7 @@ def _read_counter_dir(directory: Path, words: frozenset[str] = frozenset(),
         if not entry.is_file():
             continue
         try:
-            text = _read_small(entry.path)
+            text = read_small(entry.path, 4096).strip()
         except OSError:   # sysfs answers EINVAL/EOPNOTSUPP (or EACCES) for counters a port lacks
             continue
         if text.startswith(b"N/A"):
@@ -234,12 +242,27 @@ def _read_ib_port(device: str, number: int, path: Path, strict: frozenset[str]) 
                                if k not in IB_HW_NOT_COUNTERS})
 
 
-# ------------------------------------------------------------------------------- /proc/<pid>/environ
+# ------------------------------------------------------------------------ /proc/<pid>/stat, /environ
+
+def read_pid_stat(procfs: Path | str, pid: int) -> list[bytes] | None:
+    """The fields of <procfs>/<pid>/stat after "pid (comm)" (fields[0] is the state), or None when it is gone."""
+    try:
+        raw = read_small(f"{procfs}/{pid}/stat", 4096)
+    except OSError:
+        return None
+    return raw.rpartition(b")")[2].split()
+
+
+def process_start(procfs: Path | str, pid: int) -> int | None:
+    """The process's start time (clock ticks after boot): a pid and its start time name one process for good."""
+    fields = read_pid_stat(procfs, pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
+
 
 def read_environ(procfs: Path, pid: int) -> dict[str, str] | None:
     """The environment a process started with, or None when it is gone or not ours to read."""
     try:
-        raw = (Path(procfs) / str(pid) / "environ").read_bytes()
+        raw = read_small(f"{procfs}/{pid}/environ")
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     env = {}
@@ -265,3 +288,36 @@ def read_rank_pids(run_dir: Path | None, node: str) -> dict[int, int]:
     ours = {node, socket.gethostname()}
     infos, _ = read_ranks(run_dir)
     return {info.rank: info.pid for info in sorted(infos, key=lambda i: i.rank) if info.host in ours}
+
+
+class RankPids:
+    """`read_rank_pids`, read again only when RUN/control/ranks changes (collectors ask every second).
+
+    A rank replaces its file atomically (trainer/control.py), which changes the directory's mtime. Two
+    changes within the filesystem's timestamp granularity could share one mtime, so a directory changed
+    less than RACY_SECONDS before it was read is read again next time (git's "racily clean" rule).
+    The mapping returned is shared: read it, do not change it.
+    """
+
+    RACY_SECONDS = 2.0
+
+    def __init__(self, run_dir: Path | None, node: str):
+        self.run_dir, self.node = run_dir, node
+        self._directory = os.path.join(run_dir, "control", "ranks") if run_dir is not None else None
+        self._version: tuple[int, int] | None = None     # (inode, mtime_ns) of the directory when read
+        self._pids: dict[int, int] = {}
+
+    def get(self) -> dict[int, int]:
+        if self._directory is None:
+            return self._pids
+        try:
+            st = os.stat(self._directory)
+        except OSError:
+            self._version, self._pids = None, {}
+            return self._pids
+        version = (st.st_ino, st.st_mtime_ns)
+        if version != self._version:
+            self._pids = read_rank_pids(self.run_dir, self.node)
+            settled = time.time() - st.st_mtime > self.RACY_SECONDS
+            self._version = version if settled else None
+        return self._pids

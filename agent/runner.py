@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import InfoMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 
 import trainguard
 from trainguard import log as tglog
 from trainguard.agent.collector import REGISTRY, Collector, CollectorDisabled, Context, Sample
 from trainguard.agent.config import AgentConfig
+from trainguard.agent.families import Labels, Spec
 
 STARTING, OK, FAILED, HUNG, DISABLED = "starting", "ok", "failed", "hung", "disabled"
 
@@ -193,6 +194,8 @@ class Agent:
         self._decision_handlers: list[Callable] = []
         self._duplicates_logged: set[str] = set()   # family names seen twice (dropped), logged once each
         self.runners = self._build_runners(dict(REGISTRY if registry is None else registry))
+        self._collector_labels = {name: DURATION.labels(name) for name in self.runners}
+        self._info = _agent_info(config)     # the same object every scrape: rendered once
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_CachedExposition(self))
         self.registry.register(ProcessCollector(registry=None))
@@ -291,9 +294,9 @@ class Agent:
         for view in views:
             for family in view.families:
                 yield view.name, family
-        for family in _scrape_families(views):
+        for family in _scrape_families(views, self._collector_labels):
             yield "agent", family
-        yield "agent", _agent_info(self.config)
+        yield "agent", self._info
         for source in self._sources:
             try:
                 families = list(source())
@@ -317,37 +320,39 @@ class _CachedExposition:
         return self._agent.families()
 
 
-def _scrape_families(views: list[View]) -> list[Metric]:
-    """node_exporter's per-collector duration and success, plus when each last succeeded."""
-    duration = GaugeMetricFamily("trainguard_scrape_collector_duration_seconds",
-                                 "Duration of the collector's last update (of the one in flight when hung).",
-                                 labels=["collector"])
-    success = GaugeMetricFamily("trainguard_scrape_collector_success",
-                                "Whether the collector's last update succeeded (0 when failed or hung).",
-                                labels=["collector"])
-    last = GaugeMetricFamily("trainguard_collector_last_success_timestamp_seconds",
-                             "Unix time of the collector's last successful update.", labels=["collector"])
-    failures = CounterMetricFamily("trainguard_collector_failures", "Failed or timed-out updates of the collector.",
-                                   labels=["collector"])
-    cpu = CounterMetricFamily("trainguard_collector_cpu_seconds",
-                              "CPU time the collector's updates used (what sampling costs the node).",
-                              labels=["collector"])
-    disabled = GaugeMetricFamily("trainguard_collector_disabled",
-                                 "1 when the collector disabled itself (it cannot run here; see /healthz).",
-                                 labels=["collector"])
+# node_exporter's per-collector duration and success, plus when each last succeeded (label: collector)
+DURATION = Spec("gauge", "trainguard_scrape_collector_duration_seconds",
+                "Duration of the collector's last update (of the one in flight when hung).", ["collector"])
+SUCCESS = Spec("gauge", "trainguard_scrape_collector_success",
+               "Whether the collector's last update succeeded (0 when failed or hung).", ["collector"])
+LAST_SUCCESS = Spec("gauge", "trainguard_collector_last_success_timestamp_seconds",
+                    "Unix time of the collector's last successful update.", ["collector"])
+FAILURES = Spec("counter", "trainguard_collector_failures", "Failed or timed-out updates of the collector.",
+                ["collector"])
+CPU = Spec("counter", "trainguard_collector_cpu_seconds",
+           "CPU time the collector's updates used (what sampling costs the node).", ["collector"])
+DISABLED_FLAG = Spec("gauge", "trainguard_collector_disabled",
+                     "1 when the collector disabled itself (it cannot run here; see /healthz).", ["collector"])
+
+
+def _scrape_families(views: list[View], labels: Mapping[str, Labels]) -> list[Metric]:
+    """The families above for these views; `labels[name]` is the collector's label set."""
+    duration, success, last, failures, cpu, disabled = [], [], [], [], [], []
     for view in views:
+        collector = labels[view.name]
         if view.status == DISABLED:
-            disabled.add_metric([view.name], 1)
+            disabled.append((collector, 1))
             continue
         if view.success is None:  # first update not finished yet
             continue
-        duration.add_metric([view.name], view.duration)
-        success.add_metric([view.name], 1 if view.success else 0)
-        failures.add_metric([view.name], view.failures)
-        cpu.add_metric([view.name], view.cpu_seconds)
+        duration.append((collector, view.duration))
+        success.append((collector, 1 if view.success else 0))
+        failures.append((collector, view.failures))
+        cpu.append((collector, view.cpu_seconds))
         if view.last_success_time is not None:
-            last.add_metric([view.name], view.last_success_time)
-    return [duration, success, last, failures, cpu, disabled]
+            last.append((collector, view.last_success_time))
+    return [DURATION.family(duration), SUCCESS.family(success), LAST_SUCCESS.family(last),
+            FAILURES.family(failures), CPU.family(cpu), DISABLED_FLAG.family(disabled)]
 
 
 def _agent_info(config: AgentConfig) -> Metric:

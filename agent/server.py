@@ -62,6 +62,8 @@ class AgentServer:
         self._slots = threading.BoundedSemaphore(max_connections)
         self._log = tglog.get("agent.server")
         self._thread: threading.Thread | None = None
+        self._renderer = exposition.Renderer()    # families unchanged since the last scrape are not rendered again
+        self._gzipped: tuple[bytes, bytes] = (b"", gzip.compress(b"", compresslevel=1))   # (body, compressed)
         handler = type("BoundHandler", (_RequestHandler,), {"server_app": self, "timeout": read_timeout})
         self.httpd = _Server((host, port), handler)
         if agent is not None:
@@ -116,11 +118,20 @@ class AgentServer:
             return 500, {"Content-Type": "text/plain"}, f"internal error: {type(exc).__name__}\n".encode()
 
     def _metrics(self, request: Request) -> Response:
-        body, content_type = exposition.encode(self.agent.registry, request.headers.get("Accept", ""))
+        body, content_type = exposition.encode(self.agent.registry, request.headers.get("Accept", ""),
+                                               self._renderer)
         headers = {"Content-Type": content_type}
         if "gzip" in request.headers.get("Accept-Encoding", ""):
-            body, headers["Content-Encoding"] = gzip.compress(body, compresslevel=1), "gzip"
+            body, headers["Content-Encoding"] = self._gzip(body), "gzip"
         return 200, headers, body
+
+    def _gzip(self, body: bytes) -> bytes:
+        """Compressed once per distinct body: back-to-back scrapes (HA Prometheus pairs) often get the same one."""
+        last_body, compressed = self._gzipped
+        if body != last_body:
+            compressed = gzip.compress(body, compresslevel=1)
+            self._gzipped = (body, compressed)
+        return compressed
 
     def _healthz(self, request: Request) -> Response:
         return json_response(200, self.agent.health())

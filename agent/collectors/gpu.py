@@ -26,7 +26,7 @@ from trainguard import log
 
 from ..collector import Collector, CollectorDisabled, Sample, register
 from ..config import ConfigError
-from ..procfs import read_rank_pids
+from ..procfs import RankPids
 from . import gpu_metrics
 from .gpu_metrics import GPU, LABEL_STYLES, LOST, Reader, error_values
 from .options import options
@@ -56,6 +56,7 @@ class GPUCollector(Collector):
         self.gpus = self._enumerate()
         self.reader = Reader(self.nvml, pcie_throughput=self.opts["pcie_throughput"])
         self.xids = XidCounts()
+        self.rank_pids = RankPids(ctx.run_dir, ctx.node)
         self.kmsg = KmsgSource(ctx.devfs) if self.opts["kmsg"] else None
         self.events = self._event_source()
 
@@ -158,7 +159,7 @@ class GPUCollector(Collector):
         if self.kmsg is not None:
             self.xids.add("kmsg", self.kmsg.poll())
         sources = {"nvml": self.events.available, **({"kmsg": self.kmsg.available} if self.kmsg else {})}
-        ranks = {pid: rank for rank, pid in read_rank_pids(self.ctx.run_dir, self.ctx.node).items()}
+        ranks = {pid: rank for rank, pid in self.rank_pids.get().items()}
         for gpu in self.gpus:
             if gpu.pci in self.xids.last and gpu.index in readings:
                 readings[gpu.index]["last_xid"] = self.xids.last[gpu.pci]

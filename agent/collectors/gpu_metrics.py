@@ -13,9 +13,12 @@ exported as trainguard_gpu_*, in base units, with _total counters.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Callable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
+
+from ..families import LabelCache, Spec
 
 MiB = 2**20
 UINT_MAX = 0xFFFFFFFF
@@ -116,7 +119,7 @@ class GPU:
     lost: bool = False
     lost_reason: str = ""
     recovering: bool = False       # re-initialised after being lost, not yet confirmed by a good reading
-    unsupported: set[str] = field(default_factory=set)
+    unsupported: set[tuple] = field(default_factory=set)     # (function name, args) it has no answer for
     nvlink_previous: tuple[float, float] | None = None    # (time, TX+RX KiB) for the bandwidth gauge
 
     def labels(self, node: str) -> list[str]:
@@ -137,16 +140,20 @@ class Reader:
         self.not_now = error_values(nvml, NOT_NOW)
         self.fields = [(name, getattr(nvml, constant), scope) for name, (constant, scope) in FIELDS.items()
                        if hasattr(nvml, constant)]
+        self.field_ids = tuple((fid, scope) for _, fid, scope in self.fields)    # one batched call per GPU
+        self._functions: dict[str, Callable | None] = {}     # looked up once (a module attribute never changes)
         self.throttle_call = ("nvmlDeviceGetCurrentClocksEventReasons"
                               if hasattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons")
                               else "nvmlDeviceGetCurrentClocksThrottleReasons")
 
     def call(self, gpu: GPU, name: str, *args: Any) -> Any:
         """nvml.<name>(handle, *args), or None when this GPU has no such reading."""
-        key = name + repr(args)
+        key = (name, args)
         if key in gpu.unsupported:
             return None
-        function: Callable | None = getattr(self.nvml, name, None)
+        function = self._functions.get(name)
+        if function is None and name not in self._functions:
+            function = self._functions[name] = getattr(self.nvml, name, None)
         if function is None:
             gpu.unsupported.add(key)
             return None
@@ -200,7 +207,7 @@ class Reader:
             r["retired_pending"] = int(pending)
 
     def _fields(self, gpu: GPU, r: dict, now: float) -> None:
-        values = self.call(gpu, "nvmlDeviceGetFieldValues", [(fid, scope) for _, fid, scope in self.fields])
+        values = self.call(gpu, "nvmlDeviceGetFieldValues", self.field_ids)
         for (name, _, _), value in zip(self.fields, values or ()):
             if value.nvmlReturn == self.nvml.NVML_SUCCESS:
                 r[name] = field_number(self.nvml, value)
@@ -229,82 +236,88 @@ def field_number(nvml, value) -> float:
 
 # ------------------------------------------------------------------------------------------ rendering
 
+# (trainguard name, reading, scale, help) -> one counter per GPU
+COUNTERS = (
+    ("trainguard_gpu_nvlink_transmitted_bytes", "nvlink_tx_kib", 1024, "NVLink data transmitted over all links."),
+    ("trainguard_gpu_nvlink_received_bytes", "nvlink_rx_kib", 1024, "NVLink data received over all links."),
+    ("trainguard_gpu_pcie_transmitted_bytes", "pcie_tx_bytes", 1, "Bytes the GPU transmitted over PCIe."),
+    ("trainguard_gpu_pcie_received_bytes", "pcie_rx_bytes", 1, "Bytes the GPU received over PCIe."),
+    # DCGM_FI_DEV_PCIE_REPLAY_COUNTER: promtool rejects a metric name containing "counter"
+    ("trainguard_gpu_pcie_replays", "pcie_replays", 1, "PCIe replays (retries) of the GPU's link."),
+)
+
+
 def families(gpus: list[GPU], readings: dict[int, dict], xid_counts: dict[tuple[str, int], int],
              ranks_by_pid: dict[int, int], node: str, label_names: tuple[str, ...],
              xid_sources: dict[str, bool]) -> list[Metric]:
     """All GPU families from one update's readings ({gpu index: reading}); lost GPUs have no reading."""
-    labels = list(label_names)
-    out: list[Metric] = []
-    for name, key, help_ in DCGM_GAUGES:
-        family = GaugeMetricFamily(name, help_, labels=labels)
-        for gpu in gpus:
-            reading = readings.get(gpu.index)
-            if reading is not None and key in reading:
-                family.add_metric(gpu.labels(node), reading[key])
-        if family.samples:
-            out.append(family)
-    lost = GaugeMetricFamily("trainguard_gpu_lost", "1 while NVML reports the GPU lost (fell off the bus, driver "
-                             "wedged) or cannot reach it; NVML is re-initialised with backoff.", labels=labels)
-    throttle = GaugeMetricFamily("trainguard_gpu_clock_throttle_active", "1 while this clock throttle reason is "
-                                 "active (DCGM_FI_DEV_CLOCK_THROTTLE_REASONS decoded).", labels=[*labels, "reason"])
-    for gpu in gpus:
-        lost.add_metric(gpu.labels(node), 1 if gpu.lost else 0)
-        reasons = readings.get(gpu.index, {}).get("throttle_reasons")
-        if reasons is not None:
-            for bit, reason in THROTTLE_REASONS:
-                throttle.add_metric([*gpu.labels(node), reason], 1 if reasons & bit else 0)
-    out += [lost, throttle] if throttle.samples else [lost]
-    out += _counters(gpus, readings, node, labels)
-    out += _xid_families(gpus, xid_counts, node, labels, xid_sources)
-    out += _process_families(gpus, readings, ranks_by_pid, node, labels)
-    return out
+    return _families_of(tuple(label_names)).build(gpus, readings, xid_counts, ranks_by_pid, node, xid_sources)
 
 
-def _counters(gpus: list[GPU], readings: dict[int, dict], node: str, labels: list[str]) -> list[Metric]:
-    specs = (("trainguard_gpu_nvlink_transmitted_bytes", "nvlink_tx_kib", 1024, "NVLink data transmitted over all links."),
-             ("trainguard_gpu_nvlink_received_bytes", "nvlink_rx_kib", 1024, "NVLink data received over all links."),
-             ("trainguard_gpu_pcie_transmitted_bytes", "pcie_tx_bytes", 1, "Bytes the GPU transmitted over PCIe."),
-             ("trainguard_gpu_pcie_received_bytes", "pcie_rx_bytes", 1, "Bytes the GPU received over PCIe."),
-             # DCGM_FI_DEV_PCIE_REPLAY_COUNTER: promtool rejects a metric name containing "counter"
-             ("trainguard_gpu_pcie_replays", "pcie_replays", 1, "PCIe replays (retries) of the GPU's link."))
-    out = []
-    for name, key, scale, help_ in specs:
-        family = CounterMetricFamily(name, help_, labels=labels)
-        for gpu in gpus:
-            reading = readings.get(gpu.index, {})
-            if key in reading:
-                family.add_metric(gpu.labels(node), reading[key] * scale)
-        if family.samples:
-            out.append(family)
-    return out
+@lru_cache(maxsize=None)
+def _families_of(label_names: tuple[str, ...]) -> "_Families":
+    return _Families(label_names)
 
 
-def _xid_families(gpus: list[GPU], counts: dict[tuple[str, int], int], node: str, labels: list[str],
-                  sources: dict[str, bool]) -> list[Metric]:
-    by_pci = {gpu.pci: gpu for gpu in gpus}
-    family = CounterMetricFamily("trainguard_gpu_xid_errors", "XID errors by code, from NVML events and the kernel "
-                                 "log (the larger count of the two).", labels=[*labels, "xid"])
-    for (pci, xid), count in counts.items():
-        gpu = by_pci.get(pci)
-        gpu_labels = gpu.labels(node) if gpu else ["", "", pci, "", "", node]
-        family.add_metric([*gpu_labels, str(xid)], count)
-    available = GaugeMetricFamily("trainguard_gpu_xid_source_available", "1 if this XID source (nvml events, "
-                                  "kmsg) is readable here.", labels=["source"])
-    for source, ok in sorted(sources.items()):
-        available.add_metric([source], 1 if ok else 0)
-    return [f for f in (family, available) if f.samples]
+class _Families:
+    """The GPU families of one label style: names checked once, each label set made once (per GPU, reason ...)."""
 
+    def __init__(self, label_names: tuple[str, ...]):
+        labels = list(label_names)
+        self.gauges = [(Spec("gauge", name, help_, labels), key) for name, key, help_ in DCGM_GAUGES]
+        self.lost = Spec("gauge", "trainguard_gpu_lost", "1 while NVML reports the GPU lost (fell off the bus, "
+                         "driver wedged) or cannot reach it; NVML is re-initialised with backoff.", labels)
+        self.throttle = Spec("gauge", "trainguard_gpu_clock_throttle_active", "1 while this clock throttle reason "
+                             "is active (DCGM_FI_DEV_CLOCK_THROTTLE_REASONS decoded).", [*labels, "reason"])
+        self.counters = [(Spec("counter", name, help_, labels), key, scale) for name, key, scale, help_ in COUNTERS]
+        self.xids = Spec("counter", "trainguard_gpu_xid_errors", "XID errors by code, from NVML events and the "
+                         "kernel log (the larger count of the two).", [*labels, "xid"])
+        self.xid_available = Spec("gauge", "trainguard_gpu_xid_source_available", "1 if this XID source (nvml "
+                                  "events, kmsg) is readable here.", ["source"])
+        self.processes = Spec("gauge", "trainguard_gpu_process_memory_bytes", "GPU memory used by the trainer's "
+                              "ranks on this GPU (rank \"other\": processes that are no rank of the run).",
+                              [*labels, "rank"])
+        self.gpu_labels = LabelCache(labels)
+        self.throttle_labels = LabelCache(self.throttle.label_names)
+        self.xid_labels = LabelCache(self.xids.label_names)
+        self.source_labels = LabelCache(["source"])
+        self.rank_labels = LabelCache(self.processes.label_names)
 
-def _process_families(gpus: list[GPU], readings: dict[int, dict], ranks_by_pid: dict[int, int], node: str,
-                      labels: list[str]) -> list[Metric]:
-    family = GaugeMetricFamily("trainguard_gpu_process_memory_bytes", "GPU memory used by the trainer's ranks on "
-                               "this GPU (rank \"other\": processes that are no rank of the run).",
-                               labels=[*labels, "rank"])
-    for gpu in gpus:
-        per_rank: dict[str, int] = {}
-        for pid, used in readings.get(gpu.index, {}).get("processes", ()):
-            rank = str(ranks_by_pid[pid]) if pid in ranks_by_pid else "other"
-            per_rank[rank] = per_rank.get(rank, 0) + used
-        for rank, used in sorted(per_rank.items()):
-            family.add_metric([*gpu.labels(node), rank], used)
-    return [family] if family.samples else []
+    def build(self, gpus: list[GPU], readings: dict[int, dict], xid_counts: dict[tuple[str, int], int],
+              ranks_by_pid: dict[int, int], node: str, xid_sources: dict[str, bool]) -> list[Metric]:
+        values = {gpu.index: tuple(gpu.labels(node)) for gpu in gpus}
+        read = [(gpu, values[gpu.index], self.gpu_labels.get(*values[gpu.index]), readings[gpu.index])
+                for gpu in gpus if gpu.index in readings]
+        out = [spec.family(samples) for spec, key in self.gauges
+               for samples in [[(labels, r[key]) for _, _, labels, r in read if key in r]] if samples]
+        out.append(self.lost.family((self.gpu_labels.get(*values[gpu.index]), 1 if gpu.lost else 0) for gpu in gpus))
+        throttle = self.throttle.family(
+            (self.throttle_labels.get(*gpu_values, reason), 1 if r["throttle_reasons"] & bit else 0)
+            for _, gpu_values, _, r in read if r.get("throttle_reasons") is not None
+            for bit, reason in THROTTLE_REASONS)
+        if throttle.samples:
+            out.append(throttle)
+        out += [spec.family(samples) for spec, key, scale in self.counters
+                for samples in [[(labels, r[key] * scale) for _, _, labels, r in read if key in r]] if samples]
+        out += self._xid_families(gpus, values, xid_counts, node, xid_sources)
+        processes = self._process_family(read, ranks_by_pid)
+        return out + [processes] if processes.samples else out
+
+    def _xid_families(self, gpus: list[GPU], values: dict[int, tuple], counts: dict[tuple[str, int], int],
+                      node: str, sources: dict[str, bool]) -> list[Metric]:
+        by_pci = {gpu.pci: values[gpu.index] for gpu in gpus}
+        xids = self.xids.family((self.xid_labels.get(*by_pci.get(pci, ("", "", pci, "", "", node)), str(xid)), count)
+                                for (pci, xid), count in counts.items())
+        available = self.xid_available.family((self.source_labels.get(source), 1 if ok else 0)
+                                              for source, ok in sorted(sources.items()))
+        return [f for f in (xids, available) if f.samples]
+
+    def _process_family(self, read: list[tuple], ranks_by_pid: dict[int, int]) -> Metric:
+        samples = []
+        for _, gpu_values, _, reading in read:
+            per_rank: dict[str, int] = {}
+            for pid, used in reading.get("processes", ()):
+                rank = str(ranks_by_pid[pid]) if pid in ranks_by_pid else "other"
+                per_rank[rank] = per_rank.get(rank, 0) + used
+            samples += [(self.rank_labels.get(*gpu_values, rank), used) for rank, used in sorted(per_rank.items())]
+        return self.processes.family(samples)

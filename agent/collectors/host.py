@@ -17,11 +17,12 @@ import os
 import re
 from pathlib import Path
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import InfoMetricFamily
 
 from trainguard.agent.collector import Collector, Context, Sample, register
 from trainguard.agent.collectors.options import options
-from trainguard.agent.procfs import read_rank_pids
+from trainguard.agent.families import LabelCache, Spec
+from trainguard.agent.procfs import RankPids, read_pid_stat, read_small
 from trainguard.agent.versions import software_versions
 
 USER_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -83,20 +84,20 @@ class HostCollector(Collector):
         self.opts = options(ctx.options, self.name, nccl_from_torch=True)
         self._last_cpu: tuple[int, int] | None = None       # (busy, total) jiffies at the last update
         self._started: dict[int, tuple[int, int]] = {}       # rank -> (pid, start time) of its process
-        self._pids: dict[int, int] = {}
-        self._ranks_version: tuple | None = None              # (inode, mtime) of control/ranks when read
-        self._versions: dict[str, str] | None = None
+        self._rank_pids = RankPids(ctx.run_dir, ctx.node)
+        self._info = None           # trainguard_node_info: versions found once, so one family for good
 
     def update(self) -> Sample:
         procfs = self.ctx.procfs
-        stat = parse_stat((procfs / "stat").read_text())
-        memory = parse_meminfo((procfs / "meminfo").read_text())
-        load = parse_loadavg((procfs / "loadavg").read_text())
-        if self._versions is None:
-            self._versions = software_versions(self.ctx, ask_torch=self.opts["nccl_from_torch"])
+        stat = parse_stat(_read(procfs, "stat"))
+        memory = parse_meminfo(_read(procfs, "meminfo"))
+        load = parse_loadavg(_read(procfs, "loadavg"))
+        if self._info is None:
+            versions = software_versions(self.ctx, ask_torch=self.opts["nccl_from_torch"])
+            self._info = _info_family(self.ctx.node, versions)
         ranks = self._rank_processes()
         families = [*_cpu_families(stat), *_memory_families(memory), *_load_families(load),
-                    *_rank_families(ranks), _info_family(self.ctx.node, self._versions)]
+                    *_rank_families(ranks), self._info]
         return Sample(families, tls=self._tls(stat, memory, load, ranks))
 
     def _tls(self, stat: dict, memory: dict, load: tuple, ranks: dict) -> dict:
@@ -116,24 +117,10 @@ class HostCollector(Collector):
 
     # ------------------------------------------------------------------------------------ trainer
 
-    def _rank_pids(self) -> dict[int, int]:
-        """{rank: pid} on this node, read again only when RUN/control/ranks changes (ranks replace their file)."""
-        if self.ctx.run_dir is None:
-            return {}
-        try:
-            st = os.stat(os.path.join(self.ctx.run_dir, "control", "ranks"))
-            version = (st.st_ino, st.st_mtime_ns)
-        except OSError:
-            version = None
-        if version is None or version != self._ranks_version:
-            self._pids = read_rank_pids(self.ctx.run_dir, self.ctx.node)
-            self._ranks_version = version
-        return self._pids
-
     def _rank_processes(self) -> dict[int, dict]:
         """This node's ranks (RUN/control/ranks) with their process's CPU, RSS and threads, or up=False."""
         out = {}
-        pids = self._rank_pids()
+        pids = self._rank_pids.get()
         for rank in set(self._started) - set(pids):
             del self._started[rank]
         for rank, pid in pids.items():
@@ -147,14 +134,14 @@ class HostCollector(Collector):
         return out
 
 
+def _read(procfs: Path, name: str) -> str:
+    return read_small(os.path.join(procfs, name)).decode("ascii", "replace")
+
+
 def read_process(procfs: Path, pid: int) -> dict | None:
     """CPU, RSS and threads of a process from one read of <procfs>/<pid>/stat; None if gone or a zombie."""
-    try:
-        text = (procfs / str(pid) / "stat").read_text()
-    except (OSError, ValueError):
-        return None
-    fields = text.rsplit(")", 1)[1].split()   # after "pid (comm)": field 3 (state) is fields[0]
-    if fields[0] in ("Z", "X"):
+    fields = read_pid_stat(procfs, pid)     # after "pid (comm)": field 3 (state) is fields[0]
+    if not fields or fields[0] in (b"Z", b"X"):
         return None
     return {"up": True, "user": int(fields[11]) / USER_HZ, "system": int(fields[12]) / USER_HZ,
             "threads": int(fields[17]), "start": int(fields[19]), "rss": int(fields[21]) * PAGE_SIZE}
@@ -162,31 +149,31 @@ def read_process(procfs: Path, pid: int) -> dict | None:
 
 # ----------------------------------------------------------------------------------------- families
 
+_CPU_LABELS = LabelCache(["cpu", "mode"])
+CPU_SECONDS = Spec("counter", "node_cpu_seconds_total", "Seconds the CPUs spent in each mode.", ["cpu", "mode"])
+CPU_GUEST = Spec("counter", "node_cpu_guest_seconds_total", "Seconds the CPUs spent in guests (VMs) for each mode.",
+                 ["cpu", "mode"])
+# /proc/stat line -> its family (node_exporter's stat collector)
+STAT_COUNTERS = (
+    ("ctxt", Spec("counter", "node_context_switches_total", "Total number of context switches.")),
+    ("processes", Spec("counter", "node_forks_total", "Total number of forks.")),
+    ("intr", Spec("counter", "node_intr_total", "Total number of interrupts serviced.")),
+    ("btime", Spec("gauge", "node_boot_time_seconds", "Node boot time, in unixtime.")),
+    ("procs_running", Spec("gauge", "node_procs_running", "Number of processes in runnable state.")),
+    ("procs_blocked", Spec("gauge", "node_procs_blocked", "Number of processes blocked waiting for I/O to complete.")),
+)
+
+
 def _cpu_families(stat: dict) -> list:
-    seconds = CounterMetricFamily("node_cpu_seconds_total", "Seconds the CPUs spent in each mode.",
-                                  labels=["cpu", "mode"])
-    guest = CounterMetricFamily("node_cpu_guest_seconds_total",
-                                "Seconds the CPUs spent in guests (VMs) for each mode.", labels=["cpu", "mode"])
+    seconds, guest = [], []
     for cpu, jiffies in sorted(((c, j) for c, j in stat["cpus"].items() if c != "total"), key=lambda i: int(i[0])):
-        for mode, value in zip(CPU_MODES, jiffies):
-            seconds.add_metric([cpu, mode], value / USER_HZ)
+        seconds += [(_CPU_LABELS.get(cpu, mode), value / USER_HZ) for mode, value in zip(CPU_MODES, jiffies)]
         if len(jiffies) >= 10:
-            guest.add_metric([cpu, "user"], jiffies[8] / USER_HZ)
-            guest.add_metric([cpu, "nice"], jiffies[9] / USER_HZ)
+            guest += [(_CPU_LABELS.get(cpu, "user"), jiffies[8] / USER_HZ),
+                      (_CPU_LABELS.get(cpu, "nice"), jiffies[9] / USER_HZ)]
     counters = stat["counters"]
-    families = [seconds, guest]
-    for key, name, text, kind in (
-            ("ctxt", "node_context_switches_total", "Total number of context switches.", "counter"),
-            ("processes", "node_forks_total", "Total number of forks.", "counter"),
-            ("intr", "node_intr_total", "Total number of interrupts serviced.", "counter"),
-            ("btime", "node_boot_time_seconds", "Node boot time, in unixtime.", "gauge"),
-            ("procs_running", "node_procs_running", "Number of processes in runnable state.", "gauge"),
-            ("procs_blocked", "node_procs_blocked", "Number of processes blocked waiting for I/O to complete.",
-             "gauge")):
-        if key in counters:
-            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-            families.append(cls(name, text, value=counters[key]))
-    return families
+    return [CPU_SECONDS.family(seconds), CPU_GUEST.family(guest),
+            *(spec.value(counters[key]) for key, spec in STAT_COUNTERS if key in counters)]
 
 
 # meminfo field -> trainguard name. node_exporter's names (node_memory_MemTotal_bytes) fail `promtool check
@@ -200,41 +187,42 @@ MEMORY_FIELDS = {
     "Hugepagesize_bytes": "hugepage_size_bytes", "HugePages_Total": "hugepages",
     "HugePages_Free": "hugepages_free",
 }
+_MEMORY_SPECS = [(field, Spec("gauge", f"trainguard_host_memory_{name}", f"/proc/meminfo {field.split('_bytes')[0]}."))
+                 for field, name in MEMORY_FIELDS.items()]
+_LOAD_SPECS = [Spec("gauge", f"node_load{window}", f"{window}m load average.") for window in (1, 5, 15)]
 
 
 def _memory_families(memory: dict[str, float]) -> list:
-    return [GaugeMetricFamily(f"trainguard_host_memory_{name}", f"/proc/meminfo {field.split('_bytes')[0]}.",
-                              value=memory[field])
-            for field, name in MEMORY_FIELDS.items() if field in memory]
+    return [spec.value(memory[field]) for field, spec in _MEMORY_SPECS if field in memory]
 
 
 def _load_families(load: tuple[float, float, float]) -> list:
-    return [GaugeMetricFamily(f"node_load{window}", f"{window}m load average.", value=value)
-            for window, value in zip((1, 5, 15), load)]
+    return [spec.value(value) for spec, value in zip(_LOAD_SPECS, load)]
+
+
+_RANK_LABELS = LabelCache(["rank"])
+_RANK_MODE_LABELS = LabelCache(["rank", "mode"])
+RANK_UP = Spec("gauge", "trainguard_rank_process_up", "1 when the rank's process (from control/ranks) is alive.",
+               ["rank"])
+RANK_CPU = Spec("counter", "trainguard_rank_cpu_seconds", "CPU time of the rank's process, by mode.", ["rank", "mode"])
+RANK_RSS = Spec("gauge", "trainguard_rank_resident_memory_bytes", "Resident memory of the rank's process.", ["rank"])
+RANK_THREADS = Spec("gauge", "trainguard_rank_threads", "Threads of the rank's process.", ["rank"])
 
 
 def _rank_families(ranks: dict[int, dict]) -> list:
-    up = GaugeMetricFamily("trainguard_rank_process_up", "1 when the rank's process (from control/ranks) is alive.",
-                           labels=["rank"])
-    cpu = CounterMetricFamily("trainguard_rank_cpu_seconds", "CPU time of the rank's process, by mode.",
-                              labels=["rank", "mode"])
-    rss = GaugeMetricFamily("trainguard_rank_resident_memory_bytes", "Resident memory of the rank's process.",
-                            labels=["rank"])
-    threads = GaugeMetricFamily("trainguard_rank_threads", "Threads of the rank's process.", labels=["rank"])
+    up, cpu, rss, threads = [], [], [], []
     for rank, values in sorted(ranks.items()):
-        label = str(rank)
-        up.add_metric([label], 1 if values["up"] else 0)
+        label = _RANK_LABELS.get(str(rank))
+        up.append((label, 1 if values["up"] else 0))
         if values["up"]:
-            cpu.add_metric([label, "user"], values["user"])
-            cpu.add_metric([label, "system"], values["system"])
-            rss.add_metric([label], values["rss"])
-            threads.add_metric([label], values["threads"])
-    return [up, cpu, rss, threads]
+            cpu += [(_RANK_MODE_LABELS.get(str(rank), "user"), values["user"]),
+                    (_RANK_MODE_LABELS.get(str(rank), "system"), values["system"])]
+            rss.append((label, values["rss"]))
+            threads.append((label, values["threads"]))
+    return [RANK_UP.family(up), RANK_CPU.family(cpu), RANK_RSS.family(rss), RANK_THREADS.family(threads)]
 
 
-def _info_family(node: str, versions: dict[str, str]) -> GaugeMetricFamily:
-    from prometheus_client.core import InfoMetricFamily
-
+def _info_family(node: str, versions: dict[str, str]) -> InfoMetricFamily:
     info = InfoMetricFamily("trainguard_node", "Software versions on the node (compare across nodes).")
     info.add_metric([], {"node": node, **versions})
     return info

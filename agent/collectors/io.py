@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from ..collector import Collector, Sample, register
+from ..families import LabelCache, Labels, Spec
 from ..procfs import DiskStats, read_diskstats, read_net_dev
 from .options import DeviceFilter, options
 
@@ -67,15 +68,15 @@ class IOCollector(Collector):
         self.nics = DeviceFilter(self.name, opts["netdev_device_exclude"], opts["netdev_device_include"],
                                  prefix="netdev_device")
         checkpoints = opts["checkpoint_dir"] or (ctx.run_dir / "checkpoints" if ctx.run_dir else None)
-        self.checkpoint_dir = Path(checkpoints) if checkpoints else None
+        self.checkpoint_fs = CheckpointFilesystem(Path(checkpoints)) if checkpoints else None
         self._previous: dict[str, DiskStats] = {}
 
     def update(self) -> Sample:
         disks = [d for d in read_diskstats(self.ctx.procfs) if not self.disks.ignored(d.device)]
         nics = {name: stats for name, stats in read_net_dev(self.ctx.procfs).items() if not self.nics.ignored(name)}
         result = disk_families(disks) + network_families(nics)
-        if self.checkpoint_dir is not None:
-            result += checkpoint_families(self.checkpoint_dir)
+        if self.checkpoint_fs is not None:
+            result += self.checkpoint_fs.families()
         tls = {}
         await_ms = disk_await_ms(self._previous, disks)
         if await_ms is not None:
@@ -84,49 +85,74 @@ class IOCollector(Collector):
         return Sample(families=result, tls=tls)
 
 
+_DEVICE = LabelCache(["device"])     # one label set per disk or NIC, shared by all their series
+_DISK_SPECS = [(field, Spec("counter" if is_counter else "gauge", f"node_disk_{name}", help_, ["device"]), scale)
+               for field, name, help_, scale, is_counter in DISK_SERIES]
+_NETWORK_SPECS: dict[str, Spec] = {}  # /proc/net/dev column -> its family (columns come from the file's header)
+
+
 def disk_families(disks: list[DiskStats]) -> list[Metric]:
+    labels = [(_DEVICE.get(disk.device), disk.stats) for disk in disks]
     families = []
-    for field, name, help_, scale, is_counter in DISK_SERIES:
-        kind = CounterMetricFamily if is_counter else GaugeMetricFamily
-        family = kind(f"node_disk_{name}", help_, labels=["device"])
-        for disk in disks:
-            if field in disk.stats:
-                family.add_metric([disk.device], disk.stats[field] * scale)
-        if family.samples:
-            families.append(family)
+    for field, spec, scale in _DISK_SPECS:
+        samples = [(device, stats[field] * scale) for device, stats in labels if field in stats]
+        if samples:
+            families.append(spec.family(samples))
     return families
 
 
 def network_families(nics: dict[str, dict[str, int]]) -> list[Metric]:
     """node_exporter's netdev series from /proc/net/dev: node_network_<column>_total{device}."""
-    families: dict[str, CounterMetricFamily] = {}
+    samples: dict[str, list] = {}
     for device, stats in nics.items():
+        labels = _DEVICE.get(device)
         for key, value in stats.items():
-            if key not in families:
-                families[key] = CounterMetricFamily(f"node_network_{key}", f"Network device statistic {key}.",
-                                                    labels=["device"])
-            families[key].add_metric([device], value)
-    return [families[key] for key in sorted(families)]
+            samples.setdefault(key, []).append((labels, value))
+    return [_network_spec(key).family(samples[key]) for key in sorted(samples)]
 
 
-def checkpoint_families(directory: Path) -> list[Metric]:
-    """Space of the filesystem checkpoints go to (the nearest existing parent if the directory is not made yet)."""
-    existing = directory
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    stat = os.statvfs(existing)
-    mountpoint = _mountpoint(existing)
-    values = (
-        ("avail_bytes", "Bytes free for unprivileged users on the checkpoint filesystem.", stat.f_bavail),
-        ("free_bytes", "Bytes free on the checkpoint filesystem (root's reserve included).", stat.f_bfree),
-        ("size_bytes", "Size of the checkpoint filesystem in bytes.", stat.f_blocks),
-    )
-    families = []
-    for suffix, help_, blocks in values:
-        family = GaugeMetricFamily(f"trainguard_checkpoint_fs_{suffix}", help_, labels=["mountpoint"])
-        family.add_metric([mountpoint], blocks * stat.f_frsize)
-        families.append(family)
-    return families
+def _network_spec(column: str) -> Spec:
+    spec = _NETWORK_SPECS.get(column)
+    if spec is None:
+        spec = _NETWORK_SPECS[column] = Spec("counter", f"node_network_{column}",
+                                             f"Network device statistic {column}.", ["device"])
+    return spec
+
+
+_CHECKPOINT_FS = (
+    ("avail_bytes", "Bytes free for unprivileged users on the checkpoint filesystem.", "f_bavail"),
+    ("free_bytes", "Bytes free on the checkpoint filesystem (root's reserve included).", "f_bfree"),
+    ("size_bytes", "Size of the checkpoint filesystem in bytes.", "f_blocks"),
+)
+_CHECKPOINT_SPECS = [(Spec("gauge", f"trainguard_checkpoint_fs_{suffix}", help_, ["mountpoint"]), blocks)
+                     for suffix, help_, blocks in _CHECKPOINT_FS]
+
+
+class CheckpointFilesystem:
+    """Space of the filesystem checkpoints go to (the nearest existing parent if the directory is not made yet).
+
+    Finding the mount point walks up the tree; it is found again only when the filesystem under the path
+    changes (another st_dev: something was mounted or unmounted above it).
+    """
+
+    def __init__(self, directory: Path):
+        self.directory = os.path.abspath(directory)
+        self._mount: tuple[str, int, Labels] | None = None    # (existing path, its st_dev, mountpoint labels)
+
+    def families(self) -> list[Metric]:
+        existing = _existing(self.directory)
+        stat = os.statvfs(existing)
+        device = os.stat(existing).st_dev
+        if self._mount is None or self._mount[:2] != (existing, device):
+            self._mount = (existing, device, Labels(["mountpoint"], [_mountpoint(Path(existing))]))
+        labels = self._mount[2]
+        return [spec.family([(labels, getattr(stat, blocks) * stat.f_frsize)]) for spec, blocks in _CHECKPOINT_SPECS]
+
+
+def _existing(path: str) -> str:
+    while not os.path.exists(path) and path != os.path.dirname(path):
+        path = os.path.dirname(path)
+    return path
 
 
 def _mountpoint(path: Path) -> str:

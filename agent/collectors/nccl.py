@@ -21,10 +21,11 @@ import os
 import re
 from pathlib import Path
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from ..collector import Collector, Sample, register
-from ..procfs import read_environ, read_rank_pids
+from ..families import Memo, Spec
+from ..procfs import RankPids, process_start, read_environ
 from ..tail import Follower
 from .options import options
 
@@ -116,36 +117,80 @@ class NCCLCollector(Collector):
                     if os.path.isabs(p) or ctx.run_dir is not None]
         self.logs = LogSet(patterns)
         self.counts = dict.fromkeys(KINDS, 0)
+        self.rank_pids = RankPids(ctx.run_dir, ctx.node)
+        self.environments = RankEnvironments(ctx.procfs)
+        # events and environment seldom change: the same families until they do (rendered once, see families.Memo)
+        self._events, self._environment = Memo(), Memo()
 
     def update(self) -> Sample:
         for line in self.logs.lines():
             kind = classify(line)
             if kind is not None:
                 self.counts[kind] += 1
-        events = CounterMetricFamily("trainguard_nccl_events_total", "NCCL and PyTorch process-group events in the "
-                                     "trainer's logs, by kind.", labels=["kind"])
-        for kind in KINDS:
-            events.add_metric([kind], self.counts[kind])
-        files = GaugeMetricFamily("trainguard_nccl_log_files", "Log files the nccl collector follows.",
-                                  value=self.logs.files)
-        families = [events, files, *self._environment()]
-        return Sample(families=[f for f in families if f.samples],
-                      tls={"system": {"nccl_events": dict(self.counts)}})
+        counts = tuple(self.counts.values())
+        families = [*self._events.families((counts, self.logs.files), self._event_families),
+                    *self._environment_families()]
+        return Sample(families=families, tls={"system": {"nccl_events": dict(self.counts)}})
 
-    def _environment(self) -> list[Metric]:
-        ranks = read_rank_pids(self.ctx.run_dir, self.ctx.node)
-        if not ranks:
-            return []
-        info = GaugeMetricFamily("trainguard_nccl_env_info", "NCCL/torch error-handling environment of each rank "
-                                 "(empty: not set), from /proc/<pid>/environ.",
-                                 labels=["rank", *(v.lower() for v in ENV_VARS)])
-        unreadable = 0
-        for rank, pid in ranks.items():
-            env = read_environ(self.ctx.procfs, pid)
-            if env is None:
-                unreadable += 1
-                continue
-            info.add_metric([str(rank), *(env.get(v, "")[:MAX_LABEL_CHARS] for v in ENV_VARS)], 1)
-        gauge = GaugeMetricFamily("trainguard_nccl_env_unreadable_ranks", "Ranks listed in RUN/control/ranks whose "
-                                  "environment could not be read (gone, or another user's).", value=unreadable)
-        return [info, gauge]
+    def _event_families(self) -> list[Metric]:
+        return [EVENTS.family((_KIND_LABELS[kind], count) for kind, count in self.counts.items()),
+                LOG_FILES.value(self.logs.files)]
+
+    def _environment_families(self) -> list[Metric]:
+        ranks = self.rank_pids.get()
+        environments = tuple((rank, self.environments.get(pid)) for rank, pid in ranks.items())
+        self.environments.keep(ranks.values())
+        return self._environment.families(environments, lambda: _environment_families(environments))
+
+
+EVENTS = Spec("counter", "trainguard_nccl_events_total", "NCCL and PyTorch process-group events in the trainer's "
+              "logs, by kind.", ["kind"])
+_KIND_LABELS = {kind: EVENTS.labels(kind) for kind in KINDS}
+LOG_FILES = Spec("gauge", "trainguard_nccl_log_files", "Log files the nccl collector follows.")
+ENV_INFO = Spec("gauge", "trainguard_nccl_env_info", "NCCL/torch error-handling environment of each rank (empty: "
+                "not set), from /proc/<pid>/environ.", ["rank", *(v.lower() for v in ENV_VARS)])
+ENV_UNREADABLE = Spec("gauge", "trainguard_nccl_env_unreadable_ranks", "Ranks listed in RUN/control/ranks whose "
+                      "environment could not be read (gone, or another user's).")
+
+
+def _environment_families(environments: tuple[tuple[int, tuple[str, ...] | None], ...]) -> list[Metric]:
+    """trainguard_nccl_env_info per rank whose environment was read, and how many could not be; [] without ranks."""
+    if not environments:
+        return []
+    info = ENV_INFO.family((ENV_INFO.labels(str(rank), *values), 1) for rank, values in environments
+                           if values is not None)
+    unreadable = sum(values is None for _, values in environments)
+    return [f for f in (info, ENV_UNREADABLE.value(unreadable)) if f.samples]
+
+
+class RankEnvironments:
+    """The ENV_VARS of each rank's process (label values), read from /proc/<pid>/environ once per process.
+
+    environ is the block a process was started with, so it is read again only for another process behind
+    the pid: another start time in /proc/<pid>/stat (the kernel gave the pid to someone else). Where there is
+    no start time to tell (a procfs fixture without <pid>/stat), it is read every time.
+    """
+
+    def __init__(self, procfs: Path):
+        self.procfs = procfs
+        self._known: dict[int, tuple[int, tuple[str, ...]]] = {}    # pid -> (start time, values)
+
+    def get(self, pid: int) -> tuple[str, ...] | None:
+        """The values of ENV_VARS ("" when unset, cut to MAX_LABEL_CHARS), or None when unreadable."""
+        start = process_start(self.procfs, pid)
+        known = self._known.get(pid)
+        if start is not None and known is not None and known[0] == start:
+            return known[1]
+        env = read_environ(self.procfs, pid)
+        if env is None:
+            self._known.pop(pid, None)
+            return None
+        values = tuple(env.get(name, "")[:MAX_LABEL_CHARS] for name in ENV_VARS)
+        if start is not None:
+            self._known[pid] = (start, values)
+        return values
+
+    def keep(self, pids) -> None:
+        """Forget the processes that are no rank any more."""
+        for pid in set(self._known) - set(pids):
+            del self._known[pid]

@@ -58,8 +58,17 @@ class DeviceFilter:
             raise ConfigError(f"collectors.{collector}: {prefix}_exclude and {prefix}_include are mutually exclusive")
         self.exclude = regex(exclude, collector, f"{prefix}_exclude")
         self.include = regex(include, collector, f"{prefix}_include")
+        self._answers: dict[str, bool] = {}     # device name -> ignored (the same few devices every update)
 
     def ignored(self, name: str) -> bool:
+        answer = self._answers.get(name)
+        if answer is None:
+            if len(self._answers) >= 4096:     # device names churn (containers' veths): forget, do not grow
+                self._answers.clear()
+            answer = self._answers[name] = self._matches(name)
+        return answer
+
+    def _matches(self, name: str) -> bool:
         if self.exclude is not None and self.exclude.search(name):
             return True
         return self.include is not None and not self.include.search(name)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from itertools import repeat
+from typing import Sequence
 
 from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN
 from trainguard.decide.decision import Decision
@@ -51,44 +53,70 @@ class CostMeter:
         return self.state.gpu_count
 
     def observe(self, step: int, timestamp: float, gpu_count: int | None = None) -> list[Decision]:
-        state, window = self.state, self.window
-        gpus = self.gpus(gpu_count)
-        last = self._last_time
-        if last is None or timestamp >= last:
-            if last is not None:
-                state.cost_usd += (timestamp - last) * gpus * self._usd_per_gpu_second
-            self._last_time = timestamp
-        if window and step <= window[-1][1]:
-            window.clear()          # a rollback or restart: steps went back, measure afresh
-        window.append((timestamp, step))
-        return self._judge(step, timestamp, gpus)
+        """The decisions for one step record: `observe_many` over a batch of one, so the agent, the report
+        and a replay run the very same loop."""
+        return [decision for _, decision in self.observe_many((step,), (timestamp,), (gpu_count,))]
 
-    def _judge(self, step: int, timestamp: float, gpus: int) -> list[Decision]:
+    def observe_many(self, steps: Sequence[int], timestamps: Sequence[float],
+                     gpu_counts: Sequence[int | None]) -> list[tuple[int, Decision]]:
+        """Meter consecutive step records in order; returns (index, decision) for each tier crossed.
+
+        One loop with the state in local names, on purpose (replay runs it once per recorded step): the
+        common case, under every tier, calls nothing."""
         state, window, policy = self.state, self.window, self.policy
-        (t0, s0), (t1, s1) = window[0], window[-1]
-        state.steps_in_window = s1 - s0
-        if s1 <= s0 or t1 <= t0:
-            return []
-        state.cost_per_1k_steps = (t1 - t0) * gpus * self._usd_per_gpu_second / (s1 - s0) * 1000.0
-        overrun = state.overrun_ratio = state.cost_per_1k_steps / policy.budget_per_1k_steps - 1.0
-        if s1 - s0 < self._min_steps:
-            return []
-        tiers = self._tiers
-        if overrun < tiers[0][2]:       # the common case: under every tier
-            state.tier = "ok"
-            return []
-        decisions = []
-        for action, tier, threshold in tiers:
+        override, gpu_count = policy.gpu_count_override, state.gpu_count
+        usd_per_gpu_second, budget, min_steps = self._usd_per_gpu_second, policy.budget_per_1k_steps, self._min_steps
+        lowest_tier = self._tiers[0][2]
+        cost_usd, last, tier = state.cost_usd, self._last_time, state.tier
+        cost_per_1k, overrun = state.cost_per_1k_steps, state.overrun_ratio
+        previous = window[-1][1] if window else None
+        found: list[tuple[int, Decision]] = []
+        for i, (step, timestamp, seen) in enumerate(zip(steps, timestamps, repeat(None) if override else gpu_counts)):
+            if seen:
+                gpu_count = seen if seen.__class__ is int else int(seen)
+            gpus = override or gpu_count
+            if last is None or timestamp >= last:
+                if last is not None:
+                    cost_usd += (timestamp - last) * gpus * usd_per_gpu_second
+                last = timestamp
+            if previous is not None and step <= previous:
+                window.clear()          # a rollback or restart: steps went back, measure afresh
+            previous = step
+            window.append((timestamp, step))
+            first_time, first_step = window[0]
+            steps_in_window = step - first_step
+            if steps_in_window <= 0 or timestamp <= first_time:
+                continue
+            cost_per_1k = (timestamp - first_time) * gpus * usd_per_gpu_second / steps_in_window * 1000.0
+            overrun = cost_per_1k / budget - 1.0
+            if steps_in_window < min_steps:
+                continue
+            if overrun < lowest_tier:   # the common case: under every tier
+                tier = "ok"
+                continue
+            state.cost_usd, state.cost_per_1k_steps = cost_usd, cost_per_1k   # the decisions' detail reads them
+            tier = self._cross_tiers(step, timestamp, overrun, found, i) or tier
+        state.cost_usd, state.cost_per_1k_steps, state.overrun_ratio, state.tier = cost_usd, cost_per_1k, overrun, tier
+        state.gpu_count, self._last_time = gpu_count, last
+        if window:
+            state.steps_in_window = window[-1][1] - window[0][1]
+        return found
+
+    def _cross_tiers(self, step: int, timestamp: float, overrun: float,
+                     found: list[tuple[int, Decision]], index: int) -> str | None:
+        """The highest tier `overrun` reaches; each tier's action the first time it is reached."""
+        state, policy, reached = self.state, self.policy, None
+        for action, tier, threshold in self._tiers:
             if overrun >= threshold:
-                state.tier = tier
+                reached = tier
                 if action not in self.fired:
                     self.fired.add(action)
-                    decisions.append(Decision(action, f"cost_overrun_{tier}", step, timestamp, {
+                    found.append((index, Decision(action, f"cost_overrun_{tier}", step, timestamp, {
                         "cost_per_1k_steps": round(state.cost_per_1k_steps, 4),
                         "budget_per_1k_steps": policy.budget_per_1k_steps,
                         "overrun_ratio": round(overrun, 4), "cost_usd": round(state.cost_usd, 4),
-                    }))
-        return decisions
+                    })))
+        return reached
 
     def state_dict(self) -> dict:
         """Plain data, so a restarted agent meters on exactly where it stopped."""

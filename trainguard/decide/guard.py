@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from itertools import repeat
 from math import isfinite
-from typing import Mapping, NamedTuple
+from typing import Mapping, NamedTuple, Sequence
 
 from trainguard.actions import ROLLBACK, SKIP_STEP
 from trainguard.decide.decision import CARRY_ON, Decision
@@ -28,7 +29,6 @@ from trainguard.policy import GuardPolicy
 
 STOP = "stop"
 HOUR = 3600.0
-NO_DETAIL: dict = {}
 
 
 class StepStats(NamedTuple):
@@ -40,7 +40,10 @@ class StepStats(NamedTuple):
 
 
 class _RollingStats:
-    """Mean and standard deviation of the last `size` values in O(1) per value."""
+    """The last `size` values and their running sums, so mean and variance cost O(1) per value.
+
+    `Guard.check_many` updates the sums inline (it runs once per replayed record); these methods are the
+    same arithmetic for everything else."""
 
     __slots__ = ("values", "total", "total_sq")
 
@@ -62,22 +65,12 @@ class _RollingStats:
     def __len__(self) -> int:
         return len(self.values)
 
-    def _mean_variance(self) -> tuple[float, float]:
+    def threshold(self, sigma: float) -> float:
         n = len(self.values)
         mean = self.total / n
         # A floor on the spread: a loss that has been flat for a while must not turn noise into spikes.
         floor = max(1e-3 * abs(mean), 1e-8)
-        return mean, max(self.total_sq / n - mean * mean, floor * floor)
-
-    def threshold(self, sigma: float) -> float:
-        mean, variance = self._mean_variance()
-        return mean + sigma * math.sqrt(variance)
-
-    def exceeds(self, value: float, sigma: float) -> bool:
-        """value > threshold(sigma), without the square root."""
-        mean, variance = self._mean_variance()
-        excess = value - mean
-        return excess > 0 and excess * excess > sigma * sigma * variance
+        return mean + sigma * math.sqrt(max(self.total_sq / n - mean * mean, floor * floor))
 
 
 class Guard:
@@ -98,50 +91,106 @@ class Guard:
 
     def check(self, step: int, loss: float, grad_norm: float,
               layer_grad_norms: Mapping[str, float] | None = None, timestamp: float = 0.0) -> Decision:
-        """The decision for one step (the fast path `observe` and replay call)."""
-        self.observed += 1
-        if self.stopped:
+        """The decision for one step: `check_many` over a batch of one, so the live run and a replay run
+        the very same loop."""
+        found = self.check_many((step,), (loss,), (grad_norm,), (timestamp,),
+                                None if layer_grad_norms is None else (layer_grad_norms,))
+        return found[0][1] if found else CARRY_ON
+
+    def check_many(self, steps: Sequence[int], losses: Sequence[float], grad_norms: Sequence[float],
+                   timestamps: Sequence[float], layers: Sequence[Mapping[str, float] | None] | None = None,
+                   ) -> list[tuple[int, Decision]]:
+        """Decide consecutive steps in order; returns (index, decision) for each step that does not
+        carry on. A stopped guard answers ``stop`` to every step.
+
+        One loop with the state in local names, on purpose: replay runs it once per recorded step, and a
+        million-step log is what it is measured on (bench/bench_replay.py). The common case, a healthy
+        step, takes the cheapest comparisons first, computes no square root and calls nothing."""
+        policy, window = self.policy, self.losses
+        values, total, total_sq = window.values, window.total, window.total_sq
+        size, n = values.maxlen, len(values)
+        ema, good, seen, stopped = self.grad_ema, self.good_grad_steps, self.observed, self.stopped
+        spike_min, sigma_sq = policy.spike_min_steps, policy.spike_sigma * policy.spike_sigma
+        grad_min, factor, keep = policy.grad_min_steps, policy.grad_explode_factor, 1 - policy.grad_ema_beta
+        layer_ema, layer_factor, finite = self.layer_ema, policy.layer_explode_factor, isfinite
+        found: list[tuple[int, Decision]] = []
+        for i, (loss, grad_norm, layer_norms) in enumerate(zip(losses, grad_norms, layers or repeat(None))):
+            reason = None
+            if stopped:
+                reason = STOP
+            elif not (finite(loss) and finite(grad_norm)):
+                reason = "nan"
+            else:
+                if n >= spike_min:
+                    # _RollingStats.threshold's arithmetic without the square root, and with conditional
+                    # expressions in place of max() and abs() (the same values, without the calls).
+                    mean = total / n
+                    excess = loss - mean
+                    if excess > 0:
+                        floor = 1e-3 * (mean if mean >= 0 else -mean)
+                        floor = floor if floor >= 1e-8 else 1e-8
+                        variance = total_sq / n - mean * mean
+                        floor_sq = floor * floor
+                        if excess * excess > sigma_sq * (variance if variance >= floor_sq else floor_sq):
+                            reason = "loss_spike"
+                if reason is None and good >= grad_min:
+                    if grad_norm > factor * ema:
+                        reason = "grad_explosion"
+                    elif layer_norms:
+                        for name, norm in layer_norms.items():
+                            layer = layer_ema.get(name)
+                            if layer is not None and norm > layer_factor * layer:
+                                reason = "grad_explosion"
+                                break
+            if reason is None:      # healthy: it joins the statistics
+                if n == size:
+                    old = values[0]
+                    total -= old
+                    total_sq -= old * old
+                else:
+                    n += 1
+                values.append(loss)
+                total += loss
+                total_sq += loss * loss
+                ema = grad_norm if ema is None else ema + keep * (grad_norm - ema)
+                good += 1
+                if layer_norms:
+                    for name, norm in layer_norms.items():
+                        if finite(norm):
+                            layer = layer_ema.get(name)
+                            layer_ema[name] = norm if layer is None else layer + keep * (norm - layer)
+                continue
+            # A bad step: the state goes back to the object, whose detail and escalation read it.
+            window.total, window.total_sq = total, total_sq
+            self.grad_ema, self.good_grad_steps, self.observed = ema, good, seen + i + 1
+            found.append((i, self._bad_step(steps[i], timestamps[i], reason, loss, grad_norm, layer_norms)))
+            stopped = self.stopped
+        window.total, window.total_sq = total, total_sq
+        self.grad_ema, self.good_grad_steps, self.observed = ema, good, seen + len(losses)
+        return found
+
+    def _layer_detail(self, layers: Mapping[str, float]) -> dict | None:
+        """The first layer above its factor of its own EMA, if any."""
+        factor = self.policy.layer_explode_factor
+        for name, norm in layers.items():
+            ema = self.layer_ema.get(name)
+            if ema is not None and norm > factor * ema:
+                return {"layer": name, "grad_norm": norm, "threshold": factor * ema}
+        return None
+
+    def _bad_step(self, step: int, timestamp: float, reason: str, loss: float, grad_norm: float,
+                  layers: Mapping[str, float] | None) -> Decision:
+        if reason == STOP:
             return Decision(STOP, "rollback_limit", step, timestamp)
-        reason, detail = self._classify(loss, grad_norm, layer_grad_norms)
-        if reason is None:
-            self._learn(loss, grad_norm, layer_grad_norms)
-            return CARRY_ON
+        if reason == "nan":
+            detail = {"loss": loss, "grad_norm": grad_norm}
+        elif reason == "loss_spike":
+            detail = {"loss": loss, "threshold": self.losses.threshold(self.policy.spike_sigma)}
+        else:
+            limit = self.policy.grad_explode_factor * self.grad_ema
+            detail = ({"grad_norm": grad_norm, "threshold": limit} if grad_norm > limit
+                      else self._layer_detail(layers))
         return self._escalate(step, timestamp, reason, detail)
-
-    def _classify(self, loss: float, grad_norm: float,
-                  layers: Mapping[str, float] | None) -> tuple[str | None, dict]:
-        # This runs for every step of every replayed log: the common case (a healthy step) takes the
-        # cheapest comparisons first and computes no square root.
-        policy = self.policy
-        if not (isfinite(loss) and isfinite(grad_norm)):
-            return "nan", {"loss": loss, "grad_norm": grad_norm}
-        losses = self.losses
-        if len(losses.values) >= policy.spike_min_steps and losses.exceeds(loss, policy.spike_sigma):
-            return "loss_spike", {"loss": loss, "threshold": losses.threshold(policy.spike_sigma)}
-        if self.good_grad_steps >= policy.grad_min_steps:
-            limit = policy.grad_explode_factor * self.grad_ema
-            if grad_norm > limit:
-                return "grad_explosion", {"grad_norm": grad_norm, "threshold": limit}
-            if layers:
-                for name, norm in layers.items():
-                    ema = self.layer_ema.get(name)
-                    if ema is not None and norm > policy.layer_explode_factor * ema:
-                        return "grad_explosion", {"layer": name, "grad_norm": norm,
-                                                  "threshold": policy.layer_explode_factor * ema}
-        return None, NO_DETAIL
-
-    def _learn(self, loss: float, grad_norm: float, layers: Mapping[str, float] | None) -> None:
-        self.losses.push(loss)
-        beta = self.policy.grad_ema_beta
-        ema = self.grad_ema
-        self.grad_ema = grad_norm if ema is None else ema + (1 - beta) * (grad_norm - ema)
-        self.good_grad_steps += 1
-        if layers:
-            emas = self.layer_ema
-            for name, norm in layers.items():
-                if math.isfinite(norm):
-                    ema = emas.get(name)
-                    emas[name] = norm if ema is None else ema + (1 - beta) * (norm - ema)
 
     def _escalate(self, step: int, timestamp: float, reason: str, detail: dict) -> Decision:
         policy = self.policy

@@ -17,9 +17,10 @@ and feeds them in order:
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from trainguard import actions as vocabulary
 from trainguard.decide.cost import CostMeter
@@ -71,66 +72,106 @@ def _recorded(record, when: float) -> Action | None:
     return Action(event.type, record.step, when, why if isinstance(why, str) else "", "log")
 
 
+BATCH = 1024      # entries picked per call of the guard and the meter when the input is not in blocks
+
+
+def _blocks(stream: Iterable) -> Iterator[list]:
+    """The stream's entries a list at a time: its own blocks where it has them (source.Stream, opened
+    here, so its lead rank is known once this returns)."""
+    blocks = getattr(stream, "blocks", None)
+    if blocks is not None:
+        return blocks()
+    entries = iter(stream)
+    return iter(lambda: list(itertools.islice(entries, BATCH)), [])
+
+
+class _Decider:
+    """The guard and the meter over picked training steps, a batch at a time (one call each per batch,
+    not per step: what replay's throughput rests on), their decisions in record order."""
+
+    def __init__(self, guard: Guard, meter: CostMeter, found: list[Action]):
+        self.guard, self.meter, self.found = guard, meter, found
+        self.guarding = True
+
+    def decide(self, picked: list[tuple]) -> None:
+        """`picked`: (step, loss, grad_norm, layers, timestamp, gpu_count) of consecutive training steps."""
+        if not picked:
+            return
+        steps, losses, grad_norms, layers, times, gpus = zip(*picked)
+        by_guard = []
+        if self.guarding:
+            by_guard = self.guard.check_many(steps, losses, grad_norms, times, layers if any(layers) else None)
+            for position, (_, decision) in enumerate(by_guard):
+                if decision.action == STOP:     # the live run ends here: the guard is not asked again
+                    del by_guard[position + 1:]
+                    self.guarding = False
+                    break
+        by_meter = self.meter.observe_many(steps, times, gpus)
+        # Record order; at one record the guard's decision comes before the meter's.
+        merged = sorted([(i, 0, d) for i, d in by_guard] + [(i, 1, d) for i, d in by_meter], key=lambda x: x[:2])
+        self.found.extend(_action(d, "guard" if by == 0 else "cost") for _, by, d in merged)
+
+
 def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None,
            meter: CostMeter | None = None) -> Outcome:
     """Feed every training step of `stream` (a source.Stream, or its entries) to a fresh Guard and to
     `meter` (a fresh CostMeter unless given: the alert series read the same one).
 
-    One loop with local names, on purpose: it runs once per record, and a million-record log is the
-    case it is measured on (bench/bench_replay.py)."""
-    guard, meter = Guard(policy.guard), meter or CostMeter(policy.cost)
-    check, meter_observe = guard.check, meter.observe
+    The loop below only picks steps, with local names on purpose: it runs once per record, and a
+    million-record log is the case it is measured on (bench/bench_replay.py). With an `observer` every
+    step is decided before the next entry is observed, since the observer reads the meter."""
+    meter = meter or CostMeter(policy.cost)
     out = Outcome()
-    found = out.actions
+    decider = _Decider(Guard(policy.guard), meter, out.actions)
     first = last = None
-    entries = iter(stream)
-    # The stream knows the lead rank once opened; a plain iterable of entries follows its first step's rank.
+    blocks = _blocks(stream)
     lead = getattr(stream, "lead_rank", _FIRST_SEEN)
-    last_step, last_file, gpus, guarding = None, None, None, True
+    last_step, last_file, gpus = None, None, None
     records = steps = duplicates = partial = 0
-    for entry in entries:
-        when, file_index, _, record, _ = entry
-        records += 1
-        if first is None:
-            first = last = when
-        elif when > last:
-            last = when
-        if observer is not None:
-            observer(entry)
-        system = record.system
-        if system is not None and system.gpu_count:
-            gpus = system.gpu_count
-        elif record.hardware is not None and record.hardware.gpus:
-            gpus = len(record.hardware.gpus)
-        if record.event is not None and (record.rank == lead or lead is _FIRST_SEEN):
-            logged = _recorded(record, when)
-            if logged is not None:
-                out.recorded.append(logged)
-        metrics, step = record.metrics, record.step
-        if metrics is None or step is None:
-            continue
-        loss, grad_norm = metrics.loss, metrics.grad_norm
-        if loss is None or grad_norm is None:
-            if loss is not None or grad_norm is not None:
-                partial += 1
-            continue
-        if lead is _FIRST_SEEN:
-            lead = record.rank
-        if record.rank != lead or (file_index != last_file and last_step is not None and step <= last_step):
-            duplicates += 1
-            continue
-        last_step, last_file = step, file_index
-        steps += 1
-        if guarding:
+    for block in blocks:
+        picked: list[tuple] = []
+        pick = picked.append
+        records += len(block)
+        if first is None and block:
+            first = last = block[0][0]
+        for entry in block:
+            when, file_index, _, record, _ = entry
+            if when > last:
+                last = when
+            if observer is not None:
+                steps += len(picked)
+                decider.decide(picked)
+                picked.clear()
+                observer(entry)
+            system = record.system
+            if system is not None and system.gpu_count:
+                gpus = system.gpu_count
+            elif record.hardware is not None and record.hardware.gpus:
+                gpus = len(record.hardware.gpus)
+            if record.event is not None and (record.rank == lead or lead is _FIRST_SEEN):
+                logged = _recorded(record, when)
+                if logged is not None:
+                    out.recorded.append(logged)
+            metrics, step = record.metrics, record.step
+            if metrics is None or step is None:
+                continue
+            loss, grad_norm = metrics.loss, metrics.grad_norm
+            if loss is None or grad_norm is None:
+                if loss is not None or grad_norm is not None:
+                    partial += 1
+                continue
+            if lead is _FIRST_SEEN:
+                lead = record.rank
+            if record.rank != lead or (file_index != last_file and last_step is not None and step <= last_step):
+                duplicates += 1
+                continue
+            last_step, last_file = step, file_index
             layers = metrics.grad_norm_by_layer
             if layers and None in layers.values():
                 layers = {name: math.nan if norm is None else norm for name, norm in layers.items()}
-            decision = check(step, loss, grad_norm, layers, when)
-            if decision.action is not None:
-                found.append(_action(decision, "guard"))
-                guarding = decision.action != STOP
-        for decision in meter_observe(step, when, gpus):
-            found.append(_action(decision, "cost"))
+            pick((step, loss, grad_norm, layers, when, gpus))
+        steps += len(picked)
+        decider.decide(picked)
     out.records, out.first_timestamp, out.last_timestamp = records, first, last
     out.steps, out.duplicate_steps, out.partial_steps = steps, duplicates, partial
     state = meter.state

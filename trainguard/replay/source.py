@@ -215,6 +215,7 @@ def _typed_chunks(path: Path, problems: Problems) -> Iterator[tuple[list[Record]
 
 
 FULL_CHUNK = 256
+MERGED_BLOCK = 1024        # entries per block once several files are merged
 
 
 def _full_chunks(path: Path, problems: Problems) -> Iterator[tuple[list[Record], list[dict]]]:
@@ -246,7 +247,7 @@ def _entry_blocks(path: Path, index: int, problems: Problems, full: bool) -> Ite
     for records, raws in (_full_chunks if full else _typed_chunks)(path, problems):
         entries = []
         append = entries.append
-        for position, record in enumerate(records):
+        for ordinal, record, raw in zip(itertools.count(ordinal + 1), records, raws or itertools.repeat(None)):
             when = record.timestamp
             if when.__class__ is not float:
                 when = record.timestamp = when.timestamp()
@@ -258,8 +259,7 @@ def _entry_blocks(path: Path, index: int, problems: Problems, full: bool) -> Ite
                     last_step = step
             else:
                 last_step = step
-            ordinal += 1
-            append((when, index, ordinal, record, None if raws is None else raws[position]))
+            append((when, index, ordinal, record, raw))
         yield entries
 
 
@@ -277,23 +277,29 @@ class Stream:
         self.problems = Problems()
         self.full = full
         self.lead_rank: int | None = None
-        self._iterator: Iterator[Entry] | None = None
+        self._opened = False
 
     def __iter__(self) -> Iterator[Entry]:
-        if self._iterator is not None:
+        return itertools.chain.from_iterable(self.blocks())
+
+    def blocks(self) -> Iterator[list[Entry]]:
+        """The same entries a list at a time (one file: its decoded blocks as they are, no merge cost)."""
+        if self._opened:
             raise RuntimeError("a replay stream is read once")
-        readers = [itertools.chain.from_iterable(_entry_blocks(path, i, self.problems, self.full))
-                   for i, path in enumerate(self.files)]
+        self._opened = True
         heads = []
-        for reader in readers:
-            first = next(reader, None)
+        for index, path in enumerate(self.files):
+            reader = _entry_blocks(path, index, self.problems, self.full)
+            first = next((block for block in reader if block), None)
             if first is not None:
                 heads.append(itertools.chain((first,), reader))
-                rank = first[3].rank
+                rank = first[0][3].rank
                 if rank is not None and (self.lead_rank is None or rank < self.lead_rank):
                     self.lead_rank = rank
-        self._iterator = heads[0] if len(heads) == 1 else heapq.merge(*heads)
-        return self._iterator
+        if len(heads) == 1:
+            return heads[0]
+        merged = heapq.merge(*(itertools.chain.from_iterable(head) for head in heads))
+        return iter(lambda: list(itertools.islice(merged, MERGED_BLOCK)), [])
 
     @property
     def malformed(self) -> int:

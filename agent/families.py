@@ -1,0 +1,91 @@
+"""Metric families from parts made once: a family's name, help and type (`Spec`), a device's labels (`Labels`).
+
+A collector exports the same series every update (the same GPUs, disks, ranks) with new values. Built with
+client_python's `add_metric`, every update makes a label dict per sample, and every scrape sorts and
+escapes those labels again. Here the label set of a device is made once, with its exposition text
+(exposition.Labels), and a family's name is checked once; an update only pairs label sets with values.
+What comes out is an ordinary client_python family (the same class, names and samples `add_metric`
+makes), so every reader of families (client_python's encoders, tests) sees no difference.
+
+    UTIL = Spec("gauge", "DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).", ["gpu", "UUID"])
+    gpu0 = UTIL.labels("0", "GPU-5f3c...")          # once per GPU
+    UTIL.family([(gpu0, 97.0), ...])                 # each update
+
+Label sets whose values are only known at update time (a new XID, a rank that appears) come from a
+`LabelCache`, which makes each one once. A family whose values seldom change (event counts, an
+environment) can be kept in a `Memo`: the same object while its values are the same, which /metrics then
+renders once (exposition.Renderer) instead of on every scrape.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.samples import Sample
+
+from .exposition import Labels
+
+__all__ = ["Labels", "LabelCache", "Memo", "Spec", "NO_LABELS"]
+
+_CLASSES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
+
+NO_LABELS = Labels((), ())
+
+
+class Spec:
+    """One family's name, help, type and label names; `family()` makes an update's family from (labels, value)."""
+
+    def __init__(self, kind: str, name: str, documentation: str, label_names: Sequence[str] = ()):
+        self._class = _CLASSES[kind]
+        template = self._class(name, documentation, labels=list(label_names))   # client_python checks the name
+        self.name = template.name                   # a counter's without "_total", as client_python keeps it
+        self.sample_name = template.name + "_total" if kind == "counter" else template.name
+        self.label_names = tuple(label_names)
+        self._attributes = {key: value for key, value in vars(template).items() if key != "samples"}
+
+    def labels(self, *values: str) -> Labels:
+        """A label set of this family's label names (make it once per device and keep it)."""
+        return Labels(self.label_names, values)
+
+    def family(self, samples: Iterable[tuple[Labels, float]] = ()) -> Metric:
+        """A new family with these samples; the same object `_class(...)` plus `add_metric` would make."""
+        family = self._class.__new__(self._class)
+        family.__dict__.update(self._attributes)
+        name = self.sample_name
+        family.samples = [Sample(name, labels, value) for labels, value in samples]
+        return family
+
+    def value(self, value: float) -> Metric:
+        """A family of one unlabelled sample."""
+        return self.family(((NO_LABELS, value),))
+
+
+class LabelCache:
+    """Label sets of `names`, made once per distinct values; forgotten all at once past `limit` (series churn)."""
+
+    def __init__(self, names: Sequence[str], limit: int = 4096):
+        self.names, self.limit = tuple(names), limit
+        self._sets: dict[tuple[str, ...], Labels] = {}
+
+    def get(self, *values: str) -> Labels:
+        labels = self._sets.get(values)
+        if labels is None:
+            if len(self._sets) >= self.limit:
+                self._sets.clear()
+            labels = self._sets[values] = Labels(self.names, values)
+        return labels
+
+
+class Memo:
+    """Families made from some values, kept while those values stay the same (then the very same objects)."""
+
+    def __init__(self) -> None:
+        self._key: object = object()     # equal to no key
+        self._families: list[Metric] = []
+
+    def families(self, key: object, build: Callable[[], list[Metric]]) -> list[Metric]:
+        """`build()`'s families for `key` (hashable or comparable); built again only when `key` changes."""
+        if key != self._key:
+            self._families, self._key = build(), key
+        return self._families

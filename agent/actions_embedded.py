@@ -65,11 +65,12 @@ class StallWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_key: str | None = None     # one notice per stall, not one per check
+        self._rank_files = restore.RankFiles(self.run_dir)
         self.log = tglog.get("agent.stall_watchdog")
 
     def check(self) -> Notice | None:
         """The restore notice if the node is stalled now, else None."""
-        live = restore.local_ranks(self.run_dir, self.host)
+        live = restore.local_ranks(self.run_dir, self.host, self._rank_files.read())
         if not live:
             return None
         last = self._last_write([info.rank for info, _ in live])

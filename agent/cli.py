@@ -112,7 +112,7 @@ def serve(config: agent_config.AgentConfig, stop: threading.Event | None = None)
     server.start()
     if nodelog:
         nodelog.start()
-    while not stop.wait(1.0):
+    while not stop.wait(agent.check_interval):
         agent.check()   # logs a collector that has just hung
     log.info("stopping")
     server.stop()

@@ -146,30 +146,40 @@ def render(families: Iterable[Metric], openmetrics: bool, library: Callable | No
 
 
 class Renderer:
-    """`render`, remembering each family's text until the next render in the same format.
+    """`render`, reusing the text of each family that is unchanged since the last render in the same format.
 
-    A collector hands out the same family object again only when it has not changed (see collector.Sample),
-    so a family seen at the last scrape is not rendered again. Scrapes may run at once: each builds its own
-    table and the last one to finish keeps it; a race costs a render, never a wrong line.
+    The agent samples every few seconds and may be scraped more often (HA Prometheus pairs, probes), and
+    many series hold still between updates (totals, limits, idle devices, error counters), so a family
+    whose samples equal those of its namesake last time is not rendered again: its text is a function of
+    its name, type, help and samples. (Samples compare as values: 0.0 and -0.0 are one, as for Prometheus.)
+    Scrapes may run at once: each builds its own table and the last one to finish keeps it.
     """
 
     def __init__(self) -> None:
-        self._last: dict[bool, dict[int, tuple[Metric, str]]] = {False: {}, True: {}}
+        # format -> {family name: (family, text)} of the last render
+        self._last: dict[bool, dict[str, tuple[Metric, str]]] = {False: {}, True: {}}
 
     def render(self, families: Iterable[Metric], openmetrics: bool, library: Callable | None = None) -> bytes:
         library = library or _library(openmetrics)
         last, now = self._last[openmetrics], {}
         out = []
         for family in families:
-            seen = last.get(id(family))
-            # the table holds the family itself, so its id cannot have been reused by another object
-            text = seen[1] if seen is not None and seen[0] is family else _family_text(family, openmetrics, library)
-            now[id(family)] = (family, text)
+            seen = last.get(family.name)
+            if seen is not None and _same(seen[0], family):
+                text = seen[1]
+            else:
+                text = _family_text(family, openmetrics, library)
+            now[family.name] = (family, text)
             out.append(text)
         self._last[openmetrics] = now
         if openmetrics:
             out.append("# EOF\n")
         return "".join(out).encode()
+
+
+def _same(before: Metric, family: Metric) -> bool:
+    return before is family or (before.samples == family.samples and before.type == family.type and
+                                before.documentation == family.documentation and before.unit == family.unit)
 
 
 def encode(registry, accept_header: str, renderer: Renderer | None = None) -> tuple[bytes, str]:

@@ -12,21 +12,19 @@ makes), so every reader of families (client_python's encoders, tests) sees no di
     UTIL.family([(gpu0, 97.0), ...])                 # each update
 
 Label sets whose values are only known at update time (a new XID, a rank that appears) come from a
-`LabelCache`, which makes each one once. A family whose values seldom change (event counts, an
-environment) can be kept in a `Memo`: the same object while its values are the same, which /metrics then
-renders once (exposition.Renderer) instead of on every scrape.
+`LabelCache`, which makes each one once.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
 from .exposition import Labels
 
-__all__ = ["Labels", "LabelCache", "Memo", "Spec", "NO_LABELS"]
+__all__ = ["Labels", "LabelCache", "Spec", "NO_LABELS"]
 
 _CLASSES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
@@ -76,16 +74,3 @@ class LabelCache:
             labels = self._sets[values] = Labels(self.names, values)
         return labels
 
-
-class Memo:
-    """Families made from some values, kept while those values stay the same (then the very same objects)."""
-
-    def __init__(self) -> None:
-        self._key: object = object()     # equal to no key
-        self._families: list[Metric] = []
-
-    def families(self, key: object, build: Callable[[], list[Metric]]) -> list[Metric]:
-        """`build()`'s families for `key` (hashable or comparable); built again only when `key` changes."""
-        if key != self._key:
-            self._families, self._key = build(), key
-        return self._families

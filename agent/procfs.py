@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import socket
 import struct
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -285,39 +284,33 @@ def read_rank_pids(run_dir: Path | None, node: str) -> dict[int, int]:
         return {}
     from .restore import read_ranks     # psutil and logging only when a run directory is watched
 
-    ours = {node, socket.gethostname()}
     infos, _ = read_ranks(run_dir)
-    return {info.rank: info.pid for info in sorted(infos, key=lambda i: i.rank) if info.host in ours}
+    return _pids_of(infos, {node, socket.gethostname()})
 
 
 class RankPids:
-    """`read_rank_pids`, read again only when RUN/control/ranks changes (collectors ask every second).
-
-    A rank replaces its file atomically (trainer/control.py), which changes the directory's mtime. Two
-    changes within the filesystem's timestamp granularity could share one mtime, so a directory changed
-    less than RACY_SECONDS before it was read is read again next time (git's "racily clean" rule).
-    The mapping returned is shared: read it, do not change it.
-    """
-
-    RACY_SECONDS = 2.0
+    """`read_rank_pids` for collectors that ask every update: the rank files are read again only when they
+    change (restore.RankFiles). The mapping returned is shared: read it, do not change it."""
 
     def __init__(self, run_dir: Path | None, node: str):
-        self.run_dir, self.node = run_dir, node
-        self._directory = os.path.join(run_dir, "control", "ranks") if run_dir is not None else None
-        self._version: tuple[int, int] | None = None     # (inode, mtime_ns) of the directory when read
+        self.ours = {node, socket.gethostname()}
+        self._files = None
+        if run_dir is not None:
+            from .restore import RankFiles     # psutil and logging only when a run directory is watched
+
+            self._files = RankFiles(run_dir)
+        self._infos: list | None = None      # the RankFiles list the mapping was made from
         self._pids: dict[int, int] = {}
 
     def get(self) -> dict[int, int]:
-        if self._directory is None:
+        if self._files is None:
             return self._pids
-        try:
-            st = os.stat(self._directory)
-        except OSError:
-            self._version, self._pids = None, {}
-            return self._pids
-        version = (st.st_ino, st.st_mtime_ns)
-        if version != self._version:
-            self._pids = read_rank_pids(self.run_dir, self.node)
-            settled = time.time() - st.st_mtime > self.RACY_SECONDS
-            self._version = version if settled else None
+        infos = self._files.read()
+        if infos is not self._infos:
+            self._infos = infos
+            self._pids = _pids_of(infos, self.ours)
         return self._pids
+
+
+def _pids_of(infos, hosts: set[str]) -> dict[int, int]:
+    return {info.rank: info.pid for info in sorted(infos, key=lambda i: i.rank) if info.host in hosts}

@@ -23,7 +23,9 @@ after it.
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +60,37 @@ def read_ranks(run_dir: str | Path) -> tuple[list[RankInfo], list[str]]:
     return found, problems
 
 
+class RankFiles:
+    """`read_ranks`, read again only when RUN/control/ranks changes (collectors and the watchdog ask often).
+
+    A rank replaces its file atomically (trainer/control.py), which changes the directory's mtime. Two
+    changes within the filesystem's timestamp granularity could share one mtime, so a directory changed
+    less than RACY_SECONDS before it was read is read again next time (git's "racily clean" rule).
+    `read()` returns the same list object until the files change: read it, do not change it.
+    """
+
+    RACY_SECONDS = 2.0
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self._directory = str(self.run_dir / "control" / "ranks")
+        self._version: tuple[int, int] | None = None     # (inode, mtime_ns) of the directory when read
+        self._infos: list[RankInfo] = []
+
+    def read(self) -> list[RankInfo]:
+        try:
+            st = os.stat(self._directory)
+        except OSError:
+            self._version, self._infos = None, []
+            return self._infos
+        version = (st.st_ino, st.st_mtime_ns)
+        if version != self._version:
+            self._infos, _ = read_ranks(self.run_dir)
+            settled = time.time() - st.st_mtime > self.RACY_SECONDS
+            self._version = version if settled else None
+        return self._infos
+
+
 def live_process(info: RankInfo) -> psutil.Process | None:
     """The rank's process if it is still the one the rank file describes, else None."""
     try:
@@ -69,9 +102,11 @@ def live_process(info: RankInfo) -> psutil.Process | None:
         return None
 
 
-def local_ranks(run_dir: str | Path, host: str) -> list[tuple[RankInfo, psutil.Process]]:
-    """This host's ranks whose processes are alive."""
-    infos, _ = read_ranks(run_dir)
+def local_ranks(run_dir: str | Path, host: str,
+                infos: list[RankInfo] | None = None) -> list[tuple[RankInfo, psutil.Process]]:
+    """This host's ranks whose processes are alive (`infos`: the rank files, when already read)."""
+    if infos is None:
+        infos, _ = read_ranks(run_dir)
     return [(info, process) for info in infos if info.host == host
             for process in [live_process(info)] if process is not None]
 

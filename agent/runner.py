@@ -238,8 +238,15 @@ class Agent:
         for runner in self.runners.values():
             runner.stop(max(0.0, deadline - time.monotonic()))
 
+    @property
+    def check_interval(self) -> float:
+        """How often to `check()`: a hang shows only once an update outlives its timeout, so twice per shortest
+        timeout finds it in time, and an idle agent does not wake for nothing."""
+        shortest = min((runner.timeout for runner in self.runners.values()), default=2.0)
+        return min(5.0, max(1.0, shortest / 2))
+
     def check(self) -> list[View]:
-        """Views of every collector now (also logs a newly hung one); call it periodically from the main loop."""
+        """Views of every collector now (also logs a newly hung one); call it every `check_interval` seconds."""
         now = time.monotonic()
         return [runner.view(now) for runner in self.runners.values()]
 

@@ -85,17 +85,17 @@ class Follower:
         for name, path in sorted(current.items()):
             yield from self._poll_file(name, path)
 
-    def _matching(self) -> dict[str, Path]:
+    def _matching(self) -> dict[str, str]:
+        # Paths as strings: this runs every update for every file, and Path objects cost more than the syscalls.
         try:
             with os.scandir(self.directory) as entries:
-                return {e.name: Path(e.path) for e in entries
-                        if fnmatch.fnmatchcase(e.name, self.pattern) and e.is_file()}
+                return {e.name: e.path for e in entries if fnmatch.fnmatchcase(e.name, self.pattern) and e.is_file()}
         except FileNotFoundError:
             return {}
 
-    def _poll_file(self, name: str, path: Path) -> Iterator[Chunk]:
+    def _poll_file(self, name: str, path: str) -> Iterator[Chunk]:
         try:
-            st = path.stat()
+            st = os.stat(path)
         except FileNotFoundError:
             return
         pos = self.positions.get(name)
@@ -132,12 +132,12 @@ class Follower:
                 continue
             while True:   # to its end, a bounded read at a time
                 before = pos.offset
-                chunks = self._read(Path(entry.path), pos)
+                chunks = self._read(entry.path, pos)
                 if not chunks and pos.offset == before:   # None (not the same file) or nothing left
                     return
                 yield from chunks
 
-    def _read(self, path: Path, pos: Position) -> list[Chunk] | None:
+    def _read(self, path: str, pos: Position) -> list[Chunk] | None:
         """Complete lines from `pos` on (one open, positioned reads); None if the file's first bytes changed."""
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -157,7 +157,7 @@ class Follower:
             os.close(fd)
         if len(data) == self.max_read_bytes:
             self.more = True
-        chunks = self._split(str(path), pos, data)
+        chunks = self._split(path, pos, data)
         if pos.head_len < HEAD_BYTES:
             usable = min(HEAD_BYTES, pos.offset)
             if usable > pos.head_len:

@@ -12,6 +12,9 @@ writeback:
   peer      raw torch.save + fsync  the same, each file and the directory fsynced (durable, like ours)
   floor     SHA-256 in memory       hashlib.sha256 over the same bytes already in memory: what hashing
                                     costs at the least, on one core
+  floor     SHA-256, every CPU      the same bytes cut in one piece per CPU, hashed on that many threads
+                                    at once: what hashing costs at the least on this host (no ordering of
+                                    the work can make a verified save cheaper than this)
   ours      verified save (sync)    CheckpointManager.save: hashed while written, fsynced, signed, renamed
   ours      async save              time save() blocks (copy off the device) / time until durable
   peer      raw load + hash         torch.load(weights_only=True) of each file + SHA-256 of each file
@@ -31,6 +34,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -87,9 +91,23 @@ def raw_load_and_hash(directory: Path) -> dict:
     return loaded
 
 
+def pieces_per_cpu(contents: list[bytes]) -> list[bytes]:
+    """The bytes of `contents` cut into one equal piece per CPU."""
+    whole = b"".join(contents)
+    size = -(-len(whole) // store.CPUS)
+    return [whole[i * size:(i + 1) * size] for i in range(store.CPUS)]
+
+
+def hash_at_once(pieces: list[bytes]) -> None:
+    """SHA-256 of every piece, all at once on a thread each (hashlib releases the GIL): the host's hashing
+    throughput, not a digest anyone uses."""
+    with ThreadPoolExecutor(max_workers=len(pieces)) as pool:
+        list(pool.map(lambda piece: hashlib.sha256(piece).digest(), pieces))
+
+
 def run(repeat: int, base: Path, key_file: Path) -> tuple[dict[str, list[float]], int]:
     state = make_state()
-    times: dict[str, list[float]] = {k: [] for k in ("raw", "raw_fsync", "hash_floor", "verified",
+    times: dict[str, list[float]] = {k: [] for k in ("raw", "raw_fsync", "hash_floor", "hash_all_cpus", "verified",
                                                        "async_blocking", "async_total", "raw_load_hash",
                                                        "verified_restore")}
     sync = CheckpointManager(base / "sync", key_file=key_file, keep_last=100, log=_silent())
@@ -101,7 +119,10 @@ def run(repeat: int, base: Path, key_file: Path) -> tuple[dict[str, list[float]]
         times["raw_fsync"].append(timed(lambda: raw_save(state, fsync_dir, fsync=True)))
         contents = [(fsync_dir / name).read_bytes() for name in ("model.pt", "optim.pt", "extra.pt")]
         times["hash_floor"].append(timed(lambda: [hashlib.sha256(data).digest() for data in contents]))
+        pieces = pieces_per_cpu(contents)
         del contents
+        times["hash_all_cpus"].append(timed(lambda: hash_at_once(pieces)))
+        del pieces
         handle = None
 
         def verified():
@@ -138,6 +159,8 @@ def report(times: dict[str, list[float]], size: int, repeat: int, command: str) 
         ("raw torch.save + fsync (peer)", med["raw_fsync"], f"{med['raw_fsync'] / med['raw']:.2f}x"),
         ("SHA-256 of the same bytes in memory (floor)", med["hash_floor"],
          f"{med['hash_floor'] / med['raw']:.2f}x"),
+        (f"SHA-256 of the same bytes on all {store.CPUS} CPUs at once (floor)", med["hash_all_cpus"],
+         f"{med['hash_all_cpus'] / med['raw']:.2f}x"),
         ("verified save, sync", med["verified"], f"{med['verified'] / med['raw']:.2f}x"),
         ("async save: blocking", med["async_blocking"], f"{med['async_blocking'] / med['verified']:.1%} of sync"),
         ("async save: until durable", med["async_total"], f"{med['async_total'] / med['raw']:.2f}x"),
@@ -166,12 +189,29 @@ def report(times: dict[str, list[float]], size: int, repeat: int, command: str) 
              "descriptor)",
              f"- where a verified save's time goes: the durable peer (save + fsync) {med['raw_fsync']:.3f} s plus "
              f"SHA-256 of every byte {med['hash_floor']:.3f} s is {med['raw_fsync'] + med['hash_floor']:.3f} s "
-             f"done one after the other; measured {med['verified']:.3f} s. With 4+ CPUs the hash runs on a second "
-             f"thread beside the writer (here: {'yes' if store.PARALLEL_HASH else 'no, inline'}), so 1.25x raw is "
-             "within reach only where that thread has a core to itself; an async save's blocking part is a copy "
-             "of the state into reused host buffers (memory bandwidth).",
+             f"done one after the other; measured {med['verified']:.3f} s. A sync save writes its files at once, "
+             "each with a hash thread beside its writer; an async save writes them in turn (hash threads only "
+             f"with 4+ CPUs: here {'yes' if store.PARALLEL_HASH else 'no'}), and its blocking part is a copy of "
+             "the state into reused host buffers (memory bandwidth).",
+             f"- the hashing floor of this host: SHA-256 of every byte on all {store.CPUS} CPUs at once takes "
+             f"{med['hash_all_cpus']:.3f} s, {med['hash_floor'] / med['hash_all_cpus']:.2f}x faster than on one "
+             f"({med['hash_all_cpus'] / med['raw']:.2f}x a raw torch.save).",
+             both_targets(med),
              "- all runs: " + ", ".join(f"{k} {' / '.join(f'{s:.3f}' for s in v)}" for k, v in times.items()), ""]
     return "\n".join(lines)
+
+
+def both_targets(med: dict[str, float]) -> str:
+    """Whether one sync save time can meet both targets here: the async target asks a sync save of at
+    least 10x the async blocking time (a copy of the state, bounded by memory bandwidth on a CPU host),
+    the save target at most 1.25x a raw torch.save."""
+    at_least, at_most = 10 * med["async_blocking"], 1.25 * med["raw"]
+    verdict = (f"a sync save between {at_least:.3f} s and {at_most:.3f} s would meet both" if at_least <= at_most
+               else "no sync save time meets both on this host (on a GPU host the blocking part is the "
+                    "device-to-host copy, and a sync save includes that copy too)")
+    return (f"- both targets at once: async blocking <= 10% needs a sync save of at least 10 x "
+            f"{med['async_blocking']:.3f} = {at_least:.3f} s; verified save <= 1.25x raw needs at most "
+            f"1.25 x {med['raw']:.3f} = {at_most:.3f} s: {verdict}.")
 
 
 def write_docs(section: str) -> Path:

@@ -82,6 +82,14 @@ def checkpoint(out: str) -> list[Figure]:
                    ratio(number(restore[1]), number(load[1])))]
 
 
+def recovery(out: str) -> list[Figure]:
+    again, peer = row(out, "crash -> training again"), row(out, "peer: new interpreter")
+    seconds = number(again[1])
+    return [Figure("crash to training again, tiny model on CPU (s)", again[1],
+                   "new interpreter + import torch + torch.load", peer[1], ratio(seconds, number(peer[1])),
+                   "< 10 s", seconds < 10.0)]
+
+
 def collectors(out: str) -> list[Figure]:
     figures = []
     for label, starts in (("fixtures", "fixtures"), ("live /proc", "live")):
@@ -122,12 +130,17 @@ def preflight(out: str) -> list[Figure]:
 
 def replay(out: str) -> list[Figure]:
     rows = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("[")))
-    by_stage = {r["stage"]: r for r in rows if r["stage"]}
-    peer, total = by_stage["peer"], by_stage["total"]
-    rate = total["records"] / total["seconds"]
-    return [Figure("trainguard replay LOG (records/s)", f"{rate:,.0f}", "json.loads",
-                   f"{peer['records'] / peer['seconds']:,.0f}", (total["seconds"] / total["records"])
-                   / (peer["seconds"] / peer["records"]), ">= 500,000 records/s", rate >= 500_000)]
+    figures = []
+    for shape in dict.fromkeys(r.get("shape", "layers") for r in rows):
+        by_stage = {r["stage"]: r for r in rows if r["stage"] and r.get("shape", "layers") == shape}
+        peer = by_stage["peer"]
+        for stage, what in (("total", "trainguard replay LOG"), ("decide", "guard + cost alone")):
+            rate = by_stage[stage]["records"] / by_stage[stage]["seconds"]
+            figures.append(Figure(f"{what}, {shape} records (records/s)", f"{rate:,.0f}", "json.loads",
+                                  f"{peer['records'] / peer['seconds']:,.0f}",
+                                  (1 / rate) / (peer["seconds"] / peer["records"]), ">= 500,000 records/s",
+                                  rate >= 500_000))
+    return figures
 
 
 def report(out: str) -> list[Figure]:

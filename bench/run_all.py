@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from figures import (Figure, agent, checkpoint, collectors, diagnose, fault_to_action, loop, preflight,
-                     replay, report, telemetry)
+                     recovery, replay, report, telemetry)
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -62,6 +62,7 @@ BENCHES: dict[str, Spec] = {
     "diagnose": Spec("Diagnose", [], ["--steps", "10000", "--repeat", "1"], diagnose),
     "loop": Spec("Training loop overhead", [], ["--steps", "100", "--warmup", "10"], loop),
     "preflight": Spec("Preflight storage probe", [], ["--rounds", "1"], preflight),
+    "recovery": Spec("Crash recovery", [], ["--runs", "1"], recovery),
     "replay": Spec("Replay", ["--json"], ["--records", "100000", "--decide-records", "50000", "--repeat", "1",
                                           "--json"], replay),
     "report": Spec("Report (`trainguard report`)", [], ["--steps", "20000", "--repeat", "1"], report),

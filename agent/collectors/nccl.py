@@ -24,7 +24,7 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from ..collector import Collector, Sample, register
-from ..families import Memo, Spec
+from ..families import LabelCache, Spec
 from ..procfs import RankPids, process_start, read_environ
 from ..tail import Follower
 from .options import options
@@ -119,28 +119,27 @@ class NCCLCollector(Collector):
         self.counts = dict.fromkeys(KINDS, 0)
         self.rank_pids = RankPids(ctx.run_dir, ctx.node)
         self.environments = RankEnvironments(ctx.procfs)
-        # events and environment seldom change: the same families until they do (rendered once, see families.Memo)
-        self._events, self._environment = Memo(), Memo()
 
     def update(self) -> Sample:
         for line in self.logs.lines():
             kind = classify(line)
             if kind is not None:
                 self.counts[kind] += 1
-        counts = tuple(self.counts.values())
-        families = [*self._events.families((counts, self.logs.files), self._event_families),
-                    *self._environment_families()]
+        families = [EVENTS.family((_KIND_LABELS[kind], count) for kind, count in self.counts.items()),
+                    LOG_FILES.value(self.logs.files), *self._environment_families()]
         return Sample(families=families, tls={"system": {"nccl_events": dict(self.counts)}})
 
-    def _event_families(self) -> list[Metric]:
-        return [EVENTS.family((_KIND_LABELS[kind], count) for kind, count in self.counts.items()),
-                LOG_FILES.value(self.logs.files)]
-
     def _environment_families(self) -> list[Metric]:
+        """trainguard_nccl_env_info per rank whose environment was read, and how many could not be; [] without ranks."""
         ranks = self.rank_pids.get()
-        environments = tuple((rank, self.environments.get(pid)) for rank, pid in ranks.items())
         self.environments.keep(ranks.values())
-        return self._environment.families(environments, lambda: _environment_families(environments))
+        if not ranks:
+            return []
+        environments = [(rank, self.environments.get(pid)) for rank, pid in ranks.items()]
+        info = ENV_INFO.family((_ENV_LABELS.get(str(rank), *values), 1) for rank, values in environments
+                               if values is not None)
+        unreadable = sum(values is None for _, values in environments)
+        return [f for f in (info, ENV_UNREADABLE.value(unreadable)) if f.samples]
 
 
 EVENTS = Spec("counter", "trainguard_nccl_events_total", "NCCL and PyTorch process-group events in the trainer's "
@@ -151,16 +150,7 @@ ENV_INFO = Spec("gauge", "trainguard_nccl_env_info", "NCCL/torch error-handling 
                 "not set), from /proc/<pid>/environ.", ["rank", *(v.lower() for v in ENV_VARS)])
 ENV_UNREADABLE = Spec("gauge", "trainguard_nccl_env_unreadable_ranks", "Ranks listed in RUN/control/ranks whose "
                       "environment could not be read (gone, or another user's).")
-
-
-def _environment_families(environments: tuple[tuple[int, tuple[str, ...] | None], ...]) -> list[Metric]:
-    """trainguard_nccl_env_info per rank whose environment was read, and how many could not be; [] without ranks."""
-    if not environments:
-        return []
-    info = ENV_INFO.family((ENV_INFO.labels(str(rank), *values), 1) for rank, values in environments
-                           if values is not None)
-    unreadable = sum(values is None for _, values in environments)
-    return [f for f in (info, ENV_UNREADABLE.value(unreadable)) if f.samples]
+_ENV_LABELS = LabelCache(ENV_INFO.label_names)
 
 
 class RankEnvironments:

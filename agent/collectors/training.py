@@ -19,13 +19,12 @@ import re
 import time
 from pathlib import Path
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
 from trainguard import log as tglog
 from trainguard import policy as tgpolicy
 from trainguard import tls
 from trainguard.agent.collector import Collector, CollectorDisabled, Context, Sample, register
 from trainguard.agent.collectors.options import options
+from trainguard.agent.families import LabelCache, Spec
 from trainguard.agent.tail import Follower, load_json, save_json_atomic
 from trainguard.agent.training_state import STEP_GAUGES, TrainingState
 from trainguard.decide.cost import CostMeter
@@ -158,40 +157,28 @@ class TrainingCollector(Collector):
     # ------------------------------------------------------------------------------------- families
 
     def _families(self, now: float) -> list:
-        state = self.state
-        labels = ["run_id", "rank"]
-        gauges = {key: GaugeMetricFamily(name, text, labels=labels) for key, (name, text) in STEP_GAUGES.items()}
-        step = GaugeMetricFamily("trainguard_training_step", "Latest step the rank finished.", labels=labels)
-        last = GaugeMetricFamily("trainguard_training_last_step_timestamp_seconds",
-                                 "Unix time of the rank's latest step record.", labels=labels)
-        steps = CounterMetricFamily("trainguard_training_steps", "Step records read from the rank's TLS log.",
-                                    labels=labels)
-        events = CounterMetricFamily("trainguard_training_events", "Events in the rank's TLS log, by type "
-                                     "(guard decisions, checkpoints, actions ...).", labels=labels + ["type"])
-        for rank, rs in sorted(state.ranks.items()):
-            values = [rs.run_id, str(rank)]
+        samples: dict[str, list] = {key: [] for key in STEP_SPECS}
+        step, last, steps, events = [], [], [], []
+        for rank, rs in sorted(self.state.ranks.items()):
+            labels = _RUN_RANK.get(rs.run_id, str(rank))
             for key, value in rs.metrics.items():
-                gauges[key].add_metric(values, value)
+                samples[key].append((labels, value))
             if rs.step is not None:
-                step.add_metric(values, rs.step)
-                last.add_metric(values, rs.last_step_time)
-            steps.add_metric(values, rs.steps_total)
+                step.append((labels, rs.step))
+                last.append((labels, rs.last_step_time))
+            steps.append((labels, rs.steps_total))
             # The event types alerts and annotations look for exist from the start at 0: Prometheus sees
             # no increase in a series' first sample, so a first rollback would otherwise go unseen.
-            for kind, count in sorted({**dict.fromkeys(WATCHED_EVENTS, 0), **rs.events}.items()):
-                events.add_metric(values + [kind], count)
-        families = [*gauges.values(), step, last, steps, events, *self._file_families(), *self._checkpoint(now)]
-        return families + self._cost_families()
+            events += [(_RUN_RANK_TYPE.get(rs.run_id, str(rank), kind), count)
+                       for kind, count in sorted({**_WATCHED_AT_ZERO, **rs.events}.items())]
+        families = [spec.family(samples[key]) for key, spec in STEP_SPECS.items()]
+        families += [STEP.family(step), LAST_STEP.family(last), STEPS.family(steps), EVENTS.family(events)]
+        return families + self._file_families() + self._checkpoint(now) + self._cost_families()
 
     def _file_families(self) -> list:
-        records = CounterMetricFamily("trainguard_tls_records", "TLS records read, by file.", labels=["file"])
-        malformed = CounterMetricFamily("trainguard_tls_malformed_lines",
-                                        "TLS lines that could not be read (logged with file:line), by file.",
-                                        labels=["file"])
-        for name in sorted(set(self.state.records) | set(self.state.malformed)):
-            records.add_metric([name], self.state.records.get(name, 0))
-            malformed.add_metric([name], self.state.malformed.get(name, 0))
-        return [records, malformed]
+        names = sorted(set(self.state.records) | set(self.state.malformed))
+        return [RECORDS.family((_FILE.get(name), self.state.records.get(name, 0)) for name in names),
+                MALFORMED.family((_FILE.get(name), self.state.malformed.get(name, 0)) for name in names)]
 
     def _refresh_checkpoint(self) -> None:
         """A checkpoint on disk newer than the last checkpoint_saved event (or saved without one) counts too."""
@@ -205,42 +192,51 @@ class TrainingCollector(Collector):
         state = self.state
         if state.checkpoint_time is None:
             return []
-        labels = ["run_id"]
-        age = GaugeMetricFamily("trainguard_checkpoint_age_seconds", "Seconds since the latest checkpoint was saved.",
-                                labels=labels)
-        age.add_metric([state.run_id], max(0.0, now - state.checkpoint_time))
-        stamp = GaugeMetricFamily("trainguard_checkpoint_last_timestamp_seconds",
-                                  "Unix time the latest checkpoint was saved.", labels=labels)
-        stamp.add_metric([state.run_id], state.checkpoint_time)
-        families = [age, stamp]
+        run = _RUN.get(state.run_id)
+        families = [CHECKPOINT_AGE.family([(run, max(0.0, now - state.checkpoint_time))]),
+                    CHECKPOINT_TIME.family([(run, state.checkpoint_time)])]
         if state.checkpoint_step is not None:
-            step = GaugeMetricFamily("trainguard_checkpoint_last_step", "Step of the latest checkpoint.", labels=labels)
-            step.add_metric([state.run_id], state.checkpoint_step)
-            families.append(step)
+            families.append(CHECKPOINT_STEP.family([(run, state.checkpoint_step)]))
         return families
 
     def _cost_families(self) -> list:
         if self._cost_rank is None:
             return []
-        cost = self.meter.state
-        run = [self.state.run_id]
-        spec = [("trainguard_cost_usd", "Cost of the run metered so far (GPU-hours x price).", cost.cost_usd),
-                ("trainguard_cost_per_1k_steps_usd", "Cost per 1000 steps over the recent window.",
-                 cost.cost_per_1k_steps),
-                ("trainguard_cost_overrun_ratio", "Cost per 1000 steps over budget, minus 1 (0.3 = 30% over).",
-                 cost.overrun_ratio),
-                ("trainguard_cost_tier", "Budget tier reached: 0 ok, 1 warn, 2 throttle, 3 stop.",
-                 TIER_VALUES.get(cost.tier, 0)),
-                ("trainguard_cost_budget_per_1k_steps_usd", "Budget per 1000 steps from the policy.",
-                 self.meter.policy.budget_per_1k_steps),
-                ("trainguard_cost_billable_gpus", "GPUs the run is billed for (policy override, else the records).",
-                 self.meter.gpus(None))]
-        families = []
-        for name, text, value in spec:
-            family = GaugeMetricFamily(name, text, labels=["run_id"])
-            family.add_metric(run, value)
-            families.append(family)
-        return families
+        cost, run = self.meter.state, _RUN.get(self.state.run_id)
+        values = (cost.cost_usd, cost.cost_per_1k_steps, cost.overrun_ratio, TIER_VALUES.get(cost.tier, 0),
+                  self.meter.policy.budget_per_1k_steps, self.meter.gpus(None))
+        return [spec.family([(run, value)]) for spec, value in zip(COST_SPECS, values)]
+
+
+# Families, their names checked once; label sets made once per run and rank (module-level: replay builds
+# these families from a collector it never initialises, trainguard/replay/series.py).
+_RUN_RANK = LabelCache(["run_id", "rank"])
+_RUN_RANK_TYPE = LabelCache(["run_id", "rank", "type"])
+_RUN = LabelCache(["run_id"])
+_FILE = LabelCache(["file"])
+_WATCHED_AT_ZERO = dict.fromkeys(WATCHED_EVENTS, 0)
+STEP_SPECS = {key: Spec("gauge", name, text, ["run_id", "rank"]) for key, (name, text) in STEP_GAUGES.items()}
+STEP = Spec("gauge", "trainguard_training_step", "Latest step the rank finished.", ["run_id", "rank"])
+LAST_STEP = Spec("gauge", "trainguard_training_last_step_timestamp_seconds",
+                 "Unix time of the rank's latest step record.", ["run_id", "rank"])
+STEPS = Spec("counter", "trainguard_training_steps", "Step records read from the rank's TLS log.", ["run_id", "rank"])
+EVENTS = Spec("counter", "trainguard_training_events", "Events in the rank's TLS log, by type (guard decisions, "
+              "checkpoints, actions ...).", ["run_id", "rank", "type"])
+RECORDS = Spec("counter", "trainguard_tls_records", "TLS records read, by file.", ["file"])
+MALFORMED = Spec("counter", "trainguard_tls_malformed_lines",
+                 "TLS lines that could not be read (logged with file:line), by file.", ["file"])
+CHECKPOINT_AGE = Spec("gauge", "trainguard_checkpoint_age_seconds", "Seconds since the latest checkpoint was saved.",
+                      ["run_id"])
+CHECKPOINT_TIME = Spec("gauge", "trainguard_checkpoint_last_timestamp_seconds",
+                       "Unix time the latest checkpoint was saved.", ["run_id"])
+CHECKPOINT_STEP = Spec("gauge", "trainguard_checkpoint_last_step", "Step of the latest checkpoint.", ["run_id"])
+COST_SPECS = [Spec("gauge", name, text, ["run_id"]) for name, text in (
+    ("trainguard_cost_usd", "Cost of the run metered so far (GPU-hours x price)."),
+    ("trainguard_cost_per_1k_steps_usd", "Cost per 1000 steps over the recent window."),
+    ("trainguard_cost_overrun_ratio", "Cost per 1000 steps over budget, minus 1 (0.3 = 30% over)."),
+    ("trainguard_cost_tier", "Budget tier reached: 0 ok, 1 warn, 2 throttle, 3 stop."),
+    ("trainguard_cost_budget_per_1k_steps_usd", "Budget per 1000 steps from the policy."),
+    ("trainguard_cost_billable_gpus", "GPUs the run is billed for (policy override, else the records)."))]
 
 
 def _base_name(name: str) -> str:

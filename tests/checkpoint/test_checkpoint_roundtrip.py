@@ -203,16 +203,41 @@ def test_stale_temporaries_of_dead_processes_are_removed_at_start(tmp_path, key_
     assert not dead.exists() and alive.exists()
 
 
-def test_hashing_on_a_second_thread_and_inline_give_the_same_checkpoint(tmp_path, key_file, monkeypatch):
-    """Hosts with 4+ CPUs hash beside the writer, smaller ones inline: both paths, same bytes, same hashes."""
-    state = {"model": {"w": torch.randn(3 << 20), "b": torch.randn(10)}}  # a 12 MiB write, and small ones
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync-concurrent-files", "async-one-thread"])
+def test_hashing_on_a_second_thread_and_inline_give_the_same_checkpoint(tmp_path, key_file, monkeypatch, async_save):
+    """Hosts with 4+ CPUs hash beside the writer, smaller ones inline; a sync save writes its files at once,
+    an async one in turn: every path, the same bytes, the same hashes."""
+    state = {"model": {"w": torch.randn(3 << 20), "b": torch.randn(10)},  # a 12 MiB write, and small ones
+             "optim": {"m": torch.randn(1 << 20)}, "data": {"position": [7]}}
     manifests = {}
     for parallel in (True, False):
         monkeypatch.setattr(store, "PARALLEL_HASH", parallel)
-        manager = CheckpointManager(tmp_path / str(parallel), key_file=key_file)
+        manager = CheckpointManager(tmp_path / f"{parallel}", key_file=key_file, async_save=async_save)
         manager.save(1, state, stable=True)
+        manager.wait()
         assert verify(manager.root / "step_1", key_file=key_file).ok
         _, restored = manager.load_latest()
         assert_same(restored, state)
         manifests[parallel] = json.loads((manager.root / "step_1" / "manifest.json").read_text())["files"]
     assert manifests[True] == manifests[False]
+
+
+def test_concurrent_files_wait_for_every_writer_and_raise_the_first_error(tmp_path, monkeypatch):
+    """One file failing while the others are written: save_files returns only once all writers are done,
+    raising the error of the first part that failed, so the caller removes a directory nobody writes to."""
+    real_save, finished = store.save_file, []
+
+    def failing_for_optim(path, obj, parallel_hash=None):
+        if path.name == "optim.pt":
+            raise OSError(28, "No space left on device")
+        entry = real_save(path, obj, parallel_hash)
+        finished.append(path.name)
+        return entry
+
+    monkeypatch.setattr(store, "save_file", failing_for_optim)
+    monkeypatch.setattr(store, "CPUS", 2)
+    parts = {"model.pt": {"w": torch.randn(1 << 20)}, "optim.pt": {"m": torch.randn(10)}, "extra.pt": {"x": 1}}
+    with pytest.raises(OSError, match="No space left"):
+        store.save_files(tmp_path, parts, concurrent=True)
+    assert sorted(finished) == ["extra.pt", "model.pt"]
+

@@ -172,7 +172,9 @@ class CheckpointManager:
         tmp = store.private_dir(self.root, store.TMP, handle.path.name)
         try:
             tmp.mkdir()
-            files = [store.save_file(tmp / name, obj) for name, obj in parts.items()]
+            # A sync save has the host to itself: its files are written at once. An async one runs
+            # beside training and takes one thread.
+            files = store.save_files(tmp, parts, concurrent=not self.async_save)
             body = mf.build(step=handle.step, files=files, stable=handle.stable,
                             world_size=self._get_world_size(), created_at=format_timestamp(time.time()),
                             versions=versions(), meta=meta)

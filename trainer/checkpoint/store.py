@@ -36,9 +36,11 @@ def _usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-# A hash thread beside the writer only pays off when it has a core of its own. With fewer CPUs it competes
-# with the writer and training (measured on a busy 2-CPU host: 17% slower than hashing inline).
-PARALLEL_HASH = _usable_cpus() >= 4
+CPUS = _usable_cpus()
+# A hash thread beside the writer of a file pays off when it has a core of its own. An async save runs
+# beside training, so it uses one only with 4 CPUs or more (measured on a busy 2-CPU host: 17% slower
+# than hashing inline); a sync save has the host to itself (`save_files(..., concurrent=True)`).
+PARALLEL_HASH = CPUS >= 4
 TMP, TRASH = ".tmp-", ".trash-"
 _PRIVATE = re.compile(r"\A\.(tmp|trash)-(.+)-(.+)-([0-9]+)\Z")
 # Private dirs of another host cannot be checked for a live owner; they are removed once this old.
@@ -68,10 +70,11 @@ def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 def _pool() -> ThreadPoolExecutor:
-    """One thread that hashes while the caller's thread writes or reads; hashlib releases the GIL."""
+    """Threads that hash while their callers write or read (one per CPU, for files written at once);
+    hashlib releases the GIL."""
     global _hash_pool
     if _hash_pool is None:
-        _hash_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainguard-hash")
+        _hash_pool = ThreadPoolExecutor(max_workers=max(CPUS, 2), thread_name_prefix="trainguard-hash")
     return _hash_pool
 
 
@@ -93,8 +96,9 @@ class HashingWriter:
     writes them, so the cost is close to the slower of the two rather than their sum.
     """
 
-    def __init__(self, raw: IO[bytes]):
+    def __init__(self, raw: IO[bytes], parallel: bool | None = None):
         self._raw = raw
+        self._parallel = PARALLEL_HASH if parallel is None else parallel
         self._sha = hashlib.sha256()
         self.bytes = 0
         self._written_back = 0
@@ -105,7 +109,7 @@ class HashingWriter:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         try:
-            if PARALLEL_HASH and view.nbytes >= PARALLEL_HASH_MIN:
+            if self._parallel and view.nbytes >= PARALLEL_HASH_MIN:
                 hashing = _pool().submit(self._sha.update, view)
                 try:
                     self._raw.write(view)
@@ -131,12 +135,12 @@ class HashingWriter:
         return self._sha.hexdigest()
 
 
-def save_file(path: Path, obj: Any) -> FileEntry:
+def save_file(path: Path, obj: Any, parallel_hash: bool | None = None) -> FileEntry:
     """torch.save `obj` to a new file at `path`, hashed while written, flushed and fsynced."""
     import torch
 
     with open(path, "xb") as raw:
-        writer = HashingWriter(raw)
+        writer = HashingWriter(raw, parallel_hash)
         try:
             torch.save(obj, writer)
         except Exception:
@@ -146,6 +150,29 @@ def save_file(path: Path, obj: Any) -> FileEntry:
         raw.flush()
         os.fsync(raw.fileno())
     return FileEntry(path.name, writer.hexdigest(), writer.bytes)
+
+
+def save_files(folder: Path, parts: dict[str, Any], concurrent: bool = False) -> list[FileEntry]:
+    """`save_file` for each part, in `parts`' order. With `concurrent` (and more than one CPU) the files
+    are written at once, largest first, each with a hash thread beside its writer: one file's hashing
+    overlaps another's writing, the way to keep a verified save close to a plain one. Every writer has
+    finished before this returns or raises (the first error, in `parts`' order)."""
+    if not concurrent or CPUS < 2 or len(parts) < 2:
+        return [save_file(folder / name, obj) for name, obj in parts.items()]
+    largest_first = sorted(parts, key=lambda name: -_tensor_bytes(parts[name]))
+    with ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="trainguard-save") as writers:
+        futures = {name: writers.submit(save_file, folder / name, parts[name], True) for name in largest_first}
+    return [futures[name].result() for name in parts]
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a state (nested dicts, lists, tuples): what a file of it will weigh."""
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(value) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(value) for value in obj)
+    nbytes = getattr(obj, "nbytes", None)
+    return nbytes if isinstance(nbytes, int) else 0
 
 
 def write_bytes(path: Path, data: bytes) -> None:
@@ -241,7 +268,7 @@ class _SizeChanged(Exception):
 
 def _read_hashed(handle: IO[bytes], size: int) -> str:
     """SHA-256 of exactly `size` bytes of `handle`, read into one scratch buffer while the hash thread
-    digests the other (or inline, with fewer than 4 CPUs)."""
+    digests the other (or inline, where PARALLEL_HASH is off)."""
     sha = hashlib.sha256()
     scratch = [memoryview(bytearray(min(CHUNK, size) or 1)) for _ in range(2)]
     pending, pos, turn = None, 0, 0

@@ -1,0 +1,109 @@
+"""Time from a crash to training again: the tiny model on CPU, killed mid-run, restarted by the launcher.
+
+    .venv/bin/python bench/bench_recovery.py                 # 3 crashes, median
+    .venv/bin/python bench/bench_recovery.py --runs 5 --steps 80 --crash-at 55
+
+Each run is `trainguard train --max-restarts 1 --checkpoint-every 10 --inject crash@K`: rank 0 SIGKILLs
+itself at step K, torch's elastic launcher sees the worker die and starts a new one, which verifies and
+restores the newest checkpoint and trains on. Read from the run's own TLS log (rank 0):
+
+  crash -> restored       the `fault_injected` event to the `checkpoint_restored` event (launcher notices,
+                          new interpreter, torch import, rendezvous, checkpoint verified and loaded)
+  crash -> training again the `fault_injected` event to the first step record after the restart
+  crash -> caught up      ... to the step record of step K again (the steps lost since the checkpoint
+                          trained once more)
+
+Side by side, the peer: the floor any restart of a PyTorch trainer pays, measured the same way in the
+same run: a new interpreter that imports torch and `torch.load`s the same checkpoint files (no
+verification, no launcher, no model, no first step), from spawn to exit.
+
+Target (issue 3): crash to training again under 10 s for the tiny model on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from trainguard import tls
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINGUARD = ROOT / ".venv" / "bin" / "trainguard"
+TARGET_SECONDS = 10.0
+
+
+def crash_run(run_dir: Path, steps: int, crash_at: int) -> dict[str, float]:
+    subprocess.run([str(TRAINGUARD), "train", "--run-dir", str(run_dir), "--steps", str(steps),
+                    "--checkpoint-every", "10", "--max-restarts", "1", "--inject", f"crash@{crash_at}"],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    crashed = restored = again = caught_up = None
+    for line in tls.iter_lines(run_dir / "tls" / "rank-0.jsonl"):
+        record = line.record or {}
+        event = record.get("event") or {}
+        when = tls.parse_timestamp(record["timestamp"]) if "timestamp" in record else None
+        if event.get("type") == "fault_injected":
+            crashed = when
+        elif crashed is not None and event.get("type") == "checkpoint_restored":
+            restored = when
+        elif crashed is not None and restored is not None and not event and "metrics" in record:
+            again = again or when
+            if record.get("step") == crash_at:
+                caught_up = when
+    if None in (crashed, restored, again, caught_up):
+        raise RuntimeError(f"{run_dir}: the log does not show a crash, a restore and training again")
+    checkpoint = max((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    return {"restored": restored - crashed, "again": again - crashed, "caught_up": caught_up - crashed,
+            "checkpoint": str(checkpoint)}
+
+
+def bare_restart(checkpoint: Path) -> float:
+    """A new interpreter importing torch and loading the checkpoint's files: spawn to exit."""
+    code = ("import sys, torch\n"
+            "for path in sys.argv[1:]: torch.load(path, weights_only=True)\n")
+    files = [str(p) for p in sorted(checkpoint.glob("*.pt"))]
+    began = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code, *files], check=True)
+    return time.perf_counter() - began
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--crash-at", type=int, default=45)
+    args = parser.parse_args(argv)
+    found: dict[str, list[float]] = {"restored": [], "again": [], "caught_up": [], "peer": []}
+    with tempfile.TemporaryDirectory(prefix="bench-recovery-") as folder:
+        for run in range(args.runs):
+            times = crash_run(Path(folder) / f"run-{run}", args.steps, args.crash_at)
+            found["peer"].append(bare_restart(Path(times.pop("checkpoint"))))
+            for key, seconds in times.items():
+                found[key].append(seconds)
+    median = {key: statistics.median(values) for key, values in found.items()}
+    peer = median["peer"]
+    print(f"## Crash recovery\n\n`.venv/bin/python bench/bench_recovery.py --runs {args.runs} --steps {args.steps} "
+          f"--crash-at {args.crash_at}`: the tiny model on CPU, checkpoint every 10 steps, crash at step "
+          f"{args.crash_at}, median of {args.runs} runs.\n")
+    print("| measure | seconds | / bare restart (peer) |\n|---|---:|---:|")
+    for key, what in (("restored", "crash -> checkpoint verified and restored"),
+                      ("again", "crash -> training again (first step)"),
+                      ("caught_up", f"crash -> back at step {args.crash_at}"),
+                      ("peer", "peer: new interpreter + import torch + torch.load")):
+        print(f"| {what} | {median[key]:.2f} | {median[key] / peer:.2f} |")
+    met = median["again"] < TARGET_SECONDS
+    print(f"\n- crash to training again under {TARGET_SECONDS:.0f} s: {'met' if met else 'NOT met'} "
+          f"({median['again']:.2f} s)")
+    print("- all runs: " + ", ".join(f"{key} " + " / ".join(f"{v:.2f}" for v in values)
+                                     for key, values in found.items()))
+    print(json.dumps({key: values for key, values in found.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

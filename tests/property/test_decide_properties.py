@@ -41,6 +41,21 @@ def runs(draw):
     return rows
 
 
+@st.composite
+def layered_runs(draw):
+    """Every step carrying the same two layers, mostly steady, sometimes jumping, NaN or exploding: the
+    batches the guard screens and decides a column at a time (and, where the screen fails, step by step)."""
+    rare = draw(st.sampled_from([0, 0.02, 0.2]))      # how often a norm is not steady (none, few, many)
+
+    def norm():
+        if draw(st.floats(0, 1)) >= rare:
+            return draw(st.floats(0.2, 1.0))
+        return draw(st.sampled_from([math.nan, 0.0, 12.0, 30.0, 500.0]))
+
+    return [(step, loss, grad, {"h.0": norm(), "h.1": norm()}, when, gpus)
+            for step, loss, grad, _, when, gpus in draw(runs())]
+
+
 def batches(draw, rows):
     """`rows` cut into consecutive batches of random sizes."""
     cuts = sorted(draw(st.lists(st.integers(0, len(rows)), max_size=6)))
@@ -54,7 +69,7 @@ def same_decision(ours, theirs) -> bool:
 
 
 @settings(max_examples=examples(60))
-@given(rows=runs(), data=st.data(), window=st.integers(4, 32), spike_min=st.integers(2, 40),
+@given(rows=st.one_of(runs(), layered_runs()), data=st.data(), window=st.integers(4, 32), spike_min=st.integers(2, 40),
        grad_min=st.integers(1, 20), after=st.integers(1, 4), per_hour=st.integers(0, 3))
 def test_guard_batches_decide_as_the_step_by_step_guard(rows, data, window, spike_min, grad_min, after, per_hour):
     policy = GuardPolicy(spike_window=window, spike_min_steps=spike_min, grad_min_steps=grad_min,

@@ -21,6 +21,7 @@ import math
 from collections import deque
 from itertools import repeat
 from math import isfinite
+from operator import itemgetter
 from typing import Mapping, NamedTuple, Sequence
 
 from trainguard.actions import ROLLBACK, SKIP_STEP
@@ -28,6 +29,7 @@ from trainguard.decide.decision import CARRY_ON, Decision
 from trainguard.policy import GuardPolicy
 
 STOP = "stop"
+MIN_SCREENED = 32     # batches of layer norms this short that fail the screen are decided step by step
 HOUR = 3600.0
 
 
@@ -102,6 +104,69 @@ class Guard:
                    ) -> list[tuple[int, Decision]]:
         """Decide consecutive steps in order; returns (index, decision) for each step that does not
         carry on. A stopped guard answers ``stop`` to every step.
+
+        Per-layer norms cost a loop over the layers per step. When a batch's layer norms cannot explode
+        (`_layer_columns`), the steps are decided on their global numbers and each layer's EMA then
+        learns over its column of norms: the same decisions and the same EMAs, with the per-layer work
+        done a column at a time."""
+        if not layers or not any(layers):
+            return self._check_steps(steps, losses, grad_norms, timestamps, None)
+        columns = self._layer_columns(layers)
+        if columns is None:
+            if len(losses) <= MIN_SCREENED:
+                return self._check_steps(steps, losses, grad_norms, timestamps, layers)
+            half = len(losses) // 2     # an early, fast-moving stretch: screen the halves apart
+            found = self.check_many(steps[:half], losses[:half], grad_norms[:half], timestamps[:half], layers[:half])
+            return found + [(half + i, decision) for i, decision in self.check_many(
+                steps[half:], losses[half:], grad_norms[half:], timestamps[half:], layers[half:])]
+        found = self._check_steps(steps, losses, grad_norms, timestamps, None)
+        self._learn_layer_columns(columns, {i for i, _ in found})
+        return found
+
+    def _layer_columns(self, layers: Sequence[Mapping[str, float] | None]) -> list[tuple[str, list]] | None:
+        """Each layer's norms over the batch, when no layer can explode in it; else None.
+
+        A layer's EMA moves to a weighted mean of itself and a norm, so while it learns from this batch
+        it stays at or above the smaller of its value now and the batch's smallest norm. A batch whose
+        largest norm stays under the factor times that (less a margin for rounding) cannot explode,
+        whichever of its steps turn out healthy. Needs every step to carry the same layers, each with
+        an EMA already."""
+        first, emas = layers[0], self.layer_ema
+        if not first or any(name not in emas for name in first):
+            return None
+        width = len(first)
+        if any(norms is None or len(norms) != width for norms in layers):
+            return None
+        factor = self.policy.layer_explode_factor * (1 - 1e-9)
+        columns = []
+        for name in first:
+            try:
+                column = list(map(itemgetter(name), layers))
+            except KeyError:
+                return None
+            low, high = min(column), max(column)
+            floor = emas[name] if emas[name] < low else low
+            if not (floor >= 0 and high <= factor * floor):     # NaN fails too: decided step by step
+                return None
+            columns.append((name, column))
+        return columns
+
+    def _learn_layer_columns(self, columns: list[tuple[str, list]], bad: set[int]) -> None:
+        """Each layer's EMA over its column, healthy steps only, finite norms only (as step by step)."""
+        keep, emas, finite = 1 - self.policy.grad_ema_beta, self.layer_ema, isfinite
+        for name, column in columns:
+            ema = emas[name]
+            if bad:
+                column = [norm for i, norm in enumerate(column) if i not in bad]
+            for norm in column:
+                if finite(norm):
+                    ema = ema + keep * (norm - ema)
+            emas[name] = ema
+
+    def _check_steps(self, steps: Sequence[int], losses: Sequence[float], grad_norms: Sequence[float],
+                     timestamps: Sequence[float], layers: Sequence[Mapping[str, float] | None] | None,
+                     ) -> list[tuple[int, Decision]]:
+        """`check_many`, step by step.
 
         One loop with the state in local names, on purpose: replay runs it once per recorded step, and a
         million-step log is what it is measured on (bench/bench_replay.py). The common case, a healthy

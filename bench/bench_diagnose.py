@@ -23,9 +23,9 @@ import random
 import resource
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from timing import best_of
 from trainguard import tls
 from trainguard.diagnose import diagnose, diagnose_run, load_run
 
@@ -58,15 +58,6 @@ def write_run(run_dir: Path, steps: int, seed: int = 1) -> int:
             writer.write({"timestamp": START + n * 5, "node": "node-0",
                           "hardware": {"gpus": gpus, "disk_await_ms": 1.5 + rng.random()}})
     return 2 * steps + samples
-
-
-def best_of(repeat: int, run) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        began = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - began)
-    return best
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,9 +30,9 @@ import json
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from timing import best_of
 from trainguard import tls
 from trainguard.decide.cost import CostMeter
 from trainguard.decide.guard import Guard
@@ -64,15 +64,6 @@ def write_log(path: Path, records: int, layers: bool, seed: int = 1) -> None:
                             "tokens_per_second": 32768.0, "samples_per_second": 64.0, "mfu": 0.41},
                 "hardware": {"mem_allocated_bytes": 61_203_000_000, "mem_reserved_bytes": 70_000_000_000},
                 "system": {"gpu_count": 8, "world_size": 8}})
-
-
-def best_of(repeat: int, run) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        began = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - began)
-    return best
 
 
 def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[tuple[str, str, int, float]]:

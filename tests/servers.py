@@ -51,6 +51,21 @@ def require_binary(name: str, *alternatives: str) -> str:
 
 # -------------------------------------------------------------------------------------------- network
 
+def mount_or_skip(args: Sequence[str], target: Path) -> None:
+    """`mount ARGS TARGET` (a real tmpfs, a read-only bind). Skipped where mounting is not permitted,
+    but a failure under CI=true as root, where it must work."""
+    try:
+        result = subprocess.run(["mount", *args, str(target)], capture_output=True, text=True, timeout=30)
+        problem = result.stderr.strip() if result.returncode else None
+    except FileNotFoundError:
+        problem = "no mount command"
+    if problem:
+        message = f"cannot mount here ({problem})"
+        if os.environ.get("CI", "").lower() == "true" and os.geteuid() == 0:
+            pytest.fail(f"{message}; CI=true as root requires it", pytrace=False)
+        pytest.skip(message)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nobody listens on now (the OS picks it; a race with another process is possible but rare)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.servers import mount_or_skip
 
 
 @pytest.fixture(autouse=True)
@@ -30,17 +31,7 @@ def small_tmpfs(tmp_path):
     def mount(size: str = "2m") -> Path:
         target = tmp_path / f"tmpfs{len(mounted)}"
         target.mkdir()
-        try:
-            result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)],
-                                    capture_output=True, text=True, timeout=30)
-            problem = result.stderr.strip() if result.returncode else None
-        except FileNotFoundError:
-            problem = "no mount command"
-        if problem:
-            message = f"cannot mount a tmpfs here ({problem})"
-            if os.environ.get("CI", "").lower() == "true" and os.geteuid() == 0:
-                pytest.fail(f"{message}; CI=true as root requires it", pytrace=False)
-            pytest.skip(message)
+        mount_or_skip(["-t", "tmpfs", "-o", f"size={size}", "tmpfs"], target)
         mounted.append(target)
         return target
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.servers import mount_or_skip
 
 
 
@@ -15,20 +16,6 @@ def _key_in_tmp(tmp_path, monkeypatch):
     """No test may read or create the user's real checkpoint key."""
     monkeypatch.setenv("TRAINGUARD_CHECKPOINT_KEY", str(tmp_path / "env" / "checkpoint.key"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-
-
-def _mount(args: list[str], target: Path) -> None:
-    """Run mount; skip where mounting is not permitted, but fail under CI=true as root, where it must work."""
-    try:
-        result = subprocess.run(["mount", *args, str(target)], capture_output=True, text=True, timeout=30)
-        problem = result.stderr.strip() if result.returncode else None
-    except FileNotFoundError:
-        problem = "no mount command"
-    if problem:
-        message = f"cannot mount here ({problem})"
-        if os.environ.get("CI", "").lower() == "true" and os.geteuid() == 0:
-            pytest.fail(f"{message}; CI=true as root requires it", pytrace=False)
-        pytest.skip(message)
 
 
 @pytest.fixture
@@ -41,7 +28,7 @@ def mounts(tmp_path):
         def tmpfs(size: str) -> Path:
             target = tmp_path / f"tmpfs{len(made)}"
             target.mkdir()
-            _mount(["-t", "tmpfs", "-o", f"size={size}", "tmpfs"], target)
+            mount_or_skip(["-t", "tmpfs", "-o", f"size={size}", "tmpfs"], target)
             made.append(target)
             return target
 
@@ -50,9 +37,9 @@ def mounts(tmp_path):
             """A read-only bind mount of `source`: even root cannot write there."""
             target = tmp_path / f"ro{len(made)}"
             target.mkdir()
-            _mount(["--bind", str(source)], target)
+            mount_or_skip(["--bind", str(source)], target)
             made.append(target)
-            _mount(["-o", "remount,bind,ro"], target)
+            mount_or_skip(["-o", "remount,bind,ro"], target)
             return target
 
     yield Mounts

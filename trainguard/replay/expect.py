@@ -59,13 +59,17 @@ class Entry:
         if self.time is not None:
             lo, hi = (offset_text(_resolve(b, origin), origin) for b in self.time)
             parts.append(f"time {lo}..{hi}")
-        if self.reason:
-            parts.append(f"reason {self.reason}")
-        if self.severity:
-            parts.append(f"severity {self.severity}")
-        if self.labels:
-            parts.append("labels " + ",".join(f"{k}={v}" for k, v in sorted(self.labels.items())))
-        return "  ".join(parts)
+        return "  ".join(parts + _qualifiers(self.reason, self.severity, self.labels))
+
+
+def _qualifiers(reason: str | None, severity: str | None, labels: dict) -> list[str]:
+    """The reason, severity and labels of an expected or found entry, as `describe` shows them."""
+    parts = [f"reason {reason}"] if reason else []
+    if severity:
+        parts.append(f"severity {severity}")
+    if labels:
+        parts.append("labels " + ",".join(f"{k}={v}" for k, v in sorted(labels.items())))
+    return parts
 
 
 @dataclass(frozen=True)
@@ -217,13 +221,7 @@ class Found:
         if self.step is not None:
             parts.append(f"step {self.step}")
         parts.append(f"at {offset_text(self.time, origin)}")
-        if self.reason:
-            parts.append(f"reason {self.reason}")
-        if self.severity:
-            parts.append(f"severity {self.severity}")
-        if self.labels:
-            parts.append("labels " + ",".join(f"{k}={v}" for k, v in sorted(self.labels.items())))
-        return "  ".join(parts)
+        return "  ".join(parts + _qualifiers(self.reason, self.severity, self.labels))
 
 
 def _matches(entry: Entry, found: Found, origin: float | None) -> bool:

@@ -56,10 +56,14 @@ class StallWatchdog:
     """restore when this node's live ranks have gone `stall_seconds` without a TLS write."""
 
     def __init__(self, run_dir: str | Path, stall_seconds: float, submit: Callable[[list[Notice]], object],
-                 host: str | None = None, clock: Callable[[], float] = time.time):
+                 host: str | None = None, clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic):
         self.run_dir = Path(run_dir)
         self.stall_seconds = stall_seconds
-        self.submit, self.clock = submit, clock
+        self.submit, self.clock, self.monotonic = submit, clock, monotonic
+        # The newest write seen (its mtime) and when, on the monotonic clock, this watchdog would have seen
+        # it: idle time is measured on that clock from there, so a step of the wall clock (NTP) is no stall.
+        self._seen: tuple[float, float] | None = None
         self.host = host or socket.gethostname()
         self.interval = max(0.5, min(5.0, stall_seconds / 4))
         self._stop = threading.Event()
@@ -70,19 +74,26 @@ class StallWatchdog:
 
     def check(self) -> Notice | None:
         """The restore notice if the node is stalled now, else None."""
-        live = restore.local_ranks(self.run_dir, self.host, self._rank_files.read())
+        live = restore.local_ranks(self._rank_files.read(), self.host)
         if not live:
             return None
         last = self._last_write([info.rank for info, _ in live])
         if last is None or last < max(info.started_at for info, _ in live):
             return None    # starting (imports, rendezvous, resume): not a stall yet
         now = self.clock()
-        idle = now - last
+        idle = self._idle_seconds(last, now)
         if idle <= self.stall_seconds:
             return None
         return Notice(alertname=ALERT_OF[actions.RESTORE], status=FIRING, action=actions.RESTORE,
                       key=f"embedded:stall@{format_timestamp(last)}", starts_at=now, source="embedded",
                       reason=f"no TLS record from this node's ranks for {idle:.0f}s")
+
+    def _idle_seconds(self, last: float, now: float) -> float:
+        """Seconds since the ranks' newest write. A write first seen now is dated by the wall clock (how old
+        the file already is, never less than 0); from then on the monotonic clock counts."""
+        if self._seen is None or self._seen[0] != last:
+            self._seen = (last, self.monotonic() - max(0.0, now - last))
+        return self.monotonic() - self._seen[1]
 
     def _last_write(self, rank_ids: list[int]) -> float | None:
         times = []

@@ -121,10 +121,9 @@ def test_the_ledger_acts_on_a_new_incident_after_the_agent_clock_went_back():
     assert ledger.decide(second, T0 + 600 - HOUR).outcome == "act"
 
 
-@pytest.mark.xfail(strict=True, reason="the stall watchdog compares file mtimes with the wall clock: a forward "
-                   "step of the clock looks like a stall (agent/actions_embedded.py: measure progress with a "
-                   "monotonic clock, from when the watchdog last saw the mtime change)")
 def test_a_forward_clock_step_is_not_a_stall(tmp_path):
+    """Idle time runs on the monotonic clock from when the watchdog saw the last write: a step of the wall
+    clock (NTP) restores nothing, a real stall (before or after the step) still does."""
     import json
     import os
     import socket
@@ -132,19 +131,31 @@ def test_a_forward_clock_step_is_not_a_stall(tmp_path):
 
     import psutil
 
-    now = [time.time()]
+    wall, mono = [time.time()], [1000.0]
     (tmp_path / "control" / "ranks").mkdir(parents=True)
     (tmp_path / "control" / "ranks" / "rank-0.json").write_text(json.dumps(   # this process plays rank 0
         {"rank": 0, "pid": os.getpid(), "host": socket.gethostname(), "started_at": psutil.Process().create_time()}))
     (tmp_path / "tls").mkdir()
     log = tmp_path / "tls" / "rank-0.jsonl"
     log.write_text('{"timestamp": 1, "step": 1}\n')
-    os.utime(log, (now[0], now[0]))                     # the rank has just written
-    watchdog = StallWatchdog(tmp_path, 60.0, submit=lambda notices: None, host=socket.gethostname(),
-                             clock=lambda: now[0])
-    assert watchdog.check() is None
-    now[0] += 70                                        # the real proof that the watchdog sees stalls
-    assert watchdog.check() is not None
-    now[0] -= 70
-    now[0] += HOUR                                      # NTP steps the clock an hour forward
-    assert watchdog.check() is None
+    os.utime(log, (wall[0], wall[0]))                   # the rank has just written
+
+    def watchdog() -> StallWatchdog:
+        return StallWatchdog(tmp_path, 60.0, submit=lambda notices: None, host=socket.gethostname(),
+                             clock=lambda: wall[0], monotonic=lambda: mono[0])
+
+    stalled = watchdog()
+    assert stalled.check() is None
+    wall[0] += 70
+    mono[0] += 70                                       # 70 s without a write: a stall
+    assert stalled.check() is not None
+    assert watchdog().check() is not None               # an agent started during the stall sees it at once
+
+    os.utime(log, (wall[0], wall[0]))                   # the rank writes again
+    stepped = watchdog()
+    assert stepped.check() is None
+    wall[0] += HOUR                                     # NTP steps the wall clock an hour forward
+    assert stepped.check() is None
+    wall[0] += 70
+    mono[0] += 70                                       # and a stall after the step is still one
+    assert stepped.check() is not None

@@ -23,6 +23,7 @@ from typing import Callable
 from trainguard import actions
 from trainguard import log as tglog
 from trainguard.agent import restore
+from trainguard.agent.stop_signal import StopSignal
 from trainguard.decide.decision import Decision
 from trainguard.decide.ledger import FIRING, Notice
 from trainguard.tls import format_timestamp
@@ -66,7 +67,7 @@ class StallWatchdog:
         self._seen: tuple[float, float] | None = None
         self.host = host or socket.gethostname()
         self.interval = max(0.5, min(5.0, stall_seconds / 4))
-        self._stop = threading.Event()
+        self._stop = StopSignal()
         self._thread: threading.Thread | None = None
         self._last_key: str | None = None     # one notice per stall, not one per check
         self._rank_files = restore.RankFiles(self.run_dir)

@@ -41,7 +41,12 @@ class Context:
 
 @dataclass
 class Sample:
-    """One update's result: metric families for /metrics, and this collector's part of the TLS node record."""
+    """One update's result: metric families for /metrics, and this collector's part of the TLS node record.
+
+    A family handed out is never changed afterwards (scrapes read it while the next update runs, and the
+    exposition reuses the text of a family it has seen): make new families, or hand out the same ones again
+    only if nothing in them changed. agent/families.py builds them cheaply (`Spec`, `LabelCache`).
+    """
 
     families: list[Metric]
     # {"hardware": {...}, "system": {...}, "metrics": {...}}: merged section by section into the node record

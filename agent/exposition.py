@@ -6,6 +6,10 @@ simple (gauges, counters, infos; plain names and labels; no timestamps or exempl
 directly; any family it does not handle exactly (histograms, `:` in a name, exemplars, a non-default
 escaping asked for in the Accept header) is handed to client_python's own encoder, one family at a time.
 tests/agent/test_core_exposition.py holds the output equal to client_python's.
+
+Two things keep a scrape cheaper still: a `Labels` set (made once per device by the collectors, see
+agent/families.py) carries its own `{k="v"}` text, and the server's `Renderer` reuses the text of every
+family whose samples have not changed since the previous scrape.
 """
 
 from __future__ import annotations

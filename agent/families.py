@@ -28,6 +28,14 @@ __all__ = ["Labels", "LabelCache", "Spec", "NO_LABELS"]
 
 _CLASSES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 
+# Samples are made straight from their fields, past the namedtuple's Python-level __new__ (half the cost of
+# a sample): so the fields must be the ones this code knows.
+_SAMPLE_FIELDS = ("name", "labels", "value", "timestamp", "exemplar", "native_histogram")
+if Sample._fields != _SAMPLE_FIELDS:
+    raise ImportError(f"prometheus_client's Sample has fields {Sample._fields}, agent/families.py knows "
+                      f"{_SAMPLE_FIELDS}: update Spec.family")
+_new_tuple = tuple.__new__
+
 NO_LABELS = Labels((), ())
 
 
@@ -51,7 +59,7 @@ class Spec:
         family = self._class.__new__(self._class)
         family.__dict__.update(self._attributes)
         name = self.sample_name
-        family.samples = [Sample(name, labels, value) for labels, value in samples]
+        family.samples = [_new_tuple(Sample, (name, labels, value, None, None, None)) for labels, value in samples]
         return family
 
     def value(self, value: float) -> Metric:

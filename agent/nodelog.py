@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from trainguard import log as tglog
 from trainguard import tls
+from trainguard.agent.stop_signal import StopSignal
 
 SECTIONS = ("metrics", "hardware", "system")
 ENVELOPE = ("run_id", "step")
@@ -122,7 +123,7 @@ class NodeLog:
         self.records = self.errors = 0
         self._failing = False
         self._log = tglog.get("agent.nodelog", path=str(self.file.path))
-        self._stop = threading.Event()
+        self._stop = StopSignal()
         self._thread: threading.Thread | None = None
 
     def write_once(self, now: float | None = None) -> bool:

@@ -274,23 +274,14 @@ def read_environ(procfs: Path, pid: int) -> dict[str, str] | None:
 
 # -------------------------------------------------------------------------- RUN/control/ranks/*.json
 
-def read_rank_pids(run_dir: Path | None, node: str) -> dict[int, int]:
+class RankPids:
     """{rank: pid} of the trainer ranks on this node, from RUN/control/ranks/rank-<r>.json (agent/restore.py).
 
     The trainer writes its host name; the agent's node name may be configured otherwise, so either matches.
-    A rank file of another host (a shared run directory) is not ours.
+    A rank file of another host (a shared run directory) is not ours. Collectors ask every update, so the
+    files are read again only when they change (restore.RankFiles). The mapping returned is shared: read
+    it, do not change it.
     """
-    if run_dir is None:
-        return {}
-    from .restore import read_ranks     # psutil and logging only when a run directory is watched
-
-    infos, _ = read_ranks(run_dir)
-    return _pids_of(infos, {node, socket.gethostname()})
-
-
-class RankPids:
-    """`read_rank_pids` for collectors that ask every update: the rank files are read again only when they
-    change (restore.RankFiles). The mapping returned is shared: read it, do not change it."""
 
     def __init__(self, run_dir: Path | None, node: str):
         self.ours = {node, socket.gethostname()}
@@ -308,9 +299,5 @@ class RankPids:
         infos = self._files.read()
         if infos is not self._infos:
             self._infos = infos
-            self._pids = _pids_of(infos, self.ours)
+            self._pids = {info.rank: info.pid for info in sorted(infos, key=lambda i: i.rank) if info.host in self.ours}
         return self._pids
-
-
-def _pids_of(infos, hosts: set[str]) -> dict[int, int]:
-    return {info.rank: info.pid for info in sorted(infos, key=lambda i: i.rank) if info.host in hosts}

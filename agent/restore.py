@@ -102,11 +102,8 @@ def live_process(info: RankInfo) -> psutil.Process | None:
         return None
 
 
-def local_ranks(run_dir: str | Path, host: str,
-                infos: list[RankInfo] | None = None) -> list[tuple[RankInfo, psutil.Process]]:
-    """This host's ranks whose processes are alive (`infos`: the rank files, when already read)."""
-    if infos is None:
-        infos, _ = read_ranks(run_dir)
+def local_ranks(infos: list[RankInfo], host: str) -> list[tuple[RankInfo, psutil.Process]]:
+    """This host's ranks (of the rank files `infos`) whose processes are alive."""
     return [(info, process) for info in infos if info.host == host
             for process in [live_process(info)] if process is not None]
 

@@ -24,6 +24,7 @@ from trainguard import log as tglog
 from trainguard.agent.collector import REGISTRY, Collector, CollectorDisabled, Context, Sample
 from trainguard.agent.config import AgentConfig
 from trainguard.agent.families import Labels, Spec
+from trainguard.agent.stop_signal import StopSignal
 
 STARTING, OK, FAILED, HUNG, DISABLED = "starting", "ok", "failed", "hung", "disabled"
 
@@ -62,7 +63,7 @@ class CollectorRunner:
         self._cls, self._ctx, self._on_created = cls, ctx, on_created
         self._log = tglog.get("agent.collector", collector=self.name)
         self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._stop = StopSignal()
         self._thread: threading.Thread | None = None
         self.collector: Collector | None = None
         self._status, self._success, self._duration = STARTING, None, None
@@ -194,7 +195,7 @@ class Agent:
         self._decision_handlers: list[Callable] = []
         self._duplicates_logged: set[str] = set()   # family names seen twice (dropped), logged once each
         self.runners = self._build_runners(dict(REGISTRY if registry is None else registry))
-        self._collector_labels = {name: DURATION.labels(name) for name in self.runners}
+        self._collector_labels = {name: DURATION.labels(name) for name in self.runners}   # {collector="..."}
         self._info = _agent_info(config)     # the same object every scrape: rendered once
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_CachedExposition(self))

@@ -1,7 +1,7 @@
 """The agent's HTTP server: /metrics, /healthz, and a route table other parts plug into.
 
-Standard library only (ThreadingHTTPServer). /metrics renders the collectors' cached samples; nothing on
-the request path reads a device. Other parts of the agent add routes; the webhook adds
+Standard library only (http.server, with a pool of worker threads). /metrics renders the collectors' cached
+samples; nothing on the request path reads a device. Other parts of the agent add routes; the webhook adds
 
     server.add_route("POST", "/api/v1/alerts", handler)   # handler(Request) -> (status, headers, body)
 
@@ -15,6 +15,9 @@ from __future__ import annotations
 import gzip
 import http.server
 import json
+import os
+import queue
+import selectors
 import threading
 from dataclasses import dataclass
 from email.message import Message
@@ -52,7 +55,7 @@ def json_response(status: int, payload, headers: Mapping[str, str] | None = None
 
 
 class AgentServer:
-    """A threading HTTP server with a route table; `agent` (a runner.Agent) provides /metrics and /healthz."""
+    """A threaded HTTP server with a route table; `agent` (a runner.Agent) provides /metrics and /healthz."""
 
     def __init__(self, agent=None, host: str = "127.0.0.1", port: int = 9400, *, max_body_bytes: int = 2**20,
                  max_connections: int = 16, read_timeout: float = 10.0):
@@ -62,7 +65,7 @@ class AgentServer:
         self._slots = threading.BoundedSemaphore(max_connections)
         self._log = tglog.get("agent.server")
         self._thread: threading.Thread | None = None
-        self._renderer = exposition.Renderer()    # families unchanged since the last scrape are not rendered again
+        self._renderer = exposition.Renderer()    # a family unchanged since the last scrape is not rendered again
         self._gzipped: tuple[bytes, bytes] = (b"", gzip.compress(b"", compresslevel=1))   # (body, compressed)
         handler = type("BoundHandler", (_RequestHandler,), {"server_app": self, "timeout": read_timeout})
         self.httpd = _Server((host, port), handler)
@@ -88,15 +91,14 @@ class AgentServer:
         self._routes[key] = handler
 
     def start(self) -> "AgentServer":
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.5},
-                                        name="agent-http", daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve, name="agent-http", daemon=True)
         self._thread.start()
         self._log.info("listening", url=self.url, routes=[f"{m} {p}" for m, p in sorted(self._routes)])
         return self
 
     def stop(self) -> None:
         if self._thread is not None:
-            self.httpd.shutdown()
+            self.httpd.end_serving()
             self._thread.join(5)
         self.httpd.server_close()
 
@@ -126,7 +128,8 @@ class AgentServer:
         return 200, headers, body
 
     def _gzip(self, body: bytes) -> bytes:
-        """Compressed once per distinct body: back-to-back scrapes (HA Prometheus pairs) often get the same one."""
+        """The body gzipped; a scrape that finds nothing changed since the last one (no update, not even the
+        agent's own process_* series) gets the bytes compressed then."""
         last_body, compressed = self._gzipped
         if body != last_body:
             compressed = gzip.compress(body, compresslevel=1)
@@ -142,10 +145,43 @@ class AgentServer:
         return 200, {"Content-Type": "text/html; charset=utf-8"}, (html + "</body></html>\n").encode()
 
 
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
+class _Server(http.server.HTTPServer):
+    """Each connection is served by a worker thread of a pool, at most `http.max_connections` of them.
+
+    A worker that is done with a connection waits for the next one instead of ending, so a scrape on a new
+    connection (a probe, curl, a scraper without keep-alive) does not pay for starting a thread.
+    """
+
     allow_reuse_address = True
     request_queue_size = 64
+
+    def __init__(self, address, handler):
+        self._connections: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._workers = self._idle = 0
+        self._serving = True
+        self._wake_read, self._wake_write = os.pipe()
+        super().__init__(address, handler)     # last: a port already taken calls server_close() from here
+
+    def serve(self) -> None:
+        """Accept connections until `end_serving()`.
+
+        socketserver's serve_forever wakes every poll interval to look for a shutdown request; this sleeps
+        in select() until a connection comes or `end_serving()` writes to a pipe, so an idle agent's HTTP
+        thread costs nothing between scrapes.
+        """
+        with selectors.DefaultSelector() as selector:
+            selector.register(self, selectors.EVENT_READ)
+            selector.register(self._wake_read, selectors.EVENT_READ)
+            while self._serving:
+                for key, _ in selector.select():
+                    if key.fileobj is self and self._serving:
+                        self._handle_request_noblock()   # socketserver's accept-and-dispatch, as serve_forever
+
+    def end_serving(self) -> None:
+        self._serving = False
+        if self._wake_write >= 0:
+            os.write(self._wake_write, b"x")
 
     def process_request(self, request, client_address):
         app = self.RequestHandlerClass.server_app
@@ -157,13 +193,40 @@ class _Server(http.server.ThreadingHTTPServer):
                 pass
             self.shutdown_request(request)
             return
-        super().process_request(request, client_address)
+        with self._lock:    # an idle worker takes the connection, else a new one (a slot each: bounded)
+            start = self._idle == 0
+            if start:
+                self._workers += 1
+            else:
+                self._idle -= 1
+        self._connections.put((request, client_address))
+        if start:
+            threading.Thread(target=self._work, name="agent-http-worker", daemon=True).start()
 
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.RequestHandlerClass.server_app._slots.release()
+    def _work(self) -> None:
+        app = self.RequestHandlerClass.server_app
+        while (connection := self._connections.get()) is not None:
+            request, client_address = connection
+            try:
+                self.finish_request(request, client_address)
+            except Exception:
+                self.handle_error(request, client_address)
+            finally:
+                self.shutdown_request(request)
+                with self._lock:
+                    self._idle += 1
+                app._slots.release()
+
+    def server_close(self) -> None:
+        super().server_close()
+        for fd in (self._wake_read, self._wake_write):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_read = self._wake_write = -1      # closed: never close a number the system gave out again
+        with self._lock:
+            workers = self._workers
+        for _ in range(workers):      # idle workers end; one inside a connection ends when it is done
+            self._connections.put(None)
 
 
 class _RequestHandler(http.server.BaseHTTPRequestHandler):

@@ -19,7 +19,7 @@ import fnmatch
 import json
 import os
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -64,7 +64,7 @@ class Follower:
     # ---------------------------------------------------------------------------------- persistence
 
     def state(self) -> dict:
-        return {name: asdict(pos) for name, pos in self.positions.items()}
+        return {name: dict(vars(pos)) for name, pos in self.positions.items()}   # flat: no need for asdict's deep copy
 
     def restore(self, state: dict) -> None:
         self.positions = {name: Position(**values) for name, values in state.items()}

@@ -5,7 +5,7 @@
 Both run as separate processes; CPU time comes from /proc/<pid>/stat (utime + stime), peak RSS from VmHWM.
 
 - agent: every collector on, every collector sampling each second (8 GPUs through the fake NVML, the
-  h100x8 scenario; io, ib, nccl, host; training following 8 ranks that each write 5 steps a second), the
+  h100x8 scenario; io, ib, nccl, host; training following 8 ranks that each write 1 step a second), the
   node log written each second.
 - node_exporter: `prometheus-node-exporter` with its default collectors; it collects when scraped.
 
@@ -104,7 +104,7 @@ def start_agent(work: Path, run_dir: Path):
     config.write_text("interval: 1\nnodelog: {interval: 1}\n"
                       "collectors:\n  gpu: {nvml_module: tests.fakes.fake_nvml}\n")
     port = free_port()
-    env = {**os.environ, "TRAINGUARD_FAKE_NVML": "h100x8", "PYTHONPATH": os.environ.get("EXTRA_PP", "") + str(ROOT), "TRAINGUARD_LOG_JSON": "1"}
+    env = {**os.environ, "TRAINGUARD_FAKE_NVML": "h100x8", "PYTHONPATH": str(ROOT), "TRAINGUARD_LOG_JSON": "1"}
     cmd = [sys.executable, "-m", "trainguard.cli", "agent", "--run-dir", str(run_dir), "--listen",
            f"127.0.0.1:{port}", "--config", str(config)]
     return start(cmd, url=f"http://127.0.0.1:{port}", ready_url=f"http://127.0.0.1:{port}/healthz",

@@ -225,13 +225,15 @@ def _set(r: dict, key: str, value: Any, per: int = 1) -> None:
 
 
 def field_number(nvml, value) -> float:
-    kind = value.valueType
-    if kind == nvml.NVML_VALUE_TYPE_DOUBLE:
-        return value.value.dVal
-    member = {nvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal", nvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
-              nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal", nvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
-              getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_SHORT", -1): "usVal"}.get(kind, "ullVal")
-    return getattr(value.value, member)
+    return getattr(value.value, _value_members(nvml).get(value.valueType, "ullVal"))
+
+
+@lru_cache(maxsize=8)
+def _value_members(nvml) -> dict[int, str]:
+    """nvmlValueType_t -> the member of the value union holding it (made once per NVML module: 15 fields per GPU)."""
+    return {nvml.NVML_VALUE_TYPE_DOUBLE: "dVal", nvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+            nvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal", nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+            nvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal", getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_SHORT", -1): "usVal"}
 
 
 # ------------------------------------------------------------------------------------------ rendering
@@ -264,14 +266,15 @@ class _Families:
 
     def __init__(self, label_names: tuple[str, ...]):
         labels = list(label_names)
-        self.gauges = [(Spec("gauge", name, help_, labels), key) for name, key, help_ in DCGM_GAUGES]
+        # (spec, reading, scale): one sample per GPU that has the reading
+        self.per_gpu = [(Spec("gauge", name, help_, labels), key, 1) for name, key, help_ in DCGM_GAUGES]
+        self.counters = [(Spec("counter", name, help_, labels), key, scale) for name, key, scale, help_ in COUNTERS]
         self.lost = Spec("gauge", "trainguard_gpu_lost", "1 while NVML reports the GPU lost (fell off the bus, "
                          "driver wedged) or cannot reach it; NVML is re-initialised with backoff.", labels)
         self.throttle = Spec("gauge", "trainguard_gpu_clock_throttle_active", "1 while this clock throttle reason "
                              "is active (DCGM_FI_DEV_CLOCK_THROTTLE_REASONS decoded).", [*labels, "reason"])
-        self.counters = [(Spec("counter", name, help_, labels), key, scale) for name, key, scale, help_ in COUNTERS]
-        self.xids = Spec("counter", "trainguard_gpu_xid_errors", "XID errors by code, from NVML events and the "
-                         "kernel log (the larger count of the two).", [*labels, "xid"])
+        self.xid_errors = Spec("counter", "trainguard_gpu_xid_errors", "XID errors by code, from NVML events and "
+                               "the kernel log (the larger count of the two).", [*labels, "xid"])
         self.xid_available = Spec("gauge", "trainguard_gpu_xid_source_available", "1 if this XID source (nvml "
                                   "events, kmsg) is readable here.", ["source"])
         self.processes = Spec("gauge", "trainguard_gpu_process_memory_bytes", "GPU memory used by the trainer's "
@@ -279,42 +282,60 @@ class _Families:
                               [*labels, "rank"])
         self.gpu_labels = LabelCache(labels)
         self.throttle_labels = LabelCache(self.throttle.label_names)
-        self.xid_labels = LabelCache(self.xids.label_names)
+        self.xid_labels = LabelCache(self.xid_errors.label_names)
         self.source_labels = LabelCache(["source"])
         self.rank_labels = LabelCache(self.processes.label_names)
 
     def build(self, gpus: list[GPU], readings: dict[int, dict], xid_counts: dict[tuple[str, int], int],
               ranks_by_pid: dict[int, int], node: str, xid_sources: dict[str, bool]) -> list[Metric]:
-        values = {gpu.index: tuple(gpu.labels(node)) for gpu in gpus}
-        read = [(gpu, values[gpu.index], self.gpu_labels.get(*values[gpu.index]), readings[gpu.index])
+        values = {gpu.index: tuple(gpu.labels(node)) for gpu in gpus}      # each GPU's label values
+        # (label values, label set, reading) of every GPU read in this update
+        read = [(values[gpu.index], self.gpu_labels.get(*values[gpu.index]), readings[gpu.index])
                 for gpu in gpus if gpu.index in readings]
-        out = [spec.family(samples) for spec, key in self.gauges
-               for samples in [[(labels, r[key]) for _, _, labels, r in read if key in r]] if samples]
+        out = self._per_gpu(self.per_gpu, read)
         out.append(self.lost.family((self.gpu_labels.get(*values[gpu.index]), 1 if gpu.lost else 0) for gpu in gpus))
-        throttle = self.throttle.family(
-            (self.throttle_labels.get(*gpu_values, reason), 1 if r["throttle_reasons"] & bit else 0)
-            for _, gpu_values, _, r in read if r.get("throttle_reasons") is not None
-            for bit, reason in THROTTLE_REASONS)
+        throttle = self._throttle(read)
         if throttle.samples:
             out.append(throttle)
-        out += [spec.family(samples) for spec, key, scale in self.counters
-                for samples in [[(labels, r[key] * scale) for _, _, labels, r in read if key in r]] if samples]
+        out += self._per_gpu(self.counters, read)
         out += self._xid_families(gpus, values, xid_counts, node, xid_sources)
         processes = self._process_family(read, ranks_by_pid)
         return out + [processes] if processes.samples else out
 
+    @staticmethod
+    def _per_gpu(specs: list[tuple[Spec, str, int]], read: list[tuple]) -> list[Metric]:
+        """A family per spec with the GPUs that have its reading; a reading no GPU has gives no family."""
+        out = []
+        for spec, key, scale in specs:
+            samples = [(labels, reading[key] * scale) for _, labels, reading in read if key in reading]
+            if samples:
+                out.append(spec.family(samples))
+        return out
+
+    def _throttle(self, read: list[tuple]) -> Metric:
+        samples = []
+        for gpu_values, _, reading in read:
+            reasons = reading.get("throttle_reasons")
+            if reasons is not None:
+                samples += [(self.throttle_labels.get(*gpu_values, reason), 1 if reasons & bit else 0)
+                            for bit, reason in THROTTLE_REASONS]
+        return self.throttle.family(samples)
+
     def _xid_families(self, gpus: list[GPU], values: dict[int, tuple], counts: dict[tuple[str, int], int],
                       node: str, sources: dict[str, bool]) -> list[Metric]:
         by_pci = {gpu.pci: values[gpu.index] for gpu in gpus}
-        xids = self.xids.family((self.xid_labels.get(*by_pci.get(pci, ("", "", pci, "", "", node)), str(xid)), count)
-                                for (pci, xid), count in counts.items())
+        samples = []
+        for (pci, xid), count in counts.items():
+            gpu_values = by_pci.get(pci) or ("", "", pci, "", "", node)    # a PCI address NVML does not list
+            samples.append((self.xid_labels.get(*gpu_values, str(xid)), count))
+        errors = self.xid_errors.family(samples)
         available = self.xid_available.family((self.source_labels.get(source), 1 if ok else 0)
                                               for source, ok in sorted(sources.items()))
-        return [f for f in (xids, available) if f.samples]
+        return [f for f in (errors, available) if f.samples]
 
     def _process_family(self, read: list[tuple], ranks_by_pid: dict[int, int]) -> Metric:
         samples = []
-        for _, gpu_values, _, reading in read:
+        for gpu_values, _, reading in read:
             per_rank: dict[str, int] = {}
             for pid, used in reading.get("processes", ()):
                 rank = str(ranks_by_pid[pid]) if pid in ranks_by_pid else "other"

@@ -9,9 +9,10 @@ stalled all-reduce over RoCE shows first, so they are exported too, under traing
 
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from ..collector import Collector, Sample, register
+from ..families import LabelCache, Spec
 from ..procfs import IBDevice, read_infiniband
 from .options import options
 
@@ -86,37 +87,41 @@ class InfiniBandCollector(Collector):
         return Sample(families=families(devices), tls=_tls(devices))
 
 
+INFO = Spec("gauge", "node_infiniband_info", "Non-numeric data from /sys/class/infiniband/<device>, value is always 1.",
+            ["device", "board_id", "firmware_version", "hca_type"])
+STATE = Spec("gauge", "node_infiniband_state_id", "State of the InfiniBand port (0: no change, 1: down, 2: init, "
+             "3: armed, 4: active, 5: act defer)", PORT_LABELS)
+PHYSICAL_STATE = Spec("gauge", "node_infiniband_physical_state_id", "Physical state of the InfiniBand port (0: no "
+                      "change, 1: sleep, 2: polling, 3: disable, 4: shift, 5: link up, 6: link error recover, "
+                      "7: phytest)", PORT_LABELS)
+RATE = Spec("gauge", "node_infiniband_rate_bytes_per_second", "Maximum signal transfer rate", PORT_LABELS)
+COUNTER_SPECS = {file: Spec("counter", f"node_infiniband_{name}", help_, PORT_LABELS)
+                 for table in (COUNTERS, COUNTERS_EXT) for file, (name, help_) in table.items()}
+HW = Spec("counter", "trainguard_infiniband_port_hw", "RDMA hardware counters of the port from sysfs hw_counters/ "
+          "(retransmits, ack timeouts, out-of-buffer drops, CNPs), by file name.", [*PORT_LABELS, "counter"])
+_PORT = LabelCache(PORT_LABELS)
+_HW_COUNTER = LabelCache(HW.label_names)
+
+
 def families(devices: list[IBDevice]) -> list[Metric]:
     """The metric families for these HCAs (pure: tests and the cross-check render them directly)."""
-    info = GaugeMetricFamily("node_infiniband_info",
-                             "Non-numeric data from /sys/class/infiniband/<device>, value is always 1.",
-                             labels=["device", "board_id", "firmware_version", "hca_type"])
-    state = GaugeMetricFamily("node_infiniband_state_id", "State of the InfiniBand port (0: no change, 1: down, "
-                              "2: init, 3: armed, 4: active, 5: act defer)", labels=PORT_LABELS)
-    phys = GaugeMetricFamily("node_infiniband_physical_state_id", "Physical state of the InfiniBand port (0: no "
-                             "change, 1: sleep, 2: polling, 3: disable, 4: shift, 5: link up, 6: link error recover, "
-                             "7: phytest)", labels=PORT_LABELS)
-    rate = GaugeMetricFamily("node_infiniband_rate_bytes_per_second", "Maximum signal transfer rate",
-                             labels=PORT_LABELS)
-    counters = {file: CounterMetricFamily(f"node_infiniband_{name}", help_, labels=PORT_LABELS)
-                for table in (COUNTERS, COUNTERS_EXT) for file, (name, help_) in table.items()}
-    hw = CounterMetricFamily("trainguard_infiniband_port_hw", "RDMA hardware counters of the port from "
-                             "sysfs hw_counters/ (retransmits, ack timeouts, out-of-buffer drops, CNPs), by file name.",
-                             labels=[*PORT_LABELS, "counter"])
+    info = [(INFO.labels(d.name, d.board_id, d.firmware_version, d.hca_type), 1) for d in devices]
+    state, phys, rate, hw = [], [], [], []
+    counters: dict[str, list] = {file: [] for file in COUNTER_SPECS}
     for device in devices:
-        info.add_metric([device.name, device.board_id, device.firmware_version, device.hca_type], 1)
         for port in device.ports:
-            labels = [device.name, str(port.port)]
-            state.add_metric(labels, port.state_id)
-            phys.add_metric(labels, port.phys_state_id)
-            rate.add_metric(labels, port.rate_bytes_per_second)
+            labels = _PORT.get(device.name, str(port.port))
+            state.append((labels, port.state_id))
+            phys.append((labels, port.phys_state_id))
+            rate.append((labels, port.rate_bytes_per_second))
             for file, value in (*port.counters.items(), *port.counters_ext.items()):
                 if file in counters:
-                    counters[file].add_metric(labels, value)
-            for name, value in port.hw_counters.items():
-                hw.add_metric([*labels, name], value)
-    every = [info, state, phys, rate, *counters.values(), hw]
-    return [family for family in every if family.samples]
+                    counters[file].append((labels, value))
+            hw += [(_HW_COUNTER.get(device.name, str(port.port), name), value)
+                   for name, value in port.hw_counters.items()]
+    every = [(INFO, info), (STATE, state), (PHYSICAL_STATE, phys), (RATE, rate),
+             *((COUNTER_SPECS[file], samples) for file, samples in counters.items()), (HW, hw)]
+    return [spec.family(samples) for spec, samples in every if samples]
 
 
 def _tls(devices: list[IBDevice]) -> dict:

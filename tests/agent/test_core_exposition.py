@@ -92,3 +92,31 @@ def test_the_whole_agent_matches_client_python(tmp_path, monkeypatch):
     assert {"DCGM_FI_DEV_GPU_UTIL", "node_load1", "trainguard_training_loss"} <= names
     for openmetrics, library in ((False, text_format.generate_latest), (True, om_format.generate_latest)):
         assert exposition.render(families, openmetrics) == library(registry_of(families))
+
+
+@pytest.mark.parametrize("openmetrics", [False, True], ids=["text", "openmetrics"])
+def test_the_renderer_renders_again_only_what_changed(openmetrics, monkeypatch):
+    def families(load: float, help_text: str = "Counted.") -> list[Metric]:
+        made = [f for f in awkward_families() if openmetrics or f.name != "test_exemplified"]
+        made.append(GaugeMetricFamily("test_load1", "Load.", value=load))
+        made.append(CounterMetricFamily("test_changing_help", help_text, value=1))
+        return made
+
+    same, changed = families(0.5), families(0.75, "Counted again.")
+    text_same, text_changed = exposition.render(same, openmetrics), exposition.render(changed, openmetrics)
+    text_other = exposition.render(changed, not openmetrics)
+    renderer = exposition.Renderer()
+    assert renderer.render(families(0.5), openmetrics) == text_same
+    rendered = []
+    real = exposition._family_text
+    monkeypatch.setattr(exposition, "_family_text", lambda family, *rest: rendered.append(family.name) or
+                        real(family, *rest))
+    # other objects, the same samples: not rendered again (but for a NaN sample: NaN equals nothing)
+    assert renderer.render(same, openmetrics) == text_same
+    assert rendered == ["test_gauge_bytes"]
+    rendered.clear()
+    assert renderer.render(changed, openmetrics) == text_changed   # a new value, a new help text: rendered
+    assert rendered == ["test_gauge_bytes", "test_load1", "test_changing_help"]
+    rendered.clear()
+    assert renderer.render(changed, not openmetrics) == text_other  # each format keeps its own texts
+    assert len(rendered) == len(changed)

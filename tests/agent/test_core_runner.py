@@ -132,6 +132,19 @@ def test_intervals_and_timeouts_come_from_the_config():
         release.set()
 
 
+def test_the_agent_is_checked_for_hangs_twice_per_shortest_timeout():
+    from trainguard.agent.runner import Agent
+
+    registry, release, _ = make_collectors()
+    release.set()
+    agent = Agent(AgentConfig(), registry=registry)                       # "hanging" times out after 0.3 s
+    assert agent.check_interval == 1.0                                     # but not more often than each second
+    config = AgentConfig(collectors={name: CollectorConfig(timeout=6.0) for name in registry})
+    assert Agent(config, registry=registry).check_interval == 3.0
+    config = AgentConfig(collectors={name: CollectorConfig(timeout=60.0) for name in registry})
+    assert Agent(config, registry=registry).check_interval == 5.0         # and at least every 5 s
+
+
 def test_a_collector_that_returns_something_else_than_a_sample_is_failed():
     class Wrong(Collector):
         name, interval = "wrong", 0.05
@@ -158,3 +171,19 @@ def test_a_metric_exported_by_two_collectors_is_served_once():
         wait_for(lambda: all(c["success"] for c in agent.health()["collectors"].values()), 10, message="both")
         status, _, body = http_get(url + "/metrics")
         assert body.decode().count("# TYPE test_twin_value gauge") == 1
+
+
+def test_a_stop_signal_wakes_every_sleeper_and_stays_set():
+    from trainguard.agent.stop_signal import StopSignal
+
+    stop = StopSignal()
+    assert stop.wait(0) is False and stop.wait(0.01) is False and not stop.is_set()
+    woken = []
+    sleepers = [threading.Thread(target=lambda: woken.append(stop.wait(60))) for _ in range(3)]
+    for sleeper in sleepers:
+        sleeper.start()
+    stop.set()
+    stop.set()                                   # twice is harmless
+    for sleeper in sleepers:
+        sleeper.join(10)
+    assert woken == [True, True, True] and stop.is_set() and stop.wait(60) is True and stop.wait() is True

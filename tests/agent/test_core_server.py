@@ -85,6 +85,17 @@ def test_openmetrics_when_asked_and_gzip_when_accepted(tmp_path):
     assert steps == {"0": 3, "1": 3}
 
 
+def test_a_compressed_body_is_reused_for_the_same_body_only():
+    server = AgentServer(None, "127.0.0.1", 0)
+    try:
+        first = server._gzip(b"a 1.0\n")
+        assert server._gzip(b"a 1.0\n") is first
+        assert gzip.decompress(server._gzip(b"a 2.0\n")) == b"a 2.0\n"
+        assert gzip.decompress(server._gzip(b"a 1.0\n")) == b"a 1.0\n"
+    finally:
+        server.stop()
+
+
 def test_healthz_reports_every_collector(tmp_path):
     with full_agent(tmp_path) as (agent, url):
         wait_for(lambda: all_succeeded(agent), 20, message="every collector updated")
@@ -180,6 +191,28 @@ def test_a_real_prometheus_scrapes_the_agent(tmp_path):
             # Prometheus asks for OpenMetrics first; what it got is checked by its own parser above.
             health = prometheus_query(prometheus, "up")
             assert float(health[0]["value"][1]) == 1
+
+
+def test_connections_are_served_by_a_pool_of_workers():
+    """A worker outlives its connection and serves the next one; connections at once get a worker each."""
+    server = AgentServer(None, "127.0.0.1", 0, max_connections=4).start()
+    server.add_route("GET", "/ping", lambda req: (200, {}, b"pong"))
+    try:
+        host, port = server.address
+        for _ in range(5):                                  # one after another: one worker, reused
+            assert request(server.url, "GET", "/ping")[2] == b"pong"
+            wait_for(lambda: server.httpd._idle == 1, 10, message="the worker waits for the next connection")
+        assert server.httpd._workers == 1
+        held = [http.client.HTTPConnection(host, port, timeout=10) for _ in range(3)]
+        for connection in held:                             # kept alive at once: a worker each
+            connection.request("GET", "/ping")
+            assert connection.getresponse().read() == b"pong"
+        assert server.httpd._workers == 3 and server.httpd._idle == 0
+        for connection in held:
+            connection.close()
+        wait_for(lambda: server.httpd._idle == 3, 10, message="workers back in the pool")
+    finally:
+        server.stop()
 
 
 def test_connections_beyond_the_limit_get_503():

@@ -11,7 +11,9 @@ TORCH_NCCL_BLOCKING_WAIT, ...), read from /proc/<pid>/environ of the rank pids i
 exported as trainguard_nccl_env_info, one series per rank, so an alert can catch ranks or nodes that differ.
 
 Options (collectors.nccl.*): `logs`: globs, relative to the run directory unless absolute (default
-logs/**/*.log, which covers torchrun's per-rank log directories under RUN/logs).
+logs/**/*.log, which covers torchrun's per-rank log directories under RUN/logs); `rescan_seconds`: how
+often the globs are walked again for new directories (default 30; files already followed are read every
+update).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import time
 from pathlib import Path
 
 from prometheus_client.core import Metric
@@ -50,6 +53,10 @@ ENV_VARS = (
 )
 MAX_LABEL_CHARS = 64          # an environment value is the user's: keep the label bounded
 DEFAULT_LOGS = ["logs/**/*.log"]
+# The globs walk the whole log tree (torchrun adds a directory per restart attempt and rank), so new
+# directories are looked for this often, not every update. A follower found late reads its files from the
+# start: nothing is lost, a new rank's first lines are only counted up to this much later.
+RESCAN_SECONDS = 30.0
 
 
 def classify(line: bytes) -> str | None:
@@ -63,12 +70,14 @@ class LogSet:
     """Followers for every directory the globs reach: one Follower per (directory, file glob), as it keys files
     by name (torchrun writes a stderr.log per rank directory). Globs that overlap would count a line twice."""
 
-    def __init__(self, patterns: list[str]):
+    def __init__(self, patterns: list[str], rescan_seconds: float = RESCAN_SECONDS, clock=time.monotonic):
         self.patterns = [(os.path.dirname(p) or ".", os.path.basename(p)) for p in patterns]
         self.followers: dict[tuple[str, str], Follower] = {}
+        self.rescan_seconds, self.clock = rescan_seconds, clock
         self.refresh(start_at_end=True)
 
     def refresh(self, start_at_end: bool = False) -> None:
+        self._scanned_at = self.clock()
         for directory_glob, name_glob in self.patterns:
             for directory in sorted(glob.glob(directory_glob, recursive=True)):
                 key = (os.path.normpath(directory), name_glob)
@@ -85,7 +94,8 @@ class LogSet:
         return sum(len(f.positions) for f in self.followers.values())
 
     def lines(self):
-        self.refresh()
+        if self.clock() - self._scanned_at >= self.rescan_seconds:
+            self.refresh()
         for follower in self.followers.values():
             for chunk in follower.poll():
                 yield chunk.data
@@ -111,11 +121,11 @@ class NCCLCollector(Collector):
 
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
-        opts = options(ctx.options, self.name, logs=list(DEFAULT_LOGS))
+        opts = options(ctx.options, self.name, logs=list(DEFAULT_LOGS), rescan_seconds=RESCAN_SECONDS)
         # relative globs are under the run directory; without one, only absolute globs are followed
         patterns = [p if os.path.isabs(p) else str(Path(ctx.run_dir) / p) for p in opts["logs"]
                     if os.path.isabs(p) or ctx.run_dir is not None]
-        self.logs = LogSet(patterns)
+        self.logs = LogSet(patterns, float(opts["rescan_seconds"]))
         self.counts = dict.fromkeys(KINDS, 0)
         self.rank_pids = RankPids(ctx.run_dir, ctx.node)
         self.environments = RankEnvironments(ctx.procfs)

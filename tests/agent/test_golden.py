@@ -62,7 +62,7 @@ def nccl_exposition(tmp_path: Path) -> str:
     run = tmp_path / "run"
     write_rank_file(run, 0, pid=4242, host="node-a")
     write_rank_file(run, 1, pid=4243, host="node-a")
-    nccl = NCCLCollector(fixture_context(tmp_path, run_dir=run))
+    nccl = NCCLCollector(fixture_context(tmp_path, run_dir=run, options={"rescan_seconds": 0}))  # logs appear next
     shutil.copytree(FIXTURES / "logs" / "nccl", run / "logs")
     return render(nccl.update().families)
 

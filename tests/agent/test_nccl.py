@@ -11,7 +11,7 @@ import pytest
 
 from tests.agent.exposition import series, values
 from trainguard.agent.collector import Context
-from trainguard.agent.collectors.nccl import KINDS, NCCLCollector, classify
+from trainguard.agent.collectors.nccl import KINDS, LogSet, NCCLCollector, classify
 from trainguard.agent.config import ConfigError
 from trainguard.trainer.control import write_rank_file
 
@@ -21,7 +21,22 @@ ALL_FIXTURE_EVENTS = {"init": 4, "warn": 2, "watchdog_timeout": 1, "watchdog_stu
 
 
 def collector(run: Path, **options) -> NCCLCollector:
+    """The nccl collector over `run`, looking for new log directories at every update (rescan_seconds 0)."""
+    options = {"rescan_seconds": 0, **options}
     return NCCLCollector(Context(procfs=FIXTURES / "proc", run_dir=run, node="node-a", options=options))
+
+
+def test_new_log_directories_are_found_at_the_rescan_and_read_whole(tmp_path):
+    """The log tree is walked every `rescan_seconds`, not every update; a directory found late loses nothing."""
+    now = [0.0]
+    logs = LogSet([str(tmp_path / "logs" / "**" / "*.log")], rescan_seconds=30, clock=lambda: now[0])
+    directory = tmp_path / "logs" / "attempt_1" / "0"
+    directory.mkdir(parents=True)
+    (directory / "stderr.log").write_bytes(b"a:1:2 [0] NCCL WARN first\n")
+    now[0] = 29.0
+    assert list(logs.lines()) == []                           # not walked yet
+    now[0] = 30.0
+    assert b"NCCL WARN first" in b"".join(logs.lines())       # found, and read from its start
 
 
 def counts(sample) -> dict[str, float]:

@@ -5,7 +5,8 @@ Two sources feed the same executor (and so the same ledger) as the webhook:
 - the cost meter the training collector runs on the lead rank's steps (trainguard.decide.cost): each
   tier decision (cost_warn, cost_throttle, cost_stop) arrives through the agent's decision handlers;
 - a stall watchdog: this node's ranks are alive (RUN/control/ranks) and have written since they started,
-  but none has written a TLS record for `alerts.stall_seconds` -> restore.
+  but none has written a TLS record for `alerts.stall_seconds` -> restore; or they started more than
+  `alerts.startup_grace_seconds` ago and have written nothing since (hung while joining) -> restore.
 
 With Prometheus running too, the `CostBudget*` and `TrainingStalled` alerts see the same things a little
 later; the ledger makes each cost tier act once whichever path saw it first, and joins a second restore
@@ -58,9 +59,9 @@ class StallWatchdog:
 
     def __init__(self, run_dir: str | Path, stall_seconds: float, submit: Callable[[list[Notice]], object],
                  host: str | None = None, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic):
+                 monotonic: Callable[[], float] = time.monotonic, startup_grace_seconds: float = 900.0):
         self.run_dir = Path(run_dir)
-        self.stall_seconds = stall_seconds
+        self.stall_seconds, self.startup_grace_seconds = stall_seconds, startup_grace_seconds
         self.submit, self.clock, self.monotonic = submit, clock, monotonic
         # The newest write seen (its mtime) and when, on the monotonic clock, this watchdog would have seen
         # it: idle time is measured on that clock from there, so a step of the wall clock (NTP) is no stall.
@@ -79,8 +80,9 @@ class StallWatchdog:
         if not live:
             return None
         last = self._last_write([info.rank for info, _ in live])
-        if last is None or last < max(info.started_at for info, _ in live):
-            return None    # starting (imports, rendezvous, resume): not a stall yet
+        started = max(info.started_at for info, _ in live)
+        if last is None or last < started:
+            return self._hung_starting(started)
         now = self.clock()
         idle = self._idle_seconds(last, now)
         if idle <= self.stall_seconds:
@@ -88,6 +90,17 @@ class StallWatchdog:
         return Notice(alertname=ALERT_OF[actions.RESTORE], status=FIRING, action=actions.RESTORE,
                       key=f"embedded:stall@{format_timestamp(last)}", starts_at=now, source="embedded",
                       reason=f"no TLS record from this node's ranks for {idle:.0f}s")
+
+    def _hung_starting(self, started: float) -> Notice | None:
+        """Ranks that have not written since they started are starting (imports, rendezvous, resume), until
+        the start-up grace is over: a rank hung while joining would otherwise wait out the join timeout."""
+        now = self.clock()
+        waiting = now - started
+        if waiting <= self.startup_grace_seconds:
+            return None
+        return Notice(alertname=ALERT_OF[actions.RESTORE], status=FIRING, action=actions.RESTORE,
+                      key=f"embedded:startup@{format_timestamp(started)}", starts_at=now, source="embedded",
+                      reason=f"this node's ranks started {waiting:.0f}s ago and have written no TLS record since")
 
     def _idle_seconds(self, last: float, now: float) -> float:
         """Seconds since the ranks' newest write. A write first seen now is dated by the wall clock (how old
@@ -127,7 +140,8 @@ class StallWatchdog:
 def install(agent, executor, policy, config) -> StallWatchdog:
     """Wire the embedded path into a running agent; returns the (started) watchdog."""
     agent.add_decision_handler(DecisionHandler(executor.submit))
-    watchdog = StallWatchdog(config.run_dir, policy.alerts.stall_seconds, executor.submit).start()
+    watchdog = StallWatchdog(config.run_dir, policy.alerts.stall_seconds, executor.submit,
+                             startup_grace_seconds=policy.alerts.startup_grace_seconds).start()
     tglog.get("agent.embedded", node=config.node).info(
         "embedded actions on", cost="training collector's meter", stall_seconds=policy.alerts.stall_seconds)
     return watchdog

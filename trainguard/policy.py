@@ -70,6 +70,9 @@ class AlertPolicy:
     """Thresholds of the Prometheus rules (alerts/ is generated from these)."""
 
     stall_seconds: float = 60.0
+    # The agent's stall watchdog: ranks that started this long ago and have not written a TLS record since
+    # (hung in imports, rendezvous or resume) are stalled too. Start-up takes minutes on big models.
+    startup_grace_seconds: float = 900.0
     gpu_temp_c: float = 85.0
     disk_await_ms: float = 10.0
     data_wait_ratio: float = 0.20

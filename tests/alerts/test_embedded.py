@@ -84,6 +84,23 @@ def test_the_watchdog_sees_a_stall_only_when_live_ranks_stop_writing(tmp_path, r
     assert watchdog.check() is None                      # the ranks are gone: ended, not stalled
 
 
+def test_ranks_that_never_write_after_starting_are_stalled_once_the_startup_grace_is_over(tmp_path, rank):
+    """A rank hung while joining (imports, rendezvous, resume) writes nothing: starting until the grace is
+    over, then a restore, rather than the rendezvous join timeout (30 minutes) deciding."""
+    started = json.loads((tmp_path / "control" / "ranks" / "rank-0.json").read_text())["started_at"]
+    clock = [started + 100]
+    watchdog = StallWatchdog(tmp_path, stall_seconds=30, submit=None, clock=lambda: clock[0],
+                             startup_grace_seconds=600)
+    touch(tmp_path / "tls" / "rank-0.jsonl", started - 5)
+    assert watchdog.check() is None                      # nothing written since the start, 100 s in: starting
+    (tmp_path / "tls" / "rank-0.jsonl").unlink()
+    assert watchdog.check() is None                      # no TLS file at all: the same
+    clock[0] = started + 601
+    hung = watchdog.check()
+    assert hung is not None and (hung.action, hung.alertname, hung.source) == ("restore", "TrainingStalled", "embedded")
+    assert "started 601s ago" in hung.reason
+
+
 def test_the_watchdog_restores_once_per_stall(tmp_path, rank):
     # A rank that ignores SIGTERM stays alive through the grace period: the watchdog keeps finding the
     # same stall, and must neither act nor record again.

@@ -6,9 +6,10 @@
 It writes two healthy logs of `--records` steps with trainguard's own TLS writer, in two record shapes:
 
   layers   what `trainguard train` writes: envelope, ten training metrics, the gradient norm of each of
-           the tiny model's four layer groups (`grad_norm_by_layer`), memory, gpu_count
-  global   the same without `grad_norm_by_layer` (the design's example record, and what a trainer that
-           logs only the global norm writes): the guard checks the global norm only
+           the tiny model's four layer groups (`grad_norm_by_layer`), memory, gpu_count, the monotonic
+           clock the cost meter bills by (`system.monotonic_seconds`)
+  global   the same without `grad_norm_by_layer` and the monotonic clock (the design's example record,
+           and what a trainer that logs only the global norm writes): the guard checks the global norm only
 
 and times, for each, each the best of `--repeat` runs, in one process:
 
@@ -63,7 +64,8 @@ def write_log(path: Path, records: int, layers: bool, seed: int = 1) -> None:
                             "optimizer_seconds": 0.03, "step_time_seconds": 0.25,
                             "tokens_per_second": 32768.0, "samples_per_second": 64.0, "mfu": 0.41},
                 "hardware": {"mem_allocated_bytes": 61_203_000_000, "mem_reserved_bytes": 70_000_000_000},
-                "system": {"gpu_count": 8, "world_size": 8}})
+                "system": {"gpu_count": 8, "world_size": 8,
+                           **({"monotonic_seconds": 86_400.0 + step * 0.25} if layers else {})}})
 
 
 def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[tuple[str, str, int, float]]:
@@ -94,7 +96,8 @@ def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[
         held += len(block)
         if held >= decide_records:
             break
-    columns = [list(zip(*[(r.step, r.metrics.loss, r.metrics.grad_norm, r.metrics.grad_norm_by_layer, when, 8)
+    columns = [list(zip(*[(r.step, r.metrics.loss, r.metrics.grad_norm, r.metrics.grad_norm_by_layer, when, 8,
+                           None if r.system.monotonic_seconds is None else (r.node, r.system.monotonic_seconds))
                           for when, _, _, r, _ in block])) for block in blocks]
 
     class InMemory:     # the decoded blocks as a stream: the engine alone, without decoding
@@ -108,13 +111,13 @@ def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[
 
     def guard_alone():
         check = Guard(policy.guard).check_many
-        for steps, losses, grad_norms, layers, times, _ in columns:
+        for steps, losses, grad_norms, layers, times, _, _ in columns:
             check(steps, losses, grad_norms, times, layers if any(layers) else None)
 
     def cost_alone():
         observe = CostMeter(policy.cost).observe_many
-        for steps, _, _, _, times, gpus in columns:
-            observe(steps, times, gpus)
+        for steps, _, _, _, times, gpus, clocks in columns:
+            observe(steps, times, gpus, clocks if any(clocks) else None)
 
     return [
         ("peer", "json.loads per line", records, best_of(repeat, peer_json)),

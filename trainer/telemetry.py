@@ -231,8 +231,11 @@ class StepTelemetry:
             metrics["tokens_trained"] = tokens_trained
         if tokens_loaded is not None:
             metrics["tokens_loaded"] = tokens_loaded
-        system = self.system if self.last_checkpoint is None else {
-            **self.system, "last_checkpoint": self.last_checkpoint}
+        # The monotonic clock beside the wall time: the cost meter bills by it, so an NTP step of the wall
+        # clock is not spend (trainguard/decide/cost.py).
+        system = {**self.system, "monotonic_seconds": time.monotonic()}
+        if self.last_checkpoint is not None:
+            system["last_checkpoint"] = self.last_checkpoint
         record = {"schema": tls.SCHEMA_ID,
                   "timestamp": tls.format_timestamp(time.time() if timestamp is None else timestamp),
                   **self.envelope, "step": step, "metrics": metrics,

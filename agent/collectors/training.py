@@ -27,7 +27,7 @@ from trainguard.agent.collectors.options import options
 from trainguard.agent.families import LabelCache, Spec
 from trainguard.agent.tail import Follower, load_json, save_json_atomic
 from trainguard.agent.training_state import STEP_GAUGES, TrainingState
-from trainguard.decide.cost import CostMeter
+from trainguard.decide.cost import CostMeter, clock_of
 
 
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
@@ -149,7 +149,8 @@ class TrainingCollector(Collector):
         gpus = self.state.ranks[rank].gpu_count
         if gpus is None:
             gpus = len(self.follower.positions)
-        for decision in self.meter.observe(step=record["step"], timestamp=record["timestamp"], gpu_count=gpus):
+        for decision in self.meter.observe(step=record["step"], timestamp=record["timestamp"], gpu_count=gpus,
+                                           clock=clock_of(record)):
             self.log.warning("cost decision", action=decision.action, reason=decision.reason, step=decision.step)
             if self.on_decision is not None:
                 self.on_decision(decision)

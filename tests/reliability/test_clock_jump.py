@@ -31,11 +31,11 @@ def timestamps(steps: int, seconds_per_step: float, jump_at: int | None = None, 
             for i in range(steps)]
 
 
-def meter_run(times: list[float], start_step: int = 0, meter: CostMeter | None = None):
+def meter_run(times: list[float], start_step: int = 0, meter: CostMeter | None = None, clocks=None):
     meter = meter or CostMeter(CostPolicy())
     decisions, spent = [], []
     for i, when in enumerate(times):
-        decisions += meter.observe(start_step + i, when, 8)
+        decisions += meter.observe(start_step + i, when, 8, None if clocks is None else clocks[i])
         spent.append(meter.state.cost_usd)
     return meter, decisions, spent
 
@@ -50,6 +50,35 @@ def test_the_clock_going_back_never_bills_negatively_nor_acts(jump):
     assert spent[-1] <= 299 * ON_BUDGET / HOUR * 8 * 2.0 + 1e-9, "more billed than the run lasted"
     assert math.isclose(meter.state.cost_per_1k_steps, 120.0, rel_tol=1e-9)   # once the window is past the jump
     assert meter.state.tier == "ok"
+
+
+@pytest.mark.parametrize("jump", [HOUR, -HOUR])
+def test_with_the_records_monotonic_clock_a_wall_clock_step_is_neither_billed_nor_a_slowdown(jump):
+    """The trainer writes system.monotonic_seconds: a step of the wall clock (NTP) is then metered as the
+    27 s the step really took, while the same jump without the clock is an hour of spend."""
+    steady = timestamps(300, ON_BUDGET)
+    clocks = [("node-a", 5000.0 + when - T0) for when in steady]          # monotonic: no jump
+    meter, decisions, spent = meter_run(timestamps(300, ON_BUDGET, jump_at=150, jump=jump), clocks=clocks)
+    _, _, plain = meter_run(steady)
+    assert decisions == [] and meter.state.tier == "ok"
+    assert math.isclose(spent[-1], plain[-1], rel_tol=1e-9)
+    assert math.isclose(meter.state.cost_per_1k_steps, 120.0, rel_tol=1e-9)
+    if jump > 0:
+        _, without_clock, _ = meter_run(timestamps(300, ON_BUDGET, jump_at=150, jump=jump))
+        assert without_clock, "the wall clock alone bills the jump (the gap the clock closes)"
+
+
+def test_with_the_monotonic_clock_a_real_pause_is_still_spend_and_another_clock_starts_afresh():
+    paused = timestamps(300, ON_BUDGET, jump_at=150, jump=HOUR)           # the run stood still for an hour
+    clocks = [("node-a", 5000.0 + when - T0) for when in paused]          # and the monotonic clock saw it
+    _, decisions, spent = meter_run(paused, clocks=clocks)
+    _, _, plain = meter_run(paused)
+    assert [d.action for d in decisions][:1] == ["cost_warn"]
+    assert math.isclose(spent[-1], plain[-1], rel_tol=1e-9)
+    # Rank 0 moves to another node halfway: its clock is not comparable, the wall time anchors again.
+    moved = clocks[:150] + [("node-b", 10.0 + i * ON_BUDGET) for i in range(150)]
+    _, decisions, spent = meter_run(timestamps(300, ON_BUDGET), clocks=moved)
+    assert decisions == [] and math.isclose(spent[-1], 299 * ON_BUDGET / HOUR * 8 * 2.0, rel_tol=1e-9)
 
 
 @pytest.mark.parametrize("jump", [-120.0, -30.0, 30.0, 120.0, 300.0])
@@ -159,3 +188,17 @@ def test_a_forward_clock_step_is_not_a_stall(tmp_path):
     wall[0] += 70
     mono[0] += 70                                       # and a stall after the step is still one
     assert stepped.check() is not None
+
+
+def test_a_restarted_agent_keeps_metering_on_the_records_clock():
+    """The meter's clock anchor is part of its saved state: a restart between a wall-clock step and the
+    next records meters on as if nothing happened."""
+    times = timestamps(300, ON_BUDGET, jump_at=200, jump=HOUR)
+    clocks = [("node-a", 5000.0 + when - T0) for when in timestamps(300, ON_BUDGET)]
+    whole, decisions, spent = meter_run(times, clocks=clocks)
+    first, _, _ = meter_run(times[:201], clocks=clocks[:201])
+    restarted = CostMeter(CostPolicy())
+    restarted.load_state_dict(first.state_dict())
+    restarted, more, _ = meter_run(times[201:], start_step=201, meter=restarted, clocks=clocks[201:])
+    assert decisions == more == []
+    assert math.isclose(restarted.state.cost_usd, spent[-1], rel_tol=1e-12)

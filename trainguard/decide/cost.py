@@ -20,6 +20,7 @@ from trainguard.decide.decision import Decision
 from trainguard.policy import CostPolicy
 
 TIER_ACTIONS = ((COST_WARN, "warn"), (COST_THROTTLE, "throttle"), (COST_STOP, "stop"))
+Clock = tuple  # (source, monotonic seconds) of a record: the clock is comparable within one source only
 
 
 @dataclass
@@ -32,6 +33,15 @@ class CostState:
     steps_in_window: int = 0
 
 
+def clock_of(record: dict) -> Clock | None:
+    """A TLS record's monotonic clock, (node, system.monotonic_seconds), when it carries one."""
+    system = record.get("system")
+    seconds = system.get("monotonic_seconds") if isinstance(system, dict) else None
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return None
+    return (record.get("node"), float(seconds))
+
+
 class CostMeter:
     def __init__(self, policy: CostPolicy | None = None):
         self.policy = policy or CostPolicy()
@@ -39,6 +49,7 @@ class CostMeter:
         self.state = CostState()
         self.fired: set[str] = set()
         self._last_time: float | None = None
+        self._anchor: tuple[str | None, float, float] | None = None   # (clock source, monotonic, metered time)
         self._usd_per_gpu_second = self.policy.price_per_gpu_hour / 3600.0
         self._min_steps = min(self.policy.min_steps, self.window.maxlen - 1)
         self._tiers = sorted(((action, tier, getattr(self.policy.tiers, tier)) for action, tier in TIER_ACTIONS),
@@ -52,17 +63,23 @@ class CostMeter:
             self.state.gpu_count = int(seen)
         return self.state.gpu_count
 
-    def observe(self, step: int, timestamp: float, gpu_count: int | None = None) -> list[Decision]:
+    def observe(self, step: int, timestamp: float, gpu_count: int | None = None,
+                clock: Clock | None = None) -> list[Decision]:
         """The decisions for one step record: `observe_many` over a batch of one, so the agent, the report
         and a replay run the very same loop."""
-        return [decision for _, decision in self.observe_many((step,), (timestamp,), (gpu_count,))]
+        return [decision for _, decision in self.observe_many(
+            (step,), (timestamp,), (gpu_count,), None if clock is None else (clock,))]
 
-    def observe_many(self, steps: Sequence[int], timestamps: Sequence[float],
-                     gpu_counts: Sequence[int | None]) -> list[tuple[int, Decision]]:
+    def observe_many(self, steps: Sequence[int], timestamps: Sequence[float], gpu_counts: Sequence[int | None],
+                     clocks: Sequence[Clock | None] | None = None) -> list[tuple[int, Decision]]:
         """Meter consecutive step records in order; returns (index, decision) for each tier crossed.
+
+        `clocks`: each record's monotonic clock, as (source, seconds), where it has one (the trainer writes
+        `system.monotonic_seconds`; the source is the node). Time is then metered on it (`_metered`).
 
         One loop with the state in local names, on purpose (replay runs it once per recorded step): the
         common case, under every tier, calls nothing."""
+        metered = timestamps if clocks is None else self._metered(timestamps, clocks)
         state, window, policy = self.state, self.window, self.policy
         override, gpu_count = policy.gpu_count_override, state.gpu_count
         usd_per_gpu_second, budget, min_steps = self._usd_per_gpu_second, policy.budget_per_1k_steps, self._min_steps
@@ -71,23 +88,24 @@ class CostMeter:
         cost_per_1k, overrun = state.cost_per_1k_steps, state.overrun_ratio
         previous = window[-1][1] if window else None
         found: list[tuple[int, Decision]] = []
-        for i, (step, timestamp, seen) in enumerate(zip(steps, timestamps, repeat(None) if override else gpu_counts)):
+        counts = repeat(None) if override else gpu_counts
+        for i, (step, when, seen) in enumerate(zip(steps, metered, counts)):
             if seen:
                 gpu_count = seen if seen.__class__ is int else int(seen)
             gpus = override or gpu_count
-            if last is None or timestamp >= last:
+            if last is None or when >= last:
                 if last is not None:
-                    cost_usd += (timestamp - last) * gpus * usd_per_gpu_second
-                last = timestamp
+                    cost_usd += (when - last) * gpus * usd_per_gpu_second
+                last = when
             if previous is not None and step <= previous:
                 window.clear()          # a rollback or restart: steps went back, measure afresh
             previous = step
-            window.append((timestamp, step))
+            window.append((when, step))
             first_time, first_step = window[0]
             steps_in_window = step - first_step
-            if steps_in_window <= 0 or timestamp <= first_time:
+            if steps_in_window <= 0 or when <= first_time:
                 continue
-            cost_per_1k = (timestamp - first_time) * gpus * usd_per_gpu_second / steps_in_window * 1000.0
+            cost_per_1k = (when - first_time) * gpus * usd_per_gpu_second / steps_in_window * 1000.0
             overrun = cost_per_1k / budget - 1.0
             if steps_in_window < min_steps:
                 continue
@@ -95,12 +113,31 @@ class CostMeter:
                 tier = "ok"
                 continue
             state.cost_usd, state.cost_per_1k_steps = cost_usd, cost_per_1k   # the decisions' detail reads them
-            tier = self._cross_tiers(step, timestamp, overrun, found, i) or tier
+            tier = self._cross_tiers(step, timestamps[i], overrun, found, i) or tier
         state.cost_usd, state.cost_per_1k_steps, state.overrun_ratio, state.tier = cost_usd, cost_per_1k, overrun, tier
         state.gpu_count, self._last_time = gpu_count, last
         if window:
             state.steps_in_window = window[-1][1] - window[0][1]
         return found
+
+    def _metered(self, timestamps: Sequence[float], clocks: Sequence[Clock | None]) -> list[float]:
+        """The records' times as the meter counts them: while records carry one monotonic clock (the same
+        source, never going back), the time between two of them is the time that clock measured, so a step
+        of the wall clock (NTP) is neither billed nor seen as a slowdown, and a pause of the run still is.
+        A record without a clock, or with another one (another node, a reboot), is taken at its wall time."""
+        anchor, out = self._anchor, []
+        for timestamp, clock in zip(timestamps, clocks):
+            if clock is None:
+                anchor = None
+                out.append(timestamp)
+                continue
+            source, seconds = clock
+            same = anchor is not None and anchor[0] == source and seconds >= anchor[1]
+            when = anchor[2] + (seconds - anchor[1]) if same else timestamp
+            anchor = (source, seconds, when)
+            out.append(when)
+        self._anchor = anchor
+        return out
 
     def _cross_tiers(self, step: int, timestamp: float, overrun: float,
                      found: list[tuple[int, Decision]], index: int) -> str | None:
@@ -122,7 +159,8 @@ class CostMeter:
         """Plain data, so a restarted agent meters on exactly where it stopped."""
         return {"cost_usd": self.state.cost_usd, "fired": sorted(self.fired), "tier": self.state.tier,
                 "gpu_count": self.state.gpu_count, "last_time": self._last_time,
-                "window": [list(sample) for sample in self.window]}
+                "window": [list(sample) for sample in self.window],
+                "clock_anchor": None if self._anchor is None else list(self._anchor)}
 
     def load_state_dict(self, state: dict) -> None:
         self.state.cost_usd = float(state.get("cost_usd", 0.0))
@@ -132,3 +170,5 @@ class CostMeter:
         self._last_time = state.get("last_time")
         self.window.clear()
         self.window.extend((float(t), int(s)) for t, s in state.get("window", []))
+        anchor = state.get("clock_anchor")
+        self._anchor = None if not anchor else (anchor[0], float(anchor[1]), float(anchor[2]))

@@ -94,10 +94,10 @@ class _Decider:
         self.guarding = True
 
     def decide(self, picked: list[tuple]) -> None:
-        """`picked`: (step, loss, grad_norm, layers, timestamp, gpu_count) of consecutive training steps."""
+        """`picked`: (step, loss, grad_norm, layers, timestamp, gpu_count, clock) of consecutive steps."""
         if not picked:
             return
-        steps, losses, grad_norms, layers, times, gpus = zip(*picked)
+        steps, losses, grad_norms, layers, times, gpus, clocks = zip(*picked)
         by_guard = []
         if self.guarding:
             by_guard = self.guard.check_many(steps, losses, grad_norms, times, layers if any(layers) else None)
@@ -106,7 +106,7 @@ class _Decider:
                     del by_guard[position + 1:]
                     self.guarding = False
                     break
-        by_meter = self.meter.observe_many(steps, times, gpus)
+        by_meter = self.meter.observe_many(steps, times, gpus, clocks if any(clocks) else None)
         # Record order; at one record the guard's decision comes before the meter's.
         merged = sorted([(i, 0, d) for i, d in by_guard] + [(i, 1, d) for i, d in by_meter], key=lambda x: x[:2])
         self.found.extend(_action(d, "guard" if by == 0 else "cost") for _, by, d in merged)
@@ -169,7 +169,9 @@ def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None
             layers = metrics.grad_norm_by_layer
             if layers and None in layers.values():
                 layers = {name: math.nan if norm is None else norm for name, norm in layers.items()}
-            pick((step, loss, grad_norm, layers, when, gpus))
+            clock = None if system is None or system.monotonic_seconds is None else (
+                record.node, system.monotonic_seconds)
+            pick((step, loss, grad_norm, layers, when, gpus, clock))
         steps += len(picked)
         decider.decide(picked)
     out.records, out.first_timestamp, out.last_timestamp = records, first, last

@@ -55,6 +55,7 @@ class Hardware(msgspec.Struct, kw_only=True, gc=False):
 
 class System(msgspec.Struct, kw_only=True, gc=False):
     gpu_count: Union[int, None] = None
+    monotonic_seconds: Union[float, None] = None     # the cost meter's clock (trainguard.decide.cost)
 
 
 class Event(msgspec.Struct, kw_only=True, gc=False):
@@ -72,6 +73,7 @@ class Record(msgspec.Struct, kw_only=True, gc=False):
     timestamp: Union[float, _AwareTime]
     step: Union[int, None] = None
     rank: Union[int, None] = None
+    node: Union[str, None] = None
     metrics: Union[Metrics, None] = None
     hardware: Union[Hardware, None] = None
     system: Union[System, None] = None

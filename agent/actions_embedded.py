@@ -87,9 +87,8 @@ class StallWatchdog:
         idle = self._idle_seconds(last, now)
         if idle <= self.stall_seconds:
             return None
-        return Notice(alertname=ALERT_OF[actions.RESTORE], status=FIRING, action=actions.RESTORE,
-                      key=f"embedded:stall@{format_timestamp(last)}", starts_at=now, source="embedded",
-                      reason=f"no TLS record from this node's ranks for {idle:.0f}s")
+        return _restore(f"embedded:stall@{format_timestamp(last)}", now,
+                        f"no TLS record from this node's ranks for {idle:.0f}s")
 
     def _hung_starting(self, started: float) -> Notice | None:
         """Ranks that have not written since they started are starting (imports, rendezvous, resume), until
@@ -98,16 +97,16 @@ class StallWatchdog:
         waiting = now - started
         if waiting <= self.startup_grace_seconds:
             return None
-        return Notice(alertname=ALERT_OF[actions.RESTORE], status=FIRING, action=actions.RESTORE,
-                      key=f"embedded:startup@{format_timestamp(started)}", starts_at=now, source="embedded",
-                      reason=f"this node's ranks started {waiting:.0f}s ago and have written no TLS record since")
+        return _restore(f"embedded:startup@{format_timestamp(started)}", now,
+                        f"this node's ranks started {waiting:.0f}s ago and have written no TLS record since")
 
     def _idle_seconds(self, last: float, now: float) -> float:
         """Seconds since the ranks' newest write. A write first seen now is dated by the wall clock (how old
         the file already is, never less than 0); from then on the monotonic clock counts."""
+        monotonic = self.monotonic()
         if self._seen is None or self._seen[0] != last:
-            self._seen = (last, self.monotonic() - max(0.0, now - last))
-        return self.monotonic() - self._seen[1]
+            self._seen = (last, monotonic - max(0.0, now - last))
+        return monotonic - self._seen[1]
 
     def _last_write(self, rank_ids: list[int]) -> float | None:
         times = []
@@ -135,6 +134,12 @@ class StallWatchdog:
                     self.submit([notice])
             except Exception as exc:   # the watchdog must outlive one bad read
                 self.log.error("stall check failed", error=f"{type(exc).__name__}: {exc}")
+
+
+def _restore(key: str, now: float, reason: str) -> Notice:
+    """The watchdog's restore notice (one per `key`: the loop submits a key once)."""
+    return Notice(alertname=ALERT_OF[actions.RESTORE], status=FIRING, action=actions.RESTORE, key=key,
+                  starts_at=now, source="embedded", reason=reason)
 
 
 def install(agent, executor, policy, config) -> StallWatchdog:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from trainguard import policy as policy_mod
-from trainguard.decide.cost import CostMeter
+from trainguard.decide.cost import CostMeter, clock_of
 from trainguard.report.downsample import MAX_POINTS, Sampled, Series
 from trainguard.report.files import Checkpoint, host_of, log_files, rank_of, read_checkpoints
 from trainguard.tls import iter_lines
@@ -267,7 +267,7 @@ class _Loader:
         run.first_step = step if run.first_step is None else min(run.first_step, step)
         run.last_step = step if run.last_step is None else max(run.last_step, step)
         gpus = self.rank_gpu_count or sum(self.gpus_by_host.values())
-        for decision in self.meter.observe(step, ts, gpus or None):
+        for decision in self.meter.observe(step, ts, gpus or None, clock_of(record)):
             run.cost_state = self.meter.state
         state = self.meter.state
         for key in ("cost_usd", "cost_per_1k_steps"):

@@ -13,13 +13,16 @@ It writes two healthy logs of `--records` steps with trainguard's own TLS writer
 
 and times, for each, each the best of `--repeat` runs, in one process:
 
-  peer   json.loads       the same lines through Python's json, one call per line (the usual way)
-  read   lines only       iterating the file's lines, nothing decoded (the floor)
-  decode replay source    trainguard.replay.source.Stream: msgspec typed blocks -> entries
-  decide replay engine    trainguard.replay.engine.replay over blocks already in memory
-         guard alone      Guard.check_many over the same steps, a block at a time (what the engine calls)
-         cost alone       CostMeter.observe_many over the same steps
-  total  decode + decide  engine.replay(Stream(path)): what `trainguard replay LOG` does
+  peer    json.loads        the same lines through Python's json, one call per line (the usual way)
+  read    lines only        iterating the file's lines, nothing decoded (the floor)
+  decode  one process       trainguard.replay.source.Stream: msgspec typed blocks -> entries
+  pick    on every CPU      trainguard.replay.columns.read: chunks decoded and picked by worker processes
+  decide  columns           the engine's decider over those chunks already in memory
+          guard alone       Guard.check_columns over the same chunks (what the engine calls)
+          cost alone        CostMeter.observe_columns over the same chunks
+  decide  lists             the general path's decider (check_many, observe_many) over decoded blocks
+  total   one process       the general path (what merged or compressed logs take), decode + decide
+  total   replay LOG        engine.replay(Stream(path)): what `trainguard replay LOG` does
 
 and states which of them reach the target (500,000 records/s: a million-step log in two seconds).
 """
@@ -38,7 +41,7 @@ from trainguard import tls
 from trainguard.decide.cost import CostMeter
 from trainguard.decide.guard import Guard
 from trainguard.policy import Policy
-from trainguard.replay import engine, source
+from trainguard.replay import columns, engine, source
 
 TARGET = 500_000
 START = 1_710_512_538.0
@@ -86,59 +89,77 @@ def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[
         for _ in source.Stream([path]).blocks():
             pass
 
+    def pick():
+        for _ in columns.read(source.Stream([path]), columns.Totals()):
+            pass
+
     def total():
         outcome = engine.replay(source.Stream([path]), policy)
         assert outcome.steps == records and not outcome.actions, "the healthy bench log must decide nothing"
 
-    blocks, held = [], 0
-    for block in source.Stream([path]).blocks():
-        blocks.append(block)
-        held += len(block)
+    def total_one_process():
+        decider = engine._Decider(Guard(policy.guard), CostMeter(policy.cost), [])
+        assert engine._replay_entries(source.Stream([path]), decider, None).steps == records
+
+    chunks, held = [], 0
+    for chunk in columns.read(source.Stream([path]), columns.Totals()):
+        chunks.append(chunk)
+        held += len(chunk.steps)
         if held >= decide_records:
             break
-    columns = [list(zip(*[(r.step, r.metrics.loss, r.metrics.grad_norm, r.metrics.grad_norm_by_layer, when, 8,
-                           None if r.system.monotonic_seconds is None else (r.node, r.system.monotonic_seconds))
-                          for when, _, _, r, _ in block])) for block in blocks]
+    blocks = []
+    for block in source.Stream([path]).blocks():
+        blocks.append(block)
+        if sum(map(len, blocks)) >= held:
+            break
 
-    class InMemory:     # the decoded blocks as a stream: the engine alone, without decoding
+    class InMemory:     # the decoded blocks as a stream: the general path's engine alone, without decoding
         lead_rank = 0
 
         def blocks(self):
             return iter(blocks)
 
     def decide():
+        decider = engine._Decider(Guard(policy.guard), CostMeter(policy.cost), [])
+        for chunk in chunks:
+            decider.decide_columns(chunk)
+
+    def decide_lists():
         engine.replay(InMemory(), policy)
 
     def guard_alone():
-        check = Guard(policy.guard).check_many
-        for steps, losses, grad_norms, layers, times, _, _ in columns:
-            check(steps, losses, grad_norms, times, layers if any(layers) else None)
+        check = Guard(policy.guard).check_columns
+        for c in chunks:
+            check(c.steps, c.losses, c.grad_norms, c.timestamps, c.layer_names, c.layer_norms)
 
     def cost_alone():
-        observe = CostMeter(policy.cost).observe_many
-        for steps, _, _, _, times, gpus, clocks in columns:
-            observe(steps, times, gpus, clocks if any(clocks) else None)
+        observe = CostMeter(policy.cost).observe_columns
+        for c in chunks:
+            observe(c.steps, c.timestamps, c.gpus, c.clock_codes, c.clock_seconds, c.clock_nodes)
 
     return [
         ("peer", "json.loads per line", records, best_of(repeat, peer_json)),
         ("read", "file lines, no decode", records, best_of(repeat, read_lines)),
-        ("decode", "replay source (msgspec typed)", records, best_of(repeat, decode)),
-        ("decide", "replay engine: guard + cost", held, best_of(repeat, decide)),
-        ("", "  Guard.check_many alone", held, best_of(repeat, guard_alone)),
-        ("", "  CostMeter.observe_many alone", held, best_of(repeat, cost_alone)),
-        ("total", "decode + decide (replay LOG)", records, best_of(repeat, total)),
+        ("decode", "one process (msgspec typed)", records, best_of(repeat, decode)),
+        ("pick", f"decode + pick on {columns.available_cpus()} CPUs", records, best_of(repeat, pick)),
+        ("decide", "columns: guard + cost", held, best_of(repeat, decide)),
+        ("", "  Guard.check_columns alone", held, best_of(repeat, guard_alone)),
+        ("", "  CostMeter.observe_columns alone", held, best_of(repeat, cost_alone)),
+        ("decide", "lists (one-process path)", sum(map(len, blocks)), best_of(repeat, decide_lists)),
+        ("total", "one process (merged, .gz)", records, best_of(repeat, total_one_process)),
+        ("total", "replay LOG", records, best_of(repeat, total)),
     ]
 
 
 def report(shape: str, rows: list[tuple[str, str, int, float]]) -> str:
     peer_rate = rows[0][2] / rows[0][3]
     lines = [f"shape: {shape}",
-             f"{'stage':7} {'what':32} {'records':>9} {'seconds':>8} {'records/s':>11} {'us/rec':>7} "
+             f"{'stage':7} {'what':34} {'records':>9} {'seconds':>8} {'records/s':>11} {'us/rec':>7} "
              f"{'x json':>7} {'target':>7}"]
     for stage, what, count, seconds in rows:
         rate = count / seconds
         meets = "yes" if rate >= TARGET else "no"
-        lines.append(f"{stage:7} {what:32} {count:9,d} {seconds:8.3f} {rate:11,.0f} {1e6 / rate:7.2f} "
+        lines.append(f"{stage:7} {what:34} {count:9,d} {seconds:8.3f} {rate:11,.0f} {1e6 / rate:7.2f} "
                      f"{rate / peer_rate:7.2f} {meets:>7}")
     return "\n".join(lines)
 

@@ -132,14 +132,18 @@ def replay(out: str) -> list[Figure]:
     rows = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("[")))
     figures = []
     for shape in dict.fromkeys(r.get("shape", "layers") for r in rows):
-        by_stage = {r["stage"]: r for r in rows if r["stage"] and r.get("shape", "layers") == shape}
-        peer = by_stage["peer"]
-        for stage, what in (("total", "trainguard replay LOG"), ("decide", "guard + cost alone")):
-            rate = by_stage[stage]["records"] / by_stage[stage]["seconds"]
+        by_what = {r["what"]: r for r in rows if r["stage"] and r.get("shape", "layers") == shape}
+        peer = by_what["json.loads per line"]
+        for row_what, what, targeted in (("replay LOG", "trainguard replay LOG", True),
+                                         ("columns: guard + cost", "guard + cost alone", True),
+                                         # merged or compressed logs: no target stated for them
+                                         ("one process (merged, .gz)", "replay, one-process path", False)):
+            rate = by_what[row_what]["records"] / by_what[row_what]["seconds"]
             figures.append(Figure(f"{what}, {shape} records (records/s)", f"{rate:,.0f}", "json.loads",
                                   f"{peer['records'] / peer['seconds']:,.0f}",
-                                  (1 / rate) / (peer["seconds"] / peer["records"]), ">= 500,000 records/s",
-                                  rate >= 500_000))
+                                  (1 / rate) / (peer["seconds"] / peer["records"]),
+                                  ">= 500,000 records/s" if targeted else "",
+                                  rate >= 500_000 if targeted else None))
     return figures
 
 

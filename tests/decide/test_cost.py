@@ -53,3 +53,17 @@ def test_state_round_trip_meters_on_exactly():
     for i in range(30, 60):
         assert a.observe(i, i * 27.0 * 1.5, 8) == b.observe(i, i * 27.0 * 1.5, 8)
     assert a.state == b.state
+
+
+def test_a_record_without_a_clock_ends_the_clock_one_at_a_time_as_in_a_batch():
+    """The agent meters a record at a time, replay a batch at a time: a record without a monotonic clock
+    between two with one must leave both at the same state (the next clocked record at its wall time)."""
+    times = [0.0, 27.0, 54.0, 5000.0]               # the wall clock steps forward before the last record
+    clocks = [("n", 100.0), ("n", 127.0), None, ("n", 181.0)]
+    one = CostMeter(CostPolicy())
+    for step, (when, clock) in enumerate(zip(times, clocks)):
+        one.observe(step, when, 8, clock)
+    batch = CostMeter(CostPolicy())
+    batch.observe_many(range(4), times, [8] * 4, clocks)
+    assert one.state_dict() == batch.state_dict()
+    assert one.state_dict()["clock_anchor"] == ["n", 181.0, 5000.0]

@@ -13,6 +13,9 @@ then escalation: ``rollback_after`` bad steps within ``rollback_window`` steps a
 and more than ``max_rollbacks_per_hour`` rollbacks ask to ``stop`` rather than loop.
 
 Bad steps never enter the statistics, so one spike does not raise the bar for the next.
+
+Replay decides its blocks of recorded steps as arrays (`Guard.check_columns`): healthy stretches are
+proven healthy with numpy and taken in bulk, to the bit what the step-by-step loop would leave.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from collections import deque
 from itertools import repeat
 from math import isfinite
 from operator import itemgetter
-from typing import Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
+
+import numpy as np
 
 from trainguard.actions import ROLLBACK, SKIP_STEP
 from trainguard.decide.decision import CARRY_ON, Decision
@@ -31,6 +36,8 @@ from trainguard.policy import GuardPolicy
 STOP = "stop"
 MIN_SCREENED = 32     # batches of layer norms this short that fail the screen are decided step by step
 HOUR = 3600.0
+SCREEN_LEAST = 4 * MIN_SCREENED    # steps a columnar screen must cover to cost less than the loop over them
+TINY = np.finfo(np.float64).tiny    # the smallest normal double: below it an EMA's floor is not trusted
 
 
 class StepStats(NamedTuple):
@@ -73,6 +80,121 @@ class _RollingStats:
         # A floor on the spread: a loss that has been flat for a while must not turn noise into spikes.
         floor = max(1e-3 * abs(mean), 1e-8)
         return mean + sigma * math.sqrt(max(self.total_sq / n - mean * mean, floor * floor))
+
+
+class _Columns:
+    """A block of steps as arrays (see `Guard.check_columns`); its gradient norms as rows of one array, the
+    global one first, then each layer's, so the explosion screen is a few operations for all of them."""
+
+    def __init__(self, steps, losses, grad_norms, timestamps, layer_names, layer_norms):
+        self.steps = np.ascontiguousarray(steps, dtype=np.int64)
+        self.losses, self.timestamps = (
+            np.ascontiguousarray(column, dtype=np.float64) for column in (losses, timestamps))
+        self.names = tuple(layer_names or ())
+        self.norms = np.asarray(layer_norms, dtype=np.float64) if self.names else np.empty((len(self.steps), 0))
+        self.norm_rows = np.empty((1 + len(self.names), len(self.steps)))
+        self.norm_rows[0], self.norm_rows[1:] = grad_norms, self.norms.T
+        self.grad_norms = self.norm_rows[0]
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def rows(self, start: int, end: int) -> list[dict[str, float]] | None:
+        """Steps [start, end)'s layer norms as `check_many` takes them."""
+        if not self.names:
+            return None
+        names = self.names
+        return [dict(zip(names, row)) for row in self.norms[start:end].tolist()]
+
+
+def decide_screened(count: int, advance: Callable[[int, int], int],
+                    exactly: Callable[[int, int], list]) -> list[tuple[int, Decision]]:
+    """Decide `count` steps with a screen: ``advance(start, end)`` takes the steps of [start, end) it can
+    prove uneventful into the state in bulk and returns where they end; ``exactly(start, end)`` decides
+    steps one by one and returns (index, decision) pairs.
+
+    A screen has a fixed cost (tens of array operations) that the loop matches over ~`SCREEN_LEAST` steps,
+    so stretches shorter than that are not screened. After a screen stops at a step, a stretch from it
+    goes step by step: MIN_SCREENED steps, doubled each time the screen before cleared fewer than
+    `SCREEN_LEAST` (events come thick: the loop is the cheaper way through them). The next screen is
+    about twice as long as the last healthy stretch was; a clean one doubles it."""
+    found: list[tuple[int, Decision]] = []
+    start, span, run = 0, count, 0         # run: the last stretch decided step by step, since a clean screen
+    while start < count:
+        end = min(count, start + span)
+        if end - start < SCREEN_LEAST:
+            found += exactly(start, end)
+            start = end
+            continue
+        healthy = advance(start, end)
+        if healthy == end:
+            start, span, run = end, 2 * span, 0
+            continue
+        run = max(MIN_SCREENED, 2 * run) if healthy - start < SCREEN_LEAST else MIN_SCREENED
+        stop = min(count, healthy + run)
+        found += exactly(healthy, stop)
+        start, span = stop, max(SCREEN_LEAST, 2 * (healthy - start))
+    return found
+
+
+def _window_sums(losses, values: deque, total: float, total_sq: float):
+    """The loss window's running sums as `_check_steps` keeps them, were every loss healthy: element 2i of
+    each is the sum before step i, element 2i+2 the sum after it (the np.cumsum of the terms the loop adds,
+    in its order: what leaves the window, as -old, then the new loss)."""
+    count, held, size = len(losses), len(values), values.maxlen
+    quiet = min(count, size - held)         # steps that pop nothing: the window is still filling
+    first = held + quiet - size             # what the others pop, in order, in the window then the block
+    leaving = np.concatenate((np.fromiter(values, np.float64, held), losses))[first:first + count - quiet]
+    terms = np.empty(2 * count + 1)
+    with np.errstate(all="ignore"):     # inf and NaN losses make NaN sums: such steps are screened out anyway
+        terms[0], terms[1:2 * quiet:2], terms[2::2] = total, -0.0, losses
+        np.negative(leaving, out=terms[2 * quiet + 1::2])
+        totals = np.cumsum(terms)
+        terms[0], terms[2::2] = total_sq, losses * losses
+        np.negative(leaving * leaving, out=terms[2 * quiet + 1::2])
+        return totals, np.cumsum(terms)
+
+
+def _spikes(losses, held, totals, squares, sigma: float):
+    """`_check_steps`' loss-spike test, elementwise: the same operations in the same order."""
+    with np.errstate(all="ignore"):
+        mean = totals / held
+        excess = losses - mean
+        floor = 1e-3 * np.where(mean >= 0, mean, -mean)
+        floor = np.where(floor >= 1e-8, floor, 1e-8)
+        variance = squares / held - mean * mean
+        floor_sq = floor * floor
+        return (excess > 0) & (excess * excess > sigma * sigma * np.where(variance >= floor_sq, variance, floor_sq))
+
+
+def _ema_floors(emas, norms):
+    """A floor under each EMA (a row of `norms` each; NaN: none yet) before each step, were all the steps
+    healthy: the least of its value now and the norms before (NaN ones skipped, as they teach nothing).
+    NaN while the EMA does not exist yet. An infinite norm teaches nothing either, but is screened out
+    itself (+inf explodes; -inf drags the floor below any trusted value, so the steps after it are)."""
+    before = np.empty(norms.shape)
+    before[:, 0] = emas
+    before[:, 1:] = norms[:, :-1]
+    with np.errstate(all="ignore"):
+        return np.fmin.accumulate(before, axis=1, out=before)
+
+
+def _under(norms, floor, factor):
+    """Where a norm cannot be above `factor` times an EMA that is at least `floor`. A floor of zero holds
+    (an EMA of non-negative norms stays >= 0); a tiny positive one is not trusted."""
+    with np.errstate(all="ignore"):
+        return (norms <= factor * (1 - 1e-9) * floor) & ((floor >= TINY) | (floor == 0))
+
+
+def _ema(ema: float | None, norms, keep: float) -> float | None:
+    """`ema` after learning each of `norms` in turn: `_check_steps`' own update, in a tight loop."""
+    if not len(norms):
+        return ema
+    if ema is None:
+        ema, norms = float(norms[0]), norms[1:]
+    for norm in memoryview(norms):      # Python floats, without building a list
+        ema = ema + keep * (norm - ema)
+    return ema
 
 
 class Guard:
@@ -122,6 +244,123 @@ class Guard:
         found = self._check_steps(steps, losses, grad_norms, timestamps, None)
         self._learn_layer_columns(columns, {i for i, _ in found})
         return found
+
+    def check_columns(self, steps, losses, grad_norms, timestamps, layer_names: Sequence[str] | None = None,
+                      layer_norms=None) -> list[tuple[int, Decision]]:
+        """`check_many` over a block of steps given as columns: int64 `steps`, float64 `losses`,
+        `grad_norms` and `timestamps`, and for `layer_names` a float64 `layer_norms` of shape
+        (steps, layers), NaN where a step has no norm for a layer. The same decisions and the same state
+        as ``check_many(steps, losses, grad_norms, timestamps, [{name: norm, ...}, ...])``.
+
+        Replay hands over ~25,000 steps at a time, nearly all healthy. A screen (`_advance_columns`)
+        proves with array arithmetic that a stretch of them is healthy, and the state then takes the whole
+        stretch at once; the first step it cannot clear, and a few after it, go through `_check_steps`.
+        Why the bulk state is the step-by-step state, to the bit:
+        - the loss window's sums: step by step each healthy step adds ``-old`` (once the window is full)
+          and ``loss`` to the running totals. ``np.cumsum`` adds left to right, one element at a time, so
+          over those terms interleaved (-0.0 where nothing leaves: it adds nothing, to any double) it
+          gives every total the loop had, and the spike test on them is the same IEEE operations in the
+          same order, elementwise: it is exact, not a bound;
+        - the EMAs are a plain loop over the stretch's norms (an EMA has no exact array form);
+        - an explosion is screened with a floor under each EMA instead: an EMA moves to a weighted mean of
+          itself and a norm, and for 0 < keep < 1 the rounded update never falls below the smaller of the
+          two, so before step i the EMA is at least the least of its value at the start and the finite
+          norms of the earlier steps (a running minimum; first tried as one floor for the whole stretch).
+          A norm at or under the factor times that floor (less 1e-9 for rounding) cannot explode.
+        Every step before the first one screened out is therefore healthy, which is all the bulk update
+        assumes; what the screen finds is decided step by step, from the state the loop would have had.
+        A policy the argument does not cover (`_screenable`) is decided step by step throughout."""
+        block = _Columns(steps, losses, grad_norms, timestamps, layer_names, layer_norms)
+        if not self._screenable(block):
+            return self._check_columns_exactly(block, 0, len(block))
+        return decide_screened(len(block), lambda start, end: self._advance_columns(block, start, end),
+                               lambda start, end: self._check_columns_exactly(block, start, end))
+
+    def _screenable(self, block: _Columns) -> bool:
+        """Whether the screens' arithmetic holds for this policy and these layers (else: step by step)."""
+        policy, keep = self.policy, 1 - self.policy.grad_ema_beta
+        return (0 < keep <= 1 - 2 ** -50 and policy.spike_window >= 1 and policy.spike_min_steps >= 1
+                and policy.grad_explode_factor >= 0 and policy.layer_explode_factor >= 0
+                and len(set(block.names)) == len(block.names))
+
+    def _check_columns_exactly(self, block: _Columns, start: int, end: int) -> list[tuple[int, Decision]]:
+        """`check_many` over steps [start, end) of the block, as Python numbers (the decisions carry them):
+        on the global numbers, the layers' EMAs learning a column at a time, when no layer can explode in
+        the stretch (`_layer_rows`; a stopped guard reads no layers); else with every step's layers."""
+        steps, losses, grad_norms, timestamps = (column[start:end].tolist() for column in (
+            block.steps, block.losses, block.grad_norms, block.timestamps))
+        if not block.names or self.stopped:
+            found = self._check_steps(steps, losses, grad_norms, timestamps, None)
+        elif (columns := self._layer_rows(block, start, end)) is not None:
+            found = self._check_steps(steps, losses, grad_norms, timestamps, None)
+            self._learn_layer_columns(columns, {i for i, _ in found})
+        else:
+            found = self._check_steps(steps, losses, grad_norms, timestamps, block.rows(start, end))
+        return [(start + i, decision) for i, decision in found]
+
+    def _layer_rows(self, block: _Columns, start: int, end: int) -> list[tuple[str, list]] | None:
+        """`_layer_columns` on the block's rows: each layer's norms over [start, end), when none can explode
+        there whichever steps are healthy (all of them have EMAs, and stay under the factor times the least
+        of the EMA and the norms); else None. A NaN norm fails it."""
+        if not all(name in self.layer_ema for name in block.names):
+            return None
+        norms = block.norm_rows[1:, start:end]
+        emas = np.array([self.layer_ema[name] for name in block.names])
+        with np.errstate(all="ignore"):
+            floors = np.minimum(emas, norms.min(axis=1))        # NaN where a norm is
+            if not _under(norms.max(axis=1), floors, self.policy.layer_explode_factor).all():
+                return None
+        return list(zip(block.names, norms.tolist()))
+
+    def _advance_columns(self, block: _Columns, start: int, end: int) -> int:
+        """Screens steps [start, end), takes the ones before the first it cannot prove healthy into the state,
+        and returns where they end."""
+        if self.stopped:
+            return start
+        losses, grad_norms = block.losses[start:end], block.grad_norms[start:end]
+        values, policy = self.losses.values, self.policy
+        totals, squares = _window_sums(losses, values, self.losses.total, self.losses.total_sq)
+        held = np.minimum(np.arange(len(values), len(values) + len(losses)), values.maxlen)  # the window, at each
+        doubtful = ~(np.isfinite(losses) & np.isfinite(grad_norms))
+        doubtful |= (held >= policy.spike_min_steps) & _spikes(losses, held, totals[:-1:2], squares[:-1:2],
+                                                               policy.spike_sigma)
+        doubtful |= self._explosions(block, start, end)
+        healthy = int(doubtful.argmax()) if doubtful.any() else len(losses)
+        if healthy:
+            self._learn_healthy(block, start, healthy, totals, squares)
+        return start + healthy
+
+    def _explosions(self, block: _Columns, start: int, end: int):
+        """Where a step of [start, end) might explode (the global norm or a layer's), were the steps before
+        it healthy; or False where none can. First one floor for the whole stretch (two reductions a row);
+        where that does not clear it, a floor for each step (`_ema_floors`)."""
+        policy, norms = self.policy, block.norm_rows[:, start:end]
+        emas = np.array([self.grad_ema, *map(self.layer_ema.get, block.names)], dtype=np.float64)  # None: NaN
+        factors = np.array([policy.grad_explode_factor] + [policy.layer_explode_factor] * len(block.names))
+        with np.errstate(all="ignore"):
+            floors = np.minimum(emas, norms.min(axis=1))      # NaN where a norm or the EMA is missing
+            if (_under(norms.max(axis=1), floors, factors)).all():
+                return False
+        armed = np.arange(self.good_grad_steps, self.good_grad_steps + end - start) >= policy.grad_min_steps
+        floors = _ema_floors(emas, norms)
+        # A norm with no EMA yet (a layer's first): step by step, so the EMAs are made in the loop's order.
+        unsure = ~np.isnan(norms) & ((armed & ~_under(norms, floors, factors[:, None])) | np.isnan(floors))
+        return unsure.any(axis=0)
+
+    def _learn_healthy(self, block: _Columns, start: int, count: int, totals, squares) -> None:
+        """The state after `count` healthy steps from `start`: what `_check_steps` leaves after them."""
+        window, keep = self.losses, 1 - self.policy.grad_ema_beta
+        window.values.extend(block.losses[max(start, start + count - window.values.maxlen):start + count].tolist())
+        window.total, window.total_sq = float(totals[2 * count]), float(squares[2 * count])
+        self.grad_ema = _ema(self.grad_ema, block.grad_norms[start:start + count], keep)
+        layers = block.norm_rows[1:, start:start + count]
+        for name, norms, clean in zip(block.names, layers, np.isfinite(layers).all(axis=1).tolist()):
+            if not clean:
+                norms = np.ascontiguousarray(norms[np.isfinite(norms)])   # a missing (NaN) norm teaches nothing
+            if len(norms):                  # a layer with a norm here has an EMA already (see the screen)
+                self.layer_ema[name] = _ema(self.layer_ema[name], norms, keep)
+        self.good_grad_steps += count
+        self.observed += count
 
     def _layer_columns(self, layers: Sequence[Mapping[str, float] | None]) -> list[tuple[str, list]] | None:
         """Each layer's norms over the batch, when no layer can explode in it; else None.

@@ -1,18 +1,18 @@
 """The replay engine: the live run's own Guard and CostMeter over a recorded stream, in the log's time.
 
 Nothing here decides anything: `trainguard.decide.guard.Guard` and `trainguard.decide.cost.CostMeter`
-do, exactly as in the trainer and the agent. This module only picks which records are training steps
-and feeds them in order:
+do, exactly as in the trainer and the agent. This module feeds them the training steps of the stream
+in order (picking.py says which records those are), a batch at a time:
 
-- a training step is a record with a step and both ``metrics.loss`` and ``metrics.grad_norm`` (the
-  guard needs both); a record with only one of them is counted in ``partial_steps`` and not decided;
-- with several ranks, only the lead rank's steps are decided (loss and gradient norms are global, so
-  every rank carries the same numbers); records without a rank are followed only when no input has one;
-- a step number that goes back within one file is a rollback or restart and is decided again, as the
-  live run did; from another file (a second node's copy of the same steps) it is a duplicate and skipped;
-- the decisions the live run logged (``recorded``) are read from the same rank's events;
-- after the guard says ``stop`` the live run would have ended: the guard is not asked again, the cost
-  meter keeps metering so the timeline shows what the rest of the log cost.
+- one plain log file, without an observer, goes the columnar way (columns.py): worker processes decode
+  and pick its chunks side by side, and each chunk is decided as arrays (`Guard.check_columns`,
+  `CostMeter.observe_columns`);
+- anything else (several files merged by time, compressed logs, the alert-rule path's observer) is
+  picked here from the merged stream's blocks and decided as lists (`check_many`, `observe_many`).
+
+Both ways make the same decisions and leave the same state (tests/replay/test_columns.py).
+After the guard says ``stop`` the live run would have ended: the guard is not asked again, the cost
+meter keeps metering so the timeline shows what the rest of the log cost.
 """
 
 from __future__ import annotations
@@ -22,27 +22,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
-from trainguard import actions as vocabulary
 from trainguard.decide.cost import CostMeter
-from trainguard.decide.decision import Decision
 from trainguard.decide.guard import STOP, Guard
 from trainguard.policy import Policy
+from trainguard.replay import columns
+from trainguard.replay.picking import FIRST_SEEN, Action, Picked, Picker
+
+__all__ = ["Action", "Outcome", "replay", "finite_or_text"]
 
 # Called with every stream entry (timestamp, file index, ordinal, typed record, dict or None) in
 # order, before the record is decided: the alert series (series.Exporters) are built this way.
 Observer = Callable[[tuple], None]
-_FIRST_SEEN = object()
-
-
-@dataclass(frozen=True)
-class Action:
-    action: str
-    step: int | None
-    timestamp: float
-    reason: str
-    source: str                     # "guard" | "cost" (who decided), "log" (recorded by the live run)
-    detail: dict = field(default_factory=dict)
-    decision: Decision | None = field(default=None, repr=False, compare=False)   # as the decider made it
 
 
 @dataclass
@@ -61,15 +51,6 @@ class Outcome:
 def _action(decision, source: str) -> Action:
     return Action(decision.action, decision.step, decision.timestamp, decision.reason, source,
                   dict(decision.detail), decision)
-
-
-def _recorded(record, when: float) -> Action | None:
-    """A decision event the live run logged (skip_step, rollback, restore, cost_*, stop)."""
-    event = record.event
-    if event.type not in vocabulary.ACTIONS and event.type != STOP:
-        return None
-    why = event.reason if isinstance(event.reason, str) else event.alertname
-    return Action(event.type, record.step, when, why if isinstance(why, str) else "", "log")
 
 
 BATCH = 1024      # entries picked per call of the guard and the meter when the input is not in blocks
@@ -93,20 +74,37 @@ class _Decider:
         self.guard, self.meter, self.found = guard, meter, found
         self.guarding = True
 
-    def decide(self, picked: list[tuple]) -> None:
-        """`picked`: (step, loss, grad_norm, layers, timestamp, gpu_count, clock) of consecutive steps."""
+    def decide(self, picked: Picked) -> None:
+        """Consecutive picked steps, as lists."""
         if not picked:
             return
-        steps, losses, grad_norms, layers, times, gpus, clocks = zip(*picked)
+        by_guard = self.guard.check_many(picked.steps, picked.losses, picked.grad_norms, picked.timestamps,
+                                         picked.any_layers()) if self.guarding else []
+        by_meter = self.meter.observe_many(picked.steps, picked.timestamps, picked.gpus, picked.clocks())
+        self._merge(by_guard, by_meter)
+
+    def decide_columns(self, chunk: columns.Steps) -> None:
+        """A chunk's steps as arrays: the same decisions as `decide` over them as tuples."""
+        if not len(chunk.steps):
+            return
         by_guard = []
         if self.guarding:
-            by_guard = self.guard.check_many(steps, losses, grad_norms, times, layers if any(layers) else None)
-            for position, (_, decision) in enumerate(by_guard):
-                if decision.action == STOP:     # the live run ends here: the guard is not asked again
-                    del by_guard[position + 1:]
-                    self.guarding = False
-                    break
-        by_meter = self.meter.observe_many(steps, times, gpus, clocks if any(clocks) else None)
+            if chunk.layers is not None:       # layer groups that differ from step to step: as lists
+                by_guard = self.guard.check_many(chunk.steps.tolist(), chunk.losses.tolist(),
+                                                 chunk.grad_norms.tolist(), chunk.timestamps.tolist(), chunk.layers)
+            else:
+                by_guard = self.guard.check_columns(chunk.steps, chunk.losses, chunk.grad_norms, chunk.timestamps,
+                                                    chunk.layer_names, chunk.layer_norms)
+        by_meter = self.meter.observe_columns(chunk.steps, chunk.timestamps, chunk.gpus,
+                                              chunk.clock_codes, chunk.clock_seconds, chunk.clock_nodes)
+        self._merge(by_guard, by_meter)
+
+    def _merge(self, by_guard: list, by_meter: list) -> None:
+        for position, (_, decision) in enumerate(by_guard):
+            if decision.action == STOP:         # the live run ends here: the guard is not asked again
+                del by_guard[position + 1:]
+                self.guarding = False
+                break
         # Record order; at one record the guard's decision comes before the meter's.
         merged = sorted([(i, 0, d) for i, d in by_guard] + [(i, 1, d) for i, d in by_meter], key=lambda x: x[:2])
         self.found.extend(_action(d, "guard" if by == 0 else "cost") for _, by, d in merged)
@@ -115,71 +113,42 @@ class _Decider:
 def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None,
            meter: CostMeter | None = None) -> Outcome:
     """Feed every training step of `stream` (a source.Stream, or its entries) to a fresh Guard and to
-    `meter` (a fresh CostMeter unless given: the alert series read the same one).
-
-    The loop below only picks steps, with local names on purpose: it runs once per record, and a
-    million-record log is the case it is measured on (bench/bench_replay.py). With an `observer` every
-    step is decided before the next entry is observed, since the observer reads the meter."""
+    `meter` (a fresh CostMeter unless given: the alert series read the same one). With an `observer`
+    every step is decided before the next entry is observed, since the observer reads the meter."""
     meter = meter or CostMeter(policy.cost)
     out = Outcome()
     decider = _Decider(Guard(policy.guard), meter, out.actions)
-    first = last = None
-    blocks = _blocks(stream)
-    lead = getattr(stream, "lead_rank", _FIRST_SEEN)
-    last_step, last_file, gpus = None, None, None
-    records = steps = duplicates = partial = 0
-    for block in blocks:
-        picked: list[tuple] = []
-        pick = picked.append
-        records += len(block)
-        if first is None and block:
-            first = last = block[0][0]
-        for entry in block:
-            when, file_index, _, record, _ = entry
-            if when > last:
-                last = when
-            if observer is not None:
-                steps += len(picked)
-                decider.decide(picked)
-                picked.clear()
-                observer(entry)
-            system = record.system
-            if system is not None and system.gpu_count:
-                gpus = system.gpu_count
-            elif record.hardware is not None and record.hardware.gpus:
-                gpus = len(record.hardware.gpus)
-            if record.event is not None and (record.rank == lead or lead is _FIRST_SEEN):
-                logged = _recorded(record, when)
-                if logged is not None:
-                    out.recorded.append(logged)
-            metrics, step = record.metrics, record.step
-            if metrics is None or step is None:
-                continue
-            loss, grad_norm = metrics.loss, metrics.grad_norm
-            if loss is None or grad_norm is None:
-                if loss is not None or grad_norm is not None:
-                    partial += 1
-                continue
-            if lead is _FIRST_SEEN:
-                lead = record.rank
-            if record.rank != lead or (file_index != last_file and last_step is not None and step <= last_step):
-                duplicates += 1
-                continue
-            last_step, last_file = step, file_index
-            layers = metrics.grad_norm_by_layer
-            if layers and None in layers.values():
-                layers = {name: math.nan if norm is None else norm for name, norm in layers.items()}
-            clock = None if system is None or system.monotonic_seconds is None else (
-                record.node, system.monotonic_seconds)
-            pick((step, loss, grad_norm, layers, when, gpus, clock))
-        steps += len(picked)
-        decider.decide(picked)
-    out.records, out.first_timestamp, out.last_timestamp = records, first, last
-    out.steps, out.duplicate_steps, out.partial_steps = steps, duplicates, partial
+    if observer is None and columns.fits(stream):
+        picker = _replay_columns(stream, decider)
+    else:
+        picker = _replay_entries(stream, decider, observer)
+    out.records, out.first_timestamp, out.last_timestamp = picker.records, picker.first, picker.last
+    out.steps, out.duplicate_steps, out.partial_steps = picker.steps, picker.duplicates, picker.partial
+    out.recorded = picker.recorded
     state = meter.state
     out.cost = {"cost_usd": state.cost_usd, "cost_per_1k_steps": state.cost_per_1k_steps,
                 "overrun_ratio": state.overrun_ratio, "tier": state.tier, "gpu_count": state.gpu_count}
     return out
+
+
+def _replay_entries(stream: Iterable, decider: _Decider, observer: Observer | None) -> Picker:
+    blocks = _blocks(stream)
+    picker = Picker(getattr(stream, "lead_rank", FIRST_SEEN))     # known once the stream is opened
+    for block in blocks:
+        if observer is None:
+            decider.decide(picker.take(block))
+            continue
+        for entry in block:
+            observer(entry)
+            decider.decide(picker.take([entry]))
+    return picker
+
+
+def _replay_columns(stream, decider: _Decider) -> columns.Totals:
+    totals = columns.Totals()
+    for chunk in columns.read(stream, totals):
+        decider.decide_columns(chunk)
+    return totals
 
 
 def finite_or_text(value: Any) -> Any:

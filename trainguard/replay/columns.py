@@ -1,0 +1,290 @@
+"""Replay's fast path: one plain TLS file, decoded on every CPU, its training steps as columns.
+
+Decoding JSON is most of a replay's cost (bench/bench_replay.py). A plain file can be cut at line ends
+into chunks that worker processes decode and pick side by side (`_read_chunk`: the stream's own decoder
+and the engine's own picking rules, picking.py), each handing back its steps as arrays that the guard and
+the meter decide a chunk at a time (`Guard.check_columns`, `CostMeter.observe_columns`). The main process
+only decides and stitches; memory stays flat, with at most two chunks per worker in flight.
+
+A chunk read apart cannot know three things, so it leaves them open and `read` fills them in file order:
+the number of its first line (its malformed lines are counted from 1), the step a step-less training
+record follows (the seed example form: such steps are numbered from UNKNOWN_STEP), and the GPU count
+before its first record that says one (0).
+
+Small files are read the same way in this process: no workers to start for a log of a few chunks.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Iterator
+
+import msgspec
+import numpy as np
+
+from trainguard.replay import source
+from trainguard.replay.picking import Action, Picked, Picker
+
+CHUNK_BYTES = 8 << 20       # ~12,000 trainer records: enough to pay for a hand-off, small enough to stay flat
+IN_FLIGHT = 2               # chunks per worker decoded ahead of the decider
+UNKNOWN_STEP = -(1 << 62)   # step-less training records before a chunk's first step: numbered from here
+COMPRESSED = (".gz", ".zst")
+
+
+@dataclass
+class Steps:
+    """One chunk's training steps, in order, as arrays (what check_columns and observe_columns take)."""
+
+    steps: np.ndarray               # int64
+    losses: np.ndarray              # float64
+    grad_norms: np.ndarray
+    timestamps: np.ndarray
+    gpus: np.ndarray                # int64; 0: no GPU count seen yet
+    clock_codes: np.ndarray         # int64 index into clock_nodes; -1: no monotonic clock
+    clock_seconds: np.ndarray       # float64 system.monotonic_seconds (NaN without one)
+    clock_nodes: list
+    layer_names: tuple | None = None        # every step carries these layer groups, in this order ...
+    layer_norms: np.ndarray | None = None   # ... with these norms, shape (steps, layers), NaN for null
+    layers: list | None = None              # else each step's own dict (or None)
+
+
+@dataclass
+class Chunk:
+    """What a worker hands back: the steps and everything the stream's totals need."""
+
+    steps: Steps
+    picker: Picker                  # records, first and last time, counts, recorded events of the chunk
+    problems: source.Problems       # malformed lines, numbered from the chunk's first line
+    lines: int
+    last_step: int                  # numbering state where the chunk ended (maybe from UNKNOWN_STEP)
+    error: str | None = None        # the file could not be read here: it ends before this chunk
+
+
+@dataclass
+class Totals:
+    """The stream's totals, named as Picker names them (the engine reads either)."""
+
+    records: int = 0
+    steps: int = 0
+    duplicates: int = 0
+    partial: int = 0
+    first: float | None = None
+    last: float | None = None
+    recorded: list[Action] = field(default_factory=list)
+
+
+def fits(stream) -> bool:
+    """Whether `stream` can go the columnar way: a source.Stream of one plain file, typed records only."""
+    if not isinstance(stream, source.Stream) or stream.full or len(stream.files) != 1:
+        return False
+    return not str(stream.files[0]).endswith(COMPRESSED)
+
+
+def read(stream: source.Stream, totals: Totals, *, chunk_bytes: int | None = None,
+         workers: int | None = None) -> Iterator[Steps]:
+    """The training steps of `stream`'s one file, a chunk at a time in file order; its malformed lines go
+    to `stream.problems`, its counts to `totals`. Opens the stream (it is read once), setting lead_rank."""
+    stream.claim()
+    path = str(stream.files[0])
+    stream.lead_rank, layer_names = lead, _ = source.head(path)
+    line_base, step_base, gpus = 0, 0, 0
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
+    for chunk in _chunks(path, (lead, layer_names), chunk_bytes, available_cpus() if workers is None else workers):
+        _count_problems(stream.problems, chunk.problems, path, line_base)
+        if chunk.error is not None:
+            stream.problems.add(path, line_base + 1, f"unreadable after line {line_base} ({chunk.error})")
+            return
+        steps = chunk.steps
+        step_base = _number(chunk, step_base)
+        gpus = _carry_gpus(steps.gpus, chunk.picker.gpus, gpus)
+        _add(totals, chunk.picker)
+        line_base += chunk.lines
+        yield steps
+
+
+def _count_problems(problems: source.Problems, found: source.Problems, path: str, line_base: int) -> None:
+    for malformed in found.kept:
+        problems.add(path, line_base + malformed.line, malformed.error)
+    problems.count += found.count - len(found.kept)
+
+
+def _number(chunk: Chunk, step_base: int) -> int:
+    """Steps numbered from UNKNOWN_STEP get the step the file had reached; returns where it ends up."""
+    def known(step: int) -> int:
+        return step_base + (step - UNKNOWN_STEP) if step < UNKNOWN_STEP // 2 else step
+
+    steps = chunk.steps.steps
+    unknown = steps < UNKNOWN_STEP // 2
+    if unknown.any():
+        steps[unknown] += step_base - UNKNOWN_STEP
+    recorded = chunk.picker.recorded
+    for i, action in enumerate(recorded):
+        if action.step is not None and action.step < UNKNOWN_STEP // 2:
+            recorded[i] = Action(action.action, known(action.step), action.timestamp, action.reason, action.source)
+    return known(chunk.last_step)
+
+
+def _carry_gpus(gpus: np.ndarray, at_end: int | None, carried: int) -> int:
+    """Steps before the chunk's first GPU count take the count the file had reached."""
+    if carried and len(gpus) and gpus[0] == 0:
+        seen = np.flatnonzero(gpus)
+        gpus[:seen[0] if len(seen) else len(gpus)] = carried
+    return at_end or carried
+
+
+def _add(totals: Totals, picker: Picker) -> None:
+    if picker.first is not None:
+        if totals.first is None:
+            totals.first = totals.last = picker.first
+        totals.last = max(totals.last, picker.last)
+    totals.records += picker.records
+    totals.steps += picker.steps
+    totals.duplicates += picker.duplicates
+    totals.partial += picker.partial
+    totals.recorded += picker.recorded
+
+
+# --------------------------------------------------------------------------------------- the chunks
+
+def available_cpus() -> int:
+    """CPUs this process may run on: one worker each."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _spans(path: str, chunk_bytes: int) -> Iterator[tuple[int, int]]:
+    """(start, end) byte offsets of chunks of about chunk_bytes, each cut after a newline."""
+    size = os.path.getsize(path)
+    start = 0
+    with open(path, "rb") as handle:
+        while start < size:
+            end = start + chunk_bytes
+            if end < size:
+                handle.seek(end)
+                while True:             # on to the end of the line the cut falls in
+                    tail = handle.read(1 << 16)
+                    cut = tail.find(b"\n")
+                    if cut >= 0 or not tail:
+                        end += cut + 1 if cut >= 0 else len(tail)
+                        break
+                    end += len(tail)
+            end = min(end, size)
+            yield start, end
+            start = end
+
+
+def _chunks(path: str, head: tuple, chunk_bytes: int, workers: int) -> Iterator[Chunk]:
+    spans = _spans(path, chunk_bytes)
+    if workers < 2 or os.path.getsize(path) <= 2 * chunk_bytes or "fork" not in multiprocessing.get_all_start_methods():
+        for start, end in spans:
+            yield _read_chunk(path, start, end, head)
+        return
+    # fork: the workers need nothing but this module, already imported, and start in milliseconds.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        pending: deque[Future] = deque()
+        try:
+            for start, end in spans:
+                pending.append(pool.submit(_read_chunk, path, start, end, head))
+                if len(pending) >= IN_FLIGHT * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+def _read_chunk(path: str, start: int, end: int, head: tuple) -> Chunk:
+    """Decode and pick the lines of path[start:end] (in a worker process). `head`: the file's lead rank and
+    the layer groups of its first training records (`source.head`), which the decoder is made for.
+
+    The collector is off meanwhile: a chunk makes a few hundred thousand short-lived objects and no
+    cycles, and generation scans over them cost a quarter of the time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _decode_and_pick(path, start, end, *head)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _decode_and_pick(path: str, start: int, end: int, lead, layer_names: tuple | None) -> Chunk:
+    problems, picker, picked = source.Problems(), Picker(lead), Picked()
+    fast = source.layers_decoder(layer_names) if layer_names else None
+    last_step = 0 if start == 0 else UNKNOWN_STEP
+    lines = 0
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(start)
+            data = handle.read(end - start)
+    except OSError as exc:
+        return Chunk(_columns(picked), picker, problems, 0, last_step, f"{type(exc).__name__}: {exc}")
+    for block in source.lines_of(data):
+        records = source.decode_block(block, lines + 1, path, problems, fast)
+        entries, _, last_step = source.entries_of(records, None, 0, 0, last_step)
+        picked.extend(picker.take(entries))
+        lines += block.count(b"\n")
+    return Chunk(_columns(picked, layer_names), picker, problems, lines, last_step)
+
+
+def _columns(picked: Picked, layer_names: tuple | None = None) -> Steps:
+    n = len(picked)
+    codes, seconds, nodes = _clock_columns(picked.clock_nodes, picked.clock_seconds)
+    gpus = picked.gpus
+    out = Steps(_array(picked.steps, np.int64), _array(picked.losses), _array(picked.grad_norms),
+                _array(picked.timestamps),
+                _array([0 if count is None else count for count in gpus] if None in gpus else gpus, np.int64),
+                codes, seconds, nodes)
+    layers = picked.any_layers()
+    if layers is not None:
+        out.layer_names, out.layer_norms = _layer_matrix(layers, layer_names)
+        if out.layer_names is None:
+            out.layers = layers
+    return out
+
+
+def _array(values: list, dtype=np.float64) -> np.ndarray:
+    return np.fromiter(values, dtype, len(values))
+
+
+def _clock_columns(nodes: list, seconds: list) -> tuple[np.ndarray, np.ndarray, list]:
+    """Codes into a table of nodes (-1: no clock) and the seconds (NaN: none); one node is the usual case."""
+    n = len(seconds)
+    at = _array([np.nan if at is None else at for at in seconds] if None in seconds else seconds)
+    if n and nodes.count(nodes[0]) == n:
+        codes = np.zeros(n, np.int64)
+        table = [nodes[0]]
+    else:
+        index: dict = {}
+        codes = _array([index.setdefault(node, len(index)) for node in nodes], np.int64)
+        table = list(index)
+    codes[np.isnan(at)] = -1
+    return codes, at, table
+
+
+def _layer_matrix(layers: list, expected: tuple | None) -> tuple[tuple | None, np.ndarray | None]:
+    """(names, norms) when every step carries the same layer groups in the same order, else (None, None)
+    and `layers` made dicts throughout (what check_many takes).
+
+    Flat lists, compared and converted in C: a loop over the steps costs more than the decoding did."""
+    n = len(layers)
+    if expected:
+        struct = source.layer_struct(expected)
+        kinds = set(map(type, layers))
+        if kinds == {struct}:           # every step decoded into the file's layer struct
+            flat = chain.from_iterable(map(msgspec.structs.astuple, layers))
+            return expected, np.fromiter(flat, np.float64, n * len(expected)).reshape(n, len(expected))
+        if struct in kinds:             # some blocks were not: all as dicts, in the groups' order
+            layers[:] = [dict(zip(expected, msgspec.structs.astuple(norms))) if type(norms) is struct else norms
+                         for norms in layers]
+    names = list(layers[0] or ())
+    if not names or None in layers or list(chain.from_iterable(layers)) != names * n:
+        return None, None
+    norms = _array(list(chain.from_iterable(map(dict.values, layers))))
+    return tuple(names), norms.reshape(n, len(names))

@@ -51,11 +51,14 @@ class Guard(guard.Guard):
             if grad_norm > limit:
                 return "grad_explosion", {"grad_norm": grad_norm, "threshold": limit}
             if layers:
-                for name, norm in layers.items():
-                    ema = self.layer_ema.get(name)
-                    if ema is not None and norm > policy.layer_explode_factor * ema:
-                        return "grad_explosion", {"layer": name, "grad_norm": norm,
-                                                  "threshold": policy.layer_explode_factor * ema}
+                over = [(norm / (policy.layer_explode_factor * self.layer_ema[name])
+                         if policy.layer_explode_factor * self.layer_ema[name] > 0 else math.inf, name, norm)
+                        for name, norm in layers.items() if name in self.layer_ema
+                        and norm > policy.layer_explode_factor * self.layer_ema[name]]
+                if over:    # the layer furthest above its threshold; ties: the first name in sorted order
+                    ratio, name, norm = min(over, key=lambda entry: (-entry[0], entry[1]))
+                    return "grad_explosion", {"layer": name, "grad_norm": norm,
+                                              "threshold": policy.layer_explode_factor * self.layer_ema[name]}
         return None, NO_DETAIL
 
     def _learn(self, loss: float, grad_norm: float, layers: Mapping[str, float] | None) -> None:

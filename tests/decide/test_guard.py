@@ -50,6 +50,16 @@ def test_gradient_explosion_global_and_per_layer():
     assert decision.reason == "grad_explosion" and decision.detail["layer"] == "h.1"
 
 
+def test_of_several_exploding_layers_the_detail_names_the_worst_in_any_order():
+    """EMAs h.0 0.5, h.1 0.4 (factor 25: thresholds 12.5 and 10): h.1 at 40 is 4x its threshold, h.0 at 30
+    2.4x. Whichever order the record lists them in, the detail names h.1."""
+    for layers in ({"h.0": 30.0, "h.1": 40.0}, {"h.1": 40.0, "h.0": 30.0}):
+        guard = Guard()
+        healthy(guard, 30)
+        decision = guard.observe(StepStats(30, 2.9, 1.0, layers))
+        assert decision.detail["layer"] == "h.1" and decision.detail["grad_norm"] == 40.0
+
+
 def test_repeated_bad_steps_roll_back_then_limit_stops():
     policy = GuardPolicy(rollback_after=3, rollback_window=50, max_rollbacks_per_hour=2)
     guard = Guard(policy)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
+import signal
 
 import pytest
 
@@ -143,6 +145,20 @@ def test_layer_groups_that_change_are_decided_step_by_step(tmp_path):
     assert outcome_of(log, Policy(), columnar=True, chunk_bytes=4000) == general
 
 
+def test_layer_groups_listed_in_another_order_decide_the_same(tmp_path):
+    """The worker decodes layer norms into a struct made for the file's first groups, which keeps no key
+    order: a record listing them otherwise, with two layers exploding at once, must still replay as the
+    general path does (the guard names the layer furthest over its threshold, whatever the order)."""
+    records = list(trainer_records(400, faults=False))
+    for record in records[200:]:
+        record["metrics"]["grad_norm_by_layer"] = dict(reversed(record["metrics"]["grad_norm_by_layer"].items()))
+    records[300]["metrics"]["grad_norm_by_layer"].update({"embed": 30.0, "h.1": 90.0})
+    log = write(tmp_path / "reordered.jsonl", records)
+    general = outcome_of(log, Policy(), columnar=False)
+    assert [a[5].get("layer") for a in general["actions"]] == ["h.1"]
+    assert outcome_of(log, Policy(), columnar=True, chunk_bytes=5000) == general
+
+
 def test_only_whole_plain_single_files_go_the_columnar_way(tmp_path):
     plain = write(tmp_path / "a.jsonl", trainer_records(10, faults=False))
     packed = tmp_path / "b.jsonl.gz"
@@ -169,3 +185,25 @@ def test_replay_goes_the_columnar_way_and_reads_once(tmp_path):
     assert outcome.steps == 50 and stream.lead_rank == 0
     with pytest.raises(RuntimeError, match="read once"):
         list(columns.read(stream, columns.Totals()))
+
+
+PARENT = os.getpid()
+
+
+def _dies_after_the_second_chunk(path, start, end, head):
+    """columns._read_chunk, but a worker process given a chunk past the second kills itself."""
+    if os.getpid() != PARENT and start > 2 * 20_000:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _READ_CHUNK(path, start, end, head)
+
+
+_READ_CHUNK = columns._read_chunk
+
+
+def test_a_worker_killed_midway_loses_nothing(tmp_path, monkeypatch):
+    """A worker that dies (the OOM killer, a signal) breaks the pool: its chunk and the rest are read in
+    this process instead, and the replay is the same."""
+    log = write(tmp_path / "rank-0.jsonl", trainer_records(1500), bad_every=173)
+    general = outcome_of(log, POLICY, columnar=False)
+    monkeypatch.setattr(columns, "_read_chunk", _dies_after_the_second_chunk)
+    assert outcome_of(log, POLICY, columnar=True, chunk_bytes=20_000, workers=2) == general

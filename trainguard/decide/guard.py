@@ -8,7 +8,8 @@ Checks, in order:
 - a non-finite loss or gradient norm: ``skip_step`` (reason ``nan``);
 - a loss spike: above mean + ``spike_sigma`` standard deviations of the last ``spike_window`` good
   losses, once ``spike_min_steps`` have been seen (as OLMo-core's stability monitor);
-- a gradient explosion: the global norm, or any layer's, above a factor of its own EMA;
+- a gradient explosion: the global norm, or any layer's, above a factor of its own EMA (the detail
+  names the global norm, else the layer furthest over its threshold);
 then escalation: ``rollback_after`` bad steps within ``rollback_window`` steps ask for a ``rollback``,
 and more than ``max_rollbacks_per_hour`` rollbacks ask to ``stop`` rather than loop.
 
@@ -80,6 +81,20 @@ class _RollingStats:
         # A floor on the spread: a loss that has been flat for a while must not turn noise into spikes.
         floor = max(1e-3 * abs(mean), 1e-8)
         return mean + sigma * math.sqrt(max(self.total_sq / n - mean * mean, floor * floor))
+
+
+def worst_layer(layers: Mapping[str, float], emas: Mapping[str, float], factor: float) -> dict | None:
+    """Of the layers whose norm is above `factor` times their EMA, the one with the largest ratio of norm to
+    that threshold (ties: the first name in sorted order), as a decision's detail; None if none is."""
+    worst = None
+    for name, norm in layers.items():
+        ema = emas.get(name)
+        if ema is not None and norm > factor * ema:
+            threshold = factor * ema
+            ratio = norm / threshold if threshold > 0 else math.inf
+            if worst is None or (ratio, worst[1]) > (worst[0], name):
+                worst = (ratio, name, norm, threshold)
+    return None if worst is None else {"layer": worst[1], "grad_norm": worst[2], "threshold": worst[3]}
 
 
 class _Columns:
@@ -474,13 +489,9 @@ class Guard:
         return found
 
     def _layer_detail(self, layers: Mapping[str, float]) -> dict | None:
-        """The first layer above its factor of its own EMA, if any."""
-        factor = self.policy.layer_explode_factor
-        for name, norm in layers.items():
-            ema = self.layer_ema.get(name)
-            if ema is not None and norm > factor * ema:
-                return {"layer": name, "grad_norm": norm, "threshold": factor * ema}
-        return None
+        """The layer furthest above its factor of its own EMA (ties: the first name in sorted order), if
+        any: the one to look at first, and the same whatever order the record lists its layers in."""
+        return worst_layer(layers, self.layer_ema, self.policy.layer_explode_factor)
 
     def _bad_step(self, step: int, timestamp: float, reason: str, loss: float, grad_norm: float,
                   layers: Mapping[str, float] | None) -> Decision:

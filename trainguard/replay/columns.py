@@ -21,6 +21,7 @@ import multiprocessing
 import os
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Iterator
@@ -186,17 +187,32 @@ def _chunks(path: str, head: tuple, chunk_bytes: int, workers: int) -> Iterator[
         return
     # fork: the workers need nothing but this module, already imported, and start in milliseconds.
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        pending: deque[Future] = deque()
+        pending: deque[tuple[tuple[int, int], Future | None]] = deque()
         try:
-            for start, end in spans:
-                pending.append(pool.submit(_read_chunk, path, start, end, head))
+            for span in spans:
+                try:
+                    pending.append((span, pool.submit(_read_chunk, path, *span, head)))
+                except BrokenProcessPool:
+                    pending.append((span, None))
                 if len(pending) >= IN_FLIGHT * workers:
-                    yield pending.popleft().result()
+                    yield _collect(*pending.popleft(), path, head)
             while pending:
-                yield pending.popleft().result()
+                yield _collect(*pending.popleft(), path, head)
         finally:
-            for future in pending:
-                future.cancel()
+            for _, future in pending:
+                if future is not None:
+                    future.cancel()
+
+
+def _collect(span: tuple[int, int], future: Future | None, path: str, head: tuple) -> Chunk:
+    """A worker's chunk; read here instead when the pool has broken (a worker killed, say by the OOM
+    killer): the replay goes on, slower, and loses nothing."""
+    if future is not None:
+        try:
+            return future.result()
+        except BrokenProcessPool:
+            pass
+    return _read_chunk(path, *span, head)
 
 
 def _read_chunk(path: str, start: int, end: int, head: tuple) -> Chunk:

@@ -135,3 +135,31 @@ def test_the_installed_command(log):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["actions"][0]["action"] == "skip_step"
+
+
+def test_a_log_of_many_chunks_replays_as_its_compressed_copy(tmp_path):
+    """A plain log over two chunks goes the columnar way (worker processes; trainguard.replay.columns),
+    its gzip copy the one-process way: as a user runs them, the two JSON documents must be the same."""
+    import gzip
+
+    from tests.replay.test_columns import trainer_records, write
+    from trainguard.replay import columns
+
+    plain = write(tmp_path / "rank-0.jsonl", trainer_records(60_000), bad_every=997, truncate=True)
+    assert plain.stat().st_size > 2 * columns.CHUNK_BYTES
+    packed = tmp_path / "rank-0.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes(), compresslevel=1))
+    policy = tmp_path / "policy.yml"
+    policy.write_text("cost:\n  budget_per_1k_steps: 1.2\n")
+    documents = []
+    for path in (plain, packed):
+        done = subprocess.run([sys.executable, "-m", "trainguard.cli", "replay", str(path), "--json",
+                               "--policy", str(policy)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        document = json.loads(done.stdout)
+        document.pop("files", None)
+        for malformed in document["malformed_lines"]:
+            malformed["file"] = malformed["file"].removesuffix(".gz")
+        documents.append(document)
+    assert documents[0]["actions"] and documents[0]["malformed"] >= 30
+    assert documents[0] == documents[1]

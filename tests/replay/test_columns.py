@@ -84,9 +84,9 @@ def outcome_of(path, policy: Policy, *, columnar: bool, chunk_bytes: int = 0, wo
         for chunk in columns.read(stream, totals, chunk_bytes=chunk_bytes or None, workers=workers):
             decider.decide_columns(chunk)
         picker, meter, actions = totals, decider.meter, decider.found
-    else:
+    else:   # the baseline: merged entries, each decided as it comes (a do-nothing observer), as lists
         decider = engine._Decider(engine.Guard(policy.guard), engine.CostMeter(policy.cost), [])
-        picker, meter, actions = engine._replay_entries(stream, decider, None), decider.meter, decider.found
+        picker, meter, actions = engine._replay_entries(stream, decider, lambda entry: None), decider.meter, decider.found
     return {
         "actions": [(a.action, a.step, a.timestamp, a.reason, a.source, engine.finite_or_text(a.detail)) for a in actions],
         "recorded": list(picker.recorded),

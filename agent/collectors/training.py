@@ -33,6 +33,7 @@ from trainguard.decide.cost import CostMeter, clock_of
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
 STATE_VERSION = 1
 MAX_ERRORS_LOGGED = 20          # per update; the counter has them all
+CHECKPOINT_RESCAN_SECONDS = 30.0   # RUN/checkpoints listed at least this often even when its mtime holds
 TIER_VALUES = {"ok": 0, "warn": 1, "throttle": 2, "stop": 3}
 
 
@@ -54,8 +55,10 @@ class TrainingCollector(Collector):
         self.follower = Follower(self.run_dir / "tls", "rank-*.jsonl")
         self.offsets_path = self.run_dir / "agent" / f"offsets-{ctx.node}.json"
         self.state = TrainingState()
-        opts = options(ctx.options, self.name, policy=None, save_every_seconds=5.0)
+        opts = options(ctx.options, self.name, policy=None, save_every_seconds=5.0,
+                       checkpoint_rescan_seconds=CHECKPOINT_RESCAN_SECONDS)
         self.save_every = opts["save_every_seconds"]
+        self.checkpoints = CheckpointLister(self.run_dir / "checkpoints", opts["checkpoint_rescan_seconds"])
         self._unsaved = False
         self._saved_at: float | None = None   # monotonic time of the last save; None: never
         self.meter = self._cost_meter(opts["policy"] or ctx.policy)
@@ -184,7 +187,7 @@ class TrainingCollector(Collector):
     def _refresh_checkpoint(self) -> None:
         """A checkpoint on disk newer than the last checkpoint_saved event (or saved without one) counts too."""
         state = self.state
-        on_disk = _newest_checkpoint(self.run_dir)
+        on_disk = self.checkpoints.newest()
         if on_disk is not None and (state.checkpoint_time is None or on_disk[0] > state.checkpoint_time):
             state.checkpoint_time, state.checkpoint_step = on_disk
             state.checkpoint_name = f"step_{on_disk[1]}"
@@ -245,11 +248,37 @@ def _base_name(name: str) -> str:
     return name.split(".jsonl", 1)[0] + ".jsonl" if ".jsonl" in name else name
 
 
-def _newest_checkpoint(run_dir: Path) -> tuple[float, int] | None:
-    """(mtime of its manifest, step) of the newest RUN/checkpoints/step_<N>/manifest.json, when no event said."""
+class CheckpointLister:
+    """The newest checkpoint on disk, listed again only when RUN/checkpoints changed (its mtime) or every
+    `rescan_seconds`. The collector asks at every update, a run keeps hundreds of checkpoints, and on a
+    network filesystem every stat is a metadata round trip. A save renames its finished step_<N> into
+    place (trainer/checkpoint/store.py), which changes the folder's mtime; the rescan covers filesystems
+    with coarse mtimes and tools that write a manifest in place."""
+
+    def __init__(self, folder: Path, rescan_seconds: float = CHECKPOINT_RESCAN_SECONDS, clock=time.monotonic):
+        self.folder, self.rescan_seconds, self.clock = folder, rescan_seconds, clock
+        self._seen: tuple | None = None          # (device, inode, mtime) of the folder when last listed
+        self._listed_at: float | None = None
+        self._newest: tuple[float, int] | None = None
+
+    def newest(self) -> tuple[float, int] | None:
+        try:
+            info = os.stat(self.folder)
+        except OSError:
+            self._seen = None
+            return None
+        seen, now = (info.st_dev, info.st_ino, info.st_mtime_ns), self.clock()
+        if seen != self._seen or self._listed_at is None or now - self._listed_at >= self.rescan_seconds:
+            self._newest = _newest_checkpoint(self.folder)
+            self._seen, self._listed_at = seen, now
+        return self._newest
+
+
+def _newest_checkpoint(folder: Path) -> tuple[float, int] | None:
+    """(mtime of its manifest, step) of the newest step_<N>/manifest.json in RUN/checkpoints."""
     best = None
     try:
-        entries = list((run_dir / "checkpoints").iterdir())
+        entries = list(folder.iterdir())
     except OSError:
         return None
     for entry in entries:

@@ -229,3 +229,34 @@ def test_saves_are_spaced_but_a_restart_still_counts_each_step_once(run_dir):
     assert get(values, "trainguard_training_steps_total", run_id="gpt", rank="0") == 5
     first.close()                            # a clean stop saves what is unsaved
     assert json.loads(offsets.read_text())["state"]["ranks"]["0"]["steps_total"] == 5
+
+
+def test_checkpoints_are_listed_again_only_when_the_folder_changes_or_at_the_rescan(tmp_path, monkeypatch):
+    """RUN/checkpoints holds hundreds of checkpoints on a network filesystem: it is listed again when a save
+    renames a new step_<N> into it (its mtime changes) or every rescan_seconds, not at every update."""
+    from trainguard.agent.collectors import training
+
+    folder = tmp_path / "checkpoints"
+    (folder / "step_10").mkdir(parents=True)
+    (folder / "step_10" / "manifest.json").write_text("{}")
+    listings = []
+    monkeypatch.setattr(training, "_newest_checkpoint",
+                        lambda path, listed=training._newest_checkpoint: listings.append(path) or listed(path))
+    now = [100.0]
+    lister = training.CheckpointLister(folder, rescan_seconds=30.0, clock=lambda: now[0])
+    assert lister.newest()[1] == 10
+    now[0] += 10
+    assert lister.newest()[1] == 10 and len(listings) == 1          # nothing changed: not listed again
+    staged = tmp_path / "step_20.tmp"
+    staged.mkdir()
+    (staged / "manifest.json").write_text("{}")
+    before = os.stat(folder).st_mtime_ns
+    staged.rename(folder / "step_20")                               # as trainer/checkpoint/store.py saves
+    os.utime(folder, ns=(before + 1_000_000, before + 1_000_000))    # a coarse clock could leave mtime as it was
+    assert lister.newest()[1] == 20 and len(listings) == 2
+    (folder / "step_30").mkdir()
+    (folder / "step_30" / "manifest.json").write_text("{}")
+    os.utime(folder, ns=(before + 1_000_000, before + 1_000_000))    # a change the mtime does not show ...
+    assert lister.newest()[1] == 20 and len(listings) == 2
+    now[0] += 30
+    assert lister.newest()[1] == 30 and len(listings) == 3          # ... is found at the rescan

@@ -159,6 +159,19 @@ def test_layer_groups_listed_in_another_order_decide_the_same(tmp_path):
     assert outcome_of(log, Policy(), columnar=True, chunk_bytes=5000) == general
 
 
+def test_lines_longer_than_a_block(tmp_path):
+    """A record longer than a decode block (64 KiB: a long event message, a big config dump) is cut
+    neither by the chunking nor by the blocks within a chunk."""
+    records = list(trainer_records(300, faults=False))
+    records[120]["event"] = {"type": "note", "message": "x" * 200_000}
+    records[121]["run_config"] = {"dump": "y" * 70_000}
+    log = write(tmp_path / "long.jsonl", records, bad_every=97)
+    general = outcome_of(log, Policy(), columnar=False)
+    assert general["counts"][0] == 300 and general["problems"][0] == 3
+    for chunk_bytes in (1000, 100_000):
+        assert outcome_of(log, Policy(), columnar=True, chunk_bytes=chunk_bytes, workers=2) == general
+
+
 def test_only_whole_plain_single_files_go_the_columnar_way(tmp_path):
     plain = write(tmp_path / "a.jsonl", trainer_records(10, faults=False))
     packed = tmp_path / "b.jsonl.gz"

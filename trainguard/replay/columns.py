@@ -93,7 +93,8 @@ def read(stream: source.Stream, totals: Totals, *, chunk_bytes: int | None = Non
     to `stream.problems`, its counts to `totals`. Opens the stream (it is read once), setting lead_rank."""
     stream.claim()
     path = str(stream.files[0])
-    stream.lead_rank, layer_names = lead, _ = source.head(path)
+    lead, layer_names = source.head(path)
+    stream.lead_rank = lead
     line_base, step_base, gpus = 0, 0, 0
     chunk_bytes = chunk_bytes or CHUNK_BYTES
     for chunk in _chunks(path, (lead, layer_names), chunk_bytes, available_cpus() if workers is None else workers):

@@ -42,6 +42,7 @@ from trainguard.decide.cost import CostMeter
 from trainguard.decide.guard import Guard
 from trainguard.policy import Policy
 from trainguard.replay import columns, engine, source
+from trainguard.replay.picking import Picker
 
 TARGET = 500_000
 START = 1_710_512_538.0
@@ -90,7 +91,7 @@ def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[
             pass
 
     def pick():
-        for _ in columns.read(source.Stream([path]), columns.Totals()):
+        for _ in columns.read(source.Stream([path]), Picker()):
             pass
 
     def total():
@@ -102,7 +103,7 @@ def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[
         assert engine._replay_entries(source.Stream([path]), decider, None).steps == records
 
     chunks, held = [], 0
-    for chunk in columns.read(source.Stream([path]), columns.Totals()):
+    for chunk in columns.read(source.Stream([path]), Picker()):
         chunks.append(chunk)
         held += len(chunk.steps)
         if held >= decide_records:

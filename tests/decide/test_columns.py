@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from trainguard.decide.cost import CostMeter
-from trainguard.decide.guard import MIN_SCREENED, Guard
+from trainguard.decide.guard import Guard
+from trainguard.decide.screen import MIN_SCREENED
 from trainguard.policy import CostPolicy, GuardPolicy
 
 NAMES = ("embed", "h.0", "h.1", "ln_f")

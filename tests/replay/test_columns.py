@@ -21,6 +21,7 @@ import pytest
 from trainguard import tls
 from trainguard.policy import CostPolicy, CostTiers, Policy
 from trainguard.replay import columns, engine, source
+from trainguard.replay.picking import Picker
 
 T0 = 1_710_512_538.0
 LAYERS = ("embed", "h.0", "h.1", "ln_f")
@@ -79,7 +80,7 @@ def outcome_of(path, policy: Policy, *, columnar: bool, chunk_bytes: int = 0, wo
     stream = source.Stream([path])
     if columnar:
         assert columns.fits(stream)
-        totals = columns.Totals()
+        totals = Picker()
         decider = engine._Decider(engine.Guard(policy.guard), engine.CostMeter(policy.cost), [])
         for chunk in columns.read(stream, totals, chunk_bytes=chunk_bytes or None, workers=workers):
             decider.decide_columns(chunk)
@@ -197,7 +198,7 @@ def test_replay_goes_the_columnar_way_and_reads_once(tmp_path):
     outcome = engine.replay(stream, Policy())
     assert outcome.steps == 50 and stream.lead_rank == 0
     with pytest.raises(RuntimeError, match="read once"):
-        list(columns.read(stream, columns.Totals()))
+        list(columns.read(stream, Picker()))
 
 
 PARENT = os.getpid()

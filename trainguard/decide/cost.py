@@ -20,7 +20,7 @@ import numpy as np
 
 from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN
 from trainguard.decide.decision import Decision
-from trainguard.decide.guard import MIN_SCREENED, decide_screened
+from trainguard.decide.screen import MIN_SCREENED, decide_screened
 from trainguard.policy import CostPolicy
 
 TIER_ACTIONS = ((COST_WARN, "warn"), (COST_THROTTLE, "throttle"), (COST_STOP, "stop"))

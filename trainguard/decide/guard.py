@@ -26,19 +26,18 @@ from collections import deque
 from itertools import repeat
 from math import isfinite
 from operator import itemgetter
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from trainguard.actions import ROLLBACK, SKIP_STEP
+from trainguard.decide import screen
 from trainguard.decide.decision import CARRY_ON, Decision
+from trainguard.decide.screen import MIN_SCREENED, decide_screened
 from trainguard.policy import GuardPolicy
 
 STOP = "stop"
-MIN_SCREENED = 32     # batches of layer norms this short that fail the screen are decided step by step
 HOUR = 3600.0
-SCREEN_LEAST = 4 * MIN_SCREENED    # steps a columnar screen must cover to cost less than the loop over them
-TINY = np.finfo(np.float64).tiny    # the smallest normal double: below it an EMA's floor is not trusted
 
 
 class StepStats(NamedTuple):
@@ -120,96 +119,6 @@ class _Columns:
             return None
         names = self.names
         return [dict(zip(names, row)) for row in self.norms[start:end].tolist()]
-
-
-def decide_screened(count: int, advance: Callable[[int, int], int],
-                    exactly: Callable[[int, int], list]) -> list[tuple[int, Decision]]:
-    """Decide `count` steps with a screen: ``advance(start, end)`` takes the steps of [start, end) it can
-    prove uneventful into the state in bulk and returns where they end; ``exactly(start, end)`` decides
-    steps one by one and returns (index, decision) pairs.
-
-    A screen has a fixed cost (tens of array operations) that the loop matches over ~`SCREEN_LEAST` steps,
-    so stretches shorter than that are not screened. After a screen stops at a step, a stretch from it
-    goes step by step: MIN_SCREENED steps, doubled each time the screen before cleared fewer than
-    `SCREEN_LEAST` (events come thick: the loop is the cheaper way through them). The next screen is
-    about twice as long as the last healthy stretch was; a clean one doubles it."""
-    found: list[tuple[int, Decision]] = []
-    start, span, run = 0, count, 0         # run: the last stretch decided step by step, since a clean screen
-    while start < count:
-        end = min(count, start + span)
-        if end - start < SCREEN_LEAST:
-            found += exactly(start, end)
-            start = end
-            continue
-        healthy = advance(start, end)
-        if healthy == end:
-            start, span, run = end, 2 * span, 0
-            continue
-        run = max(MIN_SCREENED, 2 * run) if healthy - start < SCREEN_LEAST else MIN_SCREENED
-        stop = min(count, healthy + run)
-        found += exactly(healthy, stop)
-        start, span = stop, max(SCREEN_LEAST, 2 * (healthy - start))
-    return found
-
-
-def _window_sums(losses, values: deque, total: float, total_sq: float):
-    """The loss window's running sums as `_check_steps` keeps them, were every loss healthy: element 2i of
-    each is the sum before step i, element 2i+2 the sum after it (the np.cumsum of the terms the loop adds,
-    in its order: what leaves the window, as -old, then the new loss)."""
-    count, held, size = len(losses), len(values), values.maxlen
-    quiet = min(count, size - held)         # steps that pop nothing: the window is still filling
-    first = held + quiet - size             # what the others pop, in order, in the window then the block
-    leaving = np.concatenate((np.fromiter(values, np.float64, held), losses))[first:first + count - quiet]
-    terms = np.empty(2 * count + 1)
-    with np.errstate(all="ignore"):     # inf and NaN losses make NaN sums: such steps are screened out anyway
-        terms[0], terms[1:2 * quiet:2], terms[2::2] = total, -0.0, losses
-        np.negative(leaving, out=terms[2 * quiet + 1::2])
-        totals = np.cumsum(terms)
-        terms[0], terms[2::2] = total_sq, losses * losses
-        np.negative(leaving * leaving, out=terms[2 * quiet + 1::2])
-        return totals, np.cumsum(terms)
-
-
-def _spikes(losses, held, totals, squares, sigma: float):
-    """`_check_steps`' loss-spike test, elementwise: the same operations in the same order."""
-    with np.errstate(all="ignore"):
-        mean = totals / held
-        excess = losses - mean
-        floor = 1e-3 * np.where(mean >= 0, mean, -mean)
-        floor = np.where(floor >= 1e-8, floor, 1e-8)
-        variance = squares / held - mean * mean
-        floor_sq = floor * floor
-        return (excess > 0) & (excess * excess > sigma * sigma * np.where(variance >= floor_sq, variance, floor_sq))
-
-
-def _ema_floors(emas, norms):
-    """A floor under each EMA (a row of `norms` each; NaN: none yet) before each step, were all the steps
-    healthy: the least of its value now and the norms before (NaN ones skipped, as they teach nothing).
-    NaN while the EMA does not exist yet. An infinite norm teaches nothing either, but is screened out
-    itself (+inf explodes; -inf drags the floor below any trusted value, so the steps after it are)."""
-    before = np.empty(norms.shape)
-    before[:, 0] = emas
-    before[:, 1:] = norms[:, :-1]
-    with np.errstate(all="ignore"):
-        return np.fmin.accumulate(before, axis=1, out=before)
-
-
-def _under(norms, floor, factor):
-    """Where a norm cannot be above `factor` times an EMA that is at least `floor`. A floor of zero holds
-    (an EMA of non-negative norms stays >= 0); a tiny positive one is not trusted."""
-    with np.errstate(all="ignore"):
-        return (norms <= factor * (1 - 1e-9) * floor) & ((floor >= TINY) | (floor == 0))
-
-
-def _ema(ema: float | None, norms, keep: float) -> float | None:
-    """`ema` after learning each of `norms` in turn: `_check_steps`' own update, in a tight loop."""
-    if not len(norms):
-        return ema
-    if ema is None:
-        ema, norms = float(norms[0]), norms[1:]
-    for norm in memoryview(norms):      # Python floats, without building a list
-        ema = ema + keep * (norm - ema)
-    return ema
 
 
 class Guard:
@@ -321,10 +230,8 @@ class Guard:
             return None
         norms = block.norm_rows[1:, start:end]
         emas = np.array([self.layer_ema[name] for name in block.names])
-        with np.errstate(all="ignore"):
-            floors = np.minimum(emas, norms.min(axis=1))        # NaN where a norm is
-            if not _under(norms.max(axis=1), floors, self.policy.layer_explode_factor).all():
-                return None
+        if not screen.none_can_explode(norms, emas, self.policy.layer_explode_factor):
+            return None
         return list(zip(block.names, norms.tolist()))
 
     def _advance_columns(self, block: _Columns, start: int, end: int) -> int:
@@ -334,11 +241,11 @@ class Guard:
             return start
         losses, grad_norms = block.losses[start:end], block.grad_norms[start:end]
         values, policy = self.losses.values, self.policy
-        totals, squares = _window_sums(losses, values, self.losses.total, self.losses.total_sq)
+        totals, squares = screen.window_sums(losses, values, self.losses.total, self.losses.total_sq)
         held = np.minimum(np.arange(len(values), len(values) + len(losses)), values.maxlen)  # the window, at each
         doubtful = ~(np.isfinite(losses) & np.isfinite(grad_norms))
-        doubtful |= (held >= policy.spike_min_steps) & _spikes(losses, held, totals[:-1:2], squares[:-1:2],
-                                                               policy.spike_sigma)
+        doubtful |= (held >= policy.spike_min_steps) & screen.spikes(
+            losses, held, totals[:-1:2], squares[:-1:2], policy.spike_sigma)
         doubtful |= self._explosions(block, start, end)
         healthy = int(doubtful.argmax()) if doubtful.any() else len(losses)
         if healthy:
@@ -348,18 +255,16 @@ class Guard:
     def _explosions(self, block: _Columns, start: int, end: int):
         """Where a step of [start, end) might explode (the global norm or a layer's), were the steps before
         it healthy; or False where none can. First one floor for the whole stretch (two reductions a row);
-        where that does not clear it, a floor for each step (`_ema_floors`)."""
+        where that does not clear it, a floor for each step (`screen.ema_floors`)."""
         policy, norms = self.policy, block.norm_rows[:, start:end]
         emas = np.array([self.grad_ema, *map(self.layer_ema.get, block.names)], dtype=np.float64)  # None: NaN
         factors = np.array([policy.grad_explode_factor] + [policy.layer_explode_factor] * len(block.names))
-        with np.errstate(all="ignore"):
-            floors = np.minimum(emas, norms.min(axis=1))      # NaN where a norm or the EMA is missing
-            if (_under(norms.max(axis=1), floors, factors)).all():
-                return False
+        if screen.none_can_explode(norms, emas, factors):
+            return False
         armed = np.arange(self.good_grad_steps, self.good_grad_steps + end - start) >= policy.grad_min_steps
-        floors = _ema_floors(emas, norms)
+        floors = screen.ema_floors(emas, norms)
         # A norm with no EMA yet (a layer's first): step by step, so the EMAs are made in the loop's order.
-        unsure = ~np.isnan(norms) & ((armed & ~_under(norms, floors, factors[:, None])) | np.isnan(floors))
+        unsure = ~np.isnan(norms) & ((armed & ~screen.under(norms, floors, factors[:, None])) | np.isnan(floors))
         return unsure.any(axis=0)
 
     def _learn_healthy(self, block: _Columns, start: int, count: int, totals, squares) -> None:
@@ -367,13 +272,13 @@ class Guard:
         window, keep = self.losses, 1 - self.policy.grad_ema_beta
         window.values.extend(block.losses[max(start, start + count - window.values.maxlen):start + count].tolist())
         window.total, window.total_sq = float(totals[2 * count]), float(squares[2 * count])
-        self.grad_ema = _ema(self.grad_ema, block.grad_norms[start:start + count], keep)
+        self.grad_ema = screen.ema(self.grad_ema, block.grad_norms[start:start + count], keep)
         layers = block.norm_rows[1:, start:start + count]
         for name, norms, clean in zip(block.names, layers, np.isfinite(layers).all(axis=1).tolist()):
             if not clean:
                 norms = np.ascontiguousarray(norms[np.isfinite(norms)])   # a missing (NaN) norm teaches nothing
             if len(norms):                  # a layer with a norm here has an EMA already (see the screen)
-                self.layer_ema[name] = _ema(self.layer_ema[name], norms, keep)
+                self.layer_ema[name] = screen.ema(self.layer_ema[name], norms, keep)
         self.good_grad_steps += count
         self.observed += count
 

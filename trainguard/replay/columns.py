@@ -17,12 +17,13 @@ Small files are read the same way in this process: no workers to start for a log
 from __future__ import annotations
 
 import gc
+import io
 import multiprocessing
 import os
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import chain
 from typing import Iterator
 
@@ -67,19 +68,6 @@ class Chunk:
     error: str | None = None        # the file could not be read here: it ends before this chunk
 
 
-@dataclass
-class Totals:
-    """The stream's totals, named as Picker names them (the engine reads either)."""
-
-    records: int = 0
-    steps: int = 0
-    duplicates: int = 0
-    partial: int = 0
-    first: float | None = None
-    last: float | None = None
-    recorded: list[Action] = field(default_factory=list)
-
-
 def fits(stream) -> bool:
     """Whether `stream` can go the columnar way: a source.Stream of one plain file, typed records only."""
     if not isinstance(stream, source.Stream) or stream.full or len(stream.files) != 1:
@@ -87,10 +75,11 @@ def fits(stream) -> bool:
     return not str(stream.files[0]).endswith(COMPRESSED)
 
 
-def read(stream: source.Stream, totals: Totals, *, chunk_bytes: int | None = None,
+def read(stream: source.Stream, totals: Picker, *, chunk_bytes: int | None = None,
          workers: int | None = None) -> Iterator[Steps]:
     """The training steps of `stream`'s one file, a chunk at a time in file order; its malformed lines go
-    to `stream.problems`, its counts to `totals`. Opens the stream (it is read once), setting lead_rank."""
+    to `stream.problems`, each chunk's counts into `totals` (`Picker.absorb`). Opens the stream (it is
+    read once), setting lead_rank."""
     stream.claim()
     path = str(stream.files[0])
     lead, layer_names = source.head(path)
@@ -105,7 +94,7 @@ def read(stream: source.Stream, totals: Totals, *, chunk_bytes: int | None = Non
         steps = chunk.steps
         step_base = _number(chunk, step_base)
         gpus = _carry_gpus(steps.gpus, chunk.picker.gpus, gpus)
-        _add(totals, chunk.picker)
+        totals.absorb(chunk.picker)
         line_base += chunk.lines
         yield steps
 
@@ -138,18 +127,6 @@ def _carry_gpus(gpus: np.ndarray, at_end: int | None, carried: int) -> int:
         seen = np.flatnonzero(gpus)
         gpus[:seen[0] if len(seen) else len(gpus)] = carried
     return at_end or carried
-
-
-def _add(totals: Totals, picker: Picker) -> None:
-    if picker.first is not None:
-        if totals.first is None:
-            totals.first = totals.last = picker.first
-        totals.last = max(totals.last, picker.last)
-    totals.records += picker.records
-    totals.steps += picker.steps
-    totals.duplicates += picker.duplicates
-    totals.partial += picker.partial
-    totals.recorded += picker.recorded
 
 
 # --------------------------------------------------------------------------------------- the chunks
@@ -242,7 +219,7 @@ def _decode_and_pick(path: str, start: int, end: int, lead, layer_names: tuple |
             data = handle.read(end - start)
     except OSError as exc:
         return Chunk(_columns(picked), picker, problems, 0, last_step, f"{type(exc).__name__}: {exc}")
-    for block in source.lines_of(data):
+    for block in source.line_blocks(io.BytesIO(data)):
         records = source.decode_block(block, lines + 1, path, problems, fast)
         entries, _, last_step = source.entries_of(records, None, 0, 0, last_step)
         picked.extend(picker.take(entries))

@@ -144,8 +144,8 @@ def _replay_entries(stream: Iterable, decider: _Decider, observer: Observer | No
     return picker
 
 
-def _replay_columns(stream, decider: _Decider) -> columns.Totals:
-    totals = columns.Totals()
+def _replay_columns(stream, decider: _Decider) -> Picker:
+    totals = Picker()
     for chunk in columns.read(stream, totals):
         decider.decide_columns(chunk)
     return totals

@@ -92,6 +92,19 @@ class Picker:
         self.last: float | None = None
         self.recorded: list[Action] = []
 
+    def absorb(self, other: "Picker") -> None:
+        """Add the counts, times and recorded decisions of a picker that followed the next stretch of the
+        same file (a chunk read by a worker process: columns.py)."""
+        if other.first is not None:
+            if self.first is None:
+                self.first = self.last = other.first
+            self.last = max(self.last, other.last)
+        self.records += other.records
+        self.steps += other.steps
+        self.duplicates += other.duplicates
+        self.partial += other.partial
+        self.recorded += other.recorded
+
     def take(self, entries: list[tuple]) -> Picked:
         """The training steps among `entries` (timestamp, file index, ordinal, typed record, dict), in order.
 

@@ -162,7 +162,7 @@ def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 # ------------------------------------------------------------------------------------- one file
 
-def _blocks(handle) -> Iterator[bytes]:
+def line_blocks(handle) -> Iterator[bytes]:
     """Whole lines, about BLOCK_BYTES at a time; the last block may end without a newline."""
     rest = b""
     while True:
@@ -236,7 +236,7 @@ def _typed_chunks(path: Path, problems: Problems) -> Iterator[tuple[list[Record]
     lineno = 1
     with tls.open_log(path) as handle:
         try:
-            for block in _blocks(handle):
+            for block in line_blocks(handle):
                 yield decode_block(block, lineno, source, problems), None
                 lineno += block.count(b"\n")
         except _UNREADABLE as exc:
@@ -303,24 +303,13 @@ def head(path: str | os.PathLike) -> tuple[int | None, tuple[str, ...] | None]:
     """A plain file's lead rank (its first record's: `Stream.lead_rank` of that file alone) and the layer
     groups of the first training record with any in the same block (None: no such record)."""
     with open(path, "rb") as handle:
-        for block in _blocks(handle):
+        for block in line_blocks(handle):
             records = decode_block(block, 1, str(path), Problems())
             if records:
                 layers = next((tuple(r.metrics.grad_norm_by_layer) for r in records
                                if r.metrics is not None and r.metrics.grad_norm_by_layer), None)
                 return records[0].rank, layers
     return None, None
-
-
-def lines_of(data: bytes) -> Iterator[bytes]:
-    """In-memory bytes as blocks of whole lines of about BLOCK_BYTES (the last may lack its newline)."""
-    start, size = 0, len(data)
-    while start < size:
-        cut = data.rfind(b"\n", start, start + BLOCK_BYTES) + 1 if start + BLOCK_BYTES < size else size
-        if cut <= start:                       # one line longer than a block
-            cut = data.find(b"\n", start) + 1 or size
-        yield data[start:cut]
-        start = cut
 
 
 # ---------------------------------------------------------------------------------------- stream

@@ -139,6 +139,10 @@ class _Timeline:
 
     def feed(self, record: dict) -> None:
         ts = float(record["timestamp"])
+        event = record.get("event")
+        if isinstance(event, dict) and event.get("type") in ("alert", "action"):
+            self._note_decision(event, ts)   # a decision (often the agent's): it says when, it is not the run's time
+            return
         if self.cursor is None:
             self.cursor = ts
         event = record.get("event")
@@ -166,8 +170,6 @@ class _Timeline:
                 self.pending_skips.add(step)
         elif kind in TIMED_EVENTS:
             self._timed(TIMED_EVENTS[kind], event, ts)
-        elif kind in ("action", "alert"):
-            self._note_decision(event, ts)
 
     def _note_decision(self, event: dict, ts: float) -> None:
         """The agent's restore decision: its `action` event (issued_at), or its verdict to act on an alert."""

@@ -124,12 +124,25 @@ class PreflightPolicy:
 
 
 @dataclass(frozen=True)
+class RestorePolicy:
+    """What a restore may do beyond ending the ranks (docs/runbooks.md#trainingstraggler)."""
+
+    # A rank that TrainingStraggler names for long (a fail-slow node) may be evicted like a hang's culprit:
+    # "off" (the default) only alerts; "on" lets the incident machinery cordon its node.
+    evict_stragglers: str = "off"
+
+
+EVICT_STRAGGLERS_CHOICES = ("off", "on")
+
+
+@dataclass(frozen=True)
 class Policy:
     cost: CostPolicy = field(default_factory=CostPolicy)
     guard: GuardPolicy = field(default_factory=GuardPolicy)
     alerts: AlertPolicy = field(default_factory=AlertPolicy)
     diagnose: DiagnosePolicy = field(default_factory=DiagnosePolicy)
     preflight: PreflightPolicy = field(default_factory=PreflightPolicy)
+    restore: RestorePolicy = field(default_factory=RestorePolicy)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -172,6 +185,9 @@ def load(path: str | Path | None = None) -> Policy:
     tiers = policy.cost.tiers
     if not tiers.warn <= tiers.throttle <= tiers.stop:
         raise PolicyError(f"{source}: cost.tiers: expected warn <= throttle <= stop, got {tiers}")
+    if policy.restore.evict_stragglers not in EVICT_STRAGGLERS_CHOICES:
+        raise PolicyError(f"{source}: restore.evict_stragglers: expected one of "
+                          f"{', '.join(EVICT_STRAGGLERS_CHOICES)}, got {policy.restore.evict_stragglers!r}")
     return policy
 
 

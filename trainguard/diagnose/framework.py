@@ -122,6 +122,11 @@ def straggler_windows(run: RunData, policy: Policy) -> Finding:
     evidence = {"lowest_score": {str(r): rounded(s.relative, 3) for r, s in sorted(worst.items())},
                 "threshold": score_min, "window_steps": board.window_steps}
     lasting = {rank: steps for rank, steps in low.items() if len(steps) >= board.window_steps}
+    whole_run = set(stragglers(run, policy).evidence.get("stragglers", ()))
+    if lasting and set(lasting) <= whole_run:    # slow all along: the stragglers check says it already
+        return ok(LAYER, check, f"rank(s) {', '.join(map(str, sorted(lasting)))} straggled over the whole run "
+                                "(see stragglers), no other rank for a stretch", **evidence)
+    lasting = {rank: steps for rank, steps in lasting.items() if rank not in whole_run}
     if not lasting:
         return ok(LAYER, check, f"no rank scored under {score_min} for {board.window_steps}+ steps", **evidence)
     rank = min(lasting, key=lambda r: worst[r].relative)

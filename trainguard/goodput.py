@@ -173,15 +173,18 @@ class _Timeline:
 
     def _note_decision(self, event: dict, ts: float) -> None:
         """The agent's restore decision: its `action` event (issued_at), or its verdict to act on an alert."""
-        if event.get("action") != "restore" or self.decision is not None:
-            return
-        if event.get("type") == "alert" and event.get("outcome") != "act":
+        if event.get("action") != "restore" or event.get("type") == "alert" and event.get("outcome") != "act":
             return
         when = event.get("issued_at", event.get("decided_at"))
         when = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else ts
-        if self.cursor is None or when >= self.cursor:
-            self.decision = (when, str(event.get("id") or event.get("request_id") or event.get("alertname")
-                                       or "restore"))
+        if self.cursor is not None and when < self.cursor:
+            return
+        # The action's id names the decision best; the alert verdict (written a moment before) gives its time.
+        name = event.get("id") or event.get("request_id") if event.get("type") == "action" else None
+        if self.decision is None:
+            self.decision = (when, str(name or event.get("request_id") or event.get("alertname") or "restore"))
+        elif name:
+            self.decision = (min(when, self.decision[0]), str(name))
 
     def _timed(self, charge: tuple[str, str], event: dict, ts: float) -> None:
         cause, name = charge

@@ -182,3 +182,50 @@ def test_any_sequence_of_records_adds_up(items):
     result = compute(run.records)
     assert_adds_up(result)
     assert result.total_seconds == pytest.approx(t - items[0][0] if items else 0)
+
+
+def _hung_run(decided: bool) -> Run:
+    """Steps 1..10 at t=1..10, hung after step 10; the agent decides to restore at 25; the ranks restart
+    and resume from step 8 (restored) with their first step starting at 40."""
+    from trainguard.goodput import Incident  # noqa: F401  (imported by the tests below)
+
+    run = Run().event(0, "run_start").steps(1, 1, 10)
+    run.event(10.5, "fault_injected", kind="hang")
+    if decided:   # the agent's records, as node-<host>-actions.jsonl holds them
+        run.event(25.0, "alert", alertname="TrainingStalled", outcome="act", action="restore", decided_at=25.0)
+        run.event(25.0, "action", action="restore", id="restore-1", issued_at=25.0)
+    run.event(38, "checkpoint_restored", step=8).event(39, "run_start", resumed_from=8)
+    run.step(41, 9, step_time=1).steps(42, 10, 12)
+    return run
+
+
+def test_a_hang_is_stall_until_the_restore_decision_then_restart_recovery():
+    from trainguard.goodput import Incident
+
+    incidents = [Incident("far-away", 500.0), Incident("hang-1", 24.0)]
+    result = compute(_hung_run(decided=True).records, incidents=incidents)
+    [hang] = result.hangs
+    assert (hang.last_progress, hang.decided_at, hang.resumed_at) == (10, 25, 40)
+    assert hang.stall_seconds == pytest.approx(15) and hang.restart_recovery_seconds == pytest.approx(15)
+    assert hang.decided_by == "restore-1" and hang.incident == "hang-1"
+    assert result.badput_seconds["stall"] == pytest.approx(15)
+    assert result.badput_seconds["restart_recovery"] == pytest.approx(15 + 2)     # and steps 9, 10 redone
+    assert result.total_seconds == 44 and result.restarts == 1
+    assert_adds_up(result)
+
+
+def test_without_a_decision_the_stall_ends_at_the_dead_process_last_record():
+    result = compute(_hung_run(decided=False).records)
+    [hang] = result.hangs
+    assert hang.decided_at is None and hang.decided_by is None and hang.incident is None
+    assert hang.stall_seconds == pytest.approx(0.5)          # to the fault_injected record
+    assert hang.restart_recovery_seconds == pytest.approx(40 - 10.5)
+    assert_adds_up(result)
+
+
+def test_a_decision_not_followed_by_a_restart_changes_nothing():
+    run = Run().event(0, "run_start").steps(1, 1, 5)
+    run.event(5.5, "action", action="restore", id="restore-1", issued_at=5.5)   # the restart never came
+    run.steps(6, 6, 8)
+    result = compute(run.records)
+    assert result.hangs == () and result.restarts == 0 and result.total_seconds == 8

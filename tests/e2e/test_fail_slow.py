@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +17,7 @@ import urllib.request
 import pytest
 import yaml
 
+from tests.report.agent_beside import start_agent, stop
 from tests.servers import require_binary
 from trainguard import tls
 from trainguard.alerts import rules
@@ -26,12 +25,6 @@ from trainguard.alerts import rules
 TRAINGUARD = [sys.executable, "-m", "trainguard.cli"]
 SCORE = re.compile(r'^trainguard_rank_straggler_score\{(?P<labels>[^}]*)\} (?P<value>\S+)$', re.M)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _scrape(port: int) -> list[dict]:
@@ -50,10 +43,7 @@ def slow_run(tmp_path_factory):
     (run_dir / "agent").mkdir(parents=True)
     config = run_dir / "agent" / "agent.yaml"
     config.write_text(yaml.safe_dump({"collectors": {"training": {"interval": 1}}}))
-    port = _free_port()
-    with open(run_dir / "agent.log", "wb") as log:
-        agent = subprocess.Popen(TRAINGUARD + ["agent", "--run-dir", str(run_dir), "--listen", f"127.0.0.1:{port}",
-                                               "--config", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    agent, port = start_agent(run_dir, config)
     scraped: list[list[dict]] = []
     try:
         with open(run_dir / "train.log", "wb") as log:
@@ -66,12 +56,7 @@ def slow_run(tmp_path_factory):
             time.sleep(1.0)
         assert trainer.wait(30) == 0, (run_dir / "train.log").read_text()[-3000:]
     finally:
-        agent.send_signal(signal.SIGTERM)
-        try:
-            agent.wait(15)
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            agent.wait()
+        stop(agent)
     return run_dir, scraped
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,18 +17,13 @@ import time
 import pytest
 import yaml
 
+from tests.report.agent_beside import start_agent, stop
 from tests.report.browser import chromium
 from trainguard import tls
 
 TRAINGUARD = [sys.executable, "-m", "trainguard.cli"]
 STALL_SECONDS = 5.0
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +35,8 @@ def hung_run(tmp_path_factory):
     config = run_dir / "agent" / "agent.yaml"
     config.write_text(yaml.safe_dump({"nodelog": {"interval": 1},
                                       "collectors": {"training": {"interval": 1}, "host": {"interval": 1}}}))
-    port = _free_port()
-    with open(run_dir / "agent.log", "wb") as log:
-        agent = subprocess.Popen(TRAINGUARD + ["agent", "--run-dir", str(run_dir), "--listen", f"127.0.0.1:{port}",
-                                               "--config", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    agent, _ = start_agent(run_dir, config)
     try:
-        _wait_for_health(port, agent)
         faults = ["--inject=nan@15", "--inject=nan@16", "--inject=nan@17", "--inject=hang@40"]
         done = subprocess.run(TRAINGUARD + ["train", "--run-dir", str(run_dir), "--policy", str(policy), "--steps",
                                             "60", "--nproc", "2", "--max-restarts", "3", "--checkpoint-every", "10",
@@ -55,26 +44,8 @@ def hung_run(tmp_path_factory):
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         time.sleep(1.5)                        # one more node record after the end
     finally:
-        agent.send_signal(signal.SIGTERM)
-        try:
-            agent.wait(15)
-        except subprocess.TimeoutExpired:
-            agent.kill()
-            agent.wait()
+        stop(agent)
     return run_dir
-
-
-def _wait_for_health(port: int, agent: subprocess.Popen) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and agent.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError("the agent did not start")
 
 
 def _events(path, kind):

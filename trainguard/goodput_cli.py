@@ -64,16 +64,15 @@ def agent_decisions(run_dir: Path, malformed: list[str]) -> list[dict]:
 
 
 def read_incidents(run_dir: Path, malformed: list[str]) -> list[Incident]:
-    """RUN/incidents/<id>/incident.json: the id and detection time of each (the rest is the culprit's)."""
+    """The id and detection time of each verdict in RUN/incidents (read, strictly, by trainguard.incidents)."""
+    from trainguard import incidents
+
     found = []
-    for path in sorted((run_dir / "incidents").glob("*/incident.json")):
-        try:
-            data = json.loads(path.read_text())
-            detected = data["detected_at"]
-            when = float(detected) if isinstance(detected, (int, float)) else tls.parse_timestamp(detected)
-            found.append(Incident(str(data.get("id") or path.parent.name), when))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            malformed.append(f"{path}: detected_at: not readable ({type(exc).__name__}: {exc})")
+    for incident_id, verdict, problem in incidents.scan(run_dir):
+        if problem is not None:
+            malformed.append(problem)
+        elif verdict is not None:
+            found.append(Incident(verdict["id"], float(verdict["detected_at"])))
     return found
 
 

@@ -156,11 +156,9 @@ def test_goodput_names_the_incident_a_hang_belongs_to(hung_run, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(hung_run / "tls", copy / "tls")
     _, decided, _ = _recorded_times(hung_run)
-    incident = copy / "incidents" / "hang-1" / "incident.json"
-    incident.parent.mkdir(parents=True)
-    incident.write_text(json.dumps({"id": "hang-1", "kind": "hang", "detected_at": tls.format_timestamp(decided),
-                                    "detected_by": "embedded", "culprit": None, "confidence": 0.0, "reasons": [],
-                                    "action": "restore"}))
+    from trainguard import incidents
+
+    incidents.write_incident(copy, incidents.Incident("hang-1", "hang", decided, "embedded", action="restore"))
     done = subprocess.run(TRAINGUARD + ["goodput", str(copy)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert re.search(r"hang 1 at .*: stall [\d.]+s, restart_recovery [\d.]+s; restore decided .*incident hang-1",

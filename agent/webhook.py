@@ -242,7 +242,10 @@ class Webhook:
         except ValueError as exc:
             self.log.warning("webhook body not JSON", status=400, error=str(exc))
             return _json(400, {"error": f"body: not valid JSON: {exc}"})
-        verdicts = self.executor.submit(notices)
+        try:
+            verdicts = self.executor.submit(notices)
+        except OSError as exc:     # executor.ActionNotDone: nothing acted, the ledger as it was; retry
+            return _json(500, {"error": f"not done, retry: {exc}"})
         return _json(200, {"status": "ok", "verdicts": [
             {"alertname": v.notice.alertname, "status": v.notice.status, "outcome": v.outcome,
              "action": v.action, "dry_run": v.dry_run} for v in verdicts]})

@@ -65,8 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--nproc", type=int, default=1, metavar="K",
                         help="local ranks, launched through torch's elastic launcher (gloo on CPU, nccl on GPU)")
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="R",
-                        help="restarts of failed or killed workers by the elastic launcher (default 0)")
+    parser.add_argument("--max-restarts", type=int, default=None, metavar="R",
+                        help="restarts of failed or killed workers by the elastic launcher (default with --nproc "
+                             "over 1: the policy's alerts.max_restores_per_hour, room for the agent's restores; "
+                             "else 0)")
 
 
 def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
@@ -128,6 +130,17 @@ def write_resolved(config: cfg.TrainConfig, run_dir: Path) -> Path:
     return path
 
 
+def default_max_restarts(config: cfg.TrainConfig, nproc: int) -> int:
+    """Ranks under the launcher must survive the agent's restores: as many restarts as the ledger allows
+    restores in an hour (``alerts.max_restores_per_hour``; past it the agent pages a human instead). One
+    rank without the flag runs in this process, with no launcher to restart it."""
+    if nproc <= 1:
+        return 0
+    from trainguard import policy
+
+    return policy.load(config.run.policy or None).alerts.max_restores_per_hour
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
@@ -139,10 +152,11 @@ def run(args: argparse.Namespace) -> int:
     if not config.run.run_id:
         config.run.run_id = run_dir.name
     resolved = write_resolved(config, run_dir)
-    if args.nproc > 1 or args.max_restarts > 0:
+    max_restarts = default_max_restarts(config, args.nproc) if args.max_restarts is None else args.max_restarts
+    if args.nproc > 1 or max_restarts > 0:
         from trainguard.trainer.launch import launch
 
-        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=args.max_restarts)
+        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=max_restarts)
     from trainguard.trainer.train import run_worker
 
     return run_worker(config, run_dir)

@@ -146,3 +146,11 @@ def test_an_empty_listen_host_is_refused_rather_than_binding_every_interface():
 
     with pytest.raises(ConfigError, match="127.0.0.1:9400 for this node only"):
         parse_listen(":9400", "--listen")
+
+
+def test_a_config_that_is_not_utf8_is_a_named_error_with_exit_2(tmp_path):
+    path = tmp_path / "agent.yaml"
+    path.write_bytes(b"interval: 5  # \xff\n")
+    result = subprocess.run(agent_command("--config", str(path)), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"{path}: not UTF-8" in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr

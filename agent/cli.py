@@ -95,7 +95,8 @@ def serve(config: agent_config.AgentConfig, stop: threading.Event | None = None)
     host, port = config.listen_address
     try:
         server = AgentServer(agent, host, port, max_body_bytes=config.http.max_body_bytes,
-                             max_connections=config.http.max_connections)
+                             max_connections=config.http.max_connections,
+                             request_timeout=config.http.request_timeout)
     except OSError as exc:
         log.error(f"cannot listen on {config.listen}: {exc.strerror or exc}")
         return 1

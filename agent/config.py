@@ -8,7 +8,7 @@
     devfs: /dev
     policy: /etc/trainguard/policy.yaml   # cost policy (trainguard/policy.py); default: built-in
     interval: 5                  # default sampling interval of every collector
-    http: {max_body_bytes: 1MiB, max_connections: 16}
+    http: {max_body_bytes: 1MiB, max_connections: 16, request_timeout: 10}
     nodelog: {enabled: true, interval: 10, max_bytes: 64MiB, keep: 5}
     collectors:
       gpu: {enabled: true, interval: 1, timeout: 5}   # other keys: the collector's own options
@@ -57,6 +57,7 @@ class NodeLogConfig:
 class HTTPConfig:
     max_body_bytes: int = 2**20
     max_connections: int = 16
+    request_timeout: float = 10.0      # a request must arrive whole within this many seconds of its first byte
 
 
 @dataclass(frozen=True)
@@ -185,13 +186,14 @@ def _nodelog(values: Mapping) -> NodeLogConfig:
 
 
 def _http(values: Mapping) -> HTTPConfig:
-    _check_keys(values, ("max_body_bytes", "max_connections"), "http")
+    _check_keys(values, ("max_body_bytes", "max_connections", "request_timeout"), "http")
     base = HTTPConfig()
     connections = values.get("max_connections", base.max_connections)
     if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
         raise ConfigError(f"http.max_connections: expected an integer >= 1, got {connections!r}")
     return HTTPConfig(max_body_bytes=_size(values.get("max_body_bytes", base.max_body_bytes), "http.max_body_bytes"),
-                      max_connections=connections)
+                      max_connections=connections,
+                      request_timeout=_number(values.get("request_timeout", base.request_timeout), "http.request_timeout"))
 
 
 def _path(value: Any, where: str) -> Path:

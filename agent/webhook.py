@@ -178,6 +178,11 @@ def load_token(path: str | os.PathLike, create: bool = False) -> bytes:
         else:
             with os.fdopen(fd, "w") as handle:
                 handle.write(secrets.token_urlsafe(32) + "\n")
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        # Whoever reads the token can stop or restore the run, as whoever reads the checkpoint key can sign one.
+        raise ValueError(f"{path}: the webhook token file is readable by others (mode {mode:04o}); "
+                         f"make it private: chmod 600 {path}")
     token = path.read_bytes().strip()
     if not token:
         raise ValueError(f"{path}: the webhook token file is empty")

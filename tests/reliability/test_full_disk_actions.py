@@ -66,7 +66,7 @@ def test_a_full_disk_answers_500_and_the_retry_after_space_is_freed_acts_once(sm
     config = tmp_path / "agent.yaml"
     config.write_text("nodelog: {enabled: false}\n")
     agent = subprocess.Popen([sys.executable, "-m", "trainguard.cli", "agent", "--run-dir", str(run), "--listen",
-                              f"127.0.0.1:{port}", "--config", str(config)], stdout=log, stderr=log)
+                              f"127.0.0.1:{port}", "--config", str(config), "--create"], stdout=log, stderr=log)
     try:
         token_file = run / "agent" / "webhook.token"
         deadline = time.time() + 30

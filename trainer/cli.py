@@ -125,9 +125,36 @@ def write_resolved(config: cfg.TrainConfig, run_dir: Path) -> Path:
     text = config.dump()
     if not path.exists() or path.read_text() != text:
         tmp = path.with_name(f".config.yaml.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)     # a full disk leaves no half-written file behind
+            raise
     return path
+
+
+def _check_key(config: cfg.TrainConfig) -> str | None:
+    """The checkpoint key must be usable before any rank starts (a loose or short key: a message, not a
+    traceback from every rank)."""
+    from trainguard.trainer.checkpoint import keys
+    from trainguard.trainer.checkpoint.manifest import CheckpointError
+
+    try:
+        keys.load_key(keys.resolve_key_path(config.run.key_file or None), create=True)
+    except (CheckpointError, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def _prepare_run_dir(run_dir: Path) -> str | None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--run-dir {run_dir}: cannot create it: {exc.strerror or exc}"
+    if not os.access(run_dir, os.W_OK):
+        return f"--run-dir {run_dir}: not writable"
+    return None
 
 
 def default_max_restarts(config: cfg.TrainConfig, nproc: int) -> int:
@@ -148,10 +175,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainguard train: {exc}", file=sys.stderr)
         return 2
     run_dir = args.run_dir.resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    problem = _check_key(config) or _prepare_run_dir(run_dir)
+    if problem:
+        print(f"trainguard train: {problem}", file=sys.stderr)
+        return 2
     if not config.run.run_id:
         config.run.run_id = run_dir.name
-    resolved = write_resolved(config, run_dir)
+    try:
+        resolved = write_resolved(config, run_dir)
+    except OSError as exc:
+        print(f"trainguard train: {run_dir / 'config.yaml'}: cannot write: {exc.strerror or exc} "
+              f"({len(config.dump().encode())} bytes needed)", file=sys.stderr)
+        return 2
     max_restarts = default_max_restarts(config, args.nproc) if args.max_restarts is None else args.max_restarts
     if args.nproc > 1 or max_restarts > 0:
         from trainguard.trainer.launch import launch

@@ -227,3 +227,15 @@ def test_a_line_many_blocks_long_comes_whole_in_one_block(tmp_path):
     blocks = list(source.line_blocks(io.BytesIO(data)))
     assert b"".join(blocks) == data and all(block.endswith(b"\n") for block in blocks)
     assert any(long_line in block for block in blocks)
+
+
+def test_a_device_or_fifo_is_named_as_such_not_as_missing(tmp_path):
+    import os
+
+    fifo = tmp_path / "pipe.jsonl"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo)):
+        with pytest.raises(source.InputError, match="not a regular file"):
+            source.expand([path])
+    with pytest.raises(source.InputError, match="no such file or directory"):
+        source.expand([tmp_path / "absent.jsonl"])

@@ -155,6 +155,8 @@ def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
             files.extend(found)
         elif path.is_file():
             files.append(path)
+        elif path.exists():
+            raise InputError(f"{path}: not a regular file (a device, FIFO or socket): replay reads log files")
         else:
             raise InputError(f"{path}: no such file or directory")
     return files

@@ -25,8 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
+from trainguard.policy import read_yaml
 from trainguard.tls import TLSError, parse_quantity
 
 DEFAULT_LISTEN = "127.0.0.1:9400"
@@ -237,17 +236,9 @@ def load(path: str | Path | None, known_collectors: set[str] | None = None) -> A
         return AgentConfig()
     source = str(path)
     try:
-        data = yaml.safe_load(Path(path).read_bytes().decode("utf-8")) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: no such config file") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{source}: is a directory, not a config file") from None
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot read: {exc.strerror or exc}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{source}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+        data = read_yaml(path, "config file") or {}
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         return from_mapping(data, known_collectors)
     except ConfigError as exc:

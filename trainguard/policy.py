@@ -342,22 +342,31 @@ def load(path: str | Path | None = None) -> Policy:
     """The defaults, overridden by the YAML file at `path` when given."""
     if path is None:
         return Policy()
+    try:
+        data = read_yaml(path, "policy file")
+    except ValueError as exc:
+        raise PolicyError(str(exc)) from None
+    return from_mapping(data, str(path))
+
+
+def read_yaml(path: str | Path, what: str) -> Any:
+    """A YAML file decoded, or ValueError naming the file and what is wrong (missing, unreadable, not
+    UTF-8, not YAML, nested too deeply): the policy and the agent config read their files through this."""
     source = str(path)
     try:
-        data = yaml.safe_load(Path(path).read_bytes().decode("utf-8"))
+        return yaml.safe_load(Path(path).read_bytes().decode("utf-8"))
     except FileNotFoundError:
-        raise PolicyError(f"{source}: no such policy file") from None
+        raise ValueError(f"{source}: no such {what}") from None
     except IsADirectoryError:
-        raise PolicyError(f"{source}: is a directory, not a policy file") from None
+        raise ValueError(f"{source}: is a directory, not a {what}") from None
     except OSError as exc:
-        raise PolicyError(f"{source}: cannot read: {exc.strerror or exc}") from None
+        raise ValueError(f"{source}: cannot read: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise PolicyError(f"{source}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+        raise ValueError(f"{source}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
-        raise PolicyError(f"{source}: not valid YAML: {exc}") from None
+        raise ValueError(f"{source}: not valid YAML: {exc}") from None
     except RecursionError:
-        raise PolicyError(f"{source}: nested too deeply") from None
-    return from_mapping(data, source)
+        raise ValueError(f"{source}: nested too deeply") from None
 
 
 def dump(policy: Policy) -> str:

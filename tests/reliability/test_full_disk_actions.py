@@ -18,35 +18,15 @@ import urllib.request
 import pytest
 
 from tests.alerts.helpers import alert, payload, read_jsonl
-from tests.servers import free_port, mount_or_skip
+from tests.servers import fill_disk, free_port, tmpfs
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
 def small_disk(tmp_path):
-    target = tmp_path / "disk"
-    target.mkdir()
-    mount_or_skip(["-t", "tmpfs", "-o", "size=20m", "tmpfs"], target)
-    yield target
-    subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)
-
-
-def fill(directory) -> None:
-    """Write until the disk says ENOSPC."""
-    chunk = b"\0" * 2**20
-    with open(directory / "filler", "wb", buffering=0) as handle:
-        try:
-            while True:
-                handle.write(chunk)
-        except OSError:
-            pass
-    with open(directory / "filler-small", "wb", buffering=0) as handle:
-        try:
-            while True:
-                handle.write(b"\0" * 512)
-        except OSError:
-            pass
+    with tmpfs(tmp_path / "disk", "20m") as disk:
+        yield disk
 
 
 def post(port: int, token: str, body: dict) -> tuple[int, dict]:
@@ -76,7 +56,7 @@ def test_a_full_disk_answers_500_and_the_retry_after_space_is_freed_acts_once(sm
         time.sleep(1.0)
         token = token_file.read_text().strip()
         warn = payload(alert("CostBudgetWarn", "cost_warn", fingerprint="aa00"))
-        fill(small_disk)
+        fill_disk(small_disk)
         status, answer = post(port, token, warn)
         assert status == 500 and "retry" in answer["error"] and "bytes needed" in answer["error"]
         assert not (run / "control" / "actions.jsonl").exists() or not (run / "control" / "actions.jsonl").read_text()

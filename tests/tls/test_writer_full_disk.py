@@ -4,32 +4,17 @@ file and the bytes needed; a torn last line is ended on open so the next record 
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
-from tests.servers import mount_or_skip
+from tests.servers import fill_disk, tmpfs
 from trainguard import tls
 from trainguard.trainer.telemetry import StepTelemetry
 
 
 @pytest.fixture
 def small_disk(tmp_path):
-    target = tmp_path / "disk"
-    target.mkdir()
-    mount_or_skip(["-t", "tmpfs", "-o", "size=1m", "tmpfs"], target)
-    yield target
-    subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)
-
-
-def fill(directory) -> None:
-    with open(directory / "filler", "wb", buffering=0) as handle:
-        for size in (2**16, 512, 1):
-            try:
-                while True:
-                    handle.write(b"\0" * size)
-            except OSError:
-                pass
+    with tmpfs(tmp_path / "disk", "1m") as disk:
+        yield disk
 
 
 def timings():
@@ -41,7 +26,7 @@ def test_a_full_disk_drops_and_counts_records_reports_once_and_training_goes_on(
     telemetry = StepTelemetry(small_disk / "run")
     telemetry.writer.on_drop = reports.append
     telemetry.step(1, loss=2.0, timings=timings(), tokens=10, samples=1)
-    fill(small_disk)          # the file's last page still takes a few records; then every write fails
+    fill_disk(small_disk)        # the file's last page still takes a few records; then every write fails
     for step in range(2, 60):
         telemetry.step(step, loss=2.0, timings=timings(), tokens=10, samples=1)     # never raises
     telemetry.event("checkpoint_restored", step=59)

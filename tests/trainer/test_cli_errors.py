@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.servers import mount_or_skip
+from tests.servers import fill_disk, tmpfs
 
 
 def train(*args, env=None):
@@ -34,21 +34,10 @@ def test_a_run_dir_that_cannot_be_made_is_a_message_with_exit_2():
 
 
 def test_a_full_disk_when_writing_config_yaml_is_a_message_with_exit_2(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mount_or_skip(["-t", "tmpfs", "-o", "size=64k", "tmpfs"], disk)
-    try:
+    with tmpfs(tmp_path / "disk", "64k") as disk:
         (disk / "run").mkdir()
-        with open(disk / "filler", "wb", buffering=0) as handle:
-            for size in (4096, 1):
-                try:
-                    while True:
-                        handle.write(b"\0" * size)
-                except OSError:
-                    pass
+        fill_disk(disk)
         result = train("--run-dir", str(disk / "run"))
         assert result.returncode == 2 and "config.yaml: cannot write: No space left on device" in result.stderr
         assert "bytes needed" in result.stderr and "Traceback" not in result.stderr
         assert list((disk / "run").iterdir()) == []             # no half-written file left
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30)

@@ -247,18 +247,21 @@ def _typed_chunks(path: Path, problems: Problems) -> Iterator[tuple[list[Record]
 
 
 def _rest_line_by_line(path: Path, first: int, problems: Problems) -> Iterator[tuple[list[Record], None]]:
-    records: list[Record] = []
-    for line in tls.iter_lines(path):
+    yield [record for record, _ in _typed_lines(path, problems, first)], None
+
+
+def _typed_lines(path: Path, problems: Problems, first: int = 1) -> Iterator[tuple[Record, dict]]:
+    """Each line from `first` on through the lenient reader: (typed record, whole dict); refusals counted."""
+    for line in tls.iter_lines(path):       # a corrupt or cut-off .gz/.zst ends in one error Line
         if line.lineno < first:
             continue
         if line.error is not None:
             _refused(line, problems)
             continue
         try:
-            records.append(_to_typed(line.record))
+            yield _to_typed(line.record), line.record
         except msgspec.ValidationError as exc:
             problems.add(line.source, line.lineno, str(exc))
-    yield records, None
 
 
 FULL_CHUNK = 256
@@ -269,16 +272,9 @@ def _full_chunks(path: Path, problems: Problems) -> Iterator[tuple[list[Record],
     """Every line through the lenient reader; the typed record and the whole dict side by side."""
     records: list[Record] = []
     raws: list[dict] = []
-    for line in tls.iter_lines(path):       # a corrupt or cut-off .gz/.zst ends in one error Line
-        if line.error is not None:
-            _refused(line, problems)
-            continue
-        try:
-            records.append(_to_typed(line.record))
-        except msgspec.ValidationError as exc:
-            problems.add(line.source, line.lineno, str(exc))
-            continue
-        raws.append(line.record)
+    for record, raw in _typed_lines(path, problems):
+        records.append(record)
+        raws.append(raw)
         if len(records) == FULL_CHUNK:
             yield records, raws
             records, raws = [], []

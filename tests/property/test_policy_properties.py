@@ -81,17 +81,22 @@ def run_everything(policy: policy_mod.Policy) -> None:
         assert text.count("Inf") == DEFAULT_RULES[name].count("Inf"), name    # no threshold became infinite
 
 
-@settings(max_examples=examples(150))
-@given(st.dictionaries(st.sampled_from(KEYS), VALUES, min_size=1, max_size=4))
-def test_any_value_at_any_key_is_a_named_error_or_a_policy_everything_accepts(tmp_path_factory, assignments):
-    path = tmp_path_factory.mktemp("p") / "policy.yaml"
-    path.write_text(yaml.safe_dump(nest(assignments)))
+def load_and_run(path) -> None:
+    """A named error (file first), or a policy the guard, the meter and the renderer all accept."""
     try:
         policy = policy_mod.load(path)
     except policy_mod.PolicyError as exc:
         assert str(exc).startswith(f"{path}: ")
         return
     run_everything(policy)
+
+
+@settings(max_examples=examples(150))
+@given(st.dictionaries(st.sampled_from(KEYS), VALUES, min_size=1, max_size=4))
+def test_any_value_at_any_key_is_a_named_error_or_a_policy_everything_accepts(tmp_path_factory, assignments):
+    path = tmp_path_factory.mktemp("p") / "policy.yaml"
+    path.write_text(yaml.safe_dump(nest(assignments)))
+    load_and_run(path)
 
 
 @settings(max_examples=examples(100))
@@ -99,12 +104,7 @@ def test_any_value_at_any_key_is_a_named_error_or_a_policy_everything_accepts(tm
 def test_any_bytes_are_a_named_error_or_a_policy(tmp_path_factory, data):
     path = tmp_path_factory.mktemp("p") / "policy.yaml"
     path.write_bytes(data)
-    try:
-        policy = policy_mod.load(path)
-    except policy_mod.PolicyError as exc:
-        assert str(exc).startswith(f"{path}: ")
-        return
-    run_everything(policy)
+    load_and_run(path)
 
 
 def test_every_numeric_and_duration_key_has_a_rule_row():

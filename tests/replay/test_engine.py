@@ -5,7 +5,7 @@ import random
 
 from trainguard import tls
 from trainguard.decide.cost import CostMeter
-from trainguard.decide.guard import Guard
+from trainguard.decide.guard import Guard, StepStats
 from trainguard.policy import CostPolicy, CostTiers, Policy
 from trainguard.replay import engine, source
 
@@ -46,7 +46,7 @@ def test_decisions_are_exactly_the_guards_own(tmp_path):
     outcome = replay(log)
 
     guard = Guard(Policy().guard)
-    expected = [d for s in range(1, 401) if (d := guard.check(s, losses[s], norms[s], None, T0 + s - 1))]
+    expected = [d for s in range(1, 401) if (d := guard.observe(StepStats(s, losses[s], norms[s], None, T0 + s - 1)))]
     assert [(a.action, a.step, a.reason, a.timestamp) for a in outcome.actions] == \
         [(d.action, d.step, d.reason, d.timestamp) for d in expected]
     assert {a.reason for a in outcome.actions} >= {"loss_spike", "nan", "grad_explosion"}

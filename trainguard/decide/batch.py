@@ -35,7 +35,7 @@ import numpy as np
 
 from trainguard.decide.cost import CostMeter, cost_per_1k_steps, gpu_cost
 from trainguard.decide.decision import Decision
-from trainguard.decide.guard import GradExplosion, Guard, LossSpike, NonFinite, Rule, StepStats
+from trainguard.decide.guard import GradExplosion, Guard, NonFinite, Rule, StepStats, WindowRule
 
 MIN_SCREENED = 32     # steps decided one by one after a screen stops (doubled while events come thick)
 SCREEN_LEAST = 4 * MIN_SCREENED    # steps a screen must cover to cost less than the loop over them
@@ -140,13 +140,18 @@ class Screen(Protocol):
 def guard_block(guard: Guard, block: Block) -> Found:
     """`Guard.observe` over every step of the block, in order: the same decisions, the same state."""
     rows = Rows(block)
-    screens = [GUARD_SCREENS.get(type(rule)) for rule in guard.rules]
+    screens = [screen_of(rule) for rule in guard.rules]
     if block.layers is not None or not all(
             screen is not None and screen.covers(rule, rows) for screen, rule in zip(screens, guard.rules)):
         return observe(guard, rows, 0, len(block))       # a rule without a screen: step by step, correct
     fitted = list(zip(guard.rules, screens))
     return decide_screened(len(block), lambda start, end: _advance(guard, fitted, rows, start, end),
                            lambda start, end: observe(guard, rows, start, end))
+
+
+def screen_of(rule: Rule) -> Screen | None:
+    """The screen for a rule: its class's, or the nearest base class's that has one."""
+    return next((GUARD_SCREENS[kind] for kind in type(rule).__mro__ if kind in GUARD_SCREENS), None)
 
 
 def observe(guard: Guard, rows: Rows, start: int, end: int) -> Found:
@@ -187,25 +192,48 @@ class NonFiniteScreen:
         return ~finite, lambda count: None
 
 
-class LossSpikeScreen:
-    """`RollingWindow.exceeds` over the stretch: the window's running sums as the loop keeps them."""
+class WindowScreen:
+    """`WindowRule.check` over the stretch: the window's running sums as the loop keeps them, each step's
+    least of its last `sustain` values, the test elementwise."""
 
-    def covers(self, rule: LossSpike, rows: Rows) -> bool:
+    def covers(self, rule: WindowRule, rows: Rows) -> bool:
         return (rule.window.values.maxlen or 0) >= 1 and rule.min_steps >= 1
 
-    def __call__(self, rule: LossSpike, rows: Rows, start: int, end: int) -> tuple[Array, Learn]:
-        losses, window = rows.losses[start:end], rule.window
-        values = window.values
-        totals, squares = window_sums(losses, values, window.total, window.total_sq)
-        held = np.minimum(np.arange(len(values), len(values) + len(losses)), values.maxlen)  # the window, at each
-        flagged = (held >= rule.min_steps) & spikes(losses, held, totals[:-1:2], squares[:-1:2], rule.sigma,
+    def __call__(self, rule: WindowRule, rows: Rows, start: int, end: int) -> tuple[Array, Learn]:
+        values, window, lag, count = getattr(rows, rule.column)[start:end], rule.window, rule.sustain - 1, end - start
+        held = window.values
+        # What enters the window, in order, were every step healthy: the values held back, then the block's;
+        # before step i, `pushed[i]` of them have entered (none while fewer than `sustain` are held back).
+        entering = np.concatenate((np.fromiter(rule.recent, np.float64, len(rule.recent)), values))
+        pushed = np.maximum(np.arange(len(rule.recent), len(rule.recent) + count) - lag, 0)
+        last = max(len(rule.recent) + count - lag, 0)
+        totals, squares = window_sums(entering[:last], held, window.total, window.total_sq)
+        size = np.minimum(len(held) + pushed, held.maxlen)
+        least = _trailing_min(entering, len(rule.recent), count, rule.sustain)
+        flagged = (size >= rule.min_steps) & spikes(least, size, totals[2 * pushed], squares[2 * pushed], rule.sigma,
                                                     rule.FLOOR_RATIO)
 
-        def learn(count: int) -> None:
-            values.extend(losses[max(0, count - (values.maxlen or 0)):count].tolist())
-            window.total, window.total_sq = float(totals[2 * count]), float(squares[2 * count])
+        def learn(healthy: int) -> None:
+            enter = int(max(len(rule.recent) + healthy - lag, 0))
+            held.extend(entering[max(0, enter - (held.maxlen or 0)):enter].tolist())
+            if enter:
+                window.total, window.total_sq = float(totals[2 * enter]), float(squares[2 * enter])
+            rule.recent = deque(entering[enter:len(rule.recent) + healthy].tolist())
 
         return flagged, learn
+
+
+def _trailing_min(values: Array, first: int, count: int, span: int) -> Array:
+    """For i in [0, count): the least of values[first + i - span + 1 : first + i + 1]; NaN where fewer
+    than `span` values lead up to it (so no test on it can hold)."""
+    least = values[first:first + count].copy()
+    with np.errstate(all="ignore"):
+        for back in range(1, span):
+            shifted = np.full(count, np.nan)
+            begin = max(back - first, 0)        # steps whose value `back` before exists
+            shifted[begin:] = values[first + begin - back:first + count - back]
+            least = np.minimum(least, shifted)  # NaN (nothing there) stays NaN
+    return least
 
 
 class GradExplosionScreen:
@@ -246,7 +274,7 @@ class GradExplosionScreen:
 
 GUARD_SCREENS: dict[type, Screen] = {
     NonFinite: NonFiniteScreen(),
-    LossSpike: LossSpikeScreen(),
+    WindowRule: WindowScreen(),
     GradExplosion: GradExplosionScreen(),
 }
 

@@ -146,32 +146,65 @@ class NonFinite:
         pass
 
 
-class LossSpike:
-    """A loss above mean + `sigma` standard deviations of the last `window` healthy losses, once
-    `min_steps` have been seen (as OLMo-core's stability monitor)."""
+class WindowRule:
+    """A value above mean + `sigma` standard deviations of the last `window` healthy values (the spread at
+    least `FLOOR_RATIO` of the mean), once `min_steps` have been seen; with `sustain` > 1, the last
+    `sustain` values all above it (their least is judged), and a value joins the window only once it is
+    that old, so a climb is measured against what came before it. A subclass names the value it reads.
+    The window learns healthy steps only, so one bad value does not raise the bar for the next."""
 
-    reason = "loss_spike"
-    FLOOR_RATIO = 1e-3      # the spread is at least this share of the mean
+    reason = ""
+    column = ""             # the block column batch.py screens this rule on
+    keys = ("", "")         # state_dict keys of the window's values and of its running sums
+    FLOOR_RATIO = 1e-3
 
-    def __init__(self, sigma: float, window: int, min_steps: int):
-        self.sigma, self.min_steps = sigma, min_steps
+    def __init__(self, sigma: float, window: int, min_steps: int, sustain: int = 1):
+        self.sigma, self.min_steps, self.sustain = sigma, min_steps, max(sustain, 1)
         self.window = RollingWindow(window)
+        self.recent: deque[float] = deque()     # the last sustain - 1 healthy values, not in the window yet
+
+    def value(self, stats: StepStats) -> float:
+        raise NotImplementedError
 
     def check(self, stats: StepStats) -> Detail | None:
-        window = self.window
-        if len(window) < max(self.min_steps, 1) or not window.exceeds(stats.loss, self.sigma, self.FLOOR_RATIO):
+        window, value = self.window, self.value(stats)
+        if len(window) < max(self.min_steps, 1) or len(self.recent) < self.sustain - 1:
             return None
-        return {"loss": stats.loss, "threshold": window.threshold(self.sigma, self.FLOOR_RATIO)}
+        least = min(value, *self.recent) if self.recent else value
+        if not window.exceeds(least, self.sigma, self.FLOOR_RATIO):
+            return None
+        return self.detail(value, window.threshold(self.sigma, self.FLOOR_RATIO))
+
+    def detail(self, value: float, threshold: float) -> Detail:
+        return {"value": value, "threshold": threshold}
 
     def learn(self, stats: StepStats) -> None:
-        self.window.push(stats.loss)
+        self.recent.append(self.value(stats))
+        if len(self.recent) >= self.sustain:
+            self.window.push(self.recent.popleft())
 
     def state_dict(self) -> dict[str, Any]:
         values, sums = self.window.state()
-        return {"losses": values, "loss_sums": sums}
+        state: dict[str, Any] = {self.keys[0]: values, self.keys[1]: sums}
+        if self.sustain > 1:
+            state[self.keys[0] + "_recent"] = list(self.recent)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.window.load(state.get("losses", []), state.get("loss_sums"))
+        self.window.load(state.get(self.keys[0], []), state.get(self.keys[1]))
+        self.recent = deque(state.get(self.keys[0] + "_recent", []))
+
+
+class LossSpike(WindowRule):
+    """A loss above the band of the recent healthy losses (as OLMo-core's stability monitor)."""
+
+    reason, column, keys = "loss_spike", "losses", ("losses", "loss_sums")
+
+    def value(self, stats: StepStats) -> float:
+        return stats.loss
+
+    def detail(self, value: float, threshold: float) -> Detail:
+        return {"loss": value, "threshold": threshold}
 
 
 class GradExplosion:

@@ -200,10 +200,10 @@ class WindowScreen:
         return (rule.window.values.maxlen or 0) >= 1 and rule.min_steps >= 1
 
     def __call__(self, rule: WindowRule, rows: Rows, start: int, end: int) -> tuple[Array, Learn]:
-        values, window, lag, count = getattr(rows, rule.column)[start:end], rule.window, rule.sustain - 1, end - start
+        values, window, lag, count = getattr(rows, rule.column)[start:end], rule.window, rule.lag, end - start
         held = window.values
         # What enters the window, in order, were every step healthy: the values held back, then the block's;
-        # before step i, `pushed[i]` of them have entered (none while fewer than `sustain` are held back).
+        # before step i, `pushed[i]` of them have entered (none while `lag` or fewer are held back).
         entering = np.concatenate((np.fromiter(rule.recent, np.float64, len(rule.recent)), values))
         pushed = np.maximum(np.arange(len(rule.recent), len(rule.recent) + count) - lag, 0)
         last = max(len(rule.recent) + count - lag, 0)

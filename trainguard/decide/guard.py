@@ -17,6 +17,7 @@ a rule without a screen is decided there by `Guard.observe` itself, so it is cor
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from typing import Any, Iterable, Mapping, NamedTuple, Protocol
@@ -148,20 +149,22 @@ class NonFinite:
 
 class WindowRule:
     """A value above mean + `sigma` standard deviations of the last `window` healthy values (the spread at
-    least `FLOOR_RATIO` of the mean), once `min_steps` have been seen; with `sustain` > 1, the last
-    `sustain` values all above it (their least is judged), and a value joins the window only once it is
-    that old, so a climb is measured against what came before it. A subclass names the value it reads.
-    The window learns healthy steps only, so one bad value does not raise the bar for the next."""
+    least `FLOOR_RATIO` of the mean), once `min_steps` have been seen. With `sustain` > 1 the last
+    `sustain` values must all be above it (their least is judged), and with `lag` a healthy value joins
+    the window only `lag` steps later, so a climb is measured against what came before it, not against
+    itself. A subclass names the value it reads. The window learns healthy steps only, so one bad value
+    does not raise the bar for the next."""
 
     reason = ""
     column = ""             # the block column batch.py screens this rule on
     keys = ("", "")         # state_dict keys of the window's values and of its running sums
     FLOOR_RATIO = 1e-3
 
-    def __init__(self, sigma: float, window: int, min_steps: int, sustain: int = 1):
+    def __init__(self, sigma: float, window: int, min_steps: int, sustain: int = 1, lag: int = 0):
         self.sigma, self.min_steps, self.sustain = sigma, min_steps, max(sustain, 1)
+        self.lag = max(lag, self.sustain - 1)
         self.window = RollingWindow(window)
-        self.recent: deque[float] = deque()     # the last sustain - 1 healthy values, not in the window yet
+        self.recent: deque[float] = deque()     # the last `lag` healthy values, not in the window yet
 
     def value(self, stats: StepStats) -> float:
         raise NotImplementedError
@@ -170,7 +173,7 @@ class WindowRule:
         window, value = self.window, self.value(stats)
         if len(window) < max(self.min_steps, 1) or len(self.recent) < self.sustain - 1:
             return None
-        least = min(value, *self.recent) if self.recent else value
+        least = min([value, *itertools.islice(self.recent, len(self.recent) - self.sustain + 1, None)])
         if not window.exceeds(least, self.sigma, self.FLOOR_RATIO):
             return None
         return self.detail(value, window.threshold(self.sigma, self.FLOOR_RATIO))
@@ -180,13 +183,13 @@ class WindowRule:
 
     def learn(self, stats: StepStats) -> None:
         self.recent.append(self.value(stats))
-        if len(self.recent) >= self.sustain:
+        if len(self.recent) > self.lag:
             self.window.push(self.recent.popleft())
 
     def state_dict(self) -> dict[str, Any]:
         values, sums = self.window.state()
         state: dict[str, Any] = {self.keys[0]: values, self.keys[1]: sums}
-        if self.sustain > 1:
+        if self.lag:
             state[self.keys[0] + "_recent"] = list(self.recent)
         return state
 

@@ -63,6 +63,13 @@ class GuardPolicy:
     max_rollbacks_per_hour: int = 3
     rollback_lr_factor: float = 0.5
     rewarmup_steps: int = 20
+    # Gradient climb: the global norm above mean + sigma * std of the last `window` healthy norms (once
+    # `min_steps` are seen) for `steps` steps in a row, against norms at least `lag` steps old.
+    grad_climb_sigma: float = 6.0
+    grad_climb_window: int = 128
+    grad_climb_min_steps: int = 64
+    grad_climb_steps: int = 6
+    grad_climb_lag: int = 32
 
 
 @dataclass(frozen=True)

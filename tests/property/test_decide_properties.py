@@ -137,11 +137,18 @@ def cut(draw, count):
 @settings(max_examples=examples(100))
 @given(rows=st.one_of(runs(), layered_runs(), long_runs(), long_runs()), data=st.data(), as_dicts=st.booleans(),
        window=st.integers(4, 64), spike_min=st.integers(2, 40), grad_min=st.integers(1, 20),
-       after=st.sampled_from([1, 2, 4, 1000]), per_hour=st.sampled_from([0, 1, 3, 1000]))
-def test_guard_blocks_decide_as_the_guards_rules(rows, data, as_dicts, window, spike_min, grad_min, after, per_hour):
-    """Escalation limits from none to soon, so that some guards stop and most run through their events."""
+       after=st.sampled_from([1, 2, 4, 1000]), per_hour=st.sampled_from([0, 1, 3, 1000]),
+       climb=st.tuples(st.sampled_from([1.0, 3.0, 6.0]), st.integers(4, 64), st.integers(2, 40), st.integers(1, 8),
+                       st.integers(0, 40)))
+def test_guard_blocks_decide_as_the_guards_rules(rows, data, as_dicts, window, spike_min, grad_min, after, per_hour,
+                                                 climb):
+    """Escalation limits from none to soon, so that some guards stop and most run through their events; the
+    gradient-climb rule from touchy (sigma 1: it fires often, sustained or not) to the default."""
+    sigma, climb_window, climb_min, climb_steps, lag = climb
     policy = GuardPolicy(spike_window=window, spike_min_steps=spike_min, grad_min_steps=grad_min,
-                         rollback_after=after, rollback_window=10, max_rollbacks_per_hour=per_hour)
+                         rollback_after=after, rollback_window=10, max_rollbacks_per_hour=per_hour,
+                         grad_climb_sigma=sigma, grad_climb_window=climb_window, grad_climb_min_steps=climb_min,
+                         grad_climb_steps=climb_steps, grad_climb_lag=lag)
     reference, guard, block_columns = Guard(policy), Guard(policy), columns(rows)
     layers = block_columns["rows"] if as_dicts else block_columns["layers"]
     expected = [(i, d) for i, (step, loss, grad, norms, when) in enumerate(zip(

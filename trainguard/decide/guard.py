@@ -248,6 +248,22 @@ class GradExplosion:
         self.layer_ema = dict(state.get("layer_ema", {}))
 
 
+class GradClimb(WindowRule):
+    """The global gradient norm above mean + `sigma` standard deviations of the recent healthy norms for
+    `sustain` steps in a row, against norms at least `lag` steps old: a norm that climbs smoothly (0.8 to
+    12.7 in 30 steps) drags its EMA along and never reaches `GradExplosion`'s factor, but it leaves the
+    band of the norms before the climb. One healthy spike, or a burst of a few steps, does not count."""
+
+    reason, column, keys = "grad_climb", "grad_norms", ("grad_norms", "grad_norm_sums")
+    FLOOR_RATIO = 0.1       # noisy norms: the band is at least sigma tenths of the mean wide
+
+    def value(self, stats: StepStats) -> float:
+        return stats.grad_norm
+
+    def detail(self, value: float, threshold: float) -> Detail:
+        return {"grad_norm": value, "threshold": threshold, "steps": self.sustain}
+
+
 def rules(policy: GuardPolicy) -> tuple[Rule, ...]:
     """The guard's rules, in the order they are asked: the first that finds a step bad names it."""
     return (
@@ -255,6 +271,8 @@ def rules(policy: GuardPolicy) -> tuple[Rule, ...]:
         LossSpike(policy.spike_sigma, policy.spike_window, policy.spike_min_steps),
         GradExplosion(policy.grad_ema_beta, policy.grad_explode_factor, policy.layer_explode_factor,
                       policy.grad_min_steps),
+        GradClimb(policy.grad_climb_sigma, policy.grad_climb_window, policy.grad_climb_min_steps,
+                  policy.grad_climb_steps, policy.grad_climb_lag),
     )
 
 

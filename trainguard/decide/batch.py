@@ -208,7 +208,7 @@ class WindowScreen:
         pushed = np.maximum(np.arange(len(rule.recent), len(rule.recent) + count) - lag, 0)
         last = max(len(rule.recent) + count - lag, 0)
         totals, squares = window_sums(entering[:last], held, window.total, window.total_sq)
-        size = np.minimum(len(held) + pushed, held.maxlen)
+        size = np.minimum(len(held) + pushed, held.maxlen or 0)
         least = _trailing_min(entering, len(rule.recent), count, rule.sustain)
         flagged = (size >= rule.min_steps) & spikes(least, size, totals[2 * pushed], squares[2 * pushed], rule.sigma,
                                                     rule.FLOOR_RATIO)
@@ -264,11 +264,13 @@ class GradExplosionScreen:
     def _learn(rule: GradExplosion, rows: Rows, start: int, count: int) -> None:
         rule.ema = ema(rule.ema, rows.grad_norms[start:start + count], rule.keep)
         layers = rows.norm_rows[1:, start:start + count]
-        for name, norms, clean in zip(rows.names, layers, np.isfinite(layers).all(axis=1).tolist()):
+        finite_rows: Array = np.isfinite(layers).all(axis=1)
+        for name, norms, clean in zip(rows.names, layers, finite_rows.tolist()):
             if not clean:
                 norms = np.ascontiguousarray(norms[np.isfinite(norms)])   # a missing (NaN) norm teaches nothing
-            if len(norms):                  # a layer with a norm here has an EMA already (see the screen)
-                rule.layer_ema[name] = ema(rule.layer_ema[name], norms, rule.keep)
+            learned = ema(rule.layer_ema.get(name), norms, rule.keep)
+            if learned is not None:         # a layer with a norm here has an EMA already (see the screen)
+                rule.layer_ema[name] = learned
         rule.good += count
 
 

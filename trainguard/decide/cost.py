@@ -21,18 +21,18 @@ from trainguard.decide.decision import Decision
 from trainguard.policy import CostPolicy
 
 TIER_ACTIONS = ((COST_WARN, "warn"), (COST_THROTTLE, "throttle"), (COST_STOP, "stop"))
-Clock = tuple  # (source, monotonic seconds) of a record: the clock is comparable within one source only
+Clock = tuple[Any, float]  # (source, monotonic seconds) of a record: the clock is comparable within one source only
 Number = TypeVar("Number")      # a float, or a numpy array of them (batch.py meters columns with these)
 
 
 def gpu_cost(seconds: Number, gpus: Any, price_per_gpu_hour: float) -> Number:
     """USD for `gpus` devices over `seconds` at the policy's price (elementwise on arrays)."""
-    return seconds * gpus * (price_per_gpu_hour / 3600.0)  # type: ignore[operator, no-any-return]
+    return seconds * gpus * (price_per_gpu_hour / 3600.0)  # type: ignore[no-any-return]
 
 
 def cost_per_1k_steps(seconds: Number, gpus: Any, price_per_gpu_hour: float, steps: Any) -> Number:
     """USD per 1000 steps when `steps` steps took `seconds` on `gpus` devices (elementwise on arrays)."""
-    return gpu_cost(seconds, gpus, price_per_gpu_hour) / steps * 1000.0  # type: ignore[operator, no-any-return]
+    return gpu_cost(seconds, gpus, price_per_gpu_hour) / steps * 1000.0  # type: ignore[no-any-return]
 
 
 @dataclass

@@ -116,16 +116,27 @@ def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None
     return out
 
 
+DECIDED_TOGETHER = 16_384     # picked steps gathered before they are decided as one block (no observer)
+
+
 def _replay_entries(stream: Iterable, decider: _Decider, observer: Observer | None) -> Picker:
+    """Without an observer nothing reads the deciders mid-stream, so the steps of many decoded blocks are
+    decided together: long blocks are what the screens clear in bulk. With one, each step is decided
+    before the next entry is observed."""
     blocks = _blocks(stream)
     picker = Picker(getattr(stream, "lead_rank", FIRST_SEEN))     # known once the stream is opened
+    gathered = Picked()
     for block in blocks:
         if observer is None:
-            decider.decide(columns.block_of(picker.take(block)))
+            gathered.extend(picker.take(block))
+            if len(gathered) >= DECIDED_TOGETHER:
+                decider.decide(columns.block_of(gathered))
+                gathered = Picked()
             continue
         for entry in block:
             observer(entry)
             decider.decide(columns.block_of(picker.take([entry])))
+    decider.decide(columns.block_of(gathered))
     return picker
 
 

@@ -9,7 +9,7 @@ needs no callback for them. What a callback returns (a dict) is added to the dec
 | `validate()`      | before each checkpoint (stability)      | none: stable = the guard saw no trouble        |
 | `reload(parts)`   | resume and rollback, with the states to load | `load_state_dict` of each of the loop's states |
 | `skip_data(saved)`| rollback; `saved` = the checkpoint's `data` state | keep the data position (nothing re-read) |
-| `scale_lr(factor, scale, rewarmup_steps)` | rollback, after `TrainState.lr_scale *= factor` | every optimizer's param groups: `lr *= factor` |
+| `scale_lr(factor, scale, rewarmup_steps)` | rollback, after `TrainState.lr_scale *= factor` | every optimizer's param groups: the checkpoint's `lr` times `scale` over the checkpoint's scale |
 | `cut_micro_batch(size)` | cost_throttle, after `TrainState.micro_batch = size` | nothing more (the loop reads the state)  |
 | `pause()`         | cost_warn, after `TrainState.eval_paused = True` | nothing more                            |
 | `saved(step, path, wait)` | rank 0, after a checkpoint was written (`wait()`: until durable) | nothing |

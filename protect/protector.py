@@ -265,7 +265,7 @@ class Protector:
         if not rollback:
             self.log.info("resumed", step=state.step, tokens_trained=state.tokens_trained)
             return state.step
-        self._after_rollback(checkpoint, saved.get("data"), from_step, source, fields)
+        self._after_rollback(checkpoint, saved, from_step, source, fields)
         return state.step
 
     def _reload(self, parts: dict[str, Any]) -> None:
@@ -278,14 +278,14 @@ class Protector:
         else:
             load_states(self.states, theirs)
 
-    def _after_rollback(self, checkpoint, saved_data: Any, from_step: int, source: str, fields: dict) -> None:
+    def _after_rollback(self, checkpoint, saved: dict, from_step: int, source: str, fields: dict) -> None:
         guard, state, callbacks = self.policy.guard, self.state, self.callbacks
-        skipped = callbacks.skip_data(saved_data) or {} if callbacks.skip_data else {}
+        skipped = callbacks.skip_data(saved.get("data")) or {} if callbacks.skip_data else {}
         state.lr_scale *= guard.rollback_lr_factor
         if callbacks.scale_lr is not None:
             callbacks.scale_lr(guard.rollback_lr_factor, state.lr_scale, guard.rewarmup_steps)
-        else:
-            scale_optimizers(self.states, guard.rollback_lr_factor)
+        else:   # the optimizers hold the checkpoint's LR, cut by the checkpoint's scale: cut by the rest
+            scale_optimizers(self.states, state.lr_scale / float(saved[STATE_KEY].get("lr_scale", 1.0)))
         self.checkpoints.abandon_after(state.step)
         self.telemetry.event(ROLLBACK, step=from_step, source=source, restored_step=state.step,
                              checkpoint=str(checkpoint.path), steps_lost=from_step - state.step, **skipped,
@@ -357,7 +357,7 @@ class Protector:
         """Cut the micro-batch by 25% (the loop keeps its batch per optimizer step, so the tokens per step
         stay the same) and hand the device's cached memory back."""
         before = self.state.micro_batch
-        self.state.micro_batch = max(1, (before * 3) // 4)
+        self.state.micro_batch = max(1, (before * 3) // 4) if before else 0   # 0: the loop keeps none here
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         cut = self.callbacks.cut_micro_batch

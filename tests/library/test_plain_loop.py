@@ -61,6 +61,8 @@ def test_documented_loop_skips_a_nan_rolls_back_spikes_and_obeys_cost_stop(tmp_p
     assert rollback["lr_scale"] == 0.5
     steps = [r["step"] for r in step_records(run)]
     assert steps[:24] == list(range(1, 25)) and steps[24] == 21          # replayed from the checkpoint
+    rates = [r["metrics"]["learning_rate"] for r in step_records(run)]
+    assert rates[:24] == [0.05] * 24 and set(rates[24:]) == {0.025}     # the default scale_lr: lr x 0.5
     saved = [(e["step"], e["stable"]) for e in events(run, "checkpoint_saved")]
     assert saved[:2] == [(10, False), (20, True)]                        # the NaN made step_10 unstable
 

@@ -37,6 +37,8 @@ import statistics
 from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable
 
+from trainguard import actions
+
 CAUSES = ("startup", "checkpoint_save", "evaluation", "rollback", "restart_recovery", "stall", "data_wait",
           "skipped_steps", "other")
 # Events that say how long they held training up: type -> (cause, field with the seconds). The time is
@@ -158,14 +160,14 @@ class _Timeline:
             self.boundary = self.last_ts if self.last_ts is not None else ts
         if kind == RUN_START and self.lead_in is None:
             self._restart()
-        elif kind == "rollback":
+        elif kind == actions.ROLLBACK:
             self.rollbacks += 1
             self.rollback_pending = True
             if isinstance(event.get("restored_step"), int):
                 self.restored = event["restored_step"]
         elif kind == "checkpoint_restored" and isinstance(step, int):
             self.restored = step
-        elif kind == "skip_step" and isinstance(step, int):
+        elif kind == actions.SKIP_STEP and isinstance(step, int):
             if not self._mark_skipped(step):
                 self.pending_skips.add(step)
         elif kind in TIMED_EVENTS:
@@ -173,7 +175,7 @@ class _Timeline:
 
     def _note_decision(self, event: dict, ts: float) -> None:
         """The agent's restore decision: its `action` event (issued_at), or its verdict to act on an alert."""
-        if event.get("action") != "restore" or event.get("type") == "alert" and event.get("outcome") != "act":
+        if event.get("action") != actions.RESTORE or event.get("type") == "alert" and event.get("outcome") != "act":
             return
         when = event.get("issued_at", event.get("decided_at"))
         when = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else ts
@@ -182,7 +184,7 @@ class _Timeline:
         # The action's id names the decision best; the alert verdict (written a moment before) gives its time.
         name = event.get("id") or event.get("request_id") if event.get("type") == "action" else None
         if self.decision is None:
-            self.decision = (when, str(name or event.get("request_id") or event.get("alertname") or "restore"))
+            self.decision = (when, str(name or event.get("request_id") or event.get("alertname") or actions.RESTORE))
         elif name:
             self.decision = (min(when, self.decision[0]), str(name))
 

@@ -31,6 +31,7 @@ from trainguard.trainer.faults import FaultInjector
 from trainguard.trainer.model import GPT
 from trainguard.trainer.progress import Progress
 from trainguard.trainer.recovery import EXIT_OK, EXIT_STOPPED, Recovery
+from trainguard.trainer.replica_check import ReplicaChecks
 from trainguard.trainer.state import Checkpoints
 from trainguard.trainer.step import GradNorms, HealthSync, LRSchedule, forward_backward
 from trainguard.trainer.telemetry import CommTimer, StepTelemetry, StepTimer
@@ -102,6 +103,7 @@ class Trainer:
             key_file=run.key_file, keep_last=run.keep_last, async_save=run.async_checkpoint,
             on_error=run.checkpoint_on_error)
         self.recovery = Recovery(self)
+        self.replicas = self._replica_checks()   # sdc hook (trainer/replica_check.py)
         self.progress = Progress(run.steps, run.log_every, self.log) if self.rank == 0 else None
 
         self.step = 0
@@ -123,6 +125,26 @@ class Trainer:
             self.comm_timer = CommTimer(self.device.type)
             ddp.register_comm_hook(None, self.comm_timer.hook)
         return ddp
+
+    def _replica_checks(self) -> ReplicaChecks:
+        """sdc hook: the replica fingerprint check (trainer/replica_check.py, docs/sdc.md)."""
+        from trainguard.decide.replica import ReplicaPolicy
+
+        names = [name for name, _ in self.model.named_parameters()]
+        return ReplicaChecks(list(self.model.parameters()), names, every=self.policy.guard.replica_check_every,
+                             world_size=self.world, rank=self.rank, node=self.telemetry.envelope["node"],
+                             run_dir=self.run_dir, emit=self.telemetry.event, log=self.log,
+                             policy=ReplicaPolicy(self.policy.guard.replica_cordon_window_seconds))
+
+    def _replica_respond(self, verdict) -> int | None:
+        """sdc hook: a replica mismatch rolls every rank back to the newest verified checkpoint, whole
+        (data position included: the data is not at fault, and the replay arbitrates two replicas)."""
+        from trainguard.decide.decision import Decision
+
+        return self.replicas.respond(
+            verdict, restore=self.recovery.resume,
+            stop=lambda event: self.recovery.stop(Decision("stop", "replica_mismatch", self.step,
+                                                           detail=event), event))
 
     def _device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -168,6 +190,7 @@ class Trainer:
         timer.start()
         control = self.control.poll() if self.rank == 0 else (0, 0)
         self.faults.process_faults(step)
+        self.faults.bit_flip(step, self.replicas.params, self.replicas.names)   # sdc hook
         self.train_data.delay_seconds = self.faults.data_delay(step)
         batch = cfg.optim.batch_size
         x, y = self.train_data.next_batch(batch)
@@ -179,6 +202,8 @@ class Trainer:
             group["lr"] = lr
         loss = forward_backward(self.ddp, x, y, self.micro_batch, autocast=self.autocast(),
                                 loss_factor=loss_factor, grad_factor=grad_factor)
+        self.faults.grad_flip(step, self.replicas.params, self.replicas.names)   # sdc hook
+        self.replicas.after_backward(step)                                     # sdc hook
         grad_norm, layer_norms = self.norms.compute()
         torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), cfg.optim.grad_clip, grad_norm)
         health = self.health.sync(loss, grad_norm, layer_norms, control)
@@ -197,6 +222,10 @@ class Trainer:
 
         timings = timer.stop()
         self._record(step, health, layers, loss_seen, lr, timings)
+        if (verdict := self.replicas.after_step(step, health.timestamp)) is not None:   # sdc hook
+            code = self._replica_respond(verdict)
+            if verdict.action is not None:   # rolled back (or stopped): this step's work is void
+                return code
 
         if decision.action is not None and (code := self.recovery.on_decision(decision)) is not None:
             return code
@@ -266,6 +295,10 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Validation check, then rank 0 saves; stable if val loss is sane and the guard saw no trouble."""
+        replica_meta = self.replicas.before_checkpoint(self.step)   # sdc hook
+        if replica_meta is None:   # the replicas differ: nothing is saved; they roll back instead
+            self._replica_respond(self.replicas.refusal)
+            return
         val = self.evaluate("checkpoint", guard_trouble=self.trouble_since_checkpoint)
         sane = math.isfinite(val) and val <= self.cfg.run.stable_val_factor * self.best_val
         stable = sane and not self.trouble_since_checkpoint
@@ -274,7 +307,7 @@ class Trainer:
         saved = True
         if self.rank == 0:
             path = self.checkpoints.save(self.step, self.recovery.capture_state(), stable,
-                                         meta={"val_loss": val if math.isfinite(val) else None})
+                                         meta={"val_loss": val if math.isfinite(val) else None, **replica_meta})
             saved = path is not None   # a failed save with checkpoint_on_error "warn": the previous one stands
             if saved:
                 self.faults.after_checkpoint(self.step, path, wait=self.checkpoints.wait)

@@ -63,6 +63,11 @@ class GuardPolicy:
     max_rollbacks_per_hour: int = 3
     rollback_lr_factor: float = 0.5
     rewarmup_steps: int = 20
+    # Silent data corruption (trainguard/decide/replica.py): every replica fingerprints its weights and
+    # gradients every this many steps (0: never); bench/bench_sdc.py measures the cost of a check.
+    replica_check_every: int = 50
+    # A node named in a replica mismatch twice within this many seconds is cordoned.
+    replica_cordon_window_seconds: float = 86400.0
 
 
 @dataclass(frozen=True)

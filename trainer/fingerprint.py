@@ -26,10 +26,11 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from trainguard.decide.replica import hex64  # noqa: F401  (re-exported: how fingerprints are spelled)
+
 GOLDEN = -7046029254386353131     # 0x9E3779B97F4A7C15 as a signed int64: Fibonacci hashing's multiplier
 SALT = 0x632BE59BD9B4E019          # fits in int64; any odd-making offset would do
 _INT_OF_WIDTH = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
-MASK64 = (1 << 64) - 1
 
 
 def _weights(count: int, device: torch.device, cache: dict) -> torch.Tensor:
@@ -102,11 +103,6 @@ def gather(values: torch.Tensor, world_size: int) -> torch.Tensor:
     out = torch.empty(world_size * flat.numel(), dtype=flat.dtype, device=flat.device)   # gloo: flat
     dist.all_gather_into_tensor(out, flat)
     return out.reshape(world_size, flat.numel())
-
-
-def hex64(value: int) -> str:
-    """An int64 fingerprint as 16 hex digits (unsigned): how logs and manifests spell it."""
-    return f"{value & MASK64:016x}"
 
 
 def flip_bit(tensor: torch.Tensor, index: int, bit: int) -> None:

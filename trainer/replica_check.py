@@ -24,11 +24,10 @@ import torch
 import torch.distributed as dist
 
 from trainguard import incidents
-from trainguard.decide.replica import (ARBITRATION, GRADIENTS, ReplicaCheck, ReplicaMonitor, ReplicaPolicy,
-                                       Verdict, agree)
+from trainguard.decide.replica import (ARBITRATION, CHECK_EVENT, MISMATCH, ReplicaCheck, ReplicaMonitor,
+                                       ReplicaPolicy, Verdict, agree, check_fields)
 from trainguard.trainer import fingerprint as fp
 
-CHECK_EVENT, MISMATCH_EVENT = "replica_check", "replica_mismatch"
 META_KEY = "replica_fingerprint"
 DETECTED_BY = "replica_check"
 
@@ -133,7 +132,7 @@ class ReplicaChecks:
         event = {"ranks": list(verdict.ranks), "what": verdict.what, "nodes": list(verdict.nodes),
                  "confidence": verdict.confidence, "reasons": list(verdict.reasons), "incident": ident,
                  "action": verdict.action, "params": verdict.values.get("params", [])}
-        self.emit(MISMATCH_EVENT, step=verdict.step, **event)
+        self.emit(MISMATCH, step=verdict.step, **event)
         self.log.error("replica mismatch", step=verdict.step, what=verdict.what, ranks=list(verdict.ranks),
                        action=verdict.action, incident=ident)
         if self.rank == 0:
@@ -141,7 +140,7 @@ class ReplicaChecks:
             for host in verdict.cordon:
                 self._cordon(host, verdict, ident)
         if verdict.action == "stop":
-            return stop({"reason": MISMATCH_EVENT, "incident": ident, **event})
+            return stop({"reason": MISMATCH, "incident": ident, **event})
         self.rollback(verdict, ident, restore)
         return None
 
@@ -154,7 +153,7 @@ class ReplicaChecks:
         expected = recorded_fingerprint(self.run_dir, restored) if restored is not None else None
         identical = agree(tuple(rows))
         matches = expected is not None and identical and fp.hex64(rows[0]) == expected
-        self.emit("rollback", step=from_step, source=DETECTED_BY, reason=MISMATCH_EVENT, incident=ident,
+        self.emit("rollback", step=from_step, source=DETECTED_BY, reason=MISMATCH, incident=ident,
                   restored_step=restored, replicas_identical=identical, fingerprint=fp.hex64(rows[0]),
                   manifest_fingerprint=expected, fingerprint_matches_manifest=matches,
                   **({} if restored is not None else {"error": "no verified checkpoint to roll back to"}))
@@ -209,38 +208,6 @@ class ReplicaChecks:
             return
         self.emit("cordon", step=verdict.step, host=host, incident=ident, reason="replica_mismatch")
         self.log.error("node cordoned: named in a second replica mismatch", host=host, incident=ident)
-
-
-def check_fields(check: ReplicaCheck) -> dict:
-    """The `replica_check` event: one value when the replicas agree, every rank's when they do not."""
-    fields: dict[str, Any] = {"replicas": len(check.weights)}
-    for name, values in (("weights", check.weights), ("gradients", check.gradients)):
-        if values:
-            fields[name] = fp.hex64(values[0]) if agree(values) else [fp.hex64(v) for v in values]
-    if check.recomputed:
-        fields["recomputed"] = [fp.hex64(v) for v in check.recomputed]
-    if not agree(check.weights) or not agree(check.gradients):
-        fields["nodes"] = list(check.nodes)
-    return fields
-
-
-def check_from_event(event: dict, step: int, timestamp: float, node: str | None = None) -> ReplicaCheck:
-    """The ReplicaCheck a `replica_check` event recorded (replay's side of check_fields)."""
-    replicas = int(event["replicas"])
-
-    def values(name: str) -> tuple[int, ...]:
-        raw = event.get(name)
-        if raw is None:
-            return ()
-        items = [raw] * replicas if isinstance(raw, str) else raw
-        return tuple(_signed(int(v, 16)) for v in items)
-
-    nodes = tuple(event.get("nodes") or ([node] * replicas if node else ()))
-    return ReplicaCheck(step, timestamp, values("weights"), values("gradients"), values("recomputed"), nodes)
-
-
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def differing_params(tensors: list[list[int]], names: list[str]) -> list[str]:

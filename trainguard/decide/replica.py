@@ -35,8 +35,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from typing import Iterable, Iterator
+
 WEIGHTS, GRADIENTS = "weights", "gradients"
 MISMATCH, ARBITRATION = "replica_mismatch", "arbitration"
+CHECK_EVENT = "replica_check"      # the TLS event every check writes: the fingerprints it decided on
+MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -162,7 +166,7 @@ class ReplicaMonitor:
         truth = replayed[0]
         ranks = tuple(r for r, v in enumerate(recorded) if v != truth)
         reasons = pending.get("reasons", []) + [
-            f"replayed from the newest verified checkpoint, step {check.step} gives {_hex(truth)} on every rank",
+            f"replayed from the newest verified checkpoint, step {check.step} gives {hex64(truth)} on every rank",
             f"rank(s) {_ranks(ranks)} had recorded a different {what} fingerprint"]
         if len(ranks) == len(recorded):
             reasons.append("every rank differs from the replay: the steps are not bit-deterministic here")
@@ -202,12 +206,65 @@ class ReplicaMonitor:
         self.mismatched = list(state.get("mismatched") or [])
 
 
-def _hex(value: int) -> str:
-    return f"{value & (2**64 - 1):016x}"
+# ------------------------------------------------------------------------------ the TLS record
+def hex64(value: int) -> str:
+    """An int64 fingerprint as 16 hex digits (unsigned): how logs and manifests spell it."""
+    return f"{value & MASK64:016x}"
+
+
+def from_hex(text: str) -> int:
+    value = int(text, 16)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def check_fields(check: ReplicaCheck) -> dict:
+    """The `replica_check` event: one value when the replicas agree, every rank's when they do not."""
+    fields: dict = {"replicas": len(check.weights)}
+    for name, values in ((WEIGHTS, check.weights), (GRADIENTS, check.gradients)):
+        if values:
+            fields[name] = hex64(values[0]) if agree(values) else [hex64(v) for v in values]
+    if check.recomputed:
+        fields["recomputed"] = [hex64(v) for v in check.recomputed]
+    if not agree(check.weights) or not agree(check.gradients):
+        fields["nodes"] = list(check.nodes)
+    return fields
+
+
+def check_from_event(event: dict, step: int, timestamp: float) -> ReplicaCheck:
+    """The ReplicaCheck a `replica_check` event recorded (check_fields read back)."""
+    replicas = int(event["replicas"])
+
+    def values(name: str) -> tuple[int, ...]:
+        raw = event.get(name)
+        if raw is None:
+            return ()
+        return tuple(from_hex(v) for v in ([raw] * replicas if isinstance(raw, str) else raw))
+
+    return ReplicaCheck(step, timestamp, values(WEIGHTS), values(GRADIENTS), values("recomputed"),
+                        tuple(event.get("nodes") or ()))
+
+
+def replay(records: Iterable[dict], policy: ReplicaPolicy | None = None) -> Iterator[Verdict]:
+    """The verdicts a run took, from its TLS records: the lead rank's `replica_check` events, in order,
+    through a fresh monitor (every rank records the same gathered fingerprints; one rank's suffice).
+    `records`: decoded TLS records (timestamps as Unix seconds), any mix of ranks, in file order."""
+    monitor, lead = ReplicaMonitor(policy), None
+    for record in records:
+        event = record.get("event")
+        if not isinstance(event, dict) or event.get("type") != CHECK_EVENT:
+            continue
+        rank = record.get("rank", 0)
+        lead = rank if lead is None else min(lead, rank)
+        if rank != lead:
+            continue
+        verdict = monitor.observe(check_from_event(event, int(event.get("step", record.get("step", 0))),
+                                                   float(record["timestamp"])))
+        if verdict is not None:
+            yield verdict
 
 
 def _spell(values: tuple[int, ...]) -> str:
-    return ", ".join(f"rank {r} {_hex(v)}" for r, v in enumerate(values))
+    return ", ".join(f"rank {r} {hex64(v)}" for r, v in enumerate(values))
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:

@@ -165,7 +165,7 @@ def gather(values: torch.Tensor, world_size: int) -> torch.Tensor:
         return values.reshape(1, -1)
     flat = values.reshape(-1).contiguous()
     out = torch.empty(world_size * flat.numel(), dtype=flat.dtype, device=flat.device)   # gloo: flat
-    dist.all_gather_into_tensor(out, flat)
+    dist.all_gather_single(out, flat)
     return out.reshape(world_size, flat.numel())
 
 

@@ -78,6 +78,7 @@ def timed(run) -> float:
 
 def worker(rank: int, world: int, port: int, preset: str, batch: int, rounds: int, warmup: int, out) -> None:
     global GLOO
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))   # as torchrun sets it per rank
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:

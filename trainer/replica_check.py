@@ -51,10 +51,11 @@ class ReplicaChecks:
         self.monitor = ReplicaMonitor(policy)
         self.fingerprints = fp.Fingerprinter()
         self.nodes = self._gather_nodes(node)
-        self._grads: torch.Tensor | None = None
+        self.step = 0                                 # the step being trained (after_backward's)
+        self._grads: tuple[int, torch.Tensor] | None = None   # (step, gradients' fingerprint) to check
+        self.checked: int | None = None               # step of the last check, whatever it found
         self.last: tuple[int, int] | None = None      # (step, weights fingerprint) of the last agreed check
-        self.clock = 0.0                              # rank 0's clock at the last step (the same everywhere)
-        self.refusal: Verdict | None = None           # why before_checkpoint said no
+        self.refusal: Verdict | None = None           # why before_checkpoint said no (acted on next)
 
     def _gather_nodes(self, node: str) -> tuple[str, ...]:
         if self.world == 1:
@@ -73,23 +74,31 @@ class ReplicaChecks:
     # ------------------------------------------------------------------------------- measuring
     def after_backward(self, step: int) -> None:
         """Fingerprint the gradients now, after the all-reduce and before the optimizer consumes them."""
+        self.step = step
         if self.due(step):
-            self._grads = self.fingerprints.fingerprint(fp.gradients(self.params))
+            self._grads = (step, self.fingerprints.fingerprint(fp.gradients(self.params)))
 
     def _weights(self) -> torch.Tensor:
         return self.fingerprints.fingerprint(self.params)
 
-    def after_step(self, step: int, now: float) -> Verdict | None:
-        """`now`: rank 0's clock this step, so every rank's records and incident id agree."""
-        self.clock = now
-        if not self.due(step):
+    def after_step(self, step: int) -> Verdict | None:
+        """After the optimizer step and the step's record: a verdict to act on, or None. At check steps
+        (unless the checkpoint before this already checked it), and any refusal of a checkpoint."""
+        if self.refusal is not None:
+            verdict, self.refusal = self.refusal, None
+            return verdict
+        if not self.due(step) or self.checked == step:
             return None
-        grads, self._grads = self._grads, None
-        return self.check(step, now, grads)
+        return self.check(step)
 
-    def check(self, step: int, now: float, grads: torch.Tensor | None = None) -> Verdict | None:
-        """One all-gather of every rank's (weights, gradients) fingerprints, recorded and decided."""
-        mine = torch.stack([self._weights(), grads if grads is not None else torch.zeros_like(self._weights())])
+    def check(self, step: int) -> Verdict | None:
+        """One all-gather of every rank's (weights, gradients, clock) — recorded and decided. Rank 0's
+        clock is the check's time on every rank, so their records and incident ids agree."""
+        grads = self._grads[1] if self._grads is not None and self._grads[0] == step else None
+        self._grads, self.checked = None, step
+        weights_fp = self._weights()
+        clock = torch.tensor(time.time_ns(), dtype=torch.int64, device=weights_fp.device)
+        mine = torch.stack([weights_fp, grads if grads is not None else torch.zeros_like(weights_fp), clock])
         rows = fp.gather(mine, self.world).tolist()
         weights = tuple(row[0] for row in rows)
         gradients = tuple(row[1] for row in rows) if grads is not None else ()
@@ -99,7 +108,7 @@ class ReplicaChecks:
             # parameter differs): collectives every rank reaches, since every rank saw the same rows
             recomputed = tuple(fp.gather(self._weights().reshape(1), self.world).reshape(-1).tolist())
             tensors = fp.gather(self.fingerprints.many(self.params), self.world).tolist()
-        check = ReplicaCheck(step, now, weights, gradients, recomputed, self.nodes)
+        check = ReplicaCheck(step, rows[0][2] / 1e9, weights, gradients, recomputed, self.nodes)
         self.emit(CHECK_EVENT, step=step, **check_fields(check))
         verdict = self.monitor.observe(check)
         if agree(weights) and (verdict is None or verdict.action is None):
@@ -108,16 +117,19 @@ class ReplicaChecks:
             verdict.values["params"] = differing_params(tensors, self.names)
         return verdict
 
-    def before_checkpoint(self, step: int) -> dict | None:
-        """The manifest's meta for a checkpoint at `step`: the replicas' agreed weights fingerprint
-        (a check of its own unless this step was just checked). None when they differ (the verdict is in
-        `refusal`): do not save."""
+    def before_checkpoint(self) -> dict | None:
+        """The manifest's meta for a checkpoint of the step just trained: the replicas' agreed weights
+        fingerprint (a check of its own unless this step was just checked). None when they differ: the
+        save is refused, and the verdict waits in `refusal` for the loop's next `after_step`."""
+        step = self.step
         if not self.enabled:
             return {META_KEY: {"step": step, "weights": fp.hex64(int(self._weights())), "replicas": 1}}
         if self.last is None or self.last[0] != step:
-            self.refusal = self.check(step, self.clock)
-            if self.refusal is not None:
-                return None
+            verdict = self.check(step)
+            if verdict is not None:
+                self.refusal = verdict           # acted on (or, an arbitration, recorded) by after_step
+                if verdict.action is not None:
+                    return None
         return {META_KEY: {"step": step, "weights": fp.hex64(self.last[1]), "replicas": self.world}}
 
     # ---------------------------------------------------------------------------------- acting

@@ -88,7 +88,7 @@ def test_the_event_round_trips_and_replay_takes_the_same_decisions():
     checks = [check(50, [7, 7, 7], [3, 3, 3]), check(100, [-5, 9, -5], [3, 3, 3], recomputed=[-5, 9, -5]),
               check(100, [11, 11, 11], [4, 4, 4])]
     fields = [check_fields(c) for c in checks]
-    assert fields[0] == {"replicas": 3, "weights": "0000000000000007", "gradients": "0000000000000003"}
+    assert fields[0] == {"replicas": 3, "clock": 50.0, "weights": "0000000000000007", "gradients": "0000000000000003"}
     assert fields[1]["weights"][0] == "fffffffffffffffb" and fields[1]["nodes"] == list(NODES3)
     assert [check_from_event(f, c.step, c.timestamp) for f, c in zip(fields, checks)][1] == checks[1]
     records = [{"timestamp": c.timestamp, "rank": rank, "step": c.step, "event": {"type": "replica_check", **f}}

@@ -219,7 +219,7 @@ def from_hex(text: str) -> int:
 
 def check_fields(check: ReplicaCheck) -> dict:
     """The `replica_check` event: one value when the replicas agree, every rank's when they do not."""
-    fields: dict = {"replicas": len(check.weights)}
+    fields: dict = {"replicas": len(check.weights), "clock": check.timestamp}
     for name, values in ((WEIGHTS, check.weights), (GRADIENTS, check.gradients)):
         if values:
             fields[name] = hex64(values[0]) if agree(values) else [hex64(v) for v in values]
@@ -231,7 +231,8 @@ def check_fields(check: ReplicaCheck) -> dict:
 
 
 def check_from_event(event: dict, step: int, timestamp: float) -> ReplicaCheck:
-    """The ReplicaCheck a `replica_check` event recorded (check_fields read back)."""
+    """The ReplicaCheck a `replica_check` event recorded (check_fields read back); `timestamp` stands in
+    for the check's clock (rank 0's) when the event has none."""
     replicas = int(event["replicas"])
 
     def values(name: str) -> tuple[int, ...]:
@@ -240,7 +241,7 @@ def check_from_event(event: dict, step: int, timestamp: float) -> ReplicaCheck:
             return ()
         return tuple(from_hex(v) for v in ([raw] * replicas if isinstance(raw, str) else raw))
 
-    return ReplicaCheck(step, timestamp, values(WEIGHTS), values(GRADIENTS), values("recomputed"),
+    return ReplicaCheck(step, float(event.get("clock", timestamp)), values(WEIGHTS), values(GRADIENTS), values("recomputed"),
                         tuple(event.get("nodes") or ()))
 
 

@@ -132,6 +132,8 @@ def worker(rank: int, world: int, port: int, preset: str, batch: int, rounds: in
         measured["ours_weights"] = after_backward(lambda: ours_check(prints, params, world, grads=False))
         measured["peer"] = after_backward(lambda: megatron_check(model, world))
         measured["ours_local"], measured["peer_local"] = timed(ours_local), timed(peer_local)
+        if rank == 0:
+            print(f"{preset}: round {round_ + 1} of {warmup + rounds}", file=sys.stderr, flush=True)
         if round_ >= warmup:
             for key, value in measured.items():
                 times[key].append(value)

@@ -164,7 +164,8 @@ def fmt(seconds: float) -> str:
 def report(results: list[dict], world: int, rounds: int) -> str:
     load = os.getloadavg()[0]
     lines = ["### Replica check (silent data corruption)", "",
-             f"`python bench/bench_sdc.py` — {world} ranks, batch {results[0]['batch']}, {rounds} interleaved rounds after warm-up; "
+             f"`python bench/bench_sdc.py` — {world} ranks, batch {results[0]['batch']}, {rounds} interleaved "
+             f"rounds after warm-up; "
              f"default interval `guard.replica_check_every` = {EVERY}.", "",
              f"Machine: {os.cpu_count()} CPUs, torch {torch.__version__}, "
              f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; "

@@ -49,7 +49,8 @@ def assert_recovered(run, nproc: int, rollbacks: list[tuple[int, int]]) -> None:
 def test_three_ranks_weight_flips_name_the_rank_recover_and_cordon_its_node(tmp_path):
     run = train(tmp_path, 3, "bitflip@7:1", "bitflip@17:1", steps=25)
     faults = events(run, "fault_injected", 1)
-    assert [(f["kind"], f["step"], f["target"]) for f in faults] == [("bitflip", 7, "weight"), ("bitflip", 17, "weight")]
+    assert [(f["kind"], f["step"], f["target"]) for f in faults] == \
+        [("bitflip", 7, "weight"), ("bitflip", 17, "weight")]
     assert not events(run, "fault_injected", 0)
     for rank in range(3):
         mismatches = events(run, "replica_mismatch", rank)             # each at the next check
@@ -58,7 +59,8 @@ def test_three_ranks_weight_flips_name_the_rank_recover_and_cordon_its_node(tmp_
     assert_recovered(run, 3, [(10, 5), (20, 15)])
     node = records(run, 1)[0]["node"]
     verdicts = [v for _, v, _ in incidents.scan(run) if v]
-    assert [(v["kind"], v["culprit"], v["action"]) for v in verdicts] == [("sdc", {"rank": 1, "node": node}, "rollback")] * 2
+    assert [(v["kind"], v["culprit"], v["action"]) for v in verdicts] == \
+        [("sdc", {"rank": 1, "node": node}, "rollback")] * 2
     cordon = json.loads((run / "control" / "cordon" / node).read_text())   # named twice within the window
     assert (cordon["host"], cordon["reason"], cordon["ranks"], cordon["step"]) == (node, "replica_mismatch", [1], 20)
     assert cordon["incident"] == verdicts[1]["id"] and verdicts[1]["cordon"] == [node]

@@ -241,7 +241,8 @@ def check_from_event(event: dict, step: int, timestamp: float) -> ReplicaCheck:
             return ()
         return tuple(from_hex(v) for v in ([raw] * replicas if isinstance(raw, str) else raw))
 
-    return ReplicaCheck(step, float(event.get("clock", timestamp)), values(WEIGHTS), values(GRADIENTS), values("recomputed"),
+    return ReplicaCheck(step, float(event.get("clock", timestamp)), values(WEIGHTS), values(GRADIENTS),
+                        values("recomputed"),
                         tuple(event.get("nodes") or ()))
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 WEIGHTS, GRADIENTS = "weights", "gradients"
 MISMATCH, ARBITRATION = "replica_mismatch", "arbitration"
@@ -69,7 +69,7 @@ class Verdict:
     reasons: tuple[str, ...]
     action: str | None = "rollback"
     cordon: tuple[str, ...] = ()  # hosts to cordon now (a second mismatch within the window)
-    values: dict = field(default_factory=dict)   # {"weights": [...], "gradients": [...]} per rank
+    values: dict[str, Any] = field(default_factory=dict)   # {"weights": [...], "gradients": [...]} per rank
     timestamp: float = 0.0        # of the check that mismatched (an arbitration: of the first one)
 
 
@@ -110,7 +110,7 @@ class ReplicaMonitor:
 
     def __init__(self, policy: ReplicaPolicy | None = None):
         self.policy = policy or ReplicaPolicy()
-        self.pending: dict | None = None          # {"step", "what", "weights", "gradients"} to arbitrate
+        self.pending: dict[str, Any] | None = None          # {"step", "what", "weights", "gradients"} to arbitrate
         self.named: dict[str, list[float]] = {}   # host -> times it was named wrong
         self.mismatched: list[int] = []           # steps that mismatched (a replay reaching one again)
 
@@ -129,7 +129,8 @@ class ReplicaMonitor:
     def _mismatch(self, check: ReplicaCheck, what: str, repeated: bool) -> Verdict:
         values = check.gradients if what == GRADIENTS else check.weights
         reasons = [f"{what} fingerprints differ at step {check.step}: " + _spell(values)]
-        ranks, confidence = (), 0.0
+        ranks: tuple[int, ...] = ()
+        confidence = 0.0
         if check.recomputed and (flaky := unstable(check)):
             ranks, confidence = flaky, 0.9
             reasons.append(f"rank(s) {_ranks(flaky)} computed a different fingerprint when asked again")
@@ -158,6 +159,7 @@ class ReplicaMonitor:
     def _arbitrate(self, check: ReplicaCheck) -> Verdict | None:
         """The step of a two-replica mismatch, checked again after the replay."""
         pending, self.pending = self.pending, None
+        assert pending is not None      # observe() calls this only with one pending
         what = pending["what"]
         replayed, recorded = (check.gradients, pending["gradients"]) if what == GRADIENTS else \
             (check.weights, pending["weights"])
@@ -175,8 +177,8 @@ class ReplicaMonitor:
         return self._verdict(ARBITRATION, check, what, ranks, 0.8, reasons, recorded, action=None,
                              timestamp=pending["timestamp"])
 
-    def _verdict(self, kind: str, check: ReplicaCheck, what: str, ranks: tuple, confidence: float,
-                 reasons: list, values: tuple, action: str | None = "rollback",
+    def _verdict(self, kind: str, check: ReplicaCheck, what: str, ranks: tuple[int, ...], confidence: float,
+                 reasons: list[str], values: tuple[int, ...], action: str | None = "rollback",
                  timestamp: float | None = None) -> Verdict:
         nodes = tuple(n for n in (check.node_of(r) for r in ranks) if n is not None)
         cordon = self._cordon(nodes, check.timestamp)
@@ -198,10 +200,10 @@ class ReplicaMonitor:
         return tuple(cordon)
 
     # ----------------------------------------------------------------------------- persistence
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"pending": self.pending, "named": self.named, "mismatched": self.mismatched}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pending, self.named = state.get("pending"), dict(state.get("named") or {})
         self.mismatched = list(state.get("mismatched") or [])
 
@@ -217,9 +219,9 @@ def from_hex(text: str) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def check_fields(check: ReplicaCheck) -> dict:
+def check_fields(check: ReplicaCheck) -> dict[str, Any]:
     """The `replica_check` event: one value when the replicas agree, every rank's when they do not."""
-    fields: dict = {"replicas": len(check.weights), "clock": check.timestamp}
+    fields: dict[str, Any] = {"replicas": len(check.weights), "clock": check.timestamp}
     for name, values in ((WEIGHTS, check.weights), (GRADIENTS, check.gradients)):
         if values:
             fields[name] = hex64(values[0]) if agree(values) else [hex64(v) for v in values]
@@ -230,7 +232,7 @@ def check_fields(check: ReplicaCheck) -> dict:
     return fields
 
 
-def check_from_event(event: dict, step: int, timestamp: float) -> ReplicaCheck:
+def check_from_event(event: dict[str, Any], step: int, timestamp: float) -> ReplicaCheck:
     """The ReplicaCheck a `replica_check` event recorded (check_fields read back); `timestamp` stands in
     for the check's clock (rank 0's) when the event has none."""
     replicas = int(event["replicas"])
@@ -246,7 +248,7 @@ def check_from_event(event: dict, step: int, timestamp: float) -> ReplicaCheck:
                         tuple(event.get("nodes") or ()))
 
 
-def replay(records: Iterable[dict], policy: ReplicaPolicy | None = None) -> Iterator[Verdict]:
+def replay(records: Iterable[dict[str, Any]], policy: ReplicaPolicy | None = None) -> Iterator[Verdict]:
     """The verdicts a run took, from its TLS records: the lead rank's `replica_check` events, in order,
     through a fresh monitor (every rank records the same gathered fingerprints; one rank's suffice).
     `records`: decoded TLS records (timestamps as Unix seconds), any mix of ranks, in file order."""

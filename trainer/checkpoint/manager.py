@@ -239,15 +239,16 @@ class CheckpointManager:
         if self.engine == "files":
             return self._stager.stage(parts)
         extra = self._stager.stage(parts["extra"]) if self.rank == 0 else {}
-        tmp = self._tmp_dir(handle)
+        tmp = writer = None
         try:
+            tmp = self._tmp_dir(handle)
             future, writer = sharded.async_save(tmp, parts["tensors"], process_group=self._group.pg,
                                                 distributed=self._group.distributed,
                                                 extensions=compress_mod.writer_extensions(self.compress))
         except Exception as exc:
             future, writer = _failed_future(exc), None
         return {"tmp": tmp, "future": future, "writer": writer, "extra": extra,
-                "int_key_paths": sharded.int_key_paths(parts["tensors"])}
+                "int_key_paths": sharded.int_key_paths(parts["tensors"]), "bytes": state_mod.tensor_bytes(parts)}
 
     def wait(self) -> None:
         """Block until any async save is durable; raise its error (on_error="raise")."""
@@ -302,10 +303,12 @@ class CheckpointManager:
                 files = store.save_files(tmp, parts, concurrent=not self.async_save)
                 layout = None
             else:
-                tmp = tmp or self._tmp_dir(handle)
+                if "future" not in parts:
+                    tmp = self._tmp_dir(handle)
                 files = self._write_shards(tmp, parts)
                 layout = {"engine": "dcp", "compress": self.compress, "saved_by_ranks": self._group.size,
-                          "int_key_paths": parts.get("int_key_paths") or sharded.int_key_paths(parts["tensors"])}
+                          "int_key_paths": parts["int_key_paths"] if "future" in parts
+                          else sharded.int_key_paths(parts["tensors"])}
             ok, error = True, None
             if self.rank == 0:   # only once every rank's shards are durable
                 try:
@@ -344,8 +347,10 @@ class CheckpointManager:
             try:
                 parts["future"].result()
                 mine = sharded.written_entries(parts["writer"])
-            except Exception as exc:
-                error = exc
+            except BaseException as exc:   # DCP's CheckpointException is a BaseException
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                error = sharded.first_os_error(parts["writer"]) or sharded.as_checkpoint_error(exc)
         else:
             try:
                 mine = sharded.save(tmp, parts["tensors"], process_group=self._group.pg,
@@ -663,6 +668,8 @@ def _failed_future(exc: Exception) -> Any:
 
 def _bytes_needed(parts: Any) -> int:
     """About what the failed save needed on disk: the bytes of its tensors."""
+    if isinstance(parts, dict) and "future" in parts:
+        return parts["bytes"]
     return state_mod.tensor_bytes(parts)
 
 

@@ -41,10 +41,10 @@ def _dcp():
 class _HashingStream(io.RawIOBase):
     """A file being written by DCP: hashed as written; its entry is recorded when DCP closes it."""
 
-    def __init__(self, path: Path, record: dict[str, FileEntry]):
+    def __init__(self, path: Path, record: dict[str, FileEntry], errors: list[OSError]):
         super().__init__()
         self._raw = open(path, "xb")
-        self._path, self._record = path, record
+        self._path, self._record, self._errors = path, record, errors
         self._sha = hashlib.sha256()
         self._bytes = 0
 
@@ -54,7 +54,12 @@ class _HashingStream(io.RawIOBase):
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self._sha.update(view)
-        written = self._raw.write(view)
+        try:
+            written = self._raw.write(view)
+        except OSError as exc:
+            # torch.save masks it with "unexpected pos"; kept to be reported instead (ENOSPC, EIO)
+            self._errors.append(exc)
+            raise
         self._bytes += view.nbytes
         return written
 
@@ -70,7 +75,11 @@ class _HashingStream(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
-            self._raw.close()
+            try:
+                self._raw.close()
+            except OSError as exc:
+                self._errors.append(exc)
+                raise
             self._record[self._path.name] = FileEntry(self._path.name, self._sha.hexdigest(), self._bytes)
         super().close()
 
@@ -84,6 +93,7 @@ def _filesystem_class():
         def __init__(self) -> None:
             super().__init__()
             self.entries: dict[str, FileEntry] = {}
+            self.errors: list[OSError] = []
             self._lock = threading.Lock()
 
         @contextmanager
@@ -92,7 +102,7 @@ def _filesystem_class():
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            stream = _HashingStream(Path(path), self.entries)
+            stream = _HashingStream(Path(path), self.entries, self.errors)
             try:
                 yield stream
             finally:
@@ -124,12 +134,18 @@ def written_entries(writer: Any) -> list[FileEntry]:
     return sorted(writer.fs.entries.values(), key=lambda entry: entry.name)
 
 
+def first_os_error(writer: Any) -> OSError | None:
+    """The first real write error (ENOSPC, EIO) behind a failed DCP save, if any."""
+    errors = getattr(getattr(writer, "fs", None), "errors", None)
+    return errors[0] if errors else None
+
+
 def save(folder: Path, state: dict, *, process_group: Any = None, distributed: bool = False,
          thread_count: int = 1, extensions: list | None = None) -> list[FileEntry]:
     """DCP-save `state` into `folder` (every rank of `process_group` when `distributed`); the entries of
     the files this rank wrote (the coordinator's include ``.metadata``)."""
     writer = make_writer(folder, thread_count=thread_count, extensions=extensions)
-    with _quiet():
+    with _dcp_errors(writer):
         _dcp().save(state, storage_writer=writer, process_group=process_group, no_dist=not distributed)
     return written_entries(writer)
 
@@ -139,11 +155,44 @@ def async_save(folder: Path, state: dict, *, process_group: Any, distributed: bo
     """DCP's async_save (its own staging into host memory, its upload thread): (future, writer). The
     entries are in `written_entries(writer)` once the future is done."""
     writer = make_writer(folder, extensions=extensions)
-    with _quiet():
+    with _dcp_errors(writer):
         response = _dcp().async_save(state, storage_writer=writer, process_group=process_group,
                                      no_dist=not distributed)
     future = getattr(response, "upload_completion", response)
     return future, writer
+
+
+@contextmanager
+def _dcp_errors(writer: Any = None) -> Iterator[None]:
+    """DCP raises CheckpointException (a BaseException, not an Exception) wrapping each rank's error:
+    turn it into the real cause — the first OSError a writer saw (ENOSPC), our own CheckpointError from
+    inside a reader or planner, or a CheckpointError naming DCP's message."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _quiet():
+            yield
+    except (Exception, CheckpointException) as exc:
+        if first_os_error(writer) is not None:
+            raise first_os_error(writer) from None
+        if isinstance(exc, (CheckpointError, OSError)):
+            raise
+        raise as_checkpoint_error(exc) from None
+
+
+def as_checkpoint_error(exc: BaseException) -> CheckpointError | OSError:
+    causes = list(getattr(exc, "failures", {}).values()) or [exc]
+    causes = [cause[0] if isinstance(cause, tuple) else cause for cause in causes]   # (exception, traceback)
+    for cause in causes:
+        seen = cause
+        while seen is not None:
+            if isinstance(seen, (CheckpointError, OSError)):
+                return seen
+            seen = seen.__cause__ or seen.__context__
+    text = "; ".join(str(cause) for cause in causes)[:400]
+    code = "unsafe_content" if "weights_only" in text or "not allowed" in text or "refused" in text \
+        else "load_failed"
+    return CheckpointError(f"torch.distributed.checkpoint failed: {text}", code=code)
 
 
 @contextmanager
@@ -275,7 +324,7 @@ def load_into(folder: Path, target: dict, metadata_bytes: bytes, verified: dict[
     """DCP-load into `target` in place, resharding to its layout (DTensors of any world size)."""
     safe, _ = _planners()
     reader = _reader_class()(folder, metadata_bytes, verified, extensions)
-    with _quiet():
+    with _dcp_errors():
         _dcp().load(target, storage_reader=reader, planner=safe(), process_group=process_group,
                     no_dist=not distributed)
 
@@ -289,7 +338,7 @@ def load_full(folder: Path, metadata_bytes: bytes, verified: dict[str, os.stat_r
     _, full = _planners()
     reader = _reader_class()(folder, metadata_bytes, verified, extensions)
     state: dict = {}
-    with _quiet():
+    with _dcp_errors():
         _load_state_dict(state, storage_reader=reader, planner=full(), no_dist=True)
     for path in int_key_paths:
         _restore_int_keys(state, path)

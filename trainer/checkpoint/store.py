@@ -394,6 +394,12 @@ def _load_checked(path: Path, manifest: dict, into: dict | None, map_location: A
         if agree is not None:
             agree(False)
         raise
+    try:
+        sharded.read_metadata_bytes(metadata)   # refused here, with its reason, before DCP sees it
+    except CheckpointError:
+        if agree is not None:
+            agree(False)
+        raise
     if agree is not None and not agree(True):
         raise CheckpointError("another rank could not verify its files", code="peer_refused")
     extra_entry = next((e for e in entries if e.name == state_mod.EXTRA_FILE), None)
@@ -407,26 +413,11 @@ def _load_checked(path: Path, manifest: dict, into: dict | None, map_location: A
             sharded.load_into(path, into, metadata, stats, process_group=process_group,
                               distributed=process_group is not None, extensions=extensions)
             tensors = into
-    except CheckpointError:
-        raise
-    except Exception as exc:  # DCP wraps a rank's error (ours included) in CheckpointException
-        raise _dcp_error(path, exc) from None
+    except OSError as exc:
+        raise CheckpointError(f"could not read it ({exc})", code="load_failed", path=path) from None
     if into is None:
         tensors = compress.restore_dtypes(tensors, layout.get("dtypes", {}))
     return {**tensors, **extra}
-
-
-def _dcp_error(path: Path, exc: Exception) -> CheckpointError:
-    """The CheckpointError a DCP failure carries (possibly from another rank), else one naming it."""
-    causes = [exc, *getattr(exc, "failures", {}).values()] if hasattr(exc, "failures") else [exc]
-    for cause in causes:
-        cause = getattr(cause, "exception", cause)
-        for candidate in (cause, getattr(cause, "__cause__", None)):
-            if isinstance(candidate, CheckpointError):
-                return candidate
-    text = str(exc)
-    code = mf.UNSAFE_CONTENT if "weights_only" in text or "not allowed" in text else "load_failed"
-    return CheckpointError(f"DCP could not load it ({type(exc).__name__}: {text[:300]})", code=code, path=path)
 
 
 def _hash_checked(path: Path, entry: FileEntry, keep: bool) -> tuple[os.stat_result, bytes | None]:

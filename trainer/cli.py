@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local ranks, launched through torch's elastic launcher (gloo on CPU, nccl on GPU)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="R",
                         help="restarts of failed or killed workers by the elastic launcher (default 0)")
+    parser.add_argument("--start-over", action="store_true",
+                        help="the run directory holds checkpoints signed with another key: set them aside "
+                             "under checkpoints/invalid/ and train from scratch (without it, training refuses)")
 
 
 def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
@@ -109,6 +112,25 @@ def _absolute_paths(config: cfg.TrainConfig) -> None:
             setattr(holder, key, str(Path(value).absolute()))
 
 
+def _check_checkpoint_key(config: cfg.TrainConfig, run_dir: Path, start_over: bool) -> str | None:
+    """Before any rank starts: checkpoints signed with another key stop the run (a silent start from
+    step 0 would let retention destroy them), unless --start-over sets them aside. The message, or None."""
+    from trainguard.trainer.checkpoint import CheckpointError, CheckpointManager
+    from trainguard.trainer.checkpoint.manager import KeyMismatchError
+
+    try:
+        manager = CheckpointManager(run_dir, key_file=config.run.key_file or None)
+        if start_over:
+            for path in manager.set_aside_foreign():
+                print(f"trainguard train: --start-over: set aside {path}", file=sys.stderr)
+        manager.check_key()
+    except KeyMismatchError as exc:
+        return str(exc)
+    except CheckpointError as exc:   # a key with loose permissions, too short
+        return str(exc)
+    return None
+
+
 def _default_device(requested: str | None) -> str:
     if requested in ("cpu", "cuda"):
         return requested
@@ -138,6 +160,9 @@ def run(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     if not config.run.run_id:
         config.run.run_id = run_dir.name
+    if (refusal := _check_checkpoint_key(config, run_dir, args.start_over)) is not None:
+        print(f"trainguard train: {refusal}", file=sys.stderr)
+        return 2
     resolved = write_resolved(config, run_dir)
     if args.nproc > 1 or args.max_restarts > 0:
         from trainguard.trainer.launch import launch

@@ -157,6 +157,11 @@ class CheckpointManager:
 
     # --------------------------------------------------------------------------------------- keys
 
+    @property
+    def key_id(self) -> str:
+        """The fingerprint of the key in use (the `key_id` a manifest it signs carries)."""
+        return self._key_id
+
     def foreign_checkpoints(self) -> list[tuple[Path, str]]:
         """(path, key id) of every checkpoint whose manifest names another signing key than ours."""
         found = []

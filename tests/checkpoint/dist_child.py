@@ -3,7 +3,8 @@
     torchrun --nproc-per-node K dist_child.py save|load RUN_DIR KEY_FILE MODE [ASYNC]
 
 save: a GPT wrapped by MODE (ddp | fsdp2) trains two steps on K ranks and every rank saves step_2
-      through the manager (distributed); rank 0 also writes the whole weights to RUN_DIR/expected.pt.
+      through the manager (distributed); rank 0 also writes the whole weights to RUN_DIR/expected.pt;
+      then a fresh model restores it, as `load` does (one launch fewer).
 load: a fresh GPT wrapped by MODE on K ranks restores the newest checkpoint in place (resharded to K)
       and compares its whole weights and optimizer moments with what was saved; prints RESTORED OK.
 """
@@ -48,6 +49,23 @@ def moments(model, optim) -> dict:
     return {name: s["exp_avg"] for name, s in sorted(state["state"].items())}
 
 
+def restore(manager: CheckpointManager, model, optim, run_dir: Path) -> None:
+    target = parallel.train_state(model, optim)
+    found = manager.load_latest(into=target)
+    assert found is not None, "nothing restored"
+    ckpt, state = found
+    parallel.load_train_state(model, optim, state)
+    expected = torch.load(run_dir / "expected.pt", weights_only=True)
+    weights, exp_avg = parallel.full_weights(model), moments(model, optim)
+    for name, tensor in expected["weights"].items():
+        assert torch.equal(weights[name], tensor), f"{name} differs after restore"
+    for name, tensor in expected["exp_avg"].items():
+        assert torch.equal(exp_avg[name], tensor), f"exp_avg of {name} differs after restore"
+    assert state["data"] == {"position": [0]}
+    train(model, optim, steps=1)   # and training goes on from it
+    print(f"RESTORED OK step={ckpt.step} world={dist.get_world_size()}", flush=True)
+
+
 def main() -> None:
     action, run_dir, key_file, mode = sys.argv[1:5]
     async_save = len(sys.argv) > 5 and sys.argv[5] == "async"
@@ -63,22 +81,10 @@ def main() -> None:
         weights, exp_avg = parallel.full_weights(model), moments(model, optim)
         if dist.get_rank() == 0:
             torch.save({"weights": weights, "exp_avg": exp_avg}, Path(run_dir) / "expected.pt")
+        dist.barrier()
         print("SAVED OK", flush=True)
-    else:
-        target = {**parallel.train_state(model, optim)}
-        found = manager.load_latest(into=target)
-        assert found is not None, "nothing restored"
-        ckpt, state = found
-        parallel.load_train_state(model, optim, state)
-        expected = torch.load(Path(run_dir) / "expected.pt", weights_only=True)
-        weights, exp_avg = parallel.full_weights(model), moments(model, optim)
-        for name, tensor in expected["weights"].items():
-            assert torch.equal(weights[name], tensor), f"{name} differs after restore"
-        for name, tensor in expected["exp_avg"].items():
-            assert torch.equal(exp_avg[name], tensor), f"exp_avg of {name} differs after restore"
-        assert state["data"] == {"position": [0]} and ckpt.manifest["layout"]["saved_by_ranks"] >= 1
-        train(model, optim, steps=1)   # and training goes on from it
-        print(f"RESTORED OK step={ckpt.step} world={dist.get_world_size()}", flush=True)
+        model, optim = build(mode)
+    restore(manager, model, optim, Path(run_dir))
     manager.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -73,7 +73,6 @@ class RunConfig:
     keep_last: int = 3
     async_checkpoint: bool = False
     checkpoint_compress: str = "none"   # none | lossless (bit-exact, byte planes + zstd); fp16-zlib: exports only
-    parallel: str = "ddp"        # ddp | fsdp2 (fully_shard: each rank holds a shard; see trainer/parallel.py)
     key_file: str = ""           # HMAC key for checkpoint manifests; "" means the checkpoint default
     eval_every: int = 0          # periodic validation loss (non-critical work: paused by cost_warn)
     eval_batches: int = 4        # validation batches per check (also the stable-checkpoint check)
@@ -215,7 +214,6 @@ def validate(config: TrainConfig, source: str = "config") -> TrainConfig:
         (r.checkpoint_compress in ("none", "lossless"), "run.checkpoint_compress",
          "must be none or lossless (fp16-zlib is lossy: only for `trainguard checkpoint export`, never for "
          "the checkpoints a run resumes from)"),
-        (r.parallel in ("ddp", "fsdp2"), "run.parallel", "must be ddp or fsdp2"),
         (0 < config.data.val_fraction < 0.5, "data.val_fraction", "must be between 0 and 0.5"),
     ]
     for ok, key, message in checks:

@@ -42,6 +42,7 @@ from trainguard.trainer.checkpoint import state as state_mod
 from trainguard.trainer.checkpoint.manifest import CheckpointError, VerifyResult
 
 SUPERSEDED = "superseded"
+EXIT_NO_DURABLE_CHECKPOINT = 4   # a run that ends without a durable final checkpoint (RUN/checkpoints/status.json)
 INVALID = "invalid"          # checkpoints that did not verify, moved aside by retention (never deleted)
 STATUS_FILE = "status.json"  # the last save's outcome, for `trainguard status`
 ENGINES = ("dcp", "files")
@@ -576,6 +577,10 @@ class CheckpointManager:
         """Steps that have a step_<N> directory, oldest first (verified or not)."""
         return sorted(step for step, _ in self._step_dirs())
 
+    def is_durable(self, step: int) -> bool:
+        """A checkpoint of `step` exists under its final name and its manifest and sizes check out."""
+        return self.durable_step == step or self.verify_step(step, deep=False).ok
+
     def verify_step(self, step: int, *, deep: bool = True) -> VerifyResult:
         return self._verify(self.root / f"step_{step}", deep=deep)
 
@@ -657,6 +662,16 @@ class CheckpointManager:
             self._on_event(kind, **fields)
         except Exception as exc:  # a broken telemetry sink must not break checkpointing
             self._log.warning("checkpoint_event_sink_failed", kind=kind, error=repr(exc))
+
+
+def final_checkpoint_code(manager: "CheckpointManager", step: int, code: int, rank: int = 0) -> int:
+    """The trainer's exit code once it has ended at `step`: EXIT_NO_DURABLE_CHECKPOINT (rank 0) when it
+    completed but no durable checkpoint of that step exists (its saves failed: status.json says why)."""
+    if code != 0 or rank != 0 or manager.is_durable(step):
+        return code
+    manager._log.error("run_ended_without_a_durable_checkpoint", step=step, exit_code=EXIT_NO_DURABLE_CHECKPOINT,
+                       status=str(manager.root / STATUS_FILE))
+    return EXIT_NO_DURABLE_CHECKPOINT
 
 
 def _resumable(manifest: dict, stable_only: bool) -> bool:

@@ -120,8 +120,10 @@ def _check_checkpoint_key(config: cfg.TrainConfig, run_dir: Path, start_over: bo
     from trainguard.trainer.checkpoint import CheckpointError, CheckpointManager
     from trainguard.trainer.checkpoint.manager import KeyMismatchError
 
+    if not (run_dir / "checkpoints").is_dir():
+        return None   # nothing signed yet (and nothing is created here: the disk may be full)
     try:
-        manager = CheckpointManager(run_dir, key_file=config.run.key_file or None)
+        manager = CheckpointManager(run_dir, key_file=config.run.key_file or None, inspect_only=True)
         if start_over:
             for path in manager.set_aside_foreign():
                 print(f"trainguard train: --start-over: set aside {path}", file=sys.stderr)

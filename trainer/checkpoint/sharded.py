@@ -27,6 +27,10 @@ from typing import Any, Iterator
 from trainguard.trainer.checkpoint.manifest import CheckpointError, FileEntry
 
 METADATA = ".metadata"
+# DCP warns at every single-process save or load ("assuming the intent is to save in a single process"),
+# also from its async upload thread, where a catch_warnings around the call does not reach: that is our
+# intent, so this one message is ignored process-wide.
+warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled|unavailable)")
 SHARD_SUFFIX = ".distcp"
 
 
@@ -199,7 +203,7 @@ def as_checkpoint_error(exc: BaseException) -> CheckpointError | OSError:
 def _quiet() -> Iterator[None]:
     # DCP warns on every single-process save/load ("assuming the intent is..."); that is our intent.
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint")
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled|unavailable)")
         yield
 
 

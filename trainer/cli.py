@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="restarts of failed or killed workers by the elastic launcher (default with --nproc "
                              "over 1: the policy's alerts.max_restores_per_hour, room for the agent's restores; "
                              "else 0)")
+    parser.add_argument("--start-over", action="store_true",
+                        help="the run directory holds checkpoints signed with another key: set them aside "
+                             "under checkpoints/invalid/ and train from scratch (without it, training refuses)")
 
 
 def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
@@ -110,6 +113,27 @@ def _absolute_paths(config: cfg.TrainConfig) -> None:
         value = getattr(holder, key)
         if value and not value.startswith(("/", "~")):
             setattr(holder, key, str(Path(value).absolute()))
+
+
+def _check_checkpoint_key(config: cfg.TrainConfig, run_dir: Path, start_over: bool) -> str | None:
+    """Before any rank starts: checkpoints signed with another key stop the run (a silent start from
+    step 0 would let retention destroy them), unless --start-over sets them aside. The message, or None."""
+    from trainguard.trainer.checkpoint import CheckpointError, CheckpointManager
+    from trainguard.trainer.checkpoint.manager import KeyMismatchError
+
+    if not (run_dir / "checkpoints").is_dir():
+        return None   # nothing signed yet (and nothing is created here: the disk may be full)
+    try:
+        manager = CheckpointManager(run_dir, key_file=config.run.key_file or None, inspect_only=True)
+        if start_over:
+            for path in manager.set_aside_foreign():
+                print(f"trainguard train: --start-over: set aside {path}", file=sys.stderr)
+        manager.check_key()
+    except KeyMismatchError as exc:
+        return str(exc)
+    except CheckpointError as exc:   # a key with loose permissions, too short
+        return str(exc)
+    return None
 
 
 def _default_device(requested: str | None) -> str:
@@ -182,6 +206,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not config.run.run_id:
         config.run.run_id = run_dir.name
+    if (refusal := _check_checkpoint_key(config, run_dir, args.start_over)) is not None:
+        print(f"trainguard train: {refusal}", file=sys.stderr)
+        return 2
     try:
         resolved = write_resolved(config, run_dir)
     except OSError as exc:

@@ -72,6 +72,7 @@ class RunConfig:
     checkpoint_on_error: str = "warn"       # a failed save: "warn" trains on (the previous one stays), "raise" ends
     keep_last: int = 3
     async_checkpoint: bool = False
+    checkpoint_compress: str = "none"   # none | lossless (bit-exact, byte planes + zstd); fp16-zlib: exports only
     key_file: str = ""           # HMAC key for checkpoint manifests; "" means the checkpoint default
     eval_every: int = 0          # periodic validation loss (non-critical work: paused by cost_warn)
     eval_batches: int = 4        # validation batches per check (also the stable-checkpoint check)
@@ -210,6 +211,9 @@ def validate(config: TrainConfig, source: str = "config") -> TrainConfig:
         (r.steps >= 0, "run.steps", "must not be negative"),
         (r.device in ("auto", "cpu", "cuda"), "run.device", "must be auto, cpu or cuda"),
         (r.checkpoint_on_error in ("warn", "raise"), "run.checkpoint_on_error", "must be warn or raise"),
+        (r.checkpoint_compress in ("none", "lossless"), "run.checkpoint_compress",
+         "must be none or lossless (fp16-zlib is lossy: only for `trainguard checkpoint export`, never for "
+         "the checkpoints a run resumes from)"),
         (0 < config.data.val_fraction < 0.5, "data.val_fraction", "must be between 0 and 0.5"),
     ]
     for ok, key, message in checks:

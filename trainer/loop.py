@@ -30,6 +30,7 @@ from trainguard.trainer.model import GPT
 from trainguard.trainer.progress import Progress
 from trainguard.trainer.recovery import grad_accum_steps, trainer_callbacks
 from trainguard.trainer.replica_check import ReplicaChecks
+from trainguard.trainer.checkpoint.manager import final_checkpoint_code
 from trainguard.trainer.state import checkpoint_states
 from trainguard.trainer.step import GradNorms, LRSchedule, forward_backward
 from trainguard.trainer.telemetry import CommTimer, StepTelemetry, StepTimer
@@ -170,6 +171,7 @@ class Trainer:
                 self.protector.finish()
                 code = EXIT_OK
             self.protector.wait()
+            code = final_checkpoint_code(self.protector.checkpoints.manager, self.state.step, code, self.rank)
         finally:
             if self.progress:
                 self.progress.close()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from trainguard import log, policy as policy_mod
 from trainguard.decide.guard import Guard, StepStats
 from trainguard.trainer import mfu
+from trainguard.trainer import schedules as dynamics
 from trainguard.trainer.config import TrainConfig
 from trainguard.trainer.control import ControlChannel, write_rank_file
 from trainguard.trainer.data import ShardLoader, open_stream
@@ -32,7 +33,7 @@ from trainguard.trainer.model import GPT
 from trainguard.trainer.progress import Progress
 from trainguard.trainer.recovery import EXIT_OK, EXIT_STOPPED, Recovery
 from trainguard.trainer.state import Checkpoints
-from trainguard.trainer.step import GradNorms, HealthSync, LRSchedule, forward_backward
+from trainguard.trainer.step import GradNorms, HealthSync, forward_backward
 from trainguard.trainer.telemetry import CommTimer, StepTelemetry, StepTimer
 
 
@@ -75,9 +76,9 @@ class Trainer:
         self.layer_names, owners = self.model.layer_of_parameters()
         self.norms = GradNorms(list(self.model.parameters()), owners, self.layer_names)
         self.optimizer = torch.optim.AdamW(
-            self.model.optimizer_groups(config.optim.weight_decay), lr=config.optim.lr,
+            dynamics.optimizer_groups(self.model, config.optim.weight_decay), lr=config.optim.lr,
             betas=(config.optim.beta1, config.optim.beta2), fused=self.device.type == "cuda")
-        self.schedule = LRSchedule(config.optim, run.steps)
+        self.schedule = dynamics.Dynamics(config.optim, run.steps, self.policy)
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if self.device.type == "cuda" \
             else nullcontext
 
@@ -95,6 +96,7 @@ class Trainer:
         self.peak_source = peak_source
         self.health = HealthSync(self.world, self.rank, self.device)
         self.guard = Guard(self.policy.guard)
+        self.schedule.bind(self.model, self.optimizer, self.telemetry.event)
         self.faults = FaultInjector(run.inject, self.run_dir, self.rank, emit=self.telemetry.event)
         self.control = ControlChannel(self.run_dir, self.rank, self.log)
         self.checkpoints = Checkpoints(
@@ -135,6 +137,7 @@ class Trainer:
             self.log.error("this run was stopped by the guard; not starting again", **refusal)
             return EXIT_STOPPED
         resumed_from = self.recovery.resume()
+        self.schedule.start(self.step, resumed=resumed_from is not None)
         self.telemetry.event("run_start", step=self.step, resumed_from=resumed_from,
                              restart_count=self.info.restart_count, world_size=self.world,
                              device=self.device.type, peak_flops=self.telemetry.peak_flops,
@@ -175,18 +178,21 @@ class Trainer:
 
         loss_factor, grad_factor = self.faults.loss_factors(step)
         lr = self.schedule.lr()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.schedule.apply_lr(lr)
         loss = forward_backward(self.ddp, x, y, self.micro_batch, autocast=self.autocast(),
                                 loss_factor=loss_factor, grad_factor=grad_factor)
         grad_norm, layer_norms = self.norms.compute()
-        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), cfg.optim.grad_clip, grad_norm)
+        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.schedule.clip_threshold(), grad_norm)
+        layer_norms = torch.cat([layer_norms, dynamics.param_norm(self.norms.params).reshape(1)])
         health = self.health.sync(loss, grad_norm, layer_norms, control)
         timer.mark("forward_backward")
 
-        layers = dict(zip(self.layer_names, health.layer_norms))
+        *layer_values, param_norm = health.layer_norms
+        layers = dict(zip(self.layer_names, layer_values))
+        step_metrics = {"param_norm": param_norm, **self.schedule.after_sync(health.grad_norm)}
         loss_seen = health.loss if health.nonfinite_ranks == 0 else math.nan
-        decision = self.guard.observe(StepStats(step, loss_seen, health.grad_norm, layers, health.timestamp))
+        decision = self.schedule.respond(
+            self.guard.observe(StepStats(step, loss_seen, health.grad_norm, layers, health.timestamp)))
         if decision.action is None:
             self.optimizer.step()
             self.schedule.updates += 1
@@ -196,21 +202,25 @@ class Trainer:
         self.step = step
 
         timings = timer.stop()
-        self._record(step, health, layers, loss_seen, lr, timings)
+        self._record(step, health, layers, loss_seen, lr, timings, **step_metrics)
 
         if decision.action is not None and (code := self.recovery.on_decision(decision)) is not None:
             return code
         if health.control_code and (code := self.recovery.on_request(health.control_code,
                                                                     health.control_line)) is not None:
             return code
+        self.schedule.after_step(step, dynamics.StepSignals(step, loss_seen, health.grad_norm, param_norm),
+                                 applied=decision.action is None, rolled_back=self.step != step,
+                                 evaluate=lambda why: self.evaluate("lr_phase", wanted=why))
         self.periodic_work(health.timestamp)
         return None
 
-    def _record(self, step: int, health, layers: dict, loss: float, lr: float, timings: dict) -> None:
+    def _record(self, step: int, health, layers: dict, loss: float, lr: float, timings: dict, **extra) -> None:
         """This step's TLS record and progress line, from values already on the host."""
         batch = self.cfg.optim.batch_size
         tokens = batch * self.cfg.model.block_size
-        extra = {"comm_seconds": self.comm_timer.take()} if self.comm_timer else {}
+        if self.comm_timer:
+            extra["comm_seconds"] = self.comm_timer.take()
         self.telemetry.step(
             step, loss=loss, grad_norm=health.grad_norm, grad_norm_by_layer=layers, learning_rate=lr,
             tokens=tokens, samples=batch, timings=timings, tokens_trained=self.tokens_trained,

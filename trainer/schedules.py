@@ -1,0 +1,179 @@
+"""The trainer's side of the training-dynamics machines (trainguard/decide/schedules.py, clipping.py,
+layers.py): the LR of each update, the clip threshold, per-layer LR multipliers, and their TLS records.
+
+`Dynamics` is the trainer's LR schedule (it extends `LRSchedule`, so rollback's LR cut and re-warm, and
+the checkpoint's ``sched`` entry, work as before) and adds, per step:
+
+    threshold = dynamics.clip_threshold()              # before the step: a host float, no sync
+    ...clip to it; param_norm() joins the step's one sync...
+    metrics = dynamics.after_sync(grad_norm)           # clip_threshold, clip_coef for the TLS record
+    decision = dynamics.respond(decision)              # a layer's rollback: cut its LR (in the event)
+    dynamics.after_step(step, signals, applied, ...)   # observe, evaluate when asked, lr_phase events
+
+What it keeps in the checkpoint (inside ``sched``): the machine's state (restored on rollback and
+resume, as the cosine position always was), the clipper's history, and the layer multipliers, which a
+rollback does *not* take back from the older checkpoint (like the LR cut, they accumulate), but a restart
+does restore.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import torch
+
+from trainguard.decide import clipping
+from trainguard.decide import schedules as machines
+from trainguard.decide.decision import Decision
+from trainguard.decide.layers import LayerResponse
+from trainguard.decide.schedules import PhaseChange, StepSignals
+from trainguard.policy import Policy
+from trainguard.trainer.config import OptimConfig
+from trainguard.trainer.step import LRSchedule
+
+
+def layer_group(layer: str) -> str:
+    """The phase scheduler's layer groups: ``embed`` (embeddings, tied head), ``blocks``, ``ln_f``."""
+    return "blocks" if layer.startswith("h.") else layer
+
+
+def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups per layer (so each can have its own LR multiplier), decay and no-decay apart as the
+    model's own `optimizer_groups` splits them (matrices and embeddings decay; biases and gains do not)."""
+    names, owners = model.layer_of_parameters()
+    groups: dict[tuple[str, bool], list] = {}
+    for param, owner in zip(model.parameters(), owners):
+        if param.requires_grad:
+            groups.setdefault((names[owner], param.dim() >= 2), []).append(param)
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0, "layer": layer}
+            for (layer, decay), params in groups.items()]
+
+
+class Dynamics(LRSchedule):
+    def __init__(self, optim: OptimConfig, total_steps: int, policy: Policy):
+        super().__init__(optim, total_steps)
+        dynamics = machines.preset(policy.dynamics, optim.schedule_preset)
+        self.machine = machines.make(optim.schedule, dynamics, warmup_steps=optim.warmup_steps,
+                                     min_lr=optim.min_lr)
+        self.clipper = clipping.make(optim.clip_rule, dynamics.clipping, fixed=optim.grad_clip)
+        self.layers = LayerResponse(dynamics.layers, reinit=optim.layer_reinit)
+        self.emit: Callable[..., Any] = lambda *args, **kwargs: None
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.restored: PhaseChange | None = None     # a phase change a checkpoint load made, not yet written
+        self._multipliers_before_load: dict[str, float] = {}
+
+    def bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, emit: Callable[..., Any]) -> None:
+        """What it acts on: the model (layer re-init), the optimizer (group LRs), the event writer."""
+        self.model, self.optimizer, self.emit = model, optimizer, emit
+
+    # ------------------------------------------------------------------------------------ the LR
+    def lr(self) -> float:
+        shape = self.machine.lr()
+        if shape is None:                   # cosine: the trainer's own schedule
+            return super().lr()
+        since = self.updates + 1 - self.rewarm_from
+        if self.rewarm and since <= self.rewarm:      # a rollback's re-warm, as LRSchedule applies it
+            shape *= since / self.rewarm
+        return shape * self.scale
+
+    def apply_lr(self, lr: float) -> None:
+        """Each group's LR: the step's LR x its layer's multiplier x its layer group's phase factor."""
+        factors = self.machine.group_factors()
+        for group in self.optimizer.param_groups:
+            layer = group.get("layer")
+            group["lr"] = lr if layer is None else (
+                lr * self.layers.multiplier(layer) * factors.get(layer_group(layer), 1.0))
+
+    # ------------------------------------------------------------------------------- clipping
+    def clip_threshold(self) -> float:
+        return self.clipper.threshold()
+
+    def after_sync(self, grad_norm: float) -> dict:
+        return self.clipper.observe(grad_norm).metrics()
+
+    # --------------------------------------------------------------------------------- phases
+    def start(self, step: int, resumed: bool) -> None:
+        """The run's opening ``lr_phase`` event; a resumed run's says the phase it resumed in."""
+        self.restored = None
+        change = self.machine.start(step)
+        self._write(PhaseChange(change.step, change.schedule, change.phase, None,
+                                "resume" if resumed else "start", change.learning_rate, change.detail))
+
+    def after_step(self, step: int, signals: StepSignals, *, applied: bool, rolled_back: bool,
+                   evaluate: Callable[[str], float]) -> None:
+        """Feed an applied, kept step to the machine; evaluate when it asks; write its changes."""
+        changes = []
+        if self.restored is not None:
+            changes.append(dataclasses.replace(self.restored, step=step))
+            self.restored = None
+        if rolled_back and self.pending_reinit is not None:
+            layer = self.reinit_layer()
+            if layer is not None:
+                self.emit("layer_reinit", step=step, layer=layer)
+        if applied and not rolled_back:
+            changes += self.machine.observe(signals)
+            if self.machine.waiting:
+                changes += self.machine.evaluated(step, evaluate(self.machine.waiting))
+        for change in changes:
+            self._write(change)
+
+    def _write(self, change: PhaseChange) -> None:
+        self.emit(machines.EVENT, step=change.step, **change.as_event())
+
+    # ------------------------------------------------------------------------- layer response
+    def respond(self, decision: Decision) -> Decision:
+        """A rollback one layer's norm caused: that layer's LR multiplier is cut, and the decision (so the
+        rollback event) says so."""
+        cut = self.layers.on_decision(decision)
+        if cut is None:
+            return decision
+        self.pending_reinit = cut.layer if cut.reinit else None
+        return Decision(decision.action, decision.reason, decision.step, decision.timestamp,
+                        {**decision.detail, **cut.detail()})
+
+    pending_reinit: str | None = None
+
+    def after_rollback(self, factor: float, rewarm: int) -> None:
+        super().after_rollback(factor, rewarm)
+        self.layers.multipliers = self._multipliers_before_load     # they accumulate, as the LR cut does
+
+    def reinit_layer(self) -> str | None:
+        """Opt-in (optim.layer_reinit): the cut layer's parameters initialised again, their Adam moments
+        dropped. Only a transformer block can be (the embeddings are tied to the head)."""
+        model, layer, self.pending_reinit = self.model, self.pending_reinit, None
+        if layer is None or not layer.startswith("h."):
+            return None
+        block = model.transformer.h[int(layer.split(".")[1])]
+        with torch.no_grad():
+            block.apply(model._init_weights)
+            for name, param in block.named_parameters():
+                if name.endswith("c_proj.weight"):
+                    torch.nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * model.config.n_layer))
+                if name.startswith("ln") and name.endswith("weight"):
+                    torch.nn.init.ones_(param)
+                elif name.startswith("ln") and name.endswith("bias"):
+                    torch.nn.init.zeros_(param)
+        for param in block.parameters():
+            self.optimizer.state.pop(param, None)
+        return layer
+
+    # ---------------------------------------------------------------------------- persistence
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "machine": self.machine.state_dict(),
+                "clipper": self.clipper.state_dict(), "layers": self.layers.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "machine" in state:
+            self.restored = self.machine.restore(state["machine"], step=-1, reason="rollback")
+            self.clipper.load_state_dict(state["clipper"])
+            self._multipliers_before_load = dict(self.layers.multipliers)
+            self.layers.load_state_dict(state["layers"])
+
+
+def param_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of the parameters, on the device (joins the step's one sync)."""
+    return torch.stack(torch._foreach_norm([p.detach() for p in params])).float().pow(2).sum().sqrt()

@@ -137,12 +137,12 @@ class Trainer:
             self.log.error("this run was stopped by the guard; not starting again", **refusal)
             return EXIT_STOPPED
         resumed_from = self.recovery.resume()
-        self.schedule.start(self.step, resumed=resumed_from is not None)
         self.telemetry.event("run_start", step=self.step, resumed_from=resumed_from,
                              restart_count=self.info.restart_count, world_size=self.world,
                              device=self.device.type, peak_flops=self.telemetry.peak_flops,
                              peak_flops_source=self.peak_source, flops_per_token=self.model.flops_per_token(),
                              params=self.model.num_params())
+        self.schedule.start(self.step, resumed=resumed_from is not None)
         self.log.info("training", steps=self.cfg.run.steps, start_step=self.step, world_size=self.world,
                       device=str(self.device), params=self.model.num_params())
         code = None

@@ -37,6 +37,7 @@ MARKER_KINDS = {
     "restore": "restore",
     "alert": "alert",
     "fault_injected": "fault",
+    "lr_phase": "phase",          # LR schedule phase changes (docs/dynamics.md)
 }
 
 

@@ -258,7 +258,34 @@ def load(path: str | Path | None = None) -> Policy:
     tiers = policy.cost.tiers
     if not tiers.warn <= tiers.throttle <= tiers.stop:
         raise PolicyError(f"{source}: cost.tiers: expected warn <= throttle <= stop, got {tiers}")
+    _check_dynamics(policy.dynamics, source)
     return policy
+
+
+# (key, test, what it must be) for the dynamics block: factors that shrink must shrink, windows must hold two.
+DYNAMICS_RULES = (
+    ("stability.window", lambda v: v >= 2, "at least 2"),
+    ("plateau.window", lambda v: v >= 2, "at least 2"),
+    ("breathing.exhale_factor", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("breathing.restart_factor", lambda v: v >= 1, "at least 1"),
+    ("breathing.pause_window", lambda v: v >= 1, "at least 1"),
+    ("phase.development_decay", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("phase.development_floor", lambda v: v <= 1, "at most 1"),
+    ("phase.refinement_factor", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("clipping.ema_alpha", lambda v: 0 < v < 1, "in (0, 1)"),
+    ("clipping.percentile", lambda v: v <= 100, "at most 100"),
+    ("clipping.history", lambda v: v >= 1, "at least 1"),
+    ("layers.lr_factor", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("layers.min_multiplier", lambda v: 0 < v <= 1, "in (0, 1]"),
+)
+
+
+def _check_dynamics(dynamics: "DynamicsPolicy", source: str) -> None:
+    for key, ok, must in DYNAMICS_RULES:
+        section, name = key.split(".")
+        value = getattr(getattr(dynamics, section), name)
+        if not ok(value):
+            raise PolicyError(f"{source}: dynamics.{key}: must be {must}, got {value!r}")
 
 
 def dump(policy: Policy) -> str:

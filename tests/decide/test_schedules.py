@@ -249,3 +249,19 @@ def test_cpu_preset_scales_the_spans_and_the_seed_preset_keeps_the_seed_numbers(
     with pytest.raises(ValueError, match="unknown schedule"):
         schedules.make("linear", DynamicsPolicy(), warmup_steps=0, min_lr=0.0)
     assert dataclasses.asdict(cpu)["stability"]["window"] == schedules.CPU_PRESET["stability"]["window"]
+
+
+def test_policy_file_overrides_dynamics_and_bad_values_name_the_key(tmp_path):
+    from trainguard import policy as tgpolicy
+
+    path = tmp_path / "policy.yaml"
+    path.write_text("dynamics:\n  breathing: {inhale_steps: 300}\n  clipping: {z_thresh: 3}\n")
+    loaded = tgpolicy.load(path)
+    assert loaded.dynamics.breathing.inhale_steps == 300 and loaded.dynamics.clipping.z_thresh == 3.0
+    for text, key in (("breathing: {exhale_factor: 1.5}", "dynamics.breathing.exhale_factor"),
+                      ("clipping: {ema_alpha: 1.0}", "dynamics.clipping.ema_alpha"),
+                      ("layers: {lr_factor: 0}", "dynamics.layers.lr_factor"),
+                      ("phase: {min_phase: 3}", "dynamics.phase.min_phase")):
+        path.write_text(f"dynamics:\n  {text}\n")
+        with pytest.raises(tgpolicy.PolicyError, match=key.replace(".", r"\.")):
+            tgpolicy.load(path)

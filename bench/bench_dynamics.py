@@ -9,7 +9,9 @@ clipping differs. Reported per variant, mean and spread (sample standard deviati
 
   final val loss      the validation loss of the checkpoint at the last step (the same `eval_batches`
                       windows of the held-out tail every time)
-  interventions       guard decisions in the run's log: skip_step + rollback + stop events
+  interventions       guard decisions in the run's log: skip_step + rollback + stop events (a checkpoint
+                      every 25 steps gives rollbacks somewhere to go; a run the guard stopped has no
+                      final validation loss and is left out of the mean, and the table says so)
   phase changes       lr_phase events after the opening one
   clipped steps       steps whose clip_coef < 1
 
@@ -51,6 +53,8 @@ VARIANTS = {
 }
 DEFAULT_VARIANTS = ["cosine", "breathing", "phase", "cosine + zscore clip"]
 INTERVENTIONS = ("skip_step", "rollback", "stop")
+CHECKPOINT_EVERY = 25     # so the guard's rollbacks have a stable checkpoint to go back to
+STOPPED = 3               # the guard stopped the run (rollback limit): no final validation loss
 
 
 def train(run_dir: Path, steps: int, seed: int, policy: Path, flags: list[str]) -> float:
@@ -60,8 +64,8 @@ def train(run_dir: Path, steps: int, seed: int, policy: Path, flags: list[str]) 
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
         code = main(["train", "--run-dir", str(run_dir), "--device", "cpu", "--steps", str(steps),
                      "--seed", str(seed), "--lr", str(PEAK_LR), "--policy", str(policy), "--log-every", "1000",
-                     *flags])
-    if code != 0:
+                     "--checkpoint-every", str(CHECKPOINT_EVERY), *flags])
+    if code not in (0, STOPPED):
         raise RuntimeError(f"{run_dir}: trainguard train exited {code}")
     return time.perf_counter() - started
 
@@ -70,13 +74,22 @@ def outcome(run_dir: Path, steps: int) -> dict:
     records = tls.read_records(run_dir / "tls" / "rank-0.jsonl")
     events = [r["event"] for r in records if "event" in r]
     final = [e for e in events if e["type"] == "evaluation" and e.get("step") == steps and e["purpose"] == "checkpoint"]
-    return {"val_loss": final[-1]["val_loss"],
+    stopped = [e["step"] for e in events if e["type"] == "stop"]
+    return {"val_loss": final[-1]["val_loss"] if final else None, "stopped_at": stopped[0] if stopped else None,
             "interventions": sum(e["type"] in INTERVENTIONS for e in events),
             "phase_changes": sum(e["type"] == "lr_phase" and e.get("from") is not None for e in events),
             "clipped": sum(r["metrics"].get("clip_coef", 1.0) < 1.0 for r in records if "metrics" in r)}
 
 
-def spread(values: list[float]) -> str:
+def spread(values: list[float | None]) -> str:
+    finished = [v for v in values if v is not None]
+    note = f" ({len(values) - len(finished)} stopped)" if len(finished) < len(values) else ""
+    if not finished:
+        return "none finished"
+    return _spread(finished) + note
+
+
+def _spread(values: list[float]) -> str:
     mean = statistics.fmean(values)
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{mean:.4f} ± {sd:.4f}"
@@ -104,11 +117,12 @@ def main(argv: list[str] | None = None) -> int:
             rows[name] = results
     print(f"tiny model, default corpus, {args.steps} steps, seeds {' '.join(map(str, args.seeds))}, peak LR "
           f"{PEAK_LR}, spans {SPANS}; {seconds:.0f} s of training in all\n")
-    print("| variant | final val loss (mean ± sd) | guard interventions | phase changes | clipped steps |")
-    print("|---|---|---|---|---|")
+    print("| variant | final val loss (mean ± sd) | guard interventions | stopped at step | phase changes | clipped steps |")
+    print("|---|---|---|---|---|---|")
     for name, results in rows.items():
         cells = [spread([r["val_loss"] for r in results])] + [
-            " / ".join(str(r[key]) for r in results) for key in ("interventions", "phase_changes", "clipped")]
+            " / ".join(str(r[key]) if r[key] is not None else "-" for r in results)
+            for key in ("interventions", "stopped_at", "phase_changes", "clipped")]
         print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 

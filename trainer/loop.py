@@ -199,6 +199,8 @@ class Trainer:
             self.tokens_trained += batch * cfg.model.block_size
         self.optimizer.zero_grad(set_to_none=True)
         timer.mark("optimizer")
+        self.schedule.observe(dynamics.StepSignals(step, loss_seen, health.grad_norm, param_norm),
+                              applied=decision.action is None, validate=self.validation_loss)
         self.step = step
 
         timings = timer.stop()
@@ -209,9 +211,7 @@ class Trainer:
         if health.control_code and (code := self.recovery.on_request(health.control_code,
                                                                     health.control_line)) is not None:
             return code
-        self.schedule.after_step(step, dynamics.StepSignals(step, loss_seen, health.grad_norm, param_norm),
-                                 applied=decision.action is None, rolled_back=self.step != step,
-                                 evaluate=lambda why: self.evaluate("lr_phase", wanted=why))
+        self.schedule.after_step(step, rolled_back=self.step != step)
         self.periodic_work(health.timestamp)
         return None
 

@@ -8,7 +8,9 @@ the checkpoint's ``sched`` entry, work as before) and adds, per step:
     ...clip to it; param_norm() joins the step's one sync...
     metrics = dynamics.after_sync(grad_norm)           # clip_threshold, clip_coef for the TLS record
     decision = dynamics.respond(decision)              # a layer's rollback: cut its LR (in the event)
-    dynamics.after_step(step, signals, applied, ...)   # observe, evaluate when asked, lr_phase events
+    dynamics.observe(signals, applied=..., validate=...)   # after the update, before a checkpoint is due
+    ...the decision, the request, the checkpoint...
+    dynamics.after_step(step, rolled_back=...)         # its lr_phase (and evaluation) events
 
 What it keeps in the checkpoint (inside ``sched``): the machine's state (restored on rollback and
 resume, as the cosine position always was), the clipper's history, and the layer multipliers, which a
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any, Callable
 
 import torch
@@ -63,6 +66,9 @@ class Dynamics(LRSchedule):
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.restored: PhaseChange | None = None     # a phase change a checkpoint load made, not yet written
+        self.phase_before = self.machine.phase        # the phase before the step `observe` last saw
+        self._observed: list[PhaseChange] = []        # its changes, written by `after_step`
+        self._evaluation: dict | None = None
         self._multipliers_before_load: dict[str, float] = {}
 
     def bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, emit: Callable[..., Any]) -> None:
@@ -102,21 +108,35 @@ class Dynamics(LRSchedule):
         self._write(PhaseChange(change.step, change.schedule, change.phase, None,
                                 "resume" if resumed else "start", change.learning_rate, change.detail))
 
-    def after_step(self, step: int, signals: StepSignals, *, applied: bool, rolled_back: bool,
-                   evaluate: Callable[[str], float]) -> None:
-        """Feed an applied, kept step to the machine; evaluate when it asks; write its changes."""
-        changes = []
-        if self.restored is not None:
-            changes.append(dataclasses.replace(self.restored, step=step))
-            self.restored = None
-        if rolled_back and self.pending_reinit is not None:
-            layer = self.reinit_layer()
-            if layer is not None:
+    def observe(self, signals: StepSignals, *, applied: bool, validate: Callable[[], float]) -> None:
+        """Right after the optimizer step (or its skip), before the checkpoint of this step is due: feed an
+        applied step to the machine, and take the validation loss it asks for. Written by `after_step`."""
+        self.phase_before = self.machine.phase
+        self._observed = []
+        if not applied:
+            return
+        self._observed = self.machine.observe(signals)
+        if self.machine.waiting:
+            began = time.perf_counter()
+            val = validate()
+            self._evaluation = {"val_loss": val, "purpose": "lr_phase", "wanted": self.machine.waiting,
+                                "seconds": time.perf_counter() - began}
+            self._observed += self.machine.evaluated(signals.step, val)
+
+    def after_step(self, step: int, *, rolled_back: bool) -> None:
+        """After the step's decision and request were carried out: its events. A step that was rolled back
+        (the guard's decision, or a request) is abandoned with its changes; the checkpoint's phase counts."""
+        changes, self._observed = self._observed, []
+        evaluation, self._evaluation = self._evaluation, None
+        if evaluation is not None:
+            self.emit("evaluation", step=step, **evaluation)
+        if rolled_back:
+            changes = []
+            restored, self.restored = self.restored, None
+            if restored is not None and restored.phase != self.phase_before:
+                changes.append(dataclasses.replace(restored, step=step, previous=self.phase_before))
+            if self.pending_reinit is not None and (layer := self.reinit_layer()) is not None:
                 self.emit("layer_reinit", step=step, layer=layer)
-        if applied and not rolled_back:
-            changes += self.machine.observe(signals)
-            if self.machine.waiting:
-                changes += self.machine.evaluated(step, evaluate(self.machine.waiting))
         for change in changes:
             self._write(change)
 

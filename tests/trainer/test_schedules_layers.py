@@ -47,8 +47,8 @@ def test_layer_rollback_cuts_that_layers_lr_keeps_it_and_a_restart_restores_it(t
     block = [p.detach().clone() for p in t.model.transformer.h[1].parameters()]
     decision = t.schedule.respond(layer_rollback())
     t.recovery.on_decision(decision)
-    t.schedule.after_step(7, StepSignals(7, 3.0, 1.0, 20.0), applied=False, rolled_back=t.step != 7,
-                          evaluate=lambda why: 3.0)
+    t.schedule.observe(StepSignals(7, 3.0, 1.0, 20.0), applied=False, validate=lambda: 3.0)
+    t.schedule.after_step(7, rolled_back=t.step != 7)
     (rollback,) = events(run, "rollback")
     assert rollback["layer"] == "h.1" and rollback["restored_step"] == 5
     assert (rollback["layer_lr_multiplier"], rollback["layer_lr_multiplier_before"], rollback["layer_reinit"]) == \

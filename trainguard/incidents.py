@@ -1,0 +1,218 @@
+"""``RUN/incidents/<id>/``: one incident's verdict and the evidence it was decided on.
+
+The layout is a contract (shared/design.md)::
+
+    RUN/incidents/<id>/incident.json     {"id", "kind", "detected_at", "detected_by",
+                                          "culprit": {"rank", "node"} | null, "confidence",
+                                          "reasons": [...], "action"}
+    RUN/incidents/<id>/rank-<r>.stack.txt  a rank's Python stacks (py-spy)
+    RUN/incidents/<id>/rank-<r>.fr.json    a rank's Flight Recorder dump
+    RUN/incidents/<id>/node-<host>.json    the node's signals at that moment
+
+Why it is written this way:
+
+- The run directory is shared by every node, and each node adds its own evidence to the same incident,
+  so every file is written on its own, atomically (a temporary name, fsync, rename): a reader sees a
+  whole file or none, never half of one, and two nodes never write the same name.
+- Evidence is bounded: each file is cut at ``MAX_FILE_BYTES`` (saying so at the cut) and an incident
+  refuses evidence past ``MAX_INCIDENT_BYTES``, so a stack dump of a thousand threads cannot fill the
+  disk of the run it is meant to help.
+- Anyone who can write the run directory can write a file here, so reading is strict: an
+  ``incident.json`` that does not match the layout is an :class:`IncidentError` naming the file and
+  the field, never a crash of ``trainguard incidents`` and never trusted by whoever acts on it.
+
+Pure of torch; files only. The verdict itself is decided elsewhere (``trainguard.decide``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+KINDS = ("hang", "slow", "crash", "sdc")
+MAX_FILE_BYTES = 4 * 2**20
+MAX_INCIDENT_BYTES = 64 * 2**20
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_EVIDENCE = re.compile(r"^(rank-\d+\.(stack\.txt|fr\.json)|node-[A-Za-z0-9._-]{1,253}\.json|[a-z0-9_-]{1,64}\.(json|txt))$")
+TRUNCATED = b"\n... [trainguard: cut at %d bytes]\n"
+
+
+class IncidentError(ValueError):
+    """An incident directory or file that does not match the layout; the message names file and field."""
+
+
+@dataclass
+class Incident:
+    id: str
+    kind: str
+    detected_at: float
+    detected_by: str
+    culprit: dict | None = None           # {"rank": int | None, "node": str | None}
+    confidence: float = 0.0
+    reasons: list[str] = field(default_factory=list)
+    action: str | None = None
+    extra: dict = field(default_factory=dict)    # anything else a verdict records (kept, written flat)
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        extra = data.pop("extra")
+        return {**extra, **data}
+
+
+def incidents_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "incidents"
+
+
+def new_id(kind: str, when: float | None = None) -> str:
+    """``20261201T192300Z-hang-3fa2``: sorts by time, says what it is, unique across nodes."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if when is None else when))
+    return f"{stamp}-{kind}-{secrets.token_hex(2)}"
+
+
+def check_id(incident_id: str) -> str:
+    if not _ID.match(incident_id or ""):
+        raise IncidentError(f"incident id {incident_id!r}: letters, digits, '.', '_' and '-' only")
+    return incident_id
+
+
+def write_file(run_dir: str | os.PathLike, incident_id: str, name: str, content: bytes | str,
+               *, max_bytes: int = MAX_FILE_BYTES) -> Path:
+    """One evidence file (or ``incident.json``), atomically; cut at `max_bytes`. Returns its path.
+
+    Raises :class:`IncidentError` for a bad id or name, or when the incident is already at its size
+    bound, and ``OSError`` (ENOSPC named by the OS) when the disk is full — callers log it and go on.
+    """
+    check_id(incident_id)
+    if name != "incident.json" and not _EVIDENCE.match(name):
+        raise IncidentError(f"evidence file name {name!r} is not one of the layout's")
+    data = content.encode() if isinstance(content, str) else bytes(content)
+    if len(data) > max_bytes:
+        data = data[:max_bytes] + TRUNCATED % max_bytes
+    directory = incidents_dir(run_dir) / incident_id
+    directory.mkdir(parents=True, exist_ok=True)
+    used = sum(p.stat().st_size for p in directory.iterdir() if p.is_file() and p.name != name)
+    if used + len(data) > MAX_INCIDENT_BYTES:
+        raise IncidentError(f"{directory}: evidence past {MAX_INCIDENT_BYTES} bytes refused ({name})")
+    path = directory / name
+    tmp = directory / f".{name}.{os.getpid()}.{secrets.token_hex(3)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(directory)
+    return path
+
+
+def write_incident(run_dir: str | os.PathLike, incident: Incident) -> Path:
+    """The verdict, ``incident.json`` (replaced whole if the incident is decided again)."""
+    validate(incident.to_json(), f"incident {incident.id}")
+    body = json.dumps(incident.to_json(), indent=1, sort_keys=True, allow_nan=False)
+    return write_file(run_dir, incident.id, "incident.json", body + "\n")
+
+
+def write_json(run_dir: str | os.PathLike, incident_id: str, name: str, data: Any) -> Path:
+    return write_file(run_dir, incident_id, name, json.dumps(data, indent=1, sort_keys=True, default=str) + "\n")
+
+
+def validate(data: Any, where: str) -> dict:
+    """The verdict's fields, checked; an :class:`IncidentError` naming `where` and the field otherwise."""
+    if not isinstance(data, dict):
+        raise IncidentError(f"{where}: not a JSON object")
+    for key, kind in (("id", str), ("kind", str), ("detected_by", str), ("reasons", list)):
+        if not isinstance(data.get(key), kind):
+            raise IncidentError(f"{where}: field {key!r} missing or not a {kind.__name__}")
+    check_id(data["id"])
+    if data["kind"] not in KINDS:
+        raise IncidentError(f"{where}: field 'kind' is {data['kind']!r}, not one of {', '.join(KINDS)}")
+    if not isinstance(data.get("detected_at"), (int, float)) or isinstance(data["detected_at"], bool):
+        raise IncidentError(f"{where}: field 'detected_at' missing or not Unix seconds")
+    confidence = data.get("confidence")
+    if not isinstance(confidence, (int, float)) or not 0.0 <= confidence <= 1.0:
+        raise IncidentError(f"{where}: field 'confidence' must be a number from 0 to 1")
+    culprit = data.get("culprit")
+    if culprit is not None:
+        if not isinstance(culprit, dict) or set(culprit) - {"rank", "node", "ranks"}:
+            raise IncidentError(f"{where}: field 'culprit' must be null or {{\"rank\", \"node\"}}")
+        rank = culprit.get("rank")
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+            raise IncidentError(f"{where}: field 'culprit.rank' must be a rank number or null")
+        if culprit.get("node") is not None and not isinstance(culprit["node"], str):
+            raise IncidentError(f"{where}: field 'culprit.node' must be a host name or null")
+    if not all(isinstance(reason, str) for reason in data["reasons"]):
+        raise IncidentError(f"{where}: field 'reasons' must be a list of strings")
+    if data.get("action") is not None and not isinstance(data["action"], str):
+        raise IncidentError(f"{where}: field 'action' must be an action name or null")
+    return data
+
+
+def read(run_dir: str | os.PathLike, incident_id: str) -> dict:
+    """One incident's verdict, validated. :class:`IncidentError` names the file when it is bad."""
+    path = incidents_dir(run_dir) / check_id(incident_id) / "incident.json"
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise IncidentError(f"{path}: no such incident") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise IncidentError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise IncidentError(f"{path}: not JSON ({exc})") from None
+    return validate(data, str(path))
+
+
+def evidence(run_dir: str | os.PathLike, incident_id: str) -> list[Path]:
+    """The evidence files beside the verdict, by name."""
+    directory = incidents_dir(run_dir) / check_id(incident_id)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir()
+                  if p.is_file() and p.name != "incident.json" and not p.name.startswith("."))
+
+
+def scan(run_dir: str | os.PathLike) -> Iterator[tuple[str, dict | None, str | None]]:
+    """(id, verdict or None, problem or None) for every incident directory, oldest first.
+
+    An incident still gathering evidence (no verdict yet) comes with neither; a bad one with its problem.
+    """
+    root = incidents_dir(run_dir)
+    if not root.is_dir():
+        return
+    for directory in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if not _ID.match(directory.name):
+            yield directory.name, None, f"{directory}: not an incident id"
+            continue
+        if not (directory / "incident.json").exists():
+            yield directory.name, None, None
+            continue
+        try:
+            yield directory.name, read(run_dir, directory.name), None
+        except IncidentError as exc:
+            yield directory.name, None, str(exc)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -2,14 +2,14 @@
 layers.py): the LR of each update, the clip threshold, per-layer LR multipliers, and their TLS records.
 
 `Dynamics` is the trainer's LR schedule (it extends `LRSchedule`, so rollback's LR cut and re-warm, and
-the checkpoint's ``sched`` entry, work as before) and adds, per step:
+the checkpoint's ``sched`` state, work as before) and adds, per step:
 
     threshold = dynamics.clip_threshold()              # before the step: a host float, no sync
     ...clip to it; param_norm() joins the step's one sync...
-    metrics = dynamics.after_sync(grad_norm)           # clip_threshold, clip_coef for the TLS record
-    decision = dynamics.respond(decision)              # a layer's rollback: cut its LR (in the event)
-    dynamics.observe(signals, applied=..., validate=...)   # after the update, before a checkpoint is due
-    ...the decision, the request, the checkpoint...
+    verdict = protector.check(..., extra=dynamics.param_norm())   # the parameter norm rides the one sync
+    decision = dynamics.respond(verdict.decision)      # a layer's rollback: cut its LR (in the event)
+    dynamics.observe(verdict, validate=...)            # after the update, before a checkpoint is due
+    protector.after_step(..., **dynamics.step_metrics(verdict))   # param_norm, clip_threshold, clip_coef
     dynamics.after_step(step, rolled_back=...)         # its lr_phase (and evaluation) events
 
 What it keeps in the checkpoint (inside ``sched``): the machine's state (restored on rollback and
@@ -74,16 +74,18 @@ class Dynamics(LRSchedule):
     def bind(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, emit: Callable[..., Any]) -> None:
         """What it acts on: the model (layer re-init), the optimizer (group LRs), the event writer."""
         self.model, self.optimizer, self.emit = model, optimizer, emit
+        self._params = [p for p in model.parameters()]
 
     # ------------------------------------------------------------------------------------ the LR
-    def lr(self) -> float:
+    def lr(self, scale: float = 1.0) -> float:
+        """The next update's LR; `scale` is the rollbacks' cumulative cut (`TrainState.lr_scale`)."""
         shape = self.machine.lr()
         if shape is None:                   # cosine: the trainer's own schedule
-            return super().lr()
+            return super().lr(scale)
         since = self.updates + 1 - self.rewarm_from
         if self.rewarm and since <= self.rewarm:      # a rollback's re-warm, as LRSchedule applies it
             shape *= since / self.rewarm
-        return shape * self.scale
+        return shape * scale
 
     def apply_lr(self, lr: float) -> None:
         """Each group's LR: the step's LR x its layer's multiplier x its layer group's phase factor."""
@@ -97,8 +99,13 @@ class Dynamics(LRSchedule):
     def clip_threshold(self) -> float:
         return self.clipper.threshold()
 
-    def after_sync(self, grad_norm: float) -> dict:
-        return self.clipper.observe(grad_norm).metrics()
+    def param_norm(self) -> torch.Tensor:
+        """The global parameter norm before this step's update, on the device: it rides the step's sync."""
+        return param_norm(self._params)
+
+    def step_metrics(self, verdict) -> dict:
+        """This step's TLS metrics: the parameter norm, what clipping did (learned from here, once a step)."""
+        return {"param_norm": verdict.extra[0], **self.clipper.observe(verdict.grad_norm).metrics()}
 
     # --------------------------------------------------------------------------------- phases
     def start(self, step: int, resumed: bool) -> None:
@@ -108,13 +115,14 @@ class Dynamics(LRSchedule):
         self._write(PhaseChange(change.step, change.schedule, change.phase, None,
                                 "resume" if resumed else "start", change.learning_rate, change.detail))
 
-    def observe(self, signals: StepSignals, *, applied: bool, validate: Callable[[], float]) -> None:
+    def observe(self, verdict, *, validate: Callable[[], float]) -> None:
         """Right after the optimizer step (or its skip), before the checkpoint of this step is due: feed an
         applied step to the machine, and take the validation loss it asks for. Written by `after_step`."""
         self.phase_before = self.machine.phase
         self._observed = []
-        if not applied:
+        if verdict.skip:
             return
+        signals = StepSignals(verdict.step, verdict.loss, verdict.grad_norm, verdict.extra[0])
         self._observed = self.machine.observe(signals)
         if self.machine.waiting:
             began = time.perf_counter()
@@ -156,8 +164,9 @@ class Dynamics(LRSchedule):
 
     pending_reinit: str | None = None
 
-    def after_rollback(self, factor: float, rewarm: int) -> None:
-        super().after_rollback(factor, rewarm)
+    def rewarm_now(self, rewarm: int) -> None:
+        """A rollback (the trainer's `scale_lr` callback), after the checkpoint's states were loaded."""
+        super().rewarm_now(rewarm)
         self.layers.multipliers = self._multipliers_before_load     # they accumulate, as the LR cut does
 
     def reinit_layer(self) -> str | None:

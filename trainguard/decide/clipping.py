@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from trainguard.policy import ClippingPolicy
 
@@ -43,7 +43,7 @@ class Clipped(NamedTuple):
     def clipped(self) -> bool:
         return self.coef < 1.0
 
-    def metrics(self) -> dict:
+    def metrics(self) -> dict[str, Any]:
         """The step's TLS `metrics` keys for it."""
         return {"clip_threshold": self.threshold, "clip_coef": self.coef}
 
@@ -73,10 +73,10 @@ class FixedClip:
     def _learn(self, grad_norm: float, threshold: float) -> None:
         pass
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
 
@@ -110,10 +110,10 @@ class ZScoreClip(FixedClip):
         self.mean = a * self.mean + (1 - a) * effective
         self.var = a * self.var + (1 - a) * (effective - self.mean) ** 2
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"first": list(self.first), "mean": self.mean, "var": self.var}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.first, self.mean, self.var = list(state["first"]), state["mean"], float(state["var"])
 
 
@@ -133,10 +133,10 @@ class PercentileClip(FixedClip):
     def _learn(self, grad_norm: float, threshold: float) -> None:
         self.history.append(grad_norm)      # AutoClip: the norms as measured, before clipping
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"history": list(self.history)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history = deque(state["history"], maxlen=max(1, self.policy.history))
 
 

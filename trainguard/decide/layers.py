@@ -13,7 +13,7 @@ guard's LR cut for the whole model applies to every rollback). Pure.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from trainguard.actions import ROLLBACK
 from trainguard.decide.decision import Decision
@@ -26,7 +26,7 @@ class LayerCut(NamedTuple):
     after: float
     reinit: bool
 
-    def detail(self) -> dict:
+    def detail(self) -> dict[str, Any]:
         return {"layer_lr_multiplier": self.after, "layer_lr_multiplier_before": self.before,
                 "layer_reinit": self.reinit}
 
@@ -48,8 +48,8 @@ class LayerResponse:
         self.multipliers[layer] = after
         return LayerCut(layer, before, after, self.reinit)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"multipliers": dict(self.multipliers)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.multipliers = {str(k): float(v) for k, v in state.get("multipliers", {}).items()}

@@ -42,7 +42,7 @@ EVENT = "lr_phase"
 # The seeds' numbers are for runs of 100k+ steps; the `cpu` preset shrinks the spans so every phase shows
 # in a CPU run of a few thousand steps of the tiny model (its grad_norm / param_norm sits near 0.02-0.06,
 # measured on the default corpus, where a large model's sits near the seed's 0.003).
-CPU_PRESET = {
+CPU_PRESET: dict[str, dict[str, Any]] = {
     "stability": {"window": 50},
     "plateau": {"window": 200},
     "breathing": {"inhale_steps": 200, "exhale_factor": 0.995, "pause_ratio": 0.05, "pause_window": 20,
@@ -98,7 +98,7 @@ class _Schedule:
 
     after_warmup = ""
 
-    def params(self) -> dict:
+    def params(self) -> dict[str, Any]:
         return {"warmup_steps": self.warmup, "min_lr": self.min_lr}
 
     def start(self, step: int) -> PhaseChange:
@@ -132,15 +132,15 @@ class _Schedule:
         return PhaseChange(step, self.name, phase, previous, reason, self.lr(), detail)
 
     # ------------------------------------------------------------------------------- persistence
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"phase": self.phase, "updates": self.updates, "phase_updates": self.phase_updates,
                 "waiting": self.waiting}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.phase, self.updates = str(state["phase"]), int(state["updates"])
         self.phase_updates, self.waiting = int(state["phase_updates"]), state.get("waiting")
 
-    def restore(self, state: dict, step: int, reason: str) -> PhaseChange | None:
+    def restore(self, state: dict[str, Any], step: int, reason: str) -> PhaseChange | None:
         """Load a checkpoint's state (rollback, resume); the change of phase that makes, if any."""
         before = self.phase
         self.load_state_dict(state)
@@ -171,7 +171,7 @@ class Breathing(_Schedule):
         self.calm = 0                   # consecutive exhale steps with grad_norm / param_norm under the bar
         self.val_before: float | None = None
 
-    def params(self) -> dict:
+    def params(self) -> dict[str, Any]:
         return {**super().params(), "breathing": dataclasses.asdict(self.policy)}
 
     def lr(self) -> float:
@@ -211,10 +211,10 @@ class Breathing(_Schedule):
             return [self._enter(step, "inhale", "val_loss_fell", restart_factor=p.restart_factor, **detail)]
         return [self._enter(step, "exhale", "val_loss_held", **detail)]
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "level": self.level, "calm": self.calm, "val_before": self.val_before}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.level, self.calm = float(state["level"]), int(state["calm"])
         self.val_before = state.get("val_before")
@@ -230,7 +230,7 @@ class Phases(_Schedule):
         self.stability, self.plateau = GradientStability(stability), LossPlateau(plateau)
         self.level = policy.peak_lr * policy.exploration_factor
 
-    def params(self) -> dict:
+    def params(self) -> dict[str, Any]:
         return {**super().params(), "phase": dataclasses.asdict(self.policy),
                 "stability": dataclasses.asdict(self.stability.policy),
                 "plateau": dataclasses.asdict(self.plateau.policy)}
@@ -267,16 +267,16 @@ class Phases(_Schedule):
                 return [self._refine(s.step, evidence)]
         return []
 
-    def _refine(self, step: int, evidence: dict) -> PhaseChange:
+    def _refine(self, step: int, evidence: dict[str, Any]) -> PhaseChange:
         self.level *= self.policy.refinement_factor
         return self._enter(step, "refinement", "loss_plateau", **evidence,
                            embed_factor=self.policy.refinement_embed_factor)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "level": self.level, "stability": self.stability.state_dict(),
                 "plateau": self.plateau.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.level = float(state["level"])
         self.stability.load_state_dict(state["stability"])
@@ -293,12 +293,13 @@ def make(name: str, policy: DynamicsPolicy, *, warmup_steps: int, min_lr: float)
     raise ValueError(f"unknown schedule {name!r} (known: {', '.join(SCHEDULES)})")
 
 
-def from_event(event: dict) -> _Schedule:
+def from_event(event: dict[str, Any]) -> _Schedule:
     """The machine a run's opening ``lr_phase`` event describes (its `schedule` and `params`)."""
     params = dict(event.get("params") or {})
     warmup, min_lr = int(params.pop("warmup_steps", 0)), float(params.pop("min_lr", 0.0))
-    sections = {name: cls(**params[name]) for name, cls in (
+    sections: dict[str, Any] = {name: cls(**params[name]) for name, cls in (
         ("breathing", BreathingPolicy), ("phase", PhasePolicy), ("stability", StabilityPolicy),
         ("plateau", PlateauPolicy)) if name in params}
-    return make(str(event.get("schedule")), DynamicsPolicy(**sections), warmup_steps=warmup, min_lr=min_lr)
+    policy = dataclasses.replace(DynamicsPolicy(), **sections)
+    return make(str(event.get("schedule")), policy, warmup_steps=warmup, min_lr=min_lr)
 

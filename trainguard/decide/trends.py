@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from statistics import median
+from typing import Any
 
 from trainguard.policy import PlateauPolicy, StabilityPolicy
 
@@ -47,10 +48,10 @@ class GradientStability:
         cv = self.cv()
         return cv is not None and cv > self.policy.cv_max * self.policy.unstable_margin
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"norms": list(self.norms)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.norms = deque(state.get("norms", []), maxlen=self.policy.window)
 
 
@@ -76,10 +77,10 @@ class LossPlateau:
         improvement = self.improvement()
         return improvement is not None and improvement < self.policy.min_improvement
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"losses": list(self.losses)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.losses = deque(state.get("losses", []), maxlen=self.policy.window)
 
 

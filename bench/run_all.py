@@ -36,6 +36,7 @@ from typing import Callable
 
 from figures import (Figure, agent, checkpoint, collectors, diagnose, fault_to_action, loop, preflight,
                      recovery, replay, report, telemetry)
+from figures import sdc
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -72,6 +73,7 @@ BENCHES: dict[str, Spec] = {
     "dynamics": Spec("Training dynamics", [], ["--steps", "20", "--seeds", "1", "--variants", "cosine", "breathing"],
                      lambda stdout: []),
 }
+BENCHES["sdc"] = Spec("Replica check (silent data corruption)", [], ["--configs", "tiny", "--rounds", "4"], sdc)
 
 
 # ------------------------------------------------------------------------------------------- running

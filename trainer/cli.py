@@ -26,6 +26,8 @@ FLAG_KEYS = {
     "peak_flops": ("run", "peak_flops"), "run_id": ("run", "run_id"), "log_every": ("run", "log_every"),
     "data": ("data", "path"), "batch_size": ("optim", "batch_size"),
     "micro_batch_size": ("optim", "micro_batch_size"), "lr": ("optim", "lr"),
+    "schedule": ("optim", "schedule"), "schedule_preset": ("optim", "schedule_preset"),
+    "clip_rule": ("optim", "clip_rule"),
 }
 
 
@@ -56,6 +58,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, help="sequences per rank per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per forward pass (gradient accumulation)")
     parser.add_argument("--lr", type=float, help="peak learning rate")
+    parser.add_argument("--schedule", choices=("cosine", "breathing", "phase"),
+                        help="LR schedule (default cosine; docs/dynamics.md)")
+    parser.add_argument("--schedule-preset", choices=("seed", "cpu"),
+                        help="seed: the policy's long-run numbers (default); cpu: spans scaled to a CPU run")
+    parser.add_argument("--clip-rule", choices=("fixed", "zscore", "percentile"),
+                        help="gradient clipping: fixed optim.grad_clip (default), ZClip z-score, AutoClip percentile")
     parser.add_argument("--eval-every", type=int, metavar="N", help="validation loss every N steps")
     parser.add_argument("--peak-flops", type=float, metavar="FLOPS", help="peak FLOP/s per device for MFU")
     parser.add_argument("--run-id")

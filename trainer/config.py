@@ -59,6 +59,10 @@ class OptimConfig:
     grad_clip: float = 1.0
     batch_size: int = 8          # sequences per rank per optimizer step
     micro_batch_size: int = 0    # sequences per forward pass; 0 means batch_size (no accumulation)
+    schedule: str = "cosine"     # cosine | breathing | phase (trainguard/decide/schedules.py)
+    schedule_preset: str = "seed"   # seed: the policy's numbers (long runs) | cpu: spans scaled for CPU runs
+    clip_rule: str = "fixed"     # fixed (grad_clip) | zscore | percentile (trainguard/decide/clipping.py)
+    layer_reinit: bool = False   # a layer whose norm caused a rollback is also initialised again
 
 
 @dataclass
@@ -215,6 +219,9 @@ def validate(config: TrainConfig, source: str = "config") -> TrainConfig:
          "must be none or lossless (fp16-zlib is lossy: only for `trainguard checkpoint export`, never for "
          "the checkpoints a run resumes from)"),
         (0 < config.data.val_fraction < 0.5, "data.val_fraction", "must be between 0 and 0.5"),
+        (o.schedule in ("cosine", "breathing", "phase"), "optim.schedule", "must be cosine, breathing or phase"),
+        (o.schedule_preset in ("seed", "cpu"), "optim.schedule_preset", "must be seed or cpu"),
+        (o.clip_rule in ("fixed", "zscore", "percentile"), "optim.clip_rule", "must be fixed, zscore or percentile"),
     ]
     for ok, key, message in checks:
         if not ok:

@@ -23,7 +23,6 @@ import fcntl
 import hashlib
 import json
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily
 from trainguard import actions, tls
 from trainguard import log as tglog
 from trainguard.agent import restore
+from trainguard.node import node_name
 from trainguard.decide.ledger import Ledger, Limits, Notice, Verdict
 
 DEFAULT_GRACE_SECONDS = 0.0     # SIGKILL at once: see agent/restore.py
@@ -157,7 +157,7 @@ class Executor:
     def __init__(self, run_dir: str | os.PathLike, node: str, ledger: Ledger, *, host: str | None = None,
                  restore_grace_seconds: float = DEFAULT_GRACE_SECONDS, clock: Callable[[], float] = time.time):
         self.run_dir = Path(run_dir)
-        self.node, self.host = node, host or socket.gethostname()
+        self.node, self.host = node, host or node_name()
         self.ledger, self.clock = ledger, clock
         self.grace = restore_grace_seconds
         self.records = EventLog(self.run_dir / "tls" / f"node-{node}-actions.jsonl")

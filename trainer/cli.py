@@ -67,6 +67,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local ranks, launched through torch's elastic launcher (gloo on CPU, nccl on GPU)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="R",
                         help="restarts of failed or killed workers by the elastic launcher (default 0)")
+    add_node_arguments(parser)
+
+
+def add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """Several nodes, as torchrun spells them: one `trainguard train` per node, meeting in a rendezvous."""
+    parser.add_argument("--nnodes", metavar="N|MIN:MAX",
+                        help="nodes of the job; MIN:MAX is elastic: the job re-forms on the nodes left")
+    parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the c10d rendezvous of a multi-node job")
+    parser.add_argument("--rdzv-id", metavar="ID", help="the job's rendezvous id (the same on every node)")
+    parser.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
+                        help="rendezvous option, e.g. last_call_timeout=5 or is_host=false (repeatable)")
+
+
+def build_nodes(args: argparse.Namespace):
+    """The multi-node flags as launch.Nodes; ConfigError naming the flag when they are wrong."""
+    from trainguard.trainer.launch import Nodes, parse_nnodes
+
+    if not getattr(args, "nnodes", None):
+        if getattr(args, "rdzv_endpoint", None):
+            raise cfg.ConfigError("--rdzv-endpoint needs --nnodes")
+        return None
+    try:
+        low, high = parse_nnodes(args.nnodes)
+    except ValueError as exc:
+        raise cfg.ConfigError(str(exc)) from None
+    if high > 1 and not args.rdzv_endpoint:
+        raise cfg.ConfigError(f"--nnodes {args.nnodes}: several nodes need --rdzv-endpoint HOST:PORT")
+    conf = {}
+    for item in args.rdzv_conf:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise cfg.ConfigError(f"--rdzv-conf {item!r}: expected KEY=VALUE")
+        conf[key] = value
+    return Nodes(low, high, args.rdzv_endpoint or "", args.rdzv_id or "", conf)
 
 
 def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
@@ -138,11 +172,16 @@ def run(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     if not config.run.run_id:
         config.run.run_id = run_dir.name
+    try:
+        nodes = build_nodes(args)
+    except cfg.ConfigError as exc:
+        print(f"trainguard train: {exc}", file=sys.stderr)
+        return 2
     resolved = write_resolved(config, run_dir)
-    if args.nproc > 1 or args.max_restarts > 0:
+    if args.nproc > 1 or args.max_restarts > 0 or nodes is not None:
         from trainguard.trainer.launch import launch
 
-        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=args.max_restarts)
+        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=args.max_restarts, nodes=nodes)
     from trainguard.trainer.train import run_worker
 
     return run_worker(config, run_dir)

@@ -124,12 +124,28 @@ class PreflightPolicy:
 
 
 @dataclass(frozen=True)
+class RestorePolicy:
+    """What a hang's restore does beyond ending the ranks (docs/incidents.md)."""
+
+    # Keep the culprit's node out of the job (cordon, end its launcher, re-form on the others):
+    # "auto" does it when the job is elastic (--nnodes MIN:MAX with MIN < MAX), "on" always, "off" never.
+    evict: str = "auto"
+    max_evictions_per_hour: int = 2
+    # How long an agent waits for the ranks' Flight Recorder dumps and the other nodes' evidence.
+    evidence_seconds: float = 15.0
+
+
+EVICT_CHOICES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
 class Policy:
     cost: CostPolicy = field(default_factory=CostPolicy)
     guard: GuardPolicy = field(default_factory=GuardPolicy)
     alerts: AlertPolicy = field(default_factory=AlertPolicy)
     diagnose: DiagnosePolicy = field(default_factory=DiagnosePolicy)
     preflight: PreflightPolicy = field(default_factory=PreflightPolicy)
+    restore: RestorePolicy = field(default_factory=RestorePolicy)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -172,6 +188,9 @@ def load(path: str | Path | None = None) -> Policy:
     tiers = policy.cost.tiers
     if not tiers.warn <= tiers.throttle <= tiers.stop:
         raise PolicyError(f"{source}: cost.tiers: expected warn <= throttle <= stop, got {tiers}")
+    if policy.restore.evict not in EVICT_CHOICES:
+        raise PolicyError(f"{source}: restore.evict: expected one of {', '.join(EVICT_CHOICES)}, "
+                          f"got {policy.restore.evict!r}")
     return policy
 
 

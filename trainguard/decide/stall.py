@@ -1,0 +1,114 @@
+"""Is the run stalled? The rule, pure: live (agent/actions_embedded.py) and replayed alike.
+
+A node's ranks are stalled when **no rank's step has advanced for ``stall_seconds``** while the run has
+not ended: a hung collective, a dead rank, a stuck data loader. Records that keep coming without a new
+step (the agent's node log samples the hardware every few seconds, a rank may still write events) are
+no progress; that is exactly how a hang looks from outside. Ranks that have not reached a step since
+they started are starting (imports, rendezvous, resume) until ``startup_grace_seconds`` have passed.
+
+``TrainingStalled`` (alerts/rules.py) is the same condition in PromQL: ``time() -`` the newest
+``trainguard_training_last_step_timestamp_seconds`` of the node ``> stall_seconds``.
+
+Two entry points, one rule:
+- ``decide(ranks, now, ...)``: the live check over each rank's progress (the agent knows the ranks);
+- ``StallTracker``: a record stream (rank logs, node logs) in the log's own time, for ``replay``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from trainguard import actions
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    rank: int
+    step: int | None               # the newest step the rank has reached (None: none since it started)
+    advanced_at: float | None      # when it reached it (the same clock as `now`)
+    started_at: float              # when the rank (this attempt of it) started
+
+
+@dataclass(frozen=True)
+class Stall:
+    action: str                    # always actions.RESTORE
+    reason: str
+    key: str                       # one per stall: the same stall is not acted on twice
+    since: float                   # the moment progress stopped (or the ranks started)
+    step: int | None               # the last step reached
+
+
+def decide(ranks: list[RankProgress], now: float, stall_seconds: float,
+           startup_grace_seconds: float) -> Stall | None:
+    """restore when the newest step advance of `ranks` is older than `stall_seconds`, else None."""
+    if not ranks:
+        return None
+    started = max(r.started_at for r in ranks)
+    advanced = [r for r in ranks if r.advanced_at is not None and r.advanced_at >= started]
+    if not advanced:
+        waiting = now - started
+        if waiting <= startup_grace_seconds:
+            return None
+        return Stall(actions.RESTORE, f"the ranks started {waiting:.0f}s ago and have reached no step since",
+                     f"startup@{started:.3f}", started, None)
+    newest = max(advanced, key=lambda r: r.advanced_at)
+    idle = now - newest.advanced_at
+    if idle <= stall_seconds:
+        return None
+    return Stall(actions.RESTORE, f"no training step for {idle:.0f}s (last step {newest.step})",
+                 f"stall@{newest.advanced_at:.3f}", newest.advanced_at, newest.step)
+
+
+@dataclass
+class StallTracker:
+    """The rule over a record stream: each record moves the clock, a record with a new step is progress.
+
+    Feed records in time order (`observe`); a stall is returned once, when first seen. A step different from
+    the last one is progress (a resumed run goes back to its checkpoint's step). After the run has
+    ended (a ``run_end`` event) nothing is a stall until a step advances again (a resumed run).
+    """
+
+    stall_seconds: float
+    step: int | None = None
+    advanced_at: float | None = None
+    ended: bool = False
+    fired: set = field(default_factory=set)
+
+    def observe(self, timestamp: float, step: int | None, ended: bool = False) -> Stall | None:
+        if ended:
+            self.ended = True
+            return None
+        if step is not None and step != self.step:     # forward, or back to a checkpoint: progress
+            self.ended = False
+            self.step, self.advanced_at = step, timestamp
+            return None
+        if self.advanced_at is None or self.ended:
+            return None
+        progress = RankProgress(0, self.step, self.advanced_at, self.advanced_at)
+        stall = decide([progress], timestamp, self.stall_seconds, startup_grace_seconds=float("inf"))
+        if stall is None or stall.key in self.fired:
+            return None
+        self.fired.add(stall.key)
+        return stall
+
+
+def replay(records: Iterable[tuple[float, int | None, bool]], stall_seconds: float) -> list[Stall]:
+    """Every stall of a recorded stream of (timestamp, step, ended) triples, in time order: what the live
+    agent would have decided. The replay engine's hook (trainguard/replay) calls this with the log's records."""
+    tracker = StallTracker(stall_seconds)
+    return [stall for timestamp, step, ended in records
+            if (stall := tracker.observe(timestamp, step, ended)) is not None]
+
+
+def stall_actions(records: Iterable[dict], stall_seconds: float) -> list[dict]:
+    """``replay --json`` actions from TLS records (dicts with ``timestamp`` in Unix seconds and ``step``)."""
+    triples = ((r["timestamp"], r.get("step"), _ended(r)) for r in records
+               if isinstance(r.get("timestamp"), (int, float)))
+    return [{"action": s.action, "step": s.step, "timestamp": s.since + stall_seconds, "reason": "stall",
+             "detail": s.reason} for s in replay(triples, stall_seconds)]
+
+
+def _ended(record: dict) -> bool:
+    event = record.get("event")
+    return isinstance(event, dict) and event.get("type") in ("run_end", "stop")

@@ -97,10 +97,10 @@ class Investigator:
         self.verdicts[key] = self.verdicts.get(key, 0) + 1
         if self.record is None:
             return
-        event = tls.event("culprit", timestamp=incident.detected_at, incident=incident.id,
-                          rank=culprit.get("rank"), node=culprit.get("node"), kind=incident.kind,
-                          confidence=incident.confidence, reasons=incident.reasons, action=incident.action)
-        self.record([{**event, "node": self.host}])
+        event = {"type": "culprit", "incident": incident.id, "rank": culprit.get("rank"),
+                 "node": culprit.get("node"), "kind": incident.kind, "confidence": incident.confidence,
+                 "reasons": incident.reasons, "action": incident.action}
+        self.record([{**tls.make_record(timestamp=incident.detected_at, event=event), "node": self.host}])
 
     # ------------------------------------------------------------------------------------ acting
     def act(self, decided: dict, notice: Notice, live: list) -> Notice | None:

@@ -9,8 +9,9 @@ dump does not need the GIL-holding main thread and works for gloo on CPU as for 
 
     RUN/control/dump/<incident id>.json     {"incident": ID, "requested_at": ...}   (the agent's)
 
-Recording must be on before the process group is made: ``enable()`` sets ``TORCH_FR_BUFFER_SIZE``
-(and NCCL's ``TORCH_NCCL_TRACE_BUFFER_SIZE``, ``TORCH_NCCL_DUMP_ON_TIMEOUT``) unless the user already has.
+Recording must be on before the process group is made: ``enable()`` sets ``TORCH_FR_BUFFER_SIZE`` (torch
+2.13's name for NCCL's old ``TORCH_NCCL_TRACE_BUFFER_SIZE`` too) and ``TORCH_NCCL_DUMP_ON_TIMEOUT``
+unless the user already has.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ REQUEST_MAX_AGE_SECONDS = 600  # an old request left behind is not answered by a
 def enable() -> None:
     """Turn recording on for process groups created from now on (this process and its children)."""
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(BUFFER_ENTRIES))
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", str(BUFFER_ENTRIES))
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
 
@@ -98,15 +98,21 @@ class DumpServer:
             if incident_id in self.answered or not self._fresh(path):
                 continue
             self.answered.add(incident_id)
-            incidents.write_file(self.run_dir, incident_id, f"rank-{self.rank}.fr.json", dump())
+            target = incidents.incidents_dir(self.run_dir) / incident_id / f"rank-{self.rank}.fr.json"
+            if target.exists():         # answered by this rank's earlier attempt: that is the evidence
+                continue
+            incidents.write_file(self.run_dir, incident_id, target.name, dump())
             done.append(incident_id)
         return done
 
     def _fresh(self, path: Path) -> bool:
+        """A request made while this process ran: a rank started after it (a restarted attempt) was not
+        part of the stall, and its trace would only hide the evidence."""
         try:
-            return time.time() - path.stat().st_mtime < REQUEST_MAX_AGE_SECONDS
+            mtime = path.stat().st_mtime
         except FileNotFoundError:
             return False
+        return mtime >= self.started_at and time.time() - mtime < REQUEST_MAX_AGE_SECONDS
 
 
 def start(run_dir: str | os.PathLike, rank: int, log=None) -> DumpServer:

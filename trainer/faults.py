@@ -9,6 +9,8 @@
 | `crash`              | the rank kills itself with SIGKILL, no clean-up (rank 0)                         |
 | `slowio`             | the data loader sleeps SLOWIO_SECONDS per batch for SLOWIO_STEPS steps (all)      |
 | `corrupt-checkpoint` | one byte is flipped in the first checkpoint saved at or after STEP (rank 0)      |
+| `commhang`           | every rank blocks in a receive nobody sends: all wait in the same collective op,  |
+|                      | as a network or job-wide fault looks (no culprit rank) (all ranks)               |
 
 A fault fires once per run, across restarts and rollbacks: it is recorded in
 ``RUN/control/faults-fired.jsonl`` (fsynced, before a crash or hang happens), which every rank reads at
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-KINDS = ("nan", "spike", "gradexplode", "hang", "crash", "slowio", "corrupt-checkpoint")
+KINDS = ("nan", "spike", "gradexplode", "hang", "crash", "slowio", "corrupt-checkpoint", "commhang")
 DEFAULT_RANK = {"hang": 0, "crash": 0, "corrupt-checkpoint": 0}   # others: every rank
 
 SPIKE_FACTOR = 100.0
@@ -136,6 +138,9 @@ class FaultInjector:
             self._fire(fault, step)
             while True:
                 time.sleep(3600)
+        if fault := self._take("commhang", step):
+            self._fire(fault, step)
+            _wait_for_nobody()
 
     def after_checkpoint(self, step: int, directory: Path, wait: Callable[[], None]) -> None:
         """corrupt-checkpoint: flip one byte in the middle of the largest file of a fresh checkpoint
@@ -152,3 +157,14 @@ class FaultInjector:
             handle.seek(offset)
             handle.write(bytes([byte[0] ^ 0xFF]))
         self._fire(fault, step, file=str(victim), offset=offset)
+
+
+def _wait_for_nobody() -> None:
+    """Block in a torch.distributed receive from the next rank, which is receiving too (never returns)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        while True:
+            time.sleep(3600)
+    dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())

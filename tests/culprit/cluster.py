@@ -27,6 +27,7 @@ import yaml
 from tests.servers import free_port, start, wait_for
 from trainguard import tls
 
+ROOT = Path(__file__).resolve().parents[2]
 TRAINGUARD = str(Path(sys.executable).with_name("trainguard"))
 STORE = ("import sys, time\nfrom torch.distributed import TCPStore\n"
          "store = TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False)\n"
@@ -48,6 +49,7 @@ class Cluster:
     processes: list = field(default_factory=list)
     launchers: dict = field(default_factory=dict)
     agents: dict = field(default_factory=dict)
+    addresses: dict = field(default_factory=dict)
 
     def start_store(self) -> None:
         port = free_port()
@@ -59,7 +61,8 @@ class Cluster:
                  message="rendezvous store")
         self.endpoint = f"127.0.0.1:{port}"
 
-    def start_agent(self, node: str) -> None:
+    def start_agent(self, node: str, nvml_scenario: str | None = None) -> None:
+        """The node's agent; with `nvml_scenario`, its gpu collector reads the FAKE NVML (tests/fakes)."""
         address = f"127.0.0.1:{free_port()}"
         token = self.tmp / "webhook.token"
         if not token.exists():
@@ -68,13 +71,20 @@ class Cluster:
         config = {"collectors": {"training": {"interval": 0.5}},
                   "nodelog": {"enabled": False},
                   "webhook": {"token_file": str(token), "embedded": True}}
+        env = {**os.environ, "TRAINGUARD_NODE": node, "TRAINGUARD_LOG_JSON": "1"}
+        collectors = "training"
+        if nvml_scenario:
+            config["collectors"]["gpu"] = {"interval": 0.5, "nvml_module": "tests.fakes.fake_nvml", "kmsg": False}
+            env.update(TRAINGUARD_FAKE_NVML=nvml_scenario, TRAINGUARD_FAKE_NVML_STEP_S="1",
+                       PYTHONPATH=str(ROOT))
+            collectors += ",gpu"
         path = self.tmp / f"agent-{node}.yaml"
         path.write_text(yaml.safe_dump(config))
         cmd = [TRAINGUARD, "agent", "--run-dir", str(self.run_dir), "--listen", address, "--node", node,
-               "--config", str(path), "--collectors", "training", "--policy", str(self.policy_path)]
+               "--config", str(path), "--collectors", collectors, "--policy", str(self.policy_path)]
         self.agents[node] = start(cmd, url=f"http://{address}", ready_url=f"http://{address}/healthz",
-                                  log_path=self.tmp / f"agent-{node}.log", timeout=90,
-                                  env={**os.environ, "TRAINGUARD_NODE": node, "TRAINGUARD_LOG_JSON": "1"})
+                                  log_path=self.tmp / f"agent-{node}.log", timeout=90, env=env, cwd=ROOT)
+        self.addresses[node] = address
 
     def launch(self, node: str, *args: str, nnodes: str = "1:2", nproc: int = 1) -> subprocess.Popen:
         log = open(self.tmp / f"launcher-{node}.log", "ab")
@@ -147,7 +157,7 @@ def merge(base: dict, extra: dict) -> dict:
 
 
 @contextlib.contextmanager
-def cluster(tmp_path: Path, policy: dict | None = None, nodes=("n1", "n2")):
+def cluster(tmp_path: Path, policy: dict | None = None, nodes=("n1", "n2"), nvml: dict | None = None):
     run_dir = tmp_path / "run"
     (run_dir / "tls").mkdir(parents=True)
     policy_path = run_dir / "policy.yaml"
@@ -156,7 +166,7 @@ def cluster(tmp_path: Path, policy: dict | None = None, nodes=("n1", "n2")):
     try:
         c.start_store()
         for node in nodes:
-            c.start_agent(node)
+            c.start_agent(node, (nvml or {}).get(node))
         yield c
     finally:
         c.stop()

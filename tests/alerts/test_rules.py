@@ -21,6 +21,7 @@ CORE_ALERTS = {
     "GPUMemoryFragmented", "DiskAwaitHigh", "DataLoaderStarved", "LowEffectiveThroughput", "LowDataUtilization",
     "CommOverheadHigh", "NCCLWatchdogTimeout", "CheckpointStale", "CostBudgetWarn", "CostBudgetThrottle",
     "CostBudgetStop", "EnvironmentMismatch", "AgentDown",
+    "HangCulprit", "NodeCordoned",
 }
 ACTIONS = {"LossNaN": "rollback", "LossSpike": "rollback", "GradNormExplosion": "rollback",
            "TrainingStalled": "restore", "NCCLWatchdogTimeout": "restore", "CostBudgetWarn": "cost_warn",

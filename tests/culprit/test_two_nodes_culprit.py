@@ -78,7 +78,7 @@ def test_hang_on_a_rank_names_it_cordons_its_node_and_the_run_finishes_on_the_ot
         assert c.events("rank-0.jsonl", "run_end")[-1]["event"]["reason"] == "completed"
         from trainguard.trainer.checkpoint.manager import CheckpointManager
 
-        final = CheckpointManager(c.run_dir).load_latest()
+        _, final = CheckpointManager(c.run_dir).load_latest()
         assert final["trainer"]["step"] == 40
         assert final["data"] == expected_data_state(c, 40 - CHECKPOINT)
 

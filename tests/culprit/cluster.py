@@ -69,7 +69,7 @@ class Cluster:
             token.write_text("culprit-" + os.urandom(8).hex() + "\n")
             token.chmod(0o600)
         config = {"collectors": {"training": {"interval": 0.5}},
-                  "nodelog": {"enabled": False},
+                  "nodelog": {"enabled": True, "interval": 1.0},      # the node's joined log, recorded
                   "webhook": {"token_file": str(token), "embedded": True}}
         env = {**os.environ, "TRAINGUARD_NODE": node, "TRAINGUARD_LOG_JSON": "1"}
         collectors = "training"

@@ -77,7 +77,7 @@ class StallWatchdog:
         self.investigate = investigate
         # Per rank: (step, when this watchdog's monotonic clock would have seen it reached). Idle time is
         # measured on that clock, so a step of the wall clock (NTP) is no stall.
-        self._seen: dict[int, tuple[int | None, float | None]] = {}
+        self._seen: dict[int, tuple[int | None, float | None, float | None]] = {}   # + the record's time
         self.host = host or node_name()
         self.interval = max(0.5, min(5.0, stall_seconds / 4))
         self._stop = StopSignal()
@@ -92,10 +92,12 @@ class StallWatchdog:
         now, monotonic = self.clock(), self.monotonic()
         out = []
         for info, _ in live:
-            step, at = last_step(self.run_dir / "tls" / f"rank-{info.rank}.jsonl")
+            step, at, ended_at = rank_progress(self.run_dir / "tls" / f"rank-{info.rank}.jsonl")
+            if ended_at is not None and ended_at >= info.started_at:
+                continue        # this attempt has finished (or was stopped) and is leaving: not stalled
             seen = self._seen.get(info.rank)
             if seen is None or seen[0] != step:
-                seen = (step, None if at is None else monotonic - max(0.0, now - at))
+                seen = (step, None if at is None else monotonic - max(0.0, now - at), at)
                 self._seen[info.rank] = seen
             started = monotonic - max(0.0, now - info.started_at)
             out.append((stall.RankProgress(info.rank, seen[0], seen[1], started), info))
@@ -108,9 +110,13 @@ class StallWatchdog:
                              self.startup_grace_seconds)
         if found is None:
             return None
-        since = self.clock() - (self.monotonic() - found.since)
-        return _restore(f"embedded:{found.key.split('@')[0]}@{format_timestamp(since)}", self.clock(),
-                        found.reason)
+        if found.step is None:      # hung while starting: keyed by the newest start, on the wall clock
+            since = max(info.started_at for _, info in progress)
+            return _restore(f"embedded:startup@{format_timestamp(since)}", self.clock(), found.reason)
+        # keyed by the newest step record as the rank wrote it: the same stall gives the same key
+        newest = max((p for p, _ in progress if p.advanced_at is not None), key=lambda p: p.advanced_at)
+        written = self._seen[newest.rank][2] or 0.0
+        return _restore(f"embedded:stall@{format_timestamp(written)}", self.clock(), found.reason)
 
     def _stalled(self, notice: Notice) -> None:
         """A new stall: name the culprit first (evidence before anything is ended), then act."""
@@ -144,24 +150,40 @@ TAIL_BYTES = 64 * 1024
 
 def last_step(path: Path) -> tuple[int | None, float | None]:
     """(step, timestamp) of the newest step record (one with `metrics`) in the tail of a rank's TLS log."""
+    step, at, _ = rank_progress(path)
+    return step, at
+
+
+def rank_progress(path: Path) -> tuple[int | None, float | None, float | None]:
+    """(step, timestamp, ended_at) from the tail of a rank's TLS log: the newest step record, and when a
+    ``run_end`` or ``stop`` event came after it (the rank is leaving: not a stall), else None."""
     try:
         with open(path, "rb") as handle:
             size = handle.seek(0, os.SEEK_END)
             handle.seek(max(0, size - TAIL_BYTES))
             lines = handle.read().splitlines()
     except FileNotFoundError:
-        return None, None
+        return None, None, None
+    ended_at = None
     for raw in reversed(lines):
         try:
             record = json.loads(raw)
         except ValueError:
             continue        # the first line of the tail is usually cut, the last may be half-written
-        if isinstance(record, dict) and isinstance(record.get("metrics"), dict) and "step" in record:
+        if not isinstance(record, dict):
+            continue
+        event = record.get("event")
+        if isinstance(event, dict) and event.get("type") in stall.ENDED_EVENTS:
             try:
-                return int(record["step"]), parse_timestamp(record.get("timestamp"))
+                ended_at = parse_timestamp(record.get("timestamp"))
             except (ValueError, TypeError):
-                return int(record["step"]), None
-    return None, None
+                ended_at = None
+        if isinstance(record.get("metrics"), dict) and "step" in record:
+            try:
+                return int(record["step"]), parse_timestamp(record.get("timestamp")), ended_at
+            except (ValueError, TypeError):
+                return int(record["step"]), None, ended_at
+    return None, None, ended_at
 
 
 def _restore(key: str, now: float, reason: str) -> Notice:

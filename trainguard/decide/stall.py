@@ -22,6 +22,10 @@ from typing import Iterable
 from trainguard import actions
 
 
+# A rank whose log ends with one of these has finished (or was stopped) and is leaving: never a stall.
+ENDED_EVENTS = ("run_end", "stop")
+
+
 @dataclass(frozen=True)
 class RankProgress:
     rank: int
@@ -111,4 +115,4 @@ def stall_actions(records: Iterable[dict], stall_seconds: float) -> list[dict]:
 
 def _ended(record: dict) -> bool:
     event = record.get("event")
-    return isinstance(event, dict) and event.get("type") in ("run_end", "stop")
+    return isinstance(event, dict) and event.get("type") in ENDED_EVENTS

@@ -26,15 +26,20 @@ def test_a_node_log_that_keeps_coming_while_the_step_stands_still_is_a_stall_onc
     seen = [tracker.observe(t, 2) for t in range(2, 30)]       # hardware samples, the same step
     stalls = [s for s in seen if s is not None]
     assert len(stalls) == 1 and stalls[0].step == 2 and stalls[0].since == 1.0
-    assert tracker.observe(31.0, 3) is None                    # progress again (a resumed run)
+    assert tracker.observe(31.0, 3) is None                    # progress again
+    assert tracker.observe(32.0, None, started=True) is None and tracker.step is None   # a new attempt
+    assert tracker.observe(33.0, 1) is None and tracker.advanced_at == 33.0              # back at step 1: progress
 
 
 def test_replay_of_records_decides_restore_and_nothing_after_the_run_ends():
-    records = [{"timestamp": float(t), "step": t} for t in range(1, 11)]
-    records += [{"timestamp": 10.0 + t, "step": 10} for t in range(1, 40)]      # hung at step 10
-    records += [{"timestamp": 60.0, "step": 8}, {"timestamp": 61.0, "step": 9}]  # resumed from a checkpoint
+    m = {"loss": 1.0}
+    records = [{"timestamp": float(t), "step": t, "metrics": m} for t in range(1, 11)]
+    records += [{"timestamp": 10.0 + t, "step": 10, "metrics": m} for t in range(1, 40)]      # hung at step 10
+    records += [{"timestamp": 59.0, "step": 7, "event": {"type": "run_start"}}]     # resumed from a checkpoint
+    records += [{"timestamp": 60.0, "step": 8, "metrics": m}, {"timestamp": 61.0, "step": 9, "metrics": m}]
+    records += [{"timestamp": 61.5, "step": 2, "event": {"type": "checkpoint_deleted"}}]   # not a step record
     records += [{"timestamp": 62.0, "step": 9, "event": {"type": "run_end"}}]
-    records += [{"timestamp": 62.0 + t, "step": 9} for t in range(1, 60)]       # node log after the end
+    records += [{"timestamp": 62.0 + t, "step": 9, "metrics": m} for t in range(1, 60)]  # node log after the end
     actions = stall_actions(records, stall_seconds=15.0)
     assert [(a["action"], a["step"], a["reason"]) for a in actions] == [("restore", 10, "stall")]
     assert actions[0]["timestamp"] == 25.0

@@ -68,9 +68,10 @@ def decide(ranks: list[RankProgress], now: float, stall_seconds: float,
 class StallTracker:
     """The rule over a record stream: each record moves the clock, a record with a new step is progress.
 
-    Feed records in time order (`observe`); a stall is returned once, when first seen. A step different from
-    the last one is progress (a resumed run goes back to its checkpoint's step). After the run has
-    ended (a ``run_end`` event) nothing is a stall until a step advances again (a resumed run).
+    Feed records in time order (`observe`); a stall is returned once, when first seen. A step beyond the
+    newest seen is progress; a ``run_start`` (a new attempt, resuming from a checkpoint's earlier step)
+    starts the count again. After a ``run_end`` nothing is a stall until the next ``run_start``: logs of
+    several sources interleave, and a node log a second behind still reaches the last step after it.
     """
 
     stall_seconds: float
@@ -79,12 +80,13 @@ class StallTracker:
     ended: bool = False
     fired: set = field(default_factory=set)
 
-    def observe(self, timestamp: float, step: int | None, ended: bool = False) -> Stall | None:
+    def observe(self, timestamp: float, step: int | None, ended: bool = False, started: bool = False) -> Stall | None:
+        if started:
+            self.step, self.ended = None, False
         if ended:
             self.ended = True
             return None
-        if step is not None and step != self.step:     # forward, or back to a checkpoint: progress
-            self.ended = False
+        if step is not None and (self.step is None or step > self.step):
             self.step, self.advanced_at = step, timestamp
             return None
         if self.advanced_at is None or self.ended:
@@ -97,22 +99,26 @@ class StallTracker:
         return stall
 
 
-def replay(records: Iterable[tuple[float, int | None, bool]], stall_seconds: float) -> list[Stall]:
-    """Every stall of a recorded stream of (timestamp, step, ended) triples, in time order: what the live
+def replay(records: Iterable[tuple[float, int | None, bool, bool]], stall_seconds: float) -> list[Stall]:
+    """Every stall of a recorded stream of (timestamp, step, ended, started) in time order: what the live
     agent would have decided. The replay engine's hook (trainguard/replay) calls this with the log's records."""
     tracker = StallTracker(stall_seconds)
-    return [stall for timestamp, step, ended in records
-            if (stall := tracker.observe(timestamp, step, ended)) is not None]
+    return [stall for timestamp, step, ended, started in records
+            if (stall := tracker.observe(timestamp, step, ended, started)) is not None]
 
 
 def stall_actions(records: Iterable[dict], stall_seconds: float) -> list[dict]:
-    """``replay --json`` actions from TLS records (dicts with ``timestamp`` in Unix seconds and ``step``)."""
-    triples = ((r["timestamp"], r.get("step"), _ended(r)) for r in records
-               if isinstance(r.get("timestamp"), (int, float)))
+    """``replay --json`` actions from TLS records (dicts with ``timestamp`` in Unix seconds and ``step``).
+
+    Only step records (with ``metrics``: a rank's, or a node log's joined sample) say which step the run is
+    at; an event's ``step`` may name another (the checkpoint it deleted)."""
+    entries = ((r["timestamp"], r.get("step") if isinstance(r.get("metrics"), dict) else None,
+                _event_is(r, ENDED_EVENTS), _event_is(r, ("run_start",)))
+               for r in records if isinstance(r.get("timestamp"), (int, float)))
     return [{"action": s.action, "step": s.step, "timestamp": s.since + stall_seconds, "reason": "stall",
-             "detail": s.reason} for s in replay(triples, stall_seconds)]
+             "detail": s.reason} for s in replay(entries, stall_seconds)]
 
 
-def _ended(record: dict) -> bool:
+def _event_is(record: dict, kinds: tuple) -> bool:
     event = record.get("event")
-    return isinstance(event, dict) and event.get("type") in ENDED_EVENTS
+    return isinstance(event, dict) and event.get("type") in kinds

@@ -150,19 +150,10 @@ def end_launcher(run_dir: str | os.PathLike, host: str, grace_seconds: float = 5
         except psutil.NoSuchProcess:
             continue
     if ended:
-        timer = threading.Timer(grace_seconds, _kill_survivors, ([p for p in launchers if p.pid in ended], log))
+        timer = threading.Timer(grace_seconds, restore._kill_survivors,   # SIGKILL what ignored SIGTERM
+                                 ([p for p in launchers if p.pid in ended], log))
         timer.daemon = True
         timer.start()
     for why in refused:
         log.warning("launcher not ended: no proof", why=why)
     return {"launchers_ended": ended, **({"refused": refused} if refused else {})}
-
-
-def _kill_survivors(processes: list[psutil.Process], log) -> None:
-    for process in processes:
-        try:
-            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                process.kill()      # psutil checks the pid still names the same process
-                log.warning("launcher ignored SIGTERM; killed", pid=process.pid)
-        except psutil.Error:
-            continue

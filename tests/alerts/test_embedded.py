@@ -1,7 +1,6 @@
 """The embedded path: the cost meter's tiers and the stall watchdog feed the same executor as the webhook."""
 
 import json
-import os
 import socket
 import subprocess
 import sys

@@ -14,16 +14,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import yaml
 
+from tests.e2e.stack import kill_tree, merge
 from tests.servers import free_port, start, wait_for
 from trainguard import tls
 
@@ -137,23 +136,9 @@ class Cluster:
 
     def stop(self) -> None:
         for process in self.processes:
-            with contextlib.suppress(psutil.Error):
-                for child in psutil.Process(process.pid).children(recursive=True):
-                    with contextlib.suppress(psutil.Error):
-                        child.kill()
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            kill_tree(process)
         for server in self.agents.values():
             server.stop()
-
-
-def merge(base: dict, extra: dict) -> dict:
-    out = {key: dict(value) if isinstance(value, dict) else value for key, value in base.items()}
-    for key, value in extra.items():
-        out[key] = {**out.get(key, {}), **value} if isinstance(value, dict) else value
-    return out
 
 
 @contextlib.contextmanager

@@ -198,7 +198,8 @@ def install(agent, executor, policy, config) -> StallWatchdog:
 
     agent.add_decision_handler(DecisionHandler(executor.submit))
     investigator = Investigator(config.run_dir, node_name(), policy.restore, agent=agent,
-                                record=executor.records.append, submit=executor.submit)
+                                record=executor.records.append, submit=executor.submit,
+                                entry_points=executor.entry_points, launchers=executor.launchers)
     agent.add_metrics_source(investigator.families)
     watchdog = StallWatchdog(config.run_dir, policy.alerts.stall_seconds, executor.submit,
                              startup_grace_seconds=policy.alerts.startup_grace_seconds,

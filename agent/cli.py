@@ -11,6 +11,7 @@ import argparse
 import importlib
 import signal
 import threading
+from pathlib import Path
 
 from trainguard import log as tglog
 from trainguard.agent import config as agent_config
@@ -39,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default RUN/agent/webhook.token, created 0600)")
     parser.add_argument("--dry-run", action="store_true", default=None,
                         help="decide and record alert actions, execute none")
+    parser.add_argument("--create", action="store_true",
+                        help="make --run-dir if it does not exist yet (else a missing one is refused: a typo "
+                             "would leave the agent watching an empty directory)")
     parser.add_argument("--list-collectors", action="store_true", help="list the collectors and exit")
 
 
@@ -80,7 +84,29 @@ def run(args: argparse.Namespace) -> int:
     except agent_config.ConfigError as exc:
         log.error(f"bad configuration: {exc}")
         return 2
+    problem = check_run_dir(config.run_dir, create=args.create)
+    if problem:
+        log.error(problem)
+        return 2
     return serve(config)
+
+
+def check_run_dir(run_dir, create: bool) -> str | None:
+    """Why `run_dir` cannot be watched, or None (made first with `create`)."""
+    if run_dir is None:
+        return None
+    path = Path(run_dir)
+    if path.is_dir():
+        return None
+    if path.exists():
+        return f"--run-dir {path}: not a directory"
+    if not create:
+        return f"--run-dir {path}: no such run directory (a typo? pass --create to make it)"
+    try:
+        path.mkdir(parents=True)
+    except OSError as exc:
+        return f"--run-dir {path}: cannot create it: {exc.strerror or exc}"
+    return None
 
 
 def serve(config: agent_config.AgentConfig, stop: threading.Event | None = None) -> int:
@@ -95,7 +121,8 @@ def serve(config: agent_config.AgentConfig, stop: threading.Event | None = None)
     host, port = config.listen_address
     try:
         server = AgentServer(agent, host, port, max_body_bytes=config.http.max_body_bytes,
-                             max_connections=config.http.max_connections)
+                             max_connections=config.http.max_connections,
+                             request_timeout=config.http.request_timeout)
     except OSError as exc:
         log.error(f"cannot listen on {config.listen}: {exc.strerror or exc}")
         return 1

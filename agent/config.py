@@ -8,7 +8,7 @@
     devfs: /dev
     policy: /etc/trainguard/policy.yaml   # cost policy (trainguard/policy.py); default: built-in
     interval: 5                  # default sampling interval of every collector
-    http: {max_body_bytes: 1MiB, max_connections: 16}
+    http: {max_body_bytes: 1MiB, max_connections: 16, request_timeout: 10}
     nodelog: {enabled: true, interval: 10, max_bytes: 64MiB, keep: 5}
     collectors:
       gpu: {enabled: true, interval: 1, timeout: 5}   # other keys: the collector's own options
@@ -25,8 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
+from trainguard.policy import read_yaml
 from trainguard.tls import TLSError, parse_quantity
 
 DEFAULT_LISTEN = "127.0.0.1:9400"
@@ -57,6 +56,7 @@ class NodeLogConfig:
 class HTTPConfig:
     max_body_bytes: int = 2**20
     max_connections: int = 16
+    request_timeout: float = 10.0      # a request must arrive whole within this many seconds of its first byte
 
 
 @dataclass(frozen=True)
@@ -185,13 +185,14 @@ def _nodelog(values: Mapping) -> NodeLogConfig:
 
 
 def _http(values: Mapping) -> HTTPConfig:
-    _check_keys(values, ("max_body_bytes", "max_connections"), "http")
+    _check_keys(values, ("max_body_bytes", "max_connections", "request_timeout"), "http")
     base = HTTPConfig()
     connections = values.get("max_connections", base.max_connections)
     if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
         raise ConfigError(f"http.max_connections: expected an integer >= 1, got {connections!r}")
     return HTTPConfig(max_body_bytes=_size(values.get("max_body_bytes", base.max_body_bytes), "http.max_body_bytes"),
-                      max_connections=connections)
+                      max_connections=connections,
+                      request_timeout=_number(values.get("request_timeout", base.request_timeout), "http.request_timeout"))
 
 
 def _path(value: Any, where: str) -> Path:
@@ -235,11 +236,9 @@ def load(path: str | Path | None, known_collectors: set[str] | None = None) -> A
         return AgentConfig()
     source = str(path)
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: no such config file") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+        data = read_yaml(path, "config file") or {}
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         return from_mapping(data, known_collectors)
     except ConfigError as exc:

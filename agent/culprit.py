@@ -44,8 +44,10 @@ class Investigator:
 
     def __init__(self, run_dir: str | Path, host: str, policy: RestorePolicy, *, agent=None,
                  record: Callable[[list[dict]], object] | None = None,
-                 submit: Callable[[list[Notice]], object] | None = None):
+                 submit: Callable[[list[Notice]], object] | None = None,
+                 entry_points: tuple[str, ...] = (), launchers: tuple[str, ...] = ()):
         self.run_dir, self.host, self.policy = Path(run_dir), host, policy
+        self.entry_points, self.launchers = entry_points, launchers   # what the restore trusts, as the executor
         self.agent, self.record, self.submit = agent, record, submit
         self.log = tglog.get("agent.culprit", node=host)
         self.verdicts: dict[tuple[str, str], int] = {}    # (node, kind) -> count, for the metric
@@ -108,7 +110,8 @@ class Investigator:
             return notice
         node = (decided.get("culprit") or {}).get("node")
         if node == self.host:
-            result = evict.end_launcher(self.run_dir, self.host)
+            trust = restore.Trust.for_run(self.run_dir, self.entry_points, self.launchers)
+            result = evict.end_launcher(self.run_dir, self.host, trust=trust)
             self.log.warning("this node is the culprit: launcher ended", incident=decided["id"], **result)
             if not result["launchers_ended"]:
                 return notice       # no provable launcher: end the ranks at least (the node stays cordoned)

@@ -9,10 +9,10 @@ HOST`` removes the file. When the culprit of a hang is on this node, the agent e
 nodes' ranks see their peers gone and fail, and their launchers re-form the job without this node
 through the elastic rendezvous (``--nnodes MIN:MAX``), resuming from the newest verified checkpoint.
 
-Ending a launcher needs proof, as ending a rank does (agent/restore.py): the process is the parent of
-one of this node's live ranks (proven by its rank file), its pid is the one the rank file records as
-``launcher_pid``, and it was created before that rank started (a reused pid belongs to a younger
-process). Nothing else is ever signalled. SIGTERM first (the elastic agent stops its workers and
+Ending a launcher needs proof, the same proof as ending a rank (agent/restore.py `prove_rank`): one of
+this node's ranks proves its claim (start time to the clock tick, uid, worker entry point naming this
+run directory), and the launcher is its identified ancestor (torchrun or ``trainguard train``) that the
+rank registered (``launcher_pid``, ``launcher_create_time``). Nothing else is ever signalled. SIGTERM first (the elastic agent stops its workers and
 leaves the rendezvous), SIGKILL after `grace_seconds`.
 """
 
@@ -104,44 +104,33 @@ def read_launchers(run_dir: str | os.PathLike) -> dict[str, dict]:
     return out
 
 
-def proven_launchers(run_dir: str | os.PathLike, host: str) -> tuple[list[psutil.Process], list[str]]:
-    """This host's launcher processes that are provably this run's (see the module docstring), and why
-    each other candidate was refused."""
+def proven_launchers(run_dir: str | os.PathLike, host: str,
+                     trust: restore.Trust | None = None) -> tuple[list[psutil.Process], list[str]]:
+    """This host's launcher processes, each proven as agent/restore.py proves a rank (`prove_rank`: the
+    rank's start time, uid, entry point, run directory, and the launcher it registered), and why each
+    other rank's launcher was refused."""
+    trust = trust or restore.Trust.for_run(run_dir)
     infos, problems = restore.read_ranks(run_dir)
     found: dict[int, psutil.Process] = {}
     refused = list(problems)
-    for info, process in restore.local_ranks(infos, host):
-        launcher_pid = _launcher_pid(info)
-        if launcher_pid is None:
-            refused.append(f"rank {info.rank}: its rank file names no launcher_pid")
+    for info in infos:
+        if info.host != host:
             continue
         try:
-            parent = process.parent()
-            if parent is None or parent.pid != launcher_pid:
-                refused.append(f"rank {info.rank}: its parent is not pid {launcher_pid}")
-                continue
-            if parent.create_time() > info.started_at + restore.CREATE_TIME_SLACK:
-                refused.append(f"rank {info.rank}: pid {launcher_pid} is younger than the rank")
-                continue
-        except psutil.Error as exc:
-            refused.append(f"rank {info.rank}: {type(exc).__name__}")
+            proof = restore.prove_rank(info, trust)
+        except restore.Refused as refusal:
+            refused.append(f"rank {info.rank} (pid {info.pid}): {refusal.reason}: {refusal.detail}")
             continue
-        found[parent.pid] = parent
+        if proof is not None:
+            found[proof.launcher.pid] = proof.launcher
     return list(found.values()), refused
 
 
-def _launcher_pid(info: restore.RankInfo) -> int | None:
-    try:
-        value = json.loads(info.path.read_text()).get("launcher_pid")
-        return int(value) if value is not None else None
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def end_launcher(run_dir: str | os.PathLike, host: str, grace_seconds: float = 5.0) -> dict:
+def end_launcher(run_dir: str | os.PathLike, host: str, grace_seconds: float = 5.0,
+                 trust: restore.Trust | None = None) -> dict:
     """End this host's proven launcher(s): SIGTERM, SIGKILL after `grace_seconds`. Returns what was done."""
     log = tglog.get("agent.evict", host=host)
-    launchers, refused = proven_launchers(run_dir, host)
+    launchers, refused = proven_launchers(run_dir, host, trust)
     ended = []
     for process in launchers:
         try:

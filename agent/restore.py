@@ -1,16 +1,27 @@
-"""The `restore` action's hands: find this node's trainer ranks and end them.
+"""The `restore` action's hands: prove which processes are this node's trainer ranks, and end those.
 
-Each rank describes itself in ``RUN/control/ranks/rank-<r>.json`` (pid, host, started_at; written by
-trainer/control.py). Ending the ranks is all the agent does: torch's elastic launcher (torchrun, started
-by ``trainguard train --nproc K --max-restarts R``) sees its workers fail, starts them again, and they
-resume from the newest verified checkpoint.
+Each rank registers in ``RUN/control/ranks/rank-<r>.json`` (trainer/control.py `write_rank_file`; the
+fields are documented in docs/agent.md). Ending the ranks is all the agent does: torch's elastic launcher
+(torchrun, or ``trainguard train --nproc K``) sees its workers fail, starts them again, and they resume
+from the newest verified checkpoint.
 
-Only processes that are provably the ranks that were running when the trouble began are signalled:
-- on this host (`host` in the rank file);
-- started before the alert began (`started_before`), so a rank the launcher has already restarted is
-  never ended by a late or repeated alert;
-- the pid still belongs to that rank: the process was created no later than the rank file says it
-  started (a reused pid belongs to a younger process).
+A rank file is a claim, written into a directory other people may be able to write. The agent signals a
+process only when the process itself proves the claim (`prove_rank`), from what the kernel says about it:
+
+- it is alive, on this host, and its start time equals the registered ``create_time`` to the clock tick
+  (so a reused pid, or a pid copied into the file, fails);
+- it runs under the expected uid (the agent's own; the run directory's owner when the agent is root);
+- its command line is trainguard's worker entry point (``-m trainguard.trainer.train``) or an entry point
+  the operator registered in the agent config (``webhook.restore_entry_points``), naming this run
+  directory (``--run-dir RUN`` or ``TRAINGUARD_RUN_DIR=RUN`` in its environment);
+- it descends from a launcher the agent can identify (torchrun / torch.distributed.run, ``trainguard
+  train``, or one registered in ``webhook.restore_launchers``), under the same uid, and that launcher is
+  the one the rank registered (``launcher_pid``, ``launcher_create_time``): with no launcher nothing would
+  start the rank again, so ending it would only end the run.
+
+Anything else is refused with a reason (`REFUSALS`), logged and counted
+(``trainguard_restore_refused_total{reason}``), never signalled. A proven rank whose launcher has no
+restarts left (``restarts_left: 0``) is not ended either: the restore pages a human instead.
 
 SIGKILL by default. A rank hung inside a collective never returns to the interpreter, so it cannot run
 a SIGTERM handler, and a signalled rank that lingers while the launcher already starts the next attempt
@@ -26,14 +37,31 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
 from trainguard import log as tglog
 
-CREATE_TIME_SLACK = 1.0     # seconds between process creation and the rank file, rounding included
+BUNDLED_ENTRY_POINT = "trainguard.trainer.train"
+BUNDLED_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+RUN_DIR_ENV = "TRAINGUARD_RUN_DIR"
+TICK = 1.0 / os.sysconf("SC_CLK_TCK")      # the resolution of a process's start time in /proc
+MAX_ANCESTORS = 8                           # srun -> torchrun -> worker is three; a shell or two more
+
+# Why a registered rank was not signalled: the label values of trainguard_restore_refused_total.
+REFUSALS = {
+    "no_start_time": "the rank file has no create_time to prove the process by",
+    "start_time_mismatch": "the process's start time differs from the registered one (a reused or copied pid)",
+    "wrong_uid": "the process runs under another uid than the run's",
+    "unreadable": "the process's command line or environment cannot be read",
+    "not_a_worker": "the process runs no registered worker entry point",
+    "other_run": "the worker names another run directory (or none)",
+    "no_launcher": "no identifiable launcher among the process's ancestors: nothing would restart it",
+    "launcher_mismatch": "the launcher is not the one the rank registered",
+    "no_restarts_left": "the launcher has no restarts left (a human is paged instead)",
+}
 
 
 @dataclass(frozen=True)
@@ -43,6 +71,15 @@ class RankInfo:
     host: str
     started_at: float
     path: Path
+    create_time: float | None = None      # psutil create_time of the rank's process, as it recorded it
+    uid: int | None = None
+    launcher_pid: int | None = None
+    launcher_create_time: float | None = None
+    restarts_left: int | None = None      # of its launcher (None: not said)
+
+
+def _optional(data: dict, key: str, kind: type):
+    return None if data.get(key) is None else kind(data[key])
 
 
 def read_ranks(run_dir: str | Path) -> tuple[list[RankInfo], list[str]]:
@@ -52,10 +89,15 @@ def read_ranks(run_dir: str | Path) -> tuple[list[RankInfo], list[str]]:
         try:
             data = json.loads(path.read_text())
             found.append(RankInfo(int(data["rank"]), int(data["pid"]), str(data["host"]),
-                                  float(data["started_at"]), path))
+                                  float(data["started_at"]), path,
+                                  create_time=_optional(data, "create_time", float),
+                                  uid=_optional(data, "uid", int),
+                                  launcher_pid=_optional(data, "launcher_pid", int),
+                                  launcher_create_time=_optional(data, "launcher_create_time", float),
+                                  restarts_left=_optional(data, "restarts_left", int)))
         except FileNotFoundError:
             continue    # replaced between the listing and the read: the launcher is restarting it
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             problems.append(f"{path}: {type(exc).__name__}: {exc}")
     return found, problems
 
@@ -92,10 +134,11 @@ class RankFiles:
 
 
 def live_process(info: RankInfo) -> psutil.Process | None:
-    """The rank's process if it is still the one the rank file describes, else None."""
+    """The rank's process if it is alive and not younger than its rank file (a liveness check for the
+    collectors and the watchdog; `prove_rank` is the check before a signal)."""
     try:
         process = psutil.Process(info.pid)
-        if process.create_time() > info.started_at + CREATE_TIME_SLACK:
+        if process.create_time() > info.started_at + 1.0:
             return None    # the pid was reused by a younger process
         return process
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -108,35 +151,261 @@ def local_ranks(infos: list[RankInfo], host: str) -> list[tuple[RankInfo, psutil
             for process in [live_process(info)] if process is not None]
 
 
+# ------------------------------------------------------------------------------------------ the proof
+
+@dataclass(frozen=True)
+class Trust:
+    """What this agent accepts as a rank of its run: from the operator's config, never from a rank file."""
+
+    run_dir: Path
+    uid: int
+    entry_points: tuple[str, ...] = (BUNDLED_ENTRY_POINT,)
+    launchers: tuple[str, ...] = BUNDLED_LAUNCHERS
+
+    @classmethod
+    def for_run(cls, run_dir: str | Path, entry_points=(), launchers=()) -> "Trust":
+        run_dir = Path(run_dir).resolve()
+        return cls(run_dir, expected_uid(run_dir), (BUNDLED_ENTRY_POINT, *entry_points),
+                   (*BUNDLED_LAUNCHERS, *launchers))
+
+
+def expected_uid(run_dir: Path) -> int:
+    """The agent's own uid; when it runs as root, the run directory's owner (root only if root owns it)."""
+    uid = os.geteuid()
+    return uid if uid != 0 else os.stat(run_dir).st_uid
+
+
+class Refused(Exception):
+    def __init__(self, reason: str, detail: str = ""):
+        assert reason in REFUSALS, reason
+        self.reason, self.detail = reason, detail or REFUSALS[reason]
+        super().__init__(f"{reason}: {self.detail}")
+
+
+@dataclass(frozen=True)
+class Proof:
+    process: psutil.Process
+    launcher: psutil.Process
+    evidence: dict = field(default_factory=dict)
+
+
+def prove_rank(info: RankInfo, trust: Trust) -> Proof | None:
+    """The rank's process, proven to be a worker of this run under a launcher; None when it is not running.
+
+    Raises `Refused` (with a reason of `REFUSALS`) when a live process does not prove the claim. The
+    caller has already checked the host.
+    """
+    try:
+        process = psutil.Process(info.pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        created = process.create_time()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+    except psutil.AccessDenied:
+        raise Refused("unreadable", f"pid {info.pid}: access denied") from None
+    if info.create_time is None:
+        raise Refused("no_start_time")
+    if not same_tick(created, info.create_time):
+        raise Refused("start_time_mismatch", f"started at {created:.2f}, registered {info.create_time:.2f}")
+    _check_uid(process, trust, info)
+    cmdline, environ = _identity(process)
+    entry_point = worker_entry_point(cmdline, trust.entry_points)
+    if entry_point is None:
+        raise Refused("not_a_worker", f"command line {' '.join(cmdline)[:200]!r}")
+    named = _named_run_dir(cmdline, environ, process)
+    if named != trust.run_dir:
+        raise Refused("other_run", f"{entry_point} names {named or 'no run directory'}, not {trust.run_dir}")
+    launcher = _launcher(process, trust, info)
+    return Proof(process, launcher, {"entry_point": entry_point, "launcher_pid": launcher.pid,
+                                     "uid": trust.uid})
+
+
+def same_tick(a: float, b: float) -> bool:
+    """Two start times of one process agree to the kernel's clock tick (psutil derives them from it)."""
+    return abs(a - b) <= TICK + 1e-6
+
+
+def _check_uid(process: psutil.Process, trust: Trust, info: RankInfo) -> None:
+    try:
+        uids = process.uids()
+    except psutil.Error:
+        raise Refused("unreadable", f"pid {info.pid}: uid") from None
+    if uids.real != trust.uid or uids.effective != trust.uid:
+        raise Refused("wrong_uid", f"pid {info.pid} runs as uid {uids.real}, the run's is {trust.uid}")
+    if info.uid is not None and info.uid != trust.uid:
+        raise Refused("wrong_uid", f"the rank file says uid {info.uid}, the run's is {trust.uid}")
+
+
+def _identity(process: psutil.Process) -> tuple[list[str], dict]:
+    try:
+        return process.cmdline(), process.environ()
+    except psutil.Error as exc:
+        raise Refused("unreadable", f"pid {process.pid}: {type(exc).__name__}") from None
+
+
+def worker_entry_point(cmdline: list[str], entry_points: tuple[str, ...]) -> str | None:
+    """The registered entry point `cmdline` runs (a module after ``-m``, or a script path), else None.
+
+    Only the program's own position counts (``python -m X`` or ``python [opts] SCRIPT``), not any word of
+    the command line, so ``sleep 900 trainguard.trainer.train`` is no worker.
+    """
+    program = _program(cmdline)
+    if program is None:
+        return None
+    for entry in entry_points:
+        if program == entry or (entry.endswith(".py") or "/" in entry) and _same_file(program, entry):
+            return entry
+    return None
+
+
+def _program(cmdline: list[str]) -> str | None:
+    """What a Python command line runs: the module of ``-m M``, or the script; a non-Python program itself."""
+    if not cmdline:
+        return None
+    if "python" not in os.path.basename(cmdline[0]):
+        return cmdline[0]
+    args = iter(cmdline[1:])
+    for arg in args:
+        if arg == "-m":
+            return next(args, None)
+        if arg.startswith("-m") and len(arg) > 2:
+            return arg[2:]
+        if arg in ("-c", "-"):
+            return None           # code on the command line proves nothing
+        if arg in ("-W", "-X", "--check-hash-based-pycs"):
+            next(args, None)
+            continue
+        if not arg.startswith("-"):
+            return arg
+    return None
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.basename(a) == os.path.basename(b) and not os.path.isabs(b)
+
+
+def _named_run_dir(cmdline: list[str], environ: dict, process: psutil.Process) -> Path | None:
+    """The run directory the process names: ``--run-dir X`` / ``--run-dir=X``, else ``TRAINGUARD_RUN_DIR``."""
+    value = None
+    for index, arg in enumerate(cmdline):
+        if arg == "--run-dir" and index + 1 < len(cmdline):
+            value = cmdline[index + 1]
+        elif arg.startswith("--run-dir="):
+            value = arg.split("=", 1)[1]
+    value = value or environ.get(RUN_DIR_ENV)
+    if not value:
+        return None
+    path = Path(value)
+    if not path.is_absolute():
+        try:
+            path = Path(process.cwd()) / path
+        except psutil.Error:
+            return None
+    return path.resolve()
+
+
+def _launcher(process: psutil.Process, trust: Trust, info: RankInfo) -> psutil.Process:
+    """The nearest ancestor that is an identifiable launcher, checked against the registration."""
+    try:
+        ancestors = process.parents()[:MAX_ANCESTORS]
+    except psutil.Error:
+        ancestors = []
+    for ancestor in ancestors:
+        try:
+            if not is_launcher(ancestor.cmdline(), trust.launchers):
+                continue
+            if ancestor.uids().real != trust.uid:
+                raise Refused("wrong_uid", f"launcher pid {ancestor.pid} runs as uid {ancestor.uids().real}")
+            created = ancestor.create_time()
+        except psutil.Error:
+            continue
+        if info.launcher_pid is not None and (ancestor.pid != info.launcher_pid or (
+                info.launcher_create_time is not None and not same_tick(created, info.launcher_create_time))):
+            raise Refused("launcher_mismatch", f"launcher pid {ancestor.pid}, registered {info.launcher_pid}")
+        return ancestor
+    raise Refused("no_launcher")
+
+
+def is_launcher(cmdline: list[str], launchers: tuple[str, ...]) -> bool:
+    """torchrun (or a registered launcher) by program, or ``trainguard train`` (its ``--nproc`` launcher)."""
+    program = _program(cmdline)
+    if program is None:
+        return False
+    if program in launchers or os.path.basename(program) in launchers:
+        return True
+    if program in ("trainguard", "trainguard.cli") or os.path.basename(program) == "trainguard":
+        rest = cmdline[cmdline.index(program) + 1:] if program in cmdline else []
+        return next((arg for arg in rest if not arg.startswith("-")), None) == "train"
+    return False
+
+
+# ----------------------------------------------------------------------------------------- ending ranks
+
 def end_local_ranks(run_dir: str | Path, host: str, started_before: float | None = None,
-                    grace_seconds: float = 0.0) -> dict:
-    """End this host's ranks that started before `started_before`: SIGKILL, or SIGTERM and SIGKILL after a grace."""
+                    grace_seconds: float = 0.0, trust: Trust | None = None) -> dict:
+    """End this host's proven ranks that started before `started_before`.
+
+    Returns ``{"ended": [...], "skipped": [...], "refused": [...]}`` and, when a proven rank's launcher
+    has no restarts left, ``"paged"`` instead of ending anything: a restore must never end a run that
+    cannot restart.
+    """
     log = tglog.get("agent.restore", host=host)
+    trust = trust or Trust.for_run(run_dir)
     infos, problems = read_ranks(run_dir)
-    ended, skipped = [], []
-    victims: list[psutil.Process] = []
+    skipped, refused, proven = [], [], []
     for info in infos:
         why = _reason_to_spare(info, host, started_before)
-        process = None if why else live_process(info)
-        if why is None and process is None:
+        try:
+            proof = None if why else prove_rank(info, trust)
+        except Refused as refusal:
+            refused.append({"rank": info.rank, "pid": info.pid, "reason": refusal.reason, "detail": refusal.detail})
+            log.error("restore refused: not a proven rank of this run", rank=info.rank, pid=info.pid,
+                      reason=refusal.reason, detail=refusal.detail, rank_file=str(info.path))
+            continue
+        if why is None and proof is None:
             why = "not running"
         if why:
             skipped.append({"rank": info.rank, "pid": info.pid, "why": why})
             continue
+        proven.append((info, proof))
+    for problem in problems:
+        log.warning("rank file unreadable", error=problem)
+    result = {"skipped": skipped, "refused": refused, **({"problems": problems} if problems else {})}
+    stuck = [info for info, _ in proven if not info.restarts_left]
+    if stuck:
+        return {**result, "ended": [], "paged": _page(stuck, log)}
+    return {**result, "ended": _signal([proof.process for _, proof in proven], [i for i, _ in proven],
+                                       grace_seconds, log, skipped)}
+
+
+def _page(stuck: list[RankInfo], log) -> dict:
+    evidence = {"reason": "no_restarts_left", "ranks": [i.rank for i in stuck],
+                "restarts_left": {str(i.rank): i.restarts_left for i in stuck}}
+    log.error("restore not carried out: the launcher has no restarts left, ending the ranks would end the "
+              "run; a human must look", **evidence)
+    return evidence
+
+
+def _signal(victims: list[psutil.Process], infos: list[RankInfo], grace_seconds: float, log,
+            skipped: list) -> list[dict]:
+    ended, signalled = [], []
+    for process, info in zip(victims, infos):
         try:
             process.kill() if grace_seconds <= 0 else process.terminate()
         except psutil.NoSuchProcess:
             skipped.append({"rank": info.rank, "pid": info.pid, "why": "exited"})
             continue
-        victims.append(process)
+        signalled.append(process)
         ended.append({"rank": info.rank, "pid": info.pid})
-    if victims and grace_seconds > 0:
-        timer = threading.Timer(grace_seconds, _kill_survivors, (victims, log))
+    if signalled and grace_seconds > 0:
+        timer = threading.Timer(grace_seconds, _kill_survivors, (signalled, log))
         timer.daemon = True
         timer.start()
-    for problem in problems:
-        log.warning("rank file unreadable", error=problem)
-    return {"ended": ended, "skipped": skipped, **({"problems": problems} if problems else {})}
+    return ended
 
 
 def _reason_to_spare(info: RankInfo, host: str, started_before: float | None) -> str | None:

@@ -7,7 +7,11 @@ samples; nothing on the request path reads a device. Other parts of the agent ad
 
 The server bounds what a client can cost: request bodies over `max_body_bytes` are refused (413) before
 they are read, a body needs a Content-Length (411), at most `max_connections` connections are served at
-once (503 beyond), and a silent client is dropped after `read_timeout` seconds.
+once (503 beyond), an idle keep-alive connection is closed after `read_timeout` seconds, and each request
+must arrive and be answered within `request_timeout` seconds of its first byte, however slowly a client
+trickles it in (a per-read timeout alone lets one byte every few seconds hold a slot for ever). One more
+slot is kept for loopback clients when the others are taken, and serves only `RESERVED_PATHS` (/healthz
+and the webhook): sixteen slow clients cannot lock out the health check or an alert.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import queue
 import selectors
 import threading
+import time
 from dataclasses import dataclass
 from email.message import Message
 from typing import Callable, Mapping
@@ -28,6 +33,74 @@ from trainguard import log as tglog
 from trainguard.agent import exposition
 
 Response = tuple[int, Mapping[str, str], bytes]
+RESERVED_PATHS = ("/healthz", "/api/v1/alerts")
+_LOOPBACK = ("127.", "::1", "::ffff:127.")
+_connection = threading.local()     # per worker thread: is the connection it serves on the reserved slot
+
+
+class RequestTimeout(TimeoutError):
+    """The request did not arrive within its deadline (http.server closes the connection on a TimeoutError)."""
+
+
+class _DeadlineReader:
+    """The connection's input with a whole-request deadline.
+
+    Waiting for the first byte of a request is bounded by the idle timeout (keep-alive); from that byte
+    on, everything up to the end of the body must arrive within `limit` seconds: each receive gets only
+    the time left, so a client trickling one byte at a time is cut off at the deadline.
+    """
+
+    CHUNK = 65536
+
+    def __init__(self, sock, idle: float, limit: float):
+        self.sock, self.idle, self.limit = sock, idle, limit
+        self.buffer = bytearray()
+        self.deadline: float | None = None
+
+    def reset(self) -> None:
+        """The next request's deadline starts at its first byte."""
+        self.deadline = None
+
+    def _fill(self) -> bool:
+        if self.deadline is None and not self.buffer:
+            self.sock.settimeout(self.idle)
+            chunk = self.sock.recv(self.CHUNK)     # TimeoutError when idle too long: http.server closes
+        else:
+            if self.deadline is None:
+                self.deadline = time.monotonic() + self.limit
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise RequestTimeout(f"request not complete within {self.limit:g}s")
+            self.sock.settimeout(left)
+            try:
+                chunk = self.sock.recv(self.CHUNK)
+            except TimeoutError:
+                raise RequestTimeout(f"request not complete within {self.limit:g}s") from None
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.limit
+        self.buffer += chunk
+        return bool(chunk)
+
+    def readline(self, limit: int = -1) -> bytes:
+        while b"\n" not in self.buffer and (limit < 0 or len(self.buffer) < limit):
+            if not self._fill():
+                break
+        end = self.buffer.find(b"\n") + 1 or len(self.buffer)
+        return self._take(end if limit < 0 else min(end, limit))
+
+    def read(self, size: int = -1) -> bytes:
+        while size < 0 or len(self.buffer) < size:
+            if not self._fill():
+                break
+        return self._take(len(self.buffer) if size < 0 else min(size, len(self.buffer)))
+
+    def _take(self, n: int) -> bytes:
+        data = bytes(self.buffer[:n])
+        del self.buffer[:n]
+        return data
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -58,16 +131,19 @@ class AgentServer:
     """A threaded HTTP server with a route table; `agent` (a runner.Agent) provides /metrics and /healthz."""
 
     def __init__(self, agent=None, host: str = "127.0.0.1", port: int = 9400, *, max_body_bytes: int = 2**20,
-                 max_connections: int = 16, read_timeout: float = 10.0):
+                 max_connections: int = 16, read_timeout: float = 10.0, request_timeout: float = 10.0):
         self.agent = agent
         self.max_body_bytes = max_body_bytes
+        self.request_timeout = request_timeout
         self._routes: dict[tuple[str, str], Handler] = {}
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._reserved = threading.BoundedSemaphore(1)
         self._log = tglog.get("agent.server")
         self._thread: threading.Thread | None = None
         self._renderer = exposition.Renderer()    # a family unchanged since the last scrape is not rendered again
         self._gzipped: tuple[bytes, bytes] = (b"", gzip.compress(b"", compresslevel=1))   # (body, compressed)
-        handler = type("BoundHandler", (_RequestHandler,), {"server_app": self, "timeout": read_timeout})
+        handler = type("BoundHandler", (_RequestHandler,), {"server_app": self, "timeout": read_timeout,
+                                                            "request_timeout": request_timeout})
         self.httpd = _Server((host, port), handler)
         if agent is not None:
             self.add_route("GET", "/metrics", self._metrics)
@@ -106,6 +182,8 @@ class AgentServer:
 
     def dispatch(self, method: str, raw_path: str, headers: Message, body: bytes, client) -> Response:
         parts = urlsplit(raw_path)
+        if getattr(_connection, "reserved", False) and parts.path not in RESERVED_PATHS:
+            return 503, {"Content-Type": "text/plain", "Connection": "close"}, b"busy: only /healthz and the webhook now\n"
         handler = self._routes.get((method, parts.path))
         if handler is None:
             allowed = sorted(m for m, p in self._routes if p == parts.path)
@@ -185,7 +263,8 @@ class _Server(http.server.HTTPServer):
 
     def process_request(self, request, client_address):
         app = self.RequestHandlerClass.server_app
-        if not app._slots.acquire(blocking=False):
+        reserved = self._take_slot(app, client_address)
+        if reserved is None:
             # Too many connections at once: answer 503 on the spot rather than queue threads without bound.
             try:
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
@@ -199,23 +278,35 @@ class _Server(http.server.HTTPServer):
                 self._workers += 1
             else:
                 self._idle -= 1
-        self._connections.put((request, client_address))
+        self._connections.put((request, client_address, reserved))
         if start:
             threading.Thread(target=self._work, name="agent-http-worker", daemon=True).start()
 
     def _work(self) -> None:
         app = self.RequestHandlerClass.server_app
         while (connection := self._connections.get()) is not None:
-            request, client_address = connection
+            request, client_address, reserved = connection
+            _connection.reserved = reserved
             try:
                 self.finish_request(request, client_address)
+            except RequestTimeout:
+                pass                       # a client too slow for its deadline: dropped
             except Exception:
                 self.handle_error(request, client_address)
             finally:
                 self.shutdown_request(request)
                 with self._lock:
                     self._idle += 1
-                app._slots.release()
+                (app._reserved if reserved else app._slots).release()
+
+    @staticmethod
+    def _take_slot(app, client_address) -> bool | None:
+        """False: a general slot; True: the reserved one (loopback, when the others are taken); None: none."""
+        if app._slots.acquire(blocking=False):
+            return False
+        if str(client_address[0]).startswith(_LOOPBACK) and app._reserved.acquire(blocking=False):
+            return True
+        return None
 
     def server_close(self) -> None:
         super().server_close()
@@ -233,6 +324,15 @@ class _RequestHandler(http.server.BaseHTTPRequestHandler):
     server_app: AgentServer
     protocol_version = "HTTP/1.1"   # keep-alive, as Prometheus scrapes
     server_version = "trainguard-agent"
+    request_timeout = 10.0
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = _DeadlineReader(self.connection, self.timeout, self.request_timeout)
+
+    def handle_one_request(self) -> None:
+        self.rfile.reset()
+        super().handle_one_request()
 
     def do_GET(self) -> None:
         self._handle(b"")

@@ -178,6 +178,11 @@ def load_token(path: str | os.PathLike, create: bool = False) -> bytes:
         else:
             with os.fdopen(fd, "w") as handle:
                 handle.write(secrets.token_urlsafe(32) + "\n")
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        # Whoever reads the token can stop or restore the run, as whoever reads the checkpoint key can sign one.
+        raise ValueError(f"{path}: the webhook token file is readable by others (mode {mode:04o}); "
+                         f"make it private: chmod 600 {path}")
     token = path.read_bytes().strip()
     if not token:
         raise ValueError(f"{path}: the webhook token file is empty")
@@ -242,7 +247,10 @@ class Webhook:
         except ValueError as exc:
             self.log.warning("webhook body not JSON", status=400, error=str(exc))
             return _json(400, {"error": f"body: not valid JSON: {exc}"})
-        verdicts = self.executor.submit(notices)
+        try:
+            verdicts = self.executor.submit(notices)
+        except OSError as exc:     # executor.ActionNotDone: nothing acted, the ledger as it was; retry
+            return _json(500, {"error": f"not done, retry: {exc}"})
         return _json(200, {"status": "ok", "verdicts": [
             {"alertname": v.notice.alertname, "status": v.notice.status, "outcome": v.outcome,
              "action": v.action, "dry_run": v.dry_run} for v in verdicts]})

@@ -105,7 +105,7 @@ def start_agent(work: Path, run_dir: Path):
                       "collectors:\n  gpu: {nvml_module: tests.fakes.fake_nvml}\n")
     port = free_port()
     env = {**os.environ, "TRAINGUARD_FAKE_NVML": "h100x8", "PYTHONPATH": str(ROOT), "TRAINGUARD_LOG_JSON": "1"}
-    cmd = [sys.executable, "-m", "trainguard.cli", "agent", "--run-dir", str(run_dir), "--listen",
+    cmd = [sys.executable, "-m", "trainguard.cli", "agent", "--create", "--run-dir", str(run_dir), "--listen",
            f"127.0.0.1:{port}", "--config", str(config)]
     return start(cmd, url=f"http://127.0.0.1:{port}", ready_url=f"http://127.0.0.1:{port}/healthz",
                  log_path=work / "agent.log", timeout=60, cwd=ROOT, env=env)

@@ -372,3 +372,27 @@ def agent_server(config=None, registry=None, **config_fields) -> Iterator[tuple[
     finally:
         server.stop()
         agent.stop(timeout=2.0)
+
+
+@contextlib.contextmanager
+def tmpfs(target: Path, size: str) -> Iterator[Path]:
+    """A real tmpfs of `size` mounted on `target` (made here) for the block: a small disk to fill up."""
+    target.mkdir(parents=True, exist_ok=True)
+    mount_or_skip(["-t", "tmpfs", "-o", f"size={size}", "tmpfs"], target)
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True, timeout=30)
+
+
+def fill_disk(directory: Path) -> Path:
+    """Write `directory/filler` until the filesystem says ENOSPC, to the last byte; returns the filler."""
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as handle:
+        for size in (2**16, 512, 1):
+            try:
+                while True:
+                    handle.write(b"\0" * size)
+            except OSError:
+                pass
+    return filler

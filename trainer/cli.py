@@ -65,8 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--nproc", type=int, default=1, metavar="K",
                         help="local ranks, launched through torch's elastic launcher (gloo on CPU, nccl on GPU)")
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="R",
-                        help="restarts of failed or killed workers by the elastic launcher (default 0)")
+    parser.add_argument("--max-restarts", type=int, default=None, metavar="R",
+                        help="restarts of failed or killed workers by the elastic launcher (default with --nproc "
+                             "over 1: the policy's alerts.max_restores_per_hour, room for the agent's restores; "
+                             "else 0)")
     add_node_arguments(parser)
 
 
@@ -157,9 +159,47 @@ def write_resolved(config: cfg.TrainConfig, run_dir: Path) -> Path:
     text = config.dump()
     if not path.exists() or path.read_text() != text:
         tmp = path.with_name(f".config.yaml.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)     # a full disk leaves no half-written file behind
+            raise
     return path
+
+
+def _check_key(config: cfg.TrainConfig) -> str | None:
+    """The checkpoint key must be usable before any rank starts (a loose or short key: a message, not a
+    traceback from every rank)."""
+    from trainguard.trainer.checkpoint import keys
+    from trainguard.trainer.checkpoint.manifest import CheckpointError
+
+    try:
+        keys.load_key(keys.resolve_key_path(config.run.key_file or None), create=True)
+    except (CheckpointError, OSError) as exc:
+        return str(exc)
+    return None
+
+
+def _prepare_run_dir(run_dir: Path) -> str | None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--run-dir {run_dir}: cannot create it: {exc.strerror or exc}"
+    if not os.access(run_dir, os.W_OK):
+        return f"--run-dir {run_dir}: not writable"
+    return None
+
+
+def default_max_restarts(config: cfg.TrainConfig, nproc: int) -> int:
+    """Ranks under the launcher must survive the agent's restores: as many restarts as the ledger allows
+    restores in an hour (``alerts.max_restores_per_hour``; past it the agent pages a human instead). One
+    rank without the flag runs in this process, with no launcher to restart it."""
+    if nproc <= 1:
+        return 0
+    from trainguard import policy
+
+    return policy.load(config.run.policy or None).alerts.max_restores_per_hour
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,7 +209,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainguard train: {exc}", file=sys.stderr)
         return 2
     run_dir = args.run_dir.resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    problem = _check_key(config) or _prepare_run_dir(run_dir)
+    if problem:
+        print(f"trainguard train: {problem}", file=sys.stderr)
+        return 2
     if not config.run.run_id:
         config.run.run_id = run_dir.name
     try:
@@ -177,11 +220,20 @@ def run(args: argparse.Namespace) -> int:
     except cfg.ConfigError as exc:
         print(f"trainguard train: {exc}", file=sys.stderr)
         return 2
-    resolved = write_resolved(config, run_dir)
-    if args.nproc > 1 or args.max_restarts > 0 or nodes is not None:
+    try:
+        resolved = write_resolved(config, run_dir)
+    except OSError as exc:
+        print(f"trainguard train: {run_dir / 'config.yaml'}: cannot write: {exc.strerror or exc} "
+              f"({len(config.dump().encode())} bytes needed)", file=sys.stderr)
+        return 2
+    max_restarts = default_max_restarts(config, args.nproc) if args.max_restarts is None else args.max_restarts
+    if nodes is not None and args.max_restarts is None:
+        # a node of several restarts its ranks when the job re-forms (a peer node left), whatever --nproc
+        max_restarts = max(max_restarts, default_max_restarts(config, 2))
+    if args.nproc > 1 or max_restarts > 0 or nodes is not None:
         from trainguard.trainer.launch import launch
 
-        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=args.max_restarts, nodes=nodes)
+        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=max_restarts, nodes=nodes)
     from trainguard.trainer.train import run_worker
 
     return run_worker(config, run_dir)

@@ -115,17 +115,50 @@ class ControlChannel:
 
 
 def write_rank_file(run_dir: str | os.PathLike, rank: int, **extra) -> Path:
-    """``RUN/control/ranks/rank-<r>.json``: who to signal to restart this rank (atomic replace)."""
+    """``RUN/control/ranks/rank-<r>.json``: this rank's registration (atomic replace).
+
+    What the agent's `restore` needs to prove the process is this rank before it ends it (agent/restore.py
+    `prove_rank`; every field is described in docs/agent.md): pid, host, uid, the process's start time as
+    psutil sees it (``create_time``, compared to the clock tick), its launcher (``launcher_pid``,
+    ``launcher_create_time``) and how many restarts that launcher has left (from the elastic agent's
+    ``TORCHELASTIC_MAX_RESTARTS`` and ``TORCHELASTIC_RESTART_COUNT``; 0 when no launcher restarts it).
+    Any training loop registers by calling this (or writing the same JSON) once per process start.
+    """
     directory = Path(run_dir) / "control" / "ranks"
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"rank-{rank}.json"
-    info = {"rank": rank, "pid": os.getpid(), "host": node_name(), "started_at": time.time(), **extra}
-    if "TORCHELASTIC_RUN_ID" in os.environ:    # the elastic agent that started this rank (agent/evict.py)
-        info.setdefault("launcher_pid", os.getppid())
+    info = {"rank": rank, "pid": os.getpid(), "host": node_name(), "started_at": time.time(),
+            **process_identity(), **restarts_of_launcher(), **extra}
     tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(info))
     os.replace(tmp, path)
     return path
+
+
+def process_identity() -> dict:
+    """This process's uid and start time, and its parent's (the launcher under torchrun), as psutil reads them."""
+    import psutil
+
+    me = psutil.Process()
+    identity = {"uid": os.getuid(), "create_time": me.create_time()}
+    try:
+        parent = psutil.Process(os.getppid())
+        identity.update(launcher_pid=parent.pid, launcher_create_time=parent.create_time())
+    except psutil.Error:
+        pass
+    return identity
+
+
+def restarts_of_launcher(environ=os.environ) -> dict:
+    """``max_restarts`` and ``restarts_left`` of the elastic launcher that started this process (0 without one)."""
+    try:
+        allowed = int(environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+        used = int(environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    except ValueError:
+        allowed, used = 0, 0
+    if "TORCHELASTIC_RUN_ID" not in environ:
+        allowed = used = 0
+    return {"max_restarts": allowed, "restarts_left": max(0, allowed - used)}
 
 
 def append_request(run_dir: str | os.PathLike, action: str, *, request_id: str, alertname: str = "",

@@ -236,6 +236,8 @@ class StepTelemetry:
         system = {**self.system, "monotonic_seconds": time.monotonic()}
         if self.last_checkpoint is not None:
             system["last_checkpoint"] = self.last_checkpoint
+        if self.writer.dropped:      # records a full disk cost this rank so far (tls.Writer drops, never stops)
+            system["tls_records_dropped"] = self.writer.dropped
         record = {"schema": tls.SCHEMA_ID,
                   "timestamp": tls.format_timestamp(time.time() if timestamp is None else timestamp),
                   **self.envelope, "step": step, "metrics": metrics,

@@ -2,7 +2,13 @@
 
 The guard, the cost meter, the generated Prometheus rules and replay all read these dataclasses, so a
 threshold changed here changes every path that enforces it. The YAML file overrides any subset of the
-defaults; an unknown key or a value of the wrong type is an error naming the file and the key.
+defaults; an unknown key, a value of the wrong type or out of its range is an error naming the file and
+the key (`PolicyError`), checked once at load, so no value can crash or silently disable a guard later.
+
+Adding a key: a field with its default in its section's dataclass, and ONE row in `RULES` below
+(``"section.key": at_least(1)``, ``between(0, 1)``, ``DURATION`` ...). Every numeric or duration field
+must have a row (tests/property/test_policy_properties.py fails naming a field without one); a rule that
+spans keys (warn <= throttle <= stop) goes in `CROSS_CHECKS`.
 
     cost:
       price_per_gpu_hour: 2.0        # USD
@@ -13,6 +19,8 @@ defaults; an unknown key or a value of the wrong type is an error naming the fil
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,9 +159,183 @@ class Policy:
         return dataclasses.asdict(self)
 
 
+# ------------------------------------------------------------------------------------------ validation
+
+@dataclass(frozen=True)
+class Range:
+    """A closed or open interval a number must lie in (always finite: NaN and infinities never pass)."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+
+    def problem(self, value: float) -> str | None:
+        if not math.isfinite(value):
+            return "must be a finite number"
+        below = value <= self.low if self.low_open else value < self.low
+        above = value >= self.high if self.high_open else value > self.high
+        if below or above:
+            return f"must be {self.describe()}"
+        return None
+
+    def describe(self) -> str:
+        low = "" if self.low == -math.inf else f"{'>' if self.low_open else '>='} {self.low:g}"
+        high = "" if self.high == math.inf else f"{'<' if self.high_open else '<='} {self.high:g}"
+        return " and ".join(part for part in (low, high) if part)
+
+
+def at_least(low: float, high: float = math.inf) -> Range:
+    return Range(low, high)
+
+
+def above(low: float, high: float = math.inf) -> Range:
+    return Range(low, high, low_open=True)
+
+
+def between(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Range:
+    return Range(low, high, low_open, high_open)
+
+
+FRACTION = between(0, 1)
+SHARE = between(0, 1, low_open=True)          # a ratio where 0 would switch the check off
+WINDOW = at_least(1, 10**6)                   # steps held in memory: bounded
+DURATION = "duration"                          # a Prometheus duration: 30s, 2m, 1h30m
+_DURATION = re.compile(r"^(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$")
+
+# Every numeric and duration key: its range (or DURATION). One row per key; see the module docstring.
+RULES: dict[str, Range | str | tuple] = {
+    "cost.price_per_gpu_hour": above(0),
+    "cost.budget_per_1k_steps": above(0),
+    "cost.tiers.warn": above(0, 1000), "cost.tiers.throttle": above(0, 1000), "cost.tiers.stop": above(0, 1000),
+    "cost.window_steps": WINDOW,
+    "cost.min_steps": at_least(1, 10**6),
+    "cost.gpu_count_override": at_least(0, 10**7),
+    "guard.spike_sigma": above(0),
+    "guard.spike_window": at_least(2, 10**6),
+    "guard.spike_min_steps": at_least(2, 10**6),
+    "guard.grad_ema_beta": between(0, 1, high_open=True),
+    "guard.grad_explode_factor": above(1),
+    "guard.layer_explode_factor": above(1),
+    "guard.grad_min_steps": WINDOW,
+    "guard.rollback_after": WINDOW,
+    "guard.rollback_window": WINDOW,
+    "guard.max_rollbacks_per_hour": at_least(0, 10**6),
+    "guard.rollback_lr_factor": between(0, 1, low_open=True),
+    "guard.rewarmup_steps": at_least(0, 10**7),
+    "alerts.stall_seconds": above(0, 10**7),
+    "alerts.startup_grace_seconds": above(0, 10**7),
+    "alerts.gpu_temp_c": above(0, 200),
+    "alerts.disk_await_ms": above(0),
+    "alerts.data_wait_ratio": SHARE,
+    "alerts.data_utilization_min": SHARE,
+    "alerts.comm_overhead_max": SHARE,
+    "alerts.fragmentation_min": SHARE,
+    "alerts.checkpoint_stale_seconds": above(0, 10**8),
+    "alerts.low_throughput_ratio": SHARE,
+    "alerts.loss_spike_sigma": above(0),
+    "alerts.grad_explode_factor": above(1),
+    "alerts.for_short": DURATION,
+    "alerts.for_long": DURATION,
+    "alerts.action_cooldown_seconds": at_least(0, 10**7),
+    "alerts.max_restores_per_hour": at_least(0, 10**4),
+    "diagnose.warmup_steps": at_least(0, 10**6),
+    "diagnose.min_steps": WINDOW,
+    "diagnose.straggler_score_min": SHARE,
+    "diagnose.slow_step_factor": above(1),
+    "diagnose.jitter_max": SHARE,
+    "diagnose.clock_ratio_min": SHARE,
+    "diagnose.link_ratio_min": SHARE,
+    "diagnose.leak_min_bytes": at_least(0),
+    "diagnose.plateau_window_steps": at_least(2, 10**6),
+    "diagnose.plateau_min_improvement": at_least(0),
+    "diagnose.grad_trend_max_ratio": above(0),
+    "preflight.idle_temp_c_max": above(0, 200),
+    "preflight.idle_clock_ratio_min": SHARE,
+    "preflight.checkpoints_of_headroom": at_least(0, 10**4),
+    "preflight.checkpoint_write_seconds_max": above(0),
+    "preflight.write_probe_bytes": at_least(1, 2**40),
+    "preflight.collective_timeout_seconds": above(0, 10**6),
+    "preflight.nccl_ib_timeout_min": at_least(1, 31),
+    "preflight.nccl_ib_timeout_max": at_least(1, 31),
+    "preflight.heartbeat_timeout_seconds_max": above(0),
+    "restore.evict": EVICT_CHOICES,
+    "restore.max_evictions_per_hour": at_least(0, 10**4),
+    "restore.evidence_seconds": above(0, 3600),
+}
+FALLBACK = at_least(0)      # a numeric key without a row yet (the property test names it): finite, >= 0
+
+
+def _tiers_in_order(policy: "Policy") -> str | None:
+    t = policy.cost.tiers
+    return None if t.warn <= t.throttle <= t.stop else f"cost.tiers: expected warn <= throttle <= stop, got {t}"
+
+
+def _rollback_fits_window(policy: "Policy") -> str | None:
+    g = policy.guard
+    if g.rollback_after > g.rollback_window:
+        return (f"guard.rollback_after: {g.rollback_after} bad steps can never fit in guard.rollback_window "
+                f"({g.rollback_window})")
+    return None
+
+
+def _spike_needs_its_window(policy: "Policy") -> str | None:
+    g = policy.guard
+    if g.spike_min_steps > g.spike_window:
+        return f"guard.spike_min_steps: {g.spike_min_steps} is more than guard.spike_window ({g.spike_window}) holds"
+    return None
+
+
+def _ib_timeouts_in_order(policy: "Policy") -> str | None:
+    p = policy.preflight
+    if p.nccl_ib_timeout_min > p.nccl_ib_timeout_max:
+        return "preflight.nccl_ib_timeout_min: must not exceed preflight.nccl_ib_timeout_max"
+    return None
+
+
+CROSS_CHECKS = (_tiers_in_order, _rollback_fits_window, _spike_needs_its_window, _ib_timeouts_in_order)
+
+
+def parse_duration(value: str) -> float:
+    """Seconds of a Prometheus duration (``30s``, ``2m``, ``1h30m``); ValueError if it is not one."""
+    match = _DURATION.match(value.strip()) if isinstance(value, str) else None
+    if not match or not value.strip():
+        raise ValueError(f"not a duration (like 30s, 2m, 1h30m): {value!r}")
+    y, w, d, h, m, sec, ms = (int(g or 0) for g in match.groups())
+    return (((y * 365 + w * 7 + d) * 24 + h) * 60 + m) * 60 + sec + ms / 1000
+
+
+def _check_value(name: str, default: Any, value: Any) -> Any:
+    """The value for field `name` (its default shows the type), or PolicyError's message."""
+    rule = RULES.get(name, FALLBACK)
+    if isinstance(rule, tuple):             # one of a few words (restore.evict: auto, on, off)
+        if isinstance(value, bool) and {"on", "off"} <= set(rule):
+            value = "on" if value else "off"    # YAML 1.1 reads a bare on/off as a boolean
+        if not isinstance(value, str) or value not in rule:
+            raise ValueError(f"expected one of {', '.join(rule)}, got {value!r}")
+        return value
+    if rule == DURATION:
+        if not isinstance(value, str):
+            raise ValueError(f"expected a duration string (like 30s, 2m), got {value!r}")
+        parse_duration(value)
+        return value.strip()
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, bool) or not isinstance(value, type(default)) and not (isinstance(default, float) and numeric):
+        raise ValueError(f"expected {type(default).__name__}, got {value!r}")
+    if isinstance(default, (int, float)):
+        try:
+            value = type(default)(value)
+        except OverflowError:
+            raise ValueError(f"must be a finite number, got {value!r}") from None
+        problem = rule.problem(value)
+        if problem:
+            raise ValueError(f"{problem}, got {value!r}")
+    return value
+
+
 def _build(cls: type, values: Any, where: str, source: str) -> Any:
     if not isinstance(values, dict):
-        raise PolicyError(f"{source}: {where}: expected a mapping, got {type(values).__name__}")
+        raise PolicyError(f"{source}: {where or 'the file'}: expected a mapping, got {type(values).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
@@ -163,35 +345,53 @@ def _build(cls: type, values: Any, where: str, source: str) -> Any:
         default = getattr(cls(), key)
         if dataclasses.is_dataclass(default):
             kwargs[key] = _build(type(default), value, name, source)
-        elif isinstance(default, bool) or not isinstance(value, type(default)) and not (
-                isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool)):
-            raise PolicyError(f"{source}: {name}: expected {type(default).__name__}, got {value!r}")
-        else:
-            if isinstance(default, (int, float)) and value < 0:
-                raise PolicyError(f"{source}: {name}: must not be negative, got {value!r}")
-            kwargs[key] = type(default)(value)
+            continue
+        try:
+            kwargs[key] = _check_value(name, default, value)
+        except ValueError as exc:
+            raise PolicyError(f"{source}: {name}: {exc}") from None
     return cls(**kwargs)
+
+
+def from_mapping(data: Any, source: str = "policy") -> Policy:
+    """A checked policy from decoded YAML (`source` names it in errors)."""
+    policy = _build(Policy, {} if data is None else data, "", source)
+    for check in CROSS_CHECKS:
+        problem = check(policy)
+        if problem:
+            raise PolicyError(f"{source}: {problem}")
+    return policy
 
 
 def load(path: str | Path | None = None) -> Policy:
     """The defaults, overridden by the YAML file at `path` when given."""
     if path is None:
         return Policy()
+    try:
+        data = read_yaml(path, "policy file")
+    except ValueError as exc:
+        raise PolicyError(str(exc)) from None
+    return from_mapping(data, str(path))
+
+
+def read_yaml(path: str | Path, what: str) -> Any:
+    """A YAML file decoded, or ValueError naming the file and what is wrong (missing, unreadable, not
+    UTF-8, not YAML, nested too deeply): the policy and the agent config read their files through this."""
     source = str(path)
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        return yaml.safe_load(Path(path).read_bytes().decode("utf-8"))
     except FileNotFoundError:
-        raise PolicyError(f"{source}: no such policy file") from None
+        raise ValueError(f"{source}: no such {what}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{source}: is a directory, not a {what}") from None
+    except OSError as exc:
+        raise ValueError(f"{source}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{source}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
-        raise PolicyError(f"{source}: not valid YAML: {exc}") from None
-    policy = _build(Policy, data, "", source)
-    tiers = policy.cost.tiers
-    if not tiers.warn <= tiers.throttle <= tiers.stop:
-        raise PolicyError(f"{source}: cost.tiers: expected warn <= throttle <= stop, got {tiers}")
-    if policy.restore.evict not in EVICT_CHOICES:
-        raise PolicyError(f"{source}: restore.evict: expected one of {', '.join(EVICT_CHOICES)}, "
-                          f"got {policy.restore.evict!r}")
-    return policy
+        raise ValueError(f"{source}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{source}: nested too deeply") from None
 
 
 def dump(policy: Policy) -> str:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import msgspec
 
@@ -339,15 +339,53 @@ class Writer:
 
     A single write of one line keeps readers (the agent) from seeing partial records from a live
     process, and leaves nothing buffered to lose when the process is killed.
+
+    Telemetry must never stop training: a record that cannot be written (a full disk) is dropped and
+    counted (`dropped`), the partial bytes cut off again, and the failure reported once per streak through
+    `on_drop` (default: a log line naming the file and the bytes needed). On open, a torn last line (a
+    process killed mid-write, an old disk-full) is ended with a newline, so the next record is not glued
+    onto it: the torn line stays, and readers report it as malformed by its line number.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, on_drop: Callable[[str], None] | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        self.dropped = 0
+        self._failing = False
+        self.on_drop = on_drop or _log_drop
+        self._end_torn_line()
 
-    def write(self, record: dict) -> None:
-        os.write(self._fd, encode(record))
+    def _end_torn_line(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size and os.pread(self._fd, 1, size - 1) != b"\n":
+            self._append(b"\n")
+
+    def write(self, record: dict) -> bool:
+        """True when the record is on its way to disk; False when it was dropped (and counted)."""
+        return self._append(encode(record))
+
+    def _append(self, data: bytes) -> bool:
+        size = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(28, f"short write ({written} of {len(data)} bytes)")
+        except OSError as exc:
+            try:
+                os.ftruncate(self._fd, size)     # never leave half a record for the next one to glue onto
+            except OSError:
+                pass
+            self.dropped += 1
+            if not self._failing:
+                self._failing = True
+                self.on_drop(f"{self.path}: {exc.strerror or exc} ({len(data)} bytes needed); "
+                             "TLS records are dropped and counted until it can be written again")
+            return False
+        if self._failing:
+            self._failing = False
+            self.on_drop(f"{self.path}: writable again after {self.dropped} dropped record(s)")
+        return True
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -359,6 +397,12 @@ class Writer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _log_drop(message: str) -> None:
+    from trainguard import log
+
+    log.get("tls.writer").error(message)
 
 
 def make_record(*, step: int | None = None, timestamp: float | None = None, **sections: Any) -> dict:

@@ -5,6 +5,10 @@ collectors), so `node_disk_*` / `node_network_*` queries and dashboards work unc
 rates are PromQL's job. tests/agent/test_node_exporter_crosscheck.py compares both with the real
 prometheus-node-exporter on the same roots. What node_exporter cannot know is the run: the space left where
 checkpoints go (trainguard_checkpoint_fs_*), and the disk await the TLS node record carries.
+
+The three sources fail apart, as node_exporter's diskstats and netdev collectors do: a missing or
+unparsable ``net/dev`` costs the network series only, never the disks (and the other way round);
+``trainguard_io_source_success{source}`` says which read, and a failure is logged once per streak.
 """
 
 from __future__ import annotations
@@ -70,22 +74,55 @@ class IOCollector(Collector):
         checkpoints = opts["checkpoint_dir"] or (ctx.run_dir / "checkpoints" if ctx.run_dir else None)
         self.checkpoint_fs = CheckpointFilesystem(Path(checkpoints)) if checkpoints else None
         self._previous: dict[str, DiskStats] = {}
+        self._failed: dict[str, str] = {}      # source -> its error, while it fails
 
     def update(self) -> Sample:
-        disks = [d for d in read_diskstats(self.ctx.procfs) if not self.disks.ignored(d.device)]
-        nics = {name: stats for name, stats in read_net_dev(self.ctx.procfs).items() if not self.nics.ignored(name)}
-        result = disk_families(disks) + network_families(nics)
+        disks = self._source("diskstats", lambda: [d for d in read_diskstats(self.ctx.procfs)
+                                                  if not self.disks.ignored(d.device)])
+        nics = self._source("netdev", lambda: {name: stats for name, stats in read_net_dev(self.ctx.procfs).items()
+                                               if not self.nics.ignored(name)})
+        result = (disk_families(disks) if disks is not None else []) + (
+            network_families(nics) if nics is not None else [])
         if self.checkpoint_fs is not None:
-            result += self.checkpoint_fs.families()
+            result += self._source("checkpoint_fs", self.checkpoint_fs.families) or []
+        result.append(self._success_family())
         tls = {}
-        await_ms = disk_await_ms(self._previous, disks)
-        if await_ms is not None:
-            tls["hardware"] = {"disk_await_ms": await_ms}
-        self._previous = {d.device: d for d in disks}
+        if disks is not None:
+            await_ms = disk_await_ms(self._previous, disks)
+            if await_ms is not None:
+                tls["hardware"] = {"disk_await_ms": await_ms}
+            self._previous = {d.device: d for d in disks}
         return Sample(families=result, tls=tls)
+
+    def _source(self, name: str, read):
+        """`read()`, or None when it fails (logged once per streak): one source never takes the others down."""
+        try:
+            value = read()
+        except (OSError, ValueError, IndexError, KeyError) as exc:
+            if self._failed.get(name) is None:
+                _log().warning("io source failed; the others go on", source=name, error=f"{type(exc).__name__}: {exc}")
+            self._failed[name] = str(exc)
+            return None
+        if self._failed.pop(name, None) is not None:
+            _log().info("io source back", source=name)
+        return value
+
+    def _success_family(self) -> Metric:
+        sources = ["diskstats", "netdev"] + (["checkpoint_fs"] if self.checkpoint_fs is not None else [])
+        return _SOURCE_SUCCESS.family([(_SOURCE.get(name), 0.0 if name in self._failed else 1.0) for name in sources])
 
 
 _DEVICE = LabelCache(["device"])     # one label set per disk or NIC, shared by all their series
+_SOURCE = LabelCache(["source"])
+_SOURCE_SUCCESS = Spec("gauge", "trainguard_io_source_success",
+                       "Whether the io collector's source (diskstats, netdev, checkpoint_fs) was read at the last update.",
+                       ["source"])
+
+
+def _log():
+    from trainguard import log
+
+    return log.get("agent.collector", collector="io")
 _DISK_SPECS = [(field, Spec("counter" if is_counter else "gauge", f"node_disk_{name}", help_, ["device"]), scale)
                for field, name, help_, scale, is_counter in DISK_SERIES]
 _NETWORK_SPECS: dict[str, Spec] = {}  # /proc/net/dev column -> its family (columns come from the file's header)

@@ -39,8 +39,10 @@ EVENT_KINDS = (
     ("watchdog_timeout", re.compile(rb"\.cpp:\d+\] (?:\[[^\]]*\] )?Watchdog caught collective operation timeout")),
     ("watchdog_stuck", re.compile(rb"\.cpp:\d+\] (?:\[[^\]]*\] )?ProcessGroupNCCL's watchdog got stuck for")),
     ("error", re.compile(rb"^(?:\[[^\]]*\]:)?\s*(?:torch\.distributed\.)?DistBackendError: ")),
-    ("abort", re.compile(rb"NCCL INFO comm 0x[0-9a-f]+ .*- Abort COMPLETE")),
-    ("init", re.compile(rb"NCCL INFO comm 0x[0-9a-f]+ .*- Init COMPLETE")),
+    # NCCL 2.21 and later name the calling function first (ncclCommInitRank, from 2.23 also
+    # ncclCommInitRankConfig, ncclCommSplit ...): "NCCL INFO ncclCommInitRank comm 0x... - Init COMPLETE".
+    ("abort", re.compile(rb"NCCL INFO (?:nccl\w+ )?comm 0x[0-9a-f]+ .*- Abort COMPLETE")),
+    ("init", re.compile(rb"NCCL INFO (?:nccl\w+ )?comm 0x[0-9a-f]+ .*- Init COMPLETE")),
     ("warn", re.compile(rb" NCCL WARN ")),
 )
 KINDS = tuple(kind for kind, _ in EVENT_KINDS)

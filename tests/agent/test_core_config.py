@@ -102,7 +102,7 @@ def test_cli_reports_a_bad_config_and_exits_2(tmp_path):
 def test_cli_serves_then_stops_cleanly_on_sigterm(tmp_path):
     port = free_port()
     env = {**os.environ, "TRAINGUARD_LOG_JSON": "1"}
-    process = subprocess.Popen(agent_command("--run-dir", str(tmp_path / "run"), "--listen", f"127.0.0.1:{port}",
+    process = subprocess.Popen(agent_command("--create", "--run-dir", str(tmp_path / "run"), "--listen", f"127.0.0.1:{port}",
                                              "--collectors", "host,training", "--interval", "0.2"),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     try:
@@ -146,3 +146,22 @@ def test_an_empty_listen_host_is_refused_rather_than_binding_every_interface():
 
     with pytest.raises(ConfigError, match="127.0.0.1:9400 for this node only"):
         parse_listen(":9400", "--listen")
+
+
+def test_a_config_that_is_not_utf8_is_a_named_error_with_exit_2(tmp_path):
+    path = tmp_path / "agent.yaml"
+    path.write_bytes(b"interval: 5  # \xff\n")
+    result = subprocess.run(agent_command("--config", str(path)), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"{path}: not UTF-8" in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_a_mistyped_run_dir_is_refused_unless_create_is_given(tmp_path):
+    missing = tmp_path / "runz" / "gpt"
+    result = subprocess.run(agent_command("--run-dir", str(missing)), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "no such run directory (a typo? pass --create to make it)" in result.stderr
+    assert not missing.exists() and "Traceback" not in result.stderr
+    (tmp_path / "file").write_text("x")
+    result = subprocess.run(agent_command("--run-dir", str(tmp_path / "file")), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and "not a directory" in result.stderr

@@ -233,3 +233,48 @@ def test_connections_beyond_the_limit_get_503():
         wait_for(lambda: request(server.url, "GET", "/ping")[0] == 200, 10, message="slot freed")
     finally:
         server.stop()
+
+
+def test_sixteen_slow_clients_lock_out_neither_healthz_nor_the_webhook_and_are_cut_at_the_deadline():
+    """One byte every second per connection (issue 14 item 7): a per-read timeout never fires; the
+    whole-request deadline does, and the loopback slot kept for /healthz and the webhook stays usable."""
+    import socket
+    import threading
+    import time
+
+    server = AgentServer(None, "127.0.0.1", 0, max_connections=16, request_timeout=3.0, read_timeout=10.0).start()
+    server.add_route("GET", "/healthz", lambda req: (200, {}, b"ok"))
+    server.add_route("POST", "/api/v1/alerts", lambda req: (200, {}, b"alert"))
+    server.add_route("GET", "/metrics", lambda req: (200, {}, b"m"))
+    host, port = server.address
+    stop = threading.Event()
+    cut_after: list[float] = []
+
+    def trickle():
+        sock = socket.create_connection((host, port), timeout=30)
+        started = time.monotonic()
+        try:
+            for byte in b"GET /metrics HTTP/1.1\r\nHost: x\r\n" * 10:
+                if stop.is_set():
+                    return
+                sock.sendall(bytes([byte]))
+                time.sleep(1.0)
+        except OSError:
+            cut_after.append(time.monotonic() - started)       # the server closed it
+        finally:
+            sock.close()
+
+    slow = [threading.Thread(target=trickle, daemon=True) for _ in range(16)]
+    try:
+        for thread in slow:
+            thread.start()
+        wait_for(lambda: server.httpd._workers >= 16, 10, message="the slow clients hold every general slot")
+        assert request(server.url, "GET", "/healthz")[2] == b"ok"
+        assert request(server.url, "POST", "/api/v1/alerts", b"{}")[2] == b"alert"
+        assert request(server.url, "GET", "/metrics")[0] == 503          # the kept slot serves only those two
+        wait_for(lambda: len(cut_after) == 16, 30, message="every slow client cut at its deadline")
+        assert max(cut_after) < 10
+        assert request(server.url, "GET", "/metrics")[2] == b"m"          # the slots are free again
+    finally:
+        stop.set()
+        server.stop()

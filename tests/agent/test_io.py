@@ -13,7 +13,7 @@ from tests.agent.exposition import series, values
 from trainguard.agent.collector import Context
 from trainguard.agent.collectors.io import IOCollector, disk_await_ms
 from trainguard.agent.config import ConfigError
-from trainguard.agent.procfs import DiskStats, ParseError, read_diskstats
+from trainguard.agent.procfs import DiskStats, ParseError, read_diskstats, read_net_dev
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -126,4 +126,24 @@ def test_bad_input_names_file_line_and_field(tmp_path):
     (tmp_path / "net" / "dev").write_text("Inter-|\n face bytes\n")
     (tmp_path / "diskstats").write_text("")
     with pytest.raises(ParseError, match=r"net/dev:2: missing the 'face \|bytes"):
-        collect(tmp_path).update()
+        read_net_dev(tmp_path)
+    v = values(collect(tmp_path).update().families)        # the collector goes on without the network
+    assert v[series("trainguard_io_source_success", source="netdev")] == 0.0
+
+
+@pytest.mark.parametrize("damage", ["missing", "unparsable"])
+def test_a_broken_net_dev_costs_the_network_series_only(tmp_path, damage):
+    """node_exporter keeps diskstats and netdev apart; so does the io collector (issue 14)."""
+    procfs = tmp_path / "proc"
+    shutil.copytree(FIXTURES / "proc", procfs, symlinks=True)
+    net_dev = procfs / "net" / "dev"
+    if net_dev.is_symlink() or net_dev.exists():
+        net_dev.unlink()
+    if damage == "unparsable":
+        net_dev.write_text("Inter-|   Receive\n face |bytes\n  eth0: not numbers at all\n")
+    collector = collect(procfs)
+    v = values(collector.update().families)
+    assert disks_of(v)                                                      # the disks are still there
+    assert not any(name.startswith("node_network_") for name, _ in v)
+    assert v[series("trainguard_io_source_success", source="netdev")] == 0.0
+    assert v[series("trainguard_io_source_success", source="diskstats")] == 1.0

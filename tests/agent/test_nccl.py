@@ -53,6 +53,14 @@ def expect(**nonzero) -> dict[str, int]:
      b"commId 0x8c1f3a9e2b7d4c15 - Init COMPLETE", "init"),
     (b"node-a:4242:4318 [0] NCCL INFO comm 0x55d2c6b1d0a0 rank 0 nranks 16 cudaDev 0 nvmlDev 0 busId 18000 "
      b"commId 0x8c1f3a9e2b7d4c15 - Init START", None),
+    # NCCL 2.21+: the calling function first; 2.23+: ncclCommInitRankConfig, ncclCommSplit too
+    (b"node-a:4242:4318 [0] NCCL INFO ncclCommInitRank comm 0x55d2c6b1d0a0 rank 0 nranks 16 cudaDev 0 nvmlDev 0 "
+     b"busId 18000 commId 0x8c1f3a9e2b7d4c15 localSize 8 used 543200 bytes - Init COMPLETE", "init"),
+    (b"node-a:4242:4318 [0] NCCL INFO ncclCommInitRankConfig comm 0x55d2c6b1d0a0 rank 0 nranks 16 cudaDev 0 "
+     b"nvmlDev 0 busId 18000 commId 0x8c1f3a9e2b7d4c15 localSize 8 used 543200 bytes - Init COMPLETE", "init"),
+    (b"node-a:4242:4318 [0] NCCL INFO ncclCommSplit comm 0x55d2c7a41e80 rank 0 nranks 2 cudaDev 0 nvmlDev 0 "
+     b"busId 18000 parent 0x55d2c6b1d0a0 splitCount 1 color 0 key 0 - Init COMPLETE", "init"),
+    (b"node-a:4242:4318 [0] NCCL INFO ncclCommInitRank comm 0x55d2c6b1d0a0 rank 0 nranks 16 - Init START", None),
     (b"node-a:4242:4391 [0] NCCL INFO comm 0x55d2c6b1d0a0 rank 0 nranks 16 cudaDev 0 busId 18000 - Abort COMPLETE",
      "abort"),
     (b"node-a:4243:4402 [1] misc/socket.cc:484 NCCL WARN socketStartConnect: Connect to 10.0.0.12<43211> failed",

@@ -33,7 +33,7 @@ def agent_steps(url: str) -> dict[str, float] | None:
 
 def start_agent(run_dir: Path, port: int, log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "trainguard.cli", "agent", "--run-dir", str(run_dir),
+        return subprocess.Popen([sys.executable, "-m", "trainguard.cli", "agent", "--create", "--run-dir", str(run_dir),
                                  "--listen", f"127.0.0.1:{port}", "--collectors", "training,host",
                                  "--interval", "0.2"], stdout=out, stderr=subprocess.STDOUT)
 

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tests.alerts.helpers import read_jsonl
+from tests.alerts.ranks import STANDIN, Ranks, alive
 from trainguard import actions
 from trainguard.agent.actions_embedded import DecisionHandler, StallWatchdog, cost_notice
 from trainguard.agent.executor import Executor
@@ -110,25 +111,29 @@ def test_ranks_that_never_write_after_starting_are_stalled_once_the_startup_grac
     assert "started 601s ago" in hung.reason
 
 
-def test_the_watchdog_restores_once_per_stall(tmp_path, rank):
+def test_the_watchdog_restores_once_per_stall(tmp_path):
     # A rank that ignores SIGTERM stays alive through the grace period: the watchdog keeps finding the
-    # same stall, and must neither act nor record again.
-    stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
-                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\n"
-                                 "time.sleep(120)"], stdout=subprocess.PIPE)
-    assert stubborn.stdout.readline() == b"ready\n"
-    started = time.time()
-    (tmp_path / "control" / "ranks" / "rank-0.json").write_text(json.dumps(
-        {"rank": 0, "pid": stubborn.pid, "host": socket.gethostname(), "started_at": started}))
-    step_record(tmp_path / "tls" / "rank-0.jsonl", 2, started + 0.5)
-    executor = Executor(tmp_path, "n1", Ledger(), restore_grace_seconds=1.0)
-    watchdog = StallWatchdog(tmp_path, stall_seconds=30, submit=executor.submit, clock=lambda: started + 60)
-    watchdog.interval = 0.05
-    watchdog.start()
+    # same stall, and must neither act nor record again. The rank is a real one (a stand-in under torchrun).
+    launched = Ranks()
     try:
-        assert stubborn.wait(10) is not None       # SIGTERM ignored, SIGKILL after the grace
+        [stubborn] = launched.start(tmp_path, ignore_term=True)
+        started = stubborn["started_at"]
+        (tmp_path / "tls").mkdir(exist_ok=True)
+        step_record(tmp_path / "tls" / "rank-0.jsonl", 2, started + 0.5)
+        executor = Executor(tmp_path, "n1", Ledger(), restore_grace_seconds=1.0, entry_points=(STANDIN,))
+        watchdog = StallWatchdog(tmp_path, stall_seconds=30, submit=executor.submit, clock=lambda: started + 60)
+        watchdog.interval = 0.05
+        watchdog.start()
+        try:
+            deadline = time.time() + 20
+            while alive(stubborn["pid"]):              # SIGTERM ignored, SIGKILL after the grace
+                assert time.time() < deadline
+                time.sleep(0.05)
+            time.sleep(0.5)
+        finally:
+            watchdog.stop()
     finally:
-        watchdog.stop()
+        launched.stop()
     restores = [r for r in read_jsonl(tmp_path / "control" / "actions.jsonl") if r["action"] == "restore"]
     assert len(restores) == 1
     alerts = [r["event"] for r in read_jsonl(tmp_path / "tls" / "node-n1-actions.jsonl") if r["event"]["type"] == "alert"]

@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from tests.alerts.helpers import read_jsonl
+from tests.alerts.ranks import STANDIN, Ranks, alive, rewrite
 from trainguard import actions
 from trainguard.agent.executor import EventLog, Executor, append_request, request_id
 from trainguard.decide.ledger import Ledger, Limits, Notice
@@ -33,28 +34,26 @@ def requests(run_dir):
 
 @pytest.fixture
 def ranks():
-    """Start real processes standing in for trainer ranks; every one is reaped at the end."""
-    started = []
+    """Real stand-in ranks under real torchrun (tests/alerts/ranks.py); every launcher is reaped at the end."""
+    launched = Ranks()
+    yield launched
+    launched.stop()
 
-    def start(rank, run_dir, *, ignore_term=False, host=HOST, started_at=None):
-        code = ("import signal, sys, time\n"
-                + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore_term else "")
-                + "print('ready', flush=True)\ntime.sleep(120)\n")
-        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
-        assert process.stdout.readline() == b"ready\n"
-        started.append(process)
-        info = {"rank": rank, "pid": process.pid, "host": host,
-                "started_at": time.time() if started_at is None else started_at}
-        path = run_dir / "control" / "ranks" / f"rank-{rank}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(info))
-        return process
 
-    yield start
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
+def executor_for(run_dir, **kwargs) -> Executor:
+    """An executor that accepts the stand-in rank as a registered user entry point."""
+    return Executor(run_dir, "n1", kwargs.pop("ledger", None) or Ledger(), entry_points=(STANDIN,), **kwargs)
+
+
+def restore_notice(key="s@1", starts_at=None):
+    return notice("TrainingStalled", actions.RESTORE, key, starts_at=time.time() + 5 if starts_at is None else starts_at)
+
+
+def wait_dead(pid, timeout=20):
+    deadline = time.time() + timeout
+    while alive(pid):
+        assert time.time() < deadline, f"pid {pid} still alive"
+        time.sleep(0.05)
 
 
 def test_a_decision_is_on_disk_before_its_action_and_names_the_alert(tmp_path):
@@ -96,58 +95,59 @@ def test_append_request_skips_an_id_already_there(tmp_path):
 
 
 def test_dry_run_records_but_executes_nothing(tmp_path, ranks):
-    rank = ranks(0, tmp_path)
-    executor = Executor(tmp_path, "n1", Ledger(dry_run=True))
-    verdicts = executor.submit([notice(), notice("TrainingStalled", actions.RESTORE, "s", starts_at=time.time() + 5)])
+    [rank] = ranks.start(tmp_path)
+    executor = executor_for(tmp_path, ledger=Ledger(dry_run=True))
+    verdicts = executor.submit([notice(), restore_notice("s")])
     assert [v.action for v in verdicts] == ["rollback", "restore"]
     assert requests(tmp_path) == []
     assert [e["type"] for e in actions_log(tmp_path)] == ["alert", "alert"]
     assert all(e["dry_run"] for e in actions_log(tmp_path))
     time.sleep(0.2)
-    assert rank.poll() is None
+    assert alive(rank["pid"])
 
 
-def test_restore_ends_this_hosts_ranks_that_were_running_when_the_alert_began(tmp_path, ranks):
-    hung = [ranks(0, tmp_path), ranks(1, tmp_path)]
+def test_restore_ends_this_hosts_proven_ranks_that_were_running_when_the_alert_began(tmp_path, ranks):
+    hung = ranks.start(tmp_path, 4)
     alert_began = time.time() + 0.01
-    time.sleep(0.05)
-    restarted = ranks(2, tmp_path)                                   # started after the alert began
-    elsewhere = ranks(3, tmp_path, host="other-node", started_at=alert_began - 10)
-    executor = Executor(tmp_path, "n1", Ledger(), restore_grace_seconds=5)
-    executor.submit([notice("TrainingStalled", actions.RESTORE, "s@1", starts_at=alert_began)])
-    for process in hung:
-        assert process.wait(10) == -signal.SIGTERM
-    assert restarted.poll() is None and elsewhere.poll() is None
+    rewrite(tmp_path, 2, started_at=alert_began + 1)                 # restarted after the alert began
+    rewrite(tmp_path, 3, host="other-node")
+    executor = executor_for(tmp_path, restore_grace_seconds=5)
+    executor.submit([restore_notice(starts_at=alert_began)])
     action = actions_log(tmp_path)[-1]
     assert sorted(e["rank"] for e in action["ended"]) == [0, 1]
     assert {s["rank"]: s["why"] for s in action["skipped"]} == {2: "started after the alert began",
                                                                 3: "on host other-node"}
+    assert action["refused"] == [] and action["outcome"] == "issued"
+    for rank in hung[:2]:
+        wait_dead(rank["pid"])
     assert requests(tmp_path)[0]["action"] == "restore"
 
 
-def test_restore_ends_ranks_with_sigkill_by_default(tmp_path, ranks):
-    hung = ranks(0, tmp_path)
-    Executor(tmp_path, "n1", Ledger()).submit([notice("TrainingStalled", actions.RESTORE, "s", starts_at=time.time() + 1)])
-    assert hung.wait(10) == -signal.SIGKILL
+def test_restore_ends_ranks_with_sigkill_by_default_and_the_launcher_restarts_them(tmp_path, ranks):
+    [hung] = ranks.start(tmp_path, max_restarts=1)
+    before = {"rank-0.json": (tmp_path / "control" / "ranks" / "rank-0.json").stat().st_mtime_ns}
+    executor_for(tmp_path).submit([restore_notice("s")])
+    wait_dead(hung["pid"])
+    [again] = ranks.wait_registered(tmp_path, 1, before)
+    assert again["pid"] != hung["pid"] and again["restarts_left"] == 0 and again["max_restarts"] == 1
 
 
 def test_restore_with_a_grace_kills_a_rank_that_ignores_sigterm(tmp_path, ranks):
-    stubborn = ranks(0, tmp_path, ignore_term=True)
-    executor = Executor(tmp_path, "n1", Ledger(), restore_grace_seconds=0.3)
-    executor.submit([notice("TrainingStalled", actions.RESTORE, "s@1", starts_at=time.time() + 1)])
-    assert stubborn.wait(10) == -signal.SIGKILL
+    [stubborn] = ranks.start(tmp_path, ignore_term=True)
+    executor_for(tmp_path, restore_grace_seconds=0.3).submit([restore_notice()])
+    time.sleep(0.2)
+    assert alive(stubborn["pid"])            # SIGTERM ignored ...
+    wait_dead(stubborn["pid"])               # ... SIGKILL after the grace
 
 
 def test_restore_never_signals_a_reused_pid(tmp_path, ranks):
-    young = ranks(0, tmp_path)
-    created = psutil.Process(young.pid).create_time()
-    info = json.loads((tmp_path / "control" / "ranks" / "rank-0.json").read_text())
-    info["started_at"] = created - 100        # the rank file describes an older process with that pid
-    (tmp_path / "control" / "ranks" / "rank-0.json").write_text(json.dumps(info))
-    Executor(tmp_path, "n1", Ledger()).submit([notice("TrainingStalled", actions.RESTORE, "s", starts_at=time.time())])
+    [young] = ranks.start(tmp_path)
+    rewrite(tmp_path, 0, create_time=young["create_time"] - 100)   # describes an older process with that pid
+    executor = executor_for(tmp_path)
+    executor.submit([restore_notice("s")])
     time.sleep(0.2)
-    assert young.poll() is None
-    assert actions_log(tmp_path)[-1]["skipped"] == [{"rank": 0, "pid": young.pid, "why": "not running"}]
+    assert alive(young["pid"])
+    assert [r["reason"] for r in actions_log(tmp_path)[-1]["refused"]] == ["start_time_mismatch"]
 
 
 def test_a_restarted_agent_acts_on_nothing_twice(tmp_path):
@@ -182,7 +182,7 @@ def test_a_torn_last_line_does_not_stop_recovery(tmp_path):
 def test_verdicts_and_actions_are_counted_for_metrics(tmp_path):
     executor = Executor(tmp_path, "n1", Ledger())
     executor.submit([notice(key="a"), notice(key="a"), notice("GPUOverheating", None, "g")])
-    verdicts, executed = executor.families()
+    verdicts, executed, *_ = executor.families()
     assert {s.labels["outcome"]: s.value for s in verdicts.samples} == {"act": 1, "duplicate": 1, "no_action": 1}
     assert {s.labels["action"]: s.value for s in executed.samples} == {"rollback": 1}
 

@@ -56,6 +56,7 @@ def test_install_serves_the_webhook_with_a_generated_private_token(tmp_path, ser
 def test_dry_run_from_the_config_executes_nothing(tmp_path, served):
     token_file = tmp_path / "token"
     token_file.write_text("t0k3n\n")
+    token_file.chmod(0o600)
     server, _ = served(token_file=str(token_file), dry_run=True, embedded=False)
     status, answer = request(server.url + "/api/v1/alerts", json.dumps(payload(alert())).encode(),
                              {"Content-Type": "application/json", "Authorization": "Bearer t0k3n"})

@@ -157,9 +157,20 @@ def test_a_missing_token_file_is_created_private_and_random(tmp_path):
     assert load_token(other, create=True) != token
 
 
+def test_a_token_file_others_can_read_is_refused(tmp_path):
+    path = tmp_path / "webhook.token"
+    path.write_text("s3cret\n")
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match=r"readable by others \(mode 0644\); make it private: chmod 600"):
+        load_token(path)
+    path.chmod(0o600)
+    assert load_token(path) == b"s3cret"
+
+
 def test_an_empty_token_file_is_an_error(tmp_path):
     path = tmp_path / "empty.token"
     path.write_text("\n")
+    path.chmod(0o600)
     with pytest.raises(ValueError, match="empty"):
         load_token(path)
     with pytest.raises(FileNotFoundError):

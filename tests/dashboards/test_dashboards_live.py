@@ -69,7 +69,7 @@ def scraped_run(tmp_path_factory):
     run_dir = tmp_path / "run"
     port = free_port()
     env = {**os.environ, "TRAINGUARD_FAKE_NVML": "h100x8", "PYTHONPATH": str(REPO)}
-    agent = start(TRAINGUARD + ["agent", "--run-dir", str(run_dir), "--listen", f"127.0.0.1:{port}",
+    agent = start(TRAINGUARD + ["agent", "--create", "--run-dir", str(run_dir), "--listen", f"127.0.0.1:{port}",
                                 "--config", str(_agent_config(tmp_path)), "--node", "testnode",
                                 "--sysfs", str(REPO / "tests" / "fixtures" / "sys")],
                   url=f"http://127.0.0.1:{port}", ready_url=f"http://127.0.0.1:{port}/metrics",

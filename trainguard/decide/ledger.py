@@ -16,7 +16,10 @@ keeps failing must not loop. The ledger turns that stream into at most one actio
 - dry-run decides exactly as a live ledger, but nothing executes.
 
 Pure: no clock (the caller passes `now`), no files. The agent records every verdict (`Verdict.as_event`)
-before it replies to Alertmanager, and rebuilds the ledger after a restart with `remember()`.
+before it replies to Alertmanager, and rebuilds the ledger after a restart with `remember()`. A verdict
+counts only once it is durably recorded and carried out: the executor takes a `snapshot()` before it
+decides and puts it back (`restore()`) when a write or the action fails, so the retry decides afresh and
+acts exactly once (a full disk must not turn a `cost_stop` or a `restore` into a "duplicate").
 """
 
 from __future__ import annotations
@@ -186,6 +189,16 @@ class Ledger:
         return Verdict(notice, outcome, action, reason, now, self.dry_run, detail or {})
 
     # ------------------------------------------------------------------------------- persistence
+    def snapshot(self) -> tuple:
+        """Everything a decision changes, copied: `restore(snapshot)` undoes the decisions made since."""
+        return (set(self.seen), set(self.open), self.cost_level,
+                {action: deque(times) for action, times in self.executed.items()})
+
+    def restore(self, snapshot: tuple) -> None:
+        seen, open_, cost_level, executed = snapshot
+        self.seen, self.open, self.cost_level = set(seen), set(open_), cost_level
+        self.executed = {action: deque(times) for action, times in executed.items()}
+
     def remember(self, event: Mapping) -> None:
         """Fold a recorded verdict (`Verdict.as_event()`) back in, so a restarted agent does not act twice."""
         key, status, outcome = event.get("key"), event.get("status"), event.get("outcome")

@@ -155,6 +155,8 @@ def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
             files.extend(found)
         elif path.is_file():
             files.append(path)
+        elif path.exists():
+            raise InputError(f"{path}: not a regular file (a device, FIFO or socket): replay reads log files")
         else:
             raise InputError(f"{path}: no such file or directory")
     return files
@@ -163,21 +165,24 @@ def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
 # ------------------------------------------------------------------------------------- one file
 
 def line_blocks(handle) -> Iterator[bytes]:
-    """Whole lines, about BLOCK_BYTES at a time; the last block may end without a newline."""
-    rest = b""
+    """Whole lines, about BLOCK_BYTES at a time; the last block may end without a newline.
+
+    A line longer than a block is gathered as a list of pieces and joined once, so a 50 MB line costs
+    linear time (adding each piece to the last would copy it again every time: quadratic)."""
+    pending: list[bytes] = []
     while True:
         chunk = handle.read(BLOCK_BYTES)
         if not chunk:
-            if rest:
-                yield rest
+            if pending:
+                yield b"".join(pending)
             return
-        chunk = rest + chunk if rest else chunk
         cut = chunk.rfind(b"\n") + 1
         if cut == 0:
-            rest = chunk
+            pending.append(chunk)
             continue
-        rest = chunk[cut:]
-        yield chunk[:cut] if rest else chunk
+        head, rest = (chunk[:cut], chunk[cut:]) if cut < len(chunk) else (chunk, b"")
+        yield b"".join((*pending, head)) if pending else head
+        pending = [rest] if rest else []
 
 
 def _to_typed(record: dict) -> Record:
@@ -209,8 +214,8 @@ def decode_block(block: bytes, first_line: int, source: str, problems: Problems,
     for decoder in (_typed,) if fast is None else (fast, _typed):
         try:
             return decoder.decode_lines(block)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            pass
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            pass          # nested past the recursion limit too: the lenient reader names the line
     lines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
     if lines <= 1:
         record = _lenient(block, source, first_line, problems) if block.strip() else None
@@ -223,12 +228,8 @@ def decode_block(block: bytes, first_line: int, source: str, problems: Problems,
 
 
 # A compressed log cut short (copied while it was written) ends the file, as one malformed line, in the
-# words of tls.iter_lines (the reader of the full path).
+# words of tls.iter_lines (the reader of the full path, which the typed path hands over to).
 _UNREADABLE = (EOFError, OSError, zlib.error, zstandard.ZstdError)
-
-
-def _cut_short(source: str, lineno: int, exc: Exception, problems: Problems) -> None:
-    problems.add(source, lineno, f"unreadable after line {lineno - 1} ({type(exc).__name__}: {exc})")
 
 
 def _typed_chunks(path: Path, problems: Problems) -> Iterator[tuple[list[Record], None]]:
@@ -239,8 +240,28 @@ def _typed_chunks(path: Path, problems: Problems) -> Iterator[tuple[list[Record]
             for block in line_blocks(handle):
                 yield decode_block(block, lineno, source, problems), None
                 lineno += block.count(b"\n")
-        except _UNREADABLE as exc:
-            _cut_short(source, lineno, exc, problems)
+        except _UNREADABLE:
+            # A compressed log cut short: the block being read is lost with the exception, so the rest is
+            # read again line by line (tls.iter_lines keeps every line before the cut, then one error).
+            yield from _rest_line_by_line(path, lineno, problems)
+
+
+def _rest_line_by_line(path: Path, first: int, problems: Problems) -> Iterator[tuple[list[Record], None]]:
+    yield [record for record, _ in _typed_lines(path, problems, first)], None
+
+
+def _typed_lines(path: Path, problems: Problems, first: int = 1) -> Iterator[tuple[Record, dict]]:
+    """Each line from `first` on through the lenient reader: (typed record, whole dict); refusals counted."""
+    for line in tls.iter_lines(path):       # a corrupt or cut-off .gz/.zst ends in one error Line
+        if line.lineno < first:
+            continue
+        if line.error is not None:
+            _refused(line, problems)
+            continue
+        try:
+            yield _to_typed(line.record), line.record
+        except msgspec.ValidationError as exc:
+            problems.add(line.source, line.lineno, str(exc))
 
 
 FULL_CHUNK = 256
@@ -251,16 +272,9 @@ def _full_chunks(path: Path, problems: Problems) -> Iterator[tuple[list[Record],
     """Every line through the lenient reader; the typed record and the whole dict side by side."""
     records: list[Record] = []
     raws: list[dict] = []
-    for line in tls.iter_lines(path):       # a corrupt or cut-off .gz/.zst ends in one error Line
-        if line.error is not None:
-            _refused(line, problems)
-            continue
-        try:
-            records.append(_to_typed(line.record))
-        except msgspec.ValidationError as exc:
-            problems.add(line.source, line.lineno, str(exc))
-            continue
-        raws.append(line.record)
+    for record, raw in _typed_lines(path, problems):
+        records.append(record)
+        raws.append(raw)
         if len(records) == FULL_CHUNK:
             yield records, raws
             records, raws = [], []

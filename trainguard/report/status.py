@@ -38,18 +38,27 @@ class Status:
     events: list[dict] = field(default_factory=list)
     firing: list[str] = field(default_factory=list)
     resolved: list[str] = field(default_factory=list)
+    attention: list[str] = field(default_factory=list)    # what a human must look at (pages, refusals)
     malformed: int = 0
     errors: list[str] = field(default_factory=list)
     checkpoint_ts: float = field(default=float("-inf"), repr=False)
 
 
 def tail_records(path: Path, max_bytes: int) -> tuple[list[dict], list[str]]:
-    """Records in the last `max_bytes` of a TLS file (the partial first line skipped) and the errors met."""
+    """Records in the last `max_bytes` of a TLS file (the partial first line skipped) and the errors met.
+
+    A window holding no whole line (one record longer than it) is doubled until it holds one, so a long
+    last record is still read (the file's end is read once more per doubling: rare, and bounded by it).
+    """
     with open(path, "rb") as handle:
         size = handle.seek(0, os.SEEK_END)
-        start = max(0, size - max_bytes)
-        handle.seek(start)
-        data = handle.read()
+        while True:
+            start = max(0, size - max_bytes)
+            handle.seek(start)
+            data = handle.read()
+            if start == 0 or data.find(b"\n", 0, len(data) - 1) >= 0:
+                break
+            max_bytes *= 2
     lines = data.split(b"\n")
     if start > 0:
         lines = lines[1:]           # began mid-line
@@ -132,11 +141,27 @@ def _take_events(status: Status, events: list[tuple[float, dict, str]], recent: 
         seen[key] = ts
         if event["type"] == "alert" and event.get("alertname"):
             alert_state[str(event["alertname"])] = str(event.get("status", "firing"))
+        _needs_a_human(status, ts, event)
         shown.append({"timestamp": ts, "type": event["type"], "step": event.get("step", record.get("step")),
                       "detail": event_detail(event), "source": source})
     status.events = shown[-recent:] if recent else []
     status.firing = sorted(n for n, s in alert_state.items() if s == "firing")
     status.resolved = sorted(n for n, s in alert_state.items() if s != "firing")
+
+
+def _needs_a_human(status: Status, ts: float, event: dict) -> None:
+    """Restores not carried out: a human was paged (no restarts left, past the hourly limit), or the
+    agent refused to end processes that did not prove they were ranks of this run."""
+    if event["type"] == "action" and event.get("outcome") == "paged":
+        paged = event.get("paged") or {}
+        status.attention.append(f"{_clock(ts)}  restore NOT done, a human is paged: {paged.get('reason', 'paged')} "
+                                f"(ranks {paged.get('ranks')}); the ranks were left running")
+    elif event["type"] == "alert" and event.get("action") == "page":
+        status.attention.append(f"{_clock(ts)}  {event.get('alertname')}: paged a human ({event.get('reason')})")
+    if event["type"] == "action" and event.get("refused"):
+        reasons = sorted({str(r.get("reason")) for r in event["refused"] if isinstance(r, dict)})
+        status.attention.append(f"{_clock(ts)}  restore refused to end {len(event['refused'])} process(es) "
+                                f"that did not prove to be ranks of this run: {', '.join(reasons)}")
 
 
 # ------------------------------------------------------------------------------------------- output
@@ -173,6 +198,8 @@ def render(status: Status, now: float | None = None) -> str:
     if status.resolved:
         alerts += f"   (resolved: {', '.join(status.resolved)})"
     lines.append("alerts   " + alerts)
+    for line in status.attention[-5:]:
+        lines.append("ATTENTION " + line)
     if status.malformed:
         lines.append(f"logs     {status.malformed} malformed line(s), e.g. {status.errors[0]}")
     lines.append("events" + ("" if status.events else "   none in the recent log"))

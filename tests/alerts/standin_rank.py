@@ -1,0 +1,22 @@
+"""A stand-in trainer rank for the restore tests, started by real torchrun: it registers exactly as the
+bundled trainer does (trainer/control.py write_rank_file) and then waits, as a hung rank would.
+
+    torchrun --standalone --nproc-per-node 2 tests/alerts/standin_rank.py --run-dir RUN [--ignore-term]
+
+The agent accepts it only when its path is registered (``webhook.restore_entry_points``): the same way
+a user's own training script registers.
+"""
+
+import os
+import signal
+import sys
+import time
+
+from trainguard.trainer.control import write_rank_file
+
+if __name__ == "__main__":
+    run_dir = sys.argv[sys.argv.index("--run-dir") + 1]
+    if "--ignore-term" in sys.argv:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    write_rank_file(run_dir, int(os.environ["RANK"]))
+    time.sleep(300)

@@ -34,7 +34,6 @@ STORE = ("import sys, time\nfrom torch.distributed import TCPStore\n"
 
 POLICY = {
     "alerts": {"stall_seconds": 6.0, "action_cooldown_seconds": 5.0},
-    "guard": {"spike_min_steps": 1_000_000, "grad_min_steps": 1_000_000},
     "restore": {"evidence_seconds": 8.0},
 }
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 # Frames of a rank waiting for a collective (py-spy prints "function (file:line)"): anything inside the
 # torch.distributed package (all_reduce, barrier, wait, recv, ...), or autograd's backward, where DDP's
@@ -49,7 +50,7 @@ class RankEvidence:
     """One rank at the moment of the stall: its node, Flight Recorder dump (parsed JSON) and stacks."""
     rank: int
     node: str
-    fr: dict | None = None          # torch's _dump_fr_trace_json output, or None when it gave none
+    fr: dict[str, Any] | None = None    # torch's _dump_fr_trace_json output, or None when it gave none
     stack: str | None = None        # py-spy dump text, or None
 
 
@@ -57,9 +58,9 @@ class RankEvidence:
 class NodeSignals:
     """A node's own signals: hardware faults first (XIDs, lost GPUs), NCCL warnings by rank."""
     node: str
-    xids: tuple = ()                # ({"gpu": i, "xid": n, ...}, ...)
-    gpus_lost: tuple = ()           # GPU indexes that NVML could not reach
-    nccl_warnings: tuple = ()       # ({"rank": r, "line": "..."}, ...)
+    xids: tuple[dict[str, Any], ...] = ()     # ({"gpu": i, "xid": n, ...}, ...)
+    gpus_lost: tuple[Any, ...] = ()           # GPU indexes that NVML could not reach
+    nccl_warnings: tuple[dict[str, Any], ...] = ()   # ({"rank": r, "line": "..."}, ...)
 
     @property
     def hardware(self) -> list[str]:
@@ -75,7 +76,7 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)
 
     @property
-    def culprit(self) -> dict | None:
+    def culprit(self) -> dict[str, Any] | None:
         if not self.ranks and self.node is None:
             return None
         return {"rank": self.ranks[0] if self.ranks else None, "node": self.node, "ranks": list(self.ranks)}
@@ -140,7 +141,7 @@ def wavefront(ranks: list[RankEvidence]) -> tuple[list[int], list[str]]:
     return sorted(lagging), reasons
 
 
-def enqueued(fr: dict | None) -> dict[str, int]:
+def enqueued(fr: dict[str, Any] | None) -> dict[str, int]:
     """Process group -> last enqueued collective sequence number, from one Flight Recorder dump."""
     if not isinstance(fr, dict):
         return {}
@@ -199,7 +200,7 @@ def _named(culprits: list[int], node_of: dict[int, str], confidence: float, reas
     return Verdict(sorted(culprits), node, confidence, reasons)
 
 
-def _list(items) -> str:
+def _list(items: Iterable[object]) -> str:
     return ", ".join(str(i) for i in items)
 
 

@@ -17,7 +17,7 @@ Two entry points, one rule:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 from trainguard import actions
 
@@ -56,12 +56,13 @@ def decide(ranks: list[RankProgress], now: float, stall_seconds: float,
             return None
         return Stall(actions.RESTORE, f"the ranks started {waiting:.0f}s ago and have reached no step since",
                      f"startup@{started:.3f}", started, None)
-    newest = max(advanced, key=lambda r: r.advanced_at)
-    idle = now - newest.advanced_at
+    stamped = [(r.advanced_at, r) for r in advanced if r.advanced_at is not None]
+    advanced_at, newest = max(stamped, key=lambda pair: pair[0])     # ties: the first, never compared
+    idle = now - advanced_at
     if idle <= stall_seconds:
         return None
     return Stall(actions.RESTORE, f"no training step for {idle:.0f}s (last step {newest.step})",
-                 f"stall@{newest.advanced_at:.3f}", newest.advanced_at, newest.step)
+                 f"stall@{advanced_at:.3f}", advanced_at, newest.step)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class StallTracker:
     step: int | None = None
     advanced_at: float | None = None
     ended: bool = False
-    fired: set = field(default_factory=set)
+    fired: set[str] = field(default_factory=set)
 
     def observe(self, timestamp: float, step: int | None, ended: bool = False, started: bool = False) -> Stall | None:
         if started:
@@ -107,7 +108,7 @@ def replay(records: Iterable[tuple[float, int | None, bool, bool]], stall_second
             if (stall := tracker.observe(timestamp, step, ended, started)) is not None]
 
 
-def stall_actions(records: Iterable[dict], stall_seconds: float) -> list[dict]:
+def stall_actions(records: Iterable[dict[str, Any]], stall_seconds: float) -> list[dict[str, Any]]:
     """``replay --json`` actions from TLS records (dicts with ``timestamp`` in Unix seconds and ``step``).
 
     Only step records (with ``metrics``: a rank's, or a node log's joined sample) say which step the run is
@@ -119,6 +120,6 @@ def stall_actions(records: Iterable[dict], stall_seconds: float) -> list[dict]:
              "detail": s.reason} for s in replay(entries, stall_seconds)]
 
 
-def _event_is(record: dict, kinds: tuple) -> bool:
+def _event_is(record: dict[str, Any], kinds: tuple[str, ...]) -> bool:
     event = record.get("event")
     return isinstance(event, dict) and event.get("type") in kinds

@@ -39,7 +39,7 @@ import torch
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
 from trainguard import tls
-from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SKIP_STEP
+from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SKIP_STEP, STOP
 from trainguard.decide.cost import CostMeter, clock_of
 from trainguard.decide.decision import CARRY_ON, Decision
 from trainguard.decide.guard import Guard, StepStats
@@ -50,7 +50,6 @@ from trainguard.protect.sync import HealthSync
 from trainguard.trainer.control import ACTIONS_BY_CODE, ControlChannel, write_rank_file
 from trainguard.trainer.telemetry import StepTelemetry
 
-STOP = "stop"
 EXIT_OK, EXIT_STOPPED = 0, 3
 # The checkpoint keys the Protector adds to the loop's `states`.
 GUARD_KEY, COST_KEY, STATE_KEY = "guard", "cost", "trainer"

@@ -71,6 +71,13 @@ class GuardPolicy:
     max_rollbacks_per_hour: int = 3
     rollback_lr_factor: float = 0.5
     rewarmup_steps: int = 20
+    # Gradient climb: the global norm above mean + sigma * std of the last `window` healthy norms (once
+    # `min_steps` are seen) for `steps` steps in a row, against norms at least `lag` steps old.
+    grad_climb_sigma: float = 6.0
+    grad_climb_window: int = 128
+    grad_climb_min_steps: int = 64
+    grad_climb_steps: int = 6
+    grad_climb_lag: int = 32
 
 
 @dataclass(frozen=True)
@@ -133,17 +140,21 @@ class PreflightPolicy:
 
 @dataclass(frozen=True)
 class RestorePolicy:
-    """What a hang's restore does beyond ending the ranks (docs/incidents.md)."""
+    """What a restore may do beyond ending the ranks (docs/incidents.md, docs/runbooks.md#trainingstraggler)."""
 
-    # Keep the culprit's node out of the job (cordon, end its launcher, re-form on the others):
+    # Keep a hang's culprit node out of the job (cordon, end its launcher, re-form on the others):
     # "auto" does it when the job is elastic (--nnodes MIN:MAX with MIN < MAX), "on" always, "off" never.
     evict: str = "auto"
     max_evictions_per_hour: int = 2
     # How long an agent waits for the ranks' Flight Recorder dumps and the other nodes' evidence.
     evidence_seconds: float = 15.0
+    # A rank that TrainingStraggler names for long (a fail-slow node) may be evicted like a hang's culprit:
+    # "off" (the default) only alerts; "on" lets the incident machinery cordon its node.
+    evict_stragglers: str = "off"
 
 
 EVICT_CHOICES = ("auto", "on", "off")
+EVICT_STRAGGLERS_CHOICES = ("off", "on")
 
 
 @dataclass(frozen=True)
@@ -185,6 +196,20 @@ class Range:
         return " and ".join(part for part in (low, high) if part)
 
 
+@dataclass(frozen=True)
+class Choice:
+    """A string key that takes one of a few words."""
+
+    words: tuple[str, ...]
+
+    def check(self, value: Any) -> str:
+        if isinstance(value, bool) and set(self.words) >= {"off", "on"}:
+            value = "on" if value else "off"      # YAML reads a bare on / off as true / false
+        if not isinstance(value, str) or value not in self.words:
+            raise ValueError(f"expected one of {', '.join(self.words)}, got {value!r}")
+        return value
+
+
 def at_least(low: float, high: float = math.inf) -> Range:
     return Range(low, high)
 
@@ -204,7 +229,7 @@ DURATION = "duration"                          # a Prometheus duration: 30s, 2m,
 _DURATION = re.compile(r"^(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$")
 
 # Every numeric and duration key: its range (or DURATION). One row per key; see the module docstring.
-RULES: dict[str, Range | str | tuple] = {
+RULES: dict[str, Range | Choice | str] = {
     "cost.price_per_gpu_hour": above(0),
     "cost.budget_per_1k_steps": above(0),
     "cost.tiers.warn": above(0, 1000), "cost.tiers.throttle": above(0, 1000), "cost.tiers.stop": above(0, 1000),
@@ -223,6 +248,11 @@ RULES: dict[str, Range | str | tuple] = {
     "guard.max_rollbacks_per_hour": at_least(0, 10**6),
     "guard.rollback_lr_factor": between(0, 1, low_open=True),
     "guard.rewarmup_steps": at_least(0, 10**7),
+    "guard.grad_climb_sigma": above(0),
+    "guard.grad_climb_window": at_least(2, 10**6),
+    "guard.grad_climb_min_steps": at_least(2, 10**6),
+    "guard.grad_climb_steps": at_least(1, 10**4),
+    "guard.grad_climb_lag": at_least(0, 10**6),
     "alerts.stall_seconds": above(0, 10**7),
     "alerts.startup_grace_seconds": above(0, 10**7),
     "alerts.gpu_temp_c": above(0, 200),
@@ -259,10 +289,11 @@ RULES: dict[str, Range | str | tuple] = {
     "preflight.nccl_ib_timeout_min": at_least(1, 31),
     "preflight.nccl_ib_timeout_max": at_least(1, 31),
     "preflight.heartbeat_timeout_seconds_max": above(0),
-    "restore.evict": EVICT_CHOICES,
+    "restore.evict": Choice(EVICT_CHOICES),
     "restore.max_evictions_per_hour": at_least(0, 10**4),
     "restore.evidence_seconds": above(0, 3600),
 }
+RULES["restore.evict_stragglers"] = Choice(EVICT_STRAGGLERS_CHOICES)
 FALLBACK = at_least(0)      # a numeric key without a row yet (the property test names it): finite, >= 0
 
 
@@ -296,6 +327,7 @@ def _ib_timeouts_in_order(policy: "Policy") -> str | None:
 CROSS_CHECKS = (_tiers_in_order, _rollback_fits_window, _spike_needs_its_window, _ib_timeouts_in_order)
 
 
+
 def parse_duration(value: str) -> float:
     """Seconds of a Prometheus duration (``30s``, ``2m``, ``1h30m``); ValueError if it is not one."""
     match = _DURATION.match(value.strip()) if isinstance(value, str) else None
@@ -308,12 +340,8 @@ def parse_duration(value: str) -> float:
 def _check_value(name: str, default: Any, value: Any) -> Any:
     """The value for field `name` (its default shows the type), or PolicyError's message."""
     rule = RULES.get(name, FALLBACK)
-    if isinstance(rule, tuple):             # one of a few words (restore.evict: auto, on, off)
-        if isinstance(value, bool) and {"on", "off"} <= set(rule):
-            value = "on" if value else "off"    # YAML 1.1 reads a bare on/off as a boolean
-        if not isinstance(value, str) or value not in rule:
-            raise ValueError(f"expected one of {', '.join(rule)}, got {value!r}")
-        return value
+    if isinstance(rule, Choice):
+        return rule.check(value)
     if rule == DURATION:
         if not isinstance(value, str):
             raise ValueError(f"expected a duration string (like 30s, 2m), got {value!r}")

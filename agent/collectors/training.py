@@ -58,8 +58,9 @@ class TrainingCollector(Collector):
         self.offsets_path = self.run_dir / "agent" / f"offsets-{ctx.node}.json"
         self.state = TrainingState()
         opts = options(ctx.options, self.name, policy=None, save_every_seconds=5.0,
-                       checkpoint_rescan_seconds=CHECKPOINT_RESCAN_SECONDS)
+                       checkpoint_rescan_seconds=CHECKPOINT_RESCAN_SECONDS, per_rank=True)
         self.save_every = opts["save_every_seconds"]
+        self.per_rank = opts["per_rank"]    # False: the node's lead rank only (docs/scale.md, the series budget)
         self.checkpoints = CheckpointLister(self.run_dir / "checkpoints", opts["checkpoint_rescan_seconds"])
         self._unsaved = False
         self._saved_at: float | None = None   # monotonic time of the last save; None: never
@@ -167,7 +168,8 @@ class TrainingCollector(Collector):
     def _families(self, now: float) -> list:
         samples: dict[str, list] = {key: [] for key in STEP_SPECS}
         step, last, steps, events = [], [], [], []
-        for rank, rs in sorted(self.state.ranks.items()):
+        ranks = sorted(self.state.ranks.items())
+        for rank, rs in (ranks if self.per_rank else ranks[:1]):
             labels = _RUN_RANK.get(rs.run_id, str(rank))
             for key, value in rs.metrics.items():
                 samples[key].append((labels, value))

@@ -21,10 +21,11 @@ CORE_ALERTS = {
     "GPUMemoryFragmented", "DiskAwaitHigh", "DataLoaderStarved", "LowEffectiveThroughput", "LowDataUtilization",
     "CommOverheadHigh", "NCCLWatchdogTimeout", "CheckpointStale", "CostBudgetWarn", "CostBudgetThrottle",
     "CostBudgetStop", "EnvironmentMismatch", "AgentDown",
+    "JobStalledEverywhere", "JobNodeSlow",     # the global tier (fleet-global.rules.yml, docs/scale.md)
 }
 ACTIONS = {"LossNaN": "rollback", "LossSpike": "rollback", "GradNormExplosion": "rollback",
            "TrainingStalled": "restore", "NCCLWatchdogTimeout": "restore", "CostBudgetWarn": "cost_warn",
-           "CostBudgetThrottle": "cost_throttle", "CostBudgetStop": "cost_stop"}
+           "CostBudgetThrottle": "cost_throttle", "CostBudgetStop": "cost_stop", "JobStalledEverywhere": "restore"}
 
 
 def rendered_alerts(directory: Path) -> dict[str, dict]:

@@ -34,18 +34,19 @@ def eight_hca_sysfs(tmp: Path) -> Path:
     return sysfs
 
 
-def write_node_ranks(run_dir: Path, node_index: int, steps: int = 3) -> range:
+def write_node_ranks(run_dir: Path, node_index: int, steps: int = 3, step_time: float = 1.0) -> range:
     ranks = range(node_index * RANKS, (node_index + 1) * RANKS)
     (run_dir / "tls").mkdir(parents=True, exist_ok=True)
     for rank in ranks:
         register_rank(run_dir, rank, node_name(node_index))
         with open(run_dir / "tls" / f"rank-{rank}.jsonl", "ab") as handle:
-            handle.write(b"".join(step_line(s, rank, node_name(node_index)) for s in range(1, steps + 1)))
+            handle.write(b"".join(step_line(s, rank, node_name(node_index), step_time=step_time) for s in range(1, steps + 1)))
     return ranks
 
 
 def start_node_agent(tmp: Path, run_dir: Path, node_index: int, *, interval: float = 1.0,
-                     webhook: dict | None = None, training: dict | None = None) -> tuple[Server, str]:
+                     webhook: dict | None = None, training: dict | None = None,
+                     collectors: str | None = None) -> tuple[Server, str]:
     """One node's agent (all collectors, light intervals); returns (server, "127.0.0.1:port")."""
     node = node_name(node_index)
     config = {
@@ -62,7 +63,8 @@ def start_node_agent(tmp: Path, run_dir: Path, node_index: int, *, interval: flo
     path.write_text(yaml.safe_dump(config))
     address = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "TRAINGUARD_FAKE_NVML": "h100x8", "PYTHONPATH": str(ROOT), "TRAINGUARD_LOG_JSON": "1"}
-    server = start([sys.executable, "-m", "trainguard.cli", "agent", "--config", str(path), "--listen", address],
+    only = ["--collectors", collectors] if collectors else []
+    server = start([sys.executable, "-m", "trainguard.cli", "agent", "--config", str(path), "--listen", address, *only],
                    url=f"http://{address}", ready_url=f"http://{address}/healthz",
                    log_path=tmp / f"agent-{node}.log", env=env)
     return server, address

@@ -22,10 +22,10 @@ def node_name(index: int) -> str:
     return f"node-{index:04d}"
 
 
-def step_line(step: int, rank: int, node: str, run_id: str = "fleet") -> bytes:
+def step_line(step: int, rank: int, node: str, run_id: str = "fleet", step_time: float = 1.0) -> bytes:
     record = tls.make_record(step=step, timestamp=T0 + step, run_id=run_id, node=node, rank=rank,
                              metrics={"loss": 3.0 - step * 1e-3, "grad_norm": 1.2, "learning_rate": 3e-4,
-                                      "tokens_per_second": 5000.0, "step_time_seconds": 1.0,
+                                      "tokens_per_second": 5000.0, "step_time_seconds": step_time,
                                       "data_wait_seconds": 0.01, "comm_seconds": 0.05, "mfu": 0.4},
                              system={"gpu_count": 8})
     return json.dumps(record, separators=(",", ":")).encode() + b"\n"

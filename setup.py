@@ -9,6 +9,7 @@ ROOTS = {
     "trainguard": "trainguard",
     "trainguard.agent": "agent",
     "trainguard.trainer": "trainer",
+    "trainguard.protect": "protect",
     "trainguard.alerts": "alerts",
     "trainguard.dashboards": "dashboards",
 }

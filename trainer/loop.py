@@ -1,19 +1,18 @@
-"""The bundled training loop: composes the model, data, telemetry, guard, faults, control channel and
-checkpoints. Each of those is its own module with a narrow interface; this file only orders them.
+"""The bundled training loop: the model, the data and the optimizer, protected by the library
+(`trainguard.protect.Protector`: guard, control channel, verified checkpoints, cost meter, telemetry)
+through its public API only. `Trainer.__init__` is the one place the parts are built.
 
-One step, on every rank:
+One step, on every rank, each phase a method of its own:
 
-    control request? (rank 0: one stat)  ->  crash/hang faults  ->  batch  ->  forward/backward
-    ->  gradient norms, clip  ->  ONE host sync (loss, norms, control, clock)  ->  guard decides
-    ->  optimizer step unless skipped  ->  TLS record  ->  act on the decision / request
-    ->  checkpoint, evaluation when due
+    faults due (crash, hang, slowio)  ->  load_batch  ->  backward (micro-batches)  ->  clip_gradients
+    ->  protector.check: ONE host sync (loss, norms, rank 0's control request and clock), guard decides
+    ->  apply_update (optimizer step unless skipped)  ->  protector.after_step: TLS record, cost meter,
+        the decision or request carried out, checkpoint when due  ->  periodic evaluation
 """
 
 from __future__ import annotations
 
-import math
 import os
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,17 +21,16 @@ import torch
 import torch.distributed as dist
 
 from trainguard import log, policy as policy_mod
-from trainguard.decide.guard import Guard, StepStats
+from trainguard.protect import EXIT_OK, EXIT_STOPPED, Outcome, Protector, TrainState, Verdict
 from trainguard.trainer import mfu
 from trainguard.trainer.config import TrainConfig
-from trainguard.trainer.control import ControlChannel, write_rank_file
 from trainguard.trainer.data import ShardLoader, open_stream
 from trainguard.trainer.faults import FaultInjector
 from trainguard.trainer.model import GPT
 from trainguard.trainer.progress import Progress
-from trainguard.trainer.recovery import EXIT_OK, EXIT_STOPPED, Recovery
-from trainguard.trainer.state import Checkpoints
-from trainguard.trainer.step import GradNorms, HealthSync, LRSchedule, forward_backward
+from trainguard.trainer.recovery import grad_accum_steps, trainer_callbacks
+from trainguard.trainer.state import checkpoint_states
+from trainguard.trainer.step import GradNorms, LRSchedule, forward_backward
 from trainguard.trainer.telemetry import CommTimer, StepTelemetry, StepTimer
 
 
@@ -67,7 +65,7 @@ class Trainer:
         self.run_id = run.run_id or self.run_dir.name
         self.log = log.get("trainer", rank=self.rank, run_id=self.run_id)
         self.device = resolve_device(run.device, info.local_rank)
-        self.policy = policy_mod.load(run.policy or None)
+        policy = policy_mod.load(run.policy or None)
         torch.manual_seed(run.seed)
 
         self.model = GPT(config.model).to(self.device)
@@ -87,30 +85,24 @@ class Trainer:
         self.train_data = ShardLoader(stream, split="train", **loader_args)
         self.val_data = ShardLoader(stream, split="val", **loader_args)
 
-        peak, peak_source = mfu.peak_flops(self.device.type, self._device_name(), run.peak_flops)
+        peak, self.peak_source = mfu.peak_flops(self.device.type, self._device_name(), run.peak_flops)
         self.telemetry = StepTelemetry(
             self.run_dir, rank=self.rank, world_size=self.world, run_id=self.run_id,
             device_type=self.device.type, flops_per_token=self.model.flops_per_token(), peak_flops=peak,
             gpu_count=run.gpu_count if run.gpu_count >= 0 else None, enabled=run.telemetry)
-        self.peak_source = peak_source
-        self.health = HealthSync(self.world, self.rank, self.device)
-        self.guard = Guard(self.policy.guard)
         self.faults = FaultInjector(run.inject, self.run_dir, self.rank, emit=self.telemetry.event)
-        self.control = ControlChannel(self.run_dir, self.rank, self.log)
-        self.checkpoints = Checkpoints(
-            self.run_dir, rank=self.rank, world_size=self.world, on_event=self.telemetry.event,
-            key_file=run.key_file, keep_last=run.keep_last, async_save=run.async_checkpoint,
-            on_error=run.checkpoint_on_error)
-        self.recovery = Recovery(self)
+        self.state = TrainState(micro_batch=config.optim.micro_batch_size or config.optim.batch_size)
+        callbacks = trainer_callbacks(schedule=self.schedule, train_data=self.train_data, faults=self.faults,
+                                      batch_size=config.optim.batch_size, block_size=config.model.block_size,
+                                      validate=self.validation_loss)
+        self.protector = Protector(
+            self.run_dir, states=checkpoint_states(self.model, self.optimizer, self.schedule, self.train_data),
+            state=self.state, rank=self.rank, world_size=self.world, device=self.device, policy=policy,
+            telemetry=self.telemetry, callbacks=callbacks, layer_names=self.layer_names, run_id=self.run_id,
+            checkpoint_every=run.checkpoint_every, checkpoint_every_seconds=run.checkpoint_every_seconds,
+            keep_last=run.keep_last, key_file=run.key_file, async_checkpoint=run.async_checkpoint,
+            checkpoint_on_error=run.checkpoint_on_error, stable_val_factor=run.stable_val_factor, log=self.log)
         self.progress = Progress(run.steps, run.log_every, self.log) if self.rank == 0 else None
-
-        self.step = 0
-        self.tokens_trained = 0
-        self.micro_batch = config.optim.micro_batch_size or config.optim.batch_size
-        self.best_val = math.inf
-        self.trouble_since_checkpoint = False   # any skip or rollback since the last checkpoint
-        self.eval_paused = False                # cost_warn pauses non-critical work
-        self.last_checkpoint_time = None        # rank 0's clock at the last save (the same on every rank)
 
     def _wrap(self, model: torch.nn.Module, telemetry: bool):
         self.comm_timer = None
@@ -129,119 +121,105 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- running
     def run(self) -> int:
-        write_rank_file(self.run_dir, self.rank, local_rank=self.info.local_rank, world_size=self.world,
-                        restart_count=self.info.restart_count)
-        if (refusal := self.recovery.stopped_marker()) is not None:
-            self.log.error("this run was stopped by the guard; not starting again", **refusal)
+        begun = self.protector.begin(local_rank=self.info.local_rank, restart_count=self.info.restart_count)
+        if begun.refused is not None:
+            self.protector.close()
             return EXIT_STOPPED
-        resumed_from = self.recovery.resume()
-        self.telemetry.event("run_start", step=self.step, resumed_from=resumed_from,
+        self.protector.event("run_start", resumed_from=begun.resumed_from,
                              restart_count=self.info.restart_count, world_size=self.world,
                              device=self.device.type, peak_flops=self.telemetry.peak_flops,
                              peak_flops_source=self.peak_source, flops_per_token=self.model.flops_per_token(),
                              params=self.model.num_params())
-        self.log.info("training", steps=self.cfg.run.steps, start_step=self.step, world_size=self.world,
+        self.log.info("training", steps=self.cfg.run.steps, start_step=self.state.step, world_size=self.world,
                       device=str(self.device), params=self.model.num_params())
         code = None
         try:
-            while self.step < self.cfg.run.steps and code is None:
+            while self.state.step < self.cfg.run.steps and code is None:
                 code = self.train_step()
             if self.progress:
                 self.progress.close()   # end the bar's line before the closing log lines
             if code is None:
-                if self.last_saved_step() != self.step:
-                    self.save_checkpoint()
+                self.protector.finish()
                 code = EXIT_OK
-                self.telemetry.event("run_end", step=self.step, reason="completed")
-            self.checkpoints.wait()
+            self.protector.wait()
         finally:
             if self.progress:
                 self.progress.close()
-            self.checkpoints.close()
-            self.telemetry.close()
+            self.protector.close()
         return code
 
     def train_step(self) -> int | None:
         """One optimizer step; returns an exit code when the run must end now."""
-        cfg, timer = self.cfg, StepTimer()
-        step = self.step + 1
+        timer = StepTimer()
+        step = self.state.step + 1
         timer.start()
-        control = self.control.poll() if self.rank == 0 else (0, 0)
-        self.faults.process_faults(step)
-        self.train_data.delay_seconds = self.faults.data_delay(step)
-        batch = cfg.optim.batch_size
-        x, y = self.train_data.next_batch(batch)
+        x, y = self.load_batch(step)
         timer.mark("data_wait")
-
-        loss_factor, grad_factor = self.faults.loss_factors(step)
-        lr = self.schedule.lr()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        loss = forward_backward(self.ddp, x, y, self.micro_batch, autocast=self.autocast(),
-                                loss_factor=loss_factor, grad_factor=grad_factor)
-        grad_norm, layer_norms = self.norms.compute()
-        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), cfg.optim.grad_clip, grad_norm)
-        health = self.health.sync(loss, grad_norm, layer_norms, control)
+        lr = self.set_learning_rate()
+        loss = self.backward(step, x, y)
+        grad_norm, layer_norms = self.clip_gradients()
+        verdict = self.protector.check(step, loss, grad_norm, layer_norms)
         timer.mark("forward_backward")
-
-        layers = dict(zip(self.layer_names, health.layer_norms))
-        loss_seen = health.loss if health.nonfinite_ranks == 0 else math.nan
-        decision = self.guard.observe(StepStats(step, loss_seen, health.grad_norm, layers, health.timestamp))
-        if decision.action is None:
-            self.optimizer.step()
-            self.schedule.updates += 1
-            self.tokens_trained += batch * cfg.model.block_size
-        self.optimizer.zero_grad(set_to_none=True)
+        self.apply_update(verdict)
         timer.mark("optimizer")
-        self.step = step
-
-        timings = timer.stop()
-        self._record(step, health, layers, loss_seen, lr, timings)
-
-        if decision.action is not None and (code := self.recovery.on_decision(decision)) is not None:
-            return code
-        if health.control_code and (code := self.recovery.on_request(health.control_code,
-                                                                    health.control_line)) is not None:
-            return code
-        self.periodic_work(health.timestamp)
+        outcome = self.after_step(verdict, lr, timer.stop())
+        if outcome.stop:
+            return outcome.exit_code
+        self.evaluate_if_due()
         return None
 
-    def _record(self, step: int, health, layers: dict, loss: float, lr: float, timings: dict) -> None:
-        """This step's TLS record and progress line, from values already on the host."""
+    # ------------------------------------------------------------------------------ the step's phases
+    def load_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Faults due at this step fire first (a crash or hang never reaches the batch)."""
+        self.faults.process_faults(step)
+        self.train_data.delay_seconds = self.faults.data_delay(step)
+        return self.train_data.next_batch(self.cfg.optim.batch_size)
+
+    def set_learning_rate(self) -> float:
+        lr = self.schedule.lr(self.state.lr_scale)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def backward(self, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over micro-batches of `TrainState.micro_batch` rows (DDP reduces on the last)."""
+        loss_factor, grad_factor = self.faults.loss_factors(step)
+        return forward_backward(self.ddp, x, y, self.state.micro_batch, autocast=self.autocast(),
+                                loss_factor=loss_factor, grad_factor=grad_factor)
+
+    def clip_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global and per-layer norms of the reduced gradients (on the device), then clipping to them."""
+        grad_norm, layer_norms = self.norms.compute()
+        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.cfg.optim.grad_clip, grad_norm)
+        return grad_norm, layer_norms
+
+    def apply_update(self, verdict: Verdict) -> None:
+        """The optimizer and the schedule move unless the guard skipped the step."""
+        if not verdict.skip:
+            self.optimizer.step()
+            self.schedule.updates += 1
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def after_step(self, verdict: Verdict, lr: float, timings: dict) -> Outcome:
+        """The Protector's second call (record, decision, request, checkpoint), and the progress line."""
         batch = self.cfg.optim.batch_size
         tokens = batch * self.cfg.model.block_size
         extra = {"comm_seconds": self.comm_timer.take()} if self.comm_timer else {}
-        self.telemetry.step(
-            step, loss=loss, grad_norm=health.grad_norm, grad_norm_by_layer=layers, learning_rate=lr,
-            tokens=tokens, samples=batch, timings=timings, tokens_trained=self.tokens_trained,
-            tokens_loaded=self.train_data.tokens_loaded(), micro_batch_size=self.micro_batch,
-            grad_accum_steps=-(-batch // self.micro_batch), timestamp=health.timestamp, **extra)
+        outcome = self.protector.after_step(
+            verdict, tokens=tokens, samples=batch, timings=timings, learning_rate=lr,
+            tokens_loaded=self.train_data.tokens_loaded(), micro_batch_size=self.state.micro_batch,
+            grad_accum_steps=grad_accum_steps(batch, self.state.micro_batch), **extra)
         if self.progress:
-            self.progress.update(step, loss, lr, tokens * self.world / timings["step_time_seconds"])
+            self.progress.update(verdict.step, verdict.loss, lr,
+                                 tokens * self.world / timings["step_time_seconds"])
+        return outcome
 
-    def periodic_work(self, now: float) -> None:
-        """Checkpoint and evaluation when due; `now` is rank 0's clock, so every rank agrees on time."""
-        run = self.cfg.run
-        if self.last_checkpoint_time is None:
-            self.last_checkpoint_time = now
-        by_steps = run.checkpoint_every and self.step % run.checkpoint_every == 0
-        by_time = run.checkpoint_every_seconds and now - self.last_checkpoint_time >= run.checkpoint_every_seconds
-        # never twice for one step (a rollback or resume has just restored this very step)
-        if (by_steps or by_time) and self.step < run.steps and self.last_saved_step() != self.step:
-            self.save_checkpoint()
-            self.last_checkpoint_time = now
-        if run.eval_every and self.step % run.eval_every == 0 and not self.eval_paused:
-            self.evaluate("periodic")
+    def evaluate_if_due(self) -> None:
+        every = self.cfg.run.eval_every
+        if every and self.state.step % every == 0 and not self.state.eval_paused:
+            self.protector.evaluate("periodic")
 
     # --------------------------------------------------------------------------------- evaluation
-    def evaluate(self, purpose: str, **fields) -> float:
-        """Validation loss, written as an `evaluation` event with the seconds it held training up."""
-        began = time.perf_counter()
-        val = self.validation_loss()
-        self.telemetry.event("evaluation", step=self.step, val_loss=val, purpose=purpose,
-                             seconds=time.perf_counter() - began, **fields)
-        return val
-
     @torch.no_grad()
     def validation_loss(self) -> float:
         """Mean loss over the same `eval_batches` validation batches every time (comparable over time)."""
@@ -259,27 +237,3 @@ class Trainer:
             dist.all_reduce(mean)
         self.model.train()
         return mean.item()
-
-    # -------------------------------------------------------------------------------- checkpoints
-    def last_saved_step(self) -> int | None:
-        return self.recovery.last_saved_step
-
-    def save_checkpoint(self) -> None:
-        """Validation check, then rank 0 saves; stable if val loss is sane and the guard saw no trouble."""
-        val = self.evaluate("checkpoint", guard_trouble=self.trouble_since_checkpoint)
-        sane = math.isfinite(val) and val <= self.cfg.run.stable_val_factor * self.best_val
-        stable = sane and not self.trouble_since_checkpoint
-        if stable:
-            self.best_val = min(self.best_val, val)
-        saved = True
-        if self.rank == 0:
-            path = self.checkpoints.save(self.step, self.recovery.capture_state(), stable,
-                                         meta={"val_loss": val if math.isfinite(val) else None})
-            saved = path is not None   # a failed save with checkpoint_on_error "warn": the previous one stands
-            if saved:
-                self.faults.after_checkpoint(self.step, path, wait=self.checkpoints.wait)
-        if saved:
-            self.telemetry.last_checkpoint = f"step_{self.step}"
-        # the same on every rank whatever rank 0's save did, so all ranks keep taking the same decisions
-        self.recovery.last_saved_step = self.step
-        self.trouble_since_checkpoint = False

@@ -1,91 +1,27 @@
-"""What a checkpoint of the bundled trainer holds, and how every rank agrees on which one to load.
+"""What a checkpoint of the bundled trainer holds: its states, side by side, as torchtitan does.
 
-The state dict follows the checkpoint store's layout: ``model`` and ``optim`` get their own files, the
-rest (``sched``, ``data``, ``rng``, ``guard``, ``trainer``) goes into ``extra.pt``. Only plain data and
-tensors, so ``torch.load(weights_only=True)`` reads it back.
+    states = checkpoint_states(model, optimizer, schedule, train_data)
+    Protector(run_dir, states=states, state=TrainState(...), ...)
 
-Only rank 0 writes. To load, rank 0 picks the checkpoint (newest verified, or newest *stable* verified
-for a rollback) and broadcasts its choice, so ranks never disagree because one of them looked at the
-directory a moment later than another.
+The Protector adds its own beside them (``guard``, ``cost``, and the `TrainState` as ``trainer``). The
+checkpoint store gives ``model`` and ``optim`` files of their own and puts the rest in ``extra.pt``;
+only plain data and tensors, so ``torch.load(weights_only=True)`` reads it back.
 """
 
 from __future__ import annotations
 
-import random
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from trainguard.trainer.checkpoint.manager import CheckpointManager
+from trainguard.protect import RNGState, TrainState
+from trainguard.trainer.data import ShardLoader
+from trainguard.trainer.step import LRSchedule
 
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+__all__ = ["TrainState", "checkpoint_states"]
 
 
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class Checkpoints:
-    """The trainer's view of the checkpoint store: save on rank 0, pick on rank 0, load everywhere."""
-
-    def __init__(self, run_dir: Path, *, rank: int, world_size: int, on_event: Callable[..., Any],
-                 key_file: str = "", keep_last: int = 3, async_save: bool = False, on_error: str = "warn"):
-        self.rank, self.world = rank, world_size
-        self.manager = CheckpointManager(run_dir, key_file=key_file or None, keep_last=keep_last,
-                                         async_save=async_save, on_error=on_error, on_event=on_event,
-                                         world_size=world_size)
-        self.root = Path(run_dir) / "checkpoints"
-
-    def save(self, step: int, state: dict, stable: bool, meta: dict | None = None) -> Path | None:
-        """Rank 0 only. The directory the checkpoint has (or will have, once durable); None if the save
-        failed and the manager was told to warn rather than raise (it has logged and emitted why)."""
-        handle = self.manager.save(step, state, stable=stable, meta=meta)
-        return None if handle.error is not None else handle.path
-
-    def wait(self) -> None:
-        if self.rank == 0:
-            self.manager.wait()
-
-    def restore(self, stable_only: bool, device: torch.device) -> tuple[Any, dict] | None:
-        """(checkpoint, state) of the newest verified (stable) checkpoint, the same one on every rank.
-
-        Rank 0 verifies and loads (the store reports each checkpoint it refuses, with the reason), then
-        broadcasts its choice; the other ranks load exactly that one, hash-checked again as they read.
-        """
-        found = None
-        if self.rank == 0:
-            self.manager.wait()   # a save still in flight must be durable before it can be chosen
-            found = self.manager.load_latest(stable_only=stable_only, map_location=device)
-        if self.world == 1:
-            return found
-        choice = [found[0] if found else None]
-        dist.broadcast_object_list(choice, src=0)
-        if choice[0] is None:
-            return None
-        return found if self.rank == 0 else (choice[0], self.manager.load(choice[0], map_location=device))
-
-    def verified_step(self) -> int | None:
-        """Step of the newest checkpoint whose signature and hashes verify (rank 0; reads, loads nothing)."""
-        self.manager.wait()
-        found = self.manager.latest_verified()
-        return found.step if found else None
-
-    def abandon_after(self, step: int) -> None:
-        """After a rollback to `step`, newer checkpoints belong to an abandoned timeline (rank 0)."""
-        if self.rank == 0:
-            self.manager.supersede_after(step)
-
-    def close(self) -> None:
-        if self.rank == 0:
-            self.manager.close()
+def checkpoint_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule: LRSchedule,
+                      train_data: ShardLoader) -> dict[str, Any]:
+    """Every state the trainer checkpoints, by the key it has always had in the checkpoint."""
+    return {"model": model, "optim": optimizer, "sched": schedule, "data": train_data, "rng": RNGState()}

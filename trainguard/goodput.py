@@ -30,6 +30,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
+from trainguard import actions
+
 CAUSES = ("startup", "checkpoint_save", "evaluation", "rollback", "restart_recovery", "stalls", "data_wait",
           "skipped_steps", "other")
 # Events that say how long they held training up: type -> (cause, field with the seconds). The time is
@@ -118,14 +120,14 @@ class _Timeline:
             self.boundary = self.last_ts if self.last_ts is not None else ts
         if kind == RUN_START and self.lead_in is None:
             self._restart()
-        elif kind == "rollback":
+        elif kind == actions.ROLLBACK:
             self.rollbacks += 1
             self.rollback_pending = True
             if isinstance(event.get("restored_step"), int):
                 self.restored = event["restored_step"]
         elif kind == "checkpoint_restored" and isinstance(step, int):
             self.restored = step
-        elif kind == "skip_step" and isinstance(step, int):
+        elif kind == actions.SKIP_STEP and isinstance(step, int):
             if not self._mark_skipped(step):
                 self.pending_skips.add(step)
         elif kind in TIMED_EVENTS:

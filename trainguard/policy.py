@@ -71,6 +71,13 @@ class GuardPolicy:
     max_rollbacks_per_hour: int = 3
     rollback_lr_factor: float = 0.5
     rewarmup_steps: int = 20
+    # Gradient climb: the global norm above mean + sigma * std of the last `window` healthy norms (once
+    # `min_steps` are seen) for `steps` steps in a row, against norms at least `lag` steps old.
+    grad_climb_sigma: float = 6.0
+    grad_climb_window: int = 128
+    grad_climb_min_steps: int = 64
+    grad_climb_steps: int = 6
+    grad_climb_lag: int = 32
 
 
 @dataclass(frozen=True)
@@ -208,6 +215,11 @@ RULES: dict[str, Range | str] = {
     "guard.max_rollbacks_per_hour": at_least(0, 10**6),
     "guard.rollback_lr_factor": between(0, 1, low_open=True),
     "guard.rewarmup_steps": at_least(0, 10**7),
+    "guard.grad_climb_sigma": above(0),
+    "guard.grad_climb_window": at_least(2, 10**6),
+    "guard.grad_climb_min_steps": at_least(2, 10**6),
+    "guard.grad_climb_steps": at_least(1, 10**4),
+    "guard.grad_climb_lag": at_least(0, 10**6),
     "alerts.stall_seconds": above(0, 10**7),
     "alerts.slow_node_factor": above(1, 1000),
     "alerts.startup_grace_seconds": above(0, 10**7),

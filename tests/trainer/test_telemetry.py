@@ -63,9 +63,11 @@ def test_one_host_sync_per_step(tmp_path, monkeypatch):
     counts = {"tolist": 0, "other": 0}
     inside = {"step": False}
     import trainguard
+    import trainguard.protect
     import trainguard.trainer
 
-    ours = (str(Path(trainguard.__file__).parent), str(Path(trainguard.trainer.__file__).parent))
+    ours = tuple(str(Path(package.__file__).parent) for package in (trainguard, trainguard.trainer,
+                                                                     trainguard.protect))
 
     def counting(name, original):
         def wrapper(self, *args, **kwargs):

@@ -144,7 +144,8 @@ def _execute(decided: list[engine.Action], alerts: list[rules.FiredAlert], polic
         notices.append(tgledger.Notice(alertname=alert.alertname, status=tgledger.FIRING,
                                        action=alert.labels.get("action"),
                                        key=f"{sorted(labels.items())}@{_time(alert.starts_at)}",
-                                       starts_at=alert.starts_at, reason=alert.alertname, labels=labels))
+                                       starts_at=alert.starts_at, reason=alert.alertname, labels=labels,
+                                       step=alert.step))
     ledger = tgledger.Ledger(tgledger.Limits.from_policy(policy))
     verdicts = [ledger.decide(notice, notice.starts_at)
                 for notice in sorted(notices, key=lambda n: (n.starts_at, n.source != "embedded"))]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from trainguard import actions
 from trainguard import policy as policy_mod
 from trainguard.decide.cost import CostMeter, clock_of
 from trainguard.report.downsample import MAX_POINTS, Sampled, Series
@@ -32,9 +33,9 @@ MAX_KEYS = 64
 # `checkpoint_restored` gets none: it is a part of a rollback or of a restart, which have their own.
 MARKER_KINDS = {
     "checkpoint_saved": "checkpoint",
-    "skip_step": "skip",
-    "rollback": "rollback",
-    "restore": "restore",
+    actions.SKIP_STEP: "skip",
+    actions.ROLLBACK: "rollback",
+    actions.RESTORE: "restore",
     "alert": "alert",
     "fault_injected": "fault",
 }
@@ -44,7 +45,7 @@ def marker_kind(kind: str, event: dict) -> str | None:
     if kind == "action":
         kind = str(event.get("action"))
     if kind == "run_start":   # a process that resumed from a checkpoint: a restart, the end of a restore
-        return "restore" if event.get("resumed_from") is not None else None
+        return MARKER_KINDS[actions.RESTORE] if event.get("resumed_from") is not None else None
     if kind == "alert" and event.get("status") == "resolved":
         return None
     return MARKER_KINDS.get(kind)
@@ -297,8 +298,7 @@ class _Loader:
             self.note_checkpoint(f"step_{step}", ts)
         if kind == "alert" and event.get("status", "firing") == "firing":
             run.alerts[str(event.get("alertname", "?"))] += 1
-        if kind == "action" or kind in ("skip_step", "rollback", "restore", "cost_warn", "cost_throttle",
-                                        "cost_stop", "stop"):
+        if kind == "action" or kind in actions.DECISIONS:
             run.actions[str(event.get("action", kind))] += 1
         if kind == "fault_injected" and len(run.faults) < ERRORS_KEPT:
             name = str(event.get("fault") or event.get("kind") or "?")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainguard import actions
 from trainguard.report.charts import format_elapsed, format_value
 from trainguard.report.data import Run, final
 
-GUARD_ACTIONS = ("skip_step", "rollback", "restore", "stop")
-COST_ACTIONS = ("cost_warn", "cost_throttle", "cost_stop")
+GUARD_ACTIONS = (actions.SKIP_STEP, actions.ROLLBACK, actions.RESTORE, actions.STOP)
+COST_ACTIONS = actions.COST_ACTIONS
 
 
 @dataclass

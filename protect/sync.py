@@ -1,0 +1,73 @@
+"""The step's single device-to-host sync: everything the host needs this step, in one float64 vector.
+
+    [loss / W, non-finite count, control code, control line, timestamp, grad_norm / W, layer norms / W ...]
+
+With more than one rank it is all-reduced with SUM: the loss becomes the global mean, the non-finite
+count the number of ranks that saw NaN/Inf, and rank 0's control request and clock reach every rank
+(the others contribute zeros). Gradient norms are taken after the gradients were averaged, so every rank
+holds the same values; summing value/W keeps them identical on every rank to the bit. Then one
+``.tolist()``: the guard, the control channel and telemetry all read from that list.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+HOST_SLOTS = 3   # control code, control line, timestamp: filled on the host by rank 0
+
+
+@dataclass
+class Health:
+    """The host's view of a step, read from the one synced vector."""
+
+    loss: float
+    nonfinite_ranks: int
+    control_code: int
+    control_line: int
+    timestamp: float
+    grad_norm: float
+    layer_norms: list[float]
+
+
+def _scalar(value, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().double().reshape(1)
+    return torch.tensor([float(value)], dtype=torch.float64, device=device)
+
+
+class HealthSync:
+    """Builds, reduces and reads the step's vector (see the module docstring)."""
+
+    def __init__(self, world_size: int, rank: int, device: torch.device):
+        self.world, self.rank, self.device = world_size, rank, torch.device(device)
+        # Host values reach the device through a pinned buffer and a non-blocking copy: a plain copy from
+        # pageable memory would synchronise the stream.
+        self.host = torch.zeros(HOST_SLOTS, dtype=torch.float64, pin_memory=self.device.type == "cuda")
+        self.no_layers = torch.zeros(0, dtype=torch.float64, device=self.device)
+
+    def sync(self, loss, grad_norm, layer_norms: torch.Tensor | None, control: tuple[int, int]) -> Health:
+        now = time.time()
+        loss, grad_norm = _scalar(loss, self.device), _scalar(grad_norm, self.device)
+        layers = self.no_layers if layer_norms is None else layer_norms.detach().double().reshape(-1)
+        nonfinite = (~torch.isfinite(loss)).to(torch.float64)
+        if self.world == 1:
+            values = torch.cat([loss, nonfinite, grad_norm, layers]).tolist()
+            return self._read(values[:2] + [control[0], control[1], now] + values[2:])
+        if self.rank == 0:   # the other ranks contribute the zeros the buffer was made with
+            self.host[0], self.host[1], self.host[2] = control[0], control[1], now
+        host = self.host.to(self.device, non_blocking=True)
+        scale = 1.0 / self.world
+        vector = torch.cat([loss * scale, nonfinite, host, grad_norm * scale, layers * scale])
+        dist.all_reduce(vector, op=dist.ReduceOp.SUM)
+        return self._read(vector.tolist())
+
+    @staticmethod
+    def _read(values: list[float]) -> Health:
+        return Health(loss=values[0], nonfinite_ranks=int(values[1]) if math.isfinite(values[1]) else 1,
+                      control_code=int(values[2]), control_line=int(values[3]), timestamp=values[4],
+                      grad_norm=values[5], layer_norms=values[6:])

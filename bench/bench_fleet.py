@@ -1,7 +1,16 @@
-"""The agent's per-update cost on a shared run directory of 1 and of 1,000 nodes x 8 ranks, side by side
-with following every node's files (what the agent did before it read only its own).
+"""Fleet scale, measured on this machine (docs/scale.md).
+
+1. The agent's per-update cost on a shared run directory of 1 and of 1,000 nodes x 8 ranks, side by side
+   with following every node's files (what the agent did before it read only its own):
 
     .venv/bin/python bench/bench_fleet.py [--nodes 1000] [--updates 40]
+
+2. `--simulate N`: N real agents (8 fake GPUs, 8 HCAs, 8 ranks appending a step every 2 s each) scraped
+   by one real Prometheus that evaluates every generated node-tier rule and the fleet-shard records;
+   after a warm-up, Prometheus's own /metrics give scrape duration, samples ingested per second, rule
+   evaluation time, head series and RSS, and the per-node figures docs/scale.md sizes shards from:
+
+    .venv/bin/python bench/bench_fleet.py --simulate 8 [--seconds 90] [--scrape-interval 5s]
 
 Each case runs in a fresh process (so RSS is its own): a TrainingCollector for node-0000 catches up on
 the synthetic run directory (tests/fleet/synthetic.py, in /dev/shm when there is one), then each round
@@ -65,15 +74,94 @@ def run_case(nodes: int, updates: int, every_node: bool) -> dict:
     return {"nodes": nodes, "follows": "every node" if every_node else "own node", **json.loads(out)}
 
 
+def prom_value(url: str, expr: str) -> float:
+    from tests.servers import prometheus_query
+    result = prometheus_query(url, expr)
+    return float(result[0]["value"][1]) if result else float("nan")
+
+
+def own_metrics(url: str) -> dict[str, float]:
+    """Prometheus's own /metrics, summed per family (rule groups counted)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.servers import http_get
+    _, _, body = http_get(f"{url}/metrics")
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+            if sample.name == "prometheus_rule_group_last_duration_seconds":
+                totals["rule_groups"] = totals.get("rule_groups", 0) + 1
+    return totals
+
+
+def simulate(nodes: int, seconds: float, scrape_interval: str) -> dict:
+    import tempfile
+    import threading
+
+    from tests.fleet.agents import start_node_agent, write_node_ranks
+    from tests.servers import start_prometheus, stop_all
+    from trainguard.alerts import rules
+
+    tmp = Path(tempfile.mkdtemp(prefix="trainguard-fleet-sim-"))
+    run = tmp / "run"
+    stop = threading.Event()
+    try:
+        agents = []
+        for node in range(nodes):
+            write_node_ranks(run, node)
+            agents.append(start_node_agent(tmp, run, node, interval=2.0))
+
+        def steps():   # every rank of every node makes a step each 2 s
+            step = 4
+            while not stop.wait(2.0):
+                for node in range(nodes):
+                    append_steps(run, range(node * RANKS, (node + 1) * RANKS), node_name(node), step)
+                step += 1
+        threading.Thread(target=steps, daemon=True).start()
+        files = rules.write(tmp / "rules", None, rules.CONCERNS + rules.FLEET_CONCERNS[:1])
+        prometheus = start_prometheus(tmp, [address for _, address in agents], rule_files=files,
+                                      scrape_interval=scrape_interval, eval_interval=scrape_interval)
+        time.sleep(max(0.0, seconds - 30))
+        first, started = own_metrics(prometheus), time.monotonic()
+        time.sleep(30)
+        last, elapsed = own_metrics(prometheus), time.monotonic() - started
+        url, window = prometheus, "1m"
+        figures = {
+            "nodes": nodes, "scrape_interval": scrape_interval, "seconds": seconds,
+            "series_per_node": prom_value(url, 'avg(scrape_samples_scraped{job="trainguard"})'),
+            "scrape_duration_s": prom_value(url, f'avg(avg_over_time(scrape_duration_seconds{{job="trainguard"}}[{window}]))'),
+            "scrape_duration_max_s": prom_value(url, f'max(max_over_time(scrape_duration_seconds{{job="trainguard"}}[{window}]))'),
+            "samples_per_s": (last["prometheus_tsdb_head_samples_appended_total"]
+                              - first["prometheus_tsdb_head_samples_appended_total"]) / elapsed,
+            "head_series": last["prometheus_tsdb_head_series"],
+            "rule_eval_s": last["prometheus_rule_group_last_duration_seconds"],
+            "rule_groups": last.get("rule_groups", 0),
+            "rss_mib": last["process_resident_memory_bytes"] / 2**20,
+            "prometheus_cpu_s_per_s": (last["process_cpu_seconds_total"] - first["process_cpu_seconds_total"]) / elapsed,
+        }
+        return figures
+    finally:
+        stop.set()
+        stop_all()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--updates", type=int, default=40)
+    parser.add_argument("--simulate", type=int, metavar="N", help="N agents scraped by a real Prometheus")
+    parser.add_argument("--seconds", type=float, default=90.0)
+    parser.add_argument("--scrape-interval", default="5s")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--every-node", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(one_case(args.child, args.updates, args.every_node)))
+        return
+    if args.simulate:
+        figures = simulate(args.simulate, args.seconds, args.scrape_interval)
+        print(json.dumps(figures, indent=1))
         return
     rows = [run_case(n, args.updates, every) for n in (1, args.nodes) for every in (False, True)]
     print(f"{'nodes':>6} {'follows':>11} {'files':>6} {'update CPU ms':>14} {'catch-up CPU s':>15} {'RSS MiB':>8}")

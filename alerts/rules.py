@@ -396,6 +396,32 @@ CONCERNS = (training, hardware, io_nccl, cost, meta)
 FLEET_CONCERNS = (fleet_shard, fleet_global)
 
 
+# --------------------------------------------------------------------------------------- fail-slow
+
+def fail_slow(policy: Policy) -> list[Group]:
+    """A rank slower than the fastest for a while (trainguard/decide/straggler.py scores it in the agent).
+
+    Every agent of a run reads the shared run directory's rank logs, so the same (rank, node) score may
+    come from several instances: `min by` keeps one series per rank. It does not act: eviction of a
+    persistent straggler is the restore policy's (`restore.evict_stragglers`, off by default)."""
+    score_min = policy.diagnose.straggler_score_min
+    alerts = Group("training", "trainguard-straggler.alerts", (
+        Alert("TrainingStraggler",
+              f"min by (job, run_id, rank, node) (trainguard_rank_straggler_score) < {_num(score_min)}",
+              "warning", "Rank {{ $labels.rank }} on {{ $labels.node }} is a straggler: "
+              "{{ $value | printf \"%.2f\" }} of the fastest rank's speed",
+              f"The rank's recent compute time (step time less data wait and communication) has stayed more "
+              f"than {1 / score_min:.2f} times the fastest rank's (NVRx relative score under {_num(score_min)}) "
+              f"for {policy.alerts.for_long}: every other rank waits for it in each all-reduce. Look at that "
+              "node's GPU clocks, temperature and neighbours; `trainguard diagnose` scores it offline.",
+              for_=policy.alerts.for_long),
+    ))
+    return [alerts]
+
+
+CONCERNS += (fail_slow,)
+
+
 def groups(policy: Policy | None = None) -> list[Group]:
     policy = policy or Policy()
     return [group for concern in CONCERNS for group in concern(policy)]

@@ -23,6 +23,7 @@ CORE_ALERTS = {
     "CostBudgetStop", "EnvironmentMismatch", "AgentDown",
     "JobStalledEverywhere", "JobNodeSlow",     # the global tier (fleet-global.rules.yml, docs/scale.md)
 }
+CORE_ALERTS |= {"TrainingStraggler"}     # second round: fail-slow (alerts/rules.py fail_slow)
 ACTIONS = {"LossNaN": "rollback", "LossSpike": "rollback", "GradNormExplosion": "rollback",
            "TrainingStalled": "restore", "NCCLWatchdogTimeout": "restore", "CostBudgetWarn": "cost_warn",
            "CostBudgetThrottle": "cost_throttle", "CostBudgetStop": "cost_stop", "JobStalledEverywhere": "restore"}

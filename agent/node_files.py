@@ -22,8 +22,9 @@ import os
 import re
 import socket
 
-from trainguard import tls
 from trainguard.agent.restore import RankFiles
+
+from trainguard import tls
 
 RANK_LOG = re.compile(r"^rank-(\d+)\.jsonl$")
 PEEK_BYTES = 64 << 10      # the first record of a rank file is read this far at most

@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.fleet.synthetic import append_steps, fast_dir, node_name, write_fleet  # noqa: E402
+from tests.fleet.synthetic import append_steps, fast_dir, node_name, write_fleet
 
 RANKS = 8
 
@@ -99,9 +99,10 @@ def simulate(nodes: int, seconds: float, scrape_interval: str) -> dict:
     import tempfile
     import threading
 
+    from trainguard.alerts import rules
+
     from tests.fleet.agents import start_node_agent, write_node_ranks
     from tests.servers import start_prometheus, stop_all
-    from trainguard.alerts import rules
 
     tmp = Path(tempfile.mkdtemp(prefix="trainguard-fleet-sim-"))
     run = tmp / "run"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from trainguard.alerts import rules
 
 from tests.servers import require_binary
-from trainguard.alerts import rules
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 
@@ -18,7 +18,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 @pytest.mark.parametrize("name", ["shard.yml", "global.yml"])
 def test_promtool_accepts_the_tier_config(name):
     result = subprocess.run([require_binary("promtool"), "check", "config", str(DEPLOY / name)],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -10,12 +10,17 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from trainguard.agent.collector import Context
 from trainguard.agent.collectors.training import TrainingCollector
 from trainguard.trainer.control import write_rank_file
 
-from tests.fleet.synthetic import append_steps, fast_dir, node_name, step_line, write_fleet
+from tests.fleet.synthetic import (
+    append_steps,
+    fast_dir,
+    node_name,
+    step_line,
+    write_fleet,
+)
 
 
 def collector(run_dir, node: str) -> TrainingCollector:
@@ -44,7 +49,7 @@ def thousand_nodes(tmp_path):
     assert sorted(dict(k)["file"] for k in exported(sample, "trainguard_tls_records_total")) == \
         sorted(f"rank-{r}.jsonl" for r in mine)
     # Appends by every node: this agent reads only its own node's new lines.
-    append_steps(tmp_path, range(0, 8000), "elsewhere", step=3)
+    append_steps(tmp_path, range(8000), "elsewhere", step=3)
     append_steps(tmp_path, mine, node_name(42), step=4)
     steps = exported(agent.update(), "trainguard_training_steps_total")
     assert set(steps.values()) == {3}    # its own step 4 (the lines for step 3 name another node)

@@ -13,11 +13,11 @@ import os
 import urllib.request
 
 import pytest
+from trainguard.alerts import alertmanager
 
 from tests.fleet.agents import start_node_agent, write_node_ranks
 from tests.fleet.synthetic import node_name
 from tests.servers import start_alertmanager, wait_for
-from trainguard.alerts import alertmanager
 
 pytestmark = [pytest.mark.servers, pytest.mark.slow]
 AGENTS = 4
@@ -53,8 +53,12 @@ def test_every_agent_gets_the_job_alert_and_one_acts(tmp_path):
         post_alert(am_url, {"alertname": "JobStalledEverywhere", "action": "restore", "severity": "critical",
                             "job": "trainguard", "run_id": "fleet"})
         nodes = [node_name(i) for i in range(AGENTS)]
-        results = wait_for(lambda: (lambda r: r if all(r) else None)([actions_of(run, n) for n in nodes]),
-                           timeout=90, interval=0.5, message="every agent recording the job-level alert")
+        def every_agent_recorded():
+            found = [actions_of(run, n) for n in nodes]
+            return found if all(found) else None
+
+        results = wait_for(every_agent_recorded, timeout=90, interval=0.5,
+                           message="every agent recording the job-level alert")
     outcomes = sorted(events[-1]["outcome"] for events in results)
     assert outcomes == ["claimed"] * (AGENTS - 1) + ["issued"], outcomes
     [claim] = list((run / "control" / "claims").iterdir())

@@ -4,10 +4,11 @@ receiver on) that evaluates fleet-global.rules.yml."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from trainguard.alerts import rules
+
 from tests.servers import Server, start_prometheus
 from trainguard.policy import Policy
 

@@ -390,7 +390,25 @@ def fleet_global(policy: Policy) -> list[Group]:
     return [records, alerts]
 
 
+# ----------------------------------------------------------------------------- silent corruption
+
+def sdc(policy: Policy) -> list[Group]:
+    """Replica mismatches (trainer/replica_check.py): the trainer has already rolled back on its own,
+    within the step; the alert tells a human, who decides about the hardware."""
+    alerts = Group("sdc", "trainguard-sdc.alerts", (
+        Alert("ReplicaMismatch",
+              f'max by ({RUN}) (increase(trainguard_training_events_total{{type="replica_mismatch"}}[{RATE}])) > 0',
+              "critical", "Replicas of run {{ $labels.run_id }} disagreed: silent data corruption",
+              "Data-parallel replicas that train in lockstep held different weights or gradients at a replica "
+              "check (bit-exact fingerprints). The trainer rolled every rank back to the newest verified "
+              "checkpoint on its own; the incident under RUN/incidents/ names the rank and node when that can "
+              "be told, and a node named twice within guard.replica_cordon_window_seconds is cordoned."),
+    ))
+    return [alerts]
+
+
 CONCERNS = (training, hardware, io_nccl, cost, meta)
+CONCERNS += (sdc,)
 # The global tier's files are rendered and checked in beside the node tier's, but not loaded by
 # `write()` unless asked: one Prometheus scraping the agents needs only CONCERNS.
 FLEET_CONCERNS = (fleet_shard, fleet_global)
@@ -450,16 +468,19 @@ def dump(data: dict) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=120)
 
 
-def render(policy: Policy | None = None, concerns=CONCERNS + FLEET_CONCERNS) -> dict[str, str]:
-    """{file name: YAML text} of every rule file (of `concerns`)."""
+def render(policy: Policy | None = None, concerns=None) -> dict[str, str]:
+    """{file name: YAML text} of every rule file (of `concerns`; default: both tiers)."""
     policy = policy or Policy()
+    concerns = CONCERNS + FLEET_CONCERNS if concerns is None else concerns
     files: dict[str, list[dict]] = {}
     for group in (g for concern in concerns for g in concern(policy)):
         files.setdefault(f"{group.file}.rules.yml", []).append(group.to_dict())
     return {name: HEADER + dump({"groups": body}) for name, body in files.items()}
 
 
-def write(out_dir: str | Path, policy: Policy | None = None, concerns=CONCERNS) -> list[Path]:
+def write(out_dir: str | Path, policy: Policy | None = None, concerns=None) -> list[Path]:
+    """The rule files of `concerns` (default: the node tier, CONCERNS) written under `out_dir`."""
+    concerns = CONCERNS if concerns is None else concerns
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -78,6 +78,11 @@ class GuardPolicy:
     grad_climb_min_steps: int = 64
     grad_climb_steps: int = 6
     grad_climb_lag: int = 32
+    # Silent data corruption (trainguard/decide/replica.py): every replica fingerprints its weights and
+    # gradients every this many steps (0: never); bench/bench_sdc.py measures the cost of a check.
+    replica_check_every: int = 50
+    # A node named in a replica mismatch twice within this many seconds is cordoned.
+    replica_cordon_window_seconds: float = 86400.0
 
 
 @dataclass(frozen=True)
@@ -286,6 +291,10 @@ RULES: dict[str, Range | Choice | str] = {
     "preflight.heartbeat_timeout_seconds_max": above(0),
 }
 RULES["restore.evict_stragglers"] = Choice(EVICT_STRAGGLERS_CHOICES)
+RULES.update({   # silent corruption (trainguard/decide/replica.py): 0 turns the replica check off
+    "guard.replica_check_every": at_least(0, 10**7),
+    "guard.replica_cordon_window_seconds": at_least(0, 10**9),
+})
 FALLBACK = at_least(0)      # a numeric key without a row yet (the property test names it): finite, >= 0
 
 

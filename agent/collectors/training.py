@@ -41,6 +41,7 @@ TIER_VALUES = {"ok": 0, "warn": 1, "throttle": 2, "stop": 3}
 
 # Guard and recovery events exported at 0 until they happen (see _families).
 WATCHED_EVENTS = ("skip_step", "rollback", "restore", "action", "checkpoint_saved", "fault_injected", "stop")
+WATCHED_EVENTS += ("replica_mismatch",)   # silent corruption (trainer/replica_check.py): the ReplicaMismatch alert
 
 @register
 class TrainingCollector(Collector):

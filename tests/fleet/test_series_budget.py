@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from trainguard.agent.collectors.training import WATCHED_EVENTS
+
 from tests.fleet.agents import scrape, start_node_agent, write_node_ranks
 from tests.servers import wait_for
 
@@ -76,4 +78,4 @@ def test_per_rank_off_exports_the_lead_rank_only(tmp_path):
     counts, _ = series_per_family(node_exposition(tmp_path, per_rank=False))
     training = {name: n for name, n in counts.items() if name.startswith("trainguard_training_") and n}
     assert training and all(n == 1 for name, n in training.items() if name != "trainguard_training_events")
-    assert counts["trainguard_training_events"] == 7     # the lead rank's watched event types
+    assert counts["trainguard_training_events"] == len(WATCHED_EVENTS)     # the lead rank's watched types

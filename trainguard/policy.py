@@ -101,6 +101,7 @@ class AlertPolicy:
     fragmentation_min: float = 0.70
     checkpoint_stale_seconds: float = 3600.0
     low_throughput_ratio: float = 0.5
+    slow_node_factor: float = 1.5   # the global tier's JobNodeSlow: a node's step time over this x the job's median
     loss_spike_sigma: float = 6.0
     grad_explode_factor: float = 10.0
     for_short: str = "30s"
@@ -345,6 +346,7 @@ RULES: dict[str, Range | Choice | str] = {
     "guard.grad_climb_steps": at_least(1, 10**4),
     "guard.grad_climb_lag": at_least(0, 10**6),
     "alerts.stall_seconds": above(0, 10**7),
+    "alerts.slow_node_factor": above(1, 1000),
     "alerts.startup_grace_seconds": above(0, 10**7),
     "alerts.gpu_temp_c": above(0, 200),
     "alerts.disk_await_ms": above(0),

@@ -115,6 +115,13 @@ class Limits:
                    max_restores_per_hour=policy.alerts.max_restores_per_hour)
 
 
+def job_level(notice: Notice) -> bool:
+    """An alert about the whole job rather than one node: it names no `instance` (the global tier and the
+    run-wide rules aggregate it away). Alertmanager delivers it to every agent of the job; one of them
+    carries it out - the executor's claim in the shared run directory decides which (docs/scale.md)."""
+    return notice.source == "alertmanager" and "instance" not in notice.labels
+
+
 # A rollback past its limit stops the run cleanly; a restore past its limit pages a human.
 ESCALATION = {actions.ROLLBACK: actions.COST_STOP, actions.RESTORE: PAGE}
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from trainguard import paths
+
 
 class PolicyError(ValueError):
     pass
@@ -397,9 +399,9 @@ def read_yaml(path: str | Path, what: str) -> Any:
     UTF-8, not YAML, nested too deeply): the policy and the agent config read their files through this."""
     source = str(path)
     try:
-        return yaml.safe_load(Path(path).read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{source}: no such {what}") from None
+        return yaml.safe_load(paths.regular_file(path, what).read_bytes().decode("utf-8"))
+    except FileNotFoundError as exc:  # missing, a directory, a FIFO or a device: named by trainguard.paths
+        raise ValueError(str(exc)) from None
     except IsADirectoryError:
         raise ValueError(f"{source}: is a directory, not a {what}") from None
     except OSError as exc:

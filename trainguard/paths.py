@@ -28,7 +28,7 @@ def what_is(path: Path) -> str:
     return "is not a regular file"
 
 
-def run_dir(path: str | os.PathLike, what: str = "run directory") -> Path:
+def run_dir(path: str | os.PathLike[str], what: str = "run directory") -> Path:
     """`path` as a Path when it is a directory; FileNotFoundError naming what it is instead."""
     root = Path(path)
     if root.is_dir():
@@ -38,7 +38,7 @@ def run_dir(path: str | os.PathLike, what: str = "run directory") -> Path:
     raise FileNotFoundError(f"{root}: {what_is(root)}, not a {what}")
 
 
-def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
+def regular_file(path: str | os.PathLike[str], what: str = "file") -> Path:
     """`path` as a Path when it is a regular file (or a link to one); FileNotFoundError otherwise."""
     file = Path(path)
     if file.is_file():

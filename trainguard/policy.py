@@ -23,7 +23,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -161,7 +161,7 @@ class Policy:
     preflight: PreflightPolicy = field(default_factory=PreflightPolicy)
     restore: RestorePolicy = field(default_factory=RestorePolicy)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -347,7 +347,7 @@ def _check_value(name: str, default: Any, value: Any) -> Any:
             value = type(default)(value)
         except OverflowError:
             raise ValueError(f"must be a finite number, got {value!r}") from None
-        problem = rule.problem(value)
+        problem = cast(Range, rule).problem(value)      # DURATION, the one string rule, returned above
         if problem:
             raise ValueError(f"{problem}, got {value!r}")
     return value
@@ -375,7 +375,7 @@ def _build(cls: type, values: Any, where: str, source: str) -> Any:
 
 def from_mapping(data: Any, source: str = "policy") -> Policy:
     """A checked policy from decoded YAML (`source` names it in errors)."""
-    policy = _build(Policy, {} if data is None else data, "", source)
+    policy: Policy = _build(Policy, {} if data is None else data, "", source)
     for check in CROSS_CHECKS:
         problem = check(policy)
         if problem:
@@ -415,4 +415,5 @@ def read_yaml(path: str | Path, what: str) -> Any:
 
 
 def dump(policy: Policy) -> str:
-    return yaml.safe_dump(policy.to_dict(), sort_keys=False)
+    text: str = yaml.safe_dump(policy.to_dict(), sort_keys=False)
+    return text

@@ -69,7 +69,7 @@ def read_incidents(run_dir: Path, malformed: list[str]) -> list[Incident]:
     from trainguard import incidents
 
     found = []
-    for incident_id, verdict, problem in incidents.scan(run_dir):
+    for _incident_id, verdict, problem in incidents.scan(run_dir):
         if problem is not None:
             malformed.append(problem)
         elif verdict is not None:

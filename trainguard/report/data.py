@@ -328,7 +328,7 @@ class _Loader:
         run.first_step = step if run.first_step is None else min(run.first_step, step)
         run.last_step = step if run.last_step is None else max(run.last_step, step)
         gpus = self.rank_gpu_count or sum(self.gpus_by_host.values())
-        for decision in self.meter.observe(step, ts, gpus or None, clock_of(record)):
+        for _decision in self.meter.observe(step, ts, gpus or None, clock_of(record)):
             run.cost_state = self.meter.state
         state = self.meter.state
         for key in ("cost_usd", "cost_per_1k_steps"):

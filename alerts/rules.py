@@ -329,7 +329,25 @@ def meta(policy: Policy, agent_job: str = AGENT_JOB) -> list[Group]:
     return [alerts]
 
 
+# ----------------------------------------------------------------------------- silent corruption
+
+def sdc(policy: Policy) -> list[Group]:
+    """Replica mismatches (trainer/replica_check.py): the trainer has already rolled back on its own,
+    within the step; the alert tells a human, who decides about the hardware."""
+    alerts = Group("sdc", "trainguard-sdc.alerts", (
+        Alert("ReplicaMismatch",
+              f'max by ({RUN}) (increase(trainguard_training_events_total{{type="replica_mismatch"}}[{RATE}])) > 0',
+              "critical", "Replicas of run {{ $labels.run_id }} disagreed: silent data corruption",
+              "Data-parallel replicas that train in lockstep held different weights or gradients at a replica "
+              "check (bit-exact fingerprints). The trainer rolled every rank back to the newest verified "
+              "checkpoint on its own; the incident under RUN/incidents/ names the rank and node when that can "
+              "be told, and a node named twice within guard.replica_cordon_window_seconds is cordoned."),
+    ))
+    return [alerts]
+
+
 CONCERNS = (training, hardware, io_nccl, cost, meta)
+CONCERNS += (sdc,)
 
 
 # --------------------------------------------------------------------------------------- fail-slow

@@ -36,6 +36,7 @@ from typing import Callable
 
 from figures import (Figure, agent, checkpoint, collectors, diagnose, fault_to_action, loop, preflight,
                      recovery, replay, report, telemetry)
+from figures import sdc
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -68,7 +69,11 @@ BENCHES: dict[str, Spec] = {
     "report": Spec("Report (`trainguard report`)", [], ["--steps", "20000", "--repeat", "1"], report),
     "telemetry": Spec("Trainer telemetry", [], ["--steps", "500", "--rounds", "1"], telemetry),
     "fault_to_action": Spec("Fault to action", [], ["--scenarios", "cost"], fault_to_action),
+    # a comparison of training outcomes between variants, not a speed against a peer: no headline figures
+    "dynamics": Spec("Training dynamics", [], ["--steps", "20", "--seeds", "1", "--variants", "cosine", "breathing"],
+                     lambda stdout: []),
 }
+BENCHES["sdc"] = Spec("Replica check (silent data corruption)", [], ["--configs", "tiny", "--rounds", "4"], sdc)
 
 
 # ------------------------------------------------------------------------------------------- running

@@ -71,6 +71,7 @@ class Verdict:
     decision: Decision
     control_code: int = 0       # a control request every rank learned of in this step's sync
     control_line: int = 0
+    extra: tuple[float, ...] = ()   # the loop's own values carried in the same sync (`check(extra=...)`)
 
     @property
     def skip(self) -> bool:
@@ -153,15 +154,22 @@ class Protector:
         return self.telemetry.event(kind, step=self.state.step, **fields)
 
     # --------------------------------------------------------------------------------- the two calls
-    def check(self, step: int, loss, grad_norm, layer_norms: torch.Tensor | None = None) -> Verdict:
-        """After backward (and clipping): the step's one host sync, and the guard's decision on it."""
+    def check(self, step: int, loss, grad_norm, layer_norms: torch.Tensor | None = None,
+              extra: torch.Tensor | None = None) -> Verdict:
+        """After backward (and clipping): the step's one host sync, and the guard's decision on it.
+        `extra`: more values of the loop's (a 1-d tensor, e.g. the parameter norm), averaged over ranks
+        like the norms and returned as `Verdict.extra`, so they cost no sync of their own."""
         control = self.control.poll() if self.rank == 0 else (0, 0)
+        carried = layer_norms.numel() if layer_norms is not None else 0
+        if extra is not None:
+            norms = layer_norms.reshape(-1) if layer_norms is not None else extra.new_zeros(0)
+            layer_norms = torch.cat([norms.to(extra.dtype), extra.reshape(-1)])
         health = self.sync.sync(loss, grad_norm, layer_norms, control)
-        layers = dict(zip(self.layer_names, health.layer_norms))
+        layers = dict(zip(self.layer_names, health.layer_norms[:carried]))
         loss_seen = health.loss if health.nonfinite_ranks == 0 else math.nan
         decision = self.guard.observe(StepStats(step, loss_seen, health.grad_norm, layers, health.timestamp))
         return Verdict(step, loss_seen, health.grad_norm, layers, health.timestamp, decision or CARRY_ON,
-                       health.control_code, health.control_line)
+                       health.control_code, health.control_line, tuple(health.layer_norms[carried:]))
 
     def after_step(self, verdict: Verdict, *, tokens: int, samples: int, timings: dict[str, float],
                    learning_rate: float | None = None, **metrics: Any) -> Outcome:
@@ -204,6 +212,9 @@ class Protector:
         """A checkpoint of every state at this step (rank 0 writes). It is *stable* when the validation loss
         is finite and within `stable_val_factor` of the best, and the guard saw no trouble since the last."""
         state = self.state
+        extra = self.callbacks.checkpoint_meta() if self.callbacks.checkpoint_meta is not None else {}
+        if extra is None:   # refused (the replicas differ): the previous checkpoint stands
+            return None
         val = self.evaluate("checkpoint", guard_trouble=state.trouble_since_checkpoint)
         sane = val is None or math.isfinite(val) and val <= self.stable_val_factor * state.best_val
         stable = sane and not state.trouble_since_checkpoint
@@ -212,7 +223,7 @@ class Protector:
         path = None
         if self.rank == 0:
             parts = {key: obj.state_dict() for key, obj in self.states.items()}
-            meta = {"val_loss": val if val is not None and math.isfinite(val) else None}
+            meta = {"val_loss": val if val is not None and math.isfinite(val) else None, **extra}
             path = self.checkpoints.save(state.step, parts, stable, meta=meta)
             if path is not None and self.callbacks.saved is not None:
                 self.callbacks.saved(state.step, path, self.checkpoints.wait)

@@ -26,6 +26,8 @@ FLAG_KEYS = {
     "peak_flops": ("run", "peak_flops"), "run_id": ("run", "run_id"), "log_every": ("run", "log_every"),
     "data": ("data", "path"), "batch_size": ("optim", "batch_size"),
     "micro_batch_size": ("optim", "micro_batch_size"), "lr": ("optim", "lr"),
+    "schedule": ("optim", "schedule"), "schedule_preset": ("optim", "schedule_preset"),
+    "clip_rule": ("optim", "clip_rule"),
 }
 
 
@@ -47,7 +49,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-checkpoint", action="store_true", default=None,
                         help="write checkpoints on a background thread")
     parser.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:RANK]",
-                        help="inject a fault: nan, spike, gradexplode, hang, crash, slowio, corrupt-checkpoint")
+                        help="inject a fault: nan, spike, gradexplode, hang, crash, slowio, corrupt-checkpoint, "
+                             "bitflip, gradflip")
     parser.add_argument("--telemetry", choices=("on", "off"), help="per-step TLS records (default on)")
     parser.add_argument("--policy", metavar="FILE", help="policy YAML (guard thresholds)")
     parser.add_argument("--data", metavar="DIR|GLOB",
@@ -55,6 +58,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, help="sequences per rank per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per forward pass (gradient accumulation)")
     parser.add_argument("--lr", type=float, help="peak learning rate")
+    parser.add_argument("--schedule", choices=("cosine", "breathing", "phase"),
+                        help="LR schedule (default cosine; docs/dynamics.md)")
+    parser.add_argument("--schedule-preset", choices=("seed", "cpu"),
+                        help="seed: the policy's long-run numbers (default); cpu: spans scaled to a CPU run")
+    parser.add_argument("--clip-rule", choices=("fixed", "zscore", "percentile"),
+                        help="gradient clipping: fixed optim.grad_clip (default), ZClip z-score, AutoClip percentile")
     parser.add_argument("--eval-every", type=int, metavar="N", help="validation loss every N steps")
     parser.add_argument("--peak-flops", type=float, metavar="FLOPS", help="peak FLOP/s per device for MFU")
     parser.add_argument("--run-id")
@@ -69,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="restarts of failed or killed workers by the elastic launcher (default with --nproc "
                              "over 1: the policy's alerts.max_restores_per_hour, room for the agent's restores; "
                              "else 0)")
+    parser.add_argument("--start-over", action="store_true",
+                        help="the run directory holds checkpoints signed with another key: set them aside "
+                             "under checkpoints/invalid/ and train from scratch (without it, training refuses)")
 
 
 def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
@@ -109,6 +121,27 @@ def _absolute_paths(config: cfg.TrainConfig) -> None:
         value = getattr(holder, key)
         if value and not value.startswith(("/", "~")):
             setattr(holder, key, str(Path(value).absolute()))
+
+
+def _check_checkpoint_key(config: cfg.TrainConfig, run_dir: Path, start_over: bool) -> str | None:
+    """Before any rank starts: checkpoints signed with another key stop the run (a silent start from
+    step 0 would let retention destroy them), unless --start-over sets them aside. The message, or None."""
+    from trainguard.trainer.checkpoint import CheckpointError, CheckpointManager
+    from trainguard.trainer.checkpoint.manager import KeyMismatchError
+
+    if not (run_dir / "checkpoints").is_dir():
+        return None   # nothing signed yet (and nothing is created here: the disk may be full)
+    try:
+        manager = CheckpointManager(run_dir, key_file=config.run.key_file or None, inspect_only=True)
+        if start_over:
+            for path in manager.set_aside_foreign():
+                print(f"trainguard train: --start-over: set aside {path}", file=sys.stderr)
+        manager.check_key()
+    except KeyMismatchError as exc:
+        return str(exc)
+    except CheckpointError as exc:   # a key with loose permissions, too short
+        return str(exc)
+    return None
 
 
 def _default_device(requested: str | None) -> str:
@@ -181,6 +214,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not config.run.run_id:
         config.run.run_id = run_dir.name
+    if (refusal := _check_checkpoint_key(config, run_dir, args.start_over)) is not None:
+        print(f"trainguard train: {refusal}", file=sys.stderr)
+        return 2
     try:
         resolved = write_resolved(config, run_dir)
     except OSError as exc:

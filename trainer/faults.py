@@ -10,6 +10,14 @@
 | `slowio`             | the data loader sleeps SLOWIO_SECONDS per batch for SLOWIO_STEPS steps (all)      |
 | `corrupt-checkpoint` | one byte is flipped in the first checkpoint saved at or after STEP (rank 0)      |
 | `slowrank`           | the rank's compute is slowed SLOWRANK_FACTOR x for SLOWRANK_STEPS steps (rank 0) |
+| `bitflip`            | one bit of one weight flips before the step's forward (rank 0)                   |
+| `gradflip`           | one bit of one gradient flips after the all-reduce, before the update (rank 0)   |
+
+bitflip and gradflip pick parameter number STEP mod (number of parameters), its element of largest
+magnitude (never a zero, whose flipped bit an update could wash out), and the mantissa bit two below
+the top (float32: bit 21; bfloat16: 5; float16: 8): a change of an eighth to a quarter of the value,
+silent (no NaN, no spike), as silent data corruption is. The replica check (trainer/replica_check.py)
+is what catches them.
 
 A fault fires once per run, across restarts and rollbacks: it is recorded in
 ``RUN/control/faults-fired.jsonl`` (fsynced, before a crash or hang happens), which every rank reads at
@@ -26,10 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-KINDS = ("nan", "spike", "gradexplode", "hang", "crash", "slowio", "corrupt-checkpoint")
-KINDS += ("slowrank",)
-DEFAULT_RANK = {"hang": 0, "crash": 0, "corrupt-checkpoint": 0}   # others: every rank
-DEFAULT_RANK["slowrank"] = 0
+KINDS = ("nan", "spike", "gradexplode", "hang", "crash", "slowio", "corrupt-checkpoint",
+         "slowrank", "bitflip", "gradflip")
+# Faults of one rank by default; the others hit every rank. A flip on every replica alike would be no
+# corruption, and a slow rank is slow against the others.
+DEFAULT_RANK = {"hang": 0, "crash": 0, "corrupt-checkpoint": 0, "slowrank": 0, "bitflip": 0, "gradflip": 0}
 
 SPIKE_FACTOR = 100.0
 GRAD_FACTOR = 1e4
@@ -168,6 +177,37 @@ class FaultInjector:
             handle.seek(offset)
             handle.write(bytes([byte[0] ^ 0xFF]))
         self._fire(fault, step, file=str(victim), offset=offset)
+
+    # ----------------------------------------------------------------------- silent corruption
+    def bit_flip(self, step: int, params: list, names: list[str]) -> None:
+        """bitflip: one bit of one weight, before this step's forward."""
+        if fault := self._take("bitflip", step):
+            self._fire(fault, step, **_flip_one(params, names, step, grads=False))
+
+    def grad_flip(self, step: int, params: list, names: list[str]) -> None:
+        """gradflip: one bit of one gradient, after the all-reduce and before the optimizer reads it."""
+        if fault := self._take("gradflip", step):
+            self._fire(fault, step, **_flip_one(params, names, step, grads=True))
+
+
+MANTISSA_BITS = {"float64": 52, "float32": 23, "bfloat16": 7, "float16": 10}
+
+
+def _flip_one(params: list, names: list[str], step: int, grads: bool) -> dict:
+    import torch
+
+    from trainguard.trainer.fingerprint import flip_bit
+
+    index = step % len(params)
+    tensor = params[index].grad if grads else params[index].data
+    if tensor is None:
+        tensor = params[index].grad = torch.zeros_like(params[index])
+    element = int(tensor.detach().abs().reshape(-1).argmax())
+    bit = MANTISSA_BITS.get(str(tensor.dtype).removeprefix("torch."), 3) - 2
+    before = float(tensor.reshape(-1)[element])
+    flip_bit(tensor, element, bit)
+    return {"param": names[index], "element": element, "bit": bit, "before": before,
+            "after": float(tensor.reshape(-1)[element]), "target": "gradient" if grads else "weight"}
 
 
 class SlowRank:

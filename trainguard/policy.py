@@ -80,6 +80,11 @@ class GuardPolicy:
     grad_climb_min_steps: int = 64
     grad_climb_steps: int = 6
     grad_climb_lag: int = 32
+    # Silent data corruption (trainguard/decide/replica.py): every replica fingerprints its weights and
+    # gradients every this many steps (0: never); bench/bench_sdc.py measures the cost of a check.
+    replica_check_every: int = 50
+    # A node named in a replica mismatch twice within this many seconds is cordoned.
+    replica_cordon_window_seconds: float = 86400.0
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,91 @@ class PreflightPolicy:
     heartbeat_timeout_seconds_max: float = 1800.0   # TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC upper bound
 
 
+# ------------------------------------------------------------------------------- training dynamics
+# The LR schedules, adaptive clipping and the layer-targeted rollback response (trainguard/decide/
+# schedules.py, clipping.py, layers.py; docs/dynamics.md). The defaults are the seeds' numbers, meant for
+# long runs; `trainguard train --schedule-preset cpu` scales the spans down (decide/schedules.py).
+
+@dataclass(frozen=True)
+class StabilityPolicy:
+    """Gradient stability: the coefficient of variation (std / mean) of the global gradient norm over the
+    last `window` applied steps. At or under `cv_max` the gradients are stable; over `cv_max *
+    unstable_margin` they are unstable again (the margin keeps a phase from flapping at the border)."""
+
+    window: int = 200
+    cv_max: float = 0.25
+    unstable_margin: float = 1.5
+
+
+@dataclass(frozen=True)
+class PlateauPolicy:
+    """Loss plateau: the median training loss of the second half of the last `window` applied steps
+    improves on the first half's by less than `min_improvement` (relative), as `trainguard diagnose`
+    judges a plateau."""
+
+    window: int = 1000
+    min_improvement: float = 0.01
+
+
+@dataclass(frozen=True)
+class BreathingPolicy:
+    """Seed 000 section 3.2: inhale (hold the peak), exhale (decay per step), pause (freeze, evaluate)."""
+
+    peak_lr: float = 0.0015
+    inhale_steps: int = 10_000
+    exhale_factor: float = 0.9995        # LR multiplied by this per applied step while exhaling
+    pause_ratio: float = 0.003           # grad_norm / param_norm under this ...
+    pause_window: int = 500              # ... for this many consecutive exhale steps: pause
+    freeze_steps: int = 2000             # LR held this long, validation loss before and after
+    restart_factor: float = 1.2          # val loss fell on its own during the freeze: LR x this, inhale
+    min_improvement: float = 0.0         # relative val-loss fall that counts as "fell"
+
+
+@dataclass(frozen=True)
+class PhasePolicy:
+    """Seed 004 section 4.1: warmup, exploration, development, refinement (thresholds: stability, plateau)."""
+
+    peak_lr: float = 0.0015
+    exploration_factor: float = 1.0      # exploration LR = peak x this
+    development_decay: float = 0.9998    # development: LR x this per applied step ...
+    development_floor: float = 0.3       # ... down to peak x this
+    refinement_factor: float = 0.3       # refinement LR = the LR at the plateau x this ...
+    refinement_embed_factor: float = 0.5  # ... and the embedding group's x this again (blocks, ln_f x 1)
+    min_phase_steps: int = 500           # applied steps a phase lasts at least before it may change
+
+
+@dataclass(frozen=True)
+class ClippingPolicy:
+    """Adaptive clipping (optim.clip_rule): `zscore` clips at the EMA mean + z_thresh x EMA std of the
+    gradient norm (ZClip, arXiv 2504.02507), `percentile` at that percentile of the last `history` norms
+    (AutoClip, arXiv 2007.14469). Before `warmup_steps` norms have been seen, optim.grad_clip applies."""
+
+    warmup_steps: int = 25
+    ema_alpha: float = 0.97
+    z_thresh: float = 2.5
+    percentile: float = 10.0
+    history: int = 1000
+    max_norm: float = 0.0                # a fixed ceiling on top of the adaptive threshold; 0 = none
+
+
+@dataclass(frozen=True)
+class LayerResponsePolicy:
+    """A rollback caused by one layer's gradient norm lowers that layer's LR multiplier."""
+
+    lr_factor: float = 0.5
+    min_multiplier: float = 0.05
+
+
+@dataclass(frozen=True)
+class DynamicsPolicy:
+    stability: StabilityPolicy = field(default_factory=StabilityPolicy)
+    plateau: PlateauPolicy = field(default_factory=PlateauPolicy)
+    breathing: BreathingPolicy = field(default_factory=BreathingPolicy)
+    phase: PhasePolicy = field(default_factory=PhasePolicy)
+    clipping: ClippingPolicy = field(default_factory=ClippingPolicy)
+    layers: LayerResponsePolicy = field(default_factory=LayerResponsePolicy)
+
+
 @dataclass(frozen=True)
 class RestorePolicy:
     """What a restore may do beyond ending the ranks (docs/runbooks.md#trainingstraggler)."""
@@ -160,6 +250,7 @@ class Policy:
     diagnose: DiagnosePolicy = field(default_factory=DiagnosePolicy)
     preflight: PreflightPolicy = field(default_factory=PreflightPolicy)
     restore: RestorePolicy = field(default_factory=RestorePolicy)
+    dynamics: DynamicsPolicy = field(default_factory=DynamicsPolicy)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -284,8 +375,41 @@ RULES: dict[str, Range | Choice | str] = {
     "preflight.nccl_ib_timeout_min": at_least(1, 31),
     "preflight.nccl_ib_timeout_max": at_least(1, 31),
     "preflight.heartbeat_timeout_seconds_max": above(0),
+    # training dynamics (docs/dynamics.md): factors that shrink stay in (0, 1], windows hold two or more
+    "dynamics.stability.window": at_least(2, 10**6),
+    "dynamics.stability.cv_max": above(0),
+    "dynamics.stability.unstable_margin": at_least(1),
+    "dynamics.plateau.window": at_least(2, 10**6),
+    "dynamics.plateau.min_improvement": between(-1, 1),
+    "dynamics.breathing.peak_lr": above(0, 10),
+    "dynamics.breathing.inhale_steps": at_least(0, 10**9),
+    "dynamics.breathing.exhale_factor": SHARE,
+    "dynamics.breathing.pause_ratio": above(0),
+    "dynamics.breathing.pause_window": WINDOW,
+    "dynamics.breathing.freeze_steps": at_least(1, 10**9),
+    "dynamics.breathing.restart_factor": at_least(1, 100),
+    "dynamics.breathing.min_improvement": FRACTION,
+    "dynamics.phase.peak_lr": above(0, 10),
+    "dynamics.phase.exploration_factor": above(0, 100),
+    "dynamics.phase.development_decay": SHARE,
+    "dynamics.phase.development_floor": FRACTION,
+    "dynamics.phase.refinement_factor": SHARE,
+    "dynamics.phase.refinement_embed_factor": SHARE,
+    "dynamics.phase.min_phase_steps": at_least(0, 10**9),
+    "dynamics.clipping.warmup_steps": WINDOW,
+    "dynamics.clipping.ema_alpha": between(0, 1, low_open=True, high_open=True),
+    "dynamics.clipping.z_thresh": above(0),
+    "dynamics.clipping.percentile": between(0, 100),
+    "dynamics.clipping.history": WINDOW,
+    "dynamics.clipping.max_norm": at_least(0),
+    "dynamics.layers.lr_factor": SHARE,
+    "dynamics.layers.min_multiplier": SHARE,
 }
 RULES["restore.evict_stragglers"] = Choice(EVICT_STRAGGLERS_CHOICES)
+RULES.update({   # silent corruption (trainguard/decide/replica.py): 0 turns the replica check off
+    "guard.replica_check_every": at_least(0, 10**7),
+    "guard.replica_cordon_window_seconds": at_least(0, 10**9),
+})
 FALLBACK = at_least(0)      # a numeric key without a row yet (the property test names it): finite, >= 0
 
 

@@ -42,6 +42,7 @@ TIER_VALUES = {"ok": 0, "warn": 1, "throttle": 2, "stop": 3}
 # Guard and recovery events exported at 0 until they happen (see _families).
 WATCHED_EVENTS = (actions.SKIP_STEP, actions.ROLLBACK, actions.RESTORE, "action", "checkpoint_saved", "fault_injected",
                   actions.STOP)
+WATCHED_EVENTS += ("replica_mismatch",)   # silent corruption (trainer/replica_check.py): the ReplicaMismatch alert
 
 @register
 class TrainingCollector(Collector):

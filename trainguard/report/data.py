@@ -40,6 +40,7 @@ MARKER_KINDS = {
     actions.RESTORE: "restore",
     "alert": "alert",
     "fault_injected": "fault",
+    "lr_phase": "phase",          # LR schedule phase changes (docs/dynamics.md)
 }
 
 

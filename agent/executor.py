@@ -31,7 +31,6 @@ import fcntl
 import hashlib
 import json
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily
 from trainguard import actions, tls
 from trainguard import log as tglog
 from trainguard.agent import restore
+from trainguard.node import node_name
 from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, Verdict
 
 DEFAULT_GRACE_SECONDS = 0.0     # SIGKILL at once: see agent/restore.py
@@ -208,7 +208,7 @@ class Executor:
                  entry_points: tuple[str, ...] = (), launchers: tuple[str, ...] = ()):
         self.run_dir = Path(run_dir)
         self.entry_points, self.launchers = entry_points, launchers   # beyond the bundled ones (restore.Trust)
-        self.node, self.host = node, host or socket.gethostname()
+        self.node, self.host = node, host or node_name()
         self.ledger, self.clock = ledger, clock
         self.grace = restore_grace_seconds
         self.records = EventLog(self.run_dir / "tls" / f"node-{node}-actions.jsonl")

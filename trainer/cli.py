@@ -81,6 +81,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-over", action="store_true",
                         help="the run directory holds checkpoints signed with another key: set them aside "
                              "under checkpoints/invalid/ and train from scratch (without it, training refuses)")
+    add_node_arguments(parser)
+
+
+def add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """Several nodes, as torchrun spells them: one `trainguard train` per node, meeting in a rendezvous."""
+    parser.add_argument("--nnodes", metavar="N|MIN:MAX",
+                        help="nodes of the job; MIN:MAX is elastic: the job re-forms on the nodes left")
+    parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the c10d rendezvous of a multi-node job")
+    parser.add_argument("--rdzv-id", metavar="ID", help="the job's rendezvous id (the same on every node)")
+    parser.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
+                        help="rendezvous option, e.g. last_call_timeout=5 or is_host=false (repeatable)")
+
+
+def build_nodes(args: argparse.Namespace):
+    """The multi-node flags as launch.Nodes; ConfigError naming the flag when they are wrong."""
+    from trainguard.trainer.launch import Nodes, parse_nnodes
+
+    if not getattr(args, "nnodes", None):
+        if getattr(args, "rdzv_endpoint", None):
+            raise cfg.ConfigError("--rdzv-endpoint needs --nnodes")
+        return None
+    try:
+        low, high = parse_nnodes(args.nnodes)
+    except ValueError as exc:
+        raise cfg.ConfigError(str(exc)) from None
+    if high > 1 and not args.rdzv_endpoint:
+        raise cfg.ConfigError(f"--nnodes {args.nnodes}: several nodes need --rdzv-endpoint HOST:PORT")
+    conf = {}
+    for item in args.rdzv_conf:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise cfg.ConfigError(f"--rdzv-conf {item!r}: expected KEY=VALUE")
+        conf[key] = value
+    return Nodes(low, high, args.rdzv_endpoint or "", args.rdzv_id or "", conf)
 
 
 def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
@@ -218,16 +252,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainguard train: {refusal}", file=sys.stderr)
         return 2
     try:
+        nodes = build_nodes(args)
+    except cfg.ConfigError as exc:
+        print(f"trainguard train: {exc}", file=sys.stderr)
+        return 2
+    try:
         resolved = write_resolved(config, run_dir)
     except OSError as exc:
         print(f"trainguard train: {run_dir / 'config.yaml'}: cannot write: {exc.strerror or exc} "
               f"({len(config.dump().encode())} bytes needed)", file=sys.stderr)
         return 2
     max_restarts = default_max_restarts(config, args.nproc) if args.max_restarts is None else args.max_restarts
-    if args.nproc > 1 or max_restarts > 0:
+    if nodes is not None and args.max_restarts is None:
+        # a node of several restarts its ranks when the job re-forms (a peer node left), whatever --nproc
+        max_restarts = max(max_restarts, default_max_restarts(config, 2))
+    if args.nproc > 1 or max_restarts > 0 or nodes is not None:
         from trainguard.trainer.launch import launch
 
-        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=max_restarts)
+        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=max_restarts, nodes=nodes)
     from trainguard.trainer.train import run_worker
 
     return run_worker(config, run_dir)

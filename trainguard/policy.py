@@ -232,13 +232,20 @@ class DynamicsPolicy:
 
 @dataclass(frozen=True)
 class RestorePolicy:
-    """What a restore may do beyond ending the ranks (docs/runbooks.md#trainingstraggler)."""
+    """What a restore may do beyond ending the ranks (docs/incidents.md, docs/runbooks.md#trainingstraggler)."""
 
+    # Keep a hang's culprit node out of the job (cordon, end its launcher, re-form on the others):
+    # "auto" does it when the job is elastic (--nnodes MIN:MAX with MIN < MAX), "on" always, "off" never.
+    evict: str = "auto"
+    max_evictions_per_hour: int = 2
+    # How long an agent waits for the ranks' Flight Recorder dumps and the other nodes' evidence.
+    evidence_seconds: float = 15.0
     # A rank that TrainingStraggler names for long (a fail-slow node) may be evicted like a hang's culprit:
     # "off" (the default) only alerts; "on" lets the incident machinery cordon its node.
     evict_stragglers: str = "off"
 
 
+EVICT_CHOICES = ("auto", "on", "off")
 EVICT_STRAGGLERS_CHOICES = ("off", "on")
 
 
@@ -404,6 +411,9 @@ RULES: dict[str, Range | Choice | str] = {
     "dynamics.clipping.max_norm": at_least(0),
     "dynamics.layers.lr_factor": SHARE,
     "dynamics.layers.min_multiplier": SHARE,
+    "restore.evict": Choice(EVICT_CHOICES),
+    "restore.max_evictions_per_hour": at_least(0, 10**4),
+    "restore.evidence_seconds": above(0, 3600),
 }
 RULES["restore.evict_stragglers"] = Choice(EVICT_STRAGGLERS_CHOICES)
 RULES.update({   # silent corruption (trainguard/decide/replica.py): 0 turns the replica check off

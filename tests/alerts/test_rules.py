@@ -21,6 +21,7 @@ CORE_ALERTS = {
     "GPUMemoryFragmented", "DiskAwaitHigh", "DataLoaderStarved", "LowEffectiveThroughput", "LowDataUtilization",
     "CommOverheadHigh", "NCCLWatchdogTimeout", "CheckpointStale", "CostBudgetWarn", "CostBudgetThrottle",
     "CostBudgetStop", "EnvironmentMismatch", "AgentDown",
+    "HangCulprit", "NodeCordoned",
 }
 CORE_ALERTS |= {"TrainingStraggler"}     # second round: fail-slow (alerts/rules.py fail_slow)
 CORE_ALERTS |= {"ReplicaMismatch"}   # second round: silent corruption (alerts/rules.py sdc)

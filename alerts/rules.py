@@ -302,7 +302,7 @@ def cost(policy: Policy) -> list[Group]:
               "A verified checkpoint is saved, the run stops cleanly and writes a cost summary."))
     alerts = Group("cost", "trainguard-cost.alerts", tuple(
         Alert(name, f"trainguard:cost_budget_overrun:ratio >= {_num(tier)}", severity,
-              f"Cost of run {{{{ $labels.run_id }}}} is {{{{ $value | humanizePercentage }}}} over budget",
+              "Cost of run {{ $labels.run_id }} is {{ $value | humanizePercentage }} over budget",
               f"Cost per 1000 steps is at least {tier:.0%} over the budget of "
               f"${_num(c.budget_per_1k_steps)} (at ${_num(c.price_per_gpu_hour)} per GPU-hour). {did}",
               for_=policy.alerts.for_short, action=action)

@@ -157,6 +157,13 @@ def training(policy: Policy) -> Board:
                    description="Mean over ranks. Communication overlaps backward, so the stack can exceed the step."),
         timeseries("Step time", q(f"avg({run('trainguard_training_step_time_seconds')})", "step"), unit="s",
                    width=12),
+        timeseries("Straggler score by rank",
+                   q(f"min by (rank, node) ({run('trainguard_rank_straggler_score')})", "rank {{rank}} ({{node}})"),
+                   min=0, max=1, width=24,
+                   thresholds=(Threshold(0, RED), Threshold(policy.diagnose.straggler_score_min, "green")),
+                   description="The fastest rank's median compute time over this rank's (1 = as fast as the "
+                               "fastest). Below the line for a while, TrainingStraggler fires "
+                               "(docs/runbooks.md#trainingstraggler)."),
         Row("Memory"),
         timeseries("Memory by rank", *[
             q(f"max by (rank) ({run(f'trainguard_training_memory_{kind}_bytes')})", f"rank {{{{rank}}}} {kind}",

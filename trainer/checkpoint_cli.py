@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainguard import paths
 from trainguard.tls import parse_timestamp
 from trainguard.trainer.checkpoint import Checkpoint, CheckpointError, CheckpointInfo, CheckpointManager
 
@@ -78,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _open(args: argparse.Namespace, collect) -> CheckpointManager:
+    try:
+        paths.run_dir(args.run_dir)
+    except FileNotFoundError as exc:  # a typo, a device or a FIFO, named as such
+        raise _Exit(EXIT_USAGE, str(exc)) from None
     try:
         manager = CheckpointManager(args.run_dir, key_file=args.key_file, on_event=collect,
                                     log=_quiet_log(), inspect_only=True)

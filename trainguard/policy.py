@@ -23,9 +23,11 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
+
+from trainguard import paths
 
 
 class PolicyError(ValueError):
@@ -258,7 +260,7 @@ class Policy:
     restore: RestorePolicy = field(default_factory=RestorePolicy)
     dynamics: DynamicsPolicy = field(default_factory=DynamicsPolicy)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -481,7 +483,7 @@ def _check_value(name: str, default: Any, value: Any) -> Any:
             value = type(default)(value)
         except OverflowError:
             raise ValueError(f"must be a finite number, got {value!r}") from None
-        problem = rule.problem(value)
+        problem = cast(Range, rule).problem(value)      # DURATION, the one string rule, returned above
         if problem:
             raise ValueError(f"{problem}, got {value!r}")
     return value
@@ -509,7 +511,7 @@ def _build(cls: type, values: Any, where: str, source: str) -> Any:
 
 def from_mapping(data: Any, source: str = "policy") -> Policy:
     """A checked policy from decoded YAML (`source` names it in errors)."""
-    policy = _build(Policy, {} if data is None else data, "", source)
+    policy: Policy = _build(Policy, {} if data is None else data, "", source)
     for check in CROSS_CHECKS:
         problem = check(policy)
         if problem:
@@ -533,9 +535,9 @@ def read_yaml(path: str | Path, what: str) -> Any:
     UTF-8, not YAML, nested too deeply): the policy and the agent config read their files through this."""
     source = str(path)
     try:
-        return yaml.safe_load(Path(path).read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{source}: no such {what}") from None
+        return yaml.safe_load(paths.regular_file(path, what).read_bytes().decode("utf-8"))
+    except FileNotFoundError as exc:  # missing, a directory, a FIFO or a device: named by trainguard.paths
+        raise ValueError(str(exc)) from None
     except IsADirectoryError:
         raise ValueError(f"{source}: is a directory, not a {what}") from None
     except OSError as exc:
@@ -549,4 +551,5 @@ def read_yaml(path: str | Path, what: str) -> Any:
 
 
 def dump(policy: Policy) -> str:
-    return yaml.safe_dump(policy.to_dict(), sort_keys=False)
+    text: str = yaml.safe_dump(policy.to_dict(), sort_keys=False)
+    return text

@@ -19,6 +19,7 @@ import re
 import time
 from pathlib import Path
 
+from trainguard import actions
 from trainguard import log as tglog
 from trainguard import policy as tgpolicy
 from trainguard import tls
@@ -40,7 +41,8 @@ TIER_VALUES = {"ok": 0, "warn": 1, "throttle": 2, "stop": 3}
 
 
 # Guard and recovery events exported at 0 until they happen (see _families).
-WATCHED_EVENTS = ("skip_step", "rollback", "restore", "action", "checkpoint_saved", "fault_injected", "stop")
+WATCHED_EVENTS = (actions.SKIP_STEP, actions.ROLLBACK, actions.RESTORE, "action", "checkpoint_saved", "fault_injected",
+                  actions.STOP)
 WATCHED_EVENTS += ("replica_mismatch",)   # silent corruption (trainer/replica_check.py): the ReplicaMismatch alert
 
 @register

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from trainguard import paths
 from trainguard.report.charts import format_elapsed, format_value
 from trainguard.report.data import event_detail
 from trainguard.report.files import log_files, read_checkpoints
@@ -77,9 +78,7 @@ def tail_records(path: Path, max_bytes: int) -> tuple[list[dict], list[str]]:
 
 
 def collect(run_dir: str | os.PathLike, tail_kib: int = TAIL_KIB, recent: int = 8) -> Status:
-    root = Path(run_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: no such run directory")
+    root = paths.run_dir(run_dir)
     status = Status(run_dir=str(root))
     node_files, rank_files = log_files(root)
     live = [p for p in node_files + rank_files if p.name.endswith(".jsonl")]

@@ -49,6 +49,49 @@ class Outcome:
     actions: list[Action] = field(default_factory=list)
     recorded: list[Action] = field(default_factory=list)   # decisions the live run wrote in the log
     cost: dict = field(default_factory=dict)
+    progress: "Progress" = field(default_factory=lambda: Progress())
+
+    def may_have_stalled(self, stall_seconds: float) -> bool:
+        """Whether the lead rank's steps leave room for a stall (the screen of `trainguard.decide.stall`)."""
+        return self.progress.longest_pause(self.last_timestamp) > stall_seconds
+
+
+@dataclass
+class Progress:
+    """The lead rank's step advances, screened a block at a time: the longest time without a new step.
+
+    A stall (trainguard.decide.stall) is a span with no step advance on any rank; the lead rank's
+    advances are some of those, so its longest pause bounds every stall from above. Replay runs the
+    exact rule over the records only where this bound exceeds stall_seconds, so a healthy log costs one
+    `numpy.diff` per block and no second pass."""
+
+    newest_step: float = -math.inf
+    advanced_at: float | None = None
+    longest: float = 0.0
+
+    def observe(self, steps, timestamps) -> None:
+        import numpy as np
+
+        if not len(steps):
+            return
+        steps = np.asarray(steps, dtype=np.float64)
+        before = np.maximum.accumulate(np.concatenate(([self.newest_step], steps)))[:-1]
+        advancing = steps > before
+        if not advancing.any():
+            return
+        times = np.asarray(timestamps, dtype=np.float64)[advancing]
+        if self.advanced_at is not None:
+            times = np.concatenate(([self.advanced_at], times))
+        if len(times) > 1:
+            self.longest = max(self.longest, float(np.max(np.diff(times))))
+        self.newest_step = max(self.newest_step, float(steps.max()))
+        self.advanced_at = float(times[-1])
+
+    def longest_pause(self, last_timestamp: float | None) -> float:
+        if self.advanced_at is None:
+            return math.inf if last_timestamp is not None else 0.0   # records but no step: look closer
+        tail = (last_timestamp - self.advanced_at) if last_timestamp is not None else 0.0
+        return max(self.longest, tail)
 
 
 def _action(decision, source: str) -> Action:
@@ -73,14 +116,16 @@ class _Decider:
     """The guard and the meter over picked training steps, a block at a time (one call each per block,
     not per step: what replay's throughput rests on), their decisions in record order."""
 
-    def __init__(self, guard: Guard, meter: CostMeter, found: list[Action]):
+    def __init__(self, guard: Guard, meter: CostMeter, found: list[Action], progress: Progress | None = None):
         self.guard, self.meter, self.found = guard, meter, found
+        self.progress = progress if progress is not None else Progress()
         self.guarding = True
 
     def decide(self, block: Block) -> None:
         """Consecutive picked steps as columns (`trainguard.decide.batch`: the one way replay decides)."""
         if not len(block):
             return
+        self.progress.observe(block.steps, block.timestamps)
         by_guard = batch.guard_block(self.guard, block) if self.guarding else []
         self._merge(by_guard, batch.meter_block(self.meter, block))
 
@@ -102,7 +147,7 @@ def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None
     every step is decided before the next entry is observed, since the observer reads the meter."""
     meter = meter or CostMeter(policy.cost)
     out = Outcome()
-    decider = _Decider(Guard(policy.guard), meter, out.actions)
+    decider = _Decider(Guard(policy.guard), meter, out.actions, out.progress)
     if observer is None and columns.fits(stream):
         picker = _replay_columns(stream, decider)
     else:

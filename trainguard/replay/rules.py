@@ -56,12 +56,18 @@ STEP_SERIES = "trainguard_training_step"    # the training collector's latest st
 
 # ------------------------------------------------------------------------------------- rule files
 
+# The global tier's rules (alerts/rules.py FLEET_CONCERNS, docs/scale.md) judge a whole job across the
+# shards' remote-written records; replay plays one Prometheus scraping the agents, as the node tier does.
+GLOBAL_TIER = "fleet-global.rules.yml"
+
+
 def rule_files(directory: str | Path) -> list[Path]:
-    """The rule files of DIR: its *.rules.yml, else every *.yml / *.yaml holding rule groups."""
+    """The rule files of DIR: its *.rules.yml (the global tier's left out), else every *.yml / *.yaml
+    holding rule groups."""
     folder = Path(directory)
     if not folder.is_dir():
         raise RulesError(f"{folder}: not a directory of rule files")
-    files = sorted(folder.glob("*.rules.yml")) or sorted(
+    files = sorted(p for p in folder.glob("*.rules.yml") if p.name != GLOBAL_TIER) or sorted(
         p for p in [*folder.glob("*.yml"), *folder.glob("*.yaml")] if "groups" in (_load(p) or {}))
     if not files:
         raise RulesError(f"{folder}: no Prometheus rule files (*.rules.yml)")

@@ -124,6 +124,7 @@ class NodeExporter:
         collector = object.__new__(training_collector.TrainingCollector)
         collector.state, collector.meter, collector._cost_rank = self.training, self.meter, self.cost_rank
         collector.stragglers = self.stragglers
+        collector.per_rank = True      # replay scores every rank, as an agent with the default options
         collector.run_dir = Path("/nonexistent-replay-run-dir")
         return collector._families(now)
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from trainguard import tls
+from trainguard import actions, tls
+from trainguard.decide import stall
 from trainguard.decide import ledger as tgledger
 from trainguard.decide.cost import CostMeter
 from trainguard.policy import Policy
@@ -162,7 +163,8 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
         table = exporters.finish(outcome.last_timestamp, hold) if outcome.records else None
         result.alerts = rules.evaluate(table, rules_dir, keep=keep_test)
         result.rules_dir = str(rules_dir)
-    result.actions, result.verdicts = _execute(outcome.actions, result.alerts or [], policy)
+    stalls = stall_notices(stream.files, outcome, policy)
+    result.actions, result.verdicts = _execute(outcome.actions, result.alerts or [], policy, stalls)
     result.recorded = recorded_actions(outcome.recorded, stream.files, paths_given)
     result.extra["lr_phases"] = dynamics.replay_phases(stream.files)   # the LR schedule's machine, again
     return result
@@ -268,12 +270,44 @@ def _control_requests(given: list[Path]) -> list[dict]:
     return requests
 
 
-def _execute(decided: list[engine.Action], alerts: list[rules.FiredAlert], policy: Policy
-             ) -> tuple[list[engine.Action], list[tgledger.Verdict]]:
-    """Guard actions as they are; cost decisions and acting alerts through the agent's ledger."""
+def stall_notices(files: list[Path], outcome: engine.Outcome, policy: Policy) -> list[tgledger.Notice]:
+    """The agent's stall watchdog over the recorded logs: its `restore` notices, in the log's time.
+
+    The rule is trainguard.decide.stall's, over every record of every file in time order (a node log
+    that keeps writing while no step advances is what a hang looks like). The engine's screen of the
+    lead rank's steps says first whether a stall is possible at all, so a healthy log is read once."""
+    stall_seconds = policy.alerts.stall_seconds
+    if not outcome.may_have_stalled(stall_seconds):
+        return []
+    found = []
+    for index, path in enumerate(files):
+        for line in tls.iter_lines(path):
+            if line.record is not None and isinstance(line.record.get("timestamp"), (int, float)):
+                found.append((line.record["timestamp"], index, line.lineno, line.record))
+    found.sort(key=lambda item: item[:3])
+    restores = stall.stall_actions((record for *_, record in found), stall_seconds)
+    from trainguard.agent.actions_embedded import ALERT_OF     # the name the agent's watchdog gives it
+
+    return [tgledger.Notice(alertname=ALERT_OF[actions.RESTORE], status=tgledger.FIRING,
+                            action=actions.RESTORE, key=f"stall@{r['timestamp'] - stall_seconds:.3f}",
+                            starts_at=r["timestamp"], source="embedded", reason=r["reason"], step=r["step"])
+            for r in restores]
+
+
+def _decided_by(notice: tgledger.Notice) -> str:
+    if notice.source != "embedded":
+        return "alert"
+    return "stall" if notice.action == actions.RESTORE else "cost"
+
+
+def _execute(decided: list[engine.Action], alerts: list[rules.FiredAlert], policy: Policy,
+             stalls: list[tgledger.Notice] = ()) -> tuple[list[engine.Action], list[tgledger.Verdict]]:
+    """Guard actions as they are; cost decisions, the stall watchdog's restores and acting alerts
+    through the agent's ledger (its de-duplication and hourly limits, as live)."""
     from trainguard.agent.actions_embedded import cost_notice   # the agent's own cost notice
 
     notices = [cost_notice(action.decision) for action in decided if action.source == "cost"]
+    notices += stalls
     for alert in alerts:
         labels = {"alertname": alert.alertname, **alert.labels}
         notices.append(tgledger.Notice(alertname=alert.alertname, status=tgledger.FIRING,
@@ -285,7 +319,7 @@ def _execute(decided: list[engine.Action], alerts: list[rules.FiredAlert], polic
     verdicts = [ledger.decide(notice, notice.starts_at)
                 for notice in sorted(notices, key=lambda n: (n.starts_at, n.source != "embedded"))]
     executed = [engine.Action(v.action, v.notice.step, v.decided_at, v.notice.reason,
-                              "cost" if v.notice.source == "embedded" else "alert",
+                              _decided_by(v.notice),
                               {"alertname": v.notice.alertname, "outcome": v.outcome})
                 for v in verdicts if v.action is not None]
     guard = [action for action in decided if action.source != "cost"]

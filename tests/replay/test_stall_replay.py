@@ -1,0 +1,52 @@
+"""`trainguard replay` decides the agent watchdog's `restore` for a recorded hang (trainguard.decide.stall):
+a node log that keeps writing while no step advances is a hang; a run that finished is not."""
+
+import json
+import subprocess
+import sys
+
+from trainguard import tls
+
+T0 = 1_700_000_000.0
+
+
+def _write(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join(tls.encode(r) for r in records))
+
+
+def _rank_steps(steps, start=T0, every=1.0):
+    return [{"timestamp": start + i * every, "rank": 0, "step": step, "metrics": {"loss": 2.0, "grad_norm": 1.0}}
+            for i, step in enumerate(steps)]
+
+
+def _node_samples(until, last_step, every=5.0):
+    """The agent's joined records: the hardware keeps being sampled, the step it reports stands still."""
+    return [{"timestamp": T0 + t, "node": "gpu-node-1", "step": min(int(t), last_step),
+             "metrics": {"loss": 2.0}, "hardware": {"gpu_util": 0.0}} for t in range(0, int(until), int(every))]
+
+
+def _replay(run):
+    out = subprocess.run([sys.executable, "-m", "trainguard.cli", "replay", str(run), "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_a_hang_whose_node_log_keeps_writing_is_restored_once(tmp_path):
+    run = tmp_path / "run"
+    _write(run / "tls" / "rank-0.jsonl", _rank_steps(range(1, 51)))
+    _write(run / "tls" / "node-gpu-node-1.jsonl", _node_samples(until=300, last_step=50))
+    restores = [a for a in _replay(run)["actions"] if a["action"] == "restore"]
+    assert len(restores) == 1, restores
+    [restore] = restores
+    assert restore["step"] == 50 and restore["reason"] == "stall"
+    assert tls.parse_timestamp(restore["timestamp"]) >= T0 + 49 + 60
+
+
+def test_steady_progress_and_a_finished_run_are_not_stalls(tmp_path):
+    run = tmp_path / "run"
+    end = {"timestamp": T0 + 50, "rank": 0, "event": {"type": "run_end"}}
+    _write(run / "tls" / "rank-0.jsonl", _rank_steps(range(1, 51)) + [end])
+    _write(run / "tls" / "node-gpu-node-1.jsonl", _node_samples(until=300, last_step=50))
+    assert [a for a in _replay(run)["actions"] if a["action"] == "restore"] == []

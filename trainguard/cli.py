@@ -24,7 +24,7 @@ COMMANDS = {
     "diagnose": ("trainguard.diagnose.cli", "rank the likely causes of lost throughput in a run"),
     "preflight": ("trainguard.preflight.cli", "check a node before a long run"),
     "goodput": ("trainguard.goodput_cli", "goodput and badput of a run, by cause"),
-    "convert": ("trainguard.formats.cli", "TensorBoard, trainer_state.json or Megatron logs as TLS"),
+    "convert": ("trainguard.formats.cli", "TensorBoard, trainer_state.json, Megatron or torchtitan logs as TLS"),
 }
 
 

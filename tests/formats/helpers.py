@@ -37,3 +37,29 @@ def megatron_log(path, steps: int = 100, spike_at: int = SPIKE_AT) -> None:
     lines += [megatron_line(i, steps, loss, start + timedelta(seconds=i))
               for i, loss in enumerate(losses(steps, spike_at), 1)]
     path.write_text("\n".join(lines) + "\n")
+
+
+# torchtitan/tools/utils.py Color (the codes the metric line carries)
+RED, GREEN, ORANGE, TURQUOISE, BLUE, CYAN, MAGENTA, RESET = (
+    "\033[31m", "\033[32m", "\033[38;2;180;60;0m", "\033[38;2;54;234;195m", "\033[34m", "\033[36m", "\033[35m",
+    "\033[39m")
+
+
+def torchtitan_line(step: int, loss: float, when: datetime) -> str:
+    """torchtitan/components/metrics.py MetricsProcessor.log's message through the `[titan]` logger format."""
+    message = (f"{RED}step: {step:2}  "
+               f"{GREEN}loss: {loss:8.5f}  "
+               f"{ORANGE}grad_norm: {0.8123:7.4f}  "
+               f"{TURQUOISE}memory: {31.25:5.2f}GiB"
+               f"({39.47:.2f}%)  "
+               f"{BLUE}tps: {round(12345.6):,}  "
+               f"{CYAN}tflops: {1234.5:,.2f}  "
+               f"{MAGENTA}mfu: {40.12:.2f}%{RESET}")
+    return f"[titan] {when.strftime('%Y-%m-%d %H:%M:%S')},123 - root - INFO - {message}"
+
+
+def torchtitan_log(path, steps: int = 100, spike_at: int = SPIKE_AT) -> None:
+    start = datetime(2026, 5, 1, 10, 0, 0)
+    lines = [f"[titan] {start.strftime('%Y-%m-%d %H:%M:%S')},001 - root - INFO - Building llama3 debugmodel"]
+    lines += [torchtitan_line(i, loss, start + timedelta(seconds=i)) for i, loss in enumerate(losses(steps, spike_at), 1)]
+    path.write_text("\n".join(lines) + "\n")

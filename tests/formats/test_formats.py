@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.formats.helpers import SPIKE_AT, losses, megatron_log
+from tests.formats.helpers import SPIKE_AT, losses, megatron_log, torchtitan_log
 from trainguard import cli, formats, tls
 
 GUARD = "guard: {spike_min_steps: 10, spike_window: 64}\n"
@@ -37,6 +37,18 @@ def test_a_megatron_log_replays_with_its_spike_and_a_broken_line_named(tmp_path,
     assert spikes(report) == [SPIKE_AT] and report["records"] == 100
     (bad,) = report["malformed_lines"]
     assert str(log) in json.dumps(bad) and "103" in json.dumps(bad)    # 2 header lines + 100 + this one
+
+
+def test_a_torchtitan_log_replays_with_its_spike(tmp_path, capsys):
+    log = tmp_path / "titan.log"
+    torchtitan_log(log)
+    assert formats.detect(log) == formats.TORCHTITAN
+    report = replay(capsys, tmp_path, log)
+    assert spikes(report) == [SPIKE_AT] and report["records"] == 100 and report["malformed"] == 0
+    out = tmp_path / "titan.jsonl"
+    assert cli.main(["convert", str(log), "-o", str(out)]) == 0
+    assert tls.read_records(out)[0]["metrics"] == pytest.approx(
+        {"loss": round(losses()[0], 5), "grad_norm": 0.8123, "tokens_per_second": 12346.0, "mfu": 40.12})
 
 
 def test_a_tensorboard_run_replays_with_its_spike_and_unmapped_tags_reported(tmp_path, capsys):

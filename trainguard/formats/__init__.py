@@ -1,5 +1,5 @@
-"""Logs users already have, read as TLS records: TensorBoard event files, Hugging Face `trainer_state.json`
-and Megatron-LM training log lines. User guide: docs/replay.md ("Other formats").
+"""Logs users already have, read as TLS records: TensorBoard event files, Hugging Face `trainer_state.json`,
+Megatron-LM training log lines and torchtitan's metric lines. User guide: docs/replay.md ("Other formats").
 
 `detect(path)` names a file's format by its content (never its name); `read(path, tag_map)` yields its
 records as TLS dicts and `Unmapped` problems (a line, event or entry that could not be mapped, with file
@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, Union
 
-TLS, TENSORBOARD, HF_STATE, MEGATRON = "tls", "tensorboard", "hf_trainer_state", "megatron"
+TLS, TENSORBOARD, HF_STATE, MEGATRON, TORCHTITAN = "tls", "tensorboard", "hf_trainer_state", "megatron", "torchtitan"
 HEAD_BYTES = 1 << 16
 
 
@@ -39,31 +39,29 @@ Item = Union[dict, Unmapped]
 
 def detect(path: str | os.PathLike) -> str:
     """The format of a file by its first bytes: TLS unless it is recognisably one of the others."""
-    from trainguard.formats import hf_state, megatron, tensorboard
-
     try:
         with open(path, "rb") as handle:
             head = handle.read(HEAD_BYTES)
     except OSError:
         return TLS
-    for name, module in ((TENSORBOARD, tensorboard), (HF_STATE, hf_state), (MEGATRON, megatron)):
+    for name, module in _readers().items():
         if module.looks_like(head):
             return name
     return TLS
 
 
+def _readers() -> dict:
+    from trainguard.formats import hf_state, megatron, tensorboard, torchtitan
+    return {TENSORBOARD: tensorboard, HF_STATE: hf_state, MEGATRON: megatron, TORCHTITAN: torchtitan}
+
+
 def read(path: str | os.PathLike, tag_map: dict[str, str] | None = None) -> Iterator[Item]:
     """The records of a non-TLS file, in file order, with the problems where they occur."""
-    from trainguard.formats import hf_state, megatron, tensorboard
-
     kind = detect(path)
-    if kind == TENSORBOARD:
-        return tensorboard.read(path, tag_map)
-    if kind == HF_STATE:
-        return hf_state.read(path)
-    if kind == MEGATRON:
-        return megatron.read(path)
-    raise ValueError(f"{path}: a TLS file, not one of the other formats")
+    if kind == TLS:
+        raise ValueError(f"{path}: a TLS file, not one of the other formats")
+    reader = _readers()[kind]
+    return reader.read(path, tag_map) if kind == TENSORBOARD else reader.read(path)
 
 
 def write_tls(path: str | os.PathLike, out, tag_map: dict[str, str] | None = None) -> tuple[int, list[Unmapped]]:

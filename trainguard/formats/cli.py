@@ -1,6 +1,6 @@
-"""`trainguard convert IN -o OUT.jsonl`: a TensorBoard event file, a Hugging Face trainer_state.json or a
-Megatron-LM log as TLS. What could not be mapped is listed (file and position) and makes the exit status 1;
-unreadable input is status 2."""
+"""`trainguard convert IN -o OUT.jsonl`: a TensorBoard event file, a Hugging Face trainer_state.json, a
+Megatron-LM or a torchtitan log as TLS. What could not be mapped is listed (file and position) and makes
+the exit status 1; unreadable input is status 2."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ SHOWN = 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("input", metavar="IN", type=Path, help="an event file, trainer_state.json or Megatron log")
+    parser.add_argument("input", metavar="IN", type=Path,
+                        help="an event file, trainer_state.json, Megatron or torchtitan log")
     parser.add_argument("-o", "--output", required=True, type=Path, help="the TLS file to write (.jsonl)")
     parser.add_argument("--map", action="append", default=[], metavar="TAG=FIELD",
                         help="TensorBoard: read scalar TAG as the TLS metric FIELD (adds to the default map)")
@@ -31,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         return usage(f"{args.input}: no such file")
     kind = formats.detect(args.input)
     if kind == formats.TLS:
-        return usage(f"{args.input}: not a TensorBoard event file, trainer_state.json or Megatron log "
+        return usage(f"{args.input}: not a TensorBoard event file, trainer_state.json, Megatron or torchtitan log "
                      "(it reads as TLS already, or is none of them)")
     temporary = args.output.with_name(args.output.name + ".partial")
     with open(temporary, "wb") as out:

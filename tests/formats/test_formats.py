@@ -106,3 +106,20 @@ def test_convert_refuses_tls_and_bad_maps_with_status_2(tmp_path, capsys):
     assert cli.main(["convert", str(log), "-o", str(tmp_path / "x.jsonl")]) == 2
     assert cli.main(["convert", str(log), "-o", str(tmp_path / "x.jsonl"), "--map", "nofield"]) == 2
     assert "TAG=FIELD" in capsys.readouterr().err
+
+
+def test_the_tls_line_reader_reads_other_formats_and_names_what_it_cannot_map(tmp_path):
+    log = tmp_path / "train.log"
+    megatron_log(log, steps=12, spike_at=0)
+    with open(log, "a") as handle:
+        handle.write(" iteration       13/      12 | consumed samples: oops |\n")
+    lines = list(tls.iter_lines(log))
+    assert [line.record["step"] for line in lines[:-1]] == list(range(1, 13))
+    assert lines[-1].record is None and lines[-1].lineno == 15 and str(log) in str(lines[-1].error)
+
+
+def test_a_tls_line_quoting_another_tools_log_stays_tls(tmp_path):
+    log = tmp_path / "rank-0.jsonl"
+    quoted = " iteration        1/     100 | consumed samples:          512 | lm loss: 1.0 |"
+    log.write_bytes(tls.encode(tls.event("note", step=1, text=quoted)))
+    assert formats.detect(log) == formats.TLS

@@ -44,10 +44,22 @@ def detect(path: str | os.PathLike) -> str:
             head = handle.read(HEAD_BYTES)
     except OSError:
         return TLS
+    if _first_line_is_a_record(head):
+        return TLS          # a TLS line may quote another tool's log text in a field: it stays TLS
     for name, module in _readers().items():
         if module.looks_like(head):
             return name
     return TLS
+
+
+def _first_line_is_a_record(head: bytes) -> bool:
+    import json
+
+    first = head.lstrip().split(b"\n", 1)[0]
+    try:
+        return isinstance(json.loads(first), dict)
+    except ValueError:
+        return False
 
 
 def _readers() -> dict:

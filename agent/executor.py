@@ -43,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily
 from trainguard import actions, tls
 from trainguard import log as tglog
 from trainguard.agent import restore
-from trainguard.decide.ledger import Ledger, Limits, Notice, Verdict
+from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, Verdict
 
 DEFAULT_GRACE_SECONDS = 0.0     # SIGKILL at once: see agent/restore.py
 RETRY_SECONDS = 5.0             # an embedded decision that could not be recorded is tried again this often
@@ -300,9 +300,9 @@ class Executor:
         n = verdict.notice
         fields = dict(alertname=n.alertname, status=n.status, outcome=verdict.outcome, action=verdict.action,
                       requested=n.action, reason=verdict.reason, key=n.key, source=n.source, dry_run=verdict.dry_run)
-        if verdict.action == "page":
+        if verdict.action == actions.PAGE:
             self.log.error("escalated to a human: rate limit reached", **fields)
-        elif verdict.outcome in ("act", "escalated"):
+        elif verdict.outcome in (ACT, ESCALATED):
             self.log.warning("dry run: would act" if verdict.dry_run else "acting on alert", **fields)
         else:
             self.log.info("alert recorded", **fields)

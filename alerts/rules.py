@@ -329,7 +329,51 @@ def meta(policy: Policy, agent_job: str = AGENT_JOB) -> list[Group]:
     return [alerts]
 
 
+# ----------------------------------------------------------------------------- silent corruption
+
+def sdc(policy: Policy) -> list[Group]:
+    """Replica mismatches (trainer/replica_check.py): the trainer has already rolled back on its own,
+    within the step; the alert tells a human, who decides about the hardware."""
+    alerts = Group("sdc", "trainguard-sdc.alerts", (
+        Alert("ReplicaMismatch",
+              f'max by ({RUN}) (increase(trainguard_training_events_total{{type="replica_mismatch"}}[{RATE}])) > 0',
+              "critical", "Replicas of run {{ $labels.run_id }} disagreed: silent data corruption",
+              "Data-parallel replicas that train in lockstep held different weights or gradients at a replica "
+              "check (bit-exact fingerprints). The trainer rolled every rank back to the newest verified "
+              "checkpoint on its own; the incident under RUN/incidents/ names the rank and node when that can "
+              "be told, and a node named twice within guard.replica_cordon_window_seconds is cordoned."),
+    ))
+    return [alerts]
+
+
 CONCERNS = (training, hardware, io_nccl, cost, meta)
+CONCERNS += (sdc,)
+
+
+# --------------------------------------------------------------------------------------- fail-slow
+
+def fail_slow(policy: Policy) -> list[Group]:
+    """A rank slower than the fastest for a while (trainguard/decide/straggler.py scores it in the agent).
+
+    Every agent of a run reads the shared run directory's rank logs, so the same (rank, node) score may
+    come from several instances: `min by` keeps one series per rank. It does not act: eviction of a
+    persistent straggler is the restore policy's (`restore.evict_stragglers`, off by default)."""
+    score_min = policy.diagnose.straggler_score_min
+    alerts = Group("training", "trainguard-straggler.alerts", (
+        Alert("TrainingStraggler",
+              f"min by (job, run_id, rank, node) (trainguard_rank_straggler_score) < {_num(score_min)}",
+              "warning", "Rank {{ $labels.rank }} on {{ $labels.node }} is a straggler: "
+              "{{ $value | printf \"%.2f\" }} of the fastest rank's speed",
+              f"The rank's recent compute time (step time less data wait and communication) has stayed more "
+              f"than {1 / score_min:.2f} times the fastest rank's (NVRx relative score under {_num(score_min)}) "
+              f"for {policy.alerts.for_long}: every other rank waits for it in each all-reduce. Look at that "
+              "node's GPU clocks, temperature and neighbours; `trainguard diagnose` scores it offline.",
+              for_=policy.alerts.for_long),
+    ))
+    return [alerts]
+
+
+CONCERNS += (fail_slow,)
 
 
 def groups(policy: Policy | None = None) -> list[Group]:

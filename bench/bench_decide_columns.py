@@ -1,4 +1,4 @@
-"""The guard and the cost meter on a block of steps: step by step (lists) vs columns (arrays).
+"""The guard and the cost meter on a block of steps: their own step loops vs `trainguard.decide.batch`.
 
     .venv/bin/python bench/bench_decide_columns.py                  # 300,000 steps, best of 5
     .venv/bin/python bench/bench_decide_columns.py --steps 1000000 --repeat 3
@@ -8,8 +8,8 @@ a step every 0.25 s on 8 GPUs, one node's monotonic clock), in blocks of `--bloc
 them over, each already in memory in both shapes. Times, each the best of `--repeat` runs over the whole
 run with a fresh guard and meter:
 
-  guard   Guard.check_many (per-step dicts of layer norms)   vs  Guard.check_columns (an (n, 4) array)
-  meter   CostMeter.observe_many ((node, seconds) clocks)    vs  CostMeter.observe_columns (codes, seconds)
+  guard   Guard.observe per step (dicts of layer norms)  vs  batch.guard_block (an (n, 4) array, screened)
+  meter   CostMeter.observe per record ((node, seconds))  vs  batch.meter_block (codes, seconds, screened)
 
 and checks that both shapes decide the same (nothing, on a healthy run) and leave the same state.
 Targets: the columnar guard <= 0.3 us/step, the columnar meter <= 0.1 us/step.
@@ -22,8 +22,9 @@ import argparse
 import numpy as np
 from timing import best_of
 
+from trainguard.decide import batch
 from trainguard.decide.cost import CostMeter
-from trainguard.decide.guard import Guard
+from trainguard.decide.guard import Guard, StepStats
 
 NAMES = ("embed", "h.0", "h.1", "ln_f")
 LEVELS = np.array([0.5, 0.4, 0.6, 0.02])      # typical norms of the tiny model's layer groups
@@ -46,11 +47,13 @@ def healthy_run(count: int, seed: int = 1) -> dict:
 
 
 def as_lists(block: dict) -> dict:
-    """The block as check_many and observe_many take it (what the replay engine builds)."""
+    """The block as the step loops read it: one StepStats per step, one (node, seconds) clock per record."""
     return {
         "steps": block["steps"].tolist(), "losses": block["losses"].tolist(),
         "grad_norms": block["grad_norms"].tolist(), "timestamps": block["timestamps"].tolist(),
-        "layers": [dict(zip(NAMES, row)) for row in block["layer_norms"].tolist()],
+        "stats": [StepStats(*fields) for fields in zip(
+            block["steps"].tolist(), block["losses"].tolist(), block["grad_norms"].tolist(),
+            [dict(zip(NAMES, row)) for row in block["layer_norms"].tolist()], block["timestamps"].tolist())],
         "gpu_counts": block["gpu_counts"].tolist(),
         "clocks": [(NODES[code], s) for code, s in zip(block["clock_codes"].tolist(), block["clock_seconds"].tolist())],
     }
@@ -65,32 +68,35 @@ def main() -> int:
     run = healthy_run(args.steps)
     blocks = [{key: column[a:a + args.block] for key, column in run.items()} for a in range(0, args.steps, args.block)]
     lists = [as_lists(block) for block in blocks]
+    columns = [batch.Block(block["steps"], block["losses"], block["grad_norms"], block["timestamps"],
+                           block["gpu_counts"], block["clock_codes"], block["clock_seconds"], NODES, NAMES,
+                           block["layer_norms"]) for block in blocks]
     made = {}
 
     def guard_lists():
         guard = made["guard_lists"] = Guard()
         for block in lists:
-            guard.check_many(block["steps"], block["losses"], block["grad_norms"], block["timestamps"], block["layers"])
+            for stats in block["stats"]:
+                guard.observe(stats)
 
     def guard_columns():
         guard = made["guard_columns"] = Guard()
-        for block in blocks:
-            guard.check_columns(block["steps"], block["losses"], block["grad_norms"], block["timestamps"],
-                                NAMES, block["layer_norms"])
+        for block in columns:
+            batch.guard_block(guard, block)
 
     def meter_lists():
         meter = made["meter_lists"] = CostMeter()
         for block in lists:
-            meter.observe_many(block["steps"], block["timestamps"], block["gpu_counts"], block["clocks"])
+            for step, when, gpus, clock in zip(block["steps"], block["timestamps"], block["gpu_counts"], block["clocks"]):
+                meter.observe(step, when, gpus, clock)
 
     def meter_columns():
         meter = made["meter_columns"] = CostMeter()
-        for block in blocks:
-            meter.observe_columns(block["steps"], block["timestamps"], block["gpu_counts"], block["clock_codes"],
-                                  block["clock_seconds"], NODES)
+        for block in columns:
+            batch.meter_block(meter, block)
 
     print(f"{args.steps:,} healthy steps, 4 layers, blocks of {args.block:,}, best of {args.repeat}")
-    print(f"{'':8}{'lists':>14}{'columns':>14}{'speed-up':>10}{'target':>10}")
+    print(f"{'':8}{'step loop':>14}{'batch':>14}{'speed-up':>10}{'target':>10}")
     ok = True
     for name, by_lists, by_columns in (("guard", guard_lists, guard_columns), ("meter", meter_lists, meter_columns)):
         lists_us = best_of(args.repeat, by_lists) / args.steps * 1e6

@@ -18,9 +18,9 @@ and times, for each, each the best of `--repeat` runs, in one process:
   decode  one process       trainguard.replay.source.Stream: msgspec typed blocks -> entries
   pick    on every CPU      trainguard.replay.columns.read: chunks decoded and picked by worker processes
   decide  columns           the engine's decider over those chunks already in memory
-          guard alone       Guard.check_columns over the same chunks (what the engine calls)
-          cost alone        CostMeter.observe_columns over the same chunks
-  decide  lists             the general path's decider (check_many, observe_many) over decoded blocks
+          guard alone       batch.guard_block over the same chunks (what the engine calls)
+          cost alone        batch.meter_block over the same chunks
+  decide  lists             the general path's decider over decoded blocks (picked, made columns, decided)
   total   one process       the general path (what merged or compressed logs take), decode + decide
   total   replay LOG        engine.replay(Stream(path)): what `trainguard replay LOG` does
 
@@ -38,6 +38,7 @@ from pathlib import Path
 
 from timing import best_of
 from trainguard import tls
+from trainguard.decide import batch
 from trainguard.decide.cost import CostMeter
 from trainguard.decide.guard import Guard
 from trainguard.policy import Policy
@@ -123,20 +124,20 @@ def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[
     def decide():
         decider = engine._Decider(Guard(policy.guard), CostMeter(policy.cost), [])
         for chunk in chunks:
-            decider.decide_columns(chunk)
+            decider.decide(chunk)
 
     def decide_lists():
         engine.replay(InMemory(), policy)
 
     def guard_alone():
-        check = Guard(policy.guard).check_columns
-        for c in chunks:
-            check(c.steps, c.losses, c.grad_norms, c.timestamps, c.layer_names, c.layer_norms)
+        guard = Guard(policy.guard)
+        for chunk in chunks:
+            batch.guard_block(guard, chunk)
 
     def cost_alone():
-        observe = CostMeter(policy.cost).observe_columns
-        for c in chunks:
-            observe(c.steps, c.timestamps, c.gpus, c.clock_codes, c.clock_seconds, c.clock_nodes)
+        meter = CostMeter(policy.cost)
+        for chunk in chunks:
+            batch.meter_block(meter, chunk)
 
     return [
         ("peer", "json.loads per line", records, best_of(repeat, peer_json)),
@@ -144,8 +145,8 @@ def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[
         ("decode", "one process (msgspec typed)", records, best_of(repeat, decode)),
         ("pick", f"decode + pick on {columns.available_cpus()} CPUs", records, best_of(repeat, pick)),
         ("decide", "columns: guard + cost", held, best_of(repeat, decide)),
-        ("", "  Guard.check_columns alone", held, best_of(repeat, guard_alone)),
-        ("", "  CostMeter.observe_columns alone", held, best_of(repeat, cost_alone)),
+        ("", "  batch.guard_block alone", held, best_of(repeat, guard_alone)),
+        ("", "  batch.meter_block alone", held, best_of(repeat, cost_alone)),
         ("decide", "lists (one-process path)", sum(map(len, blocks)), best_of(repeat, decide_lists)),
         ("total", "one process (merged, .gz)", records, best_of(repeat, total_one_process)),
         ("total", "replay LOG", records, best_of(repeat, total)),

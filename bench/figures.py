@@ -175,3 +175,20 @@ def fault_to_action(out: str) -> list[Figure]:
             figures.append(Figure(f"{cells[0]}: fault to action via Prometheus (s)", cells[2],
                                   "the agent's embedded path", embedded[2], number(cells[4])))
     return figures
+
+
+def sdc(out: str) -> list[Figure]:
+    """bench_sdc.py: per model, the check's share of a step at the default interval, and its cost per
+    check (weights, like for like) against Megatron-LM's SHA-1 check."""
+    figures = []
+    for cells in table_rows(out)[1:]:
+        model, step, both, weights, peer = cells[0], cells[2], cells[3], cells[4], cells[5]
+        share = number(cells[7]) / 100
+        speedup = number(cells[6])
+        figures += [Figure(f"replica check per step at the default interval, {model}", both, "the step", step,
+                           share, "<= 0.5 % of a step", share <= 0.005),
+                    Figure(f"replica check per check (weights), {model}", weights, "Megatron SHA-1 check", peer,
+                           1 / speedup, ">= 20x cheaper", speedup >= 20)]
+    if not figures:
+        raise KeyError("no model rows in bench_sdc.py's table")
+    return figures

@@ -36,6 +36,7 @@ from typing import Callable
 
 from figures import (Figure, agent, checkpoint, collectors, diagnose, fault_to_action, loop, preflight,
                      recovery, replay, report, telemetry)
+from figures import sdc
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -69,6 +70,7 @@ BENCHES: dict[str, Spec] = {
     "telemetry": Spec("Trainer telemetry", [], ["--steps", "500", "--rounds", "1"], telemetry),
     "fault_to_action": Spec("Fault to action", [], ["--scenarios", "cost"], fault_to_action),
 }
+BENCHES["sdc"] = Spec("Replica check (silent data corruption)", [], ["--configs", "tiny", "--rounds", "4"], sdc)
 
 
 # ------------------------------------------------------------------------------------------- running

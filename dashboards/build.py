@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+from trainguard import actions
 from trainguard.policy import Policy
 from trainguard.dashboards.grafana import (ORANGE, RED, YELLOW, Annotation, Board, Query, Row, Threshold,
                                            Variable, q, stat, state_timeline, table, timeseries)
@@ -79,11 +80,11 @@ def event_annotation(name: str, types: str, color: str, why: str = "") -> Annota
 
 ANNOTATIONS = (
     event_annotation("Checkpoints", "checkpoint_saved", "green"),
-    event_annotation("Skipped steps", "skip_step", "orange",
+    event_annotation("Skipped steps", actions.SKIP_STEP, "orange",
                      "only when the guard skips a bad step (the test run injects faults to cause them)"),
-    event_annotation("Rollbacks", "rollback", "red",
+    event_annotation("Rollbacks", actions.ROLLBACK, "red",
                      "only when the guard or an alert rolls the run back"),
-    event_annotation("Restores", "restore|checkpoint_restored", "blue",
+    event_annotation("Restores", f"{actions.RESTORE}|checkpoint_restored", "blue",
                      "only when ranks restart from a checkpoint or a rollback restores one"),
     Annotation("Alerts", 'ALERTS{alertstate="firing", job=~"$job"}', "purple", "{{alertname}}",
                only_when="ALERTS exists only while an alert fires"),
@@ -238,8 +239,8 @@ def cost_goodput(policy: Policy) -> Board:
                    unit="percentunit", stack=True, min=0, width=12),
         timeseries("Steps lost", *[
             q(f"sum(max by (run_id) ({run('trainguard_training_events_total', type=kind)})) or vector(0)", label)
-            for kind, label in (("skip_step", "skipped steps"), ("rollback", "rollbacks"),
-                                ("restore", "restores"))], width=12,
+            for kind, label in ((actions.SKIP_STEP, "skipped steps"), (actions.ROLLBACK, "rollbacks"),
+                                (actions.RESTORE, "restores"))], width=12,
                    description="Guard and recovery events so far (counted once per run, not per rank); each "
                                "discards work already paid for."),
     ]

@@ -14,6 +14,7 @@ needs no callback for them. What a callback returns (a dict) is added to the dec
 | `pause()`         | cost_warn, after `TrainState.eval_paused = True` | nothing more                            |
 | `saved(step, path, wait)` | rank 0, after a checkpoint was written (`wait()`: until durable) | nothing |
 | `stop(reason)`    | before the guard's stop or a cost stop ends the run | nothing (the loop ends on `Outcome.stop`) |
+| `checkpoint_meta()` | every rank, before a checkpoint (may run a collective); a dict joins the manifest's `meta`, None refuses the save | nothing added |
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Callbacks:
     pause: Callable[[], dict | None] | None = None
     saved: Callable[[int, Path, Callable[[], None]], None] | None = None
     stop: Callable[[str], None] | None = None
+    checkpoint_meta: Callable[[], dict | None] | None = None   # the replica check's (trainer/replica_check.py)
 
 
 def load_states(states: dict[str, Any], parts: dict[str, Any]) -> None:

@@ -39,7 +39,7 @@ import torch
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
 from trainguard import tls
-from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SKIP_STEP
+from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SKIP_STEP, STOP
 from trainguard.decide.cost import CostMeter, clock_of
 from trainguard.decide.decision import CARRY_ON, Decision
 from trainguard.decide.guard import Guard, StepStats
@@ -50,7 +50,6 @@ from trainguard.protect.sync import HealthSync
 from trainguard.trainer.control import ACTIONS_BY_CODE, ControlChannel, write_rank_file
 from trainguard.trainer.telemetry import StepTelemetry
 
-STOP = "stop"
 EXIT_OK, EXIT_STOPPED = 0, 3
 # The checkpoint keys the Protector adds to the loop's `states`.
 GUARD_KEY, COST_KEY, STATE_KEY = "guard", "cost", "trainer"
@@ -205,6 +204,9 @@ class Protector:
         """A checkpoint of every state at this step (rank 0 writes). It is *stable* when the validation loss
         is finite and within `stable_val_factor` of the best, and the guard saw no trouble since the last."""
         state = self.state
+        extra = self.callbacks.checkpoint_meta() if self.callbacks.checkpoint_meta is not None else {}
+        if extra is None:   # refused (the replicas differ): the previous checkpoint stands
+            return None
         val = self.evaluate("checkpoint", guard_trouble=state.trouble_since_checkpoint)
         sane = val is None or math.isfinite(val) and val <= self.stable_val_factor * state.best_val
         stable = sane and not state.trouble_since_checkpoint
@@ -213,7 +215,7 @@ class Protector:
         path = None
         if self.rank == 0:
             parts = {key: obj.state_dict() for key, obj in self.states.items()}
-            meta = {"val_loss": val if val is not None and math.isfinite(val) else None}
+            meta = {"val_loss": val if val is not None and math.isfinite(val) else None, **extra}
             path = self.checkpoints.save(state.step, parts, stable, meta=meta)
             if path is not None and self.callbacks.saved is not None:
                 self.callbacks.saved(state.step, path, self.checkpoints.wait)

@@ -47,7 +47,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-checkpoint", action="store_true", default=None,
                         help="write checkpoints on a background thread")
     parser.add_argument("--inject", action="append", default=[], metavar="KIND@STEP[:RANK]",
-                        help="inject a fault: nan, spike, gradexplode, hang, crash, slowio, corrupt-checkpoint")
+                        help="inject a fault: nan, spike, gradexplode, hang, crash, slowio, corrupt-checkpoint, "
+                             "bitflip, gradflip")
     parser.add_argument("--telemetry", choices=("on", "off"), help="per-step TLS records (default on)")
     parser.add_argument("--policy", metavar="FILE", help="policy YAML (guard thresholds)")
     parser.add_argument("--data", metavar="DIR|GLOB",

@@ -9,6 +9,15 @@
 | `crash`              | the rank kills itself with SIGKILL, no clean-up (rank 0)                         |
 | `slowio`             | the data loader sleeps SLOWIO_SECONDS per batch for SLOWIO_STEPS steps (all)      |
 | `corrupt-checkpoint` | one byte is flipped in the first checkpoint saved at or after STEP (rank 0)      |
+| `slowrank`           | the rank's compute is slowed SLOWRANK_FACTOR x for SLOWRANK_STEPS steps (rank 0) |
+| `bitflip`            | one bit of one weight flips before the step's forward (rank 0)                   |
+| `gradflip`           | one bit of one gradient flips after the all-reduce, before the update (rank 0)   |
+
+bitflip and gradflip pick parameter number STEP mod (number of parameters), its element of largest
+magnitude (never a zero, whose flipped bit an update could wash out), and the mantissa bit two below
+the top (float32: bit 21; bfloat16: 5; float16: 8): a change of an eighth to a quarter of the value,
+silent (no NaN, no spike), as silent data corruption is. The replica check (trainer/replica_check.py)
+is what catches them.
 
 A fault fires once per run, across restarts and rollbacks: it is recorded in
 ``RUN/control/faults-fired.jsonl`` (fsynced, before a crash or hang happens), which every rank reads at
@@ -25,13 +34,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-KINDS = ("nan", "spike", "gradexplode", "hang", "crash", "slowio", "corrupt-checkpoint")
-DEFAULT_RANK = {"hang": 0, "crash": 0, "corrupt-checkpoint": 0}   # others: every rank
+KINDS = ("nan", "spike", "gradexplode", "hang", "crash", "slowio", "corrupt-checkpoint",
+         "slowrank", "bitflip", "gradflip")
+# Faults of one rank by default; the others hit every rank. A flip on every replica alike would be no
+# corruption, and a slow rank is slow against the others.
+DEFAULT_RANK = {"hang": 0, "crash": 0, "corrupt-checkpoint": 0, "slowrank": 0, "bitflip": 0, "gradflip": 0}
 
 SPIKE_FACTOR = 100.0
 GRAD_FACTOR = 1e4
 SLOWIO_SECONDS = 0.5
 SLOWIO_STEPS = 5
+# slowrank: a fail-slow rank (a throttled GPU, a noisy neighbour). Its compute takes this many times its
+# usual step, for this many steps; at least SLOWRANK_MIN_SECONDS more per step, so a tiny CPU step slows too.
+SLOWRANK_FACTOR = 4.0
+SLOWRANK_STEPS = 40
+SLOWRANK_MIN_SECONDS = 0.05
 
 
 class FaultError(ValueError):
@@ -78,6 +95,7 @@ class FaultInjector:
         fired = self._read_fired()
         self.pending = [f for f in map(parse, specs) if f.applies_to(rank) and f.key not in fired]
         self.slow_until = 0
+        self.slowrank = SlowRank()
 
     def _read_fired(self) -> set[str]:
         try:
@@ -109,6 +127,7 @@ class FaultInjector:
     def loss_factors(self, step: int) -> tuple[float, float]:
         """(factor on the reported loss, extra factor on the gradients) for this step's backward."""
         loss_factor = grad_factor = 1.0
+        self._slow_compute(step)    # called after the batch is loaded: the delay is compute, not data wait
         if fault := self._take("nan", step):
             self._fire(fault, step)
             loss_factor = float("nan")
@@ -119,6 +138,12 @@ class FaultInjector:
             self._fire(fault, step, factor=GRAD_FACTOR)
             grad_factor = GRAD_FACTOR
         return loss_factor, grad_factor
+
+    def _slow_compute(self, step: int) -> None:
+        if fault := self._take("slowrank", step):
+            delay = self.slowrank.start(step)
+            self._fire(fault, step, factor=SLOWRANK_FACTOR, steps=SLOWRANK_STEPS, seconds=round(delay, 6))
+        time.sleep(self.slowrank.delay(step))
 
     def data_delay(self, step: int) -> float:
         """Seconds the data loader should stall before this step's batch (slowio)."""
@@ -152,3 +177,58 @@ class FaultInjector:
             handle.seek(offset)
             handle.write(bytes([byte[0] ^ 0xFF]))
         self._fire(fault, step, file=str(victim), offset=offset)
+
+    # ----------------------------------------------------------------------- silent corruption
+    def bit_flip(self, step: int, params: list, names: list[str]) -> None:
+        """bitflip: one bit of one weight, before this step's forward."""
+        if fault := self._take("bitflip", step):
+            self._fire(fault, step, **_flip_one(params, names, step, grads=False))
+
+    def grad_flip(self, step: int, params: list, names: list[str]) -> None:
+        """gradflip: one bit of one gradient, after the all-reduce and before the optimizer reads it."""
+        if fault := self._take("gradflip", step):
+            self._fire(fault, step, **_flip_one(params, names, step, grads=True))
+
+
+MANTISSA_BITS = {"float64": 52, "float32": 23, "bfloat16": 7, "float16": 10}
+
+
+def _flip_one(params: list, names: list[str], step: int, grads: bool) -> dict:
+    import torch
+
+    from trainguard.trainer.fingerprint import flip_bit
+
+    index = step % len(params)
+    tensor = params[index].grad if grads else params[index].data
+    if tensor is None:
+        tensor = params[index].grad = torch.zeros_like(params[index])
+    element = int(tensor.detach().abs().reshape(-1).argmax())
+    bit = MANTISSA_BITS.get(str(tensor.dtype).removeprefix("torch."), 3) - 2
+    before = float(tensor.reshape(-1)[element])
+    flip_bit(tensor, element, bit)
+    return {"param": names[index], "element": element, "bit": bit, "before": before,
+            "after": float(tensor.reshape(-1)[element]), "target": "gradient" if grads else "weight"}
+
+
+class SlowRank:
+    """The slowrank fault's clock: this rank's usual step period (measured between steps before the
+    fault), and the extra seconds each slowed step sleeps."""
+
+    def __init__(self) -> None:
+        self.periods: list[float] = []
+        self.last: float | None = None
+        self.until = 0
+        self.extra = 0.0
+
+    def start(self, step: int) -> float:
+        usual = sorted(self.periods)[len(self.periods) // 2] if self.periods else 0.0
+        self.extra = max(SLOWRANK_MIN_SECONDS, (SLOWRANK_FACTOR - 1.0) * usual)
+        self.until = step + SLOWRANK_STEPS
+        return self.extra
+
+    def delay(self, step: int) -> float:
+        now = time.monotonic()
+        if self.last is not None and step >= self.until:
+            self.periods = (self.periods + [now - self.last])[-16:]   # usual periods only, not slowed ones
+        self.last = now
+        return self.extra if step < self.until else 0.0

@@ -29,6 +29,7 @@ from trainguard.trainer.faults import FaultInjector
 from trainguard.trainer.model import GPT
 from trainguard.trainer.progress import Progress
 from trainguard.trainer.recovery import grad_accum_steps, trainer_callbacks
+from trainguard.trainer.replica_check import ReplicaChecks
 from trainguard.trainer.state import checkpoint_states
 from trainguard.trainer.step import GradNorms, LRSchedule, forward_backward
 from trainguard.trainer.telemetry import CommTimer, StepTelemetry, StepTimer
@@ -95,6 +96,8 @@ class Trainer:
         callbacks = trainer_callbacks(schedule=self.schedule, train_data=self.train_data, faults=self.faults,
                                       batch_size=config.optim.batch_size, block_size=config.model.block_size,
                                       validate=self.validation_loss)
+        self.replicas = self._replica_checks(policy)   # sdc hook (trainer/replica_check.py)
+        callbacks.checkpoint_meta = self.replicas.before_checkpoint
         self.protector = Protector(
             self.run_dir, states=checkpoint_states(self.model, self.optimizer, self.schedule, self.train_data),
             state=self.state, rank=self.rank, world_size=self.world, device=self.device, policy=policy,
@@ -115,6 +118,31 @@ class Trainer:
             self.comm_timer = CommTimer(self.device.type)
             ddp.register_comm_hook(None, self.comm_timer.hook)
         return ddp
+
+    def _replica_checks(self, policy: policy_mod.Policy) -> ReplicaChecks:
+        """sdc hook: the replica fingerprint check (trainer/replica_check.py, docs/sdc.md)."""
+        from trainguard.decide.replica import ReplicaPolicy
+
+        names = [name for name, _ in self.model.named_parameters()]
+        return ReplicaChecks(list(self.model.parameters()), names, every=policy.guard.replica_check_every,
+                             world_size=self.world, rank=self.rank, node=self.telemetry.envelope["node"],
+                             run_dir=self.run_dir, emit=self.telemetry.event, log=self.log,
+                             policy=ReplicaPolicy(policy.guard.replica_cordon_window_seconds))
+
+    def replica_check(self, step: int) -> int | None:
+        """sdc hook: at check steps, after the step's record; a mismatch rolls every rank back to the newest
+        verified checkpoint, whole (data position included: the data is not at fault, and the replay
+        arbitrates two replicas). Returns an exit code when the run must end (a mismatch that repeats)."""
+        from trainguard.decide.decision import Decision
+
+        verdict = self.replicas.after_step(step)
+        if verdict is None:
+            return None
+        outcome = self.replicas.respond(
+            verdict, restore=lambda: self.protector.restore(rollback=False),
+            stop=lambda event: self.protector._stop(Decision("stop", "replica_mismatch", step, detail=event),
+                                                    event))
+        return outcome.exit_code if outcome is not None else None
 
     def _device_name(self) -> str:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -157,6 +185,8 @@ class Trainer:
         timer.mark("data_wait")
         lr = self.set_learning_rate()
         loss = self.backward(step, x, y)
+        self.faults.grad_flip(step, self.replicas.params, self.replicas.names)   # sdc hook
+        self.replicas.after_backward(step)                                     # sdc hook
         grad_norm, layer_norms = self.clip_gradients()
         verdict = self.protector.check(step, loss, grad_norm, layer_norms)
         timer.mark("forward_backward")
@@ -165,6 +195,8 @@ class Trainer:
         outcome = self.after_step(verdict, lr, timer.stop())
         if outcome.stop:
             return outcome.exit_code
+        if outcome.restored_step is None and (code := self.replica_check(step)) is not None:   # sdc hook
+            return code
         self.evaluate_if_due()
         return None
 
@@ -172,6 +204,7 @@ class Trainer:
     def load_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Faults due at this step fire first (a crash or hang never reaches the batch)."""
         self.faults.process_faults(step)
+        self.faults.bit_flip(step, self.replicas.params, self.replicas.names)   # sdc hook
         self.train_data.delay_seconds = self.faults.data_delay(step)
         return self.train_data.next_batch(self.cfg.optim.batch_size)
 

@@ -1,6 +1,7 @@
 """The action vocabulary shared by the guard, the cost policy, the alerts and the webhook.
 
-Pure: no I/O. The agent's executor, the trainer's control channel and replay all speak these names.
+Pure: no I/O. The agent's executor, the trainer's control channel and replay all speak these names;
+every use imports them from here rather than spelling them.
 """
 
 from __future__ import annotations
@@ -11,8 +12,14 @@ RESTORE = "restore"          # restart hung or dead ranks from the latest verifi
 COST_WARN = "cost_warn"
 COST_THROTTLE = "cost_throttle"
 COST_STOP = "cost_stop"
+STOP = "stop"                # the guard's last word: too many rollbacks, the run ends (not a remote action)
+PAGE = "page"                # the ledger's escalation of a restore: nothing acts on the run, a human must look
 
 ACTIONS = (SKIP_STEP, ROLLBACK, RESTORE, COST_WARN, COST_THROTTLE, COST_STOP)
+GUARD_ACTIONS = (SKIP_STEP, ROLLBACK, STOP)      # what the gradient-health guard decides
+COST_ACTIONS = (COST_WARN, COST_THROTTLE, COST_STOP)
+# Every decision a TLS `event.type` can record (the guard's stop included).
+DECISIONS = (*ACTIONS, STOP)
 
 # Severity order for escalation and de-duplication: a stronger cost action supersedes a weaker one.
 COST_ORDER = {COST_WARN: 1, COST_THROTTLE: 2, COST_STOP: 3}

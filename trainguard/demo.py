@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainguard import actions
 from trainguard import tls
 
 STEPS = 240
@@ -129,9 +130,9 @@ def finish(run_dir: Path, code: int) -> int:
 STORY = {
     "run_start": ("resumed_from", "restart_count"),
     "fault_injected": ("fault",),
-    "skip_step": ("reason",),
-    "rollback": ("reason", "restored_step", "steps_lost", "lr_scale"),
-    "restore": ("reason", "restored_step"),
+    actions.SKIP_STEP: ("reason",),
+    actions.ROLLBACK: ("reason", "restored_step", "steps_lost", "lr_scale"),
+    actions.RESTORE: ("reason", "restored_step"),
     "action": ("action", "alertname", "reason"),
     "alert": ("alertname", "status"),
     "run_end": ("reason",),

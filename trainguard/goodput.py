@@ -9,13 +9,20 @@ to the whole, so ``productive + sum(badput) == total``.
 - ``evaluation``: validation passes (``seconds`` of ``evaluation`` events, when the trainer gives it).
 - ``rollback``: steps thrown away by a rollback (those after the restored checkpoint, up to the
   rollback), plus the time from the rollback to the first step after it.
-- ``restart_recovery``: from the last record before a restart to the start of the first step after
-  it, plus the steps lost since the checkpoint the restarted run resumed from.
-- ``stalls``: the part of a step interval above `stall_factor` x the median step, and a process's time
-  after its last step when it then restarted (a hang before the kill).
+- ``stall``: a hang: from the last progress (the hung process's last step) to the restore decision
+  (the agent's ``action`` event, or its ``alert`` verdict to act, found among the records); without a
+  decision (a crash torchrun restarted), to the last record of the dead process. Also the part of a
+  step interval above `stall_factor` x the median step (a step that was slow, not stuck).
+- ``restart_recovery``: from the restore decision (else the last record before the restart) to the
+  start of the first step after it, plus the steps lost since the checkpoint the restarted run resumed
+  from.
 - ``data_wait``: ``metrics.data_wait_seconds`` of each step.
 - ``skipped_steps``: steps whose update the guard skipped (``skip_step`` events).
 - ``other``: what is left, such as shutdown after the last step.
+
+Each hang (a restart) is also listed on its own (`Goodput.hangs`): its last progress, the decision,
+the first step after it, and the incident (``RUN/incidents/<id>/incident.json``) it belongs to when
+the caller passes the incidents in (`compute(..., incidents=...)`).
 
 A step's interval runs from the previous step record to its own record. A restart is seen from a
 ``run_start`` event after steps, a ``checkpoint_restored`` event that no ``rollback`` explains, or a
@@ -27,10 +34,12 @@ from __future__ import annotations
 
 import bisect
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterable
 
-CAUSES = ("startup", "checkpoint_save", "evaluation", "rollback", "restart_recovery", "stalls", "data_wait",
+from trainguard import actions
+
+CAUSES = ("startup", "checkpoint_save", "evaluation", "rollback", "restart_recovery", "stall", "data_wait",
           "skipped_steps", "other")
 # Events that say how long they held training up: type -> (cause, field with the seconds). The time is
 # charged to the stretch in which the event started (`started_at`, else its time minus `seconds`).
@@ -40,12 +49,37 @@ RUN_START = "run_start"
 # Events a process writes before its first step. If a restart is confirmed, the previous process ended
 # at the record before the first of them.
 _PROCESS_START = ("checkpoint_invalid", "checkpoint_restored", RUN_START)
+# An incident is matched to a hang when it was detected between the last progress and this long after
+# the first step after the restart (evidence is gathered before the kill, written a moment later).
+INCIDENT_SLACK_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
 class GoodputConfig:
     # A step interval (less checkpoint and data wait) above this many times the median is a stall.
     stall_factor: float = 3.0
+
+
+@dataclass(frozen=True)
+class Hang:
+    """One restart, split: `stall` (hung: last progress -> restore decision) and `restart_recovery`
+    (decision -> the first step after the restart). `decided_at` is None when nobody decided (a crash)."""
+
+    last_progress: float
+    decided_at: float | None
+    resumed_at: float
+    stall_seconds: float
+    restart_recovery_seconds: float
+    decided_by: str | None = None      # the action's id (e.g. restore-...), or the alert that decided
+    incident: str | None = None        # RUN/incidents/<id>, when one matches
+
+
+@dataclass(frozen=True)
+class Incident:
+    """What goodput needs of an incident.json: its id and when it was detected (Unix seconds)."""
+
+    id: str
+    detected_at: float
 
 
 @dataclass(frozen=True)
@@ -60,6 +94,7 @@ class Goodput:
     median_step_seconds: float | None
     first_timestamp: float | None
     last_timestamp: float | None
+    hangs: tuple[Hang, ...] = ()
 
     @property
     def badput_ratio(self) -> dict[str, float]:
@@ -67,7 +102,7 @@ class Goodput:
         return {cause: (seconds / total if total > 0 else 0.0) for cause, seconds in self.badput_seconds.items()}
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "badput_ratio": self.badput_ratio}
+        return {**asdict(self), "hangs": [asdict(hang) for hang in self.hangs], "badput_ratio": self.badput_ratio}
 
 
 @dataclass
@@ -100,9 +135,16 @@ class _Timeline:
     pending_skips: set[int] = field(default_factory=set)
     restarts: int = 0
     rollbacks: int = 0
+    decision: tuple[float, str] | None = None         # (when, by what) the agent decided to restore
+    hang: tuple | None = None        # (last progress, decided at, by, stall end): a restart before its first step
+    hangs: list[Hang] = field(default_factory=list)
 
     def feed(self, record: dict) -> None:
         ts = float(record["timestamp"])
+        event = record.get("event")
+        if isinstance(event, dict) and event.get("type") in ("alert", "action"):
+            self._note_decision(event, ts)   # a decision (often the agent's): it says when, it is not the run's time
+            return
         if self.cursor is None:
             self.cursor = ts
         event = record.get("event")
@@ -118,18 +160,33 @@ class _Timeline:
             self.boundary = self.last_ts if self.last_ts is not None else ts
         if kind == RUN_START and self.lead_in is None:
             self._restart()
-        elif kind == "rollback":
+        elif kind == actions.ROLLBACK:
             self.rollbacks += 1
             self.rollback_pending = True
             if isinstance(event.get("restored_step"), int):
                 self.restored = event["restored_step"]
         elif kind == "checkpoint_restored" and isinstance(step, int):
             self.restored = step
-        elif kind == "skip_step" and isinstance(step, int):
+        elif kind == actions.SKIP_STEP and isinstance(step, int):
             if not self._mark_skipped(step):
                 self.pending_skips.add(step)
         elif kind in TIMED_EVENTS:
             self._timed(TIMED_EVENTS[kind], event, ts)
+
+    def _note_decision(self, event: dict, ts: float) -> None:
+        """The agent's restore decision: its `action` event (issued_at), or its verdict to act on an alert."""
+        if event.get("action") != actions.RESTORE or event.get("type") == "alert" and event.get("outcome") != "act":
+            return
+        when = event.get("issued_at", event.get("decided_at"))
+        when = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else ts
+        if self.cursor is not None and when < self.cursor:
+            return
+        # The action's id names the decision best; the alert verdict (written a moment before) gives its time.
+        name = event.get("id") or event.get("request_id") if event.get("type") == "action" else None
+        if self.decision is None:
+            self.decision = (when, str(name or event.get("request_id") or event.get("alertname") or actions.RESTORE))
+        elif name:
+            self.decision = (min(when, self.decision[0]), str(name))
 
     def _timed(self, charge: tuple[str, str], event: dict, ts: float) -> None:
         cause, name = charge
@@ -148,6 +205,7 @@ class _Timeline:
             # The step itself took step_time_seconds (when given); the time before it is the lead-in.
             start = max(self.cursor, ts - _number(metrics.get("step_time_seconds")))
             self._add(self.cursor, start, self.lead_in)
+            self._end_hang(start)
             self.lead_in = None
         segment = _Segment(start, ts, "step", step, data_wait=_number(metrics.get("data_wait_seconds")))
         self.segments.append(segment)
@@ -170,13 +228,27 @@ class _Timeline:
             if self.lead_in is None:   # the step count went back and nobody said why: a restart
                 self._restart()
             self._throw_away_after(step - 1, "restart_recovery")  # started over without a checkpoint
-        self.rollback_pending, self.restored, self.boundary = False, None, None
+        self.rollback_pending, self.restored, self.boundary, self.decision = False, None, None, None
 
     def _restart(self) -> None:
-        """A new process: its predecessor's time after its last step was a hang (or its shutdown)."""
+        """A new process: its predecessor's time after its last step was a hang until the restore was
+        decided (or, with no decision, until its last record: a crash, or its shutdown)."""
         self.restarts += 1
-        self._add(self.cursor, self.boundary if self.boundary is not None else self.last_ts, "stalls")
-        self.lead_in, self.rollback_pending = "restart_recovery", False
+        last_progress = self.cursor
+        decided_at, decided_by = self.decision if self.decision is not None else (None, None)
+        end = decided_at if decided_at is not None else (
+            self.boundary if self.boundary is not None else self.last_ts)
+        self._add(self.cursor, end, "stall")
+        self.hang = (last_progress, decided_at, decided_by, self.cursor)
+        self.lead_in, self.rollback_pending, self.decision = "restart_recovery", False, None
+
+    def _end_hang(self, resumed_at: float) -> None:
+        if self.hang is None or self.lead_in != "restart_recovery":
+            return
+        last_progress, decided_at, decided_by, split = self.hang
+        self.hangs.append(Hang(last_progress, decided_at, resumed_at, max(0.0, split - last_progress),
+                               max(0.0, resumed_at - split), decided_by))
+        self.hang = None
 
     def _throw_away_after(self, kept_step: int, cause: str) -> None:
         for segment in reversed(self.segments):
@@ -217,8 +289,23 @@ def _attribute_timed(segments: list[_Segment], timed: list[tuple[float, str, flo
             segments[max(0, bisect.bisect_right(starts, started) - 1)].timed.append((cause, seconds))
 
 
-def compute(records: Iterable[dict], config: GoodputConfig = GoodputConfig()) -> Goodput:
-    """Goodput of a run from its TLS records (one rank's log is enough; order is restored by time)."""
+def _with_incident(hang: Hang, incidents: Iterable[Incident]) -> Hang:
+    """The hang with the incident detected during it (the one nearest the decision, if several)."""
+    anchor = hang.decided_at if hang.decided_at is not None else hang.last_progress
+    during = [i for i in incidents
+              if hang.last_progress <= i.detected_at <= hang.resumed_at + INCIDENT_SLACK_SECONDS]
+    if not during:
+        return hang
+    return replace(hang, incident=min(during, key=lambda i: abs(i.detected_at - anchor)).id)
+
+
+def compute(records: Iterable[dict], config: GoodputConfig = GoodputConfig(),
+            incidents: Iterable[Incident] = ()) -> Goodput:
+    """Goodput of a run from its TLS records (one rank's log is enough; order is restored by time).
+
+    Give the agent's records too (its `alert` and `action` events) so a hang is split at the restore
+    decision, and the run's incidents so each hang names the one it belongs to."""
+    incidents = list(incidents)
     timeline = _Timeline()
     for record in sorted(records, key=lambda r: float(r["timestamp"])):
         timeline.feed(record)
@@ -247,7 +334,7 @@ def compute(records: Iterable[dict], config: GoodputConfig = GoodputConfig()) ->
     productive, productive_steps = 0.0, 0
     for segment, seconds in work:
         if median is not None and seconds > config.stall_factor * median:
-            badput["stalls"] += seconds - median
+            badput["stall"] += seconds - median
             seconds = median
         if segment.wasted:
             badput[segment.wasted] += seconds
@@ -263,4 +350,5 @@ def compute(records: Iterable[dict], config: GoodputConfig = GoodputConfig()) ->
         total_seconds=total, productive_seconds=productive,
         goodput_ratio=productive / total if total > 0 else 0.0,
         badput_seconds=badput, productive_steps=productive_steps, restarts=timeline.restarts,
-        rollbacks=timeline.rollbacks, median_step_seconds=median, first_timestamp=first, last_timestamp=last)
+        rollbacks=timeline.rollbacks, median_step_seconds=median, first_timestamp=first, last_timestamp=last,
+        hangs=tuple(_with_incident(hang, incidents) for hang in timeline.hangs))

@@ -1,7 +1,9 @@
 """`trainguard goodput RUN_DIR [--json]`: goodput and badput of a run, by cause, from its TLS log.
 
 Reads ``RUN/tls/rank-0.jsonl`` (the lowest rank there is, or ``--rank``; a TLS file may be given
-instead of a run directory). Every malformed line is reported as ``file:line: message`` on stderr and
+instead of a run directory), the agents' decisions (``alert`` and ``action`` events of
+``RUN/tls/node-*.jsonl``) so a hang is split at the restore decision, and ``RUN/incidents/*/incident.json``
+so each hang names its incident. Every malformed line is reported as ``file:line: message`` on stderr and
 left out of the numbers.
 
 Exit codes: 0 computed; 1 computed, but some lines were malformed; 2 usage error, no log, no records.
@@ -16,7 +18,7 @@ import sys
 from pathlib import Path
 
 from trainguard import tls
-from trainguard.goodput import CAUSES, Goodput, GoodputConfig, compute
+from trainguard.goodput import CAUSES, Goodput, GoodputConfig, Incident, compute
 
 EXIT_OK, EXIT_MALFORMED, EXIT_USAGE = 0, 1, 2
 
@@ -45,6 +47,35 @@ def find_log(run_dir: Path, rank: int | None) -> Path:
     return min(logs)[1]
 
 
+def agent_decisions(run_dir: Path, malformed: list[str]) -> list[dict]:
+    """The agents' `alert` and `action` event records (node logs), the only node records goodput reads."""
+    from trainguard.report.files import log_files
+
+    found = []
+    for path in log_files(run_dir)[0]:
+        for line in tls.iter_lines(path):
+            if line.error is not None:
+                malformed.append(str(line.error))
+                continue
+            event = line.record.get("event")
+            if isinstance(event, dict) and event.get("type") in ("alert", "action"):
+                found.append(line.record)
+    return found
+
+
+def read_incidents(run_dir: Path, malformed: list[str]) -> list[Incident]:
+    """The id and detection time of each verdict in RUN/incidents (read, strictly, by trainguard.incidents)."""
+    from trainguard import incidents
+
+    found = []
+    for incident_id, verdict, problem in incidents.scan(run_dir):
+        if problem is not None:
+            malformed.append(problem)
+        elif verdict is not None:
+            found.append(Incident(verdict["id"], float(verdict["detected_at"])))
+    return found
+
+
 def run(args: argparse.Namespace) -> int:
     if args.stall_factor <= 1:
         print(f"trainguard goodput: --stall-factor must be above 1, got {args.stall_factor}", file=sys.stderr)
@@ -64,7 +95,14 @@ def run(args: argparse.Namespace) -> int:
     if not records:
         print(f"trainguard goodput: {path}: no records", file=sys.stderr)
         return EXIT_USAGE
-    result = compute(records, GoodputConfig(stall_factor=args.stall_factor))
+    incidents: list[Incident] = []
+    if args.run_dir.is_dir():
+        before = len(malformed)
+        records += agent_decisions(args.run_dir, malformed)
+        incidents = read_incidents(args.run_dir, malformed)
+        for problem in malformed[before:]:
+            print(problem, file=sys.stderr)
+    result = compute(records, GoodputConfig(stall_factor=args.stall_factor), incidents)
     if args.json:
         print(json.dumps({"source": str(path), "records": len(records), "malformed": malformed,
                           **result.to_dict()}, indent=2))
@@ -85,6 +123,13 @@ def render(result: Goodput, path: Path, records: int, malformed: int) -> str:
     median = f"{result.median_step_seconds:.3f}s" if result.median_step_seconds is not None else "n/a"
     lines.append(f"  steps {result.productive_steps}, restarts {result.restarts}, rollbacks {result.rollbacks}, "
                  f"median step {median}")
+    for number, hang in enumerate(result.hangs, 1):
+        decided = (f"restore decided {_duration(hang.stall_seconds)} after the last step"
+                   + (f" ({hang.decided_by})" if hang.decided_by else "")) if hang.decided_at is not None else \
+            "no restore decision recorded (a crash, restarted by the launcher)"
+        lines.append(f"  hang {number} at {tls.format_timestamp(hang.last_progress)}: stall "
+                     f"{_duration(hang.stall_seconds)}, restart_recovery {_duration(hang.restart_recovery_seconds)}; "
+                     f"{decided}; incident {hang.incident or 'none recorded'}")
     return "\n".join(lines)
 
 

@@ -71,6 +71,18 @@ class GuardPolicy:
     max_rollbacks_per_hour: int = 3
     rollback_lr_factor: float = 0.5
     rewarmup_steps: int = 20
+    # Gradient climb: the global norm above mean + sigma * std of the last `window` healthy norms (once
+    # `min_steps` are seen) for `steps` steps in a row, against norms at least `lag` steps old.
+    grad_climb_sigma: float = 6.0
+    grad_climb_window: int = 128
+    grad_climb_min_steps: int = 64
+    grad_climb_steps: int = 6
+    grad_climb_lag: int = 32
+    # Silent data corruption (trainguard/decide/replica.py): every replica fingerprints its weights and
+    # gradients every this many steps (0: never); bench/bench_sdc.py measures the cost of a check.
+    replica_check_every: int = 50
+    # A node named in a replica mismatch twice within this many seconds is cordoned.
+    replica_cordon_window_seconds: float = 86400.0
 
 
 @dataclass(frozen=True)
@@ -132,12 +144,25 @@ class PreflightPolicy:
 
 
 @dataclass(frozen=True)
+class RestorePolicy:
+    """What a restore may do beyond ending the ranks (docs/runbooks.md#trainingstraggler)."""
+
+    # A rank that TrainingStraggler names for long (a fail-slow node) may be evicted like a hang's culprit:
+    # "off" (the default) only alerts; "on" lets the incident machinery cordon its node.
+    evict_stragglers: str = "off"
+
+
+EVICT_STRAGGLERS_CHOICES = ("off", "on")
+
+
+@dataclass(frozen=True)
 class Policy:
     cost: CostPolicy = field(default_factory=CostPolicy)
     guard: GuardPolicy = field(default_factory=GuardPolicy)
     alerts: AlertPolicy = field(default_factory=AlertPolicy)
     diagnose: DiagnosePolicy = field(default_factory=DiagnosePolicy)
     preflight: PreflightPolicy = field(default_factory=PreflightPolicy)
+    restore: RestorePolicy = field(default_factory=RestorePolicy)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -169,6 +194,20 @@ class Range:
         return " and ".join(part for part in (low, high) if part)
 
 
+@dataclass(frozen=True)
+class Choice:
+    """A string key that takes one of a few words."""
+
+    words: tuple[str, ...]
+
+    def check(self, value: Any) -> str:
+        if isinstance(value, bool) and set(self.words) >= {"off", "on"}:
+            value = "on" if value else "off"      # YAML reads a bare on / off as true / false
+        if not isinstance(value, str) or value not in self.words:
+            raise ValueError(f"expected one of {', '.join(self.words)}, got {value!r}")
+        return value
+
+
 def at_least(low: float, high: float = math.inf) -> Range:
     return Range(low, high)
 
@@ -188,7 +227,7 @@ DURATION = "duration"                          # a Prometheus duration: 30s, 2m,
 _DURATION = re.compile(r"^(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$")
 
 # Every numeric and duration key: its range (or DURATION). One row per key; see the module docstring.
-RULES: dict[str, Range | str] = {
+RULES: dict[str, Range | Choice | str] = {
     "cost.price_per_gpu_hour": above(0),
     "cost.budget_per_1k_steps": above(0),
     "cost.tiers.warn": above(0, 1000), "cost.tiers.throttle": above(0, 1000), "cost.tiers.stop": above(0, 1000),
@@ -207,6 +246,11 @@ RULES: dict[str, Range | str] = {
     "guard.max_rollbacks_per_hour": at_least(0, 10**6),
     "guard.rollback_lr_factor": between(0, 1, low_open=True),
     "guard.rewarmup_steps": at_least(0, 10**7),
+    "guard.grad_climb_sigma": above(0),
+    "guard.grad_climb_window": at_least(2, 10**6),
+    "guard.grad_climb_min_steps": at_least(2, 10**6),
+    "guard.grad_climb_steps": at_least(1, 10**4),
+    "guard.grad_climb_lag": at_least(0, 10**6),
     "alerts.stall_seconds": above(0, 10**7),
     "alerts.startup_grace_seconds": above(0, 10**7),
     "alerts.gpu_temp_c": above(0, 200),
@@ -244,6 +288,11 @@ RULES: dict[str, Range | str] = {
     "preflight.nccl_ib_timeout_max": at_least(1, 31),
     "preflight.heartbeat_timeout_seconds_max": above(0),
 }
+RULES["restore.evict_stragglers"] = Choice(EVICT_STRAGGLERS_CHOICES)
+RULES.update({   # silent corruption (trainguard/decide/replica.py): 0 turns the replica check off
+    "guard.replica_check_every": at_least(0, 10**7),
+    "guard.replica_cordon_window_seconds": at_least(0, 10**9),
+})
 FALLBACK = at_least(0)      # a numeric key without a row yet (the property test names it): finite, >= 0
 
 
@@ -277,6 +326,7 @@ def _ib_timeouts_in_order(policy: "Policy") -> str | None:
 CROSS_CHECKS = (_tiers_in_order, _rollback_fits_window, _spike_needs_its_window, _ib_timeouts_in_order)
 
 
+
 def parse_duration(value: str) -> float:
     """Seconds of a Prometheus duration (``30s``, ``2m``, ``1h30m``); ValueError if it is not one."""
     match = _DURATION.match(value.strip()) if isinstance(value, str) else None
@@ -289,6 +339,8 @@ def parse_duration(value: str) -> float:
 def _check_value(name: str, default: Any, value: Any) -> Any:
     """The value for field `name` (its default shows the type), or PolicyError's message."""
     rule = RULES.get(name, FALLBACK)
+    if isinstance(rule, Choice):
+        return rule.check(value)
     if rule == DURATION:
         if not isinstance(value, str):
             raise ValueError(f"expected a duration string (like 30s, 2m), got {value!r}")

@@ -28,6 +28,7 @@ from trainguard.agent.families import LabelCache, Spec
 from trainguard.agent.tail import Follower, load_json, save_json_atomic
 from trainguard.agent.training_state import STEP_GAUGES, TrainingState
 from trainguard.decide.cost import CostMeter, clock_of
+from trainguard.decide.straggler import StragglerBoard
 
 
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
@@ -39,12 +40,16 @@ TIER_VALUES = {"ok": 0, "warn": 1, "throttle": 2, "stop": 3}
 
 # Guard and recovery events exported at 0 until they happen (see _families).
 WATCHED_EVENTS = ("skip_step", "rollback", "restore", "action", "checkpoint_saved", "fault_injected", "stop")
+WATCHED_EVENTS += ("replica_mismatch",)   # silent corruption (trainer/replica_check.py): the ReplicaMismatch alert
 
 @register
 class TrainingCollector(Collector):
     name = "training"
     interval = 2.0
     timeout = 10.0
+    # Per-rank straggler scores (trainguard/decide/straggler.py); a class default so a collector made
+    # without __init__ (replay's series) exports none rather than failing.
+    stragglers: StragglerBoard | None = None
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -64,6 +69,7 @@ class TrainingCollector(Collector):
         self.meter = self._cost_meter(opts["policy"] or ctx.policy)
         self.on_decision = None          # set by the agent: callable(Decision)
         self._cost_rank: int | None = None   # the rank whose steps feed the cost meter
+        self.stragglers = StragglerBoard()   # rebuilt from the next steps after an agent restart
         self.restored = self._restore()
 
     # ---------------------------------------------------------------------------------- persistence
@@ -142,7 +148,13 @@ class TrainingCollector(Collector):
             rank = int(match.group(1)) if match else -1
         if self.state.apply(record, rank):
             self._meter_step(record, rank)
+            self._score_step(record, rank)
         return 0
+
+    def _score_step(self, record: dict, rank: int) -> None:
+        metrics = record.get("metrics")
+        if self.stragglers is not None and isinstance(metrics, dict) and rank >= 0:
+            self.stragglers.observe(rank, str(record.get("node") or self.ctx.node), record["step"], metrics)
 
     def _meter_step(self, record: dict, rank: int) -> None:
         if self._cost_rank is None or rank < self._cost_rank:
@@ -177,7 +189,17 @@ class TrainingCollector(Collector):
                        for kind, count in sorted({**_WATCHED_AT_ZERO, **rs.events}.items())]
         families = [spec.family(samples[key]) for key, spec in STEP_SPECS.items()]
         families += [STEP.family(step), LAST_STEP.family(last), STEPS.family(steps), EVENTS.family(events)]
-        return families + self._file_families() + self._checkpoint(now) + self._cost_families()
+        return (families + self._file_families() + self._checkpoint(now) + self._cost_families()
+                + self._straggler_families())
+
+    def _straggler_families(self) -> list:
+        if self.stragglers is None:
+            return []
+        scores = self.stragglers.scores()
+        run_id = self.state.run_id
+        return [STRAGGLER_SCORE.family((_RUN_RANK_NODE.get(run_id, str(s.rank), s.node), s.relative) for s in scores),
+                STRAGGLER_INDIVIDUAL.family((_RUN_RANK_NODE.get(run_id, str(s.rank), s.node), s.individual)
+                                            for s in scores)]
 
     def _file_families(self) -> list:
         names = sorted(set(self.state.records) | set(self.state.malformed))
@@ -218,6 +240,7 @@ _RUN_RANK = LabelCache(["run_id", "rank"])
 _RUN_RANK_TYPE = LabelCache(["run_id", "rank", "type"])
 _RUN = LabelCache(["run_id"])
 _FILE = LabelCache(["file"])
+_RUN_RANK_NODE = LabelCache(["run_id", "rank", "node"])
 _WATCHED_AT_ZERO = dict.fromkeys(WATCHED_EVENTS, 0)
 STEP_SPECS = {key: Spec("gauge", name, text, ["run_id", "rank"]) for key, (name, text) in STEP_GAUGES.items()}
 STEP = Spec("gauge", "trainguard_training_step", "Latest step the rank finished.", ["run_id", "rank"])
@@ -234,6 +257,12 @@ CHECKPOINT_AGE = Spec("gauge", "trainguard_checkpoint_age_seconds", "Seconds sin
 CHECKPOINT_TIME = Spec("gauge", "trainguard_checkpoint_last_timestamp_seconds",
                        "Unix time the latest checkpoint was saved.", ["run_id"])
 CHECKPOINT_STEP = Spec("gauge", "trainguard_checkpoint_last_step", "Step of the latest checkpoint.", ["run_id"])
+STRAGGLER_SCORE = Spec("gauge", "trainguard_rank_straggler_score",
+                       "NVRx relative score of the rank's recent compute time: the fastest rank's median over this "
+                       "rank's (1 = fastest, 0.5 = twice as slow).", ["run_id", "rank", "node"])
+STRAGGLER_INDIVIDUAL = Spec("gauge", "trainguard_rank_straggler_individual_score",
+                            "NVRx individual score: the rank's best median compute time in its history over its "
+                            "recent one (0.5 = twice as slow as it was).", ["run_id", "rank", "node"])
 COST_SPECS = [Spec("gauge", name, text, ["run_id"]) for name, text in (
     ("trainguard_cost_usd", "Cost of the run metered so far (GPU-hours x price)."),
     ("trainguard_cost_per_1k_steps_usd", "Cost per 1000 steps over the recent window."),

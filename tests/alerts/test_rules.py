@@ -22,6 +22,8 @@ CORE_ALERTS = {
     "CommOverheadHigh", "NCCLWatchdogTimeout", "CheckpointStale", "CostBudgetWarn", "CostBudgetThrottle",
     "CostBudgetStop", "EnvironmentMismatch", "AgentDown",
 }
+CORE_ALERTS |= {"TrainingStraggler"}     # second round: fail-slow (alerts/rules.py fail_slow)
+CORE_ALERTS |= {"ReplicaMismatch"}   # second round: silent corruption (alerts/rules.py sdc)
 ACTIONS = {"LossNaN": "rollback", "LossSpike": "rollback", "GradNormExplosion": "rollback",
            "TrainingStalled": "restore", "NCCLWatchdogTimeout": "restore", "CostBudgetWarn": "cost_warn",
            "CostBudgetThrottle": "cost_throttle", "CostBudgetStop": "cost_stop"}

@@ -1,21 +1,24 @@
-"""`Guard.check_columns` and `CostMeter.observe_columns`: a long healthy block is advanced in bulk (the
-step-by-step loop barely runs), one event in it is found at its index with a short stretch decided step by
-step, and the decisions and the state are those of `check_many` / `observe_many`, to the bit.
+"""`trainguard.decide.batch`: a long healthy block is advanced in bulk (the step-by-step loop barely runs),
+one event in it is found at its index with a short stretch decided step by step, and the decisions and
+the state are those of the rules' own loop (`Guard.observe`, `CostMeter.observe`), to the bit.
 
 The random comparisons are in tests/property/test_decide_properties.py; here the cases they reach rarely:
-a norm one ulp over the threshold where the screens' floor is the EMA itself, clock codes naming one node.
+a norm one ulp over the threshold where the screens' floor is the EMA itself, clock codes naming one node,
+and a rule without a screen (decided step by step, correctly).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
 
+from trainguard.decide import batch
+from trainguard.decide.batch import MIN_SCREENED, Block
 from trainguard.decide.cost import CostMeter
-from trainguard.decide.guard import Guard
-from trainguard.decide.screen import MIN_SCREENED
+from trainguard.decide.guard import Guard, StepStats
 from trainguard.policy import CostPolicy, GuardPolicy
 
 NAMES = ("embed", "h.0", "h.1", "ln_f")
@@ -32,25 +35,40 @@ def healthy(count: int, seed: int = 0, start: int = 1) -> dict:
                 seconds=50.0 + 0.25 * np.arange(count) + rng.uniform(0, 1e-3, count))
 
 
-def guard_columns(guard: Guard, run: dict, a: int = 0, b: int | None = None):
+def block(run: dict, a: int = 0, b: int | None = None, nodes=("node-0",), layers: bool = True) -> Block:
     b = len(run["steps"]) if b is None else b
-    return guard.check_columns(run["steps"][a:b], run["losses"][a:b], run["grads"][a:b], run["times"][a:b],
-                               NAMES, run["norms"][a:b])
+    return Block(run["steps"][a:b], run["losses"][a:b], run["grads"][a:b], run["times"][a:b], run["gpus"][a:b],
+                 run["codes"][a:b], run["seconds"][a:b], nodes, NAMES if layers else None,
+                 run["norms"][a:b] if layers else None)
+
+
+def guard_columns(guard: Guard, run: dict, a: int = 0, b: int | None = None):
+    return batch.guard_block(guard, block(run, a, b))
 
 
 def guard_many(guard: Guard, run: dict):
-    return guard.check_many(run["steps"].tolist(), run["losses"].tolist(), run["grads"].tolist(), run["times"].tolist(),
-                            [dict(zip(NAMES, row)) for row in run["norms"].tolist()])
+    """The guard's own loop, one step at a time."""
+    found = []
+    for i, (step, loss, grad, when, row) in enumerate(zip(run["steps"].tolist(), run["losses"].tolist(),
+                                                          run["grads"].tolist(), run["times"].tolist(),
+                                                          run["norms"].tolist())):
+        if decision := guard.observe(StepStats(step, loss, grad, dict(zip(NAMES, row)), when)):
+            found.append((i, decision))
+    return found
 
 
 def meter_columns(meter: CostMeter, run: dict, nodes=("node-0",)):
-    return meter.observe_columns(run["steps"], run["times"], run["gpus"], run["codes"], run["seconds"], nodes)
+    return batch.meter_block(meter, block(run, nodes=nodes))
 
 
 def meter_many(meter: CostMeter, run: dict, nodes=("node-0",)):
-    clocks = [None if code < 0 else (nodes[code], s) for code, s in zip(run["codes"].tolist(), run["seconds"].tolist())]
-    return meter.observe_many(run["steps"].tolist(), run["times"].tolist(), [g or None for g in run["gpus"].tolist()],
-                              clocks)
+    """The meter's own loop, one record at a time."""
+    found = []
+    for i, (step, when, gpus, code, at) in enumerate(zip(run["steps"].tolist(), run["times"].tolist(),
+                                                         run["gpus"].tolist(), run["codes"].tolist(),
+                                                         run["seconds"].tolist())):
+        found += [(i, d) for d in meter.observe(step, when, gpus or None, None if code < 0 else (nodes[code], at))]
+    return found
 
 
 def guard_state(guard: Guard) -> tuple:
@@ -63,20 +81,20 @@ def meter_state(meter: CostMeter) -> tuple:
 
 @pytest.fixture
 def stepped(monkeypatch):
-    """How many steps (and records) went through the step-by-step loops."""
+    """How many steps (and records) went through the rules' own step loops."""
     counted = {"guard": 0, "meter": 0}
-    check_steps, meter = Guard._check_steps, CostMeter._meter
+    observe, take = Guard.observe, CostMeter.take
 
-    def counting_check_steps(self, steps, *args):
-        counted["guard"] += len(steps)
-        return check_steps(self, steps, *args)
+    def counting_observe(self, stats):
+        counted["guard"] += 1
+        return observe(self, stats)
 
-    def counting_meter(self, steps, *args):
-        counted["meter"] += len(steps)
-        return meter(self, steps, *args)
+    def counting_take(self, *args):
+        counted["meter"] += 1
+        return take(self, *args)
 
-    monkeypatch.setattr(Guard, "_check_steps", counting_check_steps)
-    monkeypatch.setattr(CostMeter, "_meter", counting_meter)
+    monkeypatch.setattr(Guard, "observe", counting_observe)
+    monkeypatch.setattr(CostMeter, "take", counting_take)
     return counted
 
 
@@ -134,7 +152,7 @@ def test_missing_layer_norms_and_a_late_layer(stepped):
     assert stepped["guard"] <= 3 * MIN_SCREENED
     assert repr(found) == repr(guard_many(by_steps, run))
     assert guard_state(guard) == guard_state(by_steps)
-    assert list(guard.layer_ema) == list(by_steps.layer_ema)
+    assert list(guard.state_dict()["layer_ema"]) == list(by_steps.state_dict()["layer_ema"])
 
 
 def test_a_run_of_bad_steps_rolls_back_then_stops_as_step_by_step():
@@ -255,3 +273,39 @@ def test_steps_going_back_near_the_end_of_a_block_leave_a_short_window():
         assert repr(meter_columns(meter, part)) == repr(meter_many(by_steps, part))
         assert meter_state(meter) == meter_state(by_steps)
         assert list(meter.window) == list(by_steps.window)
+
+
+class Climb:
+    """A rule with no screen in batch.py: the grad norm above 2 after step 100 is "too high"."""
+
+    reason = "too_high"
+
+    def __init__(self):
+        self.seen = 0
+
+    def check(self, stats):
+        return {"grad_norm": stats.grad_norm} if self.seen > 100 and stats.grad_norm > 2.0 else None
+
+    def learn(self, stats):
+        self.seen += 1
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = state.get("seen", 0)
+
+
+def test_a_rule_without_a_screen_is_decided_step_by_step_and_correctly(stepped):
+    """The trap the old guard had (forget a screen, and replay skips the rule in bulk) cannot happen:
+    a guard with a rule batch.py has no screen for goes through the rules' loop for every step."""
+    run = healthy(3_000)
+    run["grads"][2_000] = 3.0
+    guard, by_steps = Guard(), Guard()
+    guard.rules += (Climb(),)
+    by_steps.rules += (Climb(),)
+    found = guard_columns(guard, run)
+    assert [(i, d.reason) for i, d in found] == [(2_000, "too_high")]
+    assert stepped["guard"] == 3_000
+    assert repr(found) == repr(guard_many(by_steps, run))
+    assert guard_state(guard) == guard_state(by_steps)

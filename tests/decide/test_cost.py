@@ -1,4 +1,9 @@
-from trainguard.decide.cost import CostMeter
+import math
+
+import numpy as np
+
+from trainguard.decide import batch
+from trainguard.decide.cost import CostMeter, cost_per_1k_steps, gpu_cost
 from trainguard.policy import CostPolicy, CostTiers
 
 
@@ -63,7 +68,18 @@ def test_a_record_without_a_clock_ends_the_clock_one_at_a_time_as_in_a_batch():
     one = CostMeter(CostPolicy())
     for step, (when, clock) in enumerate(zip(times, clocks)):
         one.observe(step, when, 8, clock)
-    batch = CostMeter(CostPolicy())
-    batch.observe_many(range(4), times, [8] * 4, clocks)
-    assert one.state_dict() == batch.state_dict()
+    block = CostMeter(CostPolicy())
+    codes = [-1 if clock is None else 0 for clock in clocks]
+    seconds = [math.nan if clock is None else clock[1] for clock in clocks]
+    batch.meter_block(block, batch.Block(np.arange(4), np.array(times), np.array(times), np.array(times),
+                                         np.full(4, 8), np.array(codes), np.array(seconds), ["n"]))
+    assert one.state_dict() == block.state_dict()
     assert one.state_dict()["clock_anchor"] == ["n", 181.0, 5000.0]
+
+
+def test_the_cost_formula_is_one_function_for_numbers_and_columns():
+    """The trainer's cost summary and the meter's screens call these: 8 GPUs for 7.5 h at $2 is $120."""
+    assert gpu_cost(7.5 * 3600, 8, 2.0) == 120.0
+    assert cost_per_1k_steps(7.5 * 3600, 8, 2.0, 1000) == 120.0
+    columns = cost_per_1k_steps(np.array([27_000.0, 54_000.0]), np.array([8, 8]), 2.0, np.array([1000, 1000]))
+    assert columns.tolist() == [120.0, 240.0]

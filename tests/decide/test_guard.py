@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from trainguard.decide.guard import STOP, Guard, StepStats
+from trainguard.actions import STOP
+from trainguard.decide.guard import Guard, StepStats
 from trainguard.policy import GuardPolicy
 
 
@@ -37,9 +38,10 @@ def test_loss_spike_waits_for_min_steps_then_skips():
 def test_bad_steps_do_not_raise_the_bar():
     guard = Guard()
     healthy(guard, 100)
-    before = guard.losses.threshold(6.0)
+    window = guard.rule("loss_spike").window
+    before = window.threshold(6.0, 1e-3)
     guard.observe(StepStats(100, 80.0, 1.0))
-    assert guard.losses.threshold(6.0) == before
+    assert window.threshold(6.0, 1e-3) == before
 
 
 def test_gradient_explosion_global_and_per_layer():
@@ -95,3 +97,25 @@ def test_state_round_trip_keeps_decisions_identical():
     b.load_state_dict(a.state_dict())
     for s in (StepStats(200, 99.0, 1.0), StepStats(201, 2.8, 30.0), StepStats(202, 2.8, 1.0)):
         assert a.observe(s) == b.observe(s)
+
+
+def test_the_rules_are_asked_in_order_and_the_first_names_the_step():
+    """A NaN loss is also no spike and no explosion: the first rule (non-finite) names it. A step no rule
+    finds bad is learned by every rule; one some rule finds bad by none."""
+    guard = Guard()
+    assert [rule.reason for rule in guard.rules][:3] == ["nan", "loss_spike", "grad_explosion"]
+    healthy(guard, 100)
+    before = repr(guard.state_dict())
+    assert guard.observe(StepStats(100, 80.0, 500.0)).reason == "loss_spike"    # a spike and an explosion
+    assert repr(guard.state_dict()) == before
+
+
+def test_state_dict_keeps_its_keys_for_checkpoints_written_before():
+    """Checkpoints carry the guard's state: the keys the trainer's checkpoints have always had stay."""
+    guard = Guard()
+    healthy(guard, 30)
+    state = guard.state_dict()
+    assert {"losses", "loss_sums", "grad_ema", "good_grad_steps", "layer_ema", "rollbacks", "stopped"} <= set(state)
+    resumed = Guard()
+    resumed.load_state_dict({key: state[key] for key in ("losses", "grad_ema", "good_grad_steps", "layer_ema")})
+    assert resumed.state_dict()["losses"] == state["losses"]

@@ -53,11 +53,11 @@ def test_startup_data_wait_checkpoint_stall_and_shutdown():
     assert result.productive_seconds == pytest.approx(9.75)
     assert result.badput_seconds == pytest.approx({"startup": 4, "checkpoint_save": 0.5, "evaluation": 0,
                                                    "rollback": 0,
-                                                   "restart_recovery": 0, "stalls": 5, "data_wait": 0.25,
+                                                   "restart_recovery": 0, "stall": 5, "data_wait": 0.25,
                                                    "skipped_steps": 0, "other": 0.5})
     assert result.goodput_ratio == pytest.approx(9.75 / 20)
     assert result.median_step_seconds == 1 and result.productive_steps == 10
-    assert result.badput_ratio["stalls"] == pytest.approx(0.25)
+    assert result.badput_ratio["stall"] == pytest.approx(0.25)
     assert_adds_up(result)
 
 
@@ -105,7 +105,7 @@ def test_a_restart_costs_the_downtime_and_the_steps_since_the_checkpoint(announc
     result = compute(_crashed_run(announced).records)
     assert result.restarts == 1 and result.total_seconds == 28
     assert result.badput_seconds["restart_recovery"] == pytest.approx((24 - 6.5) + 2)  # downtime; steps 5, 6
-    assert result.badput_seconds["stalls"] == pytest.approx(0.5)                        # after step 6, before dying
+    assert result.badput_seconds["stall"] == pytest.approx(0.5)                        # after step 6, before dying
     assert result.productive_seconds == pytest.approx(4 + 4)
     assert_adds_up(result)
 
@@ -114,7 +114,7 @@ def test_a_restart_that_restores_nothing_is_seen_from_run_start():
     run = Run().event(0, "run_start").steps(1, 1, 3).event(3.5, "fault_injected", kind="crash")
     run.event(10, "run_start").step(12, 1, step_time=1).steps(13, 2, 3)
     result = compute(run.records)
-    assert result.restarts == 1 and result.badput_seconds["stalls"] == pytest.approx(0.5)
+    assert result.restarts == 1 and result.badput_seconds["stall"] == pytest.approx(0.5)
     assert result.badput_seconds["restart_recovery"] == pytest.approx((11 - 3.5) + 3)
     assert result.productive_seconds == pytest.approx(3)
 
@@ -136,14 +136,14 @@ def test_evaluation_time_is_its_own_cause_not_a_stall():
     result = compute(run.records)
     assert result.badput_seconds["evaluation"] == pytest.approx(2.5)
     assert result.badput_seconds["checkpoint_save"] == pytest.approx(0.1)
-    assert result.badput_seconds["stalls"] == 0 and result.productive_seconds == pytest.approx(10)
+    assert result.badput_seconds["stall"] == 0 and result.productive_seconds == pytest.approx(10)
     assert_adds_up(result)
 
 
 def test_stall_factor_is_configurable():
     run = Run().steps(0, 1, 9).step(10.5, 10)   # one step of 2.5 s among 1 s steps
-    assert compute(run.records).badput_seconds["stalls"] == 0
-    assert compute(run.records, GoodputConfig(stall_factor=2)).badput_seconds["stalls"] == pytest.approx(1.5)
+    assert compute(run.records).badput_seconds["stall"] == 0
+    assert compute(run.records, GoodputConfig(stall_factor=2)).badput_seconds["stall"] == pytest.approx(1.5)
 
 
 def test_records_out_of_order_and_nothing_at_all():
@@ -182,3 +182,50 @@ def test_any_sequence_of_records_adds_up(items):
     result = compute(run.records)
     assert_adds_up(result)
     assert result.total_seconds == pytest.approx(t - items[0][0] if items else 0)
+
+
+def _hung_run(decided: bool) -> Run:
+    """Steps 1..10 at t=1..10, hung after step 10; the agent decides to restore at 25; the ranks restart
+    and resume from step 8 (restored) with their first step starting at 40."""
+    from trainguard.goodput import Incident  # noqa: F401  (imported by the tests below)
+
+    run = Run().event(0, "run_start").steps(1, 1, 10)
+    run.event(10.5, "fault_injected", kind="hang")
+    if decided:   # the agent's records, as node-<host>-actions.jsonl holds them
+        run.event(25.0, "alert", alertname="TrainingStalled", outcome="act", action="restore", decided_at=25.0)
+        run.event(25.0, "action", action="restore", id="restore-1", issued_at=25.0)
+    run.event(38, "checkpoint_restored", step=8).event(39, "run_start", resumed_from=8)
+    run.step(41, 9, step_time=1).steps(42, 10, 12)
+    return run
+
+
+def test_a_hang_is_stall_until_the_restore_decision_then_restart_recovery():
+    from trainguard.goodput import Incident
+
+    incidents = [Incident("far-away", 500.0), Incident("hang-1", 24.0)]
+    result = compute(_hung_run(decided=True).records, incidents=incidents)
+    [hang] = result.hangs
+    assert (hang.last_progress, hang.decided_at, hang.resumed_at) == (10, 25, 40)
+    assert hang.stall_seconds == pytest.approx(15) and hang.restart_recovery_seconds == pytest.approx(15)
+    assert hang.decided_by == "restore-1" and hang.incident == "hang-1"
+    assert result.badput_seconds["stall"] == pytest.approx(15)
+    assert result.badput_seconds["restart_recovery"] == pytest.approx(15 + 2)     # and steps 9, 10 redone
+    assert result.total_seconds == 44 and result.restarts == 1
+    assert_adds_up(result)
+
+
+def test_without_a_decision_the_stall_ends_at_the_dead_process_last_record():
+    result = compute(_hung_run(decided=False).records)
+    [hang] = result.hangs
+    assert hang.decided_at is None and hang.decided_by is None and hang.incident is None
+    assert hang.stall_seconds == pytest.approx(0.5)          # to the fault_injected record
+    assert hang.restart_recovery_seconds == pytest.approx(40 - 10.5)
+    assert_adds_up(result)
+
+
+def test_a_decision_not_followed_by_a_restart_changes_nothing():
+    run = Run().event(0, "run_start").steps(1, 1, 5)
+    run.event(5.5, "action", action="restore", id="restore-1", issued_at=5.5)   # the restart never came
+    run.steps(6, 6, 8)
+    result = compute(run.records)
+    assert result.hangs == () and result.restarts == 0 and result.total_seconds == 8

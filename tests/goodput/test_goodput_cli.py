@@ -83,3 +83,29 @@ def test_exit_2_without_a_log_or_records(tmp_path, capsys):
 @pytest.fixture
 def key_file(tmp_path):
     return tmp_path / "keys" / "checkpoint.key"
+
+
+def test_a_hang_is_split_at_the_agents_decision_and_names_its_incident(tmp_path, capsys):
+    from trainguard import incidents
+
+    with tls.Writer(tmp_path / "tls" / "rank-0.jsonl") as writer:
+        writer.write(tls.event("run_start", timestamp=1000.0))
+        for step in range(1, 6):
+            writer.write(tls.make_record(step=step, timestamp=1000.0 + step, metrics={"step_time_seconds": 1.0}))
+        writer.write(tls.event("checkpoint_restored", step=4, timestamp=1030.0))
+        writer.write(tls.event("run_start", timestamp=1031.0, resumed_from=4))
+        for step in range(5, 8):
+            writer.write(tls.make_record(step=step, timestamp=1028.0 + step, metrics={"step_time_seconds": 1.0}))
+    with tls.Writer(tmp_path / "tls" / "node-n1-actions.jsonl") as writer:
+        writer.write({**tls.event("action", timestamp=1017.0, id="restore-7", action="restore", issued_at=1017.0),
+                      "node": "n1"})
+    incidents.write_incident(tmp_path, incidents.Incident("hang-7", "hang", 1016.5, "n1", action="restore"))
+    assert main(["goodput", str(tmp_path), "--json"]) == 0
+    [hang] = json.loads(capsys.readouterr().out)["hangs"]
+    assert hang == {"last_progress": 1005.0, "decided_at": 1017.0, "resumed_at": 1032.0, "stall_seconds": 12.0,
+                    "restart_recovery_seconds": 15.0, "decided_by": "restore-7", "incident": "hang-7"}
+    (tmp_path / "incidents" / "bad").mkdir()
+    (tmp_path / "incidents" / "bad" / "incident.json").write_text("{")
+    assert main(["goodput", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "incident hang-7" in captured.out and "incidents/bad/incident.json: not JSON" in captured.err

@@ -1,14 +1,11 @@
-"""The batched guard and cost meter decide exactly as the plain step-by-step code did.
+"""The batch path decides exactly as the rules do, step by step.
 
-`Guard.check_many` and `CostMeter.observe_many` keep their state in local names and inline the healthy
-path for speed (replay runs them once per recorded step). Held here to the plain implementations they
-replaced (tests/decide/reference_*.py): over random runs with NaNs, spikes, exploding gradients and
-layers, steps and clocks that go back, cut into random batches, every decision (action, reason, step,
-time, detail) and the state left behind must be equal, to the bit.
-
-`Guard.check_columns` and `CostMeter.observe_columns` (arrays in, a screened stretch advanced in bulk) are
-held to the same references, over the same runs and over long ones (`long_runs`): hundreds of healthy
-steps, so the bulk path is really taken, with a few rare events where the screens must hand over.
+`trainguard.decide.batch` decides a block of steps with array screens beside the guard's rules and the
+cost meter's loop, and takes healthy stretches in bulk. Held here to the product's own step loops
+(`Guard.observe`, `CostMeter.observe`) over random runs with NaNs, spikes, exploding gradients and layers,
+steps and clocks that go back, cut into random blocks, and over long ones (`long_runs`): hundreds of
+healthy steps, so the bulk path is really taken, with a few rare events where the screens must hand over.
+Every decision (action, reason, step, time, detail) and the state left behind must be equal, to the bit.
 """
 
 from __future__ import annotations
@@ -21,10 +18,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.decide import reference_cost, reference_guard
 from tests.property.conftest import examples
+from trainguard.decide import batch
 from trainguard.decide.cost import CostMeter
-from trainguard.decide.guard import Guard
+from trainguard.decide.guard import Guard, StepStats
 from trainguard.policy import CostPolicy, CostTiers, GuardPolicy
 
 LOSSES = st.one_of(st.floats(2.0, 3.0), st.floats(2.0, 3.0), st.floats(2.0, 3.0), st.floats(3.0, 100.0),
@@ -102,67 +99,14 @@ def long_runs(draw):
     return rows
 
 
-def batches(draw, rows):
-    """`rows` cut into consecutive batches of random sizes."""
-    cuts = sorted(draw(st.lists(st.integers(0, len(rows)), max_size=6)))
-    edges = [0, *cuts, len(rows)]
-    return [rows[a:b] for a, b in zip(edges, edges[1:]) if b > a]
-
-
 def same_decision(ours, theirs) -> bool:
     return (ours.action, ours.reason, ours.step, ours.timestamp, repr(ours.detail)) == (
         theirs.action, theirs.reason, theirs.step, theirs.timestamp, repr(theirs.detail))
 
 
-@settings(max_examples=examples(60))
-@given(rows=st.one_of(runs(), layered_runs()), data=st.data(), window=st.integers(4, 32), spike_min=st.integers(2, 40),
-       grad_min=st.integers(1, 20), after=st.integers(1, 4), per_hour=st.integers(0, 3))
-def test_guard_batches_decide_as_the_step_by_step_guard(rows, data, window, spike_min, grad_min, after, per_hour):
-    policy = GuardPolicy(spike_window=window, spike_min_steps=spike_min, grad_min_steps=grad_min,
-                         rollback_after=after, rollback_window=10, max_rollbacks_per_hour=per_hour)
-    reference, guard = reference_guard.Guard(policy), Guard(policy)
-    expected = [(i, d) for i, (step, loss, grad, layers, when, _) in enumerate(rows)
-                if (d := reference.check(step, loss, grad, layers, when)).action is not None]
-    found, offset = [], 0
-    for batch in batches(data.draw, rows):
-        steps, losses, grads, layers, times, _ = zip(*batch)
-        found += [(offset + i, d) for i, d in guard.check_many(steps, losses, grads, times, layers)]
-        offset += len(batch)
-    assert [i for i, _ in found] == [i for i, _ in expected]
-    assert all(same_decision(ours, theirs) for (_, ours), (_, theirs) in zip(found, expected))
-    state = guard.state_dict()
-    assert state["losses"] == list(reference.losses.values)
-    assert state["loss_sums"] == [reference.losses.total, reference.losses.total_sq]
-    assert (state["grad_ema"], state["good_grad_steps"], state["layer_ema"]) == (
-        reference.grad_ema, reference.good_grad_steps, reference.layer_ema)
-    assert (guard.observed, list(guard.bad), guard.stopped) == (reference.observed, list(reference.bad), reference.stopped)
-
-
-@settings(max_examples=examples(60))
-@given(rows=runs(), data=st.data(), window=st.integers(2, 40), min_steps=st.integers(1, 30),
-       budget=st.sampled_from([0.001, 0.01, 0.05, 1.0]), override=st.sampled_from([0, 0, 2]))
-def test_cost_batches_meter_as_the_step_by_step_meter(rows, data, window, min_steps, budget, override):
-    policy = CostPolicy(price_per_gpu_hour=2.5, budget_per_1k_steps=budget, window_steps=window,
-                        min_steps=min_steps, gpu_count_override=override,
-                        tiers=CostTiers(warn=0.0, throttle=0.5, stop=2.0))
-    reference, meter = reference_cost.CostMeter(policy), CostMeter(policy)
-    expected = [(i, d) for i, (step, _, _, _, when, gpus) in enumerate(rows)
-                for d in reference.observe(step, when, gpus)]
-    found, offset = [], 0
-    for batch in batches(data.draw, rows):
-        steps, _, _, _, times, gpus = zip(*batch)
-        found += [(offset + i, d) for i, d in meter.observe_many(steps, times, gpus)]
-        offset += len(batch)
-    assert [(i, d.action) for i, d in found] == [(i, d.action) for i, d in expected]
-    assert all(same_decision(ours, theirs) for (_, ours), (_, theirs) in zip(found, expected))
-    assert dataclasses.asdict(meter.state) == dataclasses.asdict(reference.state)
-    assert (list(meter.window), meter.fired, meter._last_time) == (
-        list(reference.window), reference.fired, reference._last_time)
-
-
 def columns(rows):
-    """`rows` as `check_columns` and `observe_columns` take them, and the layer names; with the rows' layers
-    as `check_many` takes the same norms (NaN where a row has none, in the names' order)."""
+    """`rows` as columns, and the layer names; with the rows' layers as the rules read the same norms (NaN
+    where a row has none, in the names' order)."""
     steps, losses, grads, layers, times, gpus, *clocks = zip(*rows)
     names = tuple(sorted({name for norms in layers if norms for name in norms})) or None
     norms = [[(row or {}).get(name, math.nan) for name in names or ()] for row in layers]
@@ -172,7 +116,16 @@ def columns(rows):
                 gpus=np.array([g or 0 for g in gpus], dtype=np.int64),
                 codes=np.array([-1 if c is None else c[0] for c in clocks], dtype=np.int64),
                 seconds=np.array([math.nan if c is None else c[1] for c in clocks]),
-                layers=[dict(zip(names, row)) if names else None for row in norms])
+                layers=[dict(zip(names, row)) if names else None for row in norms], rows=layers)
+
+
+def block(columns: dict, a: int, b: int, *, as_dicts: bool = False, nodes=NODES) -> batch.Block:
+    """Rows [a, b) as a block: layer norms as one array, or (`as_dicts`) each row's own dict, as replay
+    hands over layer groups that differ from step to step."""
+    layers = {"layers": list(columns["rows"][a:b])} if as_dicts else {
+        "layer_names": columns["names"], "layer_norms": columns["norms"][a:b] if columns["names"] else None}
+    return batch.Block(columns["steps"][a:b], columns["losses"][a:b], columns["grads"][a:b], columns["times"][a:b],
+                       columns["gpus"][a:b], columns["codes"][a:b], columns["seconds"][a:b], nodes, **layers)
 
 
 def cut(draw, count):
@@ -182,66 +135,60 @@ def cut(draw, count):
 
 
 @settings(max_examples=examples(100))
-@given(rows=st.one_of(runs(), layered_runs(), long_runs(), long_runs()), data=st.data(),
+@given(rows=st.one_of(runs(), layered_runs(), long_runs(), long_runs()), data=st.data(), as_dicts=st.booleans(),
        window=st.integers(4, 64), spike_min=st.integers(2, 40), grad_min=st.integers(1, 20),
-       after=st.sampled_from([1, 2, 4, 1000]), per_hour=st.sampled_from([0, 1, 3, 1000]))
-def test_guard_columns_decide_as_the_step_by_step_guard(rows, data, window, spike_min, grad_min, after, per_hour):
-    """Escalation limits from none to soon, so that some guards stop and most run through their events."""
+       after=st.sampled_from([1, 2, 4, 1000]), per_hour=st.sampled_from([0, 1, 3, 1000]),
+       climb=st.tuples(st.sampled_from([1.0, 3.0, 6.0]), st.integers(4, 64), st.integers(2, 40), st.integers(1, 8),
+                       st.integers(0, 40)))
+def test_guard_blocks_decide_as_the_guards_rules(rows, data, as_dicts, window, spike_min, grad_min, after, per_hour,
+                                                 climb):
+    """Escalation limits from none to soon, so that some guards stop and most run through their events; the
+    gradient-climb rule from touchy (sigma 1: it fires often, sustained or not) to the default."""
+    sigma, climb_window, climb_min, climb_steps, lag = climb
     policy = GuardPolicy(spike_window=window, spike_min_steps=spike_min, grad_min_steps=grad_min,
-                         rollback_after=after, rollback_window=10, max_rollbacks_per_hour=per_hour)
-    reference, guard, block = reference_guard.Guard(policy), Guard(policy), columns(rows)
-    expected = [(i, d) for i, (step, loss, grad, layers, when) in enumerate(zip(
-        block["steps"].tolist(), block["losses"].tolist(), block["grads"].tolist(), block["layers"],
-        block["times"].tolist())) if (d := reference.check(step, loss, grad, layers, when)).action is not None]
+                         rollback_after=after, rollback_window=10, max_rollbacks_per_hour=per_hour,
+                         grad_climb_sigma=sigma, grad_climb_window=climb_window, grad_climb_min_steps=climb_min,
+                         grad_climb_steps=climb_steps, grad_climb_lag=lag)
+    reference, guard, block_columns = Guard(policy), Guard(policy), columns(rows)
+    layers = block_columns["rows"] if as_dicts else block_columns["layers"]
+    expected = [(i, d) for i, (step, loss, grad, norms, when) in enumerate(zip(
+        block_columns["steps"].tolist(), block_columns["losses"].tolist(), block_columns["grads"].tolist(), layers,
+        block_columns["times"].tolist())) if (d := reference.observe(StepStats(step, loss, grad, norms, when)))]
     found = []
     for a, b in cut(data.draw, len(rows)):
-        found += [(a + i, d) for i, d in guard.check_columns(
-            block["steps"][a:b], block["losses"][a:b], block["grads"][a:b], block["times"][a:b],
-            block["names"], block["norms"][a:b] if block["names"] else None)]
+        found += [(a + i, d) for i, d in batch.guard_block(guard, block(block_columns, a, b, as_dicts=as_dicts))]
     assert [i for i, _ in found] == [i for i, _ in expected]
     assert all(same_decision(ours, theirs) for (_, ours), (_, theirs) in zip(found, expected))
     assert all(type(d.step) is int and type(d.timestamp) is float for _, d in found)
-    state = guard.state_dict()
-    assert state["losses"] == list(reference.losses.values)
-    assert state["loss_sums"] == [reference.losses.total, reference.losses.total_sq]
-    assert (state["grad_ema"], state["good_grad_steps"], state["layer_ema"]) == (
-        reference.grad_ema, reference.good_grad_steps, reference.layer_ema)
-    assert list(state["layer_ema"]) == list(reference.layer_ema)      # made in the same order
-    assert (guard.observed, list(guard.bad), guard.stopped, list(guard.rollbacks)) == (
-        reference.observed, list(reference.bad), reference.stopped, list(reference.rollbacks))
+    assert repr(guard.state_dict()) == repr(reference.state_dict())
+    assert list(guard.state_dict()["layer_ema"]) == list(reference.state_dict()["layer_ema"])   # the same order
+    assert (guard.observed, list(guard.bad)) == (reference.observed, list(reference.bad))
 
 
 @settings(max_examples=examples(60))
 @given(rows=st.one_of(runs(), long_runs(), long_runs()), data=st.data(), clocked=st.booleans(),
        window=st.integers(2, 60), min_steps=st.integers(1, 30),
-       budget=st.sampled_from([0.01, 1.0, 2.5, 3.0, 5.0, 50.0]), override=st.sampled_from([0, 0, 2]))
-def test_cost_columns_meter_as_the_step_by_step_meter(rows, data, clocked, window, min_steps, budget, override):
-    """Without clocks held to the plain reference; with them (which it does not know) to the meter's own
-    loop, `observe_many`, over one record at a time (a record without a clock as None in `clocks`: it ends
-    the clock's run, where `observe(clock=None)` would leave it be)."""
+       budget=st.sampled_from([0.001, 0.01, 1.0, 2.5, 3.0, 5.0, 50.0]), override=st.sampled_from([0, 0, 2]))
+def test_meter_blocks_meter_as_the_meters_loop(rows, data, clocked, window, min_steps, budget, override):
+    """A record without a clock (code -1) is `observe(..., clock=None)`: it ends the clock being followed."""
     policy = CostPolicy(price_per_gpu_hour=2.5, budget_per_1k_steps=budget, window_steps=window,
                         min_steps=min_steps, gpu_count_override=override,
                         tiers=CostTiers(warn=0.0, throttle=0.5, stop=2.0))
-    block, clocked = columns(rows), clocked and len(rows[0]) == 7
-    reference = CostMeter(policy) if clocked else reference_cost.CostMeter(policy)
-    meter = CostMeter(policy)
+    block_columns = columns(rows)
+    if not clocked:
+        block_columns["codes"][:] = -1
+    reference, meter = CostMeter(policy), CostMeter(policy)
     expected = []
     for i, (step, when, gpus, code, seconds) in enumerate(zip(
-            block["steps"].tolist(), block["times"].tolist(), block["gpus"].tolist(), block["codes"].tolist(),
-            block["seconds"].tolist())):
-        if clocked:
-            clock = None if code < 0 else (NODES[code], seconds)
-            expected += [(i, d) for _, d in reference.observe_many((step,), (when,), (gpus or None,), (clock,))]
-        else:
-            expected += [(i, d) for d in reference.observe(step, when, gpus or None)]
+            block_columns["steps"].tolist(), block_columns["times"].tolist(), block_columns["gpus"].tolist(),
+            block_columns["codes"].tolist(), block_columns["seconds"].tolist())):
+        clock = None if code < 0 else (NODES[code], seconds)
+        expected += [(i, d) for d in reference.observe(step, when, gpus or None, clock)]
     found = []
     for a, b in cut(data.draw, len(rows)):
-        found += [(a + i, d) for i, d in meter.observe_columns(
-            block["steps"][a:b], block["times"][a:b], block["gpus"][a:b],
-            *((block["codes"][a:b], block["seconds"][a:b], NODES) if clocked else ()))]
+        found += [(a + i, d) for i, d in batch.meter_block(meter, block(block_columns, a, b))]
     assert [(i, d.action) for i, d in found] == [(i, d.action) for i, d in expected]
     assert all(same_decision(ours, theirs) for (_, ours), (_, theirs) in zip(found, expected))
     assert all(type(d.step) is int and type(d.timestamp) is float for _, d in found)
     assert dataclasses.asdict(meter.state) == dataclasses.asdict(reference.state)
-    assert (list(meter.window), meter.fired, meter._last_time, meter._anchor) == (
-        list(reference.window), reference.fired, reference._last_time, reference._anchor)
+    assert repr(meter.state_dict()) == repr(reference.state_dict())

@@ -21,7 +21,7 @@ from alerts import rules
 from tests.property.conftest import examples
 from trainguard import policy as policy_mod
 from trainguard.decide.cost import CostMeter
-from trainguard.decide.guard import Guard
+from trainguard.decide.guard import Guard, StepStats
 
 
 def leaf_keys() -> list[tuple[str, object]]:
@@ -68,7 +68,7 @@ def run_everything(policy: policy_mod.Policy) -> None:
     guard = Guard(policy.guard)
     for step in range(1, 120):
         loss = math.nan if step == 70 else 50.0 if step % 37 == 0 else 2.0 + 0.01 * (step % 5)
-        guard.check(step, loss, 1.0 + (1e4 if step == 90 else 0.0), {"h.0": 0.5}, timestamp=1000.0 + step)
+        guard.observe(StepStats(step, loss, 1.0 + (1e4 if step == 90 else 0.0), {"h.0": 0.5}, 1000.0 + step))
     meter = CostMeter(policy.cost)
     for step in range(1, 120):
         meter.observe(step, 1000.0 + 3.0 * step, gpu_count=8)

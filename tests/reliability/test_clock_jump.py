@@ -16,7 +16,7 @@ import pytest
 
 from trainguard.agent.actions_embedded import StallWatchdog
 from trainguard.decide.cost import CostMeter
-from trainguard.decide.guard import Guard
+from trainguard.decide.guard import Guard, StepStats
 from trainguard.decide.ledger import Ledger, Notice
 from trainguard.policy import CostPolicy, GuardPolicy
 
@@ -112,7 +112,7 @@ def test_each_tier_fires_at_most_once_however_the_clock_moves():
 
 def guard_run(times: list[float], losses: list[float], policy: GuardPolicy | None = None) -> list[tuple]:
     guard = Guard(policy or GuardPolicy(spike_min_steps=20, grad_min_steps=20))
-    return [(d.action, d.reason) for d in (guard.check(i, loss, 1.0, None, when)
+    return [(d.action, d.reason) for d in (guard.observe(StepStats(i, loss, 1.0, None, when))
                                            for i, (loss, when) in enumerate(zip(losses, times)))]
 
 

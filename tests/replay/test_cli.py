@@ -163,3 +163,40 @@ def test_a_log_of_many_chunks_replays_as_its_compressed_copy(tmp_path):
         documents.append(document)
     assert documents[0]["actions"] and documents[0]["malformed"] >= 30
     assert documents[0] == documents[1]
+
+
+def test_the_recorded_side_lists_every_source_once(tmp_path, capsys):
+    """The trainer's decisions and restart, the agent's verdict and action, the control request: merged by id."""
+    run = tmp_path / "run"
+    with tls.Writer(run / "tls" / "rank-0.jsonl") as writer:
+        for step in range(1, 21):
+            writer.write({"timestamp": T0 + step, "rank": 0, "node": "n1", "step": step,
+                          "metrics": {"loss": 2.0, "grad_norm": 1.0}})
+        writer.write({"timestamp": T0 + 40, "rank": 0, "node": "n1", "step": 10,
+                      "event": {"type": "run_start", "resumed_from": 10, "restart_count": 1}})
+        writer.write({"timestamp": T0 + 41, "rank": 0, "node": "n1", "step": 11,
+                      "metrics": {"loss": 2.0, "grad_norm": 1.0}})
+    with tls.Writer(run / "tls" / "rank-1.jsonl") as writer:     # the other rank says it restarted too
+        writer.write({"timestamp": T0 + 40.2, "rank": 1, "node": "n1", "step": 10,
+                      "event": {"type": "run_start", "resumed_from": 10, "restart_count": 1}})
+    with tls.Writer(run / "tls" / "node-n1-actions.jsonl") as writer:
+        writer.write({"timestamp": T0 + 30, "node": "n1", "event": {
+            "type": "alert", "alertname": "TrainingStalled", "status": "firing", "source": "embedded",
+            "outcome": "act", "action": "restore", "reason": "no TLS record for 8s", "request_id": "restore-1"}})
+        writer.write({"timestamp": T0 + 30, "node": "n1", "event": {
+            "type": "action", "id": "restore-1", "action": "restore", "alertname": "TrainingStalled",
+            "issued_at": T0 + 30, "ended": [{"rank": 0, "pid": 1}, {"rank": 1, "pid": 2}], "outcome": "issued"}})
+    (run / "control").mkdir()
+    (run / "control" / "actions.jsonl").write_text(
+        json.dumps({"id": "restore-1", "action": "restore", "alertname": "TrainingStalled", "issued_at": T0 + 30})
+        + "\n" + json.dumps({"id": "stop-9", "action": "stop", "reason": "by hand", "issued_at": T0 + 35}) + "\n{torn")
+    assert main(["replay", str(run), "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    actions = [(a["action"], a["step"], a["source"]) for a in document["recorded_actions"]]
+    assert actions == [("restore", None, "agent+control"), ("stop", None, "control"), ("restart", 10, "trainer")]
+    assert document["recorded_actions"][0]["detail"]["ended_ranks"] == [0, 1]
+    [alert] = document["recorded_alerts"]
+    assert (alert["alertname"], alert["source"], alert["detail"]["outcome"]) == ("TrainingStalled", "embedded", "act")
+    assert main(["replay", str(run)]) == 0
+    text = capsys.readouterr().out
+    assert "alert TrainingStalled" in text and "resumed from step 10 (restart 1)" in text

@@ -83,7 +83,7 @@ def outcome_of(path, policy: Policy, *, columnar: bool, chunk_bytes: int = 0, wo
         totals = Picker()
         decider = engine._Decider(engine.Guard(policy.guard), engine.CostMeter(policy.cost), [])
         for chunk in columns.read(stream, totals, chunk_bytes=chunk_bytes or None, workers=workers):
-            decider.decide_columns(chunk)
+            decider.decide(chunk)
         picker, meter, actions = totals, decider.meter, decider.found
     else:   # the baseline: merged entries, each decided as it comes (a do-nothing observer), as lists
         decider = engine._Decider(engine.Guard(policy.guard), engine.CostMeter(policy.cost), [])

@@ -5,7 +5,7 @@ import random
 
 from trainguard import tls
 from trainguard.decide.cost import CostMeter
-from trainguard.decide.guard import Guard
+from trainguard.decide.guard import Guard, StepStats
 from trainguard.policy import CostPolicy, CostTiers, Policy
 from trainguard.replay import engine, source
 
@@ -46,7 +46,7 @@ def test_decisions_are_exactly_the_guards_own(tmp_path):
     outcome = replay(log)
 
     guard = Guard(Policy().guard)
-    expected = [d for s in range(1, 401) if (d := guard.check(s, losses[s], norms[s], None, T0 + s - 1))]
+    expected = [d for s in range(1, 401) if (d := guard.observe(StepStats(s, losses[s], norms[s], None, T0 + s - 1)))]
     assert [(a.action, a.step, a.reason, a.timestamp) for a in outcome.actions] == \
         [(d.action, d.step, d.reason, d.timestamp) for d in expected]
     assert {a.reason for a in outcome.actions} >= {"loss_spike", "nan", "grad_explosion"}
@@ -129,3 +129,23 @@ def test_a_null_layer_norm_is_read_as_nan_not_malformed(tmp_path):
     stream = source.Stream([write(tmp_path / "rank-0.jsonl", records)])
     outcome = engine.replay(stream, Policy())
     assert stream.malformed == 0 and outcome.steps == 30 and outcome.actions == []
+
+
+def test_an_action_from_an_alert_rule_carries_the_step_it_fired_at():
+    """The hang incident: TrainingStalled fires after the log stops and its `restore` goes through the
+    ledger; the action names the step the run had reached then (the last one it finished), not null."""
+    from pathlib import Path
+
+    from tests.servers import require_binary
+    from trainguard.replay import replay_logs
+
+    require_binary("promtool")
+    root = Path(__file__).resolve().parents[2]
+    folder = root / "tests" / "incidents" / "hang"
+    last = max(record.step for _, _, _, record, _ in source.Stream([folder])      # the last step it finished
+               if record.metrics is not None and record.metrics.loss is not None)
+    result = replay_logs([folder], Policy(), rules_dir=root / "alerts", hold=150.0)
+    restores = [a for a in result.actions if a.action == "restore"]
+    assert [(a.source, a.step) for a in restores] == [("alert", last)]
+    assert [a.step for a in result.alerts if a.alertname == "TrainingStalled"] == [last]
+    assert result.to_json()["actions"][-1]["step"] == last

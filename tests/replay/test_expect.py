@@ -1,5 +1,7 @@
 """--expect: loading expectation files and comparing them with a replay (trainguard.replay.expect)."""
 
+import re
+
 import pytest
 
 from trainguard.replay import expect
@@ -106,3 +108,28 @@ def test_bad_files_name_file_and_key(tmp_path, text, message):
 def test_missing_file(tmp_path):
     with pytest.raises(expect.ExpectError, match="no such expectation file"):
         expect.load(tmp_path / "nope.yml")
+
+
+def test_recorded_entries_parse_and_match_what_the_live_run_did(tmp_path):
+    path = tmp_path / "expect.yml"
+    path.write_text("recorded:\n  - {alert: TrainingStalled, source: embedded}\n  - {action: restart, step: [20, 30]}\n")
+    expected = expect.load(path)
+    assert expected.wants_recorded and not expected.wants_alerts
+    found = [expect.Found("recorded_alert", "TrainingStalled", None, T0 + 5, labels={"source": "embedded"}),
+             expect.Found("recorded_action", "restart", 20, T0 + 30, labels={"source": "trainer"})]
+    assert expect.compare(expected, found, T0, alerts_evaluated=False) == []
+    found.append(expect.Found("recorded_action", "restore", None, T0 + 6, labels={"source": "agent+control"}))
+    [extra] = expect.compare(expected, found, T0, alerts_evaluated=False)
+    assert extra.startswith("+ recorded_action restore")
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("{action: restore, alert: TrainingStalled}", "recorded[0]: expected a mapping with a string 'action' or 'alert'"),
+    ("{action: restore, labels: {a: b}}", "recorded[0].labels: unknown key"),
+    ("{alert: X, count: -1}", "recorded[0].count: expected a whole number"),
+])
+def test_a_bad_recorded_entry_names_its_place(tmp_path, entry, message):
+    path = tmp_path / "expect.yml"
+    path.write_text(f"recorded:\n  - {entry}\n")
+    with pytest.raises(expect.ExpectError, match=re.escape(message)):
+        expect.load(path)

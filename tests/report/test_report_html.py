@@ -93,3 +93,31 @@ def test_nccl_counts_of_the_agent_are_shown(tmp_path):
                                  system={"nccl_events": {"error": 2, "watchdog_timeout": 1, "init": 2}}))
     html = render_report(root)
     assert "<td>error</td><td>2</td>" in html and "<td>watchdog_timeout</td><td>1</td>" in html
+
+
+def test_a_line_is_cut_at_a_gap_and_across_a_span_it_has_no_point_in():
+    from trainguard.report.charts import GAP_FACTOR, Span, pieces
+
+    steps = [(float(t), 1.0) for t in range(10)] + [(30.0, 1.0), (31.0, 1.0)]
+    assert [len(p) for p in pieces(steps)] == [10, 2]                  # 21 s where 1 s is usual
+    short = [(0.0, 1.0), (1.0, 1.0), (1.0 + GAP_FACTOR - 0.5, 1.0), (2.0 + GAP_FACTOR, 1.0)]
+    assert len(pieces(short)) == 1
+    stall = Span(2.0, 4.0, "stall", "stalled")
+    assert [len(p) for p in pieces([(0.0, 1.0), (2.0, 1.0), (4.5, 1.0), (5.0, 1.0)], [stall])] == [2, 2]
+    # A node's samples kept coming during the stall: its line is not cut (it has points in the span).
+    sampled = [(t / 2, 1.0) for t in range(12)]
+    assert len(pieces(sampled, [stall])) == 1
+
+
+def test_a_chart_shades_its_spans_and_marks_its_axis():
+    from trainguard.report.charts import Line, Span, line_chart
+
+    svg = line_chart([Line("loss", [(0.0, 2.0), (1.0, 1.9), (9.0, 1.5), (10.0, 1.4)])], t0=0.0,
+                     spans=[Span(1.0, 9.0, "stall", "stalled 8s")])
+    assert 'class="span span-stall"' in svg and "<title>stalled 8s</title>" in svg and 'data-axis="time"' in svg
+    [d] = re.findall(r'<path class="series" data-series="0" d="([^"]+)"', svg)
+    assert d.count("M") == 2
+    stepped = line_chart([Line("loss", [(1.0, 2.0), (50.0, 1.5)]), Line("old", [(20.0, 1.8), (30.0, 1.7)],
+                                                                        faded=True, group=0)], t0=0.0, by_step=True)
+    assert 'data-axis="step"' in stepped and 'class="series faded" data-series="0"' in stepped
+    assert ">20<" in stepped and ">40<" in stepped

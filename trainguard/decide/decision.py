@@ -19,7 +19,7 @@ class Decision:
 
     def as_event(self) -> dict[str, Any]:
         """The TLS `event` section that records this decision."""
-        event = {"type": self.action, "reason": self.reason}
+        event: dict[str, Any] = {"type": self.action, "reason": self.reason}
         if self.step is not None:
             event["step"] = self.step
         event.update(self.detail)

@@ -43,7 +43,7 @@ COALESCED = "coalesced"        # joins an action of the same kind within the coo
 RESOLVED = "resolved"          # an alert closed; never acts
 NO_ACTION = "no_action"        # an alert without an action label: recorded, routed to humans only
 
-PAGE = "page"                  # the escalation of a restore: no action on the run, a human must look
+PAGE = actions.PAGE            # the escalation of a restore: no action on the run, a human must look
 HOUR = 3600.0
 
 

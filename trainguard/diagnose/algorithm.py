@@ -3,6 +3,7 @@ stopped improving, gradient norms drifting up toward instability."""
 
 from __future__ import annotations
 
+from trainguard import actions
 from trainguard.diagnose.finding import Finding, no_data, ok, problem
 from trainguard.diagnose.loader import Columns, RunData
 from trainguard.diagnose.stats import median, rounded, rows_with, stretches
@@ -93,11 +94,11 @@ def grad_norm_trend(run: RunData, policy: Policy) -> Finding:
     ratio = late / early if early > 0 else float("inf")
     # one rank's own events: every rank logs the same guard decision, and the agent may echo it
     guard = [e["event"]["type"] for e in run.events
-             if e.get("rank") == rank and e["event"].get("type") in ("skip_step", "rollback")]
+             if e.get("rank") == rank and e["event"].get("type") in (actions.SKIP_STEP, actions.ROLLBACK)]
     evidence = {"rank": rank, "median_second_quarter": rounded(early), "median_last_quarter": rounded(late),
                 "ratio": rounded(ratio, 3), "threshold": settings.grad_trend_max_ratio,
                 "steps": [cols.steps[second[0]], cols.steps[last[-1]]],
-                "skipped_steps": guard.count("skip_step"), "rollbacks": guard.count("rollback")}
+                "skipped_steps": guard.count(actions.SKIP_STEP), "rollbacks": guard.count(actions.ROLLBACK)}
     if ratio <= settings.grad_trend_max_ratio:
         return ok(LAYER, check, f"gradient norm moved {ratio:.2f}x from the second to the last quarter", **evidence)
     return problem(LAYER, check, f"gradient norm grew {ratio:.1f}x from the second to the last quarter of the run "

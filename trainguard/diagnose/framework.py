@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from trainguard.decide import straggler
 from trainguard.diagnose.finding import Finding, no_data, ok, problem
 from trainguard.diagnose.loader import Columns, RunData
 from trainguard.diagnose.stats import median, quantile, rounded, share, stretches, timed_rows
@@ -77,7 +78,7 @@ def stragglers(run: RunData, policy: Policy) -> Finding:
     if len(step_medians) < 2:
         return no_data(LAYER, check, f"step records of 2 or more ranks with {settings.min_steps}+ steps after "
                                      f"warm-up (found {len(step_medians)})")
-    scores = {name: _relative_scores(medians) for name, medians in sections.items() if len(medians) >= 2}
+    scores = {name: straggler.relative_scores(medians) for name, medians in sections.items() if len(medians) >= 2}
     section, rank = min(((s, r) for s in scores for r in scores[s]), key=lambda sr: scores[sr[0]][sr[1]])
     worst = scores[section][rank]
     evidence = {"scores": {s: {str(r): rounded(v, 3) for r, v in by_rank.items()} for s, by_rank in scores.items()},
@@ -95,9 +96,58 @@ def stragglers(run: RunData, policy: Policy) -> Finding:
                    lost, rank=rank, **evidence)
 
 
-def _relative_scores(medians: dict[int, float]) -> dict[int, float]:
-    fastest = min(medians.values())
-    return {rank: (fastest / value if value > 0 else 1.0) for rank, value in medians.items()}
+def straggler_windows(run: RunData, policy: Policy) -> Finding:
+    """The agent's live straggler score (trainguard/decide/straggler.py: `trainguard_rank_straggler_score`,
+    which `TrainingStraggler` alerts on) replayed over the run: a rank under the threshold for at least a
+    window of steps straggled then, even when it was fast enough over the whole run for `stragglers`."""
+    check, score_min = "straggler_windows", policy.diagnose.straggler_score_min
+    board = straggler.StragglerBoard()
+    lead = min(run.ranks) if run.ranks else None
+    low: dict[int, list[int]] = {}          # rank -> lead-rank steps at which it scored under the threshold
+    worst: dict[int, straggler.Score] = {}
+    rows = _rows_in_time_order(run)
+    for rank, i in rows:
+        cols = run.ranks[rank]
+        step = cols.steps[i]
+        board.observe(rank, run.rank_nodes.get(rank, ""), step, {k: cols.values[k][i] for k in _TIMED})
+        if rank != lead:
+            continue
+        for score in board.scores():
+            if score.rank not in worst or score.relative < worst[score.rank].relative:
+                worst[score.rank] = score
+            if score.straggling(score_min):
+                low.setdefault(score.rank, []).append(step)
+    if len(worst) < 2:
+        return no_data(LAYER, check, f"step timings of 2 or more ranks with {board.min_steps}+ steps after warm-up")
+    evidence = {"lowest_score": {str(r): rounded(s.relative, 3) for r, s in sorted(worst.items())},
+                "threshold": score_min, "window_steps": board.window_steps}
+    lasting = {rank: steps for rank, steps in low.items() if len(steps) >= board.window_steps}
+    whole_run = set(stragglers(run, policy).evidence.get("stragglers", ()))
+    if lasting and set(lasting) <= whole_run:    # slow all along: the stragglers check says it already
+        return ok(LAYER, check, f"rank(s) {', '.join(map(str, sorted(lasting)))} straggled over the whole run "
+                                "(see stragglers), no other rank for a stretch", **evidence)
+    lasting = {rank: steps for rank, steps in lasting.items() if rank not in whole_run}
+    if not lasting:
+        return ok(LAYER, check, f"no rank scored under {score_min} for {board.window_steps}+ steps", **evidence)
+    rank = min(lasting, key=lambda r: worst[r].relative)
+    steps, slowest = lasting[rank], worst[rank]
+    lead_steps = max(1, sum(1 for r, _ in rows if r == lead))
+    evidence.update(rank=rank, node=slowest.node or None, steps=[steps[0], steps[-1]], straggling_steps=len(steps),
+                    stragglers=sorted(lasting))
+    return problem(LAYER, check, f"rank {rank}{' on ' + slowest.node if slowest.node else ''} straggled for "
+                                 f"{len(steps)} steps ({steps[0]}–{steps[-1]}): its live score fell to "
+                                 f"{slowest.relative:.2f} of the fastest rank's speed (TrainingStraggler "
+                                 f"under {score_min})", len(steps) / lead_steps * (1 - slowest.relative), **evidence)
+
+
+_TIMED = ("step_time_seconds", "data_wait_seconds", "comm_seconds")
+
+
+def _rows_in_time_order(run: RunData) -> list[tuple[int, int]]:
+    """(rank, row) of every step row of every rank, in time order, as the agent reads them live."""
+    rows = [(cols.timestamps[i], rank, i) for rank, cols in run.ranks.items() for i in range(len(cols))
+            if cols.steps[i] >= 0]
+    return [(rank, i) for _, rank, i in sorted(rows)]
 
 
 def step_jitter(run: RunData, policy: Policy) -> Finding:
@@ -134,4 +184,4 @@ def step_jitter(run: RunData, policy: Policy) -> Finding:
                                  f"median compute time, costing {lost:.0%} of step time", lost, **evidence)
 
 
-CHECKS = (comm_share, stragglers, step_jitter)
+CHECKS = (comm_share, stragglers, step_jitter, straggler_windows)

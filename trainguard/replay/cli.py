@@ -82,9 +82,9 @@ def render(result: Result) -> str:
     if result.alerts is not None:
         lines += ["", f"alerts (rules in {result.rules_dir}, evaluated by promtool every {result.scrape_interval:g}s)"]
         lines += [_alert_line(a, origin) for a in result.alerts] or ["  none"]
-    if out.recorded:
-        lines += ["", "recorded in the log (what the live run did)"]
-        lines += [_action_line(a, origin) for a in out.recorded]
+    if result.recorded:
+        lines += ["", "recorded in the log (what the live run did: trainer, agents, control channel)"]
+        lines += [_recorded_line(r, origin) for r in result.recorded]
     if result.problems.count:
         lines += ["", f"malformed lines: {result.problems.count}"]
         lines += [f"  {m}" for m in result.problems.kept[:MALFORMED_SHOWN]]
@@ -120,6 +120,15 @@ def _action_line(action, origin: float) -> str:
     step = f"step {action.step}" if action.step is not None else ""
     return (f"  {expect.offset_text(action.timestamp, origin):>12}  {step:>12}  {action.action:14} "
             f"{action.reason:28} {action.source}")
+
+
+def _recorded_line(item, origin: float) -> str:
+    step = f"step {item.step}" if item.step is not None else ""
+    name = item.name if item.kind == "action" else f"alert {item.name}"
+    then = item.detail.get("outcome")
+    reason = item.reason + (f" -> {item.detail['action']} ({then})" if item.kind == "alert" and item.detail.get("action")
+                            else f" ({then})" if then else "")
+    return f"  {expect.offset_text(item.timestamp, origin):>12}  {step:>12}  {name:24} {reason:44} {item.source}"
 
 
 def _alert_line(alert, origin: float) -> str:

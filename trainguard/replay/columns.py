@@ -3,7 +3,7 @@
 Decoding JSON is most of a replay's cost (bench/bench_replay.py). A plain file can be cut at line ends
 into chunks that worker processes decode and pick side by side (`_read_chunk`: the stream's own decoder
 and the engine's own picking rules, picking.py), each handing back its steps as arrays that the guard and
-the meter decide a chunk at a time (`Guard.check_columns`, `CostMeter.observe_columns`). The main process
+the meter decide a chunk at a time (`trainguard.decide.batch`, as `block_of` makes them). The main process
 only decides and stitches; memory stays flat, with at most two chunks per worker in flight.
 
 A chunk read apart cannot know three things, so it leaves them open and `read` fills them in file order:
@@ -30,6 +30,7 @@ from typing import Iterator
 import msgspec
 import numpy as np
 
+from trainguard.decide.batch import Block
 from trainguard.replay import source
 from trainguard.replay.picking import Action, Picked, Picker
 
@@ -40,27 +41,10 @@ COMPRESSED = (".gz", ".zst")
 
 
 @dataclass
-class Steps:
-    """One chunk's training steps, in order, as arrays (what check_columns and observe_columns take)."""
-
-    steps: np.ndarray               # int64
-    losses: np.ndarray              # float64
-    grad_norms: np.ndarray
-    timestamps: np.ndarray
-    gpus: np.ndarray                # int64; 0: no GPU count seen yet
-    clock_codes: np.ndarray         # int64 index into clock_nodes; -1: no monotonic clock
-    clock_seconds: np.ndarray       # float64 system.monotonic_seconds (NaN without one)
-    clock_nodes: list
-    layer_names: tuple | None = None        # every step carries these layer groups, in this order ...
-    layer_norms: np.ndarray | None = None   # ... with these norms, shape (steps, layers), NaN for null
-    layers: list | None = None              # else each step's own dict (or None)
-
-
-@dataclass
 class Chunk:
     """What a worker hands back: the steps and everything the stream's totals need."""
 
-    steps: Steps
+    steps: Block
     picker: Picker                  # records, first and last time, counts, recorded events of the chunk
     problems: source.Problems       # malformed lines, numbered from the chunk's first line
     lines: int
@@ -76,7 +60,7 @@ def fits(stream) -> bool:
 
 
 def read(stream: source.Stream, totals: Picker, *, chunk_bytes: int | None = None,
-         workers: int | None = None) -> Iterator[Steps]:
+         workers: int | None = None) -> Iterator[Block]:
     """The training steps of `stream`'s one file, a chunk at a time in file order; its malformed lines go
     to `stream.problems`, each chunk's counts into `totals` (`Picker.absorb`). Opens the stream (it is
     read once), setting lead_rank."""
@@ -218,20 +202,21 @@ def _decode_and_pick(path: str, start: int, end: int, lead, layer_names: tuple |
             handle.seek(start)
             data = handle.read(end - start)
     except OSError as exc:
-        return Chunk(_columns(picked), picker, problems, 0, last_step, f"{type(exc).__name__}: {exc}")
+        return Chunk(block_of(picked), picker, problems, 0, last_step, f"{type(exc).__name__}: {exc}")
     for block in source.line_blocks(io.BytesIO(data)):
         records = source.decode_block(block, lines + 1, path, problems, fast)
         entries, _, last_step = source.entries_of(records, None, 0, 0, last_step)
         picked.extend(picker.take(entries))
         lines += block.count(b"\n")
-    return Chunk(_columns(picked, layer_names), picker, problems, lines, last_step)
+    return Chunk(block_of(picked, layer_names), picker, problems, lines, last_step)
 
 
-def _columns(picked: Picked, layer_names: tuple | None = None) -> Steps:
-    n = len(picked)
+def block_of(picked: Picked, layer_names: tuple | None = None) -> Block:
+    """Picked steps as the columns the guard and the meter decide (`trainguard.decide.batch`); the layer
+    norms as one array when every step carries the file's (or the first step's) layer groups."""
     codes, seconds, nodes = _clock_columns(picked.clock_nodes, picked.clock_seconds)
     gpus = picked.gpus
-    out = Steps(_array(picked.steps, np.int64), _array(picked.losses), _array(picked.grad_norms),
+    out = Block(_array(picked.steps, np.int64), _array(picked.losses), _array(picked.grad_norms),
                 _array(picked.timestamps),
                 _array([0 if count is None else count for count in gpus] if None in gpus else gpus, np.int64),
                 codes, seconds, nodes)
@@ -264,7 +249,7 @@ def _clock_columns(nodes: list, seconds: list) -> tuple[np.ndarray, np.ndarray, 
 
 def _layer_matrix(layers: list, expected: tuple | None) -> tuple[tuple | None, np.ndarray | None]:
     """(names, norms) when every step carries the same layer groups in the same order, else (None, None)
-    and `layers` made dicts throughout (what check_many takes).
+    and `layers` made dicts throughout (decided step by step).
 
     Flat lists, compared and converted in C: a loop over the steps costs more than the decoding did."""
     n = len(layers)

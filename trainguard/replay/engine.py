@@ -2,13 +2,13 @@
 
 Nothing here decides anything: `trainguard.decide.guard.Guard` and `trainguard.decide.cost.CostMeter`
 do, exactly as in the trainer and the agent. This module feeds them the training steps of the stream
-in order (picking.py says which records those are), a batch at a time:
+in order (picking.py says which records those are), a block of columns at a time, one way
+(`trainguard.decide.batch.guard_block` and `meter_block`):
 
-- one plain log file, without an observer, goes the columnar way (columns.py): worker processes decode
-  and pick its chunks side by side, and each chunk is decided as arrays (`Guard.check_columns`,
-  `CostMeter.observe_columns`);
+- one plain log file, without an observer, is read the columnar way (columns.py): worker processes decode
+  and pick its chunks side by side, each chunk a block;
 - anything else (several files merged by time, compressed logs, the alert-rule path's observer) is
-  picked here from the merged stream's blocks and decided as lists (`check_many`, `observe_many`).
+  picked here from the merged stream's blocks, each made a block by `columns.block_of`.
 
 Both ways make the same decisions and leave the same state (tests/replay/test_columns.py).
 After the guard says ``stop`` the live run would have ended: the guard is not asked again, the cost
@@ -22,8 +22,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
+from trainguard.actions import STOP
+from trainguard.decide import batch
+from trainguard.decide.batch import Block
 from trainguard.decide.cost import CostMeter
-from trainguard.decide.guard import STOP, Guard
+from trainguard.decide.guard import Guard
 from trainguard.policy import Policy
 from trainguard.replay import columns
 from trainguard.replay.picking import FIRST_SEEN, Action, Picked, Picker
@@ -67,37 +70,19 @@ def _blocks(stream: Iterable) -> Iterator[list]:
 
 
 class _Decider:
-    """The guard and the meter over picked training steps, a batch at a time (one call each per batch,
+    """The guard and the meter over picked training steps, a block at a time (one call each per block,
     not per step: what replay's throughput rests on), their decisions in record order."""
 
     def __init__(self, guard: Guard, meter: CostMeter, found: list[Action]):
         self.guard, self.meter, self.found = guard, meter, found
         self.guarding = True
 
-    def decide(self, picked: Picked) -> None:
-        """Consecutive picked steps, as lists."""
-        if not picked:
+    def decide(self, block: Block) -> None:
+        """Consecutive picked steps as columns (`trainguard.decide.batch`: the one way replay decides)."""
+        if not len(block):
             return
-        by_guard = self.guard.check_many(picked.steps, picked.losses, picked.grad_norms, picked.timestamps,
-                                         picked.any_layers()) if self.guarding else []
-        by_meter = self.meter.observe_many(picked.steps, picked.timestamps, picked.gpus, picked.clocks())
-        self._merge(by_guard, by_meter)
-
-    def decide_columns(self, chunk: columns.Steps) -> None:
-        """A chunk's steps as arrays: the same decisions as `decide` over them as tuples."""
-        if not len(chunk.steps):
-            return
-        by_guard = []
-        if self.guarding:
-            if chunk.layers is not None:       # layer groups that differ from step to step: as lists
-                by_guard = self.guard.check_many(chunk.steps.tolist(), chunk.losses.tolist(),
-                                                 chunk.grad_norms.tolist(), chunk.timestamps.tolist(), chunk.layers)
-            else:
-                by_guard = self.guard.check_columns(chunk.steps, chunk.losses, chunk.grad_norms, chunk.timestamps,
-                                                    chunk.layer_names, chunk.layer_norms)
-        by_meter = self.meter.observe_columns(chunk.steps, chunk.timestamps, chunk.gpus,
-                                              chunk.clock_codes, chunk.clock_seconds, chunk.clock_nodes)
-        self._merge(by_guard, by_meter)
+        by_guard = batch.guard_block(self.guard, block) if self.guarding else []
+        self._merge(by_guard, batch.meter_block(self.meter, block))
 
     def _merge(self, by_guard: list, by_meter: list) -> None:
         for position, (_, decision) in enumerate(by_guard):
@@ -131,23 +116,34 @@ def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None
     return out
 
 
+DECIDED_TOGETHER = 16_384     # picked steps gathered before they are decided as one block (no observer)
+
+
 def _replay_entries(stream: Iterable, decider: _Decider, observer: Observer | None) -> Picker:
+    """Without an observer nothing reads the deciders mid-stream, so the steps of many decoded blocks are
+    decided together: long blocks are what the screens clear in bulk. With one, each step is decided
+    before the next entry is observed."""
     blocks = _blocks(stream)
     picker = Picker(getattr(stream, "lead_rank", FIRST_SEEN))     # known once the stream is opened
+    gathered = Picked()
     for block in blocks:
         if observer is None:
-            decider.decide(picker.take(block))
+            gathered.extend(picker.take(block))
+            if len(gathered) >= DECIDED_TOGETHER:
+                decider.decide(columns.block_of(gathered))
+                gathered = Picked()
             continue
         for entry in block:
             observer(entry)
-            decider.decide(picker.take([entry]))
+            decider.decide(columns.block_of(picker.take([entry])))
+    decider.decide(columns.block_of(gathered))
     return picker
 
 
 def _replay_columns(stream, decider: _Decider) -> Picker:
     totals = Picker()
     for chunk in columns.read(stream, totals):
-        decider.decide_columns(chunk)
+        decider.decide(chunk)
     return totals
 
 

@@ -9,6 +9,12 @@
     strict: true        # the default: an action or alert that no entry expects is a mismatch
     replay: {hold: 150, scrape_interval: 15}   # how the incident is replayed, when the command line does not say
 
+    recorded:                                        # what the live run did, as its log says (every source)
+      - {alert: TrainingStalled, source: embedded}   # the agent's verdict on an alert
+      - {action: restore, source: agent+control}     # the agent's action; the request in RUN/control
+      - {action: restart, step: 20}                  # a rank resumed from step 20
+    # (recorded entries are checked only when the file has them; strict applies to them too)
+
     # a healthy run: no action and no alert at all
     none: true
 
@@ -32,6 +38,7 @@ from trainguard import tls
 _DURATION = re.compile(r"^\+?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?(?:(\d+(?:\.\d+)?)s)?$")
 _ACTION_KEYS = {"action", "step", "time", "reason", "count"}
 _ALERT_KEYS = {"alertname", "time", "labels", "severity", "count"}
+_RECORDED_KEYS = {"action", "alert", "step", "time", "reason", "source", "count"}
 REPLAY_OPTIONS = ("hold", "scrape_interval")
 
 
@@ -84,6 +91,10 @@ class Expected:
     def wants_alerts(self) -> bool:
         return any(entry.kind == "alert" for entry in self.entries)
 
+    @property
+    def wants_recorded(self) -> bool:
+        return any(entry.kind.startswith("recorded_") for entry in self.entries)
+
 
 # -------------------------------------------------------------------------------------------- load
 
@@ -98,13 +109,15 @@ def load(path: str | Path) -> Expected:
     data = {} if data is None else data
     if not isinstance(data, dict):
         raise ExpectError(f"{source}: expected a mapping with actions, alerts, none or strict")
-    unknown = set(data) - {"actions", "alerts", "none", "strict", "description", "replay"}
+    unknown = set(data) - {"actions", "alerts", "recorded", "none", "strict", "description", "replay"}
     if unknown:
-        raise ExpectError(f"{source}: {sorted(unknown)[0]}: unknown key (known: actions, alerts, none, strict, "
-                          "replay, description)")
+        raise ExpectError(f"{source}: {sorted(unknown)[0]}: unknown key (known: actions, alerts, recorded, none, "
+                          "strict, replay, description)")
     none, strict = _flag(data, "none", False, source), _flag(data, "strict", True, source)
     entries = [_entry(item, "action", f"actions[{i}]", source) for i, item in enumerate(_list(data, "actions", source))]
     entries += [_entry(item, "alert", f"alerts[{i}]", source) for i, item in enumerate(_list(data, "alerts", source))]
+    entries += [_recorded_entry(item, f"recorded[{i}]", source)
+                for i, item in enumerate(_list(data, "recorded", source))]
     if none and entries:
         raise ExpectError(f"{source}: none: true cannot be combined with expected actions or alerts")
     if not none and not entries:
@@ -157,6 +170,25 @@ def _entry(item: Any, kind: str, where: str, source: str) -> Entry:
     return Entry(kind, item[name_key], where, step=_step_range(item.get("step"), f"{source}: {where}.step"),
                  time=_time_range(item.get("time"), f"{source}: {where}.time"), reason=item.get("reason"),
                  severity=item.get("severity"), labels={str(k): str(v) for k, v in labels.items()}, count=count)
+
+
+def _recorded_entry(item: Any, where: str, source: str) -> Entry:
+    """`{action: NAME}` or `{alert: NAME}`, with step, time, reason, source (trainer, agent, control,
+    embedded, alertmanager; joined with + when several saw it) and count."""
+    if not isinstance(item, dict) or sum(isinstance(item.get(k), str) for k in ("action", "alert")) != 1:
+        raise ExpectError(f"{source}: {where}: expected a mapping with a string 'action' or 'alert'")
+    unknown = set(item) - _RECORDED_KEYS
+    if unknown:
+        raise ExpectError(f"{source}: {where}.{sorted(unknown)[0]}: unknown key (known: "
+                          f"{', '.join(sorted(_RECORDED_KEYS))})")
+    kind = "action" if isinstance(item.get("action"), str) else "alert"
+    count = item.get("count")
+    if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 0):
+        raise ExpectError(f"{source}: {where}.count: expected a whole number, got {count!r}")
+    labels = {"source": str(item["source"])} if item.get("source") is not None else {}
+    return Entry(f"recorded_{kind}", item[kind], where, step=_step_range(item.get("step"), f"{source}: {where}.step"),
+                 time=_time_range(item.get("time"), f"{source}: {where}.time"), reason=item.get("reason"),
+                 labels=labels, count=count)
 
 
 def _step_range(value: Any, where: str) -> tuple[int, int] | None:

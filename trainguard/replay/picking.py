@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 
 from trainguard import actions as vocabulary
 from trainguard.decide.decision import Decision
-from trainguard.decide.guard import STOP
 
 FIRST_SEEN = object()       # lead rank not known ahead: the first training step's rank leads
 
 class Picked:
-    """Picked training steps as columns, in order: what Guard.check_many and CostMeter.observe_many take.
+    """Picked training steps as lists, in order (columns.block_of makes them the arrays the deciders take).
 
     `clock_seconds` is a step's `system.monotonic_seconds` (None without one) and `clock_nodes` its node:
     the cost meter's clock is the pair (`clocks`)."""
@@ -73,7 +72,7 @@ class Action:
 def recorded(record, when: float) -> Action | None:
     """A decision event the live run logged (skip_step, rollback, restore, cost_*, stop)."""
     event = record.event
-    if event.type not in vocabulary.ACTIONS and event.type != STOP:
+    if event.type not in vocabulary.DECISIONS:
         return None
     why = event.reason if isinstance(event.reason, str) else event.alertname
     return Action(event.type, record.step, when, why if isinstance(why, str) else "", "log")

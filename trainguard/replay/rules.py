@@ -20,6 +20,7 @@ The test file is written as JSON (YAML's subset), runs of equal values compresse
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -47,6 +48,10 @@ class FiredAlert:
     starts_at: float
     ends_at: float | None
     labels: dict = field(default_factory=dict)
+    step: int | None = None         # the training step the run had reached when it fired (`step_at`)
+
+
+STEP_SERIES = "trainguard_training_step"    # the training collector's latest step, per rank
 
 
 # ------------------------------------------------------------------------------------- rule files
@@ -260,4 +265,16 @@ def evaluate(table: SeriesTable | None, rules_dir: str | Path, *, keep: str | Pa
         code, output = run_promtool(test_path, timeout)
     if code != 0 and "FAILED:" not in output:
         raise RulesError(f"promtool test rules failed (exit {code}):\n{output[-4000:]}")
-    return intervals(parse_firing(output), table.grid, table.ticks)
+    return [dataclasses.replace(alert, step=step_at(table, alert))
+            for alert in intervals(parse_firing(output), table.grid, table.ticks)]
+
+
+def step_at(table: SeriesTable, alert: FiredAlert) -> int | None:
+    """The step the run had reached when `alert` fired: the highest `trainguard_training_step` exported at
+    that scrape by the series its labels agree with (an alert about one rank: that rank's step), or None
+    when no step was exported then (a node alert before the first step)."""
+    tick = int(round((alert.starts_at - table.grid.origin) / table.grid.interval))
+    steps = [column[tick] for (name, labels), column in table.values.items()
+             if name == STEP_SERIES and tick < len(column) and column[tick] is not None
+             and all(alert.labels.get(key, value) == value for key, value in labels)]
+    return int(max(steps)) if steps else None

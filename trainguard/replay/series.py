@@ -28,6 +28,7 @@ from trainguard.agent.collectors import gpu_metrics
 from trainguard.agent.collectors import host as host_collector
 from trainguard.agent.collectors import io as io_collector
 from trainguard.agent.collectors import training as training_collector
+from trainguard.decide.straggler import StragglerBoard
 from trainguard.agent.procfs import DiskStats
 
 JOB = "trainguard"                  # the agent's scrape job (alerts/rules.py AGENT_JOB)
@@ -52,8 +53,10 @@ def _samples(families) -> Iterable[tuple[str, dict, float]]:
 class NodeExporter:
     """What one node's agent would export, fed the node's records in time order."""
 
-    def __init__(self, node: str, meter, cost_rank: int | None):
+    def __init__(self, node: str, meter, cost_rank: int | None, stragglers: StragglerBoard | None = None):
         self.node = node
+        # Every agent of a run reads all the ranks' logs of the shared run directory: one board for all nodes.
+        self.stragglers = stragglers if stragglers is not None else StragglerBoard()
         self.training = training_state.TrainingState()
         self.meter, self.cost_rank = meter, cost_rank
         self.disk_ops = 0           # synthetic diskstats: one completed read per await reading
@@ -63,6 +66,8 @@ class NodeExporter:
 
     def observe_training(self, raw: dict, rank: int) -> None:
         self.training.apply(raw, rank)
+        if isinstance(raw.get("metrics"), dict) and isinstance(raw.get("step"), int):
+            self.stragglers.observe(rank, str(raw.get("node") or self.node), raw["step"], raw["metrics"])
         # The host collector checks the rank's pid; a log shows the process from its first record to its
         # `run_end` event (a rank that crashed without one reads as up: a log cannot tell).
         event = raw.get("event")
@@ -118,6 +123,7 @@ class NodeExporter:
         # directory (no follower, no checkpoint directory on disk). See docs/replay.md, "Integration".
         collector = object.__new__(training_collector.TrainingCollector)
         collector.state, collector.meter, collector._cost_rank = self.training, self.meter, self.cost_rank
+        collector.stragglers = self.stragglers
         collector.run_dir = Path("/nonexistent-replay-run-dir")
         return collector._families(now)
 
@@ -173,6 +179,7 @@ class Exporters:
         self.stream, self.meter, self.interval = stream, meter, interval
         self.nodes: dict[str, NodeExporter] = {}
         self.table: SeriesTable | None = None
+        self.stragglers = StragglerBoard()
 
     def __call__(self, entry) -> None:
         when, file_index, _, record, raw = entry
@@ -183,7 +190,7 @@ class Exporters:
         exporter = self.nodes.get(node)
         if exporter is None:
             lead = self.stream.lead_rank
-            exporter = self.nodes[node] = NodeExporter(node, self.meter, 0 if lead is None else lead)
+            exporter = self.nodes[node] = NodeExporter(node, self.meter, 0 if lead is None else lead, self.stragglers)
         rank = self._rank(raw, file_index)
         if rank is not None:
             if record.step is not None and raw.get("step") is None:

@@ -25,6 +25,23 @@ from trainguard.policy import Policy
 from trainguard.replay import engine, expect, rules, source
 
 DEFAULT_SCRAPE_INTERVAL = 15.0
+# What the live run did, beyond the lead rank's own decisions: only lines naming these are decoded, so
+# a long log is scanned, not parsed, for them.
+_RESTART_MARK, _AGENT_MARKS = b'"run_start"', (b'"alert"', b'"action"')
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One thing the live run did, as its log says: an action (trainer, agent, control channel), a
+    restart, or an alert the agent received and decided on."""
+
+    kind: str                   # "action" | "alert"
+    name: str                   # skip_step, rollback, restore, restart, cost_*, stop; or the alertname
+    step: int | None
+    timestamp: float
+    reason: str
+    source: str                 # trainer | agent | control | embedded | alertmanager ...
+    detail: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -41,6 +58,7 @@ class Result:
     diff: list[str] | None = None                    # set by check(): None when no expectation was given
     expect_file: str | None = None
     extra: dict = field(default_factory=dict)
+    recorded: list[Recorded] = field(default_factory=list)   # what the live run did, every source
 
     # ---------------------------------------------------------------------------------- expectations
     def found(self) -> list[expect.Found]:
@@ -50,9 +68,14 @@ class Result:
                   for a in self.alerts or []]
         return items
 
+    def found_recorded(self) -> list[expect.Found]:
+        return [expect.Found(f"recorded_{r.kind}", r.name, r.step, r.timestamp, reason=r.reason or None,
+                             labels={"source": r.source}) for r in self.recorded]
+
     def check(self, expected: expect.Expected) -> list[str]:
         self.expect_file = expected.source
-        self.diff = expect.compare(expected, self.found(), self.outcome.first_timestamp,
+        found = self.found() + (self.found_recorded() if expected.wants_recorded else [])
+        self.diff = expect.compare(expected, found, self.outcome.first_timestamp,
                                    alerts_evaluated=self.alerts is not None)
         return self.diff
 
@@ -73,7 +96,8 @@ class Result:
             "duplicate_steps": out.duplicate_steps,
             "partial_steps": out.partial_steps,
             "lead_rank": self.lead_rank,
-            "recorded_actions": [_action(a) for a in out.recorded],
+            "recorded_actions": [_recorded(r) for r in self.recorded if r.kind == "action"],
+            "recorded_alerts": [_recorded(r) for r in self.recorded if r.kind == "alert"],
             "ledger": [_verdict(v) for v in self.verdicts],
             "cost": out.cost,
             "rules": None if self.alerts is None else {"dir": self.rules_dir,
@@ -91,6 +115,12 @@ def _time(seconds: float | None) -> str | None:
 def _action(action: engine.Action) -> dict:
     return {"action": action.action, "step": action.step, "timestamp": _time(action.timestamp),
             "reason": action.reason, "source": action.source, "detail": engine.finite_or_text(action.detail)}
+
+
+def _recorded(item: Recorded) -> dict:
+    key = "action" if item.kind == "action" else "alertname"
+    return {key: item.name, "step": item.step, "timestamp": _time(item.timestamp), "reason": item.reason,
+            "source": item.source, "detail": engine.finite_or_text(item.detail)}
 
 
 def _verdict(verdict: tgledger.Verdict) -> dict:
@@ -112,6 +142,8 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
 
     Raises source.InputError (no such input), rules.RulesError (rule files, promtool)."""
     policy = policy or Policy()
+    paths = list(paths)
+    paths_given = [Path(p) for p in paths if Path(p).is_dir()]
     if rules_dir is not None:
         rules.rule_files(rules_dir)          # refuse a bad rules directory before reading any log
         rules.promtool()
@@ -130,7 +162,108 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
         result.alerts = rules.evaluate(table, rules_dir, keep=keep_test)
         result.rules_dir = str(rules_dir)
     result.actions, result.verdicts = _execute(outcome.actions, result.alerts or [], policy)
+    result.recorded = recorded_actions(outcome.recorded, stream.files, paths_given)
     return result
+
+
+# ------------------------------------------------------------------------------ what the live run did
+
+def recorded_actions(lead: list[engine.Action], files: list[Path], given: list[Path]) -> list[Recorded]:
+    """Every action the live run took, from every source, in time order: the lead rank's decisions, its
+    restarts (a `run_start` that resumed), the agents' alert verdicts and actions (node logs), and the
+    requests of RUN/control/actions.jsonl (merged into the agent's action of the same id)."""
+    found = [Recorded("action", a.action, a.step, a.timestamp, a.reason, "trainer") for a in lead]
+    restarts: dict[tuple, Recorded] = {}
+    by_id: dict[str, Recorded] = {}
+    for path in files:
+        marks = _AGENT_MARKS if path.name.startswith("node-") else (_RESTART_MARK, *_AGENT_MARKS)
+        for record in _records_naming(path, marks):
+            event = record.get("event")
+            if not isinstance(event, dict):
+                continue
+            if event.get("type") == "run_start" and event.get("resumed_from") is not None:
+                item = _restart(record, event)
+                restarts.setdefault((item.step, round(item.timestamp)), item)   # every rank says it once
+            elif event.get("type") == "alert" and event.get("status", "firing") == "firing":
+                found.append(_agent_alert(record, event))
+            elif event.get("type") == "action":
+                _merge(by_id, _action_event(record, event))
+    for request in _control_requests(given):
+        when = request.get("issued_at")
+        _merge(by_id, Recorded("action", str(request.get("action")), request.get("step"),
+                               float(when) if isinstance(when, (int, float)) else 0.0,
+                               str(request.get("alertname") or request.get("reason") or ""), "control",
+                               {"id": request.get("id")}))
+    found += list(restarts.values()) + list(by_id.values())
+    return sorted(found, key=lambda r: r.timestamp)
+
+
+def _merge(by_id: dict[str, "Recorded"], item: "Recorded") -> None:
+    """One action seen by several sources (the agent issues it, the control file carries it, every rank
+    acknowledges it) is one entry naming them all; the first sighting gives its time."""
+    key = item.detail.get("id") or f"{item.name}@{item.step}@{item.timestamp:.0f}"
+    known = by_id.get(key)
+    if known is None:
+        by_id[key] = item
+    elif item.source not in known.source.split("+"):
+        by_id[key] = Recorded(known.kind, known.name, known.step, known.timestamp, known.reason,
+                              f"{known.source}+{item.source}", known.detail)
+
+
+def _records_naming(path: Path, marks: tuple[bytes, ...]):
+    """The records of a TLS file whose line names one of `marks` (malformed ones are replay's to report)."""
+    with tls.open_log(path) as handle:
+        try:
+            for number, raw in enumerate(handle, 1):
+                if any(mark in raw for mark in marks):
+                    line = tls.decode_line(raw, str(path), number)
+                    if line.record is not None:
+                        yield line.record
+        except (OSError, EOFError, ValueError):
+            return      # a cut-off compressed file: replay's own pass reports it
+
+
+def _restart(record: dict, event: dict) -> Recorded:
+    resumed = event.get("resumed_from")
+    return Recorded("action", "restart", resumed if isinstance(resumed, int) else record.get("step"),
+                    record["timestamp"], f"resumed from step {resumed} (restart {event.get('restart_count', '?')})",
+                    "trainer", {"restart_count": event.get("restart_count")})
+
+
+def _agent_alert(record: dict, event: dict) -> Recorded:
+    detail = {k: event.get(k) for k in ("outcome", "action", "requested", "key") if event.get(k) is not None}
+    return Recorded("alert", str(event.get("alertname", "?")), event.get("step", record.get("step")),
+                    record["timestamp"], str(event.get("reason") or ""), str(event.get("source") or "agent"), detail)
+
+
+def _action_event(record: dict, event: dict) -> Recorded:
+    detail = {k: event.get(k) for k in ("id", "outcome", "key") if event.get(k) is not None}
+    if isinstance(event.get("ended"), list):
+        detail["ended_ranks"] = [e.get("rank") for e in event["ended"] if isinstance(e, dict)]
+    when = event.get("issued_at")
+    return Recorded("action", str(event.get("action", "?")), event.get("step", record.get("step")),
+                    float(when) if isinstance(when, (int, float)) else record["timestamp"],
+                    str(event.get("alertname") or event.get("reason") or ""),
+                    "trainer" if record.get("rank") is not None else "agent", detail)
+
+
+def _control_requests(given: list[Path]) -> list[dict]:
+    """RUN/control/actions.jsonl of each run directory given: the requests the agents wrote for the ranks."""
+    import json
+
+    requests = []
+    for root in given:
+        path = (root.parent if root.name == "tls" else root) / "control" / "actions.jsonl"
+        if not path.is_file():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                request = json.loads(line)
+            except ValueError:
+                continue    # a torn last line: the agent's own reader skips it too
+            if isinstance(request, dict) and request.get("action"):
+                requests.append(request)
+    return requests
 
 
 def _execute(decided: list[engine.Action], alerts: list[rules.FiredAlert], policy: Policy
@@ -144,7 +277,8 @@ def _execute(decided: list[engine.Action], alerts: list[rules.FiredAlert], polic
         notices.append(tgledger.Notice(alertname=alert.alertname, status=tgledger.FIRING,
                                        action=alert.labels.get("action"),
                                        key=f"{sorted(labels.items())}@{_time(alert.starts_at)}",
-                                       starts_at=alert.starts_at, reason=alert.alertname, labels=labels))
+                                       starts_at=alert.starts_at, reason=alert.alertname, labels=labels,
+                                       step=alert.step))
     ledger = tgledger.Ledger(tgledger.Limits.from_policy(policy))
     verdicts = [ledger.decide(notice, notice.starts_at)
                 for notice in sorted(notices, key=lambda n: (n.starts_at, n.source != "embedded"))]

@@ -18,8 +18,14 @@ MARK_COLORS = {"checkpoint": "#2f9e44", "skip": "#f08c00", "rollback": "#e03131"
 MARK_NAMES = {"checkpoint": "checkpoint", "skip": "skipped step", "rollback": "rollback",
               "restore": "restore", "alert": "alert", "fault": "injected fault"}
 
+SPAN_COLORS = {"stall": "#e03131", "restart": "#1c7ed6", "gap": "#868e96"}
+SPAN_NAMES = {"stall": "stalled (hung)", "restart": "restarting", "gap": "no records"}
+
 WIDTH, HEIGHT = 760, 230
 PAD_L, PAD_R, PAD_T, PAD_B = 64, 14, 16, 28
+# A line is not drawn across a gap between two of its points wider than this many times its median gap:
+# nothing was recorded there, and a straight line would invent data.
+GAP_FACTOR = 5.0
 
 
 @dataclass
@@ -28,6 +34,18 @@ class Line:
     points: Sequence[tuple[float, float]]
     color: str | None = None
     dash: bool = False
+    faded: bool = False          # a pass a rollback or restart discarded (drawn, but faint)
+    group: int | None = None     # the legend key it belongs to (default: its own position)
+
+
+@dataclass
+class Span:
+    """A stretch of the x axis with a meaning (stalled, restarting, no records): shaded; no line crosses it."""
+
+    start: float
+    end: float
+    kind: str                    # stall | restart | gap
+    label: str
 
 
 @dataclass
@@ -174,7 +192,7 @@ def _binary_scale(high: float) -> float:
     return scale
 
 
-def _axes(frame: _Frame, t0: float, unit: str) -> list[str]:
+def _axes(frame: _Frame, t0: float, unit: str, by_step: bool = False) -> list[str]:
     parts = []
     bottom, right = HEIGHT - PAD_B, WIDTH - PAD_R
     if frame.log_y:
@@ -188,19 +206,51 @@ def _axes(frame: _Frame, t0: float, unit: str) -> list[str]:
         parts.append(f'<line class="grid" x1="{PAD_L}" x2="{right}" y1="{y:.1f}" y2="{y:.1f}"/>'
                      f'<text class="tick" x="{PAD_L - 6}" y="{y + 4:.1f}" text-anchor="end">'
                      f'{escape(format_value(tick, unit))}</text>')
-    for tick in time_ticks(frame.x0 - t0, frame.x1 - t0):
-        x = frame.px(tick + t0)
+    x_ticks = ([(t, f"{t:,.0f}") for t in nice_ticks(frame.x0, frame.x1, 8) if t == int(t)] if by_step else
+               [(t + t0, format_elapsed(t)) for t in time_ticks(frame.x0 - t0, frame.x1 - t0)])
+    for tick, text in x_ticks:
+        x = frame.px(tick)
         if PAD_L - 0.5 <= x <= right + 0.5:
             parts.append(f'<line class="tickmark" x1="{x:.1f}" x2="{x:.1f}" y1="{bottom}" y2="{bottom + 4}"/>'
                          f'<text class="tick" x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">'
-                         f'{format_elapsed(tick)}</text>')
+                         f'{text}</text>')
     parts.append(f'<line class="axis" x1="{PAD_L}" x2="{right}" y1="{bottom}" y2="{bottom}"/>'
                  f'<line class="axis" x1="{PAD_L}" x2="{PAD_L}" y1="{PAD_T}" y2="{bottom}"/>')
     return parts
 
 
-def _path(frame: _Frame, points: Sequence[tuple[float, float]]) -> str:
-    return "M" + "L".join(f"{frame.px(x):.1f},{frame.py(y):.1f}" for x, y in points)
+def pieces(points: Sequence[tuple[float, float]], spans: Sequence[Span] = ()) -> list[list[tuple[float, float]]]:
+    """The runs of a line that may be joined: cut where two neighbours are further apart than GAP_FACTOR
+    times the line's median spacing, or jump over a whole span (nothing recorded in it)."""
+    if len(points) < 2:
+        return [list(points)]
+    spacing = sorted(b[0] - a[0] for a, b in zip(points, points[1:]))
+    limit = GAP_FACTOR * spacing[len(spacing) // 2] if spacing[len(spacing) // 2] > 0 else float("inf")
+    out = [[points[0]]]
+    for a, b in zip(points, points[1:]):
+        jumps = any(a[0] <= span.start and b[0] >= span.end for span in spans)
+        if b[0] - a[0] > limit or jumps:
+            out.append([])
+        out[-1].append(b)
+    return out
+
+
+def _path(frame: _Frame, points: Sequence[tuple[float, float]], spans: Sequence[Span] = ()) -> str:
+    return "".join("M" + "L".join(f"{frame.px(x):.1f},{frame.py(y):.1f}" for x, y in piece)
+                   for piece in pieces(points, spans))
+
+
+def _spans(frame: _Frame, spans: Sequence[Span]) -> list[str]:
+    parts = ['<g class="spans">']
+    for span in spans:
+        x0, x1 = max(frame.px(span.start), PAD_L), min(frame.px(span.end), WIDTH - PAD_R)
+        if x1 <= x0:
+            continue
+        parts.append(f'<rect class="span span-{span.kind}" x="{x0:.1f}" y="{PAD_T}" width="{max(x1 - x0, 1.0):.1f}"'
+                     f' height="{HEIGHT - PAD_T - PAD_B}" fill="{SPAN_COLORS.get(span.kind, "#868e96")}"'
+                     f' data-start="{span.start:.3f}" data-end="{span.end:.3f}"><title>{escape(span.label)}</title></rect>')
+    parts.append("</g>")
+    return parts
 
 
 def _marks(frame: _Frame, marks: Sequence[Mark]) -> list[str]:
@@ -217,8 +267,11 @@ def _marks(frame: _Frame, marks: Sequence[Mark]) -> list[str]:
 
 def line_chart(lines: Sequence[Line], *, t0: float, unit: str = "", marks: Sequence[Mark] = (),
                hlines: Sequence[HLine] = (), y_min: float | None = None, y_max: float | None = None,
-               x_range: tuple[float, float] | None = None) -> str:
-    """An SVG line chart over elapsed time since `t0`; empty lines are left out."""
+               x_range: tuple[float, float] | None = None, spans: Sequence[Span] = (),
+               by_step: bool = False) -> str:
+    """An SVG line chart over elapsed time since `t0` (or over steps, `by_step`); empty lines are left out.
+
+    `spans` are shaded, and no line is drawn across one it has no point in."""
     lines = [line for line in lines if line.points]
     if not lines:
         raise ValueError("line_chart needs at least one line with points")
@@ -227,8 +280,10 @@ def line_chart(lines: Sequence[Line], *, t0: float, unit: str = "", marks: Seque
     y0, y1, log_y = _y_limits(lines, hlines, y_min, y_max)
     frame = _Frame(x0, x1, y0, y1, log_y)
     parts = [f'<svg class="chart" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" preserveAspectRatio="none"'
-             f' data-points="{sum(len(line.points) for line in lines)}" data-log="{int(log_y)}">']
-    parts += _axes(frame, t0, unit)
+             f' data-points="{sum(len(line.points) for line in lines)}" data-log="{int(log_y)}"'
+             f' data-axis="{"step" if by_step else "time"}" data-x0="{frame.x0:.3f}" data-x1="{frame.x1:.3f}">']
+    parts += _spans(frame, [span for span in spans if span.end >= x0 and span.start <= x1])
+    parts += _axes(frame, t0, unit, by_step)
     right_ys: list[float] = []
     for h in sorted(hlines, key=lambda h: -h.value):
         y = frame.py(h.value)
@@ -241,15 +296,16 @@ def line_chart(lines: Sequence[Line], *, t0: float, unit: str = "", marks: Seque
                      f' y1="{y:.1f}" y2="{y:.1f}" stroke="{h.color}"/><text x="{x}" y="{y - 4:.1f}"'
                      f' text-anchor="{anchor}" fill="{h.color}">{escape(h.label)}</text></g>')
     parts += _marks(frame, [m for m in marks if x0 <= m.x <= x1])
-    for i, line in enumerate(lines):
-        color = line.color or PALETTE[i % len(PALETTE)]
-        dash = ' stroke-dasharray="5 3"' if line.dash else ""
-        parts.append(f'<path class="series" data-series="{i}" d="{_path(frame, line.points)}"'
+    for i, (line, color) in enumerate(zip(lines, line_colors(lines))):
+        group = i if line.group is None else line.group
+        dash = ' stroke-dasharray="5 3"' if line.dash or line.faded else ""
+        faded = " faded" if line.faded else ""
+        parts.append(f'<path class="series{faded}" data-series="{group}" d="{_path(frame, line.points, spans)}"'
                      f' stroke="{color}"{dash}><title>{escape(line.label)}</title></path>')
         if len(line.points) == 1:
             x, y = line.points[0]
-            parts.append(f'<circle class="series" data-series="{i}" cx="{frame.px(x):.1f}" cy="{frame.py(y):.1f}"'
-                         f' r="3" fill="{color}"/>')
+            parts.append(f'<circle class="series{faded}" data-series="{group}" cx="{frame.px(x):.1f}"'
+                         f' cy="{frame.py(y):.1f}" r="3" fill="{color}"/>')
     if log_y:
         parts.append(f'<text class="note" x="{PAD_L + 4}" y="{PAD_T + 12}">log scale</text>')
     parts.append("</svg>")
@@ -258,7 +314,8 @@ def line_chart(lines: Sequence[Line], *, t0: float, unit: str = "", marks: Seque
 
 def line_colors(lines: Sequence[Line]) -> list[str]:
     kept = [line for line in lines if line.points]
-    return [line.color or PALETTE[i % len(PALETTE)] for i, line in enumerate(kept)]
+    return [line.color or PALETTE[(i if line.group is None else line.group) % len(PALETTE)]
+            for i, line in enumerate(kept)]
 
 
 def share_bar(parts: Sequence[tuple[str, float, str]], unit: str = "s") -> str:

@@ -8,14 +8,17 @@ their file and line, never dropped silently. Cost is metered by the very `CostMe
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from trainguard import actions
 from trainguard import policy as policy_mod
 from trainguard.decide.cost import CostMeter, clock_of
+from trainguard.report.charts import GAP_FACTOR, Span
 from trainguard.report.downsample import MAX_POINTS, Sampled, Series
 from trainguard.report.files import Checkpoint, host_of, log_files, rank_of, read_checkpoints
 from trainguard.tls import iter_lines
@@ -32,9 +35,9 @@ MAX_KEYS = 64
 # `checkpoint_restored` gets none: it is a part of a rollback or of a restart, which have their own.
 MARKER_KINDS = {
     "checkpoint_saved": "checkpoint",
-    "skip_step": "skip",
-    "rollback": "rollback",
-    "restore": "restore",
+    actions.SKIP_STEP: "skip",
+    actions.ROLLBACK: "rollback",
+    actions.RESTORE: "restore",
     "alert": "alert",
     "fault_injected": "fault",
 }
@@ -44,12 +47,28 @@ def marker_kind(kind: str, event: dict) -> str | None:
     if kind == "action":
         kind = str(event.get("action"))
     if kind == "run_start":   # a process that resumed from a checkpoint: a restart, the end of a restore
-        return "restore" if event.get("resumed_from") is not None else None
+        return MARKER_KINDS[actions.RESTORE] if event.get("resumed_from") is not None else None
     if kind == "alert" and event.get("status") == "resolved":
         return None
     return MARKER_KINDS.get(kind)
 
 GOODPUT_METRICS = ("data_wait_seconds", "step_time_seconds")
+# A rollback or restart makes steps repeat: each run of rising steps is a pass, drawn on its own on the
+# step axis. Beyond this many, later steps join the last pass (a run that rolls back all day).
+MAX_PASSES = 32
+# The widest intervals between the charted rank's steps kept while reading, to find gaps (no records).
+GAPS_KEPT = 64
+
+
+@dataclass
+class Pass:
+    """One run of rising steps of the charted rank; a later pass that starts lower discards its tail."""
+
+    start_step: int
+    timestamp: float
+    cause: str                      # "start" | "rollback" | "restart"
+    series: dict[str, Series] = field(default_factory=dict)      # metrics.<key> by step
+    discarded_from: int | None = None   # steps from here on were thrown away (set after loading)
 
 
 
@@ -108,8 +127,11 @@ class Run:
     goodput_error: str | None = None
     policy: Any = None
 
+    last_step_seen: int | None = None
     train_start: float | None = None     # first and last record of the rank the charts follow
     train_end: float | None = None
+    passes: list[Pass] = field(default_factory=list)
+    spans: list[Span] = field(default_factory=list)   # stalled, restarting, no records (time axis)
 
     @property
     def span(self) -> tuple[float, float] | None:
@@ -140,6 +162,10 @@ class _Loader:
         # Goodput needs the whole step sequence (median step, steps a rollback threw away): only the
         # fields it reads are kept, one small record per step of the primary rank.
         self.goodput_records: list[dict] | None = [] if with_goodput else None
+        self.pass_cause = "start"          # why the next pass starts (the charted rank's own events)
+        self.last_step_ts: float | None = None
+        self.intervals = Sampled(4000)     # step-to-step intervals (evenly thinned), for their median
+        self.widest: list[tuple[float, float, float]] = []   # heap of (interval, from, to)
 
     def series(self, table: dict, key: str) -> Series | None:
         found = table.get(key)
@@ -193,8 +219,11 @@ class _Loader:
                     if isinstance(gpu, dict):
                         self.gpu_record(host_name, i, gpu, ts)
             if with_training:
+                self.note_pass_cause(record)
                 self.training_record(record, ts)
                 self.keep_for_goodput(record, ts)
+            elif (record.get("event") or {}).get("type") in ("alert", "action"):
+                self.keep_for_goodput(record, ts)    # the agent's restore decision splits a hang
             self.event(record, ts, source=host_name)
         return handle
 
@@ -218,6 +247,7 @@ class _Loader:
             if isinstance(count, int) and count > 0:
                 self.rank_gpu_count = max(self.rank_gpu_count, count)
             if primary:
+                self.note_pass_cause(record)
                 self.training_record(record, ts)
                 self.keep_for_goodput(record, ts)
                 if not run.hosts:   # no agent: the trainer's own hardware section is all there is
@@ -246,6 +276,35 @@ class _Loader:
             return
         self.goodput_records.append(slim)
 
+    def note_pass_cause(self, record: dict) -> None:
+        event = record.get("event")
+        if not isinstance(event, dict):
+            return
+        if event.get("type") == "rollback":
+            self.pass_cause = "rollback"
+        elif event.get("type") == "run_start" and event.get("resumed_from") is not None:
+            self.pass_cause = "restart"
+
+    def step_pass(self, step: int, ts: float) -> Pass:
+        """The pass this step belongs to: a new one when the step does not rise (rollback, restart)."""
+        passes, last = self.run.passes, self.run.last_step_seen
+        if not passes or (last is not None and step <= last and len(passes) < MAX_PASSES):
+            passes.append(Pass(step, ts, self.pass_cause if passes else "start"))
+            self.pass_cause = "restart"     # steps that go back with no event: a restart nobody announced
+        self.run.last_step_seen = step
+        return passes[-1]
+
+    def note_interval(self, ts: float) -> None:
+        if self.last_step_ts is not None and ts > self.last_step_ts:
+            interval = ts - self.last_step_ts
+            self.intervals.add(interval)
+            entry = (interval, self.last_step_ts, ts)
+            if len(self.widest) < GAPS_KEPT:
+                heapq.heappush(self.widest, entry)
+            elif interval > self.widest[0][0]:
+                heapq.heapreplace(self.widest, entry)
+        self.last_step_ts = ts
+
     def training_record(self, record: dict, ts: float) -> None:
         run, metrics = self.run, record.get("metrics")
         run.train_start = ts if run.train_start is None else min(run.train_start, ts)
@@ -263,6 +322,8 @@ class _Loader:
                 value = metrics.get(f"{part}_seconds")
                 if isinstance(value, (int, float)):
                     self.series(run.shares, part).add(ts, value / step_time)
+        self.add_numbers(self.step_pass(step, ts).series, metrics, float(step), skip=("grad_norm_by_layer",))
+        self.note_interval(ts)
         run.step_records += 1
         run.first_step = step if run.first_step is None else min(run.first_step, step)
         run.last_step = step if run.last_step is None else max(run.last_step, step)
@@ -297,8 +358,7 @@ class _Loader:
             self.note_checkpoint(f"step_{step}", ts)
         if kind == "alert" and event.get("status", "firing") == "firing":
             run.alerts[str(event.get("alertname", "?"))] += 1
-        if kind == "action" or kind in ("skip_step", "rollback", "restore", "cost_warn", "cost_throttle",
-                                        "cost_stop", "stop"):
+        if kind == "action" or kind in actions.DECISIONS:
             run.actions[str(event.get("action", kind))] += 1
         if kind == "fault_injected" and len(run.faults) < ERRORS_KEPT:
             name = str(event.get("fault") or event.get("kind") or "?")
@@ -355,15 +415,57 @@ def load_run(run_dir: str | Path, policy=None, max_points: int = MAX_POINTS, goo
         _add_goodput(run, loader.goodput_records)
     elif not goodput:
         run.goodput_error = "left out on request (--no-goodput)"
+    _mark_discarded(run.passes)
+    run.spans = _hang_spans(run)
+    run.spans += _gap_spans(loader, run.spans)
     return run
+
+
+def _mark_discarded(passes: list[Pass]) -> None:
+    """A pass's steps from where any later pass starts again were thrown away (rolled back, restarted)."""
+    for i, done in enumerate(passes):
+        later = [p.start_step for p in passes[i + 1:]]
+        done.discarded_from = min(later) if later else None
+
+
+def _hang_spans(run: Run) -> list[Span]:
+    """Each hang's stall (last step -> restore decided) and restart (-> first step again), from goodput."""
+    spans = []
+    for hang in getattr(run.goodput, "hangs", ()):
+        split = hang.decided_at if hang.decided_at is not None else hang.last_progress + hang.stall_seconds
+        incident = f", incident {hang.incident}" if hang.incident else ""
+        decided = f"until the restore was decided ({hang.decided_by})" if hang.decided_at is not None else \
+            "until the process died (no restore decision recorded)"
+        spans.append(Span(hang.last_progress, split, "stall",
+                          f"stalled {hang.stall_seconds:.1f}s: no step {decided}{incident}"))
+        spans.append(Span(split, hang.resumed_at, "restart",
+                          f"restarting {hang.restart_recovery_seconds:.1f}s: from the decision to the first step "
+                          f"of the restarted run{incident}"))
+    return spans
+
+
+def _gap_spans(loader: _Loader, known: list[Span]) -> list[Span]:
+    """Intervals between the charted rank's steps over GAP_FACTOR x their median that no hang explains."""
+    intervals = sorted(loader.intervals)
+    if not intervals:
+        return []
+    limit = GAP_FACTOR * intervals[len(intervals) // 2]
+    gaps = []
+    for interval, start, end in sorted(loader.widest, key=lambda g: g[1]):
+        explained = any(span.start < end and span.end > start for span in known)
+        if interval > limit and not explained:
+            gaps.append(Span(start, end, "gap", f"no training records for {interval:.1f}s"))
+    return gaps
 
 
 def _add_goodput(run: Run, records: list[dict]) -> None:
     """Goodput and badput by cause, by trainguard.goodput (the same numbers `trainguard goodput` prints)."""
     from trainguard import goodput
 
+    from trainguard.goodput_cli import read_incidents
+
     try:
-        run.goodput = goodput.compute(records)
+        run.goodput = goodput.compute(records, incidents=read_incidents(run.run_dir, run.errors))
     except Exception as exc:  # the report still renders without this section, and says why
         run.goodput_error = f"goodput could not be computed ({type(exc).__name__}: {exc})"
 

@@ -11,8 +11,8 @@ from html import escape
 from pathlib import Path
 
 from trainguard.report import charts
-from trainguard.report.charts import HLine, Line, Mark, format_value
-from trainguard.report.data import Run
+from trainguard.report.charts import HLine, Line, Mark, Span, format_value
+from trainguard.report.data import Pass, Run
 from trainguard.report.summary import goodput_shares, sentences, tiles
 
 ASSETS = Path(__file__).with_name("assets")
@@ -34,6 +34,11 @@ class Page:
         self.x_range = span if span and span[1] > span[0] else None
         self.marks = [Mark(m.timestamp, kind, m.label)
                       for kind in MARKED for m in run.markers.get(kind, ())]
+        self.spans: list[Span] = run.spans
+        # On the step axis a rollback or restart is where a new pass starts again (steps repeat).
+        self.step_marks = [Mark(p.start_step, "rollback" if p.cause == "rollback" else "restore",
+                                f"{p.cause}: steps from {p.start_step} again (the earlier pass, faded, was "
+                                f"thrown away)") for p in run.passes[1:]]
         self.charts = 0
 
     def figure(self, title: str, lines: list[Line], unit: str = "", *, empty: str, marks: bool = False,
@@ -49,16 +54,66 @@ class Page:
             return f'<figure class="plot empty">{head}<p class="absent">{escape(empty)}</p></figure>'
         self.charts += 1
         svg = charts.line_chart(kept, t0=self.t0, unit=unit, marks=self.marks if marks else (),
-                                hlines=hlines, y_min=y_min, y_max=y_max, x_range=self.x_range)
-        keys = "".join(f'<button type="button" class="key" data-series="{i}" style="--c:{color}">'
-                       f'{escape(line.label)}</button>'
-                       for i, (line, color) in enumerate(zip(kept, charts.line_colors(kept))))
+                                hlines=hlines, y_min=y_min, y_max=y_max, x_range=self.x_range, spans=self.spans)
+        keys = _keys([line.label for line in kept], charts.line_colors(kept))
         foot = f'<p class="note">{escape(note)}</p>' if note else ""
         return f'<figure class="plot" data-chart="{self.charts}">{head}{svg}<div class="keys">{keys}</div>{foot}</figure>'
+
+    def series_figure(self, title: str, metrics: list[tuple[str, str]], unit: str = "", *, empty: str,
+                      marks: bool = True, note: str = "", y_min: float | None = None,
+                      hlines: list[HLine] = ()) -> str:
+        """A training metric chart drawn twice: over steps (shown first, each pass of a rollback or restart
+        on its own, the discarded one faded) and over wall time (stalls and restarts shaded)."""
+        low, high = self.x_range or (float("-inf"), float("inf"))
+        present = [(key, label) for key, label in metrics if self.run.training.get(key)]
+        timed = [Line(label, [p for p in self.run.training[key].points() if low <= p[0] <= high], group=i)
+                 for i, (key, label) in enumerate(present)]
+        timed = [line for line in timed if line.points]
+        head = f"<figcaption>{escape(title)}</figcaption>"
+        if not timed:
+            return f'<figure class="plot empty">{head}<p class="absent">{escape(empty)}</p></figure>'
+        self.charts += 1
+        stepped = [line for i, (key, label) in enumerate(present) for line in _pass_lines(self.run.passes, key, label, i)]
+        by_step = charts.line_chart(stepped, t0=0.0, unit=unit, marks=self.step_marks if marks else (),
+                                    hlines=hlines, y_min=y_min, by_step=True) if stepped else ""
+        by_time = charts.line_chart(timed, t0=self.t0, unit=unit, marks=self.marks if marks else (), hlines=hlines,
+                                    y_min=y_min, x_range=self.x_range, spans=self.spans)
+        views = (by_step.replace('<svg class="chart"', '<svg class="chart view view-step"', 1)
+                 + by_time.replace('<svg class="chart"', '<svg class="chart view view-time"', 1))
+        keys = _keys([label for _, label in present], [charts.PALETTE[i % len(charts.PALETTE)]
+                                                       for i in range(len(present))])
+        foot = f'<p class="note">{escape(note)}</p>' if note else ""
+        return (f'<figure class="plot" data-chart="{self.charts}">{head}{views}<div class="keys">{keys}</div>'
+                f'{foot}</figure>')
 
     def training(self, key: str, label: str | None = None) -> Line:
         series = self.run.training.get(key)
         return Line(label or key, series.points() if series else [])
+
+
+def _keys(labels: list[str], colors: list[str]) -> str:
+    return "".join(f'<button type="button" class="key" data-series="{i}" style="--c:{color}">{escape(label)}</button>'
+                   for i, (label, color) in enumerate(zip(labels, colors)))
+
+
+def _pass_lines(passes: list[Pass], key: str, label: str, group: int) -> list[Line]:
+    """A metric over steps, pass by pass: what was kept, and (faded) what a later pass threw away."""
+    out = []
+    for number, done in enumerate(passes, 1):
+        series = done.series.get(key)
+        if not series:
+            continue
+        points = series.points()
+        cut = done.discarded_from if done.discarded_from is not None else float("inf")
+        kept = [p for p in points if p[0] < cut]
+        thrown = [p for p in points if p[0] >= cut]
+        if kept:
+            out.append(Line(f"{label} (pass {number})" if len(passes) > 1 else label, kept, group=group))
+        if thrown:
+            out.append(Line(f"{label}: pass {number}, steps {thrown[0][0]:.0f}–{thrown[-1][0]:.0f} thrown away by "
+                            f"the {passes[number].cause if number < len(passes) else 'next pass'}",
+                            thrown, group=group, faded=True))
+    return out
 
 
 # ------------------------------------------------------------------------------------------ sections
@@ -77,29 +132,38 @@ def training_section(page: Page) -> str:
     legend = "".join(f'<span class="mk" style="--c:{charts.MARK_COLORS[k]}">{charts.MARK_NAMES[k]}'
                      f' ({len(run.markers[k])}{"+" if run.markers[k].thinned else ""})</span>'
                      for k in MARKED if k in run.markers)
+    kinds = sorted({span.kind for span in run.spans}, key=list(charts.SPAN_COLORS).index)
+    legend += "".join(f'<span class="sp" style="--c:{charts.SPAN_COLORS[k]}">{charts.SPAN_NAMES[k]} '
+                      f'({sum(1 for s in run.spans if s.kind == k)})</span>' for k in kinds)
     body = f'<p class="marklegend">{legend or "No checkpoints, skipped steps, rollbacks, restores or alerts."}</p>'
+    body += AXIS_TOGGLE
     empty = "No training metrics recorded."
-    body += page.figure("Loss", [page.training("loss"), page.training("val_loss", "validation loss")],
-                        empty=empty, marks=True, note=_nonfinite_note(run, "loss"))
-    body += page.figure("Gradient norm", [page.training("grad_norm", "grad norm")], empty=empty, marks=True,
-                        note=_nonfinite_note(run, "grad_norm"))
-    body += page.figure("Learning rate", [page.training("learning_rate", "learning rate")], empty=empty,
-                        marks=True)
+    body += page.series_figure("Loss", [("loss", "loss"), ("val_loss", "validation loss")],
+                               empty=empty, note=_nonfinite_note(run, "loss"))
+    body += page.series_figure("Gradient norm", [("grad_norm", "grad norm")], empty=empty,
+                               note=_nonfinite_note(run, "grad_norm"))
+    body += page.series_figure("Learning rate", [("learning_rate", "learning rate")], empty=empty)
     return _section("Training", body, "training")
+
+
+AXIS_TOGGLE = ('<p class="axis-toggle">x axis: <button type="button" data-axis="step" class="on">step</button>'
+               '<button type="button" data-axis="time">wall time</button> <span class="note">By step, a rollback '
+               'or restart draws the steps it repeats again, and the pass it threw away faded; by wall time, '
+               'stalls and restarts are shaded and no line crosses them.</span></p>')
 
 
 def throughput_section(page: Page) -> str:
     ranks = len(page.run.ranks)
-    body = page.figure("Tokens per second", [page.training("tokens_per_second", "tokens/s")], "tok/s",
-                       empty="No throughput recorded.", y_min=0,
-                       note=f"Rank {page.run.primary_rank}'s; the {ranks} ranks together train about {ranks} times "
-                            f"this." if ranks > 1 else "")
-    body += page.figure("Model FLOPs utilisation (MFU)", [page.training("mfu", "MFU")], "ratio",
-                        empty="No MFU recorded (the trainer reports it when it knows the device's peak FLOPs).",
-                        y_min=0)
-    lines = [page.training("step_time_seconds", "step time")] + [page.training(k, n) for k, n in STEP_PARTS]
-    body += page.figure("Step time breakdown", lines, "s", empty="No step timing recorded.", y_min=0,
-                        note="The parts overlap when communication runs during backward.")
+    body = page.series_figure("Tokens per second", [("tokens_per_second", "tokens/s")], "tok/s",
+                              empty="No throughput recorded.", y_min=0, marks=False,
+                              note=f"Rank {page.run.primary_rank}'s; the {ranks} ranks together train about {ranks} "
+                                   f"times this." if ranks > 1 else "")
+    body += page.series_figure("Model FLOPs utilisation (MFU)", [("mfu", "MFU")], "ratio", marks=False,
+                               empty="No MFU recorded (the trainer reports it when it knows the device's peak FLOPs).",
+                               y_min=0)
+    body += page.series_figure("Step time breakdown", [("step_time_seconds", "step time"), *STEP_PARTS], "s",
+                               empty="No step timing recorded.", y_min=0, marks=False,
+                               note="The parts overlap when communication runs during backward.")
     return _section("Throughput", body, "throughput")
 
 
@@ -261,8 +325,9 @@ def render(run: Run) -> str:
     page = Page(run)
     sections = [training_section(page), throughput_section(page), gpu_section(page), io_section(page),
                 cost_section(page), goodput_section(page), events_section(page), quality_section(run)]
-    tile_html = "".join(f'<div class="tile {t.tone}"><div class="v">{escape(t.value)}</div>'
-                        f'<div class="l">{escape(t.label)}</div></div>' for t in tiles(run))
+    tile_html = "".join(f'<div class="tile {t.tone}" title="{escape(t.hint)}"><div class="v">{escape(t.value)}</div>'
+                        f'<div class="l">{escape(t.label)}</div><div class="d">{escape(t.hint)}</div></div>'
+                        for t in tiles(run))
     story = "".join(f"<li>{escape(s)}</li>" for s in sentences(run))
     span = ""
     if run.span is not None:
@@ -276,7 +341,7 @@ def render(run: Run) -> str:
             f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f'<title>{escape(title)}</title><style>{(ASSETS / "report.css").read_text()}</style></head>'
-            f'<body data-charts="{page.charts}"><header><h1>{escape(title)}</h1>'
+            f'<body class="by-step" data-charts="{page.charts}"><header><h1>{escape(title)}</h1>'
             f'<p class="sub">{escape(str(run.run_dir))} · {escape(span)} · generated '
             f'{time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}</p><nav>{nav}</nav></header>'
             f'<main><div class="tiles">{tile_html}</div><section id="summary"><h2>What happened</h2>'

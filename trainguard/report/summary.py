@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainguard import actions
 from trainguard.report.charts import format_elapsed, format_value
 from trainguard.report.data import Run, final
 
-GUARD_ACTIONS = ("skip_step", "rollback", "restore", "stop")
-COST_ACTIONS = ("cost_warn", "cost_throttle", "cost_stop")
+GUARD_ACTIONS = (actions.SKIP_STEP, actions.ROLLBACK, actions.RESTORE, actions.STOP)
+COST_ACTIONS = actions.COST_ACTIONS
 
 
 @dataclass
@@ -16,6 +17,7 @@ class Tile:
     label: str
     value: str
     tone: str = ""        # "" | "good" | "warn" | "bad"
+    hint: str = ""        # what the number counts, and why it has its colour (shown under the card)
 
 
 def _counted(counter, names=None) -> str:
@@ -122,27 +124,58 @@ def goodput_shares(run: Run) -> dict[str, float]:
     return shares
 
 
+def _loss_hint(run: Run, loss) -> str:
+    if loss is None:
+        return "no loss recorded"
+    text = f"loss of the last step with a finite loss (rank {run.primary_rank})"
+    if loss.nonfinite:
+        text += f"; red: {loss.nonfinite} step(s) logged a non-finite loss (NaN or Inf)"
+    return text
+
+
+def _goodput_hint(shares: dict[str, float]) -> str:
+    bad = sorted(((k, v) for k, v in shares.items() if k != "goodput" and v >= 0.005), key=lambda kv: -kv[1])
+    text = "share of wall time spent in steps that were kept (not thrown away, skipped, stalled or waiting on data)"
+    return text + ("; the rest: " + ", ".join(f"{k.replace('_', ' ')} {v:.0%}" for k, v in bad[:3]) if bad else "")
+
+
 def tiles(run: Run) -> list[Tile]:
     loss = run.training.get("loss")
+    ranks = len(run.ranks) or 1
+    steps_hint = ("no step records" if run.last_step is None else
+                  f"last step reached; {run.step_records:,} step records"
+                  + (f", {len(run.passes) - 1} rollback(s)/restart(s) repeated steps" if len(run.passes) > 1 else ""))
     out = [
-        Tile("steps", "n/a" if run.last_step is None else f"{run.last_step:,}"),
-        Tile("final loss", _num(final(loss)), "bad" if loss and loss.nonfinite else ""),
-        Tile("tokens/s" + (" per rank" if len(run.ranks) > 1 else ""),
-             _num(run.training["tokens_per_second"].mean, "") if run.training.get("tokens_per_second") else "n/a"),
-        Tile("MFU", _num(run.training["mfu"].mean, "ratio") if run.training.get("mfu") else "n/a"),
-        Tile("wall time", format_elapsed(run.duration)),
+        Tile("steps", "n/a" if run.last_step is None else f"{run.last_step:,}", hint=steps_hint),
+        Tile("final loss", _num(final(loss)), "bad" if loss and loss.nonfinite else "", hint=_loss_hint(run, loss)),
+        Tile("tokens/s" + (" per rank" if ranks > 1 else ""),
+             _num(run.training["tokens_per_second"].mean, "") if run.training.get("tokens_per_second") else "n/a",
+             hint=f"mean over rank {run.primary_rank}'s step records" + (f"; ×{ranks} for the job" if ranks > 1 else "")),
+        Tile("MFU", _num(run.training["mfu"].mean, "ratio") if run.training.get("mfu") else "n/a",
+             hint="mean model FLOPs utilisation: achieved FLOP/s over the device's peak"),
+        Tile("wall time", format_elapsed(run.duration),
+             hint="first to last record of the charted rank, stalls and restarts included"),
     ]
     taken = sum(run.actions[a] for a in GUARD_ACTIONS)
-    out.append(Tile("guard actions", str(taken), "warn" if taken else "good"))
-    out.append(Tile("alerts", str(sum(run.alerts.values())), "warn" if run.alerts else "good"))
+    listed = _counted(run.actions, GUARD_ACTIONS)
+    out.append(Tile("guard actions", str(taken), "warn" if taken else "good",
+                    hint=(f"{listed}; amber: the run needed protecting" if taken else
+                          "skip_step, rollback, restore or stop: none needed")
+                    + (f"; {run.restarts} restart(s)" if run.restarts else "")))
+    out.append(Tile("alerts", str(sum(run.alerts.values())), "warn" if run.alerts else "good",
+                    hint=f"alerts that fired: {_counted(run.alerts)}" if run.alerts else "no alert fired"))
     if run.cost_state is not None and run.cost_state.gpu_count and run.cost.get("cost_usd"):
         tier = run.cost_state.tier
         out.append(Tile("spend", format_value(run.cost_state.cost_usd, "usd"),
-                        {"ok": "good", "warn": "warn"}.get(tier, "bad")))
+                        {"ok": "good", "warn": "warn"}.get(tier, "bad"),
+                        hint=f"metered at {format_value(run.policy.cost.price_per_gpu_hour, 'usd')} per GPU-hour on "
+                             f"{run.cost_state.gpu_count} device(s); cost tier {tier}"))
     shares = goodput_shares(run)
     if shares:
         good = shares.get("goodput", 0.0)
-        out.append(Tile("goodput", f"{good:.0%}", "good" if good >= 0.9 else "warn"))
+        out.append(Tile("goodput", f"{good:.0%}", "good" if good >= 0.9 else "warn",
+                        hint=_goodput_hint(shares) + ("" if good >= 0.9 else "; amber: under 90%")))
     if run.malformed:
-        out.append(Tile("malformed lines", str(run.malformed), "bad"))
+        out.append(Tile("malformed lines", str(run.malformed), "bad",
+                        hint="log lines that could not be read, listed with file and line at the end"))
     return out

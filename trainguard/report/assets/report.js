@@ -24,5 +24,20 @@
       });
     });
   });
+  // The x axis of the training charts: by step (as TensorBoard and W&B draw it) or by wall time.
+  document.querySelectorAll(".axis-toggle button").forEach(function (button) {
+    button.addEventListener("click", function () {
+      var axis = button.dataset.axis;
+      document.body.classList.toggle("by-step", axis === "step");
+      document.body.classList.toggle("by-time", axis === "time");
+      document.querySelectorAll(".axis-toggle button").forEach(function (other) {
+        other.classList.toggle("on", other.dataset.axis === axis);
+      });
+    });
+  });
+  if (window.location.hash === "#by-time") {
+    var byTime = document.querySelector('.axis-toggle button[data-axis="time"]');
+    if (byTime) { byTime.click(); }
+  }
   document.body.dataset.drawn = String(drawn);
 })();

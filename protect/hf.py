@@ -19,19 +19,23 @@ Where it hooks into the Trainer's step (transformers >= 4.47, which calls `on_pr
   `trainer_log` event in the run's TLS file.
 
 The Protector's checkpoints (model, optimizer, LR scheduler, random generators, and the library's own) are
-written to `RUN/checkpoints/`, hashed and signed, beside the Trainer's own `checkpoint-N` folders, and
-`train()` resumes from the newest verified one. The gradient norm the guard sees is the one after the
+written to `RUN/checkpoints/`, hashed and signed, and `train()` resumes from the newest verified one. The
+Trainer's own `checkpoint-N` folders (`save_strategy`) are signed as they are written (`on_save`,
+trainguard.protect.hf_checkpoints); `hf_checkpoints.latest_verified(output_dir)` picks the newest that
+verifies, for `resume_from_checkpoint`. The gradient norm the guard sees is the one after the
 Trainer's clipping (`max_grad_norm`): set `max_grad_norm=0` to let the guard see explosions unclipped.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
+from trainguard.protect import hf_checkpoints
 from trainguard.protect.callbacks import Callbacks
 from trainguard.protect.protector import Protector
 from trainguard.protect.state import RNGState
@@ -132,6 +136,14 @@ class ProtectCallback(TrainerCallback):
             self.exit_code = outcome.exit_code
             control.should_training_stop = True
             control.should_save = False          # the Protector saved (cost stop) or must not (guard stop)
+
+    def on_save(self, args, state, control, **kwargs):
+        """The Trainer has written `checkpoint-<step>`: sign it (rank 0), so it is verified before use."""
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if self.protector is None or args.process_index != 0 or not folder.is_dir():
+            return
+        hf_checkpoints.sign_folder(folder, self.options.get("key_file") or None)
+        self.protector.event("trainer_checkpoint_signed", path=str(folder), trainer_step=state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.protector is None or not logs:

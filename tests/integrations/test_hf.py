@@ -63,3 +63,29 @@ def test_trainer_skips_a_nan_rolls_back_spikes_and_obeys_cost_stop(tmp_path):
     assert callback.exit_code is None
     assert events(run, "checkpoint_restored")[-1]["step"] == ack["step"]
     assert [r["step"] for r in step_records(run)][-2:] == [ack["step"] + 1, ack["step"] + 2]
+
+
+def test_the_trainers_checkpoint_folders_are_signed_and_verified_before_use(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from examples.hf_trainer import RandomTokens
+    from trainguard.protect import hf_checkpoints
+    from trainguard.protect.hf import ProtectCallback
+
+    trainer, _ = build(str(tmp_path / "run"), 10, {})
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=10, per_device_train_batch_size=4,
+                             save_strategy="steps", save_steps=5, report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=trainer.model, args=args, train_dataset=RandomTokens(),
+                      callbacks=[ProtectCallback(tmp_path / "run", checkpoint_every=0)])
+    trainer.train()
+    five, ten = tmp_path / "out" / "checkpoint-5", tmp_path / "out" / "checkpoint-10"
+    assert hf_checkpoints.verify_folder(five).ok and hf_checkpoints.verify_folder(ten).ok
+    assert [e["trainer_step"] for e in events(tmp_path / "run", "trainer_checkpoint_signed")] == [5, 10]
+    weights = next(p for p in ten.iterdir() if p.suffix == ".safetensors")
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")                   # one byte changed
+    refused = hf_checkpoints.verify_folder(ten)
+    assert not refused.ok and refused.code == "hash_mismatch" and weights.name in refused.reason
+    assert hf_checkpoints.latest_verified(tmp_path / "out") == five
+    (five / "trainer_state.json").rename(five / "moved.json")
+    assert hf_checkpoints.verify_folder(five).code == "missing_file"
+    assert hf_checkpoints.latest_verified(tmp_path / "out") is None

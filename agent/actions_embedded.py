@@ -4,9 +4,11 @@ Two sources feed the same executor (and so the same ledger) as the webhook:
 
 - the cost meter the training collector runs on the lead rank's steps (trainguard.decide.cost): each
   tier decision (cost_warn, cost_throttle, cost_stop) arrives through the agent's decision handlers;
-- a stall watchdog: this node's ranks are alive (RUN/control/ranks) and have written since they started,
-  but none has written a TLS record for `alerts.stall_seconds` -> restore; or they started more than
-  `alerts.startup_grace_seconds` ago and have written nothing since (hung while joining) -> restore.
+- a stall watchdog: this node's ranks are alive (RUN/control/ranks) and have reached a step since they
+  started, but none has advanced a step for `alerts.stall_seconds` -> restore; or they started more than
+  `alerts.startup_grace_seconds` ago and have reached no step since (hung while joining) -> restore. The
+  rule is trainguard/decide/stall.py, which `replay` runs too. Before the restore, the culprit is named
+  (agent/culprit.py) and, with `restore.evict`, its node kept out instead.
 
 With Prometheus running too, the `CostBudget*` and `TrainingStalled` alerts see the same things a little
 later; the ledger makes each cost tier act once whichever path saw it first, and joins a second restore
@@ -15,7 +17,8 @@ within the cooldown to the first.
 
 from __future__ import annotations
 
-import socket
+import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -25,9 +28,11 @@ from trainguard import actions
 from trainguard import log as tglog
 from trainguard.agent import restore
 from trainguard.agent.stop_signal import StopSignal
+from trainguard.decide import stall
 from trainguard.decide.decision import Decision
 from trainguard.decide.ledger import FIRING, Notice
-from trainguard.tls import format_timestamp
+from trainguard.node import node_name
+from trainguard.tls import format_timestamp, parse_timestamp
 
 # The alert each embedded decision stands in for: the records name it, as an alert's would.
 ALERT_OF = {actions.COST_WARN: "CostBudgetWarn", actions.COST_THROTTLE: "CostBudgetThrottle",
@@ -55,18 +60,25 @@ class DecisionHandler:
 
 
 class StallWatchdog:
-    """restore when this node's live ranks have gone `stall_seconds` without a TLS write."""
+    """restore when this node's live ranks have not advanced a step for `stall_seconds` (decide/stall.py).
+
+    Before the restore is submitted, `investigate` (agent/culprit.py) gathers the evidence and names the
+    culprit; it returns the notice to submit (the usual restore), or None when the culprit's node is
+    being kept out instead (eviction) and nothing else must be ended here.
+    """
 
     def __init__(self, run_dir: str | Path, stall_seconds: float, submit: Callable[[list[Notice]], object],
                  host: str | None = None, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic, startup_grace_seconds: float = 900.0):
+                 monotonic: Callable[[], float] = time.monotonic, startup_grace_seconds: float = 900.0,
+                 investigate: Callable[[stall.Stall, list], Notice | None] | None = None):
         self.run_dir = Path(run_dir)
         self.stall_seconds, self.startup_grace_seconds = stall_seconds, startup_grace_seconds
         self.submit, self.clock, self.monotonic = submit, clock, monotonic
-        # The newest write seen (its mtime) and when, on the monotonic clock, this watchdog would have seen
-        # it: idle time is measured on that clock from there, so a step of the wall clock (NTP) is no stall.
-        self._seen: tuple[float, float] | None = None
-        self.host = host or socket.gethostname()
+        self.investigate = investigate
+        # Per rank: (step, when this watchdog's monotonic clock would have seen it reached). Idle time is
+        # measured on that clock, so a step of the wall clock (NTP) is no stall.
+        self._seen: dict[int, tuple[int | None, float | None, float | None]] = {}   # + the record's time
+        self.host = host or node_name()
         self.interval = max(0.5, min(5.0, stall_seconds / 4))
         self._stop = StopSignal()
         self._thread: threading.Thread | None = None
@@ -74,48 +86,45 @@ class StallWatchdog:
         self._rank_files = restore.RankFiles(self.run_dir)
         self.log = tglog.get("agent.stall_watchdog")
 
-    def check(self) -> Notice | None:
-        """The restore notice if the node is stalled now, else None."""
+    def progress(self) -> list[tuple[stall.RankProgress, object]]:
+        """Each live local rank's progress on the monotonic clock, with its rank file info."""
         live = restore.local_ranks(self._rank_files.read(), self.host)
-        if not live:
-            return None
-        last = self._last_write([info.rank for info, _ in live])
-        started = max(info.started_at for info, _ in live)
-        if last is None or last < started:
-            return self._hung_starting(started)
-        now = self.clock()
-        idle = self._idle_seconds(last, now)
-        if idle <= self.stall_seconds:
-            return None
-        return _restore(f"embedded:stall@{format_timestamp(last)}", now,
-                        f"no TLS record from this node's ranks for {idle:.0f}s")
+        now, monotonic = self.clock(), self.monotonic()
+        out = []
+        for info, _ in live:
+            step, at, ended_at = rank_progress(self.run_dir / "tls" / f"rank-{info.rank}.jsonl")
+            if ended_at is not None and ended_at >= info.started_at:
+                continue        # this attempt has finished (or was stopped) and is leaving: not stalled
+            seen = self._seen.get(info.rank)
+            if seen is None or seen[0] != step:
+                seen = (step, None if at is None else monotonic - max(0.0, now - at), at)
+                self._seen[info.rank] = seen
+            started = monotonic - max(0.0, now - info.started_at)
+            out.append((stall.RankProgress(info.rank, seen[0], seen[1], started), info))
+        return out
 
-    def _hung_starting(self, started: float) -> Notice | None:
-        """Ranks that have not written since they started are starting (imports, rendezvous, resume), until
-        the start-up grace is over: a rank hung while joining would otherwise wait out the join timeout."""
-        now = self.clock()
-        waiting = now - started
-        if waiting <= self.startup_grace_seconds:
+    def check(self) -> Notice | None:
+        """The restore notice if the node is stalled now, else None (the decision: decide/stall.py)."""
+        progress = self.progress()
+        found = stall.decide([p for p, _ in progress], self.monotonic(), self.stall_seconds,
+                             self.startup_grace_seconds)
+        if found is None:
             return None
-        return _restore(f"embedded:startup@{format_timestamp(started)}", now,
-                        f"this node's ranks started {waiting:.0f}s ago and have written no TLS record since")
+        if found.step is None:      # hung while starting: keyed by the newest start, on the wall clock
+            since = max(info.started_at for _, info in progress)
+            return _restore(f"embedded:startup@{format_timestamp(since)}", self.clock(), found.reason)
+        # keyed by the newest step record as the rank wrote it: the same stall gives the same key
+        newest = max((p for p, _ in progress if p.advanced_at is not None), key=lambda p: p.advanced_at)
+        written = self._seen[newest.rank][2] or 0.0
+        return _restore(f"embedded:stall@{format_timestamp(written)}", self.clock(), found.reason)
 
-    def _idle_seconds(self, last: float, now: float) -> float:
-        """Seconds since the ranks' newest write. A write first seen now is dated by the wall clock (how old
-        the file already is, never less than 0); from then on the monotonic clock counts."""
-        monotonic = self.monotonic()
-        if self._seen is None or self._seen[0] != last:
-            self._seen = (last, monotonic - max(0.0, now - last))
-        return monotonic - self._seen[1]
-
-    def _last_write(self, rank_ids: list[int]) -> float | None:
-        times = []
-        for rank in rank_ids:
-            try:
-                times.append((self.run_dir / "tls" / f"rank-{rank}.jsonl").stat().st_mtime)
-            except FileNotFoundError:
-                continue
-        return max(times) if times else None
+    def _stalled(self, notice: Notice) -> None:
+        """A new stall: name the culprit first (evidence before anything is ended), then act."""
+        if self.investigate is not None:
+            live = [info for _, info in self.progress()]
+            notice = self.investigate(notice, live)
+        if notice is not None:
+            self.submit([notice])
 
     def start(self) -> "StallWatchdog":
         self._thread = threading.Thread(target=self._loop, name="stall-watchdog", daemon=True)
@@ -131,9 +140,50 @@ class StallWatchdog:
                 notice = self.check()
                 if notice is not None and notice.key != self._last_key:
                     self._last_key = notice.key
-                    self.submit([notice])
+                    self._stalled(notice)
             except Exception as exc:   # the watchdog must outlive one bad read
                 self.log.error("stall check failed", error=f"{type(exc).__name__}: {exc}")
+
+
+TAIL_BYTES = 64 * 1024
+
+
+def last_step(path: Path) -> tuple[int | None, float | None]:
+    """(step, timestamp) of the newest step record (one with `metrics`) in the tail of a rank's TLS log."""
+    step, at, _ = rank_progress(path)
+    return step, at
+
+
+def rank_progress(path: Path) -> tuple[int | None, float | None, float | None]:
+    """(step, timestamp, ended_at) from the tail of a rank's TLS log: the newest step record, and when a
+    ``run_end`` or ``stop`` event came after it (the rank is leaving: not a stall), else None."""
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, size - TAIL_BYTES))
+            lines = handle.read().splitlines()
+    except FileNotFoundError:
+        return None, None, None
+    ended_at = None
+    for raw in reversed(lines):
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            continue        # the first line of the tail is usually cut, the last may be half-written
+        if not isinstance(record, dict):
+            continue
+        event = record.get("event")
+        if isinstance(event, dict) and event.get("type") in stall.ENDED_EVENTS:
+            try:
+                ended_at = parse_timestamp(record.get("timestamp"))
+            except (ValueError, TypeError):
+                ended_at = None
+        if isinstance(record.get("metrics"), dict) and "step" in record:
+            try:
+                return int(record["step"]), parse_timestamp(record.get("timestamp")), ended_at
+            except (ValueError, TypeError):
+                return int(record["step"]), None, ended_at
+    return None, None, ended_at
 
 
 def _restore(key: str, now: float, reason: str) -> Notice:
@@ -144,9 +194,17 @@ def _restore(key: str, now: float, reason: str) -> Notice:
 
 def install(agent, executor, policy, config) -> StallWatchdog:
     """Wire the embedded path into a running agent; returns the (started) watchdog."""
+    from trainguard.agent.culprit import Investigator
+
     agent.add_decision_handler(DecisionHandler(executor.submit))
+    investigator = Investigator(config.run_dir, node_name(), policy.restore, agent=agent,
+                                record=executor.records.append, submit=executor.submit,
+                                entry_points=executor.entry_points, launchers=executor.launchers)
+    agent.add_metrics_source(investigator.families)
     watchdog = StallWatchdog(config.run_dir, policy.alerts.stall_seconds, executor.submit,
-                             startup_grace_seconds=policy.alerts.startup_grace_seconds).start()
+                             startup_grace_seconds=policy.alerts.startup_grace_seconds,
+                             investigate=investigator).start()
     tglog.get("agent.embedded", node=config.node).info(
-        "embedded actions on", cost="training collector's meter", stall_seconds=policy.alerts.stall_seconds)
+        "embedded actions on", cost="training collector's meter", stall_seconds=policy.alerts.stall_seconds,
+        evict=policy.restore.evict)
     return watchdog

@@ -23,6 +23,14 @@ Request ids are derived from the incident (the ledger key, or
 the cost tier), and a request whose id is already in the control file is not appended again, so
 re-executing after a crash between 2 and 4 (``recover()`` does, at start) or from a second agent on a
 shared run directory never makes the trainer act twice.
+
+A job-level alert (no `instance`: the global tier's, the run-wide cost tiers; ledger.job_level) reaches
+every agent of the job. Before carrying one out, an agent claims it: ``RUN/control/claims/<request id>``
+created with O_EXCL (atomic on local filesystems and NFSv3+), the one place every agent sees. The agent
+that created it acts; the others record the action as ``claimed`` by that node and do nothing, so a
+job-level ``restore`` ends one node's ranks (torch's elastic rendezvous then restarts every node's
+workers) rather than every node's at once. An agent that crashed after claiming finds its own claim and
+acts on recovery.
 """
 
 from __future__ import annotations
@@ -31,7 +39,6 @@ import fcntl
 import hashlib
 import json
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -43,7 +50,8 @@ from prometheus_client.core import CounterMetricFamily
 from trainguard import actions, tls
 from trainguard import log as tglog
 from trainguard.agent import restore
-from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, Verdict
+from trainguard.node import node_name
+from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, Verdict, job_level
 
 DEFAULT_GRACE_SECONDS = 0.0     # SIGKILL at once: see agent/restore.py
 RETRY_SECONDS = 5.0             # an embedded decision that could not be recorded is tried again this often
@@ -192,6 +200,38 @@ def append_request(path: Path, request: dict) -> bool:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
+def claim(path: Path, node: str, now: float) -> str:
+    """Create `path` naming `node` unless it exists (O_EXCL: exactly one creator); the claimant's node.
+
+    A claim written but not yet readable (the creator between open and write) is retried briefly; one
+    that stays unreadable is damaged, and its creator is taken to be another agent (never act twice).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = json.dumps({"node": node, "claimed_at": now}).encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return _claimant(path)
+    try:
+        os.write(fd, body)
+        os.fsync(fd)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)        # a claim nobody can read would block the job's action for good
+        raise
+    os.close(fd)
+    return node
+
+
+def _claimant(path: Path, attempts: int = 20) -> str:
+    for _ in range(attempts):
+        try:
+            return str(json.loads(path.read_bytes())["node"])
+        except (OSError, ValueError, KeyError, TypeError):
+            time.sleep(0.05)
+    return f"unreadable claim {path}"
+
+
 def request_id(verdict: Verdict) -> str:
     """Stable per incident: a cost tier acts once per run, any other action once per ledger key."""
     if verdict.action in actions.COST_ORDER:
@@ -208,7 +248,7 @@ class Executor:
                  entry_points: tuple[str, ...] = (), launchers: tuple[str, ...] = ()):
         self.run_dir = Path(run_dir)
         self.entry_points, self.launchers = entry_points, launchers   # beyond the bundled ones (restore.Trust)
-        self.node, self.host = node, host or socket.gethostname()
+        self.node, self.host = node, host or node_name()
         self.ledger, self.clock = ledger, clock
         self.grace = restore_grace_seconds
         self.records = EventLog(self.run_dir / "tls" / f"node-{node}-actions.jsonl")
@@ -315,6 +355,12 @@ class Executor:
         result: dict[str, Any] = {"id": request["id"], "action": verdict.action, "alertname": n.alertname,
                                   "reason": verdict.reason, "key": n.key, "source": n.source, "issued_at": now}
         try:
+            claimant = self._claim(verdict, request["id"], now)
+            if claimant != self.node:
+                result.update(outcome="claimed", claimed_by=claimant)
+                self.log.info("job-level action carried out by another agent", action=verdict.action,
+                              alertname=n.alertname, claimed_by=claimant, id=request["id"])
+                return {**tls.event("action", timestamp=now, **result), "node": self.node}
             result["appended"] = append_request(self.control_path, request)
             if verdict.action == actions.RESTORE:
                 result.update(restore.end_local_ranks(self.run_dir, self.host, started_before=n.starts_at,
@@ -330,6 +376,13 @@ class Executor:
         self.executed[verdict.action] = self.executed.get(verdict.action, 0) + 1
         self.log.warning("action issued", **{k: v for k, v in result.items() if k != "issued_at"})
         return {**tls.event("action", timestamp=now, **result), "node": self.node}
+
+    def _claim(self, verdict: Verdict, request_id: str, now: float) -> str:
+        """The node that carries out this verdict: this one, unless the action is job-level and another
+        agent claimed it first (RUN/control/claims/<request id>, created once with O_EXCL)."""
+        if not job_level(verdict.notice):
+            return self.node
+        return claim(self.run_dir / "control" / "claims" / request_id, self.node, now)
 
     def _trust(self) -> restore.Trust:
         """Built at each restore: the run directory (whose owner root trusts) may appear after the agent."""

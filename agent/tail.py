@@ -4,7 +4,11 @@
 - Rotation by rename (the inode at the path changes): the rest of the old file is read first, found by its
   inode among the files beside it, then the new file from its start.
 - Truncation (the file is shorter than what was read, or its first bytes changed): read again from 0.
-- New files matching the pattern are picked up on the next poll.
+- New files matching the pattern are picked up on the next poll; the directory is listed again only when
+  it changed (its mtime), or every `rescan_seconds`, so a directory shared by a thousand nodes costs one
+  stat per poll, not a listing of eight thousand names.
+- `select` (optional) narrows the listing to the files this follower reads (the training collector's
+  `NodeFiles`: this node's ranks only); a file left out keeps its position and is not read.
 - Restarts: `state()` is a JSON-able position per file (inode, offset, line number, a checksum of the
   first bytes); `restore()` it, and reading resumes exactly where it stopped. Persist it together with
   whatever was derived from the lines (one atomic file), and no line is counted twice or lost.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +55,19 @@ class Chunk:
 class Follower:
     """Follows every file in `directory` whose name matches `pattern` (a glob)."""
 
+    RACY_SECONDS = 2.0        # a directory changed this recently is listed again next poll (git's rule)
+
     def __init__(self, directory: str | os.PathLike, pattern: str, *, max_read_bytes: int = 4 << 20,
-                 max_line_bytes: int = 1 << 20):
+                 max_line_bytes: int = 1 << 20, select=None, rescan_seconds: float = 30.0, clock=time.monotonic):
         if max_read_bytes < max_line_bytes:
             raise ValueError("max_read_bytes must be at least max_line_bytes")
         self.directory = Path(directory)
         self.pattern = pattern
+        self.select = select              # callable(listing: dict[name, path]) -> the subset to read
+        self.rescan_seconds, self.clock = rescan_seconds, clock
+        self._listing: dict[str, str] = {}
+        self._listed: tuple | None = None   # (inode, mtime_ns) of the directory when listed
+        self._listed_at: float | None = None
         self.max_read_bytes, self.max_line_bytes = max_read_bytes, max_line_bytes
         self.positions: dict[str, Position] = {}
         self.events: list[str] = []      # "rotated rank-0.jsonl", "truncated ..." since last read; for logs
@@ -77,16 +89,32 @@ class Follower:
         Reads at most `max_read_bytes` per file; `more` is then True, and another poll reads on.
         """
         self.more = False
-        current = self._matching()
-        for name in sorted(set(self.positions) - set(current)):
+        listing = self._matching()
+        for name in sorted(set(self.positions) - set(listing)):
             # Renamed away with no successor yet: finish the old file, then forget it.
             yield from self._drain_moved(name)
             del self.positions[name]
+        current = listing if self.select is None else self.select(listing)
         for name, path in sorted(current.items()):
             yield from self._poll_file(name, path)
 
     def _matching(self) -> dict[str, str]:
-        # Paths as strings: this runs every update for every file, and Path objects cost more than the syscalls.
+        """The matching files, the same dict object until the directory changes (selectors cache on it)."""
+        try:
+            st = os.stat(self.directory)
+        except OSError:
+            self._listing, self._listed = {}, None
+            return self._listing
+        version, now = (st.st_ino, st.st_mtime_ns), self.clock()
+        stale = self._listed_at is None or now - self._listed_at >= self.rescan_seconds
+        if version != self._listed or stale:
+            self._listing = self._scan()
+            settled = time.time() - st.st_mtime > self.RACY_SECONDS
+            self._listed, self._listed_at = (version if settled else None), now
+        return self._listing
+
+    def _scan(self) -> dict[str, str]:
+        # Paths as strings: Path objects cost more than the syscalls here.
         try:
             with os.scandir(self.directory) as entries:
                 return {e.name: e.path for e in entries if fnmatch.fnmatchcase(e.name, self.pattern) and e.is_file()}

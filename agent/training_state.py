@@ -38,6 +38,10 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
                            "Device memory reserved by the CUDA caching allocator, latest step."),
     "mem_peak_bytes": ("trainguard_training_memory_peak_bytes", "Peak device memory allocated, latest step."),
     "rss_bytes": ("trainguard_training_resident_memory_bytes", "Resident memory of the rank, as it reported it."),
+    # training dynamics (docs/dynamics.md)
+    "param_norm": ("trainguard_training_param_norm", "Global parameter norm of the latest step, before its update."),
+    "clip_threshold": ("trainguard_training_clip_threshold", "Gradient-norm threshold the latest step was clipped at."),
+    "clip_coef": ("trainguard_training_clip_coef_ratio", "Factor the latest step's gradients were scaled by (1: not clipped)."),
 }
 _MEMORY_KEYS = frozenset({"mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_bytes", "rss_bytes"})
 

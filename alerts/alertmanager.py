@@ -7,7 +7,10 @@ Every alert reaches the human receiver. On top of that:
   and the agent's ledger acts on them in tier order (warn, then throttle, then stop);
 - `restore` goes to the agent of the node that raised it (matched on `instance`, the address Prometheus
   scrapes the agent at, which is also where its webhook listens), because only that agent can end the
-  node's ranks.
+  node's ranks;
+- a job-level `restore` (no `instance`: the global tier's JobStalledEverywhere, docs/scale.md) goes to
+  every agent through one receiver: whichever agents are up get it, and the first to claim it in the
+  shared run directory acts (agent/executor.py), so it is carried out once, whatever node is down.
 
 Alertmanager cannot template a webhook URL, so each agent is a receiver of its own.
 """
@@ -50,6 +53,15 @@ def _agent_receiver(agent: str, token_file: str) -> dict:
     }
 
 
+JOB_RECEIVER = "trainguard-agents-job"
+
+
+def _every_agent_receiver(agents: list[str], token_file: str) -> dict:
+    """One receiver whose webhooks are every agent's: a job-level action reaches every node."""
+    hooks = [hook for agent in dict.fromkeys(agents) for hook in _agent_receiver(agent, token_file)["webhook_configs"]]
+    return {"name": JOB_RECEIVER, "webhook_configs": hooks}
+
+
 def config(agents: list[str] | None = None, token_file: str = DEFAULT_TOKEN_FILE,
            human_webhook: str | None = None, timing: Timing | None = None) -> dict:
     """The Alertmanager configuration as a mapping (see module doc). `agents` are host:port; the first is primary."""
@@ -69,6 +81,12 @@ def config(agents: list[str] | None = None, token_file: str = DEFAULT_TOKEN_FILE
             "group_by": ["alertname", "instance"],
             "continue": True,
         })
+    routes.append({
+        "receiver": JOB_RECEIVER,
+        "matchers": [f'action="{actions.RESTORE}"', 'instance=""'],
+        "group_by": ["alertname", "job", "run_id"],
+        "continue": True,
+    })
     # A route that matched stops the alert reaching the root receiver, so the human gets a route of its own.
     routes.append({"receiver": HUMAN})
     human: dict = {"name": HUMAN}
@@ -83,7 +101,8 @@ def config(agents: list[str] | None = None, token_file: str = DEFAULT_TOKEN_FILE
             "repeat_interval": timing.repeat_interval,
             "routes": routes,
         },
-        "receivers": [human] + [_agent_receiver(agent, token_file) for agent in dict.fromkeys(agents)],
+        "receivers": [human] + [_agent_receiver(agent, token_file) for agent in dict.fromkeys(agents)]
+                     + [_every_agent_receiver(agents, token_file)],
     }
 
 

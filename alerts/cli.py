@@ -63,7 +63,7 @@ def render(args: argparse.Namespace) -> int:
         print(f"trainguard alerts render: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    written = rules.write(out, policy)
+    written = rules.write(out, policy, rules.CONCERNS + rules.FLEET_CONCERNS)
     timing = alertmanager.Timing(args.group_wait, args.group_interval, args.repeat_interval)
     am_path = out / AM_FILE
     am_path.write_text(alertmanager.render(args.agent, args.token_file, args.human_webhook, timing))

@@ -8,6 +8,10 @@ Every alert and recording rule is defined once here, with its thresholds taken f
     io-nccl.rules.yml    disk await, data loader starvation, communication overhead, NCCL watchdog
     cost.rules.yml       cost per 1000 steps, budget overrun, the three budget tiers
     meta.rules.yml       the agent itself, environment drift between nodes
+    fleet-shard.rules.yml   at scale (docs/scale.md): per-node aggregates each shard Prometheus records
+                         and remote-writes to the global one
+    fleet-global.rules.yml  on the global Prometheus: the rules that need every node (the job stalled
+                         everywhere, one node far slower than the rest, the job's cost)
 
 The files under alerts/ are generated with the default policy and checked in; a test renders them
 again and fails on any difference. `trainguard alerts render --policy FILE` renders a run's own.
@@ -298,7 +302,7 @@ def cost(policy: Policy) -> list[Group]:
               "A verified checkpoint is saved, the run stops cleanly and writes a cost summary."))
     alerts = Group("cost", "trainguard-cost.alerts", tuple(
         Alert(name, f"trainguard:cost_budget_overrun:ratio >= {_num(tier)}", severity,
-              f"Cost of run {{{{ $labels.run_id }}}} is {{{{ $value | humanizePercentage }}}} over budget",
+              "Cost of run {{ $labels.run_id }} is {{ $value | humanizePercentage }} over budget",
               f"Cost per 1000 steps is at least {tier:.0%} over the budget of "
               f"${_num(c.budget_per_1k_steps)} (at ${_num(c.price_per_gpu_hour)} per GPU-hour). {did}",
               for_=policy.alerts.for_short, action=action)
@@ -329,6 +333,63 @@ def meta(policy: Policy, agent_job: str = AGENT_JOB) -> list[Group]:
     return [alerts]
 
 
+# --------------------------------------------------------------------------------------------- fleet
+
+# What a shard Prometheus remote-writes to the global one (docs/scale.md): its per-node aggregates, and
+# the few raw families the run-wide rules of cost.rules.yml and meta.rules.yml read, so those run on the
+# global tier unchanged. A few dozen series per node instead of ~1,200.
+GLOBAL_FEED = ("trainguard:node:.*", "trainguard_cost_.*", "trainguard_training_steps_total", "trainguard_node_info",
+               "up")
+JOB = "job, run_id"
+
+
+def fleet_shard(policy: Policy) -> list[Group]:
+    """Per node, on the shard that scrapes it: one series per node and run for the global tier to compare."""
+    return [Group("fleet-shard", "trainguard-fleet.shard-records", (
+        Record("trainguard:node:last_step_timestamp_seconds",
+               f"max by ({NODE}, run_id) (trainguard_training_last_step_timestamp_seconds)"),
+        Record("trainguard:node:step_time_seconds",   # the node's slowest rank: the one its peers wait for
+               f"max by ({NODE}, run_id) (trainguard_training_step_time_seconds)"),
+        Record("trainguard:node:ranks_up", f"max by ({NODE}) (trainguard_rank_process_up)"),
+        Record("trainguard:node:cost_usd", f"max by ({NODE}, run_id) (trainguard_cost_usd)"),
+    ))]
+
+
+def fleet_global(policy: Policy) -> list[Group]:
+    """On the global Prometheus, over every shard's trainguard:node:* series (the `shard` label aggregated away)."""
+    a = policy.alerts
+    records = Group("fleet-global", "trainguard-fleet.global-records", (
+        # Each node's meter bills the run's GPUs (system.gpu_count is the world's), so the nodes agree and
+        # the job's cost is their max, not their sum.
+        Record("trainguard:job:cost_usd", f"max by ({JOB}) (trainguard:node:cost_usd)"),
+        Record("trainguard:job:nodes", f"count by ({JOB}) (trainguard:node:last_step_timestamp_seconds)"),
+        Record("trainguard:job:step_time_seconds:median",
+               f"quantile by ({JOB}) (0.5, trainguard:node:step_time_seconds)"),
+    ))
+    alerts = Group("fleet-global", "trainguard-fleet.global-alerts", (
+        Alert("JobStalledEverywhere",
+              f"time() - max by ({JOB}) (trainguard:node:last_step_timestamp_seconds) > {_num(a.stall_seconds)}\n"
+              f"and on (job) max by (job) (trainguard:node:ranks_up) > 0",
+              "critical", "Run {{ $labels.run_id }} has made no step on any node for over "
+              + _num(a.stall_seconds) + "s",
+              f"No node of the run has finished a step for {_num(a.stall_seconds)} s while its ranks are up: a "
+              "collective hung across the job. One restore for the job: the agent ends its node's ranks, "
+              "and torch's elastic rendezvous restarts every node's workers from the latest verified "
+              "checkpoint. Every agent gets the alert; the first to claim it acts (docs/scale.md).",
+              for_=a.for_short, action=actions.RESTORE),
+        Alert("JobNodeSlow",
+              f"trainguard:node:step_time_seconds\n"
+              f"> on ({JOB}) group_left () ({_num(a.slow_node_factor)} * trainguard:job:step_time_seconds:median)\n"
+              f"and on ({JOB}) trainguard:job:nodes >= 3",
+              "warning", "{{ $labels.instance }} steps far slower than the rest of run {{ $labels.run_id }}",
+              f"The node's slowest rank takes over {_num(a.slow_node_factor)} times the median node's step time; "
+              "every other node waits for it at each collective. Look at its GPUs (clocks, temperature), its "
+              "HCAs and its data loader; `trainguard diagnose` names the layer.",
+              for_=a.for_long),
+    ))
+    return [records, alerts]
+
+
 # ----------------------------------------------------------------------------- silent corruption
 
 def sdc(policy: Policy) -> list[Group]:
@@ -346,8 +407,30 @@ def sdc(policy: Policy) -> list[Group]:
     return [alerts]
 
 
-CONCERNS = (training, hardware, io_nccl, cost, meta)
-CONCERNS += (sdc,)
+# ------------------------------------------------------------------------------------------ culprit
+
+def culprit(policy: Policy) -> list[Group]:
+    """A hang's culprit named, and its node kept out (agent/culprit.py, docs/incidents.md)."""
+    alerts = Group("culprit", "trainguard-culprit.alerts", (
+        Alert("HangCulprit",
+              'max by (job, node, kind) (increase(trainguard_culprit_verdicts_total{node!=""}[10m])) > 0',
+              "critical", "A {{ $labels.kind }} was traced to node {{ $labels.node }}",
+              "The agents gathered the evidence of a stall (Flight Recorder, py-spy stacks, the nodes' "
+              "signals) and named this node's rank(s) as the culprit. `trainguard incidents RUN` shows the "
+              "verdict and its evidence; with restore.evict the node is cordoned and the job re-forms "
+              "without it."),
+        Alert("NodeCordoned", "max by (job, node) (trainguard_node_cordoned) > 0",
+              "warning", "Node {{ $labels.node }} is cordoned: kept out of the job",
+              "The node was the culprit of a hang and is kept out of the job (RUN/control/cordon/<host>); "
+              "its launcher refuses to join. Repair or replace it, then `trainguard uncordon RUN HOST`."),
+    ))
+    return [alerts]
+
+
+CONCERNS = (training, hardware, io_nccl, cost, meta, sdc, culprit)
+# The global tier's files are rendered and checked in beside the node tier's, but not loaded by
+# `write()` unless asked: one Prometheus scraping the agents needs only CONCERNS.
+FLEET_CONCERNS = (fleet_shard, fleet_global)
 
 
 # --------------------------------------------------------------------------------------- fail-slow
@@ -404,19 +487,23 @@ def dump(data: dict) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=120)
 
 
-def render(policy: Policy | None = None) -> dict[str, str]:
-    """{file name: YAML text} of every rule file."""
+def render(policy: Policy | None = None, concerns=None) -> dict[str, str]:
+    """{file name: YAML text} of every rule file (of `concerns`; default: both tiers)."""
+    policy = policy or Policy()
+    concerns = CONCERNS + FLEET_CONCERNS if concerns is None else concerns
     files: dict[str, list[dict]] = {}
-    for group in groups(policy):
+    for group in (g for concern in concerns for g in concern(policy)):
         files.setdefault(f"{group.file}.rules.yml", []).append(group.to_dict())
     return {name: HEADER + dump({"groups": body}) for name, body in files.items()}
 
 
-def write(out_dir: str | Path, policy: Policy | None = None) -> list[Path]:
+def write(out_dir: str | Path, policy: Policy | None = None, concerns=None) -> list[Path]:
+    """The rule files of `concerns` (default: the node tier, CONCERNS) written under `out_dir`."""
+    concerns = CONCERNS if concerns is None else concerns
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in render(policy).items():
+    for name, text in render(policy, concerns).items():
         path = out / name
         path.write_text(text)
         written.append(path)

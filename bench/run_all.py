@@ -69,6 +69,9 @@ BENCHES: dict[str, Spec] = {
     "report": Spec("Report (`trainguard report`)", [], ["--steps", "20000", "--repeat", "1"], report),
     "telemetry": Spec("Trainer telemetry", [], ["--steps", "500", "--rounds", "1"], telemetry),
     "fault_to_action": Spec("Fault to action", [], ["--scenarios", "cost"], fault_to_action),
+    # a comparison of training outcomes between variants, not a speed against a peer: no headline figures
+    "dynamics": Spec("Training dynamics", [], ["--steps", "20", "--seeds", "1", "--variants", "cosine", "breathing"],
+                     lambda stdout: []),
 }
 BENCHES["sdc"] = Spec("Replica check (silent data corruption)", [], ["--configs", "tiny", "--rounds", "4"], sdc)
 

@@ -91,6 +91,30 @@ ANNOTATIONS = (
 )
 
 
+LR_PHASES = event_annotation("LR phase changes", "lr_phase", "yellow",
+                             "only when the LR schedule changes phase (after warm-up at the earliest)")
+
+
+def dynamics_panels(policy: Policy) -> list:
+    """The training-dynamics row (docs/dynamics.md): the breathing schedule's statistic and what clipping did."""
+    b = policy.dynamics.breathing
+    return [
+        Row("Training dynamics"),
+        timeseries("Gradient / parameter norm",
+                   q(f"max by (run_id) ({run('trainguard_training_grad_norm')})"
+                     f" / max by (run_id) ({run('trainguard_training_param_norm')} > 0)", "{{run_id}}"),
+                   width=8, thresholds=(Threshold(b.pause_ratio, "green"),),
+                   description=f"The breathing schedule's gradient variance. Under {b.pause_ratio:g} for "
+                               f"{b.pause_window} exhale steps, it pauses (seed preset). Phase changes are the "
+                               f"yellow annotations."),
+        timeseries("Clip threshold", q(f"max by (run_id) ({run('trainguard_training_clip_threshold')})", "{{run_id}}"),
+                   width=8, description="Fixed optim.grad_clip, or the adaptive rule's (zscore, percentile)."),
+        timeseries("Clip coefficient", q(f"min by (run_id) ({run('trainguard_training_clip_coef_ratio')})",
+                                         "{{run_id}}"), unit="percentunit", min=0, max=1, width=8,
+                   description="The factor the gradients were scaled by; 1 = not clipped."),
+    ]
+
+
 # ----------------------------------------------------------------------------------------- dashboards
 
 def training(policy: Policy) -> Board:
@@ -133,6 +157,13 @@ def training(policy: Policy) -> Board:
                    description="Mean over ranks. Communication overlaps backward, so the stack can exceed the step."),
         timeseries("Step time", q(f"avg({run('trainguard_training_step_time_seconds')})", "step"), unit="s",
                    width=12),
+        timeseries("Straggler score by rank",
+                   q(f"min by (rank, node) ({run('trainguard_rank_straggler_score')})", "rank {{rank}} ({{node}})"),
+                   min=0, max=1, width=24,
+                   thresholds=(Threshold(0, RED), Threshold(policy.diagnose.straggler_score_min, "green")),
+                   description="The fastest rank's median compute time over this rank's (1 = as fast as the "
+                               "fastest). Below the line for a while, TrainingStraggler fires "
+                               "(docs/runbooks.md#trainingstraggler)."),
         Row("Memory"),
         timeseries("Memory by rank", *[
             q(f"max by (rank) ({run(f'trainguard_training_memory_{kind}_bytes')})", f"rank {{{{rank}}}} {kind}",
@@ -146,11 +177,11 @@ def training(policy: Policy) -> Board:
                      only_when=CUDA_WHY),
                    unit="percentunit", min=0, max=1, width=12,
                    thresholds=(Threshold(0, RED), Threshold(a.fragmentation_min, "green"))),
-    ]
+    ] + dynamics_panels(policy)
     return Board("trainguard-training", "trainguard / Training",
-                 "Loss, gradients, learning rate, throughput, MFU and step time of a run, with checkpoints and "
-                 "guard actions as annotations.",
-                 [DATASOURCE, job_var("trainguard_training_step"), RUN_ID], items, ANNOTATIONS)
+                 "Loss, gradients, learning rate, throughput, MFU and step time of a run, with checkpoints, "
+                 "guard actions and LR phase changes as annotations.",
+                 [DATASOURCE, job_var("trainguard_training_step"), RUN_ID], items, ANNOTATIONS + (LR_PHASES,))
 
 
 def gpu_node(policy: Policy) -> Board:

@@ -71,6 +71,7 @@ class Verdict:
     decision: Decision
     control_code: int = 0       # a control request every rank learned of in this step's sync
     control_line: int = 0
+    extra: tuple[float, ...] = ()   # the loop's own values carried in the same sync (`check(extra=...)`)
 
     @property
     def skip(self) -> bool:
@@ -153,15 +154,22 @@ class Protector:
         return self.telemetry.event(kind, step=self.state.step, **fields)
 
     # --------------------------------------------------------------------------------- the two calls
-    def check(self, step: int, loss, grad_norm, layer_norms: torch.Tensor | None = None) -> Verdict:
-        """After backward (and clipping): the step's one host sync, and the guard's decision on it."""
+    def check(self, step: int, loss, grad_norm, layer_norms: torch.Tensor | None = None,
+              extra: torch.Tensor | None = None) -> Verdict:
+        """After backward (and clipping): the step's one host sync, and the guard's decision on it.
+        `extra`: more values of the loop's (a 1-d tensor, e.g. the parameter norm), averaged over ranks
+        like the norms and returned as `Verdict.extra`, so they cost no sync of their own."""
         control = self.control.poll() if self.rank == 0 else (0, 0)
+        carried = layer_norms.numel() if layer_norms is not None else 0
+        if extra is not None:
+            norms = layer_norms.reshape(-1) if layer_norms is not None else extra.new_zeros(0)
+            layer_norms = torch.cat([norms.to(extra.dtype), extra.reshape(-1)])
         health = self.sync.sync(loss, grad_norm, layer_norms, control)
-        layers = dict(zip(self.layer_names, health.layer_norms))
+        layers = dict(zip(self.layer_names, health.layer_norms[:carried]))
         loss_seen = health.loss if health.nonfinite_ranks == 0 else math.nan
         decision = self.guard.observe(StepStats(step, loss_seen, health.grad_norm, layers, health.timestamp))
         return Verdict(step, loss_seen, health.grad_norm, layers, health.timestamp, decision or CARRY_ON,
-                       health.control_code, health.control_line)
+                       health.control_code, health.control_line, tuple(health.layer_norms[carried:]))
 
     def after_step(self, verdict: Verdict, *, tokens: int, samples: int, timings: dict[str, float],
                    learning_rate: float | None = None, **metrics: Any) -> Outcome:

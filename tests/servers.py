@@ -258,8 +258,10 @@ def _scrape_configs(scrape_targets: Sequence[str] | Mapping[str, Sequence[str] |
 def start_prometheus(tmp_path: Path, scrape_targets: Sequence[str] | Mapping[str, Sequence[str] | Mapping],
                      rule_files: Iterable[str | os.PathLike] = (), alertmanager_url: str | None = None,
                      scrape_interval: str = "1s", eval_interval: str = "1s", timeout: float = 60.0,
-                     extra_args: Sequence[str] = ()) -> Server:
+                     extra_args: Sequence[str] = (), extra_config: Mapping | None = None) -> Server:
     """A real Prometheus on a free loopback port with its data under tmp_path; returns its URL (a :class:`Server`).
+
+    `extra_config`: top-level keys merged into prometheus.yml (remote_write, global external_labels ...).
 
     `scrape_targets`: ``["127.0.0.1:9400"]`` (job ``trainguard``) or ``{"job": ["host:port"], ...}``.
     Use as ``with start_prometheus(...) as url:`` to stop it at the end of the block.
@@ -275,6 +277,8 @@ def start_prometheus(tmp_path: Path, scrape_targets: Sequence[str] | Mapping[str
     if alertmanager_url:
         target = alertmanager_url.split("://", 1)[-1].rstrip("/")
         config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [target]}]}]}
+    for key, value in (extra_config or {}).items():
+        config[key] = {**config[key], **value} if isinstance(config.get(key), dict) else value
     (home / "prometheus.yml").write_text(yaml.safe_dump(config, sort_keys=False))
     port = free_port()
     url = f"http://127.0.0.1:{port}"

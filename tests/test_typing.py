@@ -1,4 +1,5 @@
-"""mypy, strict, over the pure decision core (pyproject.toml [tool.mypy]: trainguard/decide/).
+"""mypy, strict, over the pure decision core and the TLS codec (pyproject.toml [tool.mypy]:
+trainguard/decide/, trainguard/tls.py).
 
 Skipped only where mypy is not installed (it is in the dev extras); under CI=true a missing mypy fails."""
 

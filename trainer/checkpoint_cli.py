@@ -1,8 +1,13 @@
-"""`trainguard checkpoint list|verify|restore RUN_DIR`: inspect and check a run's checkpoints.
+"""`trainguard checkpoint list|verify|restore|export RUN_DIR`: inspect and check a run's checkpoints.
+
+`verify`, `restore` and the trainer share one verification (signature, every hash, a weights_only load
+of the content). `export` writes a verified checkpoint into another run directory, compressed
+(`--compress fp16-zlib`: lossy, its largest error recorded; an export is never resumed from).
 
 Exit codes, for scripts:
-  0  list: listed; verify: every checkpoint checked verifies; restore: a checkpoint was chosen
-  1  verify: at least one fails; restore: the requested one fails, or none verifies
+  0  list: listed; verify: every checkpoint checked verifies; restore: a checkpoint was chosen;
+     export: written and verified
+  1  verify: at least one fails; restore/export: the requested one fails, or none verifies
   2  usage error, no checkpoints (or no step_<N> for --step), no key to verify with
 """
 
@@ -14,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainguard import paths
 from trainguard.tls import parse_timestamp
 from trainguard.trainer.checkpoint import Checkpoint, CheckpointError, CheckpointInfo, CheckpointManager
 
@@ -34,7 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     restore.add_argument("--to", metavar="DIR", type=Path,
                          help="copy it into the run directory DIR (DIR/checkpoints/step_N) instead of "
                               "setting newer checkpoints aside in RUN_DIR")
-    for sub in (listing, check, restore):
+    export = actions.add_parser(
+        "export", help="write a verified checkpoint, compressed, into DIR/checkpoints (never resumed from)")
+    export.add_argument("--step", type=int, help="this step instead of the newest verified one")
+    export.add_argument("--to", metavar="DIR", type=Path, required=True, help="run directory to write into")
+    export.add_argument("--compress", choices=("fp16-zlib", "lossless", "none"), default="fp16-zlib",
+                        help="fp16-zlib (lossy: float16 + zlib, largest error recorded; default), lossless, none")
+    for sub in (listing, check, restore, export):
         sub.add_argument("run_dir", metavar="RUN_DIR", type=Path)
         sub.add_argument("--key-file", type=Path, help="HMAC key (default: $TRAINGUARD_CHECKPOINT_KEY, "
                                                        "else ~/.config/trainguard/checkpoint.key)")
@@ -54,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         if kind == "checkpoint_invalid":
             skipped.append({"path": fields["path"], "code": fields["code"], "reason": fields["reason"]})
 
-    command = {"list": _list, "verify": _verify, "restore": _restore}[args.action]
+    command = {"list": _list, "verify": _verify, "restore": _restore, "export": _export}[args.action]
     try:
         manager = _open(args, collect)
         return command(manager, args, skipped)
@@ -67,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _open(args: argparse.Namespace, collect) -> CheckpointManager:
+    try:
+        paths.run_dir(args.run_dir)
+    except FileNotFoundError as exc:  # a typo, a device or a FIFO, named as such
+        raise _Exit(EXIT_USAGE, str(exc)) from None
     try:
         manager = CheckpointManager(args.run_dir, key_file=args.key_file, on_event=collect,
                                     log=_quiet_log(), inspect_only=True)
@@ -94,8 +110,10 @@ def _row(info: CheckpointInfo) -> dict:
 def _list(manager: CheckpointManager, args: argparse.Namespace, skipped: list) -> int:
     rows = manager.list(deep=not args.fast)
     if args.json:
-        print(json.dumps({"run_dir": str(args.run_dir), "checkpoints": [_row(r) for r in rows]}, indent=2))
+        print(json.dumps({"run_dir": str(args.run_dir), "key_file": str(manager.key_path), "key_id": manager.key_id,
+                          "checkpoints": [_row(r) for r in rows]}, indent=2))
         return EXIT_OK
+    print(f"key in use: {manager.key_path} (id {manager.key_id})")
     print(f"{'STEP':>10}  {'STABLE':6}  {'SIZE':>9}  {'AGE':>8}  STATUS")
     for info in rows:
         stable = {True: "yes", False: "no", None: "?"}[info.stable]
@@ -135,6 +153,24 @@ def _restore(manager: CheckpointManager, args: argparse.Namespace, skipped: list
     else:
         _print_restore(report, args.to or args.run_dir)
     return EXIT_OK if chosen is not None else EXIT_FAILED
+
+
+def _export(manager: CheckpointManager, args: argparse.Namespace, skipped: list) -> int:
+    chosen = manager.latest_verified() if args.step is None else _requested(manager, args.step, False)
+    if chosen is None:
+        raise _Exit(EXIT_FAILED, f"{manager.root}: no checkpoint verifies; nothing to export")
+    exported = manager.export_checkpoint(chosen, args.to, compress=args.compress)
+    layout = exported.manifest["layout"]
+    report = {"step": exported.step, "path": str(exported.path), "compress": args.compress,
+              "bytes": sum(e["bytes"] for e in exported.manifest["files"].values()),
+              "max_abs_error": layout.get("max_abs_error", 0.0), "max_rel_error": layout.get("max_rel_error", 0.0)}
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"exported step_{report['step']} to {report['path']} ({args.compress}, {_size(report['bytes'])}, "
+              f"max abs error {report['max_abs_error']:.3g}, max rel error {report['max_rel_error']:.3g}); "
+              "an export is never resumed from")
+    return EXIT_OK
 
 
 def _requested(manager: CheckpointManager, step: int, stable_only: bool) -> Checkpoint:

@@ -26,6 +26,8 @@ FLAG_KEYS = {
     "peak_flops": ("run", "peak_flops"), "run_id": ("run", "run_id"), "log_every": ("run", "log_every"),
     "data": ("data", "path"), "batch_size": ("optim", "batch_size"),
     "micro_batch_size": ("optim", "micro_batch_size"), "lr": ("optim", "lr"),
+    "schedule": ("optim", "schedule"), "schedule_preset": ("optim", "schedule_preset"),
+    "clip_rule": ("optim", "clip_rule"),
 }
 
 
@@ -56,6 +58,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, help="sequences per rank per optimizer step")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per forward pass (gradient accumulation)")
     parser.add_argument("--lr", type=float, help="peak learning rate")
+    parser.add_argument("--schedule", choices=("cosine", "breathing", "phase"),
+                        help="LR schedule (default cosine; docs/dynamics.md)")
+    parser.add_argument("--schedule-preset", choices=("seed", "cpu"),
+                        help="seed: the policy's long-run numbers (default); cpu: spans scaled to a CPU run")
+    parser.add_argument("--clip-rule", choices=("fixed", "zscore", "percentile"),
+                        help="gradient clipping: fixed optim.grad_clip (default), ZClip z-score, AutoClip percentile")
     parser.add_argument("--eval-every", type=int, metavar="N", help="validation loss every N steps")
     parser.add_argument("--peak-flops", type=float, metavar="FLOPS", help="peak FLOP/s per device for MFU")
     parser.add_argument("--run-id")
@@ -70,6 +78,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="restarts of failed or killed workers by the elastic launcher (default with --nproc "
                              "over 1: the policy's alerts.max_restores_per_hour, room for the agent's restores; "
                              "else 0)")
+    parser.add_argument("--start-over", action="store_true",
+                        help="the run directory holds checkpoints signed with another key: set them aside "
+                             "under checkpoints/invalid/ and train from scratch (without it, training refuses)")
+    add_node_arguments(parser)
+
+
+def add_node_arguments(parser: argparse.ArgumentParser) -> None:
+    """Several nodes, as torchrun spells them: one `trainguard train` per node, meeting in a rendezvous."""
+    parser.add_argument("--nnodes", metavar="N|MIN:MAX",
+                        help="nodes of the job; MIN:MAX is elastic: the job re-forms on the nodes left")
+    parser.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="the c10d rendezvous of a multi-node job")
+    parser.add_argument("--rdzv-id", metavar="ID", help="the job's rendezvous id (the same on every node)")
+    parser.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
+                        help="rendezvous option, e.g. last_call_timeout=5 or is_host=false (repeatable)")
+
+
+def build_nodes(args: argparse.Namespace):
+    """The multi-node flags as launch.Nodes; ConfigError naming the flag when they are wrong."""
+    from trainguard.trainer.launch import Nodes, parse_nnodes
+
+    if not getattr(args, "nnodes", None):
+        if getattr(args, "rdzv_endpoint", None):
+            raise cfg.ConfigError("--rdzv-endpoint needs --nnodes")
+        return None
+    try:
+        low, high = parse_nnodes(args.nnodes)
+    except ValueError as exc:
+        raise cfg.ConfigError(str(exc)) from None
+    if high > 1 and not args.rdzv_endpoint:
+        raise cfg.ConfigError(f"--nnodes {args.nnodes}: several nodes need --rdzv-endpoint HOST:PORT")
+    conf = {}
+    for item in args.rdzv_conf:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise cfg.ConfigError(f"--rdzv-conf {item!r}: expected KEY=VALUE")
+        conf[key] = value
+    return Nodes(low, high, args.rdzv_endpoint or "", args.rdzv_id or "", conf)
 
 
 def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
@@ -110,6 +155,27 @@ def _absolute_paths(config: cfg.TrainConfig) -> None:
         value = getattr(holder, key)
         if value and not value.startswith(("/", "~")):
             setattr(holder, key, str(Path(value).absolute()))
+
+
+def _check_checkpoint_key(config: cfg.TrainConfig, run_dir: Path, start_over: bool) -> str | None:
+    """Before any rank starts: checkpoints signed with another key stop the run (a silent start from
+    step 0 would let retention destroy them), unless --start-over sets them aside. The message, or None."""
+    from trainguard.trainer.checkpoint import CheckpointError, CheckpointManager
+    from trainguard.trainer.checkpoint.manager import KeyMismatchError
+
+    if not (run_dir / "checkpoints").is_dir():
+        return None   # nothing signed yet (and nothing is created here: the disk may be full)
+    try:
+        manager = CheckpointManager(run_dir, key_file=config.run.key_file or None, inspect_only=True)
+        if start_over:
+            for path in manager.set_aside_foreign():
+                print(f"trainguard train: --start-over: set aside {path}", file=sys.stderr)
+        manager.check_key()
+    except KeyMismatchError as exc:
+        return str(exc)
+    except CheckpointError as exc:   # a key with loose permissions, too short
+        return str(exc)
+    return None
 
 
 def _default_device(requested: str | None) -> str:
@@ -182,6 +248,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not config.run.run_id:
         config.run.run_id = run_dir.name
+    if (refusal := _check_checkpoint_key(config, run_dir, args.start_over)) is not None:
+        print(f"trainguard train: {refusal}", file=sys.stderr)
+        return 2
+    try:
+        nodes = build_nodes(args)
+    except cfg.ConfigError as exc:
+        print(f"trainguard train: {exc}", file=sys.stderr)
+        return 2
     try:
         resolved = write_resolved(config, run_dir)
     except OSError as exc:
@@ -189,10 +263,13 @@ def run(args: argparse.Namespace) -> int:
               f"({len(config.dump().encode())} bytes needed)", file=sys.stderr)
         return 2
     max_restarts = default_max_restarts(config, args.nproc) if args.max_restarts is None else args.max_restarts
-    if args.nproc > 1 or max_restarts > 0:
+    if nodes is not None and args.max_restarts is None:
+        # a node of several restarts its ranks when the job re-forms (a peer node left), whatever --nproc
+        max_restarts = max(max_restarts, default_max_restarts(config, 2))
+    if args.nproc > 1 or max_restarts > 0 or nodes is not None:
         from trainguard.trainer.launch import launch
 
-        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=max_restarts)
+        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=max_restarts, nodes=nodes)
     from trainguard.trainer.train import run_worker
 
     return run_worker(config, run_dir)

@@ -59,6 +59,10 @@ class OptimConfig:
     grad_clip: float = 1.0
     batch_size: int = 8          # sequences per rank per optimizer step
     micro_batch_size: int = 0    # sequences per forward pass; 0 means batch_size (no accumulation)
+    schedule: str = "cosine"     # cosine | breathing | phase (trainguard/decide/schedules.py)
+    schedule_preset: str = "seed"   # seed: the policy's numbers (long runs) | cpu: spans scaled for CPU runs
+    clip_rule: str = "fixed"     # fixed (grad_clip) | zscore | percentile (trainguard/decide/clipping.py)
+    layer_reinit: bool = False   # a layer whose norm caused a rollback is also initialised again
 
 
 @dataclass
@@ -72,6 +76,7 @@ class RunConfig:
     checkpoint_on_error: str = "warn"       # a failed save: "warn" trains on (the previous one stays), "raise" ends
     keep_last: int = 3
     async_checkpoint: bool = False
+    checkpoint_compress: str = "none"   # none | lossless (bit-exact, byte planes + zstd); fp16-zlib: exports only
     key_file: str = ""           # HMAC key for checkpoint manifests; "" means the checkpoint default
     eval_every: int = 0          # periodic validation loss (non-critical work: paused by cost_warn)
     eval_batches: int = 4        # validation batches per check (also the stable-checkpoint check)
@@ -210,7 +215,13 @@ def validate(config: TrainConfig, source: str = "config") -> TrainConfig:
         (r.steps >= 0, "run.steps", "must not be negative"),
         (r.device in ("auto", "cpu", "cuda"), "run.device", "must be auto, cpu or cuda"),
         (r.checkpoint_on_error in ("warn", "raise"), "run.checkpoint_on_error", "must be warn or raise"),
+        (r.checkpoint_compress in ("none", "lossless"), "run.checkpoint_compress",
+         "must be none or lossless (fp16-zlib is lossy: only for `trainguard checkpoint export`, never for "
+         "the checkpoints a run resumes from)"),
         (0 < config.data.val_fraction < 0.5, "data.val_fraction", "must be between 0 and 0.5"),
+        (o.schedule in ("cosine", "breathing", "phase"), "optim.schedule", "must be cosine, breathing or phase"),
+        (o.schedule_preset in ("seed", "cpu"), "optim.schedule_preset", "must be seed or cpu"),
+        (o.clip_rule in ("fixed", "zscore", "percentile"), "optim.clip_rule", "must be fixed, zscore or percentile"),
     ]
     for ok, key, message in checks:
         if not ok:

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections import deque
 from pathlib import Path
 
+from trainguard.node import node_name
 from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, RESTORE, ROLLBACK
 
 # Codes travel in a float64 all-reduce; 0 means "nothing this step".
@@ -127,7 +127,7 @@ def write_rank_file(run_dir: str | os.PathLike, rank: int, **extra) -> Path:
     directory = Path(run_dir) / "control" / "ranks"
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"rank-{rank}.json"
-    info = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time(),
+    info = {"rank": rank, "pid": os.getpid(), "host": node_name(), "started_at": time.time(),
             **process_identity(), **restarts_of_launcher(), **extra}
     tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(info))

@@ -114,23 +114,80 @@ def open_stream(config: DataConfig) -> TokenStream:
     return TokenStream([tokenize_dir(root, config.pattern, cache)])
 
 
+def free_intervals(lo: int, hi: int, done: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[lo, hi) less the `done` token intervals, in order."""
+    free, cursor = [], lo
+    for a, b in sorted(done):
+        if a > cursor:
+            free.append((cursor, min(a, hi)))
+        cursor = max(cursor, b)
+    if cursor < hi:
+        free.append((cursor, hi))
+    return [(a, b) for a, b in free if a < b]
+
+
+def rank_pieces(free: list[tuple[int, int]], rank: int, world_size: int) -> list[tuple[int, int]]:
+    """This rank's contiguous share (by token count) of the free intervals, as pieces of them."""
+    share = sum(b - a for a, b in free) // world_size
+    begin, end = rank * share, (rank + 1) * share
+    pieces, seen = [], 0
+    for a, b in free:
+        lo, hi = max(a, a + begin - seen), min(b, a + end - seen)
+        if lo < hi:
+            pieces.append((lo, hi))
+        seen += b - a
+    return pieces
+
+
+def consumed_intervals(pieces: list[tuple[int, int]], windows: int, block_size: int) -> list[tuple[int, int]]:
+    """The tokens the first `windows` windows of `pieces` read as inputs (window by window, in order)."""
+    out = []
+    for a, b in pieces:
+        here = min(windows, max(0, (b - a - 1) // block_size))
+        if here:
+            out.append((a, a + here * block_size))
+        windows -= here
+    return out
+
+
 class ShardLoader:
-    """Sequential batches of (input, target) windows from this rank's contiguous share of a split."""
+    """Sequential batches of (input, target) windows from this rank's share of a split.
+
+    A rank's share is contiguous; after the world size changes (a node kept out and the job re-formed,
+    agent/culprit.py) the data is re-cut: the windows every rank of the old layout had consumed become
+    `done`, and the new ranks share what is left, so no window is read twice and none is skipped (but
+    for the few tokens at a piece's end, shorter than a window).
+    """
 
     def __init__(self, stream: TokenStream, *, block_size: int, rank: int, world_size: int,
                  split: str = "train", val_fraction: float = 0.02, device: str = "cpu"):
         total = len(stream)
         val_start = int(total * (1 - val_fraction))
-        lo, hi = (0, val_start) if split == "train" else (val_start, total)
-        share = (hi - lo) // world_size
+        self.bounds = (0, val_start) if split == "train" else (val_start, total)
+        self.split, self.rank, self.world_size = split, rank, world_size
         self.stream, self.block_size, self.device = stream, block_size, device
-        self.start = lo + rank * share
-        self.windows = (share - 1) // block_size   # windows in this rank's share
+        self._cut([])
         if self.windows < 1:
+            lo, hi = self.bounds
             raise DataError(f"{split} split has {hi - lo} tokens: too few for {world_size} ranks "
                             f"of {block_size + 1}-token windows")
         self.consumed = 0          # windows consumed since the start; the exact, resumable position
         self.delay_seconds = 0.0   # set by fault injection (slowio) to emulate a slow filesystem
+
+    def _cut(self, done: list[tuple[int, int]]) -> None:
+        """This rank's pieces of the split less `done`, and the windows in each."""
+        self.done = sorted(done)
+        self.pieces = rank_pieces(free_intervals(*self.bounds, self.done), self.rank, self.world_size)
+        counts = [max(0, (b - a - 1) // self.block_size) for a, b in self.pieces]
+        self.pieces = [p for p, n in zip(self.pieces, counts) if n]
+        self.piece_windows = [n for n in counts if n]
+        self.first_window = np.cumsum([0] + self.piece_windows)
+        self.windows = int(self.first_window[-1])
+        self.start = self.pieces[0][0] if self.pieces else self.bounds[0]
+
+    def _window_start(self, index: int) -> int:
+        piece = int(np.searchsorted(self.first_window, index, side="right")) - 1
+        return self.pieces[piece][0] + (index - int(self.first_window[piece])) * self.block_size
 
     def next_batch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The next `n` windows as (x, y) of shape (n, block_size); wraps to the start of the share."""
@@ -139,15 +196,14 @@ class ShardLoader:
 
             time.sleep(self.delay_seconds)
         T, first = self.block_size, self.consumed % self.windows
-        if first + n <= self.windows:   # the common case: one contiguous read
+        if len(self.pieces) == 1 and first + n <= self.windows:   # the common case: one contiguous read
             begin = self.start + first * T
             tokens = self.stream.read(begin, begin + n * T + 1)
             x = np.lib.stride_tricks.sliding_window_view(tokens[:-1], T)[::T]
             y = np.lib.stride_tricks.sliding_window_view(tokens[1:], T)[::T]
         else:
-            rows = [self.stream.read(self.start + ((first + i) % self.windows) * T,
-                                     self.start + ((first + i) % self.windows) * T + T + 1)
-                    for i in range(n)]
+            starts = [self._window_start((first + i) % self.windows) for i in range(n)]
+            rows = [self.stream.read(b, b + T + 1) for b in starts]
             x, y = np.stack([r[:-1] for r in rows]), np.stack([r[1:] for r in rows])
         self.consumed += n
         return self._to_device(x), self._to_device(y)
@@ -170,7 +226,31 @@ class ShardLoader:
         self.consumed += n_windows
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed}
+        return {"consumed": self.consumed, "world_size": self.world_size, "done": [list(d) for d in self.done]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.consumed = int(state["consumed"])
+        """Resume at a saved position; saved with another world size, re-cut the data first."""
+        consumed = int(state["consumed"])
+        world = int(state.get("world_size", self.world_size))
+        done = [tuple(d) for d in state.get("done") or ()]
+        if world == self.world_size and done == self.done:
+            self.consumed = consumed
+            return
+        now_done = list(done)
+        for old_rank in range(world):
+            pieces = rank_pieces(free_intervals(*self.bounds, done), old_rank, world)
+            now_done += consumed_intervals(pieces, consumed, self.block_size)
+        self._cut(_merged(now_done))
+        if self.windows < 1:               # every window read: the next epoch starts over
+            self._cut([])
+        self.consumed = 0
+
+
+def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out

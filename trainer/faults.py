@@ -9,6 +9,8 @@
 | `crash`              | the rank kills itself with SIGKILL, no clean-up (rank 0)                         |
 | `slowio`             | the data loader sleeps SLOWIO_SECONDS per batch for SLOWIO_STEPS steps (all)      |
 | `corrupt-checkpoint` | one byte is flipped in the first checkpoint saved at or after STEP (rank 0)      |
+| `commhang`           | every rank blocks in a receive nobody sends: all wait in the same collective op,  |
+|                      | as a network or job-wide fault looks (no culprit rank) (all ranks)               |
 | `slowrank`           | the rank's compute is slowed SLOWRANK_FACTOR x for SLOWRANK_STEPS steps (rank 0) |
 | `bitflip`            | one bit of one weight flips before the step's forward (rank 0)                   |
 | `gradflip`           | one bit of one gradient flips after the all-reduce, before the update (rank 0)   |
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 KINDS = ("nan", "spike", "gradexplode", "hang", "crash", "slowio", "corrupt-checkpoint",
-         "slowrank", "bitflip", "gradflip")
+         "slowrank", "bitflip", "gradflip", "commhang")
 # Faults of one rank by default; the others hit every rank. A flip on every replica alike would be no
 # corruption, and a slow rank is slow against the others.
 DEFAULT_RANK = {"hang": 0, "crash": 0, "corrupt-checkpoint": 0, "slowrank": 0, "bitflip": 0, "gradflip": 0}
@@ -161,6 +163,9 @@ class FaultInjector:
             self._fire(fault, step)
             while True:
                 time.sleep(3600)
+        if fault := self._take("commhang", step):
+            self._fire(fault, step)
+            _wait_for_nobody()
 
     def after_checkpoint(self, step: int, directory: Path, wait: Callable[[], None]) -> None:
         """corrupt-checkpoint: flip one byte in the middle of the largest file of a fresh checkpoint
@@ -232,3 +237,14 @@ class SlowRank:
             self.periods = (self.periods + [now - self.last])[-16:]   # usual periods only, not slowed ones
         self.last = now
         return self.extra if step < self.until else 0.0
+
+
+def _wait_for_nobody() -> None:
+    """Block in a torch.distributed receive from the next rank, which is receiving too (never returns)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        while True:
+            time.sleep(3600)
+    dist.recv(torch.zeros(1), src=(dist.get_rank() + 1) % dist.get_world_size())

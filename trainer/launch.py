@@ -8,15 +8,68 @@ torchrun would start: ``python -m trainguard.trainer.train --run-dir RUN --confi
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainguard import log
+from trainguard.node import node_name
+from trainguard.trainer import flight_recorder
+
+EXIT_CORDONED = 4       # this node is cordoned: it does not join the job
 
 
-def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: int) -> int:
+@dataclass(frozen=True)
+class Nodes:
+    """A multi-node job as torchrun's ``--nnodes MIN:MAX --rdzv-endpoint HOST:PORT --rdzv-id ID``: each
+    node runs one launcher; they meet in torch's c10d rendezvous, which re-forms the job on the nodes left
+    (at least MIN) when one leaves. The defaults are the single-node run."""
+    min_nodes: int = 1
+    max_nodes: int = 1
+    rdzv_endpoint: str = ""
+    rdzv_id: str = ""
+    rdzv_configs: dict = field(default_factory=dict)
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` (torchrun's spelling) -> (min, max); ValueError with the reason."""
+    low, _, high = text.partition(":")
+    try:
+        bounds = (int(low), int(high or low))
+    except ValueError:
+        raise ValueError(f"--nnodes {text!r}: expected N or MIN:MAX") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise ValueError(f"--nnodes {text!r}: expected 1 <= MIN <= MAX")
+    return bounds
+
+
+def cordon_refusal(run_dir: Path) -> str | None:
+    """Why this node must not join (it is cordoned: RUN/control/cordon/<node>), or None."""
+    path = run_dir / "control" / "cordon" / node_name()
+    if not path.exists():
+        return None
+    return (f"node {node_name()} is cordoned ({path}): it does not join the job until "
+            f"`trainguard uncordon {run_dir} {node_name()}`")
+
+
+def write_launcher_file(run_dir: Path, nodes: Nodes) -> Path:
+    """``RUN/control/launchers/<node>.json``: this launcher, for the agent (the job's elastic bounds)."""
+    directory = run_dir / "control" / "launchers"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{node_name()}.json"
+    tmp = directory / f".{node_name()}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"host": node_name(), "pid": os.getpid(), "started_at": time.time(),
+                               "min_nodes": nodes.min_nodes, "max_nodes": nodes.max_nodes}))
+    os.replace(tmp, path)
+    return path
+
+
+def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: int,
+           nodes: "Nodes | None" = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -27,9 +80,17 @@ def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: in
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"   # as torchrun does: K ranks must not each take every core
+    flight_recorder.enable()              # every rank records its collectives (agent/evidence.py asks)
+    nodes = nodes or Nodes()
+    if (refusal := cordon_refusal(run_dir)) is not None:
+        log.get("launch").error(refusal)
+        return EXIT_CORDONED
+    write_launcher_file(run_dir, nodes)
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
+        min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, nproc_per_node=nproc,
+        run_id=nodes.rdzv_id or str(uuid.uuid4()), rdzv_backend="c10d",
+        rdzv_endpoint=nodes.rdzv_endpoint or "127.0.0.1:0", rdzv_configs=dict(nodes.rdzv_configs),
+        max_restarts=max_restarts,
         monitor_interval=0.5, start_method="spawn",
         # Each rank's output is also kept under RUN/logs (as torchrun --log-dir --tee 3 does), where the
         # agent's nccl collector reads NCCL warnings and watchdog timeouts.

@@ -12,6 +12,7 @@ One step, on every rank, each phase a method of its own:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from trainguard import log, policy as policy_mod
 from trainguard.protect import EXIT_OK, EXIT_STOPPED, Outcome, Protector, TrainState, Verdict
 from trainguard.trainer import mfu
+from trainguard.trainer import schedules as dynamics
 from trainguard.trainer.config import TrainConfig
 from trainguard.trainer.data import ShardLoader, open_stream
 from trainguard.trainer.faults import FaultInjector
@@ -30,8 +32,9 @@ from trainguard.trainer.model import GPT
 from trainguard.trainer.progress import Progress
 from trainguard.trainer.recovery import grad_accum_steps, trainer_callbacks
 from trainguard.trainer.replica_check import ReplicaChecks
+from trainguard.trainer.checkpoint.manager import final_checkpoint_code
 from trainguard.trainer.state import checkpoint_states
-from trainguard.trainer.step import GradNorms, LRSchedule, forward_backward
+from trainguard.trainer.step import GradNorms, forward_backward
 from trainguard.trainer.telemetry import CommTimer, StepTelemetry, StepTimer
 
 
@@ -74,9 +77,9 @@ class Trainer:
         self.layer_names, owners = self.model.layer_of_parameters()
         self.norms = GradNorms(list(self.model.parameters()), owners, self.layer_names)
         self.optimizer = torch.optim.AdamW(
-            self.model.optimizer_groups(config.optim.weight_decay), lr=config.optim.lr,
+            dynamics.optimizer_groups(self.model, config.optim.weight_decay), lr=config.optim.lr,
             betas=(config.optim.beta1, config.optim.beta2), fused=self.device.type == "cuda")
-        self.schedule = LRSchedule(config.optim, run.steps)
+        self.schedule = dynamics.Dynamics(config.optim, run.steps, policy)   # LRSchedule + docs/dynamics.md
         self.autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if self.device.type == "cuda" \
             else nullcontext
 
@@ -105,6 +108,7 @@ class Trainer:
             checkpoint_every=run.checkpoint_every, checkpoint_every_seconds=run.checkpoint_every_seconds,
             keep_last=run.keep_last, key_file=run.key_file, async_checkpoint=run.async_checkpoint,
             checkpoint_on_error=run.checkpoint_on_error, stable_val_factor=run.stable_val_factor, log=self.log)
+        self.schedule.bind(self.model, self.optimizer, self.telemetry.event)
         self.progress = Progress(run.steps, run.log_every, self.log) if self.rank == 0 else None
 
     def _wrap(self, model: torch.nn.Module, telemetry: bool):
@@ -158,6 +162,7 @@ class Trainer:
                              device=self.device.type, peak_flops=self.telemetry.peak_flops,
                              peak_flops_source=self.peak_source, flops_per_token=self.model.flops_per_token(),
                              params=self.model.num_params())
+        self.schedule.start(self.state.step, resumed=begun.resumed_from is not None)
         self.log.info("training", steps=self.cfg.run.steps, start_step=self.state.step, world_size=self.world,
                       device=str(self.device), params=self.model.num_params())
         code = None
@@ -170,6 +175,7 @@ class Trainer:
                 self.protector.finish()
                 code = EXIT_OK
             self.protector.wait()
+            code = final_checkpoint_code(self.protector.checkpoints.manager, self.state.step, code, self.rank)
         finally:
             if self.progress:
                 self.progress.close()
@@ -188,11 +194,14 @@ class Trainer:
         self.faults.grad_flip(step, self.replicas.params, self.replicas.names)   # sdc hook
         self.replicas.after_backward(step)                                     # sdc hook
         grad_norm, layer_norms = self.clip_gradients()
-        verdict = self.protector.check(step, loss, grad_norm, layer_norms)
+        verdict = self.protector.check(step, loss, grad_norm, layer_norms, extra=self.schedule.param_norm())
+        verdict = dataclasses.replace(verdict, decision=self.schedule.respond(verdict.decision))
         timer.mark("forward_backward")
         self.apply_update(verdict)
         timer.mark("optimizer")
+        self.schedule.observe(verdict, validate=self.validation_loss)
         outcome = self.after_step(verdict, lr, timer.stop())
+        self.schedule.after_step(verdict.step, rolled_back=outcome.restored_step is not None)
         if outcome.stop:
             return outcome.exit_code
         if outcome.restored_step is None and (code := self.replica_check(step)) is not None:   # sdc hook
@@ -210,8 +219,7 @@ class Trainer:
 
     def set_learning_rate(self) -> float:
         lr = self.schedule.lr(self.state.lr_scale)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.schedule.apply_lr(lr)          # x each layer's multiplier and layer group's phase factor
         return lr
 
     def backward(self, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -223,7 +231,7 @@ class Trainer:
     def clip_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Global and per-layer norms of the reduced gradients (on the device), then clipping to them."""
         grad_norm, layer_norms = self.norms.compute()
-        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.cfg.optim.grad_clip, grad_norm)
+        torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.schedule.clip_threshold(), grad_norm)
         return grad_norm, layer_norms
 
     def apply_update(self, verdict: Verdict) -> None:
@@ -238,6 +246,7 @@ class Trainer:
         batch = self.cfg.optim.batch_size
         tokens = batch * self.cfg.model.block_size
         extra = {"comm_seconds": self.comm_timer.take()} if self.comm_timer else {}
+        extra.update(self.schedule.step_metrics(verdict))      # param_norm, clip_threshold, clip_coef
         outcome = self.protector.after_step(
             verdict, tokens=tokens, samples=batch, timings=timings, learning_rate=lr,
             tokens_loaded=self.train_data.tokens_loaded(), micro_batch_size=self.state.micro_batch,

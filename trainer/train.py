@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard import log
-from trainguard.trainer import cli
+from trainguard.trainer import cli, flight_recorder
 from trainguard.trainer.config import ConfigError, TrainConfig
 from trainguard.trainer.loop import DistInfo, Trainer
 
@@ -34,8 +34,10 @@ def run_worker(config: TrainConfig, run_dir: Path) -> int:
         cuda = config.run.device == "cuda" or config.run.device == "auto" and torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(info.local_rank)
+        flight_recorder.enable()          # before the process group exists: it reads the buffer size then
         dist.init_process_group("nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
         joined = True
+        flight_recorder.start(run_dir, info.rank, log.get("trainer.flight_recorder", rank=info.rank))
     try:
         code = Trainer(config, run_dir, info).run()
         if joined:

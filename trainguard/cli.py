@@ -24,6 +24,8 @@ COMMANDS = {
     "diagnose": ("trainguard.diagnose.cli", "rank the likely causes of lost throughput in a run"),
     "preflight": ("trainguard.preflight.cli", "check a node before a long run"),
     "goodput": ("trainguard.goodput_cli", "goodput and badput of a run, by cause"),
+    "incidents": ("trainguard.incidents_cli", "culprit verdicts of hangs, with their evidence"),
+    "uncordon": ("trainguard.uncordon_cli", "let a node kept out of the job join it again"),
     "convert": ("trainguard.formats.cli", "TensorBoard, trainer_state.json, Megatron or torchtitan logs as TLS"),
 }
 

@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from trainguard import tls
+from trainguard import paths, tls
 from trainguard.goodput import CAUSES, Goodput, GoodputConfig, Incident, compute
 
 EXIT_OK, EXIT_MALFORMED, EXIT_USAGE = 0, 1, 2
@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def find_log(run_dir: Path, rank: int | None) -> Path:
     if run_dir.is_file():
         return run_dir
+    paths.run_dir(run_dir, "run directory or log")
     if rank is not None:
         path = run_dir / "tls" / f"rank-{rank}.jsonl"
         if not path.is_file():
@@ -68,7 +69,7 @@ def read_incidents(run_dir: Path, malformed: list[str]) -> list[Incident]:
     from trainguard import incidents
 
     found = []
-    for incident_id, verdict, problem in incidents.scan(run_dir):
+    for _incident_id, verdict, problem in incidents.scan(run_dir):
         if problem is not None:
             malformed.append(problem)
         elif verdict is not None:

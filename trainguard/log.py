@@ -8,11 +8,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any, TextIO
 
 import structlog
 
 
-def configure(level: str | None = None, json: bool | None = None, stream=None) -> None:
+def configure(level: str | None = None, json: bool | None = None, stream: TextIO | None = None) -> None:
     """Set up structlog; `json` defaults to JSON unless stderr is a terminal (TRAINGUARD_LOG_JSON overrides)."""
     stream = stream or sys.stderr
     level_name = (level or os.environ.get("TRAINGUARD_LOG_LEVEL", "info")).upper()
@@ -35,5 +36,5 @@ def configure(level: str | None = None, json: bool | None = None, stream=None) -
     )
 
 
-def get(component: str, **context):
+def get(component: str, **context: Any) -> Any:
     return structlog.get_logger(component=component, **context)

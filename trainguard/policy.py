@@ -23,9 +23,11 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
+
+from trainguard import paths
 
 
 class PolicyError(ValueError):
@@ -101,6 +103,7 @@ class AlertPolicy:
     fragmentation_min: float = 0.70
     checkpoint_stale_seconds: float = 3600.0
     low_throughput_ratio: float = 0.5
+    slow_node_factor: float = 1.5   # the global tier's JobNodeSlow: a node's step time over this x the job's median
     loss_spike_sigma: float = 6.0
     grad_explode_factor: float = 10.0
     for_short: str = "30s"
@@ -143,15 +146,107 @@ class PreflightPolicy:
     heartbeat_timeout_seconds_max: float = 1800.0   # TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC upper bound
 
 
+# ------------------------------------------------------------------------------- training dynamics
+# The LR schedules, adaptive clipping and the layer-targeted rollback response (trainguard/decide/
+# schedules.py, clipping.py, layers.py; docs/dynamics.md). The defaults are the seeds' numbers, meant for
+# long runs; `trainguard train --schedule-preset cpu` scales the spans down (decide/schedules.py).
+
+@dataclass(frozen=True)
+class StabilityPolicy:
+    """Gradient stability: the coefficient of variation (std / mean) of the global gradient norm over the
+    last `window` applied steps. At or under `cv_max` the gradients are stable; over `cv_max *
+    unstable_margin` they are unstable again (the margin keeps a phase from flapping at the border)."""
+
+    window: int = 200
+    cv_max: float = 0.25
+    unstable_margin: float = 1.5
+
+
+@dataclass(frozen=True)
+class PlateauPolicy:
+    """Loss plateau: the median training loss of the second half of the last `window` applied steps
+    improves on the first half's by less than `min_improvement` (relative), as `trainguard diagnose`
+    judges a plateau."""
+
+    window: int = 1000
+    min_improvement: float = 0.01
+
+
+@dataclass(frozen=True)
+class BreathingPolicy:
+    """Seed 000 section 3.2: inhale (hold the peak), exhale (decay per step), pause (freeze, evaluate)."""
+
+    peak_lr: float = 0.0015
+    inhale_steps: int = 10_000
+    exhale_factor: float = 0.9995        # LR multiplied by this per applied step while exhaling
+    pause_ratio: float = 0.003           # grad_norm / param_norm under this ...
+    pause_window: int = 500              # ... for this many consecutive exhale steps: pause
+    freeze_steps: int = 2000             # LR held this long, validation loss before and after
+    restart_factor: float = 1.2          # val loss fell on its own during the freeze: LR x this, inhale
+    min_improvement: float = 0.0         # relative val-loss fall that counts as "fell"
+
+
+@dataclass(frozen=True)
+class PhasePolicy:
+    """Seed 004 section 4.1: warmup, exploration, development, refinement (thresholds: stability, plateau)."""
+
+    peak_lr: float = 0.0015
+    exploration_factor: float = 1.0      # exploration LR = peak x this
+    development_decay: float = 0.9998    # development: LR x this per applied step ...
+    development_floor: float = 0.3       # ... down to peak x this
+    refinement_factor: float = 0.3       # refinement LR = the LR at the plateau x this ...
+    refinement_embed_factor: float = 0.5  # ... and the embedding group's x this again (blocks, ln_f x 1)
+    min_phase_steps: int = 500           # applied steps a phase lasts at least before it may change
+
+
+@dataclass(frozen=True)
+class ClippingPolicy:
+    """Adaptive clipping (optim.clip_rule): `zscore` clips at the EMA mean + z_thresh x EMA std of the
+    gradient norm (ZClip, arXiv 2504.02507), `percentile` at that percentile of the last `history` norms
+    (AutoClip, arXiv 2007.14469). Before `warmup_steps` norms have been seen, optim.grad_clip applies."""
+
+    warmup_steps: int = 25
+    ema_alpha: float = 0.97
+    z_thresh: float = 2.5
+    percentile: float = 10.0
+    history: int = 1000
+    max_norm: float = 0.0                # a fixed ceiling on top of the adaptive threshold; 0 = none
+
+
+@dataclass(frozen=True)
+class LayerResponsePolicy:
+    """A rollback caused by one layer's gradient norm lowers that layer's LR multiplier."""
+
+    lr_factor: float = 0.5
+    min_multiplier: float = 0.05
+
+
+@dataclass(frozen=True)
+class DynamicsPolicy:
+    stability: StabilityPolicy = field(default_factory=StabilityPolicy)
+    plateau: PlateauPolicy = field(default_factory=PlateauPolicy)
+    breathing: BreathingPolicy = field(default_factory=BreathingPolicy)
+    phase: PhasePolicy = field(default_factory=PhasePolicy)
+    clipping: ClippingPolicy = field(default_factory=ClippingPolicy)
+    layers: LayerResponsePolicy = field(default_factory=LayerResponsePolicy)
+
+
 @dataclass(frozen=True)
 class RestorePolicy:
-    """What a restore may do beyond ending the ranks (docs/runbooks.md#trainingstraggler)."""
+    """What a restore may do beyond ending the ranks (docs/incidents.md, docs/runbooks.md#trainingstraggler)."""
 
+    # Keep a hang's culprit node out of the job (cordon, end its launcher, re-form on the others):
+    # "auto" does it when the job is elastic (--nnodes MIN:MAX with MIN < MAX), "on" always, "off" never.
+    evict: str = "auto"
+    max_evictions_per_hour: int = 2
+    # How long an agent waits for the ranks' Flight Recorder dumps and the other nodes' evidence.
+    evidence_seconds: float = 15.0
     # A rank that TrainingStraggler names for long (a fail-slow node) may be evicted like a hang's culprit:
     # "off" (the default) only alerts; "on" lets the incident machinery cordon its node.
     evict_stragglers: str = "off"
 
 
+EVICT_CHOICES = ("auto", "on", "off")
 EVICT_STRAGGLERS_CHOICES = ("off", "on")
 
 
@@ -163,8 +258,9 @@ class Policy:
     diagnose: DiagnosePolicy = field(default_factory=DiagnosePolicy)
     preflight: PreflightPolicy = field(default_factory=PreflightPolicy)
     restore: RestorePolicy = field(default_factory=RestorePolicy)
+    dynamics: DynamicsPolicy = field(default_factory=DynamicsPolicy)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -252,6 +348,7 @@ RULES: dict[str, Range | Choice | str] = {
     "guard.grad_climb_steps": at_least(1, 10**4),
     "guard.grad_climb_lag": at_least(0, 10**6),
     "alerts.stall_seconds": above(0, 10**7),
+    "alerts.slow_node_factor": above(1, 1000),
     "alerts.startup_grace_seconds": above(0, 10**7),
     "alerts.gpu_temp_c": above(0, 200),
     "alerts.disk_await_ms": above(0),
@@ -287,6 +384,38 @@ RULES: dict[str, Range | Choice | str] = {
     "preflight.nccl_ib_timeout_min": at_least(1, 31),
     "preflight.nccl_ib_timeout_max": at_least(1, 31),
     "preflight.heartbeat_timeout_seconds_max": above(0),
+    # training dynamics (docs/dynamics.md): factors that shrink stay in (0, 1], windows hold two or more
+    "dynamics.stability.window": at_least(2, 10**6),
+    "dynamics.stability.cv_max": above(0),
+    "dynamics.stability.unstable_margin": at_least(1),
+    "dynamics.plateau.window": at_least(2, 10**6),
+    "dynamics.plateau.min_improvement": between(-1, 1),
+    "dynamics.breathing.peak_lr": above(0, 10),
+    "dynamics.breathing.inhale_steps": at_least(0, 10**9),
+    "dynamics.breathing.exhale_factor": SHARE,
+    "dynamics.breathing.pause_ratio": above(0),
+    "dynamics.breathing.pause_window": WINDOW,
+    "dynamics.breathing.freeze_steps": at_least(1, 10**9),
+    "dynamics.breathing.restart_factor": at_least(1, 100),
+    "dynamics.breathing.min_improvement": FRACTION,
+    "dynamics.phase.peak_lr": above(0, 10),
+    "dynamics.phase.exploration_factor": above(0, 100),
+    "dynamics.phase.development_decay": SHARE,
+    "dynamics.phase.development_floor": FRACTION,
+    "dynamics.phase.refinement_factor": SHARE,
+    "dynamics.phase.refinement_embed_factor": SHARE,
+    "dynamics.phase.min_phase_steps": at_least(0, 10**9),
+    "dynamics.clipping.warmup_steps": WINDOW,
+    "dynamics.clipping.ema_alpha": between(0, 1, low_open=True, high_open=True),
+    "dynamics.clipping.z_thresh": above(0),
+    "dynamics.clipping.percentile": between(0, 100),
+    "dynamics.clipping.history": WINDOW,
+    "dynamics.clipping.max_norm": at_least(0),
+    "dynamics.layers.lr_factor": SHARE,
+    "dynamics.layers.min_multiplier": SHARE,
+    "restore.evict": Choice(EVICT_CHOICES),
+    "restore.max_evictions_per_hour": at_least(0, 10**4),
+    "restore.evidence_seconds": above(0, 3600),
 }
 RULES["restore.evict_stragglers"] = Choice(EVICT_STRAGGLERS_CHOICES)
 RULES.update({   # silent corruption (trainguard/decide/replica.py): 0 turns the replica check off
@@ -354,7 +483,7 @@ def _check_value(name: str, default: Any, value: Any) -> Any:
             value = type(default)(value)
         except OverflowError:
             raise ValueError(f"must be a finite number, got {value!r}") from None
-        problem = rule.problem(value)
+        problem = cast(Range, rule).problem(value)      # DURATION, the one string rule, returned above
         if problem:
             raise ValueError(f"{problem}, got {value!r}")
     return value
@@ -382,7 +511,7 @@ def _build(cls: type, values: Any, where: str, source: str) -> Any:
 
 def from_mapping(data: Any, source: str = "policy") -> Policy:
     """A checked policy from decoded YAML (`source` names it in errors)."""
-    policy = _build(Policy, {} if data is None else data, "", source)
+    policy: Policy = _build(Policy, {} if data is None else data, "", source)
     for check in CROSS_CHECKS:
         problem = check(policy)
         if problem:
@@ -406,9 +535,9 @@ def read_yaml(path: str | Path, what: str) -> Any:
     UTF-8, not YAML, nested too deeply): the policy and the agent config read their files through this."""
     source = str(path)
     try:
-        return yaml.safe_load(Path(path).read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{source}: no such {what}") from None
+        return yaml.safe_load(paths.regular_file(path, what).read_bytes().decode("utf-8"))
+    except FileNotFoundError as exc:  # missing, a directory, a FIFO or a device: named by trainguard.paths
+        raise ValueError(str(exc)) from None
     except IsADirectoryError:
         raise ValueError(f"{source}: is a directory, not a {what}") from None
     except OSError as exc:
@@ -422,4 +551,5 @@ def read_yaml(path: str | Path, what: str) -> Any:
 
 
 def dump(policy: Policy) -> str:
-    return yaml.safe_dump(policy.to_dict(), sort_keys=False)
+    text: str = yaml.safe_dump(policy.to_dict(), sort_keys=False)
+    return text

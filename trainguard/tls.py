@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Callable, Iterable, Iterator, cast
 
 import msgspec
 
@@ -148,7 +148,7 @@ def format_timestamp(seconds: float) -> str:
     return f"{prefix}.{micros:06d}Z"
 
 
-def _normalise_section(name: str, section: Any) -> dict:
+def _normalise_section(name: str, section: Any) -> dict[str, Any]:
     if not isinstance(section, dict):
         raise TLSError(f"expected an object, got {type(section).__name__}", field=name)
     numeric = NUMERIC_FIELDS.get(name)
@@ -164,7 +164,7 @@ def _normalise_section(name: str, section: Any) -> dict:
     return out
 
 
-def normalise(raw: Any) -> dict:
+def normalise(raw: Any) -> dict[str, Any]:
     """Validate and normalise one decoded JSON value into a TLS record (raises TLSError)."""
     if not isinstance(raw, dict):
         raise TLSError(f"a record is a JSON object, got {type(raw).__name__}")
@@ -197,7 +197,7 @@ def normalise(raw: Any) -> dict:
 _decoder = msgspec.json.Decoder()
 
 
-def decode(line: bytes | str, source: str | None = None, lineno: int | None = None) -> dict:
+def decode(line: bytes | str, source: str | None = None, lineno: int | None = None) -> dict[str, Any]:
     """One line of TLS into a normalised record; TLSError names source, line and field."""
     try:
         raw = _decoder.decode(line)
@@ -222,15 +222,15 @@ class Line:
 
     source: str
     lineno: int
-    record: dict | None
+    record: dict[str, Any] | None
     error: TLSError | None = None
 
 
-def open_log(path: str | os.PathLike) -> IO[bytes]:
+def open_log(path: str | os.PathLike[str]) -> IO[bytes]:
     """Open a TLS file for reading, plain, gzip or zstd by its suffix."""
     path = str(path)
     if path.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return cast(IO[bytes], gzip.open(path, "rb"))
     if path.endswith(".zst"):
         import zstandard
 
@@ -249,7 +249,7 @@ def decode_line(raw: bytes, source: str, lineno: int) -> Line:
         return Line(source, lineno, None, exc)
 
 
-def iter_lines(path: str | os.PathLike) -> Iterator[Line]:
+def iter_lines(path: str | os.PathLike[str]) -> Iterator[Line]:
     """Every non-blank line of a TLS file in order; memory stays flat however long the file."""
     source = str(path)
     lineno = 0
@@ -305,7 +305,7 @@ class LogFile:
     path: Path
 
 
-def run_logs(tls_dir: str | os.PathLike) -> list[LogFile]:
+def run_logs(tls_dir: str | os.PathLike[str]) -> list[LogFile]:
     """The TLS logs of a run's ``tls/`` directory in reading order: by kind and name, each log's rotated
     parts oldest first (highest N), then its live file. Empty when the directory does not exist."""
     root = Path(tls_dir)
@@ -317,13 +317,14 @@ def run_logs(tls_dir: str | os.PathLike) -> list[LogFile]:
     return sorted(found, key=lambda log: (log.kind, log.name, -log.rotation if log.rotation else 0))
 
 
-def read_records(path: str | os.PathLike) -> list[dict]:
+def read_records(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """All records of a small file; raises the first TLSError (tests and tools, not hot paths)."""
     records = []
     for line in iter_lines(path):
         if line.error:
             raise line.error
-        records.append(line.record)
+        if line.record is not None:     # always, without an error
+            records.append(line.record)
     return records
 
 
@@ -332,7 +333,7 @@ def read_records(path: str | os.PathLike) -> list[dict]:
 _encoder = msgspec.json.Encoder()
 
 
-def _has_non_finite(values) -> bool:
+def _has_non_finite(values: Iterable[Any]) -> bool:
     for value in values:
         cls = value.__class__
         if cls is float:
@@ -343,7 +344,7 @@ def _has_non_finite(values) -> bool:
     return False
 
 
-def encode(record: dict) -> bytes:
+def encode(record: dict[str, Any]) -> bytes:
     """One record as a line of JSON (with the trailing newline).
 
     A non-finite loss is the most important thing a log can say, so NaN and Infinity are written as
@@ -367,7 +368,7 @@ class Writer:
     onto it: the torn line stays, and readers report it as malformed by its line number.
     """
 
-    def __init__(self, path: str | os.PathLike, on_drop: Callable[[str], None] | None = None):
+    def __init__(self, path: str | os.PathLike[str], on_drop: Callable[[str], None] | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
@@ -381,7 +382,7 @@ class Writer:
         if size and os.pread(self._fd, 1, size - 1) != b"\n":
             self._append(b"\n")
 
-    def write(self, record: dict) -> bool:
+    def write(self, record: dict[str, Any]) -> bool:
         """True when the record is on its way to disk; False when it was dropped (and counted)."""
         return self._append(encode(record))
 
@@ -425,7 +426,7 @@ def _log_drop(message: str) -> None:
     log.get("tls.writer").error(message)
 
 
-def make_record(*, step: int | None = None, timestamp: float | None = None, **sections: Any) -> dict:
+def make_record(*, step: int | None = None, timestamp: float | None = None, **sections: Any) -> dict[str, Any]:
     """A TLS v1 record with the envelope filled in; sections passed by name (metrics=..., event=...)."""
     record: dict[str, Any] = {"schema": SCHEMA_ID,
                               "timestamp": format_timestamp(time.time() if timestamp is None else timestamp)}
@@ -437,10 +438,11 @@ def make_record(*, step: int | None = None, timestamp: float | None = None, **se
     return record
 
 
-def event(kind: str, *, step: int | None = None, timestamp: float | None = None, **fields: Any) -> dict:
+def event(kind: str, *, step: int | None = None, timestamp: float | None = None, **fields: Any) -> dict[str, Any]:
     """A TLS record carrying one event (``{"type": kind, ...}``)."""
     return make_record(step=step, timestamp=timestamp, event={"type": kind, **fields})
 
 
-def load_schema() -> dict:
-    return json.loads(SCHEMA_PATH.read_text())
+def load_schema() -> dict[str, Any]:
+    schema: dict[str, Any] = json.loads(SCHEMA_PATH.read_text())
+    return schema

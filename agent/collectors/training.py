@@ -19,12 +19,14 @@ import re
 import time
 from pathlib import Path
 
+from trainguard import actions
 from trainguard import log as tglog
 from trainguard import policy as tgpolicy
 from trainguard import tls
 from trainguard.agent.collector import Collector, CollectorDisabled, Context, Sample, register
 from trainguard.agent.collectors.options import options
 from trainguard.agent.families import LabelCache, Spec
+from trainguard.agent.node_files import NodeFiles
 from trainguard.agent.tail import Follower, load_json, save_json_atomic
 from trainguard.agent.training_state import STEP_GAUGES, TrainingState
 from trainguard.decide.cost import CostMeter, clock_of
@@ -39,7 +41,8 @@ TIER_VALUES = {"ok": 0, "warn": 1, "throttle": 2, "stop": 3}
 
 
 # Guard and recovery events exported at 0 until they happen (see _families).
-WATCHED_EVENTS = ("skip_step", "rollback", "restore", "action", "checkpoint_saved", "fault_injected", "stop")
+WATCHED_EVENTS = (actions.SKIP_STEP, actions.ROLLBACK, actions.RESTORE, "action", "checkpoint_saved", "fault_injected",
+                  actions.STOP)
 WATCHED_EVENTS += ("replica_mismatch",)   # silent corruption (trainer/replica_check.py): the ReplicaMismatch alert
 
 @register
@@ -57,12 +60,14 @@ class TrainingCollector(Collector):
             raise CollectorDisabled("no run directory given (--run-dir), nothing to follow")
         self.run_dir = Path(ctx.run_dir)
         self.log = tglog.get("agent.training", node=ctx.node)
-        self.follower = Follower(self.run_dir / "tls", "rank-*.jsonl")
+        self.node_files = NodeFiles(self.run_dir, ctx.node)   # a shared run directory: this node's ranks only
+        self.follower = Follower(self.run_dir / "tls", "rank-*.jsonl", select=self.node_files)
         self.offsets_path = self.run_dir / "agent" / f"offsets-{ctx.node}.json"
         self.state = TrainingState()
         opts = options(ctx.options, self.name, policy=None, save_every_seconds=5.0,
-                       checkpoint_rescan_seconds=CHECKPOINT_RESCAN_SECONDS)
+                       checkpoint_rescan_seconds=CHECKPOINT_RESCAN_SECONDS, per_rank=True)
         self.save_every = opts["save_every_seconds"]
+        self.per_rank = opts["per_rank"]    # False: the node's lead rank only (docs/scale.md, the series budget)
         self.checkpoints = CheckpointLister(self.run_dir / "checkpoints", opts["checkpoint_rescan_seconds"])
         self._unsaved = False
         self._saved_at: float | None = None   # monotonic time of the last save; None: never
@@ -141,6 +146,8 @@ class TrainingCollector(Collector):
             if log_error:
                 self.log.warning("malformed TLS line", error=str(exc))
             return 1
+        if not self.node_files.is_ours(record.get("node")):
+            return 0   # written there before the rank moved to this node (an elastic restart elsewhere)
         self.state.count(self.state.records, name)
         rank = record.get("rank")
         if not isinstance(rank, int):
@@ -175,7 +182,8 @@ class TrainingCollector(Collector):
     def _families(self, now: float) -> list:
         samples: dict[str, list] = {key: [] for key in STEP_SPECS}
         step, last, steps, events = [], [], [], []
-        for rank, rs in sorted(self.state.ranks.items()):
+        ranks = sorted(self.state.ranks.items())
+        for rank, rs in (ranks if self.per_rank else ranks[:1]):
             labels = _RUN_RANK.get(rs.run_id, str(rank))
             for key, value in rs.metrics.items():
                 samples[key].append((labels, value))

@@ -1,7 +1,6 @@
 """The embedded path: the cost meter's tiers and the stall watchdog feed the same executor as the webhook."""
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -34,10 +33,6 @@ def rank(tmp_path):
     process.wait()
 
 
-def touch(path, when):
-    os.utime(path, (when, when))
-
-
 def test_every_cost_tier_of_the_meter_reaches_the_trainer_once_in_order(tmp_path):
     executor = Executor(tmp_path, "n1", Ledger())
     handler = DecisionHandler(executor.submit)
@@ -67,19 +62,32 @@ def test_a_decision_that_is_not_a_cost_tier_is_ignored(tmp_path):
     assert not (tmp_path / "control" / "actions.jsonl").exists()
 
 
-def test_the_watchdog_sees_a_stall_only_when_live_ranks_stop_writing(tmp_path, rank):
+def step_record(path, step, when, **extra):
+    """Append a rank's TLS record: a step record (with metrics) at `when`, or another record."""
+    record = {"timestamp": when, "step": step, **({"metrics": {"loss": 3.0}} if not extra else extra)}
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def test_the_watchdog_sees_a_stall_only_when_live_ranks_stop_advancing(tmp_path, rank):
     started = json.loads((tmp_path / "control" / "ranks" / "rank-0.json").read_text())["started_at"]
     clock = [started + 100]
-    watchdog = StallWatchdog(tmp_path, stall_seconds=30, submit=None, clock=lambda: clock[0])
+    watchdog = StallWatchdog(tmp_path, stall_seconds=30, submit=None, clock=lambda: clock[0],
+                             monotonic=lambda: clock[0])
     tls_file = tmp_path / "tls" / "rank-0.jsonl"
-    touch(tls_file, started - 5)
-    assert watchdog.check() is None                      # silent since before the rank started: starting up
-    touch(tls_file, started + 90)
-    assert watchdog.check() is None                      # wrote 10 s ago
-    touch(tls_file, started + 20)
-    stalled = watchdog.check()                           # 80 s without a write
+    step_record(tls_file, 1, started - 5)
+    assert watchdog.check() is None                      # no step since before the rank started: starting up
+    step_record(tls_file, 2, started + 90)
+    assert watchdog.check() is None                      # stepped 10 s ago
+    clock[0] = started + 115
+    step_record(tls_file, 2, started + 114, event={"type": "checkpoint_saved"})
+    assert watchdog.check() is None                      # records without a new step are no progress ...
+    clock[0] = started + 121
+    stalled = watchdog.check()                           # ... 31 s without a step: stalled
     assert stalled is not None and (stalled.action, stalled.alertname) == ("restore", "TrainingStalled")
-    assert stalled.source == "embedded" and stalled.starts_at == clock[0]
+    assert stalled.source == "embedded" and stalled.starts_at == clock[0] and "last step 2" in stalled.reason
+    step_record(tls_file, 2, started + 121, event={"type": "run_end", "reason": "completed"})
+    assert watchdog.check() is None                      # finished and leaving (final checkpoint, exit)
     rank.kill()
     rank.wait()
     assert watchdog.check() is None                      # the ranks are gone: ended, not stalled
@@ -91,9 +99,10 @@ def test_ranks_that_never_write_after_starting_are_stalled_once_the_startup_grac
     started = json.loads((tmp_path / "control" / "ranks" / "rank-0.json").read_text())["started_at"]
     clock = [started + 100]
     watchdog = StallWatchdog(tmp_path, stall_seconds=30, submit=None, clock=lambda: clock[0],
-                             startup_grace_seconds=600)
-    touch(tmp_path / "tls" / "rank-0.jsonl", started - 5)
-    assert watchdog.check() is None                      # nothing written since the start, 100 s in: starting
+                             monotonic=lambda: clock[0], startup_grace_seconds=600)
+    (tmp_path / "tls" / "rank-0.jsonl").write_text("")
+    step_record(tmp_path / "tls" / "rank-0.jsonl", 7, started - 5)
+    assert watchdog.check() is None                      # nothing reached since the start, 100 s in: starting
     (tmp_path / "tls" / "rank-0.jsonl").unlink()
     assert watchdog.check() is None                      # no TLS file at all: the same
     clock[0] = started + 601
@@ -110,8 +119,7 @@ def test_the_watchdog_restores_once_per_stall(tmp_path):
         [stubborn] = launched.start(tmp_path, ignore_term=True)
         started = stubborn["started_at"]
         (tmp_path / "tls").mkdir(exist_ok=True)
-        (tmp_path / "tls" / "rank-0.jsonl").write_text('{"timestamp": 1, "step": 1, "metrics": {"loss": 3}}\n')
-        touch(tmp_path / "tls" / "rank-0.jsonl", started + 0.5)
+        step_record(tmp_path / "tls" / "rank-0.jsonl", 2, started + 0.5)
         executor = Executor(tmp_path, "n1", Ledger(), restore_grace_seconds=1.0, entry_points=(STANDIN,))
         watchdog = StallWatchdog(tmp_path, stall_seconds=30, submit=executor.submit, clock=lambda: started + 60)
         watchdog.interval = 0.05

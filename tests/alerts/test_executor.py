@@ -82,7 +82,9 @@ def test_cost_tiers_from_two_agents_on_one_run_reach_the_trainer_once(tmp_path):
     first.submit([notice("CostBudgetWarn", actions.COST_WARN, "embedded:cost_warn")])
     second.submit([notice("CostBudgetWarn", actions.COST_WARN, "embedded:cost_warn")])
     assert [r["action"] for r in requests(tmp_path)] == ["cost_warn"]
-    assert actions_log(tmp_path, "n2")[-1]["appended"] is False
+    # A job-level alert (no instance): the second agent finds the first's claim and leaves it (docs/scale.md).
+    assert actions_log(tmp_path, "n2")[-1]["outcome"] == "claimed"
+    assert actions_log(tmp_path, "n2")[-1]["claimed_by"] == "n1"
 
 
 def test_append_request_skips_an_id_already_there(tmp_path):

@@ -72,8 +72,9 @@ def test_the_issues_sleep_900_through_the_cli_agent_is_refused_counted_and_never
     register(run, victim.pid)
     time.sleep(1.0)                  # the repro's sleep had been running a while: its record comes after
     (run / "tls").mkdir()
-    (run / "tls" / "rank-0.jsonl").write_text('{"schema":"tls/1","timestamp":"2026-12-01T18:45:00Z","rank":0,'
-                                             '"step":1,"metrics":{"loss":1,"grad_norm":1}}\n')
+    # the step record is dated after the registration (the watchdog reads the record's time, decide/stall.py)
+    (run / "tls" / "rank-0.jsonl").write_text('{"schema":"tls/1","timestamp":%.3f,"rank":0,'
+                                             '"step":1,"metrics":{"loss":1,"grad_norm":1}}\n' % time.time())
     (run / "policy.yaml").write_text("alerts: {stall_seconds: 1}\n")
     port = demo.free_port()
     agent = demo.start_agent(run, port)

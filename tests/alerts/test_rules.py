@@ -21,12 +21,14 @@ CORE_ALERTS = {
     "GPUMemoryFragmented", "DiskAwaitHigh", "DataLoaderStarved", "LowEffectiveThroughput", "LowDataUtilization",
     "CommOverheadHigh", "NCCLWatchdogTimeout", "CheckpointStale", "CostBudgetWarn", "CostBudgetThrottle",
     "CostBudgetStop", "EnvironmentMismatch", "AgentDown",
+    "HangCulprit", "NodeCordoned",
+    "JobStalledEverywhere", "JobNodeSlow",     # the global tier (fleet-global.rules.yml, docs/scale.md)
 }
 CORE_ALERTS |= {"TrainingStraggler"}     # second round: fail-slow (alerts/rules.py fail_slow)
 CORE_ALERTS |= {"ReplicaMismatch"}   # second round: silent corruption (alerts/rules.py sdc)
 ACTIONS = {"LossNaN": "rollback", "LossSpike": "rollback", "GradNormExplosion": "rollback",
            "TrainingStalled": "restore", "NCCLWatchdogTimeout": "restore", "CostBudgetWarn": "cost_warn",
-           "CostBudgetThrottle": "cost_throttle", "CostBudgetStop": "cost_stop"}
+           "CostBudgetThrottle": "cost_throttle", "CostBudgetStop": "cost_stop", "JobStalledEverywhere": "restore"}
 
 
 def rendered_alerts(directory: Path) -> dict[str, dict]:

@@ -3,7 +3,7 @@
     crash_child.py RUN_DIR KEY_FILE POINT
 
 Saves step_1, then starts saving step_2 and stops at POINT, prints PAUSED and waits to be killed:
-  write     part-way through writing model.pt (some megabytes on disk)
+  write     part-way through writing the shard __0_0.distcp (some megabytes on disk)
   manifest  every file and the manifest written and fsynced, just before the rename
   async     like `write`, on the async worker thread while the main thread keeps training
 The pause wraps the real functions; everything up to it runs the real code.
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from trainguard.trainer.checkpoint import CheckpointManager, store
+from trainguard.trainer.checkpoint import CheckpointManager, sharded, store
 
 
 def small_state() -> dict:
@@ -41,15 +41,15 @@ def main() -> None:
     manager.save(1, small_state(), stable=True)
     manager.wait()
     if point in ("write", "async"):
-        real_write = store.HashingWriter.write
+        real_write = sharded._HashingStream.write
 
         def write_then_pause(self, data):
             written = real_write(self, data)
-            if self.bytes >= 8 << 20:
+            if self._bytes >= 8 << 20:
                 pause()
             return written
 
-        store.HashingWriter.write = write_then_pause
+        sharded._HashingStream.write = write_then_pause
     elif point == "manifest":
         real_publish = store.publish
         store.publish = lambda tmp, final: (pause(), real_publish(tmp, final))

@@ -8,11 +8,13 @@ import threading
 import torch
 
 from tests.checkpoint.helpers import assert_same, training_state
-from trainguard.trainer.checkpoint import CheckpointManager, store
+from trainguard.trainer.checkpoint import CheckpointManager, sharded, store
 
 
 def _files(manager: CheckpointManager, step: int) -> dict:
-    return json.loads((manager.root / f"step_{step}" / "manifest.json").read_text())["files"]
+    """The manifest's entries but DCP's .metadata (it names the directory written and a save id)."""
+    files = json.loads((manager.root / f"step_{step}" / "manifest.json").read_text())["files"]
+    return {name: entry for name, entry in files.items() if name != ".metadata"}
 
 
 def test_async_save_is_durable_and_byte_identical_to_a_sync_save(tmp_path, key_file):
@@ -39,14 +41,14 @@ def test_training_that_goes_on_after_save_returns_does_not_change_the_checkpoint
     state, model, optim = training_state()
     expected = {name: t.clone() for name, t in model.state_dict().items()}
     release = threading.Event()
-    real_write = store.HashingWriter.write
+    real_write = sharded._HashingStream.write   # the writer of DCP's shards, on its upload thread
 
     def slow_write(self, data):  # hold the worker until training has changed the weights in place
         release.wait(30)
         return real_write(self, data)
 
     manager = CheckpointManager(tmp_path, key_file=key_file, async_save=True)
-    store.HashingWriter.write = slow_write
+    sharded._HashingStream.write = slow_write
     try:
         manager.save(3, state, stable=False)
         with torch.no_grad():
@@ -55,7 +57,7 @@ def test_training_that_goes_on_after_save_returns_does_not_change_the_checkpoint
         release.set()
         manager.wait()
     finally:
-        store.HashingWriter.write = real_write
+        sharded._HashingStream.write = real_write
     _, restored = manager.load_latest()
     assert_same(restored["model"], expected)
     assert not torch.equal(restored["model"]["lm_head.weight"], model.lm_head.weight)

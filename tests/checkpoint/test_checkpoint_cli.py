@@ -21,7 +21,7 @@ def run_dir(tmp_path, key_file) -> Path:
     manager = CheckpointManager(tmp_path / "run", key_file=key_file, keep_last=5)
     for step in (1, 2, 3):
         manager.save(step, {"model": {"w": torch.full((1000,), float(step))}}, stable=step == 1)
-    model = tmp_path / "run" / "checkpoints" / "step_3" / "model.pt"
+    model = tmp_path / "run" / "checkpoints" / "step_3" / "__0_0.distcp"
     data = bytearray(model.read_bytes())
     data[-200] ^= 0xFF
     model.write_bytes(bytes(data))
@@ -37,11 +37,13 @@ def cli(capsys, *argv) -> tuple[int, str, str]:
 def test_list_prints_a_table_with_the_status_of_each(run_dir, key_file, capsys):
     code, out, _ = cli(capsys, "list", run_dir, "--key-file", key_file)
     assert code == 0
-    header, *rows = out.strip().splitlines()
+    key_line, header, *rows = out.strip().splitlines()
+    assert key_line.startswith(f"key in use: {key_file} (id ") and key_line.endswith(")")   # what --key-file to pass
     assert header.split() == ["STEP", "STABLE", "SIZE", "AGE", "STATUS"]
     assert [r.split()[:2] for r in rows] == [["1", "yes"], ["2", "no"], ["3", "no"]]
-    assert rows[0].endswith(" ok") and "hash mismatch: model.pt" in rows[2]
+    assert rows[0].endswith(" ok") and "hash mismatch: __0_0.distcp" in rows[2]
     code, out, _ = cli(capsys, "list", run_dir, "--key-file", key_file, "--json")
+    assert len(json.loads(out)["key_id"]) == 16
     listed = json.loads(out)["checkpoints"]
     assert [(c["step"], c["ok"], c["code"]) for c in listed] == [(1, True, "ok"), (2, True, "ok"),
                                                                  (3, False, "hash_mismatch")]

@@ -15,6 +15,7 @@ import torch
 from tests.checkpoint.crash_child import small_state
 from tests.checkpoint.helpers import assert_same
 from trainguard.trainer.checkpoint import CheckpointError, CheckpointManager, verify
+from trainguard.trainer.checkpoint.manager import read_status
 
 CHILD = Path(__file__).with_name("crash_child.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +45,7 @@ def test_kill_9_during_a_checkpoint_leaves_the_previous_one_verified_and_chosen(
     child = _run_child_until_paused(run_dir, key_file, point)
     root = run_dir / "checkpoints"
     partial = [p for p in root.iterdir() if p.name.startswith(".tmp-step_2-")]
-    assert len(partial) == 1 and (partial[0] / "model.pt").stat().st_size >= 8 << 20
+    assert len(partial) == 1 and (partial[0] / "__0_0.distcp").stat().st_size >= 8 << 20
     if point == "manifest":
         assert (partial[0] / "manifest.json").exists()
         assert verify(partial[0], key_file=key_file).code == "step_mismatch"  # signed, but not a step_N dir
@@ -53,7 +54,7 @@ def test_kill_9_during_a_checkpoint_leaves_the_previous_one_verified_and_chosen(
     child.stdout.close()
     child.stderr.close()
 
-    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["step_1"]
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == ["status.json", "step_1"]
     events = []
     manager = CheckpointManager(run_dir, key_file=key_file, on_event=lambda kind, **f: events.append(kind))
     assert not partial[0].exists()  # the restarted run removes the dead process's temporary
@@ -90,15 +91,26 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path, key_fil
     assert "step_2 was not saved" in message and "still step_1" in message
     assert "temporary files were removed" in message
     assert isinstance(error.__cause__, OSError)
-    assert _sizes(disk / "run" / "checkpoints") == ["step_1"]  # no tmp dir left behind
+    assert f"needs about {4 << 20} bytes" in message and "are free under" in message
+    assert "the next checkpoint interval tries again" in message
+    assert _sizes(disk / "run" / "checkpoints") == ["status.json", "step_1"]  # no tmp dir left behind
     assert os.statvfs(disk).f_bavail == free_before  # its space was given back
     assert verify(disk / "run" / "checkpoints" / "step_1", key_file=key_file).ok
     assert manager.latest_verified().step == 1
+    status = read_status(disk / "run")   # what `trainguard status` shows, written on the full disk
+    assert status["ok"] is False and status["step"] == 2 and status["bytes_needed"] == 4 << 20
+    assert status["durable_step"] == 1 and "No space left" in status["error"]
+
+    if on_error == "warn":   # the next interval fails again: counted, recorded, not reported again
+        assert manager.save(4, too_big, stable=False).error is not None
+        assert read_status(disk / "run")["failed_saves"] == 2
     failed = [f for kind, f in events if kind == "checkpoint_failed"]
     assert len(failed) == 1 and failed[0]["step"] == 2 and "No space left" in failed[0]["reason"]
+    assert failed[0]["bytes_needed"] == 4 << 20
 
     manager.save(3, {"model": {"w": torch.zeros(10)}}, stable=False)  # the run can go on saving
-    assert manager.latest_verified().step == 3
+    assert manager.latest_verified().step == 3 and manager.durable_step == 3
+    assert read_status(disk / "run")["ok"] is True and manager.failures == 0
 
 
 def test_a_full_disk_during_an_async_save_surfaces_on_wait(tmp_path, key_file, small_tmpfs):
@@ -110,7 +122,7 @@ def test_a_full_disk_during_an_async_save_surfaces_on_wait(tmp_path, key_file, s
         manager.wait()
     assert handle.error is not None and handle.done()
     manager.wait()  # surfaced once
-    assert _sizes(disk / "run" / "checkpoints") == ["step_1"]
+    assert _sizes(disk / "run" / "checkpoints") == ["status.json", "step_1"]
     assert manager.latest_verified().step == 1
 
 

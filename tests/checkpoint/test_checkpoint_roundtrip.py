@@ -14,20 +14,28 @@ import torch
 from tests.checkpoint.helpers import assert_same, training_state
 from trainguard.trainer.checkpoint import CheckpointError, CheckpointManager, verify
 from trainguard.trainer.checkpoint import keys, store
+from trainguard.trainer.checkpoint import manifest as mf
 from trainguard.trainer.config import ModelConfig
 from trainguard.trainer.model import GPT
 
 
-def test_round_trip_restores_every_part_and_the_manifest_describes_the_files(tmp_path, key_file):
+FILES = {"dcp": [".metadata", "__0_0.distcp", "extra.pt", "manifest.json"],        # format /2
+         "files": ["extra.pt", "manifest.json", "model.pt", "optim.pt"]}                # format /1, still read
+
+
+@pytest.mark.parametrize("engine", list(FILES))
+def test_round_trip_restores_every_part_and_the_manifest_describes_the_files(tmp_path, key_file, engine):
     state, model, optim = training_state()
     events = []
-    manager = CheckpointManager(tmp_path / "run", key_file=key_file, on_event=lambda k, **f: events.append((k, f)))
+    manager = CheckpointManager(tmp_path / "run", key_file=key_file, engine=engine,
+                                on_event=lambda k, **f: events.append((k, f)))
     handle = manager.save(7, state, stable=True, meta={"val_loss": 2.5})
 
     path = tmp_path / "run" / "checkpoints" / "step_7"
     assert handle.done() and handle.error is None and handle.path == path
-    assert sorted(os.listdir(path)) == ["extra.pt", "manifest.json", "model.pt", "optim.pt"]
+    assert sorted(os.listdir(path)) == FILES[engine]
     manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["format"] == {"dcp": mf.FORMAT, "files": mf.FORMAT_V1}[engine]
     assert manifest["step"] == 7 and manifest["stable"] is True and manifest["world_size"] == 1
     assert manifest["versions"]["torch"] == torch.__version__ and manifest["versions"]["python"]
     assert manifest["meta"] == {"val_loss": 2.5} and manifest["signature"]["algorithm"] == "HMAC-SHA256"
@@ -35,6 +43,7 @@ def test_round_trip_restores_every_part_and_the_manifest_describes_the_files(tmp
         data = (path / name).read_bytes()
         assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     assert handle.bytes == sum(f.stat().st_size for f in path.iterdir())
+    assert manifest["key_id"] == keys.key_id(keys.load_key(key_file))   # the signing key's fingerprint
 
     result = verify(path, key_file=key_file)
     assert result.ok and result.code == "ok" and result.step == 7
@@ -42,8 +51,9 @@ def test_round_trip_restores_every_part_and_the_manifest_describes_the_files(tmp
     ckpt, restored = manager.load_latest()
     assert ckpt.step == 7 and ckpt.stable
     assert_same(restored, state)
-    tied = restored["model"]["lm_head.weight"], restored["model"]["transformer.wte.weight"]
-    assert tied[0].untyped_storage().data_ptr() == tied[1].untyped_storage().data_ptr()  # stored once
+    if engine == "files":   # torch.save keeps tied weights one storage; DCP stores each name (equal values)
+        tied = restored["model"]["lm_head.weight"], restored["model"]["transformer.wte.weight"]
+        assert tied[0].untyped_storage().data_ptr() == tied[1].untyped_storage().data_ptr()
 
     fresh = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
     fresh.load_state_dict(restored["model"])
@@ -147,18 +157,27 @@ def test_retention_keeps_the_last_n_and_the_newest_stable(tmp_path, key_file):
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
-def test_retention_never_counts_a_broken_checkpoint_as_kept(tmp_path, key_file):
-    manager = CheckpointManager(tmp_path, key_file=key_file, keep_last=1)
+def test_retention_never_deletes_or_counts_a_checkpoint_it_cannot_verify(tmp_path, key_file):
+    """Issue 14.3: one that does not verify is moved to checkpoints/invalid/ with its reason, reported,
+    never counted toward keep_last; before, retention deleted it."""
+    events = []
+    manager = CheckpointManager(tmp_path, key_file=key_file, keep_last=1,
+                                on_event=lambda kind, **f: events.append((kind, f)))
     state = {"model": {"w": torch.ones(4)}}
     manager.save(1, state, stable=False)
     manager.save(2, state, stable=False)
-    (tmp_path / "checkpoints" / "step_2" / "model.pt").write_bytes(b"truncated")
+    (tmp_path / "checkpoints" / "step_2" / "__0_0.distcp").write_bytes(b"truncated")
     manager.save(3, state, stable=False)
-    # 3 is the one kept; 2 (broken) and 1 are older, so both go.
-    assert manager.steps() == [3]
+    assert manager.steps() == [3]   # 1 went (verified, older than the one kept); 2 was set aside
+    invalid = tmp_path / "checkpoints" / "invalid"
+    (moved,) = invalid.iterdir()
+    assert moved.name.startswith("step_2-") and (moved / "__0_0.distcp").read_bytes() == b"truncated"
+    reason = json.loads((moved / "reason.json").read_text())
+    assert reason["code"] == "size_mismatch" and reason["step"] == 2 and "__0_0.distcp" in reason["reason"]
+    assert [f["code"] for kind, f in events if kind == "checkpoint_quarantined"] == ["size_mismatch"]
     (tmp_path / "checkpoints" / "step_3" / "manifest.json").write_text("{}")
     manager.save(4, state, stable=False)
-    assert manager.steps() == [4]
+    assert manager.steps() == [4] and len(list(invalid.iterdir())) == 2
 
 
 def test_saving_a_step_again_replaces_it(tmp_path, key_file):
@@ -167,7 +186,7 @@ def test_saving_a_step_again_replaces_it(tmp_path, key_file):
     manager.save(3, {"model": {"w": torch.ones(2)}}, stable=True)
     ckpt, state = manager.load_latest()
     assert ckpt.stable and torch.equal(state["model"]["w"], torch.ones(2))
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_3"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["status.json", "step_3"]
 
 
 def test_supersede_after_a_rollback_sets_newer_checkpoints_aside(tmp_path, key_file):
@@ -183,7 +202,7 @@ def test_supersede_after_a_rollback_sets_newer_checkpoints_aside(tmp_path, key_f
 def test_a_state_weights_only_cannot_load_is_refused_when_saved(tmp_path, key_file):
     manager = CheckpointManager(tmp_path, key_file=key_file)
     state = {"model": {"w": torch.ones(2)}, "rng": {"numpy": np.random.get_state()}}
-    with pytest.raises(CheckpointError, match=r"extra\.pt\['rng'\]\['numpy'\]\[1\]: a numpy.ndarray"):
+    with pytest.raises(CheckpointError, match=r"\['rng'\]\['numpy'\]\[1\]: a numpy.ndarray"):
         manager.save(1, state, stable=False)
     with pytest.raises(CheckpointError, match="meta must be JSON"):
         manager.save(1, {"model": {}}, stable=False, meta={"when": object()})
@@ -218,7 +237,8 @@ def test_hashing_on_a_second_thread_and_inline_give_the_same_checkpoint(tmp_path
         assert verify(manager.root / "step_1", key_file=key_file).ok
         _, restored = manager.load_latest()
         assert_same(restored, state)
-        manifests[parallel] = json.loads((manager.root / "step_1" / "manifest.json").read_text())["files"]
+        files = json.loads((manager.root / "step_1" / "manifest.json").read_text())["files"]
+        manifests[parallel] = {name: entry for name, entry in files.items() if name != ".metadata"}  # names its dir
     assert manifests[True] == manifests[False]
 
 

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import shutil
 
 import pytest
 import torch
 
 from tests.checkpoint.helpers import assert_same, training_state
-from trainguard.trainer.checkpoint import CheckpointError, CheckpointManager, verify
+from trainguard.cli import main as cli_main
+from trainguard.trainer.checkpoint import Checkpoint, CheckpointError, CheckpointManager, verify
 from trainguard.trainer.checkpoint import keys
 from trainguard.trainer.checkpoint import manifest as mf
 
@@ -26,11 +29,23 @@ class Evil:
         return os.system, (f"touch {self.marker}",)
 
 
+# The file of each kind in either format: /2 (DCP shards, the default) and /1 (whole files, still read).
+FILES = {
+    "dcp": {"tensors": "__0_0.distcp", "other": "__0_0.distcp", "extra": "extra.pt", "index": ".metadata"},
+    "files": {"tensors": "model.pt", "other": "optim.pt", "extra": "extra.pt", "index": "model.pt"},
+}
+
+
+@pytest.fixture(params=list(FILES))
+def engine(request):
+    return request.param
+
+
 @pytest.fixture
-def two_checkpoints(tmp_path, key_file):
+def two_checkpoints(tmp_path, key_file, engine):
     """step_1 (good, stable) and step_2 (the newest, to be damaged); the events seen while restoring."""
     events = []
-    manager = CheckpointManager(tmp_path, key_file=key_file, keep_last=5,
+    manager = CheckpointManager(tmp_path, key_file=key_file, keep_last=5, engine=engine,
                                 on_event=lambda kind, **f: events.append((kind, f)))
     state, _, _ = training_state()
     manager.save(1, state, stable=True)
@@ -57,10 +72,11 @@ def _tamper_manifest(path):
 
 
 DAMAGE = {
-    "flipped byte": ("model.pt", _flip_byte, "hash_mismatch", "model.pt has sha256"),
-    "truncated file": ("optim.pt", _truncate, "size_mismatch", "optim.pt has"),
+    "flipped byte": ("tensors", _flip_byte, "hash_mismatch", "{name} has sha256"),
+    "truncated file": ("other", _truncate, "size_mismatch", "{name} has"),
+    "flipped byte in the index": ("index", _flip_byte, "hash_mismatch", "{name} has sha256"),
     "tampered manifest": ("manifest.json", _tamper_manifest, "bad_signature", "modified after it was signed"),
-    "missing file": ("extra.pt", os.remove, "missing_file", "extra.pt is listed in the manifest but not there"),
+    "missing file": ("extra", os.remove, "missing_file", "{name} is listed in the manifest but not there"),
     "unreadable manifest": ("manifest.json", lambda p: p.write_bytes(b"{\"format\": tru"), "unreadable_manifest",
                             "not valid JSON"),
     "no manifest": ("manifest.json", os.remove, "missing_manifest", "no manifest.json"),
@@ -68,9 +84,12 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_damaged_checkpoint_is_refused_with_its_reason_and_restore_falls_back(two_checkpoints, key_file, damage):
+def test_damaged_checkpoint_is_refused_with_its_reason_and_restore_falls_back(two_checkpoints, key_file, damage,
+                                                                             engine):
     manager, good_state, newest, events = two_checkpoints
-    name, damage_it, code, words = DAMAGE[damage]
+    kind, damage_it, code, words = DAMAGE[damage]
+    name = FILES[engine].get(kind, kind)
+    words = words.format(name=name)
     damage_it(newest / name)
 
     result = verify(newest, key_file=key_file)
@@ -96,40 +115,67 @@ def test_a_signed_checkpoint_renamed_to_another_step_is_refused(two_checkpoints,
     assert manager.latest_verified().step == 1
 
 
-def test_a_malicious_pickle_swapped_in_fails_the_hash_and_never_runs(two_checkpoints, key_file, tmp_path):
+def test_a_malicious_pickle_swapped_in_fails_the_hash_and_never_runs(two_checkpoints, key_file, tmp_path, engine):
     manager, _, newest, events = two_checkpoints
     marker = tmp_path / "pwned"
-    torch.save({"w": Evil(marker)}, newest / "model.pt")
+    torch.save({"w": Evil(marker)}, newest / FILES[engine]["tensors"])
 
     assert verify(newest, key_file=key_file).code in ("hash_mismatch", "size_mismatch")
     assert manager.load_latest()[0].step == 1
     assert not marker.exists()
 
 
-def test_a_malicious_pickle_with_a_valid_signature_is_still_refused_by_weights_only(two_checkpoints, key_file,
-                                                                                    tmp_path):
-    """The key may leak; weights_only is the second wall. Forge a perfectly signed checkpoint around a
-    pickle that runs a command, and check it is refused at load, with a reason, and never runs."""
-    manager, good_state, newest, events = two_checkpoints
-    marker = tmp_path / "pwned"
-    torch.save({"w": Evil(marker)}, newest / "model.pt")
+def _forge(newest, key_file, name, data):
+    """Put `data` in `name` and sign the manifest again with the real key: only the content is evil."""
+    (newest / name).write_bytes(data)
     manifest = json.loads((newest / "manifest.json").read_text())
-    data = (newest / "model.pt").read_bytes()
-    manifest["files"]["model.pt"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     body = {k: v for k, v in manifest.items() if k not in ("signature", "key_id")}
     key = keys.load_key(key_file)
     (newest / "manifest.json").write_bytes(mf.encode(mf.sign(body, key, keys.key_id(key))))
 
-    assert verify(newest, key_file=key_file).ok  # signature and hashes are right: only the content is evil
-    assert manager.latest_verified().step == 2
-    with pytest.raises(CheckpointError, match=r"unsafe content: model\.pt: .*weights_only.*posix\.system") as info:
-        manager.load(manager.latest_verified())
+
+def _evil_torch_file(marker) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"w": Evil(marker)}, buffer)
+    return buffer.getvalue()
+
+
+EVIL = {  # (file kind, how the evil bytes are made): a torch file and DCP's pickled index
+    "torch file": ("extra", _evil_torch_file),
+    "pickled index": ("index", lambda marker: pickle.dumps(Evil(marker))),
+}
+
+
+@pytest.mark.parametrize("evil", list(EVIL))
+def test_a_malicious_pickle_with_a_valid_signature_is_refused_by_verify_restore_and_the_trainer_alike(
+        two_checkpoints, key_file, tmp_path, engine, evil, capsys):
+    """The key may leak; weights_only is the second wall. Forge a perfectly signed checkpoint around a
+    pickle that runs a command: `checkpoint verify`, `restore` and the trainer's restore all refuse it
+    with the same reason (one verification), and it never runs. Before, verify called it ok."""
+    manager, good_state, newest, events = two_checkpoints
+    marker = tmp_path / "pwned"
+    kind, make = EVIL[evil]
+    if engine == "files" and kind == "index":
+        pytest.skip("format /1 has no pickled index")
+    _forge(newest, key_file, FILES[engine][kind], make(marker))
+
+    result = verify(newest, key_file=key_file)
+    assert not result.ok and result.code == "unsafe_content", result.reason
+    assert manager.latest_verified().step == 1
+    with pytest.raises(CheckpointError) as info:
+        manager.load(Checkpoint.of(verify(newest, key_file=key_file, deep=False)))
     assert info.value.code == "unsafe_content"
 
     ckpt, state = manager.load_latest()  # restore moves on to the next one
     assert ckpt.step == 1
     assert_same(state, good_state)
     assert any(kind == "checkpoint_invalid" and f["code"] == "unsafe_content" for kind, f in events)
+
+    assert cli_main(["checkpoint", "verify", str(tmp_path), "--key-file", str(key_file)]) == 1
+    assert "step_2: FAILED: unsafe content" in capsys.readouterr().out
+    assert cli_main(["checkpoint", "restore", str(tmp_path), "--key-file", str(key_file)]) == 0
+    assert "starts from step_1" in capsys.readouterr().out
     assert not marker.exists()
 
 

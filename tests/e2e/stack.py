@@ -164,18 +164,22 @@ class Stack:
 
     def stop(self) -> None:
         for process in self.trainers:
-            # The launcher's workers run in sessions of their own: end the whole tree, not just the group.
-            with contextlib.suppress(psutil.Error):
-                for child in psutil.Process(process.pid).children(recursive=True):
-                    with contextlib.suppress(psutil.Error):
-                        child.kill()
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            kill_tree(process)
         for server in (self.prometheus, self.alertmanager, *(a.server for a in self.agents)):
             if server is not None:
                 server.stop()
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """End a launcher and its workers: they run in sessions of their own, so the whole tree, not the group."""
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(process.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def read_records(path: Path) -> list[dict]:

@@ -19,8 +19,8 @@ def test_drill_with_every_checkpoint_corrupted_fails_clearly(tmp_path):
     result = run_drill(tmp_path, corrupt_steps=(1, 2))
     assert result.status == "fail"
     assert result.message.startswith("restore found no verified checkpoint after corruption (refused: step_2: "
-                                     "hash mismatch: model.pt")
-    assert "; step_1: hash mismatch: model.pt" in result.message
+                                     "hash mismatch: __0_0.distcp")
+    assert "; step_1: hash mismatch: __0_0.distcp" in result.message
 
 
 def test_drill_that_cannot_write_fails_with_the_reason(tmp_path):

@@ -65,7 +65,10 @@ def watched_loads():
     real = torch.load
 
     def load(handle, *args, **kwargs):
-        loaded.append(Path(getattr(handle, "name", handle)))
+        # a file by name or handle; DCP's items come as views of shards already hashed (not files)
+        name = getattr(handle, "name", handle)
+        if isinstance(name, (str, os.PathLike)):
+            loaded.append(Path(name))
         return real(handle, *args, **kwargs)
 
     with mock.patch("torch.load", load):

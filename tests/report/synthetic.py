@@ -63,7 +63,7 @@ def write_run(root: Path, steps: int = 120, ranks: int = 2, gpus: int = 2, spike
                                    status="resolved"))
     if malformed:
         with open(tls / "rank-0.jsonl", "ab") as handle:
-            for i in range(malformed):
+            for _ in range(malformed):
                 handle.write(b'{"timestamp": "not a time", "metrics": {}}\n')
     for step in range(20, steps + 1, 20):
         ckpt = root / "checkpoints" / f"step_{step}"

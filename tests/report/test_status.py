@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from tests.report.synthetic import T0, write_run
-from trainguard.report.status import collect, render
+from trainguard.report.status import TAIL_KIB, collect, render
 from trainguard.tls import Writer, event, make_record
 
 TRAINGUARD = [sys.executable, "-m", "trainguard.cli"]
@@ -63,3 +63,18 @@ def test_status_json(tmp_path):
     data = json.loads(done.stdout)
     assert data["step"] == 40 and data["last_checkpoint"] == "step_40" and data["firing"] == []
     assert "_ts" not in data["metrics"] and len(data["gpus"]) == 2
+
+
+def test_a_last_line_longer_than_the_window_is_still_read_through_the_cli(tmp_path):
+    write_run(tmp_path, steps=40, spike_at=None, malformed=0)
+    wide = {f"layer_{i:06d}_grad_norm": float(i) for i in range(40_000)}   # one record ~1 MiB long
+    with Writer(tmp_path / "tls" / "rank-0.jsonl") as writer:
+        writer.write(make_record(step=41, timestamp=T0 + 41, rank=0, metrics={"loss": 1.5, **wide}))
+    last_line = (tmp_path / "tls" / "rank-0.jsonl").read_bytes().rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    assert len(last_line) > 1024 * 1024 > TAIL_KIB * 1024
+    done = subprocess.run(TRAINGUARD + ["status", str(tmp_path), "--json"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["step"] == 41 and data["metrics"]["loss"] == 1.5
+    assert data["metrics"]["layer_039999_grad_norm"] == 39_999.0 and data["malformed"] == 0

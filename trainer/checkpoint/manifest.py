@@ -16,11 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-FORMAT = "trainguard-checkpoint/1"
+# /1: whole files written by rank 0 (model.pt, optim.pt, extra.pt); still verified and restored.
+# /2: the tensors through torch.distributed.checkpoint (DCP shards of every rank and its `.metadata`),
+#     the rest in extra.pt; `layout` says how to read them.
+FORMAT_V1 = "trainguard-checkpoint/1"
+FORMAT = "trainguard-checkpoint/2"
+FORMATS = (FORMAT_V1, FORMAT)
 MANIFEST_NAME = "manifest.json"
 ALGORITHM = "HMAC-SHA256"
 STEP_DIR = re.compile(r"\Astep_([0-9]+)\Z")
-_SAFE_NAME = re.compile(r"\A[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
+_SAFE_NAME = re.compile(r"\A(?:[A-Za-z0-9_][A-Za-z0-9_.-]*|\.metadata)\Z")   # DCP names its index .metadata
 _HEX64 = re.compile(r"\A[0-9a-f]{64}\Z")
 
 # Why a checkpoint is refused; stable names for scripts (`--json`) and events.
@@ -72,10 +77,10 @@ def step_of_dir(name: str) -> int | None:
 
 
 def build(*, step: int, files: list[FileEntry], stable: bool, world_size: int, created_at: str,
-          versions: dict[str, str], meta: dict | None = None) -> dict:
-    """The unsigned manifest body."""
-    return {
-        "format": FORMAT,
+          versions: dict[str, str], meta: dict | None = None, layout: dict | None = None) -> dict:
+    """The unsigned manifest body (format /2 with a `layout`, else /1)."""
+    body = {
+        "format": FORMAT if layout is not None else FORMAT_V1,
         "step": step,
         "stable": stable,
         "world_size": world_size,
@@ -84,6 +89,9 @@ def build(*, step: int, files: list[FileEntry], stable: bool, world_size: int, c
         "files": {f.name: {"sha256": f.sha256, "bytes": f.bytes} for f in files},
         "meta": dict(meta or {}),
     }
+    if layout is not None:
+        body["layout"] = dict(layout)
+    return body
 
 
 def canonical(body: dict) -> bytes:
@@ -114,13 +122,15 @@ def parse(data: bytes) -> dict:
         raise ValueError("nested too deeply to be a manifest") from None
     if not isinstance(manifest, dict):
         raise ValueError("not a JSON object")
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"format: expected {FORMAT!r}, got {manifest.get('format')!r}")
+    if manifest.get("format") not in FORMATS:
+        raise ValueError(f"format: expected one of {list(FORMATS)}, got {manifest.get('format')!r}")
+    if manifest["format"] == FORMAT:
+        _expect(manifest, "layout", dict)
     _expect(manifest, "step", int)
     _expect(manifest, "stable", bool)
     _expect(manifest, "world_size", int)
     _expect(manifest, "created_at", str)
-    _expect(manifest, "key_id", str)
+    _expect(manifest, "key_id", str)   # the signing key's fingerprint (keys.key_id): names a key mismatch
     signature = _expect(manifest, "signature", dict)
     if signature.get("algorithm") != ALGORITHM or not _HEX64.match(str(signature.get("value"))):
         raise ValueError(f"signature: expected {{'algorithm': {ALGORITHM!r}, 'value': 64 lowercase hex digits}}")
@@ -172,3 +182,8 @@ def check_step(manifest: dict, dir_name: str) -> tuple[str, str] | None:
 
 def entries(manifest: dict) -> list[FileEntry]:
     return [FileEntry(name, e["sha256"], e["bytes"]) for name, e in sorted(manifest["files"].items())]
+
+
+def layout(manifest: dict) -> dict:
+    """How the files of a checkpoint are read: {} for format /1."""
+    return manifest.get("layout", {}) if manifest["format"] == FORMAT else {}

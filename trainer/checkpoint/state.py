@@ -48,6 +48,16 @@ def join(parts: dict[str, Any]) -> dict:
     return state
 
 
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in a state (nested dicts, lists, tuples): about what a file of it weighs."""
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(value) for value in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(value) for value in obj)
+    nbytes = getattr(obj, "nbytes", None)
+    return nbytes if isinstance(nbytes, int) else 0
+
+
 def check_loadable(obj: Any, where: str = "state") -> None:
     """Raise CheckpointError naming the first value that weights_only loading would refuse."""
     import torch

@@ -26,6 +26,7 @@ from typing import IO, Any
 
 from trainguard.trainer.checkpoint import manifest as mf
 from trainguard.trainer.checkpoint.manifest import CheckpointError, FileEntry, VerifyResult
+from trainguard.trainer.checkpoint.state import tensor_bytes
 
 CHUNK = 8 << 20
 # Below this a write is hashed inline: handing it to the hash thread costs more than it saves.
@@ -159,20 +160,10 @@ def save_files(folder: Path, parts: dict[str, Any], concurrent: bool = False) ->
     finished before this returns or raises (the first error, in `parts`' order)."""
     if not concurrent or CPUS < 2 or len(parts) < 2:
         return [save_file(folder / name, obj) for name, obj in parts.items()]
-    largest_first = sorted(parts, key=lambda name: -_tensor_bytes(parts[name]))
+    largest_first = sorted(parts, key=lambda name: -tensor_bytes(parts[name]))
     with ThreadPoolExecutor(max_workers=len(parts), thread_name_prefix="trainguard-save") as writers:
         futures = {name: writers.submit(save_file, folder / name, parts[name], True) for name in largest_first}
     return [futures[name].result() for name in parts]
-
-
-def _tensor_bytes(obj: Any) -> int:
-    """Bytes of the tensors in a state (nested dicts, lists, tuples): what a file of it will weigh."""
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(value) for value in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(value) for value in obj)
-    nbytes = getattr(obj, "nbytes", None)
-    return nbytes if isinstance(nbytes, int) else 0
 
 
 def write_bytes(path: Path, data: bytes) -> None:
@@ -335,20 +326,122 @@ def read_manifest(path: Path) -> dict:
 
 
 def verify_dir(path: Path, key: bytes, key_id: str, *, deep: bool = True) -> VerifyResult:
-    """Manifest, signature, step, and every file's size (and, when `deep`, its SHA-256)."""
+    """Manifest, signature, step and every file's size; when `deep`, every file's SHA-256 and a
+    ``weights_only`` load of everything in it. The one verification: `checkpoint verify`, `restore` and
+    the trainer all come through here (the trainer through `verify_and_load`, keeping what it loaded)."""
+    return verify_and_load(path, key, key_id, deep=deep)[0]
+
+
+def verify_and_load(path: Path, key: bytes, key_id: str, *, deep: bool = True, into: dict | None = None,
+                    map_location: Any = "cpu", agree: Any = None,
+                    process_group: Any = None) -> tuple[VerifyResult, dict | None]:
+    """`verify_dir`, and the state it loaded while checking (None unless `deep` and ok).
+
+    `into`: a format-/2 checkpoint is loaded into this state dict in place through DCP, resharded to its
+    layout (a collective over `process_group` when given: every rank calls). `agree(ok) -> all_ok` lets
+    the ranks of such a load agree that every rank's files verified before any of them loads.
+    """
     step = mf.step_of_dir(path.name)
     try:
         manifest = read_manifest(path)
     except CheckpointError as exc:
-        return VerifyResult.refused(path, exc.code, str(exc), step)
+        return VerifyResult.refused(path, exc.code, str(exc), step), None
     problem = mf.check_signature(manifest, key, key_id) or mf.check_step(manifest, path.name)
     for entry in mf.entries(manifest) if problem is None else ():
-        problem = _check_file(path / entry.name, entry, deep)
+        problem = _check_file(path / entry.name, entry, deep=False)
         if problem:
             break
+    if problem is None and not deep:
+        return VerifyResult(path, True, mf.OK, "ok", manifest["step"], manifest), None
+    state = None
+    if problem is None:
+        try:
+            state = _load_checked(path, manifest, into, map_location, agree, process_group)
+        except CheckpointError as exc:
+            problem = (exc.code, _detail(exc, path))
+    elif agree is not None:
+        agree(False)
     if problem:
-        return VerifyResult.refused(path, *problem, step)
-    return VerifyResult(path, True, mf.OK, "ok", manifest["step"], manifest)
+        return VerifyResult.refused(path, *problem, step), None
+    return VerifyResult(path, True, mf.OK, "ok", manifest["step"], manifest), state
+
+
+def _detail(exc: CheckpointError, path: Path) -> str:
+    """The reason without the directory and code prefix load_verified puts in front (refused adds them)."""
+    text = str(exc)
+    for prefix in (f"{path}: ", f"{exc.code.replace('_', ' ')}: "):
+        text = text.removeprefix(prefix)
+    return text
+
+
+def _load_checked(path: Path, manifest: dict, into: dict | None, map_location: Any, agree: Any,
+                  process_group: Any) -> dict:
+    from trainguard.trainer.checkpoint import compress, sharded, state as state_mod
+
+    entries = mf.entries(manifest)
+    layout = mf.layout(manifest)
+    if not layout:   # format /1: each file hashed and loaded through one descriptor
+        if agree is not None and not agree(True):
+            raise CheckpointError("another rank could not verify its files", code="peer_refused")
+        return state_mod.join({e.name: load_verified(path / e.name, e, map_location) for e in entries})
+    shards = [e for e in entries if e.name != state_mod.EXTRA_FILE]
+    stats, metadata = {}, b""
+    try:
+        for entry in shards:
+            stats[entry.name], data = _hash_checked(path / entry.name, entry, keep=entry.name == sharded.METADATA)
+            metadata = data if data is not None else metadata
+    except CheckpointError:
+        if agree is not None:
+            agree(False)
+        raise
+    try:
+        sharded.read_metadata_bytes(metadata)   # refused here, with its reason, before DCP sees it
+    except CheckpointError:
+        if agree is not None:
+            agree(False)
+        raise
+    if agree is not None and not agree(True):
+        raise CheckpointError("another rank could not verify its files", code="peer_refused")
+    extra_entry = next((e for e in entries if e.name == state_mod.EXTRA_FILE), None)
+    extra = load_verified(path / extra_entry.name, extra_entry, map_location) if extra_entry else {}
+    extensions = compress.reader_registry()
+    try:
+        if into is None:
+            tensors = sharded.load_full(path, metadata, stats, int_key_paths=layout.get("int_key_paths", []),
+                                        extensions=extensions)
+        else:
+            sharded.load_into(path, into, metadata, stats, process_group=process_group,
+                              distributed=process_group is not None, extensions=extensions)
+            tensors = into
+    except OSError as exc:
+        raise CheckpointError(f"could not read it ({exc})", code="load_failed", path=path) from None
+    if into is None:
+        tensors = compress.restore_dtypes(tensors, layout.get("dtypes", {}))
+    return {**tensors, **extra}
+
+
+def _hash_checked(path: Path, entry: FileEntry, keep: bool) -> tuple[os.stat_result, bytes | None]:
+    """Hash one file against its entry; its stat (for the load to check again) and, when `keep`, its bytes."""
+    try:
+        handle = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise CheckpointError(_missing(entry)[1], code=mf.MISSING_FILE, path=path) from None
+    with handle:
+        seen = os.fstat(handle.fileno())
+        if keep:
+            data = handle.read()
+            digest = hashlib.sha256(data).hexdigest()
+            if len(data) != entry.bytes:
+                raise CheckpointError(f"{entry.name} has {len(data)} bytes, the manifest says {entry.bytes} "
+                                      "(truncated or extended)", code=mf.SIZE_MISMATCH, path=path)
+            if digest != entry.sha256:
+                raise CheckpointError(f"{entry.name} has sha256 {digest[:12]}…, the manifest says "
+                                      f"{entry.sha256[:12]}… (content changed)", code=mf.HASH_MISMATCH, path=path)
+            return seen, data
+        problem = _check_handle(handle, entry, deep=True)
+        if problem:
+            raise CheckpointError(problem[1], code=problem[0], path=path)
+        return seen, None
 
 
 def load_verified(path: Path, entry: FileEntry, map_location: Any) -> Any:

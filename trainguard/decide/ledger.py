@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from trainguard import actions
 from trainguard.decide.decision import Decision
@@ -76,17 +76,17 @@ class Verdict:
     reason: str
     decided_at: float
     dry_run: bool = False
-    detail: Mapping = field(default_factory=dict)
+    detail: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def executes(self) -> bool:
         """True when the executor must carry out `action` now."""
         return self.action in actions.REMOTE_ACTIONS and not self.dry_run
 
-    def as_event(self) -> dict:
+    def as_event(self) -> dict[str, Any]:
         """The TLS `alert` event that records this verdict (and lets a restarted ledger `remember` it)."""
         n = self.notice
-        event = {"type": "alert", "alertname": n.alertname, "status": n.status, "key": n.key,
+        event: dict[str, Any] = {"type": "alert", "alertname": n.alertname, "status": n.status, "key": n.key,
                  "source": n.source, "requested": n.action, "outcome": self.outcome, "action": self.action,
                  "reason": self.reason, "decided_at": self.decided_at}
         if n.starts_at is not None:
@@ -115,8 +115,18 @@ class Limits:
                    max_restores_per_hour=policy.alerts.max_restores_per_hour)
 
 
+def job_level(notice: Notice) -> bool:
+    """An alert about the whole job rather than one node: it names no `instance` (the global tier and the
+    run-wide rules aggregate it away). Alertmanager delivers it to every agent of the job; one of them
+    carries it out - the executor's claim in the shared run directory decides which (docs/scale.md)."""
+    return notice.source == "alertmanager" and "instance" not in notice.labels
+
+
 # A rollback past its limit stops the run cleanly; a restore past its limit pages a human.
 ESCALATION = {actions.ROLLBACK: actions.COST_STOP, actions.RESTORE: PAGE}
+
+# What `Ledger.snapshot()` copies: seen keys, open keys, the cost level, executed times by action.
+Snapshot = tuple[set[str], set[str], int, dict[str, deque[float]]]
 
 
 class Ledger:
@@ -131,7 +141,7 @@ class Ledger:
     # ------------------------------------------------------------------------------------ decide
     def decide_all(self, notices: Iterable[Notice], now: float) -> list[Verdict]:
         """Verdicts for one webhook payload: closes first, then firing alerts with cost tiers in order."""
-        ordered = sorted(notices, key=lambda n: (n.status == FIRING, actions.COST_ORDER.get(n.action, 0)))
+        ordered = sorted(notices, key=lambda n: (n.status == FIRING, actions.COST_ORDER.get(n.action or "", 0)))
         return [self.decide(notice, now) for notice in ordered]
 
     def decide(self, notice: Notice, now: float) -> Verdict:
@@ -143,24 +153,24 @@ class Ledger:
             return self._verdict(notice, DUPLICATE, None, "already decided", now)
         self.seen.add(notice.key)
         self.open.add(notice.key)
-        if notice.action is None:
+        action = notice.action
+        if action is None:
             return self._verdict(notice, NO_ACTION, None, "no action label", now)
-        if notice.action in actions.COST_ORDER:
-            return self._cost(notice, now)
-        return self._limited(notice, now)
+        if action in actions.COST_ORDER:
+            return self._cost(notice, action, now)
+        return self._limited(notice, action, now)
 
-    def _cost(self, notice: Notice, now: float) -> Verdict:
-        level = actions.COST_ORDER[notice.action]
+    def _cost(self, notice: Notice, action: str, now: float) -> Verdict:
+        level = actions.COST_ORDER[action]
         if level == self.cost_level:
             return self._verdict(notice, DUPLICATE, None, "tier already acted", now)
         if level < self.cost_level:
             return self._verdict(notice, SUPERSEDED, None, "a stronger tier already acted", now)
         self.cost_level = level
-        return self._verdict(notice, ACT, notice.action, notice.reason or notice.alertname, now)
+        return self._verdict(notice, ACT, action, notice.reason or notice.alertname, now)
 
-    def _limited(self, notice: Notice, now: float) -> Verdict:
+    def _limited(self, notice: Notice, action: str, now: float) -> Verdict:
         """rollback and restore: coalesce within the cooldown, escalate past the hourly limit."""
-        action = notice.action
         history = self.executed[action]
         while history and history[0] <= now - HOUR:
             history.popleft()
@@ -170,14 +180,14 @@ class Ledger:
         limit = (self.limits.max_rollbacks_per_hour if action == actions.ROLLBACK
                  else self.limits.max_restores_per_hour)
         if len(history) >= limit:
-            return self._escalate(notice, len(history), now)
+            return self._escalate(notice, action, len(history), now)
         history.append(now)
         return self._verdict(notice, ACT, action, notice.reason or notice.alertname, now)
 
-    def _escalate(self, notice: Notice, count: int, now: float) -> Verdict:
-        stronger = ESCALATION[notice.action]
-        detail = {f"{notice.action}s_last_hour": count}
-        reason = f"{notice.action}_limit"
+    def _escalate(self, notice: Notice, action: str, count: int, now: float) -> Verdict:
+        stronger = ESCALATION[action]
+        detail = {f"{action}s_last_hour": count}
+        reason = f"{action}_limit"
         if stronger in actions.COST_ORDER:
             if self.cost_level >= actions.COST_ORDER[stronger]:
                 return self._verdict(notice, SUPERSEDED, None, f"{reason}; run already stopping", now, detail)
@@ -185,21 +195,21 @@ class Ledger:
         return self._verdict(notice, ESCALATED, stronger, reason, now, detail)
 
     def _verdict(self, notice: Notice, outcome: str, action: str | None, reason: str, now: float,
-                 detail: Mapping | None = None) -> Verdict:
+                 detail: Mapping[str, Any] | None = None) -> Verdict:
         return Verdict(notice, outcome, action, reason, now, self.dry_run, detail or {})
 
     # ------------------------------------------------------------------------------- persistence
-    def snapshot(self) -> tuple:
+    def snapshot(self) -> Snapshot:
         """Everything a decision changes, copied: `restore(snapshot)` undoes the decisions made since."""
         return (set(self.seen), set(self.open), self.cost_level,
                 {action: deque(times) for action, times in self.executed.items()})
 
-    def restore(self, snapshot: tuple) -> None:
+    def restore(self, snapshot: Snapshot) -> None:
         seen, open_, cost_level, executed = snapshot
         self.seen, self.open, self.cost_level = set(seen), set(open_), cost_level
         self.executed = {action: deque(times) for action, times in executed.items()}
 
-    def remember(self, event: Mapping) -> None:
+    def remember(self, event: Mapping[str, Any]) -> None:
         """Fold a recorded verdict (`Verdict.as_event()`) back in, so a restarted agent does not act twice."""
         key, status, outcome = event.get("key"), event.get("status"), event.get("outcome")
         if not key or event.get("dry_run") and not self.dry_run:

@@ -25,6 +25,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 WINDOW_STEPS = 16          # a rank's recent median is over its last this many steps
 MIN_STEPS = 8              # steps a rank needs in its window before it is scored
@@ -32,7 +33,7 @@ WARMUP_STEPS = 5           # first steps of each process left out (compilation, 
 SCORE_MIN = 0.75           # NVRx's default straggler threshold
 
 
-def compute_seconds(metrics: dict) -> float | None:
+def compute_seconds(metrics: dict[str, Any]) -> float | None:
     """Step time less data wait and communication (missing parts count as 0); None without a step time."""
     step = _finite(metrics.get("step_time_seconds"))
     if step is None or step <= 0:
@@ -63,7 +64,7 @@ class Score:
 @dataclass
 class _Rank:
     node: str = ""
-    window: deque = field(default_factory=lambda: deque(maxlen=WINDOW_STEPS))
+    window: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW_STEPS))
     best: float | None = None      # the rank's best (lowest) full-window median so far
     seen_in_process: int = 0
     last_step: int | None = None
@@ -77,7 +78,7 @@ class StragglerBoard:
         self.window_steps, self.min_steps, self.warmup_steps = window_steps, min_steps, warmup_steps
         self.ranks: dict[int, _Rank] = {}
 
-    def observe(self, rank: int, node: str, step: int, metrics: dict) -> None:
+    def observe(self, rank: int, node: str, step: int, metrics: dict[str, Any]) -> None:
         """One step record of one rank."""
         state = self.ranks.get(rank)
         if state is None:

@@ -14,6 +14,7 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainguard import paths
 from trainguard.tls import TLSError, iter_lines, run_logs
 
 NAN = math.nan
@@ -144,9 +145,7 @@ def _note_error(run: RunData, error: TLSError) -> None:
 
 def load_run(run_dir: str | Path) -> RunData:
     """Read RUN/tls/*.jsonl (or a tls directory itself); FileNotFoundError when there is no such directory."""
-    root = Path(run_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: no such run directory")
+    root = paths.run_dir(run_dir)
     tls_dir = root / "tls" if (root / "tls").is_dir() else root
     run = RunData(run_dir=str(root))
     for log in run_logs(tls_dir):

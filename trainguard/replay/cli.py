@@ -13,7 +13,7 @@ import sys
 
 from trainguard import policy as tgpolicy
 from trainguard import tls
-from trainguard.replay import expect, rules, source
+from trainguard.replay import dynamics, expect, rules, source
 from trainguard.replay.timeline import DEFAULT_SCRAPE_INTERVAL, Result, replay_logs
 
 MALFORMED_SHOWN = 20
@@ -82,6 +82,7 @@ def render(result: Result) -> str:
     if result.alerts is not None:
         lines += ["", f"alerts (rules in {result.rules_dir}, evaluated by promtool every {result.scrape_interval:g}s)"]
         lines += [_alert_line(a, origin) for a in result.alerts] or ["  none"]
+    lines += dynamics.render_lines(result.extra.get("lr_phases"))
     if result.recorded:
         lines += ["", "recorded in the log (what the live run did: trainer, agents, control channel)"]
         lines += [_recorded_line(r, origin) for r in result.recorded]

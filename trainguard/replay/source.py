@@ -301,7 +301,8 @@ def entries_of(records: list[Record], raws: list[dict] | None, index: int, ordin
     last record that had one); returns the entries and both numbers where they ended."""
     entries = []
     append = entries.append
-    for ordinal, record, raw in zip(itertools.count(ordinal + 1), records, raws or itertools.repeat(None)):
+    numbers = itertools.count(ordinal + 1)      # `ordinal` then carries on: its last value is returned
+    for ordinal, record, raw in zip(numbers, records, raws or itertools.repeat(None)):
         when = record.timestamp
         if when.__class__ is not float:
             when = record.timestamp = when.timestamp()

@@ -22,7 +22,7 @@ from trainguard import tls
 from trainguard.decide import ledger as tgledger
 from trainguard.decide.cost import CostMeter
 from trainguard.policy import Policy
-from trainguard.replay import engine, expect, rules, source
+from trainguard.replay import dynamics, engine, expect, rules, source
 
 DEFAULT_SCRAPE_INTERVAL = 15.0
 # What the live run did, beyond the lead rank's own decisions: only lines naming these are decoded, so
@@ -103,6 +103,7 @@ class Result:
             "rules": None if self.alerts is None else {"dir": self.rules_dir,
                                                        "scrape_interval_seconds": self.scrape_interval},
         }
+        document.update(dynamics.json_part(self.extra.get("lr_phases")))
         if self.diff is not None:
             document["expect"] = {"file": self.expect_file, "ok": not self.diff, "diff": self.diff}
         return document
@@ -163,6 +164,7 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
         result.rules_dir = str(rules_dir)
     result.actions, result.verdicts = _execute(outcome.actions, result.alerts or [], policy)
     result.recorded = recorded_actions(outcome.recorded, stream.files, paths_given)
+    result.extra["lr_phases"] = dynamics.replay_phases(stream.files)   # the LR schedule's machine, again
     return result
 
 

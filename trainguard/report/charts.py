@@ -14,9 +14,9 @@ from typing import Sequence
 PALETTE = ("#1c7ed6", "#e8590c", "#2f9e44", "#ae3ec9", "#f08c00", "#0c8599", "#c2255c", "#5c940d",
            "#3b5bdb", "#868e96", "#d6336c", "#099268", "#7048e8", "#e67700", "#1098ad", "#495057")
 MARK_COLORS = {"checkpoint": "#2f9e44", "skip": "#f08c00", "rollback": "#e03131", "restore": "#1c7ed6",
-               "alert": "#ae3ec9", "fault": "#343a40"}
+               "alert": "#ae3ec9", "fault": "#343a40", "phase": "#fab005"}
 MARK_NAMES = {"checkpoint": "checkpoint", "skip": "skipped step", "rollback": "rollback",
-              "restore": "restore", "alert": "alert", "fault": "injected fault"}
+              "restore": "restore", "alert": "alert", "fault": "injected fault", "phase": "LR phase change"}
 
 SPAN_COLORS = {"stall": "#e03131", "restart": "#1c7ed6", "gap": "#868e96"}
 SPAN_NAMES = {"stall": "stalled (hung)", "restart": "restarting", "gap": "no records"}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from trainguard import actions
+from trainguard import actions, paths
 from trainguard import policy as policy_mod
 from trainguard.decide.cost import CostMeter, clock_of
 from trainguard.report.charts import GAP_FACTOR, Span
@@ -40,6 +40,7 @@ MARKER_KINDS = {
     actions.RESTORE: "restore",
     "alert": "alert",
     "fault_injected": "fault",
+    "lr_phase": "phase",          # LR schedule phase changes (docs/dynamics.md)
 }
 
 
@@ -328,7 +329,7 @@ class _Loader:
         run.first_step = step if run.first_step is None else min(run.first_step, step)
         run.last_step = step if run.last_step is None else max(run.last_step, step)
         gpus = self.rank_gpu_count or sum(self.gpus_by_host.values())
-        for decision in self.meter.observe(step, ts, gpus or None, clock_of(record)):
+        for _decision in self.meter.observe(step, ts, gpus or None, clock_of(record)):
             run.cost_state = self.meter.state
         state = self.meter.state
         for key in ("cost_usd", "cost_per_1k_steps"):
@@ -394,9 +395,7 @@ def load_run(run_dir: str | Path, policy=None, max_points: int = MAX_POINTS, goo
     Memory is bounded by `max_points` per series, except the goodput breakdown (`goodput=True`), which
     keeps a few numbers per step of the primary rank.
     """
-    root = Path(run_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: no such run directory")
+    root = paths.run_dir(run_dir)
     run = Run(run_dir=root, policy=policy or policy_mod.load(None))
     loader = _Loader(run, max_points, goodput)
     node_files, rank_files = log_files(root)

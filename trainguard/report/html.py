@@ -17,7 +17,7 @@ from trainguard.report.summary import goodput_shares, sentences, tiles
 
 ASSETS = Path(__file__).with_name("assets")
 CSP = "default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline'; img-src data:"
-MARKED = ("checkpoint", "skip", "rollback", "restore", "alert", "fault")
+MARKED = ("checkpoint", "skip", "rollback", "restore", "alert", "fault", "phase")
 STEP_PARTS = (("data_wait_seconds", "data wait"), ("forward_backward_seconds", "forward + backward"),
               ("optimizer_seconds", "optimizer"), ("comm_seconds", "communication"))
 GPU_LINES_MAX = 16

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from trainguard import paths
 from trainguard.report.charts import format_elapsed, format_value
 from trainguard.report.data import event_detail
 from trainguard.report.files import log_files, read_checkpoints
@@ -77,9 +78,7 @@ def tail_records(path: Path, max_bytes: int) -> tuple[list[dict], list[str]]:
 
 
 def collect(run_dir: str | os.PathLike, tail_kib: int = TAIL_KIB, recent: int = 8) -> Status:
-    root = Path(run_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root}: no such run directory")
+    root = paths.run_dir(run_dir)
     status = Status(run_dir=str(root))
     node_files, rank_files = log_files(root)
     live = [p for p in node_files + rank_files if p.name.endswith(".jsonl")]
@@ -100,7 +99,22 @@ def collect(run_dir: str | os.PathLike, tail_kib: int = TAIL_KIB, recent: int = 
     status.checkpoints_on_disk = len(checkpoints)
     if checkpoints and not status.last_checkpoint:
         status.last_checkpoint = checkpoints[-1].name
+    _take_checkpoint_save(status, root)
     return status
+
+
+def _take_checkpoint_save(status: Status, root: Path) -> None:
+    """A failing checkpoint save needs a human: RUN/checkpoints/status.json (the checkpoint manager's,
+    rewritten in place so even a full disk can record it) says which, why and the bytes it needs."""
+    from trainguard.trainer.checkpoint.manager import read_status
+
+    saved = read_status(root)
+    if isinstance(saved, dict) and saved.get("ok") is False:
+        durable = saved.get("durable_step")
+        status.attention.append(
+            f"checkpoint step_{saved.get('step')} failed ({saved.get('failed_saves', 1)} in a row; needs about "
+            f"{saved.get('bytes_needed')} bytes, {saved.get('bytes_free')} free; newest durable: "
+            f"{f'step_{durable}' if durable is not None else 'none from this run'}): {saved.get('error', '')[:300]}")
 
 
 def _take(status: Status, record: dict, primary: bool, from_node: bool) -> None:

@@ -1,0 +1,200 @@
+"""This node's evidence of a stall, gathered before anything is ended, into ``RUN/incidents/<id>/``.
+
+- ``rank-<r>.fr.json``: each rank's Flight Recorder trace. The agent asks (trainer/flight_recorder.py:
+  a request file the ranks' side threads answer) and waits up to the policy's ``evidence_seconds``.
+- ``rank-<r>.stack.txt``: each local rank's Python stacks, taken from outside with py-spy, so a rank that
+  cooperates with nothing still gives evidence. py-spy needs ptrace rights on the rank (root, or
+  CAP_SYS_PTRACE, or the same user with ptrace_scope 0): when it cannot, the file says why.
+- ``node-<host>.json``: the node's own signals at that moment, from the collectors the agent runs (GPUs
+  lost and XIDs, IB error counters), NCCL WARN and watchdog lines of the ranks' logs with their rank, and
+  each rank's last step and record time.
+
+Every file is written on its own, atomically and size-bounded (trainguard/incidents.py).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from trainguard import incidents
+from trainguard.agent.collectors.nccl import classify
+from trainguard.trainer import flight_recorder
+
+PY_SPY_TIMEOUT = 20.0
+LOG_TAIL_BYTES = 256 * 1024
+MAX_LOG_LINES = 50
+RANK_IN_LINE = re.compile(rb"\[(?:Rank|rank)\s*(\d+)\]|\brank[ =:]+(\d+)")
+
+
+def py_spy() -> str | None:
+    """The py-spy executable: on PATH, beside this Python, or where its wheel put it."""
+    found = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if found:
+        return found
+    try:
+        for entry in importlib.metadata.distribution("py-spy").files or ():
+            if entry.name == "py-spy":
+                return str(entry.locate())
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return None
+
+
+def stacks(pid: int, timeout: float = PY_SPY_TIMEOUT) -> tuple[str | None, str | None]:
+    """(py-spy dump of `pid`, None) or (None, why not)."""
+    exe = py_spy()
+    if exe is None:
+        return None, "py-spy is not installed (pip install py-spy)"
+    try:
+        done = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, timeout=timeout, text=True)
+    except subprocess.TimeoutExpired:
+        return None, f"py-spy dump --pid {pid} did not finish within {timeout:.0f}s"
+    except OSError as exc:
+        return None, f"{exe}: {exc.strerror or exc}"
+    if done.returncode != 0:
+        why = (done.stderr or done.stdout).strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        hint = " (py-spy needs ptrace: root or CAP_SYS_PTRACE)" if "ermission" in why[0] else ""
+        return None, f"py-spy dump --pid {pid}: {why[0]}{hint}"
+    return done.stdout, None
+
+
+def gather(run_dir: Path, incident_id: str, host: str, live: list, agent=None, *,
+           wait_seconds: float = 15.0) -> dict:
+    """Write this node's evidence for `incident_id`; `live` are this node's rank infos (restore.RankInfo).
+
+    Returns a summary ({"fr": [ranks dumped], "stacks": [...], "missing": {...}}) for the agent's log.
+    """
+    flight_recorder.request_dump(run_dir, incident_id)
+    with ThreadPoolExecutor(max_workers=max(1, min(8, len(live)))) as pool:
+        taken = dict(zip([i.rank for i in live], pool.map(lambda info: stacks(info.pid), live)))
+    missing: dict[str, str] = {}
+    for rank, (text, why) in sorted(taken.items()):
+        if text is None:
+            missing[f"rank-{rank}.stack.txt"] = why
+        incidents.write_file(run_dir, incident_id, f"rank-{rank}.stack.txt",
+                             text if text is not None else f"# no stacks: {why}\n")
+    dumped = wait_for_dumps(run_dir, incident_id, [i.rank for i in live], wait_seconds)
+    for rank in sorted({i.rank for i in live} - set(dumped)):
+        missing[f"rank-{rank}.fr.json"] = f"no answer to the Flight Recorder request within {wait_seconds:.0f}s"
+    signals = node_signals(run_dir, host, live, agent)
+    signals["missing"] = missing
+    incidents.write_json(run_dir, incident_id, f"node-{host}.json", signals)
+    return {"fr": sorted(dumped), "stacks": sorted(r for r, (t, _) in taken.items() if t), "missing": missing}
+
+
+def wait_for_dumps(run_dir: Path, incident_id: str, ranks: list[int], seconds: float) -> list[int]:
+    directory = incidents.incidents_dir(run_dir) / incident_id
+    deadline = time.monotonic() + seconds
+    while True:
+        dumped = [r for r in ranks if (directory / f"rank-{r}.fr.json").exists()]
+        if len(dumped) == len(ranks) or time.monotonic() >= deadline:
+            return dumped
+        time.sleep(0.2)
+
+
+def node_signals(run_dir: Path, host: str, live: list, agent=None) -> dict:
+    """The node's signals now: hardware from the agent's collectors, NCCL lines, each rank's progress."""
+    from trainguard.agent.actions_embedded import last_step
+
+    ranks = {}
+    for info in live:
+        step, at = last_step(run_dir / "tls" / f"rank-{info.rank}.jsonl")
+        ranks[str(info.rank)] = {"pid": info.pid, "last_step": step, "last_step_at": at,
+                                 "started_at": info.started_at, "last_record_at": _mtime(run_dir, info.rank)}
+    return {"node": host, "taken_at": time.time(), "ranks": ranks, **hardware(agent),
+            "nccl_lines": nccl_lines(run_dir)}
+
+
+def hardware(agent) -> dict:
+    """XIDs and lost GPUs (the gpu collector), IB counters (the ib collector), when the agent runs them."""
+    out: dict = {"xids": [], "gpus_lost": [], "ib": {}}
+    if agent is None:
+        return out
+    fragments = agent.tls_fragments()
+    for gpu in (fragments.get("gpu", {}).get("hardware", {}).get("gpus") or ()):
+        if gpu.get("lost"):
+            out["gpus_lost"].append(gpu.get("gpu"))
+        if gpu.get("xid_errors"):
+            out["xids"].append({"gpu": gpu.get("gpu"), "xid": gpu.get("last_xid"), "count": gpu["xid_errors"]})
+    runner = getattr(agent, "runners", {}).get("gpu")
+    collector = getattr(runner, "collector", None)
+    codes = getattr(getattr(collector, "xids", None), "last", {}) or {}
+    by_pci = {g.pci: g.index for g in getattr(collector, "gpus", ())}
+    for entry in out["xids"]:
+        entry["xid"] = next((code for pci, code in codes.items() if by_pci.get(pci) == entry["gpu"]), entry["xid"])
+    out["ib"] = fragments.get("ib", {}).get("system", {}) or fragments.get("ib", {})
+    return out
+
+
+def nccl_lines(run_dir: Path) -> list[dict]:
+    """NCCL WARN / watchdog / backend-error lines at the end of the ranks' logs (RUN/logs), with their rank."""
+    found = []
+    for path in sorted(Path(run_dir).glob("logs/**/*.log")):
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(max(0, handle.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+                lines = handle.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            kind = classify(line)
+            if kind in (None, "init"):
+                continue
+            match = RANK_IN_LINE.search(line)
+            rank = int(next(g for g in match.groups() if g)) if match else None
+            found.append({"rank": rank, "kind": kind, "file": str(path.relative_to(run_dir)),
+                          "line": line.decode(errors="replace")[:500]})
+    return found[-MAX_LOG_LINES:]
+
+
+def _mtime(run_dir: Path, rank: int) -> float | None:
+    try:
+        return (run_dir / "tls" / f"rank-{rank}.jsonl").stat().st_mtime
+    except OSError:
+        return None
+
+
+# ------------------------------------------------------------------------------ reading it back
+
+def load(run_dir: Path, incident_id: str):
+    """Every node's evidence of an incident as the verdict's inputs: (ranks, nodes) for decide/culprit."""
+    from trainguard.decide.culprit import NodeSignals, RankEvidence
+
+    directory = incidents.incidents_dir(run_dir) / incidents.check_id(incident_id)
+    nodes, ranks = [], []
+    for path in sorted(directory.glob("node-*.json")):
+        data = _json(path)
+        if not isinstance(data, dict):
+            continue
+        host = str(data.get("node") or path.stem[len("node-"):])
+        nodes.append(NodeSignals(host, tuple(data.get("xids") or ()), tuple(data.get("gpus_lost") or ()),
+                                 tuple(data.get("nccl_lines") or ())))
+        for rank in sorted(int(r) for r in (data.get("ranks") or {})):
+            fr = _json(directory / f"rank-{rank}.fr.json")
+            stack = _text(directory / f"rank-{rank}.stack.txt")
+            ranks.append(RankEvidence(rank, host, fr if isinstance(fr, dict) else None, stack))
+    return ranks, nodes
+
+
+def _json(path: Path):
+    try:
+        return json.loads(path.read_bytes()[:incidents.MAX_FILE_BYTES])
+    except (OSError, ValueError):
+        return None
+
+
+def _text(path: Path) -> str | None:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    return None if text.startswith("# no stacks:") else text

@@ -1,0 +1,54 @@
+"""Replay of recorded incidents and a recorded hang: the same verdicts and the same stall decision."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.culprit.cluster import TRAINGUARD
+from trainguard import incidents, tls
+from trainguard.agent import evidence
+from trainguard.decide import culprit
+from trainguard.decide.stall import stall_actions
+
+RECORDED = Path(__file__).parent / "recorded"
+SCENARIOS = {"hang-evict": ("n2", 1), "hang-evict-off": ("n2", 1), "all-in-collective": (None, None),
+             "xid-node": ("n1", 0)}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_a_recorded_incident_is_decided_again_to_the_same_verdict(scenario):
+    run = RECORDED / scenario
+    [(incident_id, stored, problem)] = list(incidents.scan(run))
+    assert problem is None
+    again = culprit.decide(*evidence.load(run, incident_id))
+    assert again.culprit == stored["culprit"] and again.confidence == stored["confidence"]
+    node, rank = SCENARIOS[scenario]
+    assert (again.node, again.ranks[0] if again.ranks else None) == (node, rank)
+
+
+def test_the_incidents_replay_command_agrees_on_every_recorded_incident():
+    for scenario in SCENARIOS:
+        done = subprocess.run([TRAINGUARD, "incidents", "replay", str(RECORDED / scenario), "--json"],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert all(r["same"] for r in json.loads(done.stdout))
+
+
+def _records(name: str) -> list[dict]:
+    with gzip.open(RECORDED / name) as handle:
+        return [tls.decode(line) for line in handle if line.strip()]
+
+
+def test_a_recorded_hang_replays_to_restore_from_the_node_log_that_kept_coming():
+    node_log = _records("hang-node-n1.jsonl.gz")
+    assert all("event" not in r for r in node_log)            # hardware/step samples only, every second
+    first = stall_actions(node_log, stall_seconds=6.0)[0]
+    assert (first["action"], first["step"]) == ("restore", 24)
+    merged = sorted(node_log + _records("hang-rank-0.jsonl.gz"), key=lambda r: r["timestamp"])
+    actions = stall_actions(merged, stall_seconds=6.0)        # with the rank's log, the end is known
+    assert [(a["action"], a["step"]) for a in actions] == [("restore", 24)]

@@ -1,0 +1,135 @@
+"""Two simulated nodes (tests/culprit/cluster.py): a hang is named, and its node kept out (or not).
+
+Real parts only: two `trainguard train --nnodes 1:2` launchers (torch's elastic agent, c10d rendezvous
+on loopback, gloo), one agent per node with the embedded stall watchdog, py-spy, torch's Flight
+Recorder; the FAKE NVML (tests/fakes) stands in for a GPU with an XID.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.culprit.cluster import TRAINGUARD, cluster, wait_until
+from tests.servers import http_get
+from trainguard.trainer import config as cfg
+from trainguard.trainer.data import ShardLoader, open_stream
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+HANG_STEP, CHECKPOINT = 25, 20
+STEPS = ["--steps", "40", "--checkpoint-every", "10"]
+
+
+def incident_files(c, incident: dict) -> dict:
+    directory = c.run_dir / "incidents" / incident["id"]
+    return {p.name: p for p in directory.iterdir()}
+
+
+def node_of_rank(c, incident: dict, rank: int) -> str:
+    for name, path in incident_files(c, incident).items():
+        if name.startswith("node-") and str(rank) in json.loads(path.read_text())["ranks"]:
+            return json.loads(path.read_text())["node"]
+    raise AssertionError(f"no node evidence lists rank {rank}")
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([TRAINGUARD, *args], capture_output=True, text=True, timeout=60)
+
+
+def expected_data_state(c, steps_since_checkpoint: int) -> dict:
+    """The survivor's data position: the windows both old ranks read until the checkpoint are done; it
+    has read its own share of what was left since."""
+    config = cfg.TrainConfig()
+    cfg.load_file(config, str(c.run_dir / "config.yaml"))
+    stream = open_stream(config.data)
+    args = dict(block_size=config.model.block_size, val_fraction=config.data.val_fraction)
+    old = ShardLoader(stream, rank=0, world_size=2, **args)
+    old.load_state_dict({"consumed": CHECKPOINT * config.optim.batch_size})
+    survivor = ShardLoader(stream, rank=0, world_size=1, **args)
+    survivor.load_state_dict(old.state_dict())
+    return {"consumed": steps_since_checkpoint * config.optim.batch_size, "world_size": 1,
+            "done": [list(d) for d in survivor.done]}
+
+
+def test_hang_on_a_rank_names_it_cordons_its_node_and_the_run_finishes_on_the_other(tmp_path):
+    with cluster(tmp_path) as c:
+        for node in ("n1", "n2"):
+            c.launch(node, *STEPS, f"--inject=hang@{HANG_STEP}:1")
+        incident = c.wait_incident(150)
+        bad = node_of_rank(c, incident, 1)
+        good = ({"n1", "n2"} - {bad}).pop()
+        assert incident["culprit"] == {"rank": 1, "node": bad, "ranks": [1]}, incident
+        assert incident["action"] == "evict" and incident["confidence"] >= 0.8
+        assert any("behind the wavefront" in r for r in incident["reasons"])
+        files = incident_files(c, incident)
+        assert json.loads(files["rank-1.fr.json"].read_text())["pg_status"]        # Flight Recorder
+        assert "process_faults" in files["rank-1.stack.txt"].read_text()            # py-spy: the hung frame
+        assert "torch/autograd" in files["rank-0.stack.txt"].read_text()             # waiting in DDP's all-reduce
+        assert (c.run_dir / "control" / "cordon" / bad).exists()
+
+        assert c.wait(good, 200) == 0
+        assert c.wait(bad, 30) != 0                                     # its launcher was ended
+        survivor = c.events("rank-0.jsonl", "run_start")[-1]["event"]
+        assert survivor["world_size"] == 1 and survivor["resumed_from"] == CHECKPOINT
+        assert c.events("rank-0.jsonl", "run_end")[-1]["event"]["reason"] == "completed"
+        from trainguard.trainer.checkpoint.manager import CheckpointManager
+
+        _, final = CheckpointManager(c.run_dir).load_latest()
+        assert final["trainer"]["step"] == 40
+        assert final["data"] == expected_data_state(c, 40 - CHECKPOINT)
+
+        event = [r for n in ("n1", "n2") for r in c.events(f"node-{n}-actions.jsonl", "culprit")]
+        assert [(e["event"]["rank"], e["event"]["node"], e["event"]["kind"]) for e in event] == [(1, bad, "hang")]
+        _, _, body = http_get(f"http://{c.addresses[good]}/metrics")
+        assert f'trainguard_node_cordoned{{node="{bad}"}} 1.0' in body.decode()
+
+        refused = c.launch(bad, *STEPS)                                  # kept out until uncordoned
+        assert c.wait(bad, 60) == 4 and refused.returncode == 4
+        assert "cordoned" in (tmp_path / f"launcher-{bad}.log").read_text()
+        shown = cli("incidents", "show", str(c.run_dir), incident["id"])
+        assert shown.returncode == 0 and f"rank 1 on {bad}" in shown.stdout and "(culprit)" in shown.stdout
+        replayed = cli("incidents", "replay", str(c.run_dir))
+        assert replayed.returncode == 0 and "same" in replayed.stdout
+        assert cli("uncordon", str(c.run_dir), bad).returncode == 0
+        assert not (c.run_dir / "control" / "cordon" / bad).exists()
+        assert cli("uncordon", str(c.run_dir), bad).returncode == 2
+
+
+def test_with_eviction_off_the_incident_names_the_rank_and_restore_is_in_place(tmp_path):
+    with cluster(tmp_path, policy={"restore": {"evict": "off"}}) as c:
+        for node in ("n1", "n2"):
+            c.launch(node, *STEPS, f"--inject=hang@{HANG_STEP}:1")
+        incident = c.wait_incident(150)
+        assert incident["culprit"]["rank"] == 1 and incident["action"] == "restore"
+        assert "restore.evict is off" in incident["reasons"][-1]
+        assert not (c.run_dir / "control" / "cordon").exists()
+        assert [c.wait(n, 200) for n in ("n1", "n2")] == [0, 0]          # both nodes finish the run
+        starts = [r["event"] for r in c.events("rank-1.jsonl", "run_start")]
+        assert starts[-1]["world_size"] == 2 and starts[-1]["resumed_from"] == CHECKPOINT
+
+
+def test_every_rank_in_the_same_collective_is_no_culprit_and_no_eviction(tmp_path):
+    with cluster(tmp_path) as c:
+        for node in ("n1", "n2"):
+            c.launch(node, *STEPS, f"--inject=commhang@{HANG_STEP}")
+        incident = c.wait_incident(150)
+        assert incident["culprit"] is None and incident["action"] == "restore"
+        assert incident["reasons"][0].startswith("no culprit: all ranks in the same collective")
+        assert not (c.run_dir / "control" / "cordon").exists()
+        restored = wait_until(lambda: [r for n in ("n1", "n2") for r in c.events(f"node-{n}-actions.jsonl", "action")
+                                       if r["event"]["action"] == "restore"], 60, "restore on both nodes", c)
+        assert {r["node"] for r in restored} == {"n1", "n2"}
+
+
+def test_an_xid_on_one_node_during_a_hang_makes_it_the_culprit(tmp_path):
+    with cluster(tmp_path, policy={"restore": {"evict": "off"}}, nvml={"n1": "xid"}) as c:
+        for node in ("n1", "n2"):
+            c.launch(node, *STEPS, f"--inject=commhang@{HANG_STEP}")
+        incident = c.wait_incident(150)
+        assert incident["culprit"]["node"] == "n1" and incident["confidence"] >= 0.95
+        assert "XID" in incident["reasons"][0] and "on GPU 0" in incident["reasons"][0]
+        signals = json.loads((c.run_dir / "incidents" / incident["id"] / "node-n1.json").read_text())
+        assert signals["xids"] and signals["xids"][0]["gpu"] == 0

@@ -1,0 +1,125 @@
+"""Is the run stalled? The rule, pure: live (agent/actions_embedded.py) and replayed alike.
+
+A node's ranks are stalled when **no rank's step has advanced for ``stall_seconds``** while the run has
+not ended: a hung collective, a dead rank, a stuck data loader. Records that keep coming without a new
+step (the agent's node log samples the hardware every few seconds, a rank may still write events) are
+no progress; that is exactly how a hang looks from outside. Ranks that have not reached a step since
+they started are starting (imports, rendezvous, resume) until ``startup_grace_seconds`` have passed.
+
+``TrainingStalled`` (alerts/rules.py) is the same condition in PromQL: ``time() -`` the newest
+``trainguard_training_last_step_timestamp_seconds`` of the node ``> stall_seconds``.
+
+Two entry points, one rule:
+- ``decide(ranks, now, ...)``: the live check over each rank's progress (the agent knows the ranks);
+- ``StallTracker``: a record stream (rank logs, node logs) in the log's own time, for ``replay``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from trainguard import actions
+
+
+# A rank whose log ends with one of these has finished (or was stopped) and is leaving: never a stall.
+ENDED_EVENTS = ("run_end", "stop")
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    rank: int
+    step: int | None               # the newest step the rank has reached (None: none since it started)
+    advanced_at: float | None      # when it reached it (the same clock as `now`)
+    started_at: float              # when the rank (this attempt of it) started
+
+
+@dataclass(frozen=True)
+class Stall:
+    action: str                    # always actions.RESTORE
+    reason: str
+    key: str                       # one per stall: the same stall is not acted on twice
+    since: float                   # the moment progress stopped (or the ranks started)
+    step: int | None               # the last step reached
+
+
+def decide(ranks: list[RankProgress], now: float, stall_seconds: float,
+           startup_grace_seconds: float) -> Stall | None:
+    """restore when the newest step advance of `ranks` is older than `stall_seconds`, else None."""
+    if not ranks:
+        return None
+    started = max(r.started_at for r in ranks)
+    advanced = [r for r in ranks if r.advanced_at is not None and r.advanced_at >= started]
+    if not advanced:
+        waiting = now - started
+        if waiting <= startup_grace_seconds:
+            return None
+        return Stall(actions.RESTORE, f"the ranks started {waiting:.0f}s ago and have reached no step since",
+                     f"startup@{started:.3f}", started, None)
+    stamped = [(r.advanced_at, r) for r in advanced if r.advanced_at is not None]
+    advanced_at, newest = max(stamped, key=lambda pair: pair[0])     # ties: the first, never compared
+    idle = now - advanced_at
+    if idle <= stall_seconds:
+        return None
+    return Stall(actions.RESTORE, f"no training step for {idle:.0f}s (last step {newest.step})",
+                 f"stall@{advanced_at:.3f}", advanced_at, newest.step)
+
+
+@dataclass
+class StallTracker:
+    """The rule over a record stream: each record moves the clock, a record with a new step is progress.
+
+    Feed records in time order (`observe`); a stall is returned once, when first seen. A step beyond the
+    newest seen is progress; a ``run_start`` (a new attempt, resuming from a checkpoint's earlier step)
+    starts the count again. After a ``run_end`` nothing is a stall until the next ``run_start``: logs of
+    several sources interleave, and a node log a second behind still reaches the last step after it.
+    """
+
+    stall_seconds: float
+    step: int | None = None
+    advanced_at: float | None = None
+    ended: bool = False
+    fired: set[str] = field(default_factory=set)
+
+    def observe(self, timestamp: float, step: int | None, ended: bool = False, started: bool = False) -> Stall | None:
+        if started:
+            self.step, self.ended = None, False
+        if ended:
+            self.ended = True
+            return None
+        if step is not None and (self.step is None or step > self.step):
+            self.step, self.advanced_at = step, timestamp
+            return None
+        if self.advanced_at is None or self.ended:
+            return None
+        progress = RankProgress(0, self.step, self.advanced_at, self.advanced_at)
+        stall = decide([progress], timestamp, self.stall_seconds, startup_grace_seconds=float("inf"))
+        if stall is None or stall.key in self.fired:
+            return None
+        self.fired.add(stall.key)
+        return stall
+
+
+def replay(records: Iterable[tuple[float, int | None, bool, bool]], stall_seconds: float) -> list[Stall]:
+    """Every stall of a recorded stream of (timestamp, step, ended, started) in time order: what the live
+    agent would have decided. The replay engine's hook (trainguard/replay) calls this with the log's records."""
+    tracker = StallTracker(stall_seconds)
+    return [stall for timestamp, step, ended, started in records
+            if (stall := tracker.observe(timestamp, step, ended, started)) is not None]
+
+
+def stall_actions(records: Iterable[dict[str, Any]], stall_seconds: float) -> list[dict[str, Any]]:
+    """``replay --json`` actions from TLS records (dicts with ``timestamp`` in Unix seconds and ``step``).
+
+    Only step records (with ``metrics``: a rank's, or a node log's joined sample) say which step the run is
+    at; an event's ``step`` may name another (the checkpoint it deleted)."""
+    entries = ((r["timestamp"], r.get("step") if isinstance(r.get("metrics"), dict) else None,
+                _event_is(r, ENDED_EVENTS), _event_is(r, ("run_start",)))
+               for r in records if isinstance(r.get("timestamp"), (int, float)))
+    return [{"action": s.action, "step": s.step, "timestamp": s.since + stall_seconds, "reason": "stall",
+             "detail": s.reason} for s in replay(entries, stall_seconds)]
+
+
+def _event_is(record: dict[str, Any], kinds: tuple[str, ...]) -> bool:
+    event = record.get("event")
+    return isinstance(event, dict) and event.get("type") in kinds

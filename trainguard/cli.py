@@ -26,6 +26,7 @@ COMMANDS = {
     "goodput": ("trainguard.goodput_cli", "goodput and badput of a run, by cause"),
     "incidents": ("trainguard.incidents_cli", "culprit verdicts of hangs, with their evidence"),
     "uncordon": ("trainguard.uncordon_cli", "let a node kept out of the job join it again"),
+    "convert": ("trainguard.formats.cli", "TensorBoard, trainer_state.json, Megatron or torchtitan logs as TLS"),
 }
 
 

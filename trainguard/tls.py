@@ -253,6 +253,9 @@ def iter_lines(path: str | os.PathLike[str]) -> Iterator[Line]:
     """Every non-blank line of a TLS file in order; memory stays flat however long the file."""
     source = str(path)
     lineno = 0
+    if not str(source).endswith((".gz", ".zst")) and _other_format(path):
+        yield from _other_format_lines(path)
+        return
     with open_log(path) as handle:
         try:
             for lineno, raw in enumerate(handle, 1):
@@ -262,6 +265,23 @@ def iter_lines(path: str | os.PathLike[str]) -> Iterator[Line]:
             # A corrupt or cut-off .gz/.zst (or a failing disk): what was read stands, the rest is one error.
             yield Line(source, lineno + 1, None,
                        TLSError(f"unreadable after line {lineno} ({type(exc).__name__}: {exc})", source, lineno + 1))
+
+
+def _other_format(path: str | os.PathLike) -> bool:
+    from trainguard import formats
+    return formats.detect(path) != formats.TLS
+
+
+def _other_format_lines(path: str | os.PathLike) -> Iterator[Line]:
+    """Another tool's log (trainguard.formats: TensorBoard, trainer_state.json, Megatron, torchtitan) as the
+    Lines of its TLS records; what could not be mapped is an error Line at its file and position."""
+    from trainguard import formats
+    source = str(path)
+    for ordinal, item in enumerate(formats.read(path), 1):
+        if isinstance(item, formats.Unmapped):
+            yield Line(source, item.position, None, TLSError(f"{item.where}: {item.error}", source, item.position))
+        else:
+            yield Line(source, ordinal, decode(encode(item), source, ordinal))
 
 
 def _stream_errors() -> tuple[type[BaseException], ...]:

@@ -34,11 +34,13 @@ from typing import Annotated, Any, Iterable, Iterator, Union
 import msgspec
 import zstandard
 
-from trainguard import tls
+from trainguard import formats, tls
 
 BLOCK_BYTES = 1 << 16          # one block of lines per decode call: ~300 trainer records
 MAX_MALFORMED_KEPT = 1000      # details kept; every malformed line is counted
 LOG_PATTERNS = ("*.jsonl", "*.jsonl.*")   # rank-0.jsonl, node-a.jsonl.3.gz, x.jsonl.zst
+# A folder without TLS logs: the logs of other tools it may hold (trainguard.formats, detected by content).
+OTHER_PATTERNS = ("events.out.tfevents.*", "trainer_state.json", "*.log")
 
 
 # ----------------------------------------------------------------------------------------- records
@@ -149,7 +151,9 @@ def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
         if path.is_dir():
             folder = path / "tls" if (path / "tls").is_dir() else path
             found = [log.path for log in tls.run_logs(folder)] or sorted(
-                {p for pattern in LOG_PATTERNS for p in folder.glob(pattern) if p.is_file()})
+                {p for pattern in LOG_PATTERNS for p in folder.glob(pattern) if p.is_file()}) or sorted(
+                {p for pattern in OTHER_PATTERNS for p in folder.glob(pattern)
+                 if p.is_file() and formats.detect(p) != formats.TLS})
             if not found:
                 raise InputError(f"{path}: no TLS logs (*.jsonl, *.jsonl.gz, *.jsonl.zst) in {folder}")
             files.extend(found)
@@ -337,14 +341,35 @@ class Stream:
     """
 
     def __init__(self, paths: Iterable[str | os.PathLike], *, full: bool = False):
-        self.files = expand(paths)
         self.problems = Problems()
+        self._scratch = None
+        self.files = self._as_tls(expand(paths))
         self.full = full
         self.lead_rank: int | None = None
         self._opened = False
 
     def __iter__(self) -> Iterator[Entry]:
         return itertools.chain.from_iterable(self.blocks())
+
+    def _as_tls(self, files: list[Path]) -> list[Path]:
+        """The one place other tools' logs enter replay: each file that is not TLS by its content
+        (trainguard.formats) is converted into a TLS file in a scratch folder that lives as long as the
+        stream, and read from there on; what could not be mapped is a malformed entry of the original file."""
+        converted = []
+        for index, path in enumerate(files):
+            if formats.detect(path) == formats.TLS:
+                converted.append(path)
+                continue
+            if self._scratch is None:
+                import tempfile
+                self._scratch = tempfile.TemporaryDirectory(prefix="trainguard-replay-")
+            target = Path(self._scratch.name) / f"{index}-{path.name}.jsonl"
+            with open(target, "wb") as out:
+                _, unmapped = formats.write_tls(path, out)
+            for problem in unmapped:
+                self.problems.add(problem.file, problem.position, f"{problem.where}: {problem.error}")
+            converted.append(target)
+        return converted
 
     def claim(self) -> None:
         """Mark the stream as read: it is read once, here or by the columnar reader (columns.read)."""

@@ -1,0 +1,169 @@
+"""Hugging Face Transformers: the Protector as a `TrainerCallback`. User guide: docs/integrations.md.
+
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[ProtectCallback("runs/my-run", checkpoint_every=50)])
+    trainer.train()
+
+Where it hooks into the Trainer's step (transformers >= 4.47, which calls `on_pre_optimizer_step` and
+`on_optimizer_step` around `optimizer.step()`):
+
+- a forward hook on the model collects each training micro-batch's loss (the model's own `loss` output)
+  and its token count, so no Trainer subclass is needed;
+- `on_pre_optimizer_step` (after backward and the Trainer's clipping): `Protector.check`; a skip clears
+  every gradient, so the optimizer step that follows changes nothing (torch optimizers pass over a
+  parameter whose `grad` is None);
+- `on_step_end` (the Trainer has counted the step): `Protector.after_step`; a rollback moves the Trainer's
+  `global_step` back to the restored step, a stop (the guard's, or the agent's `cost_stop`) sets
+  `control.should_training_stop`;
+- `on_log`: each of the Trainer's own log dicts (loss, grad_norm, learning_rate, eval_loss, ...) becomes a
+  `trainer_log` event in the run's TLS file.
+
+The Protector's checkpoints (model, optimizer, LR scheduler, random generators, and the library's own) are
+written to `RUN/checkpoints/`, hashed and signed, and `train()` resumes from the newest verified one. The
+Trainer's own `checkpoint-N` folders (`save_strategy`) are signed as they are written (`on_save`,
+trainguard.protect.hf_checkpoints); `hf_checkpoints.latest_verified(output_dir)` picks the newest that
+verifies, for `resume_from_checkpoint`. The gradient norm the guard sees is the one after the
+Trainer's clipping (`max_grad_norm`): set `max_grad_norm=0` to let the guard see explosions unclipped.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from trainguard.protect import hf_checkpoints
+from trainguard.protect.callbacks import Callbacks
+from trainguard.protect.protector import Protector
+from trainguard.protect.state import RNGState
+from trainguard.trainer.telemetry import StepTimer
+
+
+class ProtectCallback(TrainerCallback):
+    """The guard, verified checkpoints and the agent's actions for a Transformers `Trainer`.
+
+    `protector_options` go to `Protector` (policy, checkpoint_every, key_file, ...). After `train()`,
+    `exit_code` is None (ran to the end), 0 (the agent's cost_stop) or 3 (the guard stopped the run)."""
+
+    def __init__(self, run_dir: str | os.PathLike, *, callbacks: Callbacks | None = None,
+                 **protector_options: Any):
+        self.run_dir, self.extra_callbacks, self.options = run_dir, callbacks, protector_options
+        self.protector: Protector | None = None
+        self.exit_code: int | None = None
+        self.verdict = None
+        self.timer = StepTimer()
+        self._losses: list[torch.Tensor] = []
+        self._tokens = self._samples = 0
+        self._hook = None
+        self._scheduler = None
+        self._base_lrs: list[float] = []
+
+    # ------------------------------------------------------------------------------------ start, end
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        states = {"model": model, "optim": optimizer, "rng": RNGState()}
+        if lr_scheduler is not None:
+            states["sched"] = lr_scheduler
+            self._scheduler, self._base_lrs = lr_scheduler, list(getattr(lr_scheduler, "base_lrs", []))
+        callbacks = self.extra_callbacks or Callbacks()
+        if callbacks.scale_lr is None and self._base_lrs:
+            callbacks.scale_lr = self._scale_lr
+        self.protector = Protector(self.run_dir, states=states, rank=args.process_index,
+                                   world_size=args.world_size, device=args.device, callbacks=callbacks,
+                                   **self.options)
+        begun = self.protector.begin(integration="transformers")
+        if begun.refused is not None:
+            self.exit_code = 3
+            control.should_training_stop = True
+            return
+        state.global_step = self.protector.state.step
+        self._apply_lr_scale(self.protector.state.lr_scale)
+        self._hook = model.register_forward_hook(self._collect, with_kwargs=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._hook is not None:
+            self._hook.remove()
+        if self.protector is None:
+            return
+        if self.exit_code is None:
+            self.protector.finish()
+        self.protector.close()
+
+    # --------------------------------------------------------------------------------------- the step
+
+    def _collect(self, module, args, kwargs, output) -> None:
+        """Each training forward: its loss (detached: the guard reads it once, in `check`) and tokens."""
+        if not module.training:
+            return
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if loss is not None:
+            self._losses.append(loss.detach())
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor):
+            self._tokens += ids.numel()
+            self._samples += ids.shape[0]
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.timer.start()
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.protector is None or self.exit_code is not None:
+            return
+        self.timer.mark("forward_backward")
+        loss = torch.stack(self._losses).mean() if self._losses else torch.tensor(float("nan"))
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
+        self.verdict = self.protector.check(state.global_step + 1, loss, norm)
+        if self.verdict.skip:
+            for param in model.parameters():
+                param.grad = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        verdict, self.verdict = self.verdict, None
+        if verdict is None:
+            return
+        tokens, samples = self._tokens, self._samples
+        self._losses, self._tokens, self._samples = [], 0, 0
+        rate = self._scheduler.get_last_lr()[0] if self._scheduler is not None else None
+        outcome = self.protector.after_step(verdict, tokens=tokens, samples=samples, timings=self.timer.stop(),
+                                            learning_rate=rate)
+        if outcome.restored_step is not None:
+            state.global_step = outcome.restored_step
+        if outcome.stop:
+            self.exit_code = outcome.exit_code
+            control.should_training_stop = True
+            control.should_save = False          # the Protector saved (cost stop) or must not (guard stop)
+
+    def on_save(self, args, state, control, **kwargs):
+        """The Trainer has written `checkpoint-<step>`: sign it (rank 0), so it is verified before use."""
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if self.protector is None or args.process_index != 0 or not folder.is_dir():
+            return
+        hf_checkpoints.sign_folder(folder, self.options.get("key_file") or None)
+        self.protector.event("trainer_checkpoint_signed", path=str(folder), trainer_step=state.global_step)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.protector is None or not logs:
+            return
+        numbers = {key: float(value) for key, value in logs.items() if isinstance(value, (int, float))}
+        self.protector.event("trainer_log", trainer_step=state.global_step, **numbers)
+
+    # --------------------------------------------------------------------------------------- LR scale
+
+    def _scale_lr(self, factor: float, scale: float, rewarmup_steps: int) -> dict:
+        """The Trainer's scheduler sets the LR every step from its `base_lrs`: scale those (the
+        checkpoint's scheduler came back with the checkpoint's), and the optimizer's LR now."""
+        self._apply_lr_scale(scale)
+        return {"base_lrs": list(self._scheduler.base_lrs)}
+
+    def _apply_lr_scale(self, scale: float) -> None:
+        if self._scheduler is None or not self._base_lrs:
+            return
+        before = list(self._scheduler.base_lrs)
+        self._scheduler.base_lrs = [base * scale for base in self._base_lrs]
+        for group, old, new in zip(self._scheduler.optimizer.param_groups, before, self._scheduler.base_lrs):
+            if old:
+                group["lr"] *= new / old

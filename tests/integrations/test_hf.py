@@ -1,0 +1,91 @@
+"""The Transformers integration with the real Trainer on CPU: a tiny GPT-2 from its config (no download),
+a NaN skipped (the optimizer step does not happen), a run of spikes rolled back to the last stable
+checkpoint with the Trainer's global_step moved back, the agent's cost_stop obeyed; and the Trainer's own
+logs in the TLS file, and a second train() resuming from the verified checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from examples.hf_trainer import build, faults_of  # noqa: E402
+from tests.library.test_plain_loop import GUARD, request_when_step_written  # noqa: E402
+from tests.trainer.helpers import events, step_records, write_policy  # noqa: E402
+from trainguard.trainer.checkpoint import CheckpointManager  # noqa: E402
+
+
+def weights(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.slow
+def test_trainer_skips_a_nan_rolls_back_spikes_and_obeys_cost_stop(tmp_path):
+    run = tmp_path / "run"
+    policy = write_policy(tmp_path / "policy.yaml", **GUARD)
+    trainer, callback = build(str(run), 60, faults_of(["nan@5", "spike@22"]), str(policy))
+    before_nan = {}
+
+    def remember(module, args, output):      # the weights before and after the NaN step
+        if trainer.state.global_step in (4, 5) and module.training:
+            before_nan.setdefault(trainer.state.global_step, weights(module))
+    trainer.model.register_forward_hook(remember)
+    agent = request_when_step_written(run, 27, "cost_stop")
+    trainer.train()
+    agent.join()
+
+    assert callback.exit_code == 0
+    assert [(e["step"], e["reason"]) for e in events(run, "skip_step")] == [
+        (5, "nan"), (22, "loss_spike"), (23, "loss_spike")]
+    assert all(torch.equal(a, b) for a, b in zip(before_nan[4], before_nan[5]))   # no optimizer step at 5
+    (rollback,) = events(run, "rollback")
+    assert (rollback["step"], rollback["restored_step"], rollback["source"]) == (24, 20, "guard")
+    steps = [r["step"] for r in step_records(run)]
+    assert steps[:24] == list(range(1, 25)) and steps[24] == 21           # the Trainer's step moved back
+    rates = [r["metrics"]["learning_rate"] for r in step_records(run)]
+    assert set(rates[:24]) == {1e-3} and set(rates[25:]) == {5e-4}        # the scheduler's base LR halved
+
+    (ack,) = events(run, "action")
+    assert ack["action"] == "cost_stop" and ack["id"] == "s1"
+    assert trainer.state.global_step == ack["step"] == steps[-1] < 60     # the Trainer stopped there
+    summary = json.loads((run / "cost_summary.json").read_text())
+    assert summary["checkpoint_verified"] is True and summary["step"] == ack["step"]
+    logged = events(run, "trainer_log")
+    assert logged and {"loss", "learning_rate", "trainer_step"} <= set(logged[0])
+
+    saved = CheckpointManager(run).load(CheckpointManager(run).latest_verified())
+    assert {"model", "optim", "sched", "rng", "guard", "cost", "trainer"} <= set(saved)
+    again, callback = build(str(run), ack["step"] + 2, {}, str(policy))
+    again.train()
+    assert callback.exit_code is None
+    assert events(run, "checkpoint_restored")[-1]["step"] == ack["step"]
+    assert [r["step"] for r in step_records(run)][-2:] == [ack["step"] + 1, ack["step"] + 2]
+
+
+def test_the_trainers_checkpoint_folders_are_signed_and_verified_before_use(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from examples.hf_trainer import RandomTokens
+    from trainguard.protect import hf_checkpoints
+    from trainguard.protect.hf import ProtectCallback
+
+    trainer, _ = build(str(tmp_path / "run"), 10, {})
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=10, per_device_train_batch_size=4,
+                             save_strategy="steps", save_steps=5, report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=trainer.model, args=args, train_dataset=RandomTokens(),
+                      callbacks=[ProtectCallback(tmp_path / "run", checkpoint_every=0)])
+    trainer.train()
+    five, ten = tmp_path / "out" / "checkpoint-5", tmp_path / "out" / "checkpoint-10"
+    assert hf_checkpoints.verify_folder(five).ok and hf_checkpoints.verify_folder(ten).ok
+    assert [e["trainer_step"] for e in events(tmp_path / "run", "trainer_checkpoint_signed")] == [5, 10]
+    weights = next(p for p in ten.iterdir() if p.suffix == ".safetensors")
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")                   # one byte changed
+    refused = hf_checkpoints.verify_folder(ten)
+    assert not refused.ok and refused.code == "hash_mismatch" and weights.name in refused.reason
+    assert hf_checkpoints.latest_verified(tmp_path / "out") == five
+    (five / "trainer_state.json").rename(five / "moved.json")
+    assert hf_checkpoints.verify_folder(five).code == "missing_file"
+    assert hf_checkpoints.latest_verified(tmp_path / "out") is None

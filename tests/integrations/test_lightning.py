@@ -1,0 +1,56 @@
+"""The Lightning integration with the real Lightning Trainer on CPU: a NaN skipped (the optimizer step does
+not happen), a run of spikes rolled back to the last stable checkpoint with the LR halved, the agent's
+cost_stop obeyed; a second fit resuming from the verified checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from examples.hf_trainer import faults_of  # noqa: E402
+from examples.lightning_module import batches, build  # noqa: E402
+from tests.library.test_plain_loop import GUARD, request_when_step_written  # noqa: E402
+from tests.trainer.helpers import events, step_records, write_policy  # noqa: E402
+from trainguard.trainer.checkpoint import CheckpointManager  # noqa: E402
+
+
+@pytest.mark.slow
+def test_lightning_skips_a_nan_rolls_back_spikes_and_obeys_cost_stop(tmp_path):
+    run = tmp_path / "run"
+    policy = write_policy(tmp_path / "policy.yaml", **GUARD)
+    trainer, module, callback = build(str(run), 60, faults_of(["nan@5", "spike@22"]), str(policy))
+    seen = {}
+    def remember(_, args):                                   # the weights as step 5 and step 6 begin
+        seen.setdefault(callback.protector.state.step, [p.detach().clone() for p in module.parameters()])
+    module.embed.register_forward_pre_hook(remember)
+    agent = request_when_step_written(run, 27, "cost_stop")
+    trainer.fit(module, batches(60))
+    agent.join()
+
+    assert callback.exit_code == 0
+    assert [(e["step"], e["reason"]) for e in events(run, "skip_step")] == [
+        (5, "nan"), (22, "loss_spike"), (23, "loss_spike")]
+    assert all(torch.equal(a, b) for a, b in zip(seen[4], seen[5]))       # no optimizer step at 5
+    (rollback,) = events(run, "rollback")
+    assert (rollback["step"], rollback["restored_step"], rollback["source"]) == (24, 20, "guard")
+    steps = [r["step"] for r in step_records(run)]
+    assert steps[:24] == list(range(1, 25)) and steps[24] == 21
+    rates = [r["metrics"]["learning_rate"] for r in step_records(run)]
+    assert set(rates[:24]) == {1e-2} and set(rates[24:]) == {5e-3}       # the default scale_lr: lr x 0.5
+
+    (ack,) = events(run, "action")
+    assert ack["action"] == "cost_stop" and ack["id"] == "s1" and steps[-1] == ack["step"] < 60
+    summary = json.loads((run / "cost_summary.json").read_text())
+    assert summary["checkpoint_verified"] is True and summary["step"] == ack["step"]
+    saved = CheckpointManager(run).load(CheckpointManager(run).latest_verified())
+    assert {"model", "optim", "rng", "guard", "cost", "trainer"} <= set(saved)
+
+    again, module, callback = build(str(run), ack["step"] + 2, {}, str(policy))
+    again.fit(module, batches(10))
+    assert callback.exit_code is None
+    assert events(run, "checkpoint_restored")[-1]["step"] == ack["step"]
+    assert [r["step"] for r in step_records(run)][-2:] == [ack["step"] + 1, ack["step"] + 2]

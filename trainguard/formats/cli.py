@@ -1,0 +1,51 @@
+"""`trainguard convert IN -o OUT.jsonl`: a TensorBoard event file, a Hugging Face trainer_state.json, a
+Megatron-LM or a torchtitan log as TLS. What could not be mapped is listed (file and position) and makes
+the exit status 1; unreadable input is status 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from trainguard import formats
+
+EXIT_OK, EXIT_UNMAPPED, EXIT_USAGE = 0, 1, 2
+SHOWN = 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", metavar="IN", type=Path,
+                        help="an event file, trainer_state.json, Megatron or torchtitan log")
+    parser.add_argument("-o", "--output", required=True, type=Path, help="the TLS file to write (.jsonl)")
+    parser.add_argument("--map", action="append", default=[], metavar="TAG=FIELD",
+                        help="TensorBoard: read scalar TAG as the TLS metric FIELD (adds to the default map)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        mapping = formats.parse_map(args.map)
+    except ValueError as exc:
+        return usage(str(exc))
+    if not args.input.is_file():
+        return usage(f"{args.input}: no such file")
+    kind = formats.detect(args.input)
+    if kind == formats.TLS:
+        return usage(f"{args.input}: not a TensorBoard event file, trainer_state.json, Megatron or torchtitan log "
+                     "(it reads as TLS already, or is none of them)")
+    temporary = args.output.with_name(args.output.name + ".partial")
+    with open(temporary, "wb") as out:
+        written, problems = formats.write_tls(args.input, out, mapping)
+    os.replace(temporary, args.output)
+    print(f"trainguard convert: {args.input} ({kind}) -> {args.output}: {written} records")
+    for problem in problems[:SHOWN]:
+        print(f"  not mapped: {problem}", file=sys.stderr)
+    if len(problems) > SHOWN:
+        print(f"  ... and {len(problems) - SHOWN} more", file=sys.stderr)
+    return EXIT_UNMAPPED if problems else EXIT_OK
+
+
+def usage(message: str) -> int:
+    print(f"trainguard convert: {message}", file=sys.stderr)
+    return EXIT_USAGE

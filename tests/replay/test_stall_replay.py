@@ -50,3 +50,19 @@ def test_steady_progress_and_a_finished_run_are_not_stalls(tmp_path):
     _write(run / "tls" / "rank-0.jsonl", _rank_steps(range(1, 51)) + [end])
     _write(run / "tls" / "node-gpu-node-1.jsonl", _node_samples(until=300, last_step=50))
     assert [a for a in _replay(run)["actions"] if a["action"] == "restore"] == []
+
+
+def test_recorded_replica_checks_replay_to_the_same_rollbacks(tmp_path):
+    from trainguard.decide import replica
+
+    run = tmp_path / "run"
+    records = _rank_steps(range(1, 31))
+    good, bad = 0x1111, 0x2222
+    for step, weights in ((10, (good, good, good)), (20, (good, bad, good))):
+        check = replica.ReplicaCheck(step, T0 + step, weights, gradients=(7, 7, 7), recomputed=weights,
+                                     nodes=("a", "b", "c"))
+        records.append({"timestamp": T0 + step + 0.5, "rank": 0, "step": step,
+                        "event": {"type": replica.CHECK_EVENT, "step": step, **replica.check_fields(check)}})
+    _write(run / "tls" / "rank-0.jsonl", sorted(records, key=lambda r: r["timestamp"]))
+    found = [(a["action"], a["step"], a["reason"]) for a in _replay(run)["actions"]]
+    assert ("rollback", 20, "replica_mismatch") in found and ("rollback", 10, "replica_mismatch") not in found

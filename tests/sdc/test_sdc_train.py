@@ -5,6 +5,8 @@ verified checkpoint, the replicas are bit-identical again, and the run completes
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -68,6 +70,13 @@ def test_three_ranks_weight_flips_name_the_rank_recover_and_cordon_its_node(tmp_
     replayed = list(replica.replay(tls.read_records(run / "tls" / "rank-2.jsonl")))
     assert [(v.step, v.what, v.ranks, v.cordon) for v in replayed] == \
         [(10, "weights", (1,), ()), (20, "weights", (1,), (node,))]
+    # ... and so does `trainguard replay` of the run directory, beside the guard's actions
+    out = subprocess.run([sys.executable, "-m", "trainguard.cli", "replay", str(run), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    found = [(a["action"], a["step"], a["reason"]) for a in json.loads(out.stdout)["actions"]
+             if a["reason"] == "replica_mismatch"]
+    assert found == [("rollback", 10, "replica_mismatch"), ("rollback", 20, "replica_mismatch")]
 
 
 def test_two_ranks_gradient_flip_named_by_the_replay_weight_flip_repaired(tmp_path):

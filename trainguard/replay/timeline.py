@@ -23,7 +23,7 @@ from trainguard.decide import stall
 from trainguard.decide import ledger as tgledger
 from trainguard.decide.cost import CostMeter
 from trainguard.policy import Policy
-from trainguard.replay import dynamics, engine, expect, rules, source
+from trainguard.replay import dynamics, engine, expect, replica, rules, source
 
 DEFAULT_SCRAPE_INTERVAL = 15.0
 # What the live run did, beyond the lead rank's own decisions: only lines naming these are decoded, so
@@ -165,6 +165,7 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
         result.rules_dir = str(rules_dir)
     stalls = stall_notices(stream.files, outcome, policy)
     result.actions, result.verdicts = _execute(outcome.actions, result.alerts or [], policy, stalls)
+    result.actions = sorted(result.actions + replica.actions(stream.files, policy), key=lambda a: a.timestamp)
     result.recorded = recorded_actions(outcome.recorded, stream.files, paths_given)
     result.extra["lr_phases"] = dynamics.replay_phases(stream.files)   # the LR schedule's machine, again
     return result

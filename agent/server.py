@@ -268,6 +268,7 @@ class _Server(http.server.HTTPServer):
             # Too many connections at once: answer 503 on the spot rather than queue threads without bound.
             try:
                 request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                _drain(request)
             except OSError:
                 pass
             self.shutdown_request(request)
@@ -387,3 +388,18 @@ class _RequestHandler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args) -> None:
         pass  # one line per scrape is noise; errors are logged where they happen
+
+
+REFUSED_DRAIN_SECONDS = 0.02
+
+
+def _drain(sock) -> None:
+    """Read what a refused client has sent so far (briefly: this is the accept thread). Closing a socket
+    with unread data resets the connection, and the client then sees a broken pipe, not the 503."""
+    sock.settimeout(REFUSED_DRAIN_SECONDS)
+    try:
+        while sock.recv(65536):
+            pass
+    except OSError:
+        pass
+

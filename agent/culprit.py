@@ -180,7 +180,7 @@ def claim(run_dir: Path, key: str) -> tuple[str, bool]:
             if text:
                 return incidents.check_id(text), False
             time.sleep(0.05)
-        raise incidents.IncidentError(f"{path}: claimed but empty")
+        raise incidents.IncidentError(f"{path}: claimed but empty") from None
     try:
         os.write(fd, incident_id.encode())
         os.fsync(fd)

@@ -91,7 +91,7 @@ class WebhookSettings:
         default = run_dir / "agent" / "webhook.token"
         kwargs: dict[str, Any] = {"token_file": Path(values.get("token_file") or default),
                                   "default_token_file": default}
-        for key, kind in (("dry_run", bool), ("embedded", bool)):
+        for key in ("dry_run", "embedded"):
             if key in values:
                 if not isinstance(values[key], bool):
                     raise ConfigError(f"webhook.{key}: expected true or false, got {values[key]!r}")

@@ -26,7 +26,6 @@ import argparse
 import hashlib
 import os
 import platform
-import shutil
 import statistics
 import sys
 import tempfile

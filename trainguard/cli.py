@@ -41,7 +41,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                 module = importlib.import_module(module_name)
             except ModuleNotFoundError as exc:
                 if only is not None and exc.name and module_name.startswith(exc.name):
-                    raise SystemExit(f"trainguard {name}: not available in this build ({exc.name})")
+                    raise SystemExit(f"trainguard {name}: not available in this build ({exc.name})") from None
                 if only is not None:
                     raise
                 continue

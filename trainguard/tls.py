@@ -267,12 +267,12 @@ def iter_lines(path: str | os.PathLike[str]) -> Iterator[Line]:
                        TLSError(f"unreadable after line {lineno} ({type(exc).__name__}: {exc})", source, lineno + 1))
 
 
-def _other_format(path: str | os.PathLike) -> bool:
+def _other_format(path: str | os.PathLike[str]) -> bool:
     from trainguard import formats
     return formats.detect(path) != formats.TLS
 
 
-def _other_format_lines(path: str | os.PathLike) -> Iterator[Line]:
+def _other_format_lines(path: str | os.PathLike[str]) -> Iterator[Line]:
     """Another tool's log (trainguard.formats: TensorBoard, trainer_state.json, Megatron, torchtitan) as the
     Lines of its TLS records; what could not be mapped is an error Line at its file and position."""
     from trainguard import formats

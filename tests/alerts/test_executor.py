@@ -1,13 +1,9 @@
 """The executor: durable records, control requests, ending real rank processes, recovery after a crash."""
 
 import json
-import signal
 import socket
-import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 
 from tests.alerts.helpers import read_jsonl

@@ -10,7 +10,6 @@ and a rule without a screen (decided step by step, correctly).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 import pytest

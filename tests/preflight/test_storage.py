@@ -9,7 +9,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
 
 from trainguard.policy import Policy, PreflightPolicy
 from trainguard.preflight.storage import BYTES_PER_PARAMETER, check_storage

@@ -72,7 +72,7 @@ def _first(*values):
 # ----------------------------------------------------------------------------------------- human form
 
 def render(result: Result) -> str:
-    out, origin = result.outcome, result.outcome.first_timestamp
+    origin = result.outcome.first_timestamp
     lines = [_summary(result)]
     if result.actions:
         lines += ["", "actions (what would have executed: guard, cost meter, alerts through the ledger)"]

@@ -38,7 +38,9 @@ FAST_TIMING = alertmanager.Timing(group_wait="1s", group_interval="1s", repeat_i
 # spikes and gradient explosions to the alerts (the alert path is what these tests prove).
 BASE_POLICY = {
     "alerts": {"for_short": "1s", "for_long": "5s", "stall_seconds": 8.0, "action_cooldown_seconds": 20.0},
-    "guard": {"spike_min_steps": 1_000_000, "grad_min_steps": 1_000_000},
+    # a spike rule that needs a million steps needs a window that holds them (policy validation)
+    "guard": {"spike_min_steps": 1_000_000, "spike_window": 1_000_000, "grad_min_steps": 1_000_000,
+              "grad_climb_min_steps": 1_000_000, "grad_climb_window": 1_000_000},
 }
 
 

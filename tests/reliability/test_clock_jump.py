@@ -151,8 +151,8 @@ def test_the_ledger_acts_on_a_new_incident_after_the_agent_clock_went_back():
 
 
 def test_a_forward_clock_step_is_not_a_stall(tmp_path):
-    """Idle time runs on the monotonic clock from when the watchdog saw the last write: a step of the wall
-    clock (NTP) restores nothing, a real stall (before or after the step) still does."""
+    """Idle time runs on the monotonic clock from when the watchdog saw the newest step record: a step of
+    the wall clock (NTP) restores nothing, a real stall (before or after the step) still does."""
     import json
     import os
     import socket
@@ -166,8 +166,11 @@ def test_a_forward_clock_step_is_not_a_stall(tmp_path):
         {"rank": 0, "pid": os.getpid(), "host": socket.gethostname(), "started_at": psutil.Process().create_time()}))
     (tmp_path / "tls").mkdir()
     log = tmp_path / "tls" / "rank-0.jsonl"
-    log.write_text('{"timestamp": 1, "step": 1}\n')
-    os.utime(log, (wall[0], wall[0]))                   # the rank has just written
+    def write_step(step: int) -> None:                  # the rank writes a step record, dated by the wall clock
+        with log.open("a") as handle:
+            handle.write(json.dumps({"timestamp": wall[0], "rank": 0, "step": step, "metrics": {"loss": 1.0}}) + "\n")
+
+    write_step(1)                                       # the rank has just written
 
     def watchdog() -> StallWatchdog:
         return StallWatchdog(tmp_path, 60.0, submit=lambda notices: None, host=socket.gethostname(),
@@ -180,7 +183,7 @@ def test_a_forward_clock_step_is_not_a_stall(tmp_path):
     assert stalled.check() is not None
     assert watchdog().check() is not None               # an agent started during the stall sees it at once
 
-    os.utime(log, (wall[0], wall[0]))                   # the rank writes again
+    write_step(2)                                       # the rank writes again
     stepped = watchdog()
     assert stepped.check() is None
     wall[0] += HOUR                                     # NTP steps the wall clock an hour forward

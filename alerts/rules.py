@@ -440,7 +440,7 @@ def fail_slow(policy: Policy) -> list[Group]:
 
     Every agent of a run reads the shared run directory's rank logs, so the same (rank, node) score may
     come from several instances: `min by` keeps one series per rank. It does not act: eviction of a
-    persistent straggler is the restore policy's (`restore.evict_stragglers`, off by default)."""
+    persistent straggler is not built yet (`restore.evict_stragglers` accepts only off)."""
     score_min = policy.diagnose.straggler_score_min
     alerts = Group("training", "trainguard-straggler.alerts", (
         Alert("TrainingStraggler",

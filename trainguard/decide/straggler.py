@@ -15,7 +15,7 @@ compute time does not (the same split as `trainguard diagnose`'s stragglers chec
 
 A rank is a straggler while its relative score stays under `score_min` (NVRx's 0.75). The alert
 `TrainingStraggler` fires when that persists; eviction of a persistent straggler is the culprit
-machinery's, behind the policy key `restore.evict_stragglers` (off by default). Pure: steps in, scores
+machinery's, behind the policy key `restore.evict_stragglers` (only off today: not built). Pure: steps in, scores
 out; no clocks, files or torch.
 """
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainguard import paths
+from trainguard import formats
 from trainguard.tls import TLSError, iter_lines, run_logs
 
 NAN = math.nan
@@ -148,16 +149,19 @@ def load_run(run_dir: str | Path) -> RunData:
     root = paths.run_dir(run_dir)
     tls_dir = root / "tls" if (root / "tls").is_dir() else root
     run = RunData(run_dir=str(root))
-    for log in run_logs(tls_dir):
-        run.files.append(str(log.path))
-        for line in iter_lines(log.path):
+    logs = [(log.path, log.kind, log.name) for log in run_logs(tls_dir)]
+    if not logs:     # another tool's logs (trainguard.formats): one run, as rank 0's steps
+        logs = [(path, "rank", "0") for path in formats.other_logs(tls_dir)]
+    for path, kind, name in logs:
+        run.files.append(str(path))
+        for line in iter_lines(path):
             if line.error:
                 _note_error(run, line.error)
                 continue
             run.records += 1
             record = line.record
-            if log.kind == "node":
-                add_node_record(run, log.name, record)
-            elif log.name.isdigit():
-                add_rank_record(run, record.get("rank", int(log.name)), record)
+            if kind == "node":
+                add_node_record(run, name, record)
+            elif name.isdigit():
+                add_rank_record(run, record.get("rank", int(name)), record)
     return run

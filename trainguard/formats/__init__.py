@@ -11,6 +11,7 @@ them out as TLS.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Iterator, Union
 
@@ -35,6 +36,20 @@ class Unmapped:
 
 
 Item = Union[dict, Unmapped]
+
+
+# The names other tools give their logs in a run's folder (TensorBoard, the HF Trainer, Megatron/torchtitan).
+OTHER_PATTERNS = ("events.out.tfevents.*", "trainer_state.json", "*.log")
+
+
+def other_logs(folder: str | os.PathLike) -> list[Path]:
+    """Other tools' logs in `folder`, by name and then by content (a file that is TLS is not one of them):
+    what replay, report and diagnose read where a run folder holds no TLS logs."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    return sorted({p for pattern in OTHER_PATTERNS for p in root.glob(pattern)
+                   if p.is_file() and detect(p) != TLS})
 
 
 def detect(path: str | os.PathLike) -> str:

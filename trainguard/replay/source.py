@@ -40,7 +40,6 @@ BLOCK_BYTES = 1 << 16          # one block of lines per decode call: ~300 traine
 MAX_MALFORMED_KEPT = 1000      # details kept; every malformed line is counted
 LOG_PATTERNS = ("*.jsonl", "*.jsonl.*")   # rank-0.jsonl, node-a.jsonl.3.gz, x.jsonl.zst
 # A folder without TLS logs: the logs of other tools it may hold (trainguard.formats, detected by content).
-OTHER_PATTERNS = ("events.out.tfevents.*", "trainer_state.json", "*.log")
 
 
 # ----------------------------------------------------------------------------------------- records
@@ -151,9 +150,8 @@ def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
         if path.is_dir():
             folder = path / "tls" if (path / "tls").is_dir() else path
             found = [log.path for log in tls.run_logs(folder)] or sorted(
-                {p for pattern in LOG_PATTERNS for p in folder.glob(pattern) if p.is_file()}) or sorted(
-                {p for pattern in OTHER_PATTERNS for p in folder.glob(pattern)
-                 if p.is_file() and formats.detect(p) != formats.TLS})
+                {p for pattern in LOG_PATTERNS for p in folder.glob(pattern) if p.is_file()}) or \
+                formats.other_logs(folder)
             if not found:
                 raise InputError(f"{path}: no TLS logs (*.jsonl, *.jsonl.gz, *.jsonl.zst) in {folder}")
             files.extend(found)

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainguard import formats
+
 _ROTATED = re.compile(r"^(?P<base>.+\.jsonl)(?:\.(?P<n>\d+))?(?:\.gz|\.zst)?$")
 
 
@@ -19,10 +21,14 @@ class Checkpoint:
 
 
 def log_files(run_dir: Path) -> tuple[list[Path], list[Path]]:
-    """(node logs, rank logs) in reading order: a log's rotated parts oldest first, then the live file."""
+    """(node logs, rank logs) in reading order: a log's rotated parts oldest first, then the live file.
+
+    A folder without TLS logs that holds another tool's (TensorBoard, trainer_state.json, Megatron or
+    torchtitan lines: trainguard.formats) has those as its rank logs, one run as rank 0's steps (the
+    readers turn them into TLS records line by line)."""
     tls = run_dir / "tls"
     if not tls.is_dir():
-        return [], []
+        return [], formats.other_logs(run_dir)
 
     def order(path: Path) -> tuple[str, int]:
         match = _ROTATED.match(path.name)
@@ -30,12 +36,15 @@ def log_files(run_dir: Path) -> tuple[list[Path], list[Path]]:
         return base, -n if n else 0   # .jsonl.3.gz, .jsonl.2.gz, .jsonl.1.gz, then .jsonl
 
     files = sorted((p for p in tls.iterdir() if _ROTATED.match(p.name) and p.is_file()), key=order)
-    return ([p for p in files if p.name.startswith("node-")], [p for p in files if p.name.startswith("rank-")])
+    nodes, ranks = [p for p in files if p.name.startswith("node-")], [p for p in files if p.name.startswith("rank-")]
+    return nodes, ranks if (ranks or nodes) else formats.other_logs(tls)
 
 
 def rank_of(path: Path) -> int | None:
     match = re.match(r"rank-(\d+)\.jsonl", path.name)
-    return int(match.group(1)) if match else None
+    if match:
+        return int(match.group(1))
+    return None if _ROTATED.match(path.name) else 0     # another tool's log: the run's one rank
 
 
 def host_of(path: Path) -> str:

@@ -22,6 +22,12 @@ def _write_run(run_dir, *, with_checkpoints=False, key_file=None):
     if with_checkpoints:
         def on_event(kind, **fields):
             saved.append(fields)
+            # the synthetic clock moves on by as long as the save blocked (a DCP save can take longer
+            # than any fixed step of it), and the event is written when the save ends
+            started = clock["t"]
+            clock["t"] += float(fields.get("blocking_seconds") or 0.0)
+            if "started_at" in fields:      # the manager's wall clock, put on the synthetic one
+                fields = {**fields, "started_at": started}
             writer.write(tls.event(kind, timestamp=clock["t"], **fields))
 
         manager = CheckpointManager(run_dir, key_file=key_file, on_event=on_event)
@@ -30,7 +36,6 @@ def _write_run(run_dir, *, with_checkpoints=False, key_file=None):
         writer.write(tls.make_record(step=step, timestamp=clock["t"],
                                      metrics={"loss": 3.0 - step / 10, "step_time_seconds": 1.0}))
         if manager and step % 5 == 0:
-            clock["t"] += 0.25  # the synthetic clock moves on by the save
             manager.save(step, {"model": {"w": torch.ones(1000)}}, stable=False)
     writer.close()
     return saved

@@ -3,7 +3,8 @@
 Two ranks of the bundled trainer (torchrun, gloo on CPU) with `trainguard agent` beside them: NaNs at
 steps 15-17 make the guard roll back to step 10 (steps 11-17 run twice); a hang at step 40 is seen by
 the agent's embedded stall watchdog, which restores (ends the ranks; torchrun starts them again from
-step 30). One run, shared by the tests below.
+step 30). One run (the `hung_run` fixture of tests/conftest.py, tests/hung_run.py), shared by
+the tests below and by tests/reliability/test_restore_needs_a_restart.py.
 """
 
 from __future__ import annotations
@@ -12,40 +13,16 @@ import json
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
 
-from tests.report.agent_beside import start_agent, stop
 from tests.report.browser import chromium
+from tests.hung_run import STALL_SECONDS
 from trainguard import tls
 
 TRAINGUARD = [sys.executable, "-m", "trainguard.cli"]
-STALL_SECONDS = 5.0
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
-
-
-@pytest.fixture(scope="module")
-def hung_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("hang") / "run"
-    (run_dir / "agent").mkdir(parents=True)
-    policy = run_dir / "policy.yaml"           # the agent's watchdog reads RUN/policy.yaml
-    policy.write_text(yaml.safe_dump({"alerts": {"stall_seconds": STALL_SECONDS}}))
-    config = run_dir / "agent" / "agent.yaml"
-    config.write_text(yaml.safe_dump({"nodelog": {"interval": 1},
-                                      "collectors": {"training": {"interval": 1}, "host": {"interval": 1}}}))
-    agent, _ = start_agent(run_dir, config)
-    try:
-        faults = ["--inject=nan@15", "--inject=nan@16", "--inject=nan@17", "--inject=hang@40"]
-        done = subprocess.run(TRAINGUARD + ["train", "--run-dir", str(run_dir), "--policy", str(policy), "--steps",
-                                            "60", "--nproc", "2", "--max-restarts", "3", "--checkpoint-every", "10",
-                                            *faults], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        time.sleep(1.5)                        # one more node record after the end
-    finally:
-        stop(agent)
-    return run_dir
 
 
 def _events(path, kind):

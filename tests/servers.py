@@ -118,6 +118,16 @@ class Server(str):
     def log_tail(self, chars: int = 4000) -> str:
         return _tail(self.log_path, chars)
 
+    def wait_ready(self, *, ready_url: str | None = None, port: tuple[str, int] | None = None,
+                   timeout: float = 30.0) -> "Server":
+        """Wait until `ready_url` answers 200 (else `port` accepts); stop the process if it never does."""
+        try:
+            wait_until_ready(self.process, port=port, url=ready_url, timeout=timeout, log_path=self.log_path)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
     def stop(self) -> None:
         _kill(self.process)
         if self in _running:
@@ -196,17 +206,21 @@ def start(cmd: Sequence[str], *, url: str, ready_url: str | None = None, port: t
     Readiness is `ready_url` answering 200, else `port` accepting connections. The process is killed if it
     never gets ready; otherwise it runs until `.stop()`, the end of a ``with`` block, or :func:`stop_all`.
     """
+    server = spawn(cmd, url=url, log_path=log_path, cwd=cwd, env=env)
+    server.wait_ready(ready_url=ready_url, port=port, timeout=timeout)
+    return server
+
+
+def spawn(cmd: Sequence[str], *, url: str, log_path: Path, cwd: str | os.PathLike | None = None,
+          env: Mapping[str, str] | None = None) -> Server:
+    """Start `cmd` as :func:`start` does, without waiting: start several, then `.wait_ready()` on each, so
+    their start-ups (each an interpreter importing trainguard) overlap."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    cwd=cwd, env=None if env is None else dict(env), start_new_session=True)
     server = Server(url, process, log_path)
     _running.append(server)
-    try:
-        wait_until_ready(process, port=port, url=ready_url, timeout=timeout, log_path=log_path)
-    except BaseException:
-        server.stop()
-        raise
     return server
 
 

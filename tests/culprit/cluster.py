@@ -90,12 +90,12 @@ class Cluster:
         path.write_text(yaml.safe_dump(config))
         cmd = [TRAINGUARD, "agent", "--run-dir", str(self.run_dir), "--listen", address, "--node", node,
                "--config", str(path), "--collectors", collectors, "--policy", str(self.policy_path)]
-        self.agents[node] = spawn(cmd, url=f"http://{address}", log_path=self.tmp / f"agent-{node}.log",
-                                  env=env, cwd=ROOT)
+        self.agents[node] = spawn(cmd, url=f"http://{address}", ready_url=f"http://{address}/healthz",
+                                  log_path=self.tmp / f"agent-{node}.log", env=env, cwd=ROOT)
         self.addresses[node] = address
 
     def wait_agent(self, node: str) -> None:
-        self.agents[node].wait_ready(ready_url=f"http://{self.addresses[node]}/healthz", timeout=90)
+        self.agents[node].wait_ready(timeout=90)
 
     def launch(self, node: str, *args: str, nnodes: str = "1:2", nproc: int = 1) -> subprocess.Popen:
         log = open(self.tmp / f"launcher-{node}.log", "ab")

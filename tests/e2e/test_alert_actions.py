@@ -23,7 +23,7 @@ def of_type(kind, **fields):
 
 def test_hang_is_restored_and_the_run_resumes_from_the_latest_verified_checkpoint(tmp_path):
     with stack(tmp_path) as s:
-        s.start_agent("n1")
+        s.start_agent("n1", wait=False)
         s.start_servers()
         trainer = s.train("--steps", "40", "--checkpoint-every", "10", "--nproc", "2", "--max-restarts", "3",
                           "--inject=hang@25")
@@ -53,7 +53,7 @@ def test_a_low_budget_warns_then_throttles_then_stops_with_a_verified_checkpoint
     # One billed device at $2/h; even a fast tiny CPU step (5 ms) costs 28x the $0.0001 budget per 1000 steps: every tier is crossed.
     policy = {"cost": {"budget_per_1k_steps": 0.0001, "gpu_count_override": 1, "min_steps": 20}}
     with stack(tmp_path, policy) as s:
-        s.start_agent("n1")
+        s.start_agent("n1", wait=False)
         s.start_servers()
         trainer = s.train("--steps", "2000", "--checkpoint-every", "50")
         assert s.wait_trainer(trainer, 200) == 0

@@ -24,8 +24,8 @@ def spiked(tmp_path_factory):
     """The two-node run with the burst of spikes, finished; its stack still up for diagnostics."""
     args = ["--steps", "50", "--checkpoint-every", "10", *PACE, *SPIKES]
     with stack(tmp_path_factory.mktemp("two-nodes")) as s:
-        s.start_agent("n1")
-        s.start_agent("n2")
+        s.start_agent("n1", wait=False)
+        s.start_agent("n2", wait=False)
         s.start_servers()
         endpoint = f"127.0.0.1:{free_port()}"
         nodes = [s.torchrun_node(rank, 2, endpoint, *args) for rank in (0, 1)]

@@ -111,11 +111,20 @@ def test_the_report_breaks_lines_at_the_stall_shades_it_and_draws_both_axes(hung
     assert f'data-drawn="{charts}"' in dom and console == []
 
 
-def test_goodput_splits_the_hang_into_stall_and_restart_recovery(hung_run):
-    done = subprocess.run(TRAINGUARD + ["goodput", str(hung_run), "--json"], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+def here(capfd, *args: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a command run in this process: the tests below are about what the
+    commands say of this run; each command also runs once here as a process (report, goodput, replay)."""
+    from trainguard.cli import main
+
+    code = main(list(args))
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def test_goodput_splits_the_hang_into_stall_and_restart_recovery(hung_run, capfd):
+    code, out, err = here(capfd, "goodput", str(hung_run), "--json")
+    assert code == 0, err
+    result = json.loads(out)
     before, decided, resumed = _recorded_times(hung_run)
     [hang] = result["hangs"]
     assert hang["stall_seconds"] == pytest.approx(decided - before, abs=1.0)
@@ -145,11 +154,10 @@ def test_goodput_names_the_incident_a_hang_belongs_to(hung_run, tmp_path):
                      done.stdout)
 
 
-def test_replay_lists_the_alert_the_restore_and_the_restart_and_expect_asserts_on_them(hung_run, tmp_path):
-    done = subprocess.run(TRAINGUARD + ["replay", str(hung_run), "--json"], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+def test_replay_lists_the_alert_the_restore_and_the_restart_and_expect_asserts_on_them(hung_run, tmp_path, capfd):
+    code, out, err = here(capfd, "replay", str(hung_run), "--json")
+    assert code == 0, err
+    result = json.loads(out)
     actions = [(a["action"], a["source"]) for a in result["recorded_actions"]]
     assert ("restore", "agent+control") in actions
     assert ("restart", "trainer") in actions and ("rollback", "trainer") in actions
@@ -172,7 +180,6 @@ def test_replay_lists_the_alert_the_restore_and_the_restart_and_expect_asserts_o
 
     expectation.write_text(yaml.safe_dump({"actions": [{"action": "skip_step", "count": 2}, {"action": "rollback"}],
                                            "recorded": [{"action": "restart", "step": 20}]}))
-    done = subprocess.run(TRAINGUARD + ["replay", str(hung_run), "--expect", str(expectation)], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 1
-    assert "- recorded_action restart  step 20" in done.stderr and "+ recorded_action restore" in done.stderr
+    code, out, err = here(capfd, "replay", str(hung_run), "--expect", str(expectation))
+    assert code == 1
+    assert "- recorded_action restart  step 20" in err and "+ recorded_action restore" in err

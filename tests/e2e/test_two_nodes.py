@@ -6,7 +6,8 @@ both ranks act on it in the same step, and both nodes finish the run.
 
 One run, shared by the tests below: the first reads it as the alert path of one node (fault in training
 -> Prometheus alert -> Alertmanager -> the primary's webhook -> rollback), the second as two nodes acting
-together. (A single-node run of the same scenario proved nothing the first test does not.)
+together. (A single-node run of the same scenario through `trainguard train` used to run apart; the alert
+path through `trainguard train` stays proved by the hang and cost scenarios of test_alert_actions.py.)
 """
 
 from __future__ import annotations

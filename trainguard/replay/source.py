@@ -123,16 +123,36 @@ Entry = tuple
 
 
 class Problems:
-    """Malformed lines: all counted, the first MAX_MALFORMED_KEPT kept with file and line."""
+    """Malformed lines: all counted, the first MAX_MALFORMED_KEPT kept with file and line.
 
-    def __init__(self) -> None:
+    "First" in the order of the inputs (`order`: a file's position among them), then of the lines, not in
+    the order they were found: several files are read interleaved (the merge) or side by side (rundir.py),
+    and both must list the same lines. A file `order` does not name (another tool's log, as converted)
+    comes first, in the order its problems were added."""
+
+    def __init__(self, order: dict[str, int] | None = None) -> None:
         self.count = 0
-        self.kept: list[Malformed] = []
+        self.order = order or {}
+        self._heap: list[tuple] = []        # the kept ones, largest key on top (keys negated)
+        self._sorted: list[Malformed] | None = []
 
     def add(self, file: str, line: int, error: str) -> None:
         self.count += 1
-        if len(self.kept) < MAX_MALFORMED_KEPT:
-            self.kept.append(Malformed(file, line, error))
+        position = self.order.get(file, -1)
+        key = (-position, -line if position >= 0 else 0, -self.count)
+        if len(self._heap) < MAX_MALFORMED_KEPT:
+            heapq.heappush(self._heap, (key, Malformed(file, line, error)))
+        elif key > self._heap[0][0]:
+            heapq.heapreplace(self._heap, (key, Malformed(file, line, error)))
+        else:
+            return
+        self._sorted = None
+
+    @property
+    def kept(self) -> list[Malformed]:
+        if self._sorted is None:
+            self._sorted = [malformed for _, malformed in sorted(self._heap, reverse=True)]
+        return self._sorted
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -317,16 +337,28 @@ def entries_of(records: list[Record], raws: list[dict] | None, index: int, ordin
 
 
 def head(path: str | os.PathLike) -> tuple[int | None, tuple[str, ...] | None]:
-    """A plain file's lead rank (its first record's: `Stream.lead_rank` of that file alone) and the layer
+    """A file's lead rank (its first record's: `Stream.lead_rank` of that file alone) and the layer
     groups of the first training record with any in the same block (None: no such record)."""
-    with open(path, "rb") as handle:
-        for block in line_blocks(handle):
-            records = decode_block(block, 1, str(path), Problems())
-            if records:
-                layers = next((tuple(r.metrics.grad_norm_by_layer) for r in records
-                               if r.metrics is not None and r.metrics.grad_norm_by_layer), None)
-                return records[0].rank, layers
-    return None, None
+    found = first_block(path)
+    if not found:
+        return None, None
+    layers = next((tuple(r.metrics.grad_norm_by_layer) for r in found
+                   if r.metrics is not None and r.metrics.grad_norm_by_layer), None)
+    return found[0].rank, layers
+
+
+def first_block(path: str | os.PathLike) -> list[Record]:
+    """The records of a file's first block that holds any (plain or compressed; [] for none): the block
+    `Stream.blocks` takes a file's rank from."""
+    try:
+        with tls.open_log(Path(path)) as handle:
+            for block in line_blocks(handle):
+                records = decode_block(block, 1, str(path), Problems())
+                if records:
+                    return records
+    except _UNREADABLE:
+        return []        # cut short before any record: the file's own pass reports it
+    return []
 
 
 # ---------------------------------------------------------------------------------------- stream
@@ -342,9 +374,11 @@ class Stream:
         self.problems = Problems()
         self._scratch = None
         self.files = self._as_tls(expand(paths))
+        self.problems.order = {str(path): index for index, path in enumerate(self.files)}
         self.full = full
         self.lead_rank: int | None = None
         self._opened = False
+        self._before_reading = (0, [])
 
     def __iter__(self) -> Iterator[Entry]:
         return itertools.chain.from_iterable(self.blocks())
@@ -374,6 +408,15 @@ class Stream:
         if self._opened:
             raise RuntimeError("a replay stream is read once")
         self._opened = True
+        self._before_reading = (self.problems.count, list(self.problems._heap))
+
+    def reread(self) -> None:
+        """Read again from the start (rundir.py hands a run over to the merged stream): the problems found
+        by reading are forgotten, those of converting other tools' logs kept."""
+        self.problems.count, self.problems._heap = self._before_reading[0], list(self._before_reading[1])
+        self.problems._sorted = None
+        self.lead_rank = None
+        self._opened = False
 
     def blocks(self) -> Iterator[list[Entry]]:
         """The same entries a list at a time (one file: its decoded blocks as they are, no merge cost)."""

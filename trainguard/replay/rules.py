@@ -32,7 +32,10 @@ from pathlib import Path
 
 import yaml
 
-from trainguard.replay.series import Grid, SeriesTable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:       # annotations only: the series module imports the agent collectors (a second at start-up)
+    from trainguard.replay.series import Grid, SeriesTable
 
 PROMTOOL_TIMEOUT = 1800.0
 

@@ -361,6 +361,62 @@ def first_block(path: str | os.PathLike) -> list[Record]:
     return []
 
 
+def head_names(path: str | os.PathLike, mark: bytes, lines: int) -> bool:
+    """Whether one of the first `lines` lines of a TLS file (plain or compressed) holds `mark`: a byte check
+    that passes over the files a head-of-log reader (replay.dynamics) would find nothing in."""
+    try:
+        with tls.open_log(Path(path)) as handle:
+            return any(mark in handle.readline() for _ in range(lines))
+    except _UNREADABLE:
+        return True      # unreadable: the reader says so itself
+
+
+SCAN_BYTES = 8 << 20
+
+
+def lines_naming(path: str | os.PathLike, marks: tuple[bytes, ...]) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line) of each line of a TLS file (plain or compressed) holding one of `marks`.
+
+    A byte search over blocks of whole lines (no loop over the lines in Python): a long log holds a few
+    such lines, and finding them costs about a memchr over the file. A compressed log cut short ends the
+    search (the file's own pass reports it)."""
+    number = 1
+    try:
+        with tls.open_log(Path(path)) as handle:
+            pending = b""
+            while True:
+                data = handle.read(SCAN_BYTES)
+                block = pending + data
+                cut = len(block) if not data else block.rfind(b"\n") + 1
+                if cut == 0 and data:
+                    pending = block
+                    continue
+                yield from _marked(block[:cut], marks, number)
+                number += block.count(b"\n", 0, cut)
+                pending = block[cut:]
+                if not data:
+                    return
+    except _UNREADABLE:
+        return
+
+
+def _marked(block: bytes, marks: tuple[bytes, ...], first: int) -> Iterator[tuple[int, bytes]]:
+    starts = sorted({block.rfind(b"\n", 0, at) + 1 for mark in marks for at in _all(block, mark)})
+    counted, number = 0, first
+    for start in starts:
+        number += block.count(b"\n", counted, start)
+        counted = start
+        end = block.find(b"\n", start)
+        yield number, block[start:] if end < 0 else block[start:end + 1]
+
+
+def _all(block: bytes, mark: bytes) -> Iterator[int]:
+    at = block.find(mark)
+    while at >= 0:
+        yield at
+        at = block.find(mark, at + len(mark))
+
+
 # ---------------------------------------------------------------------------------------- stream
 
 class Stream:

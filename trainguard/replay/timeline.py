@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterable
 
 from trainguard import actions, tls
-from trainguard.decide import stall
+from trainguard.decide import schedules, stall
 from trainguard.decide import ledger as tgledger
 from trainguard.decide.cost import CostMeter
 from trainguard.policy import Policy
@@ -29,6 +29,7 @@ DEFAULT_SCRAPE_INTERVAL = 15.0
 # What the live run did, beyond the lead rank's own decisions: only lines naming these are decoded, so
 # a long log is scanned, not parsed, for them.
 _RESTART_MARK, _AGENT_MARKS = b'"run_start"', (b'"alert"', b'"action"')
+_LR_MARK = b'"' + schedules.EVENT.encode() + b'"'   # what opens a log with an LR schedule (replay.dynamics)
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,9 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
     result.actions, result.verdicts = _execute(outcome.actions, result.alerts or [], policy, stalls)
     result.actions = sorted(result.actions + replica.actions(stream.files, policy), key=lambda a: a.timestamp)
     result.recorded = recorded_actions(outcome.recorded, stream.files, paths_given)
-    result.extra["lr_phases"] = dynamics.replay_phases(stream.files)   # the LR schedule's machine, again
+    # the LR schedule's machine, again, over the logs that may open with its event (a byte check first)
+    opening = [path for path in stream.files if source.head_names(path, _LR_MARK, 2 * dynamics.HEAD_LINES)]
+    result.extra["lr_phases"] = dynamics.replay_phases(opening)
     return result
 
 
@@ -216,16 +219,12 @@ def _merge(by_id: dict[str, "Recorded"], item: "Recorded") -> None:
 
 
 def _records_naming(path: Path, marks: tuple[bytes, ...]):
-    """The records of a TLS file whose line names one of `marks` (malformed ones are replay's to report)."""
-    with tls.open_log(path) as handle:
-        try:
-            for number, raw in enumerate(handle, 1):
-                if any(mark in raw for mark in marks):
-                    line = tls.decode_line(raw, str(path), number)
-                    if line.record is not None:
-                        yield line.record
-        except (OSError, EOFError, ValueError):
-            return      # a cut-off compressed file: replay's own pass reports it
+    """The records of a TLS file whose line names one of `marks` (malformed ones are replay's to report;
+    a cut-off compressed file ends the search: replay's own pass reports it)."""
+    for number, raw in source.lines_naming(path, marks):
+        line = tls.decode_line(raw, str(path), number)
+        if line.record is not None:
+            yield line.record
 
 
 def _restart(record: dict, event: dict) -> Recorded:

@@ -36,7 +36,7 @@ POLICY = Policy(cost=CostPolicy(budget_per_1k_steps=1.2, tiers=CostTiers(warn=0.
 
 
 def rank_records(rank: int, steps: int, rng: random.Random, *, world: int, own_gpus: bool, start: float,
-                 faults: bool, hang_at: int | None, clock_back: bool = False):
+                 faults: bool, hang_at: int | None, clock_back: bool = False, gap: bool = False):
     """One rank's trainer records (the shape trainer/telemetry.py writes), with faults and events."""
     when, clock = start, 5000.0
     step = 0
@@ -56,7 +56,7 @@ def rank_records(rank: int, steps: int, rng: random.Random, *, world: int, own_g
             loss = rng.choice([math.nan, 80.0])
         grad = 400.0 if faults and rng.random() < 0.01 else 0.8 + rng.random() * 0.1
         system = {"world_size": world, "monotonic_seconds": clock + i * 0.5}
-        if own_gpus and (i > 3 or rank != 0):
+        if own_gpus and (i > 3 or rank != 0 or not gap):     # gap: the first lead steps say none
             system["gpu_count"] = world
         if clock_back and rank == 1:          # told apart in the bill: before and after its clock stepped back
             system["gpu_count"] = 50 if i < steps // 2 else 70
@@ -113,14 +113,15 @@ def write_lines(path: Path, records, rng: random.Random, *, bad: float) -> None:
 
 def build_run(root: Path, seed: int, *, ranks: int = 3, nodes: int = 1, steps: int = 300, rotate: int = 0,
               compress: str = ".gz", own_gpus: bool = True, faults: bool = True, bad: float = 0.01,
-              hang: bool = False, start: float = T0, control: bool = True, clock_back: bool = False) -> Path:
+              hang: bool = False, start: float = T0, control: bool = True, clock_back: bool = False,
+              gap: bool = True) -> Path:
     rng = random.Random(seed)
     folder = root / "tls"
     folder.mkdir(parents=True)
     hang_at = steps // 3 if hang else None
     for rank in range(ranks):
         records = list(rank_records(rank, steps, rng, world=ranks, own_gpus=own_gpus, start=start,
-                                    faults=faults, hang_at=hang_at, clock_back=clock_back))
+                                    faults=faults, hang_at=hang_at, clock_back=clock_back, gap=gap))
         parts = [records]
         if rank == 0 and rotate:               # rotated parts, oldest first: rank-0.jsonl.N<suffix>, .., live
             size = len(records) // (rotate + 1)
@@ -172,7 +173,8 @@ CASES = {
     "a hang the stall watchdog sees": dict(hang=True, nodes=2),
     "a rank whose clock steps back a minute, in a CPU run": dict(own_gpus=False, clock_back=True, ranks=2,
                                                                   steps=500),
-    "many ranks, healthy": dict(ranks=8, nodes=2, faults=False, bad=0.0),
+    "many ranks, healthy": dict(ranks=8, nodes=2, faults=False, bad=0.0, gap=False),
+    "every lead step says its GPUs (the other ranks' records only counted)": dict(gap=False, ranks=4, rotate=1),
     "malformed lines everywhere": dict(bad=0.2),
 }
 
@@ -210,6 +212,17 @@ def test_what_only_the_merged_stream_decides_is_handed_to_it(tmp_path, monkeypat
     both_ways([joined], monkeypatch, parallel=False)
 
 
+def test_a_lead_rank_decision_in_another_file_is_recorded_in_its_place(tmp_path, monkeypatch):
+    """A node log that carries one of rank 0's decision events (no step of it): read apart all the same,
+    the event among the recorded decisions where the merged order puts it."""
+    run = build_run(tmp_path / "run", seed=4, gap=False, ranks=2)
+    node = run / "tls" / "node-n0.jsonl"
+    node.write_bytes(node.read_bytes() + tls.encode({"timestamp": T0 + 20.0, "rank": 0, "step": 33,
+                                                    "event": {"type": "rollback", "reason": "repeated_nan"}}))
+    found = json.loads(both_ways([run], monkeypatch))
+    assert {"action": "rollback", "step": 33} in [{k: a[k] for k in ("action", "step")} for a in found["recorded_actions"]]
+
+
 def test_one_compressed_log_and_files_without_records(tmp_path, monkeypatch):
     log = tmp_path / "rank-0.jsonl.zst"
     rng = random.Random(5)
@@ -224,13 +237,14 @@ def test_one_compressed_log_and_files_without_records(tmp_path, monkeypatch):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), ranks=st.integers(1, 4), nodes=st.integers(0, 2), rotate=st.integers(0, 2),
        compress=st.sampled_from([".gz", ".zst"]), own_gpus=st.booleans(), faults=st.booleans(),
-       bad=st.sampled_from([0.0, 0.02, 0.3]), hang=st.booleans(), chunk=st.sampled_from([2_000, 9_000, 1 << 20]))
+       bad=st.sampled_from([0.0, 0.02, 0.3]), hang=st.booleans(), chunk=st.sampled_from([2_000, 9_000, 1 << 20]),
+       gap=st.booleans())
 def test_any_run_directory_replays_to_the_same_json(tmp_path_factory, monkeypatch, seed, ranks, nodes, rotate,
-                                                    compress, own_gpus, faults, bad, hang, chunk):
+                                                    compress, own_gpus, faults, bad, hang, chunk, gap):
     monkeypatch.setattr(columns, "CHUNK_BYTES", chunk)       # pieces in this process: the pool is columns'
     monkeypatch.setattr(columns, "available_cpus", lambda: 1)
     run = build_run(tmp_path_factory.mktemp("run"), seed, ranks=ranks, nodes=nodes, rotate=rotate,
-                    compress=compress, own_gpus=own_gpus, faults=faults, bad=bad, hang=hang, steps=120)
+                    compress=compress, own_gpus=own_gpus, faults=faults, bad=bad, hang=hang, steps=120, gap=gap)
     reference = document([run], one_process=True, monkeypatch=monkeypatch)
     assert document([run], one_process=False, monkeypatch=monkeypatch) == reference
 

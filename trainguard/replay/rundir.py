@@ -77,13 +77,14 @@ class Piece:
     records: int
 
 
-def read_piece(path: str, index: int, start: int, end: int | None, lead, layer_names, with_gpus: bool) -> Piece:
+def read_piece(path: str, index: int, start: int, end: int | None, lead, layer_names, with_gpus: bool,
+               lead_files: tuple = ()) -> Piece:
     """Decode and pick path[start:end] (end None: a compressed file, whole). `with_gpus`: keep where the
     records that say a GPU count are (needed only when some lead step does not say its own)."""
     enabled = gc.isenabled()
     gc.disable()        # as columns._read_chunk: many short-lived objects, no cycles
     try:
-        return _decode(path, index, start, end, lead, layer_names, with_gpus)
+        return _decode(path, index, start, end, lead, layer_names, with_gpus, lead_files)
     finally:
         if enabled:
             gc.enable()
@@ -105,7 +106,8 @@ def _blocks_of(path: str, start: int, end: int | None, problems: source.Problems
         lines[0] += block.count(b"\n")
 
 
-def _decode(path: str, index: int, start: int, end: int | None, lead, layer_names, with_gpus: bool) -> Piece:
+def _decode(path: str, index: int, start: int, end: int | None, lead, layer_names, with_gpus: bool,
+            lead_files: tuple) -> Piece:
     problems, picker, picked = source.Problems(), Picker(lead, track=True), Picked()
     fast = source.layers_decoder(layer_names) if layer_names and end is not None else None
     last_step = 0 if start == 0 else columns.UNKNOWN_STEP
@@ -113,8 +115,15 @@ def _decode(path: str, index: int, start: int, end: int | None, lead, layer_name
     times = []
     lines = [0]
     error = None
+    summing = not with_gpus and index not in lead_files
     try:
         for records in _blocks_of(path, start, end, problems, fast, lines):
+            summed = _summed(records, lead) if summing and records else None
+            if summed is not None:      # no step, decision or GPU count of the lead rank's: counts only
+                last_step = _add(picker, summed, last_step)
+                times.append(np.full(len(records), summed[5]))
+                ordinal += len(records)
+                continue
             entries, ordinal, last_step = source.entries_of(records, None, 0, ordinal, last_step)
             picked.extend(picker.take(entries))
             times.append(np.fromiter((entry[0] for entry in entries), np.float64, len(entries)))
@@ -132,6 +141,55 @@ def _decode(path: str, index: int, start: int, end: int | None, lead, layer_name
     chunk = columns.Chunk(columns.block_of(picked, layer_names), picker, problems, lines[0], last_step, error)
     return Piece(index, chunk, step_ordinals, latest[step_ordinals - 1], gpu_ordinals, latest[gpu_ordinals - 1],
                  gpu_counts, [float(latest[o - 1]) for o in tracked.recorded], list(tracked.recorded), ordinal)
+
+
+def _summed(records: list, lead) -> tuple | None:
+    """A block's counts when nothing in it is the lead rank's (Picker.take's, without the Picker): (records,
+    training records that are copies, partial ones, the last step, the first time, the latest time); None
+    when the block needs the Picker (a lead-rank step or event, a step-less training record, times of two
+    kinds).
+
+    One plain loop: most records of a run directory are other ranks' copies, and this is their cost."""
+    copies = partial = 0
+    last_step = None
+    for record in records:
+        metrics, step = record.metrics, record.step
+        if metrics is not None and (metrics.loss is not None or metrics.grad_norm is not None):
+            if step is None or record.rank == lead:     # (a step-less one: numbered, as entries_of does)
+                return None
+            if metrics.loss is not None and metrics.grad_norm is not None:
+                copies += 1
+            else:
+                partial += 1
+        elif record.event is not None and record.rank == lead:
+            return None
+        if step is not None:
+            last_step = step
+    try:
+        latest = max(map(_timestamp, records))
+    except TypeError:
+        return None
+    return len(records), copies, partial, last_step, _seconds(records[0].timestamp), _seconds(latest)
+
+
+def _timestamp(record):
+    return record.timestamp
+
+
+def _seconds(when) -> float:
+    return when if when.__class__ is float else when.timestamp()
+
+
+def _add(picker: Picker, summed: tuple, last_step: int) -> int:
+    """Count a summed block into the piece's picker; returns the file's last step after it."""
+    records, copies, partial, step, first, latest = summed
+    if picker.first is None:
+        picker.first = picker.last = first
+    picker.last = max(picker.last, latest)
+    picker.records += records
+    picker.duplicates += copies
+    picker.partial += partial
+    return last_step if step is None else step
 
 
 # ------------------------------------------------------------------------------------- putting together
@@ -174,14 +232,18 @@ class _Run:
         self.last_file: int | None = None
         self.lead_latest: tuple | None = None     # the latest lead-file record saying a GPU count: (time, file, ord, n)
         self.lead_files: list[int] = []
-        self.lead_done = False                    # every lead file's pieces are in
+        self.lead_tasks: int | None = None        # how many pieces the lead files are cut in (once known)
+        self.lead_taken = 0
         self.unresolved = _Unresolved()
         self.previous_lead: int | None = None
 
     # ------------------------------------------------------------------------------------ the tasks
     def tasks(self, heads: list, lead) -> Iterator[tuple]:
         order = self.lead_files + [i for i in range(len(self.files)) if i not in self.lead_files]
+        handed = 0
         for index in order:
+            if index not in self.lead_files and self.lead_tasks is None:
+                self.lead_tasks = handed
             path = self.files[index].path
             layers = heads[index][1]       # no record at all: read all the same (its malformed lines)
             if path.endswith(columns.COMPRESSED):
@@ -192,7 +254,13 @@ class _Run:
                 # GPU places are needed from the other files only if a lead step said none of its own;
                 # until the lead files are all in, that is not known.
                 with_gpus = index in self.lead_files or not self.lead_done or bool(self.unresolved)
-                yield path, index, start, end, lead, layers, with_gpus
+                handed += 1
+                yield path, index, start, end, lead, layers, with_gpus, tuple(self.lead_files)
+
+    @property
+    def lead_done(self) -> bool:
+        """Every lead file's pieces are in: whether some lead step needs the merged GPU count is known."""
+        return self.lead_tasks is not None and self.lead_taken == self.lead_tasks
 
     # ------------------------------------------------------------------------------------ a piece
     def take(self, piece: Piece) -> None:
@@ -348,9 +416,8 @@ def replay(stream: source.Stream, totals: Picker, decide, *, chunk_bytes: int | 
     size = sum(os.path.getsize(path) for path in stream.files)
     count = 1 if size <= 2 * run.chunk_bytes else run.workers
     for piece in columns.pipelined(read_piece, run.tasks(described, lead), count):
-        if piece.index not in run.lead_files:
-            run.lead_done = True        # pieces come in the order given: every lead file's are in
         run.take(piece)
+        run.lead_taken += piece.index in run.lead_files
     run.finish()
 
 

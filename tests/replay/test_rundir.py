@@ -102,7 +102,10 @@ def write_lines(path: Path, records, rng: random.Random, *, bad: float) -> None:
         lines.append(tls.encode(record))
         if bad and rng.random() < bad:
             lines.append(rng.choice([b"{not json\n", b'{"timestamp": "yesterday", "step": 1}\n',
-                                     b'{"timestamp": 1710512540.0, "metrics": {"grad_norm_by_layer": {"a": "x"}}}\n']))
+                                     b'{"timestamp": 1710512540.0, "metrics": {"grad_norm_by_layer": {"a": "x"}}}\n',
+                                     # malformed for replay's decisions, an alert all the same for the recorded pass
+                                     b'{"timestamp": 1710512541.0, "metrics": {"grad_norm_by_layer": {"a": "x"}}, '
+                                     b'"event": {"type": "alert", "alertname": "Odd", "status": "firing"}}\n']))
     data = b"".join(lines)
     if path.name.endswith(".gz"):
         data = gzip.compress(data)
@@ -257,3 +260,9 @@ def test_the_cli_takes_the_parallel_way_and_prints_the_same(tmp_path):
     reference = subprocess.run(command, capture_output=True, env={**env, rundir.ONE_PROCESS_ENV: "1"}, timeout=120)
     assert parallel.returncode == reference.returncode == 0, parallel.stderr
     assert parallel.stdout == reference.stdout and json.loads(parallel.stdout)["steps"]
+
+
+def test_the_workers_hand_over_every_line_the_recorded_pass_reads():
+    """The recorded pass (timeline.recorded_actions) reads the lines naming its marks from what the
+    workers found (rundir.MARKS): it must name no mark they do not look for."""
+    assert {timeline._RESTART_MARK, *timeline._AGENT_MARKS} <= set(rundir.MARKS)

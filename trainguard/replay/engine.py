@@ -53,6 +53,8 @@ class Outcome:
     recorded: list[Action] = field(default_factory=list)   # decisions the live run wrote in the log
     cost: dict = field(default_factory=dict)
     progress: "Progress" = field(default_factory=lambda: Progress())
+    # each file's lines naming a rundir.MARKS event, found while decoding (None: not looked for)
+    event_lines: dict[str, list] | None = None
 
     def may_have_stalled(self, stall_seconds: float) -> bool:
         """Whether the lead rank's steps leave room for a stall (the screen of `trainguard.decide.stall`)."""
@@ -155,7 +157,7 @@ def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None
         picker = _replay_columns(stream, decider)
     elif observer is None and rundir.fits(stream):
         try:
-            picker = _replay_rundir(stream, decider)
+            picker, out.event_lines = _replay_rundir(stream, decider)
         except rundir.NotExact:         # only the merged stream can: start again there, afresh
             stream.reread()
             meter, out = CostMeter(policy.cost), Outcome()
@@ -196,10 +198,10 @@ def _replay_entries(stream: Iterable, decider: _Decider, observer: Observer | No
     return picker
 
 
-def _replay_rundir(stream, decider: _Decider) -> Picker:
+def _replay_rundir(stream, decider: _Decider) -> tuple[Picker, dict[str, list]]:
     totals = Picker()
-    rundir.replay(stream, totals, decider.decide)
-    return totals
+    event_lines = rundir.replay(stream, totals, decider.decide)
+    return totals, event_lines
 
 
 def _replay_columns(stream, decider: _Decider) -> Picker:

@@ -75,6 +75,14 @@ class Piece:
     recorded_latest: list[float]    # beside chunk.picker.recorded
     recorded_ordinals: list[int]
     records: int
+    start: int                      # the piece's first byte in its file (0: a compressed file, whole)
+    marked: list                    # (line within the piece, raw line) of the lines naming a mark
+
+
+# The marks of the events replay's recorded pass reads (timeline.recorded_actions): the workers, which hold
+# the bytes, hand over the lines naming them, so that pass reads no file again.
+MARKS = (b'"run_start"', b'"alert"', b'"action"')
+_MARKED_TYPES = frozenset(mark.strip(b'"').decode() for mark in MARKS)
 
 
 def read_piece(path: str, index: int, start: int, end: int | None, lead, layer_names, with_gpus: bool,
@@ -91,19 +99,35 @@ def read_piece(path: str, index: int, start: int, end: int | None, lead, layer_n
 
 
 def _blocks_of(path: str, start: int, end: int | None, problems: source.Problems, fast,
-               lines: list[int]) -> Iterator[list]:
-    """The piece's decoded blocks; `lines` gets the number of lines of a plain span (a compressed file's
-    line numbers are its own)."""
-    if end is None:      # compressed: as the merged stream reads it (absolute line numbers)
+               marked: list) -> Iterator[list]:
+    """The piece's decoded blocks. Line numbers (within the piece; a compressed file's are its own) are
+    counted only for a block with a malformed line or a marked event, whose lines go to `marked`."""
+    if end is None:      # compressed: as the merged stream reads it
+        flagged = False
         for records, _ in source._typed_chunks(Path(path), problems):
+            flagged = flagged or _names_marked(records)
             yield records
+        if flagged or problems.count:     # searched again, whole, only in a file with any (a few at most)
+            marked.extend(source.lines_naming(path, MARKS))
         return
     with open(path, "rb") as handle:
         handle.seek(start)
         data = handle.read(end - start)
+    offset = 0
     for block in source.line_blocks(io.BytesIO(data)):
-        yield source.decode_block(block, lines[0] + 1, path, problems, fast)
-        lines[0] += block.count(b"\n")
+        def line_of(at: int = offset) -> int:
+            return data.count(b"\n", 0, at) + 1
+
+        found = problems.count
+        records = source.decode_block(block, line_of, path, problems, fast)
+        if problems.count != found or _names_marked(records):
+            marked.extend(source._marked(block, MARKS, line_of()))
+        yield records
+        offset += len(block)
+
+
+def _names_marked(records: list) -> bool:
+    return any(record.event is not None and record.event.type in _MARKED_TYPES for record in records)
 
 
 def _decode(path: str, index: int, start: int, end: int | None, lead, layer_names, with_gpus: bool,
@@ -113,11 +137,11 @@ def _decode(path: str, index: int, start: int, end: int | None, lead, layer_name
     last_step = 0 if start == 0 else columns.UNKNOWN_STEP
     ordinal = 0
     times = []
-    lines = [0]
+    marked: list = []
     error = None
     summing = not with_gpus and index not in lead_files
     try:
-        for records in _blocks_of(path, start, end, problems, fast, lines):
+        for records in _blocks_of(path, start, end, problems, fast, marked):
             summed = _summed(records, lead) if summing and records else None
             if summed is not None:      # no step, decision or GPU count of the lead rank's: counts only
                 last_step = _add(picker, summed, last_step)
@@ -138,9 +162,10 @@ def _decode(path: str, index: int, start: int, end: int | None, lead, layer_name
         keep = np.isin(gpu_ordinals, step_ordinals)
         gpu_ordinals, gpu_counts = gpu_ordinals[keep], gpu_counts[keep]
     picker.tracked = None
-    chunk = columns.Chunk(columns.block_of(picked, layer_names), picker, problems, lines[0], last_step, error)
+    chunk = columns.Chunk(columns.block_of(picked, layer_names), picker, problems, 0, last_step, error)
     return Piece(index, chunk, step_ordinals, latest[step_ordinals - 1], gpu_ordinals, latest[gpu_ordinals - 1],
-                 gpu_counts, [float(latest[o - 1]) for o in tracked.recorded], list(tracked.recorded), ordinal)
+                 gpu_counts, [float(latest[o - 1]) for o in tracked.recorded], list(tracked.recorded), ordinal,
+                 start, marked)
 
 
 def _summed(records: list, lead) -> tuple | None:
@@ -199,12 +224,24 @@ class _File:
     """What the main process carries from piece to piece of one file."""
 
     path: str
-    lines: int = 0
+    counted_to: int = 0             # the lines before this byte are counted (when a malformed line needs it)
+    counted: int = 0
     step_base: int = 0
     ordinals: int = 0               # records before the piece
     latest: float = -np.inf         # the file's latest time so far
     first: float | None = None
     failed: bool = False
+
+
+    def lines_before(self, start: int) -> int:
+        """The number of lines before byte `start` of the (plain) file: counted only when a malformed or
+        marked line needs its number, on from where the last count ended."""
+        if start > self.counted_to:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.counted_to)
+                self.counted += handle.read(start - self.counted_to).count(b"\n")
+            self.counted_to = start
+        return self.counted
 
 
 @dataclass
@@ -228,6 +265,7 @@ class _Run:
         self.chunk_bytes, self.workers = chunk_bytes, workers
         self.files = [_File(str(path)) for path in stream.files]
         self.recorded: list[tuple] = []
+        self.event_lines: dict[str, list] = {}    # the marked lines of each file (MARKS), in file order
         self.last_step: int | None = None         # the last decided lead step, and its file
         self.last_file: int | None = None
         self.lead_latest: tuple | None = None     # the latest lead-file record saying a GPU count: (time, file, ord, n)
@@ -268,11 +306,14 @@ class _Run:
         if state.failed:
             return
         chunk = piece.chunk
-        columns._count_problems(self.stream.problems, chunk.problems, state.path, state.lines)
-        if chunk.error is not None:
-            self.stream.problems.add(state.path, state.lines + 1, f"unreadable after line {state.lines} ({chunk.error})")
-            state.failed = True
-            return
+        if chunk.problems.count or chunk.error is not None or piece.marked:
+            before = state.lines_before(piece.start)
+            columns._count_problems(self.stream.problems, chunk.problems, state.path, before)
+            self.event_lines.setdefault(state.path, []).extend((before + n, raw) for n, raw in piece.marked)
+            if chunk.error is not None:
+                self.stream.problems.add(state.path, before + 1, f"unreadable after line {before} ({chunk.error})")
+                state.failed = True
+                return
         state.step_base = columns._number(chunk, state.step_base)
         picker = chunk.picker
         if picker.first is not None and state.first is None:
@@ -292,7 +333,6 @@ class _Run:
             self._gpus_of(piece, state)
         if picker.last is not None:
             state.latest = max(state.latest, picker.last)
-        state.lines += chunk.lines
         state.ordinals += piece.records
 
     def _lead(self, piece: Piece, state: _File) -> None:
@@ -398,10 +438,11 @@ def _tail(block: Block, start: int) -> Block:
 
 
 def replay(stream: source.Stream, totals: Picker, decide, *, chunk_bytes: int | None = None,
-           workers: int | None = None) -> None:
+           workers: int | None = None) -> dict[str, list]:
     """Decode and pick every file of `stream` on `workers` processes, `decide` (a callable taking a Block)
     every lead step in merged order, and leave in `totals` the counts, times and recorded decisions the
-    merged stream's Picker would. Opens the stream (sets lead_rank). Raises NotExact (before or after
+    merged stream's Picker would; returns each file's lines naming a MARKS event ((line number, raw line),
+    for timeline.recorded_actions). Opens the stream (sets lead_rank). Raises NotExact (before or after
     deciding some steps: the caller starts again) when only the merged stream can decide these inputs."""
     stream.claim()
     heads = [source.first_block(path) for path in stream.files]
@@ -419,6 +460,7 @@ def replay(stream: source.Stream, totals: Picker, decide, *, chunk_bytes: int | 
         run.take(piece)
         run.lead_taken += piece.index in run.lead_files
     run.finish()
+    return run.event_lines
 
 
 def _layers(records: list) -> tuple | None:

@@ -29,7 +29,7 @@ import zlib
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Iterator, Union
+from typing import Annotated, Any, Callable, Iterable, Iterator, Union
 
 import msgspec
 import zstandard
@@ -229,15 +229,18 @@ def _lenient(raw: bytes, source: str, lineno: int, problems: Problems) -> Record
         return None
 
 
-def decode_block(block: bytes, first_line: int, source: str, problems: Problems,
+def decode_block(block: bytes, first_line: int | Callable[[], int], source: str, problems: Problems,
                  fast: msgspec.json.Decoder | None = None) -> list[Record]:
     """Typed decode of many lines at once (first by `fast`, if given: see `layers_decoder`); refused lines
-    are isolated by halving the block."""
+    are isolated by halving the block. `first_line` may be a function that counts it: called only for a
+    block with a refused line (counting a file's lines costs as much as a quarter of decoding it)."""
     for decoder in (_typed,) if fast is None else (fast, _typed):
         try:
             return decoder.decode_lines(block)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             pass          # nested past the recursion limit too: the lenient reader names the line
+    if callable(first_line):
+        first_line = first_line()
     lines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
     if lines <= 1:
         record = _lenient(block, source, first_line, problems) if block.strip() else None

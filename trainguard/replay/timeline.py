@@ -167,7 +167,7 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
     stalls = stall_notices(stream.files, outcome, policy)
     result.actions, result.verdicts = _execute(outcome.actions, result.alerts or [], policy, stalls)
     result.actions = sorted(result.actions + replica.actions(stream.files, policy), key=lambda a: a.timestamp)
-    result.recorded = recorded_actions(outcome.recorded, stream.files, paths_given)
+    result.recorded = recorded_actions(outcome.recorded, stream.files, paths_given, outcome.event_lines)
     # the LR schedule's machine, again, over the logs that may open with its event (a byte check first)
     opening = [path for path in stream.files if source.head_names(path, _LR_MARK, 2 * dynamics.HEAD_LINES)]
     result.extra["lr_phases"] = dynamics.replay_phases(opening)
@@ -176,16 +176,20 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
 
 # ------------------------------------------------------------------------------ what the live run did
 
-def recorded_actions(lead: list[engine.Action], files: list[Path], given: list[Path]) -> list[Recorded]:
+def recorded_actions(lead: list[engine.Action], files: list[Path], given: list[Path],
+                     event_lines: dict[str, list] | None = None) -> list[Recorded]:
     """Every action the live run took, from every source, in time order: the lead rank's decisions, its
     restarts (a `run_start` that resumed), the agents' alert verdicts and actions (node logs), and the
-    requests of RUN/control/actions.jsonl (merged into the agent's action of the same id)."""
+    requests of RUN/control/actions.jsonl (merged into the agent's action of the same id). `event_lines`:
+    each file's lines naming the marks, as the replay's own read found them (engine.Outcome), else
+    searched for here."""
     found = [Recorded("action", a.action, a.step, a.timestamp, a.reason, "trainer") for a in lead]
     restarts: dict[tuple, Recorded] = {}
     by_id: dict[str, Recorded] = {}
     for path in files:
         marks = _AGENT_MARKS if path.name.startswith("node-") else (_RESTART_MARK, *_AGENT_MARKS)
-        for record in _records_naming(path, marks):
+        found_lines = None if event_lines is None else event_lines.get(str(path), [])
+        for record in _records_naming(path, marks, found_lines):
             event = record.get("event")
             if not isinstance(event, dict):
                 continue
@@ -218,10 +222,12 @@ def _merge(by_id: dict[str, "Recorded"], item: "Recorded") -> None:
                               f"{known.source}+{item.source}", known.detail)
 
 
-def _records_naming(path: Path, marks: tuple[bytes, ...]):
+def _records_naming(path: Path, marks: tuple[bytes, ...], found_lines: list | None = None):
     """The records of a TLS file whose line names one of `marks` (malformed ones are replay's to report;
     a cut-off compressed file ends the search: replay's own pass reports it)."""
-    for number, raw in source.lines_naming(path, marks):
+    lines = source.lines_naming(path, marks) if found_lines is None else \
+        ((number, raw) for number, raw in found_lines if any(mark in raw for mark in marks))
+    for number, raw in lines:
         line = tls.decode_line(raw, str(path), number)
         if line.record is not None:
             yield line.record

@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import gc
 import io
+import operator
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -98,17 +99,15 @@ def read_piece(path: str, index: int, start: int, end: int | None, lead, layer_n
             gc.enable()
 
 
-def _blocks_of(path: str, start: int, end: int | None, problems: source.Problems, fast,
-               marked: list) -> Iterator[list]:
-    """The piece's decoded blocks. Line numbers (within the piece; a compressed file's are its own) are
-    counted only for a block with a malformed line or a marked event, whose lines go to `marked`."""
+def _blocks_of(path: str, start: int, end: int | None, problems: source.Problems,
+               fast) -> Iterator[tuple[list, Callable[[bool], list]]]:
+    """The piece's decoded blocks, each with a function that, told whether the block names a marked event,
+    gives its marked lines ((line within the piece, raw line): searched for only in a block with such an
+    event or a malformed line, and only there are line numbers counted). A compressed file's are not
+    searched here (`_decode` does, in the whole file: its line numbers are its own)."""
     if end is None:      # compressed: as the merged stream reads it
-        flagged = False
         for records, _ in source._typed_chunks(Path(path), problems):
-            flagged = flagged or _names_marked(records)
-            yield records
-        if flagged or problems.count:     # searched again, whole, only in a file with any (a few at most)
-            marked.extend(source.lines_naming(path, MARKS))
+            yield records, _none
         return
     with open(path, "rb") as handle:
         handle.seek(start)
@@ -120,10 +119,17 @@ def _blocks_of(path: str, start: int, end: int | None, problems: source.Problems
 
         found = problems.count
         records = source.decode_block(block, line_of, path, problems, fast)
-        if problems.count != found or _names_marked(records):
-            marked.extend(source._marked(block, MARKS, line_of()))
-        yield records
+        troubled = problems.count != found
+
+        def marked(flagged: bool, block: bytes = block, line_of=line_of, troubled: bool = troubled) -> list:
+            return list(source._marked(block, MARKS, line_of())) if flagged or troubled else []
+
+        yield records, marked
         offset += len(block)
+
+
+def _none(flagged: bool) -> list:
+    return []
 
 
 def _names_marked(records: list) -> bool:
@@ -138,21 +144,28 @@ def _decode(path: str, index: int, start: int, end: int | None, lead, layer_name
     ordinal = 0
     times = []
     marked: list = []
+    flagged_any = False
     error = None
     summing = not with_gpus and index not in lead_files
     try:
-        for records in _blocks_of(path, start, end, problems, fast, marked):
+        for records, marked_lines in _blocks_of(path, start, end, problems, fast):
             summed = _summed(records, lead) if summing and records else None
             if summed is not None:      # no step, decision or GPU count of the lead rank's: counts only
                 last_step = _add(picker, summed, last_step)
                 times.append(np.full(len(records), summed[5]))
                 ordinal += len(records)
-                continue
-            entries, ordinal, last_step = source.entries_of(records, None, 0, ordinal, last_step)
-            picked.extend(picker.take(entries))
-            times.append(np.fromiter((entry[0] for entry in entries), np.float64, len(entries)))
+                flagged = summed[6]
+            else:
+                entries, ordinal, last_step = source.entries_of(records, None, 0, ordinal, last_step)
+                picked.extend(picker.take(entries))
+                times.append(np.fromiter((entry[0] for entry in entries), np.float64, len(entries)))
+                flagged = _names_marked(records)
+            marked += marked_lines(flagged)
+            flagged_any = flagged_any or flagged
     except OSError as exc:
         error = f"{type(exc).__name__}: {exc}"
+    if end is None and (flagged_any or problems.count):   # a compressed file with any: searched whole again
+        marked = list(source.lines_naming(path, MARKS))
     latest = np.maximum.accumulate(np.concatenate(times)) if times else np.zeros(0)
     tracked = picker.tracked
     step_ordinals = np.array(tracked.steps, np.int64)
@@ -170,15 +183,17 @@ def _decode(path: str, index: int, start: int, end: int | None, lead, layer_name
 
 def _summed(records: list, lead) -> tuple | None:
     """A block's counts when nothing in it is the lead rank's (Picker.take's, without the Picker): (records,
-    training records that are copies, partial ones, the last step, the first time, the latest time); None
+    training records that are copies, partial ones, the last step, the first time, the latest time, whether it
+    names a marked event); None
     when the block needs the Picker (a lead-rank step or event, a step-less training record, times of two
     kinds).
 
     One plain loop: most records of a run directory are other ranks' copies, and this is their cost."""
     copies = partial = 0
     last_step = None
+    flagged = False
     for record in records:
-        metrics, step = record.metrics, record.step
+        metrics, step, event = record.metrics, record.step, record.event
         if metrics is not None and (metrics.loss is not None or metrics.grad_norm is not None):
             if step is None or record.rank == lead:     # (a step-less one: numbered, as entries_of does)
                 return None
@@ -186,19 +201,20 @@ def _summed(records: list, lead) -> tuple | None:
                 copies += 1
             else:
                 partial += 1
-        elif record.event is not None and record.rank == lead:
-            return None
+        if event is not None:
+            if record.rank == lead:
+                return None
+            flagged = flagged or event.type in _MARKED_TYPES
         if step is not None:
             last_step = step
     try:
         latest = max(map(_timestamp, records))
     except TypeError:
         return None
-    return len(records), copies, partial, last_step, _seconds(records[0].timestamp), _seconds(latest)
+    return len(records), copies, partial, last_step, _seconds(records[0].timestamp), _seconds(latest), flagged
 
 
-def _timestamp(record):
-    return record.timestamp
+_timestamp = operator.attrgetter("timestamp")
 
 
 def _seconds(when) -> float:
@@ -207,7 +223,7 @@ def _seconds(when) -> float:
 
 def _add(picker: Picker, summed: tuple, last_step: int) -> int:
     """Count a summed block into the piece's picker; returns the file's last step after it."""
-    records, copies, partial, step, first, latest = summed
+    records, copies, partial, step, first, latest, _ = summed
     if picker.first is None:
         picker.first = picker.last = first
     picker.last = max(picker.last, latest)

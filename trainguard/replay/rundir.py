@@ -31,6 +31,7 @@ count, those steps' columns.
 
 from __future__ import annotations
 
+import functools
 import gc
 import io
 import operator
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
+import msgspec
 import numpy as np
 
 from trainguard.decide.batch import Block
@@ -112,6 +114,10 @@ def _blocks_of(path: str, start: int, end: int | None, problems: source.Problems
     with open(path, "rb") as handle:
         handle.seek(start)
         data = handle.read(end - start)
+    whole = _whole(data, fast)          # the usual case: the span at once, one call
+    if whole is not None:
+        yield whole, functools.partial(_marked_in, data)
+        return
     offset = 0
     for block in source.line_blocks(io.BytesIO(data)):
         def line_of(at: int = offset) -> int:
@@ -130,6 +136,21 @@ def _blocks_of(path: str, start: int, end: int | None, problems: source.Problems
 
 def _none(flagged: bool) -> list:
     return []
+
+
+def _whole(data: bytes, fast) -> list | None:
+    """Every line of the span typed in one call (the fast decoder, then the plain one), or None when some
+    line is refused (then `_blocks_of` goes block by block, isolating it)."""
+    for decoder in (source._typed,) if fast is None else (fast, source._typed):
+        try:
+            return decoder.decode_lines(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            pass
+    return None
+
+
+def _marked_in(data: bytes, flagged: bool) -> list:
+    return list(source._marked(data, MARKS, 1)) if flagged else []
 
 
 def _names_marked(records: list) -> bool:

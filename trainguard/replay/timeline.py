@@ -289,7 +289,7 @@ def stall_notices(files: list[Path], outcome: engine.Outcome, policy: Policy) ->
     for index, path in enumerate(files):
         for line in tls.iter_lines(path):
             if line.record is not None and isinstance(line.record.get("timestamp"), (int, float)):
-                found.append((line.record["timestamp"], index, line.lineno, line.record))
+                found.append((line.record["timestamp"], index, line.lineno, _what_stall_reads(line.record)))
     found.sort(key=lambda item: item[:3])
     restores = stall.stall_actions((record for *_, record in found), stall_seconds)
     from trainguard.agent.actions_embedded import ALERT_OF     # the name the agent's watchdog gives it
@@ -298,6 +298,19 @@ def stall_notices(files: list[Path], outcome: engine.Outcome, policy: Policy) ->
                             action=actions.RESTORE, key=f"stall@{r['timestamp'] - stall_seconds:.3f}",
                             starts_at=r["timestamp"], source="embedded", reason=r["reason"], step=r["step"])
             for r in restores]
+
+
+def _what_stall_reads(record: dict) -> dict:
+    """Of a record, only what trainguard.decide.stall.stall_actions reads (its time, its step when it is a
+    step record, its event's type): every record of every file is held for the sort, so a long log with a
+    pause holds a few keys a record, not the records."""
+    kept = {"timestamp": record["timestamp"]}
+    if isinstance(record.get("metrics"), dict):
+        kept["metrics"], kept["step"] = {}, record.get("step")
+    event = record.get("event")
+    if isinstance(event, dict):
+        kept["event"] = {"type": event.get("type")}
+    return kept
 
 
 def _decided_by(notice: tgledger.Notice) -> str:

@@ -266,3 +266,22 @@ def test_the_workers_hand_over_every_line_the_recorded_pass_reads():
     """The recorded pass (timeline.recorded_actions) reads the lines naming its marks from what the
     workers found (rundir.MARKS): it must name no mark they do not look for."""
     assert {timeline._RESTART_MARK, *timeline._AGENT_MARKS} <= set(rundir.MARKS)
+
+
+def test_replica_checks_in_a_run_directory_replay_alike(tmp_path, monkeypatch):
+    """The replica pass reads only the files the workers saw naming a check: the same verdicts (a rollback
+    at the check whose replicas disagree, written in a rotated part, compressed)."""
+    from trainguard.decide import replica
+
+    assert timeline.replica.MARK in rundir.MARKS
+    run = build_run(tmp_path / "run", seed=6, gap=False, ranks=2, rotate=1)
+    good, bad = 0x1111, 0x2222
+    log = run / "tls" / "rank-0.jsonl"
+    for step, weights in ((10, (good, good, good)), (20, (good, bad, good))):
+        check = replica.ReplicaCheck(step, T0 + step, weights, gradients=(7, 7, 7), recomputed=weights,
+                                     nodes=("a", "b", "c"))
+        log.write_bytes(log.read_bytes() + tls.encode(
+            {"timestamp": T0 + 600 + step, "rank": 0, "step": step,
+             "event": {"type": replica.CHECK_EVENT, "step": step, **replica.check_fields(check)}}))
+    found = json.loads(both_ways([run], monkeypatch))
+    assert ("rollback", 20, "replica_mismatch") in [(a["action"], a["step"], a["reason"]) for a in found["actions"]]

@@ -43,6 +43,7 @@ from typing import Callable, Iterator
 import msgspec
 import numpy as np
 
+from trainguard.decide import replica as decide_replica
 from trainguard.decide.batch import Block
 from trainguard.replay import columns, source
 from trainguard.replay.picking import Action, Picked, Picker
@@ -82,9 +83,10 @@ class Piece:
     marked: list                    # (line within the piece, raw line) of the lines naming a mark
 
 
-# The marks of the events replay's recorded pass reads (timeline.recorded_actions): the workers, which hold
-# the bytes, hand over the lines naming them, so that pass reads no file again.
-MARKS = (b'"run_start"', b'"alert"', b'"action"')
+# The marks of the events replay's recorded pass reads (timeline.recorded_actions), and the replica checks
+# (replica.py): the workers, which hold the bytes, hand over the lines naming them, so the recorded pass
+# reads no file again and the replica pass only the files that hold a check.
+MARKS = (b'"run_start"', b'"alert"', b'"action"', b'"' + decide_replica.CHECK_EVENT.encode() + b'"')
 _MARKED_TYPES = frozenset(mark.strip(b'"').decode() for mark in MARKS)
 
 

@@ -166,12 +166,21 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
         result.rules_dir = str(rules_dir)
     stalls = stall_notices(stream.files, outcome, policy)
     result.actions, result.verdicts = _execute(outcome.actions, result.alerts or [], policy, stalls)
-    result.actions = sorted(result.actions + replica.actions(stream.files, policy), key=lambda a: a.timestamp)
+    result.actions = sorted(result.actions + replica.actions(_may_hold_checks(stream.files, outcome), policy),
+                            key=lambda a: a.timestamp)
     result.recorded = recorded_actions(outcome.recorded, stream.files, paths_given, outcome.event_lines)
     # the LR schedule's machine, again, over the logs that may open with its event (a byte check first)
     opening = [path for path in stream.files if source.head_names(path, _LR_MARK, 2 * dynamics.HEAD_LINES)]
     result.extra["lr_phases"] = dynamics.replay_phases(opening)
     return result
+
+
+def _may_hold_checks(files: list[Path], outcome: engine.Outcome) -> list[Path]:
+    """The files the replica pass reads: those the replay's own read saw naming a check (all, where it did
+    not look: engine.Outcome.event_lines)."""
+    if outcome.event_lines is None:
+        return files
+    return [path for path in files if any(replica.MARK in raw for _, raw in outcome.event_lines.get(str(path), ()))]
 
 
 # ------------------------------------------------------------------------------ what the live run did

@@ -14,7 +14,8 @@ the first ranks' logs are rotated as well (`rank-<r>.jsonl.2.gz`, `.1.zst`, the 
   cpu    what a CPU run writes: gpu_count 0, so the GPUs billed come from the node logs in merged order
          (rundir.py holds the lead steps until every file is read)
 
-and times, each the best of `--repeat`, over the same files:
+and times, each the best of `--repeat` (json.loads and the one-process path once: they are slow), over
+the same files:
 
   json.loads            every line of every file (decompressed) through Python's json, one process
   msgspec floor         the same bytes through msgspec's typed decoder (replay's Record), one process:
@@ -156,12 +157,14 @@ def msgspec_floor_parallel(files: list[Path], workers: int) -> int:
 # ------------------------------------------------------------------------------------------ replay runs
 
 RSS_WRAPPER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], stdout=subprocess.PIPE); "
-               "sys.stderr.write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+               "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+               "sys.stderr.write(f'{u.ru_maxrss} {u.ru_utime + u.ru_stime}'); "
                "sys.stdout.buffer.write(r.stdout); sys.exit(r.returncode)")
 
 
-def replay_subprocess(target: Path, one_process: bool) -> tuple[float, dict, int]:
-    """(seconds, the JSON document, peak RSS in KiB of the largest process) of `trainguard replay TARGET`."""
+def replay_subprocess(target: Path, one_process: bool) -> tuple[float, dict, int, float]:
+    """(seconds, the JSON document, peak RSS in KiB of the largest process, CPU seconds of all its processes)
+    of `trainguard replay TARGET --json`."""
     env = {k: v for k, v in os.environ.items() if k != rundir.ONE_PROCESS_ENV}
     if one_process:
         env[rundir.ONE_PROCESS_ENV] = "1"
@@ -170,46 +173,57 @@ def replay_subprocess(target: Path, one_process: bool) -> tuple[float, dict, int
     began = time.perf_counter()
     done = subprocess.run(command, capture_output=True, env=env, check=True)
     seconds = time.perf_counter() - began
-    return seconds, json.loads(done.stdout), int(done.stderr.decode().strip().splitlines()[-1])
+    rss, cpu = done.stderr.decode().strip().splitlines()[-1].split()
+    return seconds, json.loads(done.stdout), int(rss), float(cpu)
 
 
-def best_subprocess(repeat: int, target: Path, one_process: bool) -> tuple[float, dict, int]:
+def best_subprocess(repeat: int, target: Path, one_process: bool) -> tuple[float, dict, int, float]:
     runs = [replay_subprocess(target, one_process) for _ in range(repeat)]
-    return min(r[0] for r in runs), runs[0][1], max(r[2] for r in runs)
+    best = min(runs, key=lambda r: r[0])
+    return best[0], best[1], max(r[2] for r in runs), best[3]
+
+
+def cpu_of(run) -> float:
+    began = time.process_time()
+    run()
+    return time.process_time() - began
 
 
 def measure(run: Path, repeat: int) -> tuple[list[tuple[str, int, float]], dict]:
+    """The rows (what, records, seconds); the slow peers (json.loads, the one-process path) run once."""
     files = source.expand([run])
     cpus = columns.available_cpus()
     records = msgspec_floor(files)
-    rows = [("json.loads per line", records, best_of(repeat, lambda: json_floor(files))),
+    rows = [("json.loads per line", records, best_of(1, lambda: json_floor(files))),
             ("msgspec floor, 1 CPU (typed Record)", records, best_of(repeat, lambda: msgspec_floor(files))),
             (f"msgspec floor, {cpus} CPUs (a file each)", records,
              best_of(repeat, lambda: msgspec_floor_parallel(files, cpus)))]
-    seconds, reference, _ = best_subprocess(1, run, one_process=True)
+    floor_cpu = cpu_of(lambda: msgspec_floor(files))
+    seconds, reference, _, reference_cpu = best_subprocess(1, run, one_process=True)
     rows.append(("trainguard replay RUN, one process", reference["records"], seconds))
-    seconds, found, rss = best_subprocess(repeat, run, one_process=False)
+    seconds, found, rss, found_cpu = best_subprocess(repeat, run, one_process=False)
     assert found == reference, "the parallel path must print the one-process path's JSON"
     rows.append(("trainguard replay RUN (subprocess)", found["records"], seconds))
     rows.append(("replay_logs([RUN]) in this process", found["records"],
                  best_of(repeat, lambda: timeline.replay_logs([run]))))
-    _, one, rss_one = best_subprocess(1, run / "tls" / "rank-9.jsonl", one_process=False)
+    _, one, rss_one, _ = best_subprocess(1, run / "tls" / "rank-9.jsonl", one_process=False)
     facts = {"records": records, "files": len(files), "bytes": sum(p.stat().st_size for p in files),
              "steps": found["steps"], "duplicate_steps": found["duplicate_steps"], "actions": len(found["actions"]),
              "peak_rss_kib": rss, "peak_rss_kib_one_rank_log": rss_one, "one_rank_records": one["records"],
-             "cpus": cpus}
+             "cpus": cpus, "cpu_seconds": {"msgspec floor, 1 CPU": floor_cpu, "replay RUN": found_cpu,
+                                           "replay RUN, one process": reference_cpu}}
     return rows, facts
 
 
 def report(rows: list[tuple[str, int, float]]) -> str:
-    json_rate = rows[0][1] / rows[0][2]
-    floor = rows[2][1] / rows[2][2]
-    lines = [f"{'what':42} {'records':>10} {'seconds':>8} {'records/s':>11} {'x json':>7} {'x floor':>8} "
-             f"{'target':>7}"]
+    """Each row's rate, and its ratio to json.loads and to the msgspec floor on one CPU and on all."""
+    json_rate, floor_one, floor_all = (rows[i][1] / rows[i][2] for i in range(3))
+    lines = [f"{'what':42} {'records':>10} {'seconds':>8} {'records/s':>11} {'x json':>7} {'x floor1':>8} "
+             f"{'x floorN':>8} {'target':>7}"]
     for what, count, seconds in rows:
         rate = count / seconds
         lines.append(f"{what:42} {count:10,d} {seconds:8.3f} {rate:11,.0f} {rate / json_rate:7.2f} "
-                     f"{rate / floor:8.2f} {'yes' if rate >= TARGET else 'no':>7}")
+                     f"{rate / floor_one:8.2f} {rate / floor_all:8.2f} {'yes' if rate >= TARGET else 'no':>7}")
     return "\n".join(lines)
 
 
@@ -235,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     print(report(rows))
     print(f"peak RSS (largest process): replay RUN {facts['peak_rss_kib'] / 1024:.0f} MiB; replay of one rank's log "
           f"({facts['one_rank_records']:,} records) {facts['peak_rss_kib_one_rank_log'] / 1024:.0f} MiB")
+    cpu = facts["cpu_seconds"]
+    print("CPU seconds (all processes; less disturbed by a shared machine than wall time): "
+          + ", ".join(f"{what} {seconds:.2f} ({facts['records'] / seconds:,.0f} records per CPU-second)"
+                      for what, seconds in cpu.items()))
     print(f"load average: {' '.join(f'{x:.2f}' for x in load_before)} before, "
           f"{' '.join(f'{x:.2f}' for x in load_after)} after; {facts['cpus']} CPUs")
     if args.json:

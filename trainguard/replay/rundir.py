@@ -169,10 +169,10 @@ def _decode(path: str, index: int, start: int, end: int | None, lead, layer_name
     marked: list = []
     flagged_any = False
     error = None
-    summing = not with_gpus and index not in lead_files
+    summing = index not in lead_files
     try:
         for records, marked_lines in _blocks_of(path, start, end, problems, fast):
-            summed = _summed(records, lead) if summing and records else None
+            summed = _summed(records, lead, with_gpus) if summing and records else None
             if summed is not None:      # no step, decision or GPU count of the lead rank's: counts only
                 last_step = _add(picker, summed, last_step)
                 times.append(np.full(len(records), summed[5]))
@@ -204,12 +204,12 @@ def _decode(path: str, index: int, start: int, end: int | None, lead, layer_name
                  start, marked)
 
 
-def _summed(records: list, lead) -> tuple | None:
+def _summed(records: list, lead, with_gpus: bool) -> tuple | None:
     """A block's counts when nothing in it is the lead rank's (Picker.take's, without the Picker): (records,
     training records that are copies, partial ones, the last step, the first time, the latest time, whether it
-    names a marked event); None
-    when the block needs the Picker (a lead-rank step or event, a step-less training record, times of two
-    kinds).
+    names a marked event); None when the block needs the Picker (a lead-rank step or event, a step-less
+    training record, times of two kinds; with `with_gpus`, a record that says a GPU count: its place is
+    wanted).
 
     One plain loop: most records of a run directory are other ranks' copies, and this is their cost."""
     copies = partial = 0
@@ -230,6 +230,9 @@ def _summed(records: list, lead) -> tuple | None:
             flagged = flagged or event.type in _MARKED_TYPES
         if step is not None:
             last_step = step
+        if with_gpus and ((record.system is not None and record.system.gpu_count)
+                          or (record.hardware is not None and record.hardware.gpus)):
+            return None
     try:
         latest = max(map(_timestamp, records))
     except TypeError:

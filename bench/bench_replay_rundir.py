@@ -1,7 +1,7 @@
 """Replay of a whole run directory: records per second of `trainguard replay RUN`, beside the floors.
 
-    .venv/bin/python bench/bench_replay_rundir.py                   # 64 ranks x 15,625 steps (1M records)
-    .venv/bin/python bench/bench_replay_rundir.py --steps 4000 --repeat 1 --shape cpu
+    .venv/bin/python bench/bench_replay_parallel.py                   # 64 ranks x 15,625 steps (1M records)
+    .venv/bin/python bench/bench_replay_parallel.py --steps 4000 --repeat 1 --shape cpu
 
 It writes a run directory with the trainer's own writer (`trainer.telemetry.StepTelemetry`, one
 `RUN/tls/rank-<r>.jsonl` per rank: the records `trainguard train` writes, layer norms, memory, the
@@ -12,7 +12,7 @@ the first ranks' logs are rotated as well (`rank-<r>.jsonl.2.gz`, `.1.zst`, the 
 
   cuda   what a GPU run writes: every rank record says `system.gpu_count` (the world's count)
   cpu    what a CPU run writes: gpu_count 0, so the GPUs billed come from the node logs in merged order
-         (rundir.py holds the lead steps until every file is read)
+         (parallel.py holds the lead steps until every file is read)
 
 and times, each the best of `--repeat` (json.loads and the one-process path once: they are slow), over
 the same files:
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # the trainer'
 
 from timing import best_of  # noqa: E402
 from trainguard import tls  # noqa: E402
-from trainguard.replay import columns, rundir, source, timeline  # noqa: E402
+from trainguard.replay import columns, parallel, source, timeline  # noqa: E402
 
 TARGET = 1_000_000
 START = 1_710_512_538.0
@@ -165,9 +165,9 @@ RSS_WRAPPER = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:
 def replay_subprocess(target: Path, one_process: bool) -> tuple[float, dict, int, float]:
     """(seconds, the JSON document, peak RSS in KiB of the largest process, CPU seconds of all its processes)
     of `trainguard replay TARGET --json`."""
-    env = {k: v for k, v in os.environ.items() if k != rundir.ONE_PROCESS_ENV}
+    env = {k: v for k, v in os.environ.items() if k != parallel.ONE_PROCESS_ENV}
     if one_process:
-        env[rundir.ONE_PROCESS_ENV] = "1"
+        env[parallel.ONE_PROCESS_ENV] = "1"
     command = [sys.executable, "-c", RSS_WRAPPER, str(Path(sys.executable).with_name("trainguard")), "replay",
                str(target), "--json"]
     began = time.perf_counter()

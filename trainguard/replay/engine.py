@@ -8,12 +8,12 @@ in order (picking.py says which records those are), a block of columns at a time
 - one plain log file, without an observer, is read the columnar way (columns.py): worker processes decode
   and pick its chunks side by side, each chunk a block;
 - several files (a run directory) or a compressed log, without an observer, are read side by side in
-  worker processes and put together in merged order (rundir.py), falling back to the merged stream for
-  what only it can decide (rundir.NotExact);
-- the alert-rule path's observer, and `rundir.ONE_PROCESS_ENV` set (the reference), read the merged
+  worker processes and put together in merged order (parallel.py), falling back to the merged stream for
+  what only it can decide (parallel.NotExact);
+- the alert-rule path's observer, and `parallel.ONE_PROCESS_ENV` set (the reference), read the merged
   stream's blocks here, each made a block by `columns.block_of`.
 
-All ways make the same decisions and leave the same state (tests/replay/test_columns.py, test_rundir.py).
+All ways make the same decisions and leave the same state (tests/replay/test_columns.py, test_parallel.py).
 After the guard says ``stop`` the live run would have ended: the guard is not asked again, the cost
 meter keeps metering so the timeline shows what the rest of the log cost.
 """
@@ -31,7 +31,7 @@ from trainguard.decide.batch import Block
 from trainguard.decide.cost import CostMeter
 from trainguard.decide.guard import Guard
 from trainguard.policy import Policy
-from trainguard.replay import columns, rundir
+from trainguard.replay import columns, parallel
 from trainguard.replay.picking import FIRST_SEEN, Action, Picked, Picker
 
 __all__ = ["Action", "Outcome", "replay", "finite_or_text"]
@@ -53,7 +53,7 @@ class Outcome:
     recorded: list[Action] = field(default_factory=list)   # decisions the live run wrote in the log
     cost: dict = field(default_factory=dict)
     progress: "Progress" = field(default_factory=lambda: Progress())
-    # each file's lines naming a rundir.MARKS event, found while decoding (None: not looked for)
+    # each file's lines naming a parallel.MARKS event, found while decoding (None: not looked for)
     event_lines: dict[str, list] | None = None
 
     def may_have_stalled(self, stall_seconds: float) -> bool:
@@ -155,10 +155,10 @@ def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None
     decider = _Decider(Guard(policy.guard), meter, out.actions, out.progress)
     if observer is None and columns.fits(stream):
         picker = _replay_columns(stream, decider)
-    elif observer is None and rundir.fits(stream):
+    elif observer is None and parallel.fits(stream):
         try:
-            picker, out.event_lines = _replay_rundir(stream, decider)
-        except rundir.NotExact:         # only the merged stream can: start again there, afresh
+            picker, out.event_lines = _replay_parallel(stream, decider)
+        except parallel.NotExact:         # only the merged stream can: start again there, afresh
             stream.reread()
             meter, out = CostMeter(policy.cost), Outcome()
             decider = _Decider(Guard(policy.guard), meter, out.actions, out.progress)
@@ -198,9 +198,9 @@ def _replay_entries(stream: Iterable, decider: _Decider, observer: Observer | No
     return picker
 
 
-def _replay_rundir(stream, decider: _Decider) -> tuple[Picker, dict[str, list]]:
+def _replay_parallel(stream, decider: _Decider) -> tuple[Picker, dict[str, list]]:
     totals = Picker()
-    event_lines = rundir.replay(stream, totals, decider.decide)
+    event_lines = parallel.replay(stream, totals, decider.decide)
     return totals, event_lines
 
 

@@ -99,7 +99,7 @@ class Picker:
 
     def __init__(self, lead=FIRST_SEEN, *, track: bool = False):
         self.lead = lead
-        # track: where things are, for a reader that merges files afterwards (rundir.py): the ordinal of
+        # track: where things are, for a reader that merges files afterwards (parallel.py): the ordinal of
         # each picked step, of each record that says a GPU count (and the count), of each recorded event.
         self.tracked: Tracked | None = Tracked() if track else None
         self.last_step: int | None = None

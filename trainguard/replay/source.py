@@ -126,7 +126,7 @@ class Problems:
     """Malformed lines: all counted, the first MAX_MALFORMED_KEPT kept with file and line.
 
     "First" in the order of the inputs (`order`: a file's position among them), then of the lines, not in
-    the order they were found: several files are read interleaved (the merge) or side by side (rundir.py),
+    the order they were found: several files are read interleaved (the merge) or side by side (parallel.py),
     and both must list the same lines. A file `order` does not name (another tool's log, as converted)
     comes first, in the order its problems were added."""
 
@@ -470,7 +470,7 @@ class Stream:
         self._before_reading = (self.problems.count, list(self.problems._heap))
 
     def reread(self) -> None:
-        """Read again from the start (rundir.py hands a run over to the merged stream): the problems found
+        """Read again from the start (parallel.py hands a run over to the merged stream): the problems found
         by reading are forgotten, those of converting other tools' logs kept."""
         self.problems.count, self.problems._heap = self._before_reading[0], list(self._before_reading[1])
         self.problems._sorted = None

@@ -21,7 +21,7 @@ main process puts together what the merged order decides. Picking depends on it 
 A record's place in merged order: heapq.merge takes the smallest head of the files, so a record that is
 earlier than one before it in its file waits behind that one. Its place is therefore (the latest time of
 its file up to it, the file's index, its line's ordinal): the merged stream's order, not only where
-every file is in time order (tests/replay/test_rundir.py holds the two to the same JSON).
+every file is in time order (tests/replay/test_parallel.py holds the two to the same JSON).
 
 Counts, first and last times and malformed lines (kept in input order: source.Problems) are the sums
 and extremes of each file's. Memory stays flat: at most IN_FLIGHT chunks per worker are in flight; what

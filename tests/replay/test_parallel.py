@@ -1,8 +1,8 @@
-"""A run directory replays on every CPU (trainguard.replay.rundir) to the very JSON of the merged stream.
+"""A run directory replays on every CPU (trainguard.replay.parallel) to the very JSON of the merged stream.
 
 The merged stream (one process, `TRAINGUARD_REPLAY_ONE_PROCESS=1`) is the reference: every document here
 is `trainguard replay --json`'s, made both ways and compared as text. The run directories are built to
-hold what the merged order decides (rundir.py's docstring): rank logs beside node logs that say other GPU
+hold what the merged order decides (parallel.py's docstring): rank logs beside node logs that say other GPU
 counts at other times, lead steps that say no GPU count of their own (a CPU run), rotated and compressed
 parts of the lead rank's log, malformed and step-less lines, files whose times go back, equal times
 across files, recorded decisions (trainer events, the agents' alerts and actions, the control file), a
@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from trainguard import tls
 from trainguard.policy import CostPolicy, CostTiers, Policy
-from trainguard.replay import columns, engine, rundir, timeline
+from trainguard.replay import columns, engine, parallel, timeline
 
 T0 = 1_710_512_538.0
 LAYERS = ("embed", "h.0", "h.1", "ln_f")
@@ -145,17 +145,17 @@ def build_run(root: Path, seed: int, *, ranks: int = 3, nodes: int = 1, steps: i
 
 def document(inputs, *, one_process: bool, monkeypatch) -> str:
     if one_process:
-        monkeypatch.setenv(rundir.ONE_PROCESS_ENV, "1")
+        monkeypatch.setenv(parallel.ONE_PROCESS_ENV, "1")
     else:
-        monkeypatch.delenv(rundir.ONE_PROCESS_ENV, raising=False)
+        monkeypatch.delenv(parallel.ONE_PROCESS_ENV, raising=False)
     try:
         return json.dumps(timeline.replay_logs(inputs, POLICY).to_json(), indent=1)
     finally:
-        monkeypatch.delenv(rundir.ONE_PROCESS_ENV, raising=False)
+        monkeypatch.delenv(parallel.ONE_PROCESS_ENV, raising=False)
 
 
-def both_ways(inputs, monkeypatch, *, parallel: bool = True) -> str:
-    """The document both ways, equal as text; `parallel`: the run must not be handed to the merged stream."""
+def both_ways(inputs, monkeypatch, *, side_by_side: bool = True) -> str:
+    """The document both ways, equal as text; `side_by_side`: the run must not be handed to the merged stream."""
     reference = document(inputs, one_process=True, monkeypatch=monkeypatch)
     handed_over = []
     original = engine._replay_entries
@@ -163,7 +163,7 @@ def both_ways(inputs, monkeypatch, *, parallel: bool = True) -> str:
     found = document(inputs, one_process=False, monkeypatch=monkeypatch)
     monkeypatch.setattr(engine, "_replay_entries", original)
     assert found == reference
-    assert bool(handed_over) is not parallel
+    assert bool(handed_over) is not side_by_side
     return found
 
 
@@ -207,12 +207,12 @@ def test_several_runs_directories_at_once(tmp_path, monkeypatch):
 def test_what_only_the_merged_stream_decides_is_handed_to_it(tmp_path, monkeypatch):
     """Two runs at the same time (their lead logs overlap), and a node log holding the lead rank's steps."""
     runs = [build_run(tmp_path / "a", seed=1), build_run(tmp_path / "b", seed=2, start=T0 + 30)]
-    both_ways(runs, monkeypatch, parallel=False)
+    both_ways(runs, monkeypatch, side_by_side=False)
     joined = build_run(tmp_path / "joined", seed=3)
     node = joined / "tls" / "node-n0.jsonl"
     node.write_bytes(node.read_bytes() + tls.encode({"timestamp": T0 + 99, "rank": 0, "step": 5,
                                                     "metrics": {"loss": 1.0, "grad_norm": 1.0}}))
-    both_ways([joined], monkeypatch, parallel=False)
+    both_ways([joined], monkeypatch, side_by_side=False)
 
 
 def test_a_lead_rank_decision_in_another_file_is_recorded_in_its_place(tmp_path, monkeypatch):
@@ -255,17 +255,17 @@ def test_any_run_directory_replays_to_the_same_json(tmp_path_factory, monkeypatc
 def test_the_cli_takes_the_parallel_way_and_prints_the_same(tmp_path):
     run = build_run(tmp_path / "run", seed=9, rotate=1, nodes=2)
     command = [str(Path(sys.executable).with_name("trainguard")), "replay", str(run), "--json"]
-    env = {k: v for k, v in os.environ.items() if k != rundir.ONE_PROCESS_ENV}
-    parallel = subprocess.run(command, capture_output=True, env=env, timeout=120)
-    reference = subprocess.run(command, capture_output=True, env={**env, rundir.ONE_PROCESS_ENV: "1"}, timeout=120)
-    assert parallel.returncode == reference.returncode == 0, parallel.stderr
-    assert parallel.stdout == reference.stdout and json.loads(parallel.stdout)["steps"]
+    env = {k: v for k, v in os.environ.items() if k != parallel.ONE_PROCESS_ENV}
+    found = subprocess.run(command, capture_output=True, env=env, timeout=120)
+    reference = subprocess.run(command, capture_output=True, env={**env, parallel.ONE_PROCESS_ENV: "1"}, timeout=120)
+    assert found.returncode == reference.returncode == 0, found.stderr
+    assert found.stdout == reference.stdout and json.loads(found.stdout)["steps"]
 
 
 def test_the_workers_hand_over_every_line_the_recorded_pass_reads():
     """The recorded pass (timeline.recorded_actions) reads the lines naming its marks from what the
-    workers found (rundir.MARKS): it must name no mark they do not look for."""
-    assert {timeline._RESTART_MARK, *timeline._AGENT_MARKS} <= set(rundir.MARKS)
+    workers found (parallel.MARKS): it must name no mark they do not look for."""
+    assert {timeline._RESTART_MARK, *timeline._AGENT_MARKS} <= set(parallel.MARKS)
 
 
 def test_replica_checks_in_a_run_directory_replay_alike(tmp_path, monkeypatch):
@@ -273,7 +273,7 @@ def test_replica_checks_in_a_run_directory_replay_alike(tmp_path, monkeypatch):
     at the check whose replicas disagree, written in a rotated part, compressed)."""
     from trainguard.decide import replica
 
-    assert timeline.replica.MARK in rundir.MARKS
+    assert timeline.replica.MARK in parallel.MARKS
     run = build_run(tmp_path / "run", seed=6, gap=False, ranks=2, rotate=1)
     good, bad = 0x1111, 0x2222
     log = run / "tls" / "rank-0.jsonl"

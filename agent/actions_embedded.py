@@ -192,15 +192,23 @@ def _restore(key: str, now: float, reason: str) -> Notice:
                   starts_at=now, source="embedded", reason=reason)
 
 
-def install(agent, executor, policy, config) -> StallWatchdog:
-    """Wire the embedded path into a running agent; returns the (started) watchdog."""
+def install_investigator(agent, executor, policy, config):
+    """The agent's one Investigator (agent/culprit.py): the watchdog's stalls and the executor's
+    Alertmanager restores both gather evidence through it before anything is ended."""
     from trainguard.agent.culprit import Investigator
 
+    if executor.investigator is None:
+        executor.investigator = Investigator(config.run_dir, node_name(), policy.restore, agent=agent,
+                                             record=executor.records.append, submit=executor.submit,
+                                             entry_points=executor.entry_points, launchers=executor.launchers)
+        agent.add_metrics_source(executor.investigator.families)
+    return executor.investigator
+
+
+def install(agent, executor, policy, config) -> StallWatchdog:
+    """Wire the embedded path into a running agent; returns the (started) watchdog."""
     agent.add_decision_handler(DecisionHandler(executor.submit))
-    investigator = Investigator(config.run_dir, node_name(), policy.restore, agent=agent,
-                                record=executor.records.append, submit=executor.submit,
-                                entry_points=executor.entry_points, launchers=executor.launchers)
-    agent.add_metrics_source(investigator.families)
+    investigator = install_investigator(agent, executor, policy, config)
     watchdog = StallWatchdog(config.run_dir, policy.alerts.stall_seconds, executor.submit,
                              startup_grace_seconds=policy.alerts.startup_grace_seconds,
                              investigate=investigator).start()

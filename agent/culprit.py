@@ -52,14 +52,16 @@ class Investigator:
         self.log = tglog.get("agent.culprit", node=host)
         self.verdicts: dict[tuple[str, str], int] = {}    # (node, kind) -> count, for the metric
 
-    def __call__(self, notice: Notice, live: list) -> Notice | None:
+    def __call__(self, notice: Notice, live: list, fallback: Callable[[Notice], object] | None = None) -> Notice | None:
+        """`fallback(notice)` restores this node's ranks if they outlive the culprit's eviction (default:
+        submit the notice; the executor's own restore after evidence passes its verdict's)."""
         try:
-            return self.investigate(notice, live)
+            return self.investigate(notice, live, fallback)
         except Exception as exc:        # never let a failed investigation keep the run hung
             self.log.error("investigation failed; restoring in place", error=f"{type(exc).__name__}: {exc}")
             return notice
 
-    def investigate(self, notice: Notice, live: list) -> Notice | None:
+    def investigate(self, notice: Notice, live: list, fallback: Callable[[Notice], object] | None = None) -> Notice | None:
         incident_id, leader = claim(self.run_dir, stall_key(self.run_dir))
         self.log.warning("stall: gathering evidence", incident=incident_id, leader=leader)
         summary = evidence.gather(self.run_dir, incident_id, self.host, live, self.agent,
@@ -71,7 +73,7 @@ class Investigator:
         if decided is None:
             self.log.error("no verdict in time; restoring in place", incident=incident_id)
             return notice
-        return self.act(decided, notice, live)
+        return self.act(decided, notice, live, fallback)
 
     # ---------------------------------------------------------------------------------- deciding
     def decide(self, incident_id: str, notice: Notice) -> dict:
@@ -105,7 +107,8 @@ class Investigator:
         self.record([{**tls.make_record(timestamp=incident.detected_at, event=event), "node": self.host}])
 
     # ------------------------------------------------------------------------------------ acting
-    def act(self, decided: dict, notice: Notice, live: list) -> Notice | None:
+    def act(self, decided: dict, notice: Notice, live: list,
+            fallback: Callable[[Notice], object] | None = None) -> Notice | None:
         if decided.get("action") != verdicts.EVICT:
             return notice
         node = (decided.get("culprit") or {}).get("node")
@@ -116,10 +119,10 @@ class Investigator:
             if not result["launchers_ended"]:
                 return notice       # no provable launcher: end the ranks at least (the node stays cordoned)
             return None
-        self._fallback(notice, live)
+        self._fallback(notice, live, fallback)
         return None
 
-    def _fallback(self, notice: Notice, live: list) -> None:
+    def _fallback(self, notice: Notice, live: list, restore_here: Callable[[Notice], object] | None = None) -> None:
         """The culprit's node is being kept out: our ranks should fail with it. If they are still alive
         after FALLBACK_RESTORE_SECONDS, restore them after all."""
         pids = {(info.rank, info.pid) for info in live}
@@ -127,9 +130,10 @@ class Investigator:
         def check() -> None:
             alive = {(info.rank, info.pid) for info, _ in restore.local_ranks(restore.read_ranks(self.run_dir)[0],
                                                                               self.host)}
-            if pids & alive and self.submit is not None:
+            act = restore_here or (None if self.submit is None else lambda n: self.submit([n]))
+            if pids & alive and act is not None:
                 self.log.warning("ranks outlived the culprit's eviction; restoring them", ranks=sorted(pids & alive))
-                self.submit([notice])
+                act(notice)
         timer = threading.Timer(FALLBACK_RESTORE_SECONDS, check)
         timer.daemon = True
         timer.start()

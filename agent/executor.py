@@ -261,7 +261,11 @@ class Executor:
         self.failures = 0                         # decisions not done: a write or the action failed
         self._failing: str | None = None          # the failure being reported (logged once until it clears)
         self._retry: list[Notice] = []            # embedded notices waiting for a retry
+        self._investigations: list[threading.Thread] = []   # restores gathering evidence (tests join them)
         self._retry_timer: threading.Timer | None = None
+        # agent/culprit.py Investigator, set by the agent (webhook.install): an Alertmanager restore then
+        # gathers the incident's evidence before ranks are ended, as the embedded watchdog's does.
+        self.investigator: Callable[..., Notice | None] | None = None
         self.recover()
 
     @classmethod
@@ -295,14 +299,72 @@ class Executor:
         self.records.append([self._alert_record(v, now) for v in verdicts])
         for verdict in verdicts:
             self._log_verdict(verdict)
-        results = [self._execute(v, now) for v in verdicts if v.executes]
+        later = [v for v in verdicts if v.executes and self._needs_evidence(v)]
+        results = [self._execute(v, now) for v in verdicts if v.executes and v not in later]
         self.records.append(results)
         failed = [r for r in results if r.get("outcome") == "failed"]
         if failed:
             raise OSError(failed[0].get("errno") or 0, failed[0]["error"])
         for verdict in verdicts:
             self.outcomes[verdict.outcome] = self.outcomes.get(verdict.outcome, 0) + 1
+        for verdict in later:
+            self._restore_after_evidence(verdict)
         return verdicts
+
+    # ------------------------------------------------------------- restore: evidence before ending
+    def _needs_evidence(self, verdict: Verdict) -> bool:
+        """An Alertmanager restore on a live run: the embedded watchdog's gathered evidence before it was
+        submitted; this one must gather it here, before anything is ended."""
+        return (verdict.action == actions.RESTORE and verdict.notice.source != "embedded"
+                and self.investigator is not None and not verdict.dry_run)
+
+    def _restore_after_evidence(self, verdict: Verdict) -> None:
+        """Gather the incident's evidence, then carry out the restore, on a thread of its own: the webhook
+        answers as soon as the decision is on disk (Alertmanager's notify timeout is 10 s, evidence takes up
+        to `restore.evidence_seconds` and more), and the time it takes is bounded by the Investigator's
+        waits (py-spy's timeout, the Flight Recorder and verdict waits). The decision is already recorded:
+        an agent that dies meanwhile redoes the restore at its next start (`recover`)."""
+        thread = threading.Thread(target=self._investigate_and_restore, args=(verdict,),
+                                  name="restore-evidence", daemon=True)
+        thread.start()
+        self._investigations.append(thread)
+
+    def _investigate_and_restore(self, verdict: Verdict) -> None:
+        assert self.investigator is not None
+        live = [info for info, _ in restore.local_ranks(restore.read_ranks(self.run_dir)[0], self.host)]
+        self.log.warning("restore: gathering evidence before ending ranks", alertname=verdict.notice.alertname,
+                         id=request_id(verdict), ranks=[info.rank for info in live])
+        after = self.investigator(verdict.notice, live, fallback=lambda notice: self._finish(verdict, notice))
+        self._finish(verdict, after)
+
+    def _finish(self, verdict: Verdict, after: Notice | None, attempts: int = 12) -> None:
+        """Record the restore's result: carried out, or (`after` None) the culprit's node kept out instead
+        (agent/culprit.py ended its launcher, or will restore here if the ranks outlive it)."""
+        for _ in range(attempts):
+            with self._lock:
+                now = self.clock()
+                try:
+                    if after is None:
+                        result = self._kept_out(verdict, now)
+                    else:
+                        result = self._execute(verdict, now)
+                    self.records.append([result])
+                    if result.get("outcome") != "failed":
+                        return
+                except OSError as exc:
+                    result = {"error": str(exc)}
+                self.failures += 1
+                self.log.error("restore after evidence not done; will retry", error=result.get("error"),
+                               id=request_id(verdict))
+            time.sleep(RETRY_SECONDS)
+
+    def _kept_out(self, verdict: Verdict, now: float) -> dict:
+        n = verdict.notice
+        result = {"id": request_id(verdict), "action": verdict.action, "alertname": n.alertname,
+                  "reason": verdict.reason, "key": n.key, "source": n.source, "issued_at": now,
+                  "outcome": "kept_out", "why": "the incident's culprit node is kept out (agent/culprit.py)"}
+        self.log.warning("restore not needed here: the culprit's node is kept out", id=result["id"])
+        return {**tls.event("action", timestamp=now, **result), "node": self.node}
 
     def _not_done(self, notices: list[Notice], exc: OSError) -> None:
         """Report a failure once (until writes work again); queue the embedded notices for a retry."""

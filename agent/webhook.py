@@ -305,6 +305,7 @@ def install(server, agent, config) -> None:
     agent.add_metrics_source(lambda: [*webhook.families(), *executor.families()])
     log.info("webhook ready", path=PATH, token_file=str(settings.token_file), dry_run=settings.dry_run,
              embedded=settings.embedded)
+    actions_embedded.install_investigator(agent, executor, policy, config)   # evidence before a restore
     if settings.embedded:
         actions_embedded.install(agent, executor, policy, config)
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from trainguard import rundir
 from trainguard import actions
 from trainguard import log as tglog
 from trainguard.agent import restore
@@ -92,7 +93,7 @@ class StallWatchdog:
         now, monotonic = self.clock(), self.monotonic()
         out = []
         for info, _ in live:
-            step, at, ended_at = rank_progress(self.run_dir / "tls" / f"rank-{info.rank}.jsonl")
+            step, at, ended_at = rank_progress(rundir.rank_log(self.run_dir, info.rank))
             if ended_at is not None and ended_at >= info.started_at:
                 continue        # this attempt has finished (or was stopped) and is leaving: not stalled
             seen = self._seen.get(info.rank)

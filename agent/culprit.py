@@ -26,6 +26,7 @@ from typing import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from trainguard import rundir
 from trainguard import incidents
 from trainguard import log as tglog
 from trainguard.agent import evict, evidence, restore
@@ -156,7 +157,7 @@ class Investigator:
 def stall_key(run_dir: Path) -> str:
     """The same on every node for one stall: the run's newest step and launcher attempt."""
     infos, _ = restore.read_ranks(run_dir)
-    steps = [last_step(run_dir / "tls" / f"rank-{info.rank}.jsonl")[0] for info in infos]
+    steps = [last_step(rundir.rank_log(run_dir, info.rank))[0] for info in infos]
     attempt = max((_restart_count(info) for info in infos), default=0)
     newest = max((s for s in steps if s is not None), default=0)
     return f"step{newest}-attempt{attempt}"

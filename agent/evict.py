@@ -27,13 +27,13 @@ from pathlib import Path
 import psutil
 
 from trainguard import log as tglog
+from trainguard import rundir
 from trainguard.agent import restore
 
 HOST_NAME_BAD = ("/", "\0")
 
 
-def cordon_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "control" / "cordon"
+cordon_dir = rundir.cordon_dir
 
 
 def check_host(host: str) -> str:
@@ -88,8 +88,7 @@ def evictions_since(run_dir: str | os.PathLike, since: float) -> int:
 
 # ------------------------------------------------------------------------------------ launchers
 
-def launchers_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "control" / "launchers"
+launchers_dir = rundir.launchers_dir
 
 
 def read_launchers(run_dir: str | os.PathLike) -> dict[str, dict]:

@@ -35,7 +35,6 @@ acts on recovery.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -47,7 +46,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client.core import CounterMetricFamily
 
-from trainguard import actions, tls
+from trainguard import actions, rundir, tls
 from trainguard import log as tglog
 from trainguard.agent import restore
 from trainguard.node import node_name
@@ -152,7 +151,7 @@ class EventLog:
                     raise OSError(28, f"wrote {written} of {len(data)} bytes")
                 os.fsync(fd)
             except OSError as exc:
-                _truncate(fd, size)
+                rundir.cut_back(fd, size)   # a partial record must not glue onto the next one
                 raise OSError(exc.errno, f"{self.path}: {exc.strerror or exc} ({len(data)} bytes needed)") from None
         finally:
             os.close(fd)
@@ -163,41 +162,6 @@ class EventLog:
             return []
         return [line.record["event"] for line in tls.iter_lines(self.path)
                 if line.record is not None and isinstance(line.record.get("event"), dict)]
-
-
-def _truncate(fd: int, size: int) -> None:
-    try:
-        os.ftruncate(fd, size)
-    except OSError:
-        pass     # the reader skips a torn line; the record is written again on the retry
-
-
-def append_request(path: Path, request: dict) -> bool:
-    """Append one control request unless its id is already there (under an exclusive lock); fsynced."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            handle.seek(0)
-            for raw in handle:
-                try:
-                    if json.loads(raw).get("id") == request["id"]:
-                        return False
-                except (ValueError, AttributeError):
-                    continue
-            handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            line = json.dumps(request, separators=(",", ":")).encode() + b"\n"
-            try:
-                handle.write(line)
-                handle.flush()
-                os.fsync(handle.fileno())
-            except OSError as exc:
-                _truncate(handle.fileno(), size)   # a torn request must not glue onto the next one
-                raise OSError(exc.errno, f"{path}: {exc.strerror or exc} ({len(line)} bytes needed)") from None
-            return True
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def claim(path: Path, node: str, now: float) -> str:
@@ -251,8 +215,7 @@ class Executor:
         self.node, self.host = node, host or node_name()
         self.ledger, self.clock = ledger, clock
         self.grace = restore_grace_seconds
-        self.records = EventLog(self.run_dir / "tls" / f"node-{node}-actions.jsonl")
-        self.control_path = self.run_dir / "control" / "actions.jsonl"
+        self.records = EventLog(rundir.node_actions_log(self.run_dir, node))
         self.log = tglog.get("agent.executor", node=node)
         self._lock = threading.Lock()
         self.outcomes: dict[str, int] = {}
@@ -412,8 +375,8 @@ class Executor:
     # ------------------------------------------------------------------------------------ execute
     def _execute(self, verdict: Verdict, now: float) -> dict:
         n = verdict.notice
-        request = {"id": request_id(verdict), "action": verdict.action, "alertname": n.alertname,
-                   "reason": verdict.reason, "issued_at": now}
+        request = rundir.request(verdict.action, request_id(verdict), alertname=n.alertname,
+                                 reason=verdict.reason, issued_at=now)
         result: dict[str, Any] = {"id": request["id"], "action": verdict.action, "alertname": n.alertname,
                                   "reason": verdict.reason, "key": n.key, "source": n.source, "issued_at": now}
         try:
@@ -423,7 +386,7 @@ class Executor:
                 self.log.info("job-level action carried out by another agent", action=verdict.action,
                               alertname=n.alertname, claimed_by=claimant, id=request["id"])
                 return {**tls.event("action", timestamp=now, **result), "node": self.node}
-            result["appended"] = append_request(self.control_path, request)
+            result["appended"] = rundir.append_request(self.run_dir, request)
             if verdict.action == actions.RESTORE:
                 result.update(restore.end_local_ranks(self.run_dir, self.host, started_before=n.starts_at,
                                                     grace_seconds=self.grace, trust=self._trust()))
@@ -444,7 +407,7 @@ class Executor:
         agent claimed it first (RUN/control/claims/<request id>, created once with O_EXCL)."""
         if not job_level(verdict.notice):
             return self.node
-        return claim(self.run_dir / "control" / "claims" / request_id, self.node, now)
+        return claim(rundir.claim_path(self.run_dir, request_id), self.node, now)
 
     def _trust(self) -> restore.Trust:
         """Built at each restore: the run directory (whose owner root trusts) may appear after the agent."""

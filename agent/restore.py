@@ -33,7 +33,6 @@ after it.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -43,6 +42,8 @@ from pathlib import Path
 import psutil
 
 from trainguard import log as tglog
+from trainguard import rundir
+from trainguard.rundir import RankInfo, read_ranks   # the reading end of RUN/control/ranks (trainguard/rundir.py)
 
 BUNDLED_ENTRY_POINT = "trainguard.trainer.train"
 BUNDLED_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
@@ -64,44 +65,6 @@ REFUSALS = {
 }
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    pid: int
-    host: str
-    started_at: float
-    path: Path
-    create_time: float | None = None      # psutil create_time of the rank's process, as it recorded it
-    uid: int | None = None
-    launcher_pid: int | None = None
-    launcher_create_time: float | None = None
-    restarts_left: int | None = None      # of its launcher (None: not said)
-
-
-def _optional(data: dict, key: str, kind: type):
-    return None if data.get(key) is None else kind(data[key])
-
-
-def read_ranks(run_dir: str | Path) -> tuple[list[RankInfo], list[str]]:
-    """Every readable rank file, and a message for each unreadable one (file and field named)."""
-    found, problems = [], []
-    for path in sorted((Path(run_dir) / "control" / "ranks").glob("rank-*.json")):
-        try:
-            data = json.loads(path.read_text())
-            found.append(RankInfo(int(data["rank"]), int(data["pid"]), str(data["host"]),
-                                  float(data["started_at"]), path,
-                                  create_time=_optional(data, "create_time", float),
-                                  uid=_optional(data, "uid", int),
-                                  launcher_pid=_optional(data, "launcher_pid", int),
-                                  launcher_create_time=_optional(data, "launcher_create_time", float),
-                                  restarts_left=_optional(data, "restarts_left", int)))
-        except FileNotFoundError:
-            continue    # replaced between the listing and the read: the launcher is restarting it
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            problems.append(f"{path}: {type(exc).__name__}: {exc}")
-    return found, problems
-
-
 class RankFiles:
     """`read_ranks`, read again only when RUN/control/ranks changes (collectors and the watchdog ask often).
 
@@ -115,7 +78,7 @@ class RankFiles:
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
-        self._directory = str(self.run_dir / "control" / "ranks")
+        self._directory = str(rundir.ranks_dir(self.run_dir))
         self._version: tuple[int, int] | None = None     # (inode, mtime_ns) of the directory when read
         self._infos: list[RankInfo] = []
 

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from trainguard import rundir
 from trainguard.trainer import config as cfg
 from trainguard.trainer.faults import FaultError, parse as parse_fault
 
@@ -177,7 +178,7 @@ def _check_checkpoint_key(config: cfg.TrainConfig, run_dir: Path, start_over: bo
     from trainguard.trainer.checkpoint import CheckpointError, CheckpointManager
     from trainguard.trainer.checkpoint.manager import KeyMismatchError
 
-    if not (run_dir / "checkpoints").is_dir():
+    if not rundir.checkpoints_dir(run_dir).is_dir():
         return None   # nothing signed yet (and nothing is created here: the disk may be full)
     try:
         manager = CheckpointManager(run_dir, key_file=config.run.key_file or None, inspect_only=True)

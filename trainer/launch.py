@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainguard import log
+from trainguard import log, rundir
 from trainguard.node import node_name
 from trainguard.trainer import flight_recorder
 
@@ -49,7 +49,7 @@ def parse_nnodes(text: str) -> tuple[int, int]:
 
 def cordon_refusal(run_dir: Path) -> str | None:
     """Why this node must not join (it is cordoned: RUN/control/cordon/<node>), or None."""
-    path = run_dir / "control" / "cordon" / node_name()
+    path = rundir.cordon_path(run_dir, node_name())
     if not path.exists():
         return None
     return (f"node {node_name()} is cordoned ({path}): it does not join the job until "
@@ -58,9 +58,9 @@ def cordon_refusal(run_dir: Path) -> str | None:
 
 def write_launcher_file(run_dir: Path, nodes: Nodes) -> Path:
     """``RUN/control/launchers/<node>.json``: this launcher, for the agent (the job's elastic bounds)."""
-    directory = run_dir / "control" / "launchers"
+    path = rundir.launcher_path(run_dir, node_name())
+    directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{node_name()}.json"
     tmp = directory / f".{node_name()}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps({"host": node_name(), "pid": os.getpid(), "started_at": time.time(),
                                "min_nodes": nodes.min_nodes, "max_nodes": nodes.max_nodes}))

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from trainguard import incidents
+from trainguard import incidents, rundir
 from trainguard.decide.replica import (ARBITRATION, CHECK_EVENT, MISMATCH, ReplicaCheck, ReplicaMonitor,
                                        ReplicaPolicy, Verdict, agree, check_fields)
 from trainguard.trainer import fingerprint as fp
@@ -32,8 +32,7 @@ META_KEY = "replica_fingerprint"
 DETECTED_BY = "replica_check"
 
 
-def cordon_path(run_dir: str | os.PathLike, host: str) -> Path:
-    return Path(run_dir) / "control" / "cordon" / host
+cordon_path = rundir.cordon_path
 
 
 def incident_id(step: int, when: float) -> str:
@@ -233,7 +232,7 @@ def recorded_fingerprint(run_dir: Path, step: int) -> str | None:
     from trainguard.trainer.checkpoint.manifest import MANIFEST_NAME
 
     try:
-        manifest = json.loads((run_dir / "checkpoints" / f"step_{step}" / MANIFEST_NAME).read_text())
+        manifest = json.loads((rundir.checkpoints_dir(run_dir) / f"step_{step}" / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return None
     return ((manifest.get("meta") or {}).get(META_KEY) or {}).get("weights")

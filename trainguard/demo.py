@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainguard import rundir
 from trainguard import actions
 from trainguard import tls
 
@@ -141,7 +142,7 @@ STORY = {
 
 def print_story(run_dir: Path) -> None:
     """What the guard and the actions did, from the rank-0 log: the demo's point, in a few lines."""
-    path = run_dir / "tls" / "rank-0.jsonl"
+    path = rundir.rank_log(run_dir, 0)
     if not path.exists():
         return
     last = None

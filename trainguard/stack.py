@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from trainguard import rundir
 from trainguard import demo
 
 # Short intervals so the story plays out in a minute or two; a real run keeps the defaults.
@@ -149,7 +150,7 @@ def print_alert_actions(run_dir: Path) -> None:
     """The agent's side of the story: which alerts arrived and what it did."""
     from trainguard import tls
 
-    for path in sorted((run_dir / "tls").glob("node-*-actions.jsonl")):
+    for path in sorted(rundir.tls_dir(run_dir).glob("node-*-actions.jsonl")):
         for line in tls.iter_lines(path):
             event = (line.record or {}).get("event") or {}
             if event.get("type") in ("alert", "action"):

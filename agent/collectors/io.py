@@ -18,6 +18,7 @@ from pathlib import Path
 
 from prometheus_client.core import Metric
 
+from trainguard import rundir
 from ..collector import Collector, Sample, register
 from ..families import LabelCache, Labels, Spec
 from ..procfs import DiskStats, read_diskstats, read_net_dev
@@ -71,7 +72,7 @@ class IOCollector(Collector):
         self.disks = DeviceFilter(self.name, exclude, opts["device_include"])
         self.nics = DeviceFilter(self.name, opts["netdev_device_exclude"], opts["netdev_device_include"],
                                  prefix="netdev_device")
-        checkpoints = opts["checkpoint_dir"] or (ctx.run_dir / "checkpoints" if ctx.run_dir else None)
+        checkpoints = opts["checkpoint_dir"] or (rundir.checkpoints_dir(ctx.run_dir) if ctx.run_dir else None)
         self.checkpoint_fs = CheckpointFilesystem(Path(checkpoints)) if checkpoints else None
         self._previous: dict[str, DiskStats] = {}
         self._failed: dict[str, str] = {}      # source -> its error, while it fails

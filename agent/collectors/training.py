@@ -19,6 +19,7 @@ import re
 import time
 from pathlib import Path
 
+from trainguard import rundir
 from trainguard import actions
 from trainguard import log as tglog
 from trainguard import policy as tgpolicy
@@ -61,14 +62,14 @@ class TrainingCollector(Collector):
         self.run_dir = Path(ctx.run_dir)
         self.log = tglog.get("agent.training", node=ctx.node)
         self.node_files = NodeFiles(self.run_dir, ctx.node)   # a shared run directory: this node's ranks only
-        self.follower = Follower(self.run_dir / "tls", "rank-*.jsonl", select=self.node_files)
+        self.follower = Follower(rundir.tls_dir(self.run_dir), "rank-*.jsonl", select=self.node_files)
         self.offsets_path = self.run_dir / "agent" / f"offsets-{ctx.node}.json"
         self.state = TrainingState()
         opts = options(ctx.options, self.name, policy=None, save_every_seconds=5.0,
                        checkpoint_rescan_seconds=CHECKPOINT_RESCAN_SECONDS, per_rank=True)
         self.save_every = opts["save_every_seconds"]
         self.per_rank = opts["per_rank"]    # False: the node's lead rank only (docs/scale.md, the series budget)
-        self.checkpoints = CheckpointLister(self.run_dir / "checkpoints", opts["checkpoint_rescan_seconds"])
+        self.checkpoints = CheckpointLister(rundir.checkpoints_dir(self.run_dir), opts["checkpoint_rescan_seconds"])
         self._unsaved = False
         self._saved_at: float | None = None   # monotonic time of the last save; None: never
         self.meter = self._cost_meter(opts["policy"] or ctx.policy)

@@ -9,7 +9,8 @@ import pytest
 from tests.alerts.helpers import read_jsonl
 from tests.alerts.ranks import STANDIN, Ranks, alive, rewrite
 from trainguard import actions
-from trainguard.agent.executor import EventLog, Executor, append_request, request_id
+from trainguard import rundir
+from trainguard.agent.executor import EventLog, Executor, request_id
 from trainguard.decide.ledger import Ledger, Limits, Notice
 from trainguard.trainer.control import ControlChannel
 
@@ -84,11 +85,11 @@ def test_cost_tiers_from_two_agents_on_one_run_reach_the_trainer_once(tmp_path):
 
 
 def test_append_request_skips_an_id_already_there(tmp_path):
-    path = tmp_path / "control" / "actions.jsonl"
-    assert append_request(path, {"id": "a", "action": "rollback"})
+    path = rundir.requests_path(tmp_path)
+    assert rundir.append_request(tmp_path, {"id": "a", "action": "rollback"})
     path.open("a").write("not json\n")
-    assert not append_request(path, {"id": "a", "action": "rollback"})
-    assert append_request(path, {"id": "b", "action": "rollback"})
+    assert not rundir.append_request(tmp_path, {"id": "a", "action": "rollback"})
+    assert rundir.append_request(tmp_path, {"id": "b", "action": "rollback"})
     assert [json.loads(line)["id"] for line in path.read_text().splitlines() if line.startswith("{")] == ["a", "b"]
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from trainguard import actions, tls
+from trainguard import actions, rundir, tls
 from trainguard.decide import stall
 from trainguard.decide import ledger as tgledger
 from trainguard.decide.cost import CostMeter
@@ -254,21 +254,7 @@ def _action_event(record: dict, event: dict) -> Recorded:
 
 def _control_requests(given: list[Path]) -> list[dict]:
     """RUN/control/actions.jsonl of each run directory given: the requests the agents wrote for the ranks."""
-    import json
-
-    requests = []
-    for root in given:
-        path = (root.parent if root.name == "tls" else root) / "control" / "actions.jsonl"
-        if not path.is_file():
-            continue
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                request = json.loads(line)
-            except ValueError:
-                continue    # a torn last line: the agent's own reader skips it too
-            if isinstance(request, dict) and request.get("action"):
-                requests.append(request)
-    return requests
+    return [request for root in given for request in rundir.read_requests(rundir.run_dir_of(root))]
 
 
 def stall_notices(files: list[Path], outcome: engine.Outcome, policy: Policy) -> list[tgledger.Notice]:

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainguard import rundir
 from trainguard import formats
 
 _ROTATED = re.compile(r"^(?P<base>.+\.jsonl)(?:\.(?P<n>\d+))?(?:\.gz|\.zst)?$")
@@ -52,7 +53,7 @@ def host_of(path: Path) -> str:
 
 
 def read_checkpoints(run_dir: Path) -> list[Checkpoint]:
-    root = run_dir / "checkpoints"
+    root = rundir.checkpoints_dir(run_dir)
     found = []
     for path in sorted(root.glob("step_*")) if root.is_dir() else []:
         match = re.fullmatch(r"step_(\d+)", path.name)

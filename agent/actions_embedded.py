@@ -201,7 +201,8 @@ def install_investigator(agent, executor, policy, config):
     if executor.investigator is None:
         executor.investigator = Investigator(config.run_dir, node_name(), policy.restore, agent=agent,
                                              record=executor.records.append, submit=executor.submit,
-                                             entry_points=executor.entry_points, launchers=executor.launchers)
+                                             entry_points=executor.entry_points, launchers=executor.launchers,
+                                             key_file=executor.checkpoint_key_file)
         agent.add_metrics_source(executor.investigator.families)
     return executor.investigator
 

@@ -46,8 +46,10 @@ class Investigator:
     def __init__(self, run_dir: str | Path, host: str, policy: RestorePolicy, *, agent=None,
                  record: Callable[[list[dict]], object] | None = None,
                  submit: Callable[[list[Notice]], object] | None = None,
-                 entry_points: tuple[str, ...] = (), launchers: tuple[str, ...] = ()):
+                 entry_points: tuple[str, ...] = (), launchers: tuple[str, ...] = (),
+                 key_file: str | Path | None = None):
         self.run_dir, self.host, self.policy = Path(run_dir), host, policy
+        self.key_file = key_file          # the run's checkpoint key: signs cordons (trainguard/cordon.py)
         self.entry_points, self.launchers = entry_points, launchers   # what the restore trusts, as the executor
         self.agent, self.record, self.submit = agent, record, submit
         self.log = tglog.get("agent.culprit", node=host)
@@ -78,11 +80,11 @@ class Investigator:
 
     # ---------------------------------------------------------------------------------- deciding
     def decide(self, incident_id: str, notice: Notice) -> dict:
-        hosts = job_hosts(self.run_dir)
+        hosts = job_hosts(self.run_dir, self.key_file)
         wait_for_nodes(self.run_dir, incident_id, hosts, self.policy.evidence_seconds + 5)
         ranks, nodes = evidence.load(self.run_dir, incident_id)
         verdict = verdicts.decide(ranks, nodes)
-        action, why = verdicts.eviction(verdict, job(self.run_dir, hosts), self.policy.evict,
+        action, why = verdicts.eviction(verdict, job(self.run_dir, hosts, self.key_file), self.policy.evict,
                                         self.policy.max_evictions_per_hour)
         incident = incidents.Incident(
             id=incident_id, kind="hang", detected_at=time.time(), detected_by=f"agent:{self.host}",
@@ -90,7 +92,11 @@ class Investigator:
             action=action, extra={"stall": notice.reason, "nodes": sorted(hosts)})
         incidents.write_incident(self.run_dir, incident)
         if action == verdicts.EVICT:
-            evict.cordon(self.run_dir, verdict.node, incident=incident_id, reason=why, by=f"agent:{self.host}")
+            try:
+                evict.cordon(self.run_dir, verdict.node, incident=incident_id, reason=why, by=f"agent:{self.host}",
+                             key_file=self.key_file)
+            except evict.CannotCordon as exc:   # the launcher is still ended; it could join again if restarted
+                self.log.error(str(exc), incident=incident_id)
         self._record_culprit(incident)
         self.log.warning("verdict", incident=incident_id, culprit=verdict.culprit, action=action,
                          confidence=verdict.confidence, reasons=incident.reasons)
@@ -147,9 +153,16 @@ class Investigator:
             counts.add_metric([node, kind], count)
         cordoned = GaugeMetricFamily("trainguard_node_cordoned", "1 for each node kept out of the job "
                                      "(RUN/control/cordon/<host>) until `trainguard uncordon`.", labels=["node"])
-        for host in sorted(evict.cordoned(self.run_dir)):
-            cordoned.add_metric([host], 1)
-        return [counts, cordoned]
+        refused = GaugeMetricFamily("trainguard_cordon_refused", "1 for each cordon file that is not honoured "
+                                    "(not signed with the run's checkpoint key, changed, or copied from another "
+                                    "host's): the node is NOT kept out (trainguard/cordon.py).",
+                                    labels=["node", "reason"])
+        for host, found in sorted(evict.cordons(self.run_dir, self.key_file).items()):
+            if found.honoured:
+                cordoned.add_metric([host], 1)
+            else:
+                refused.add_metric([host, str(found.refused)], 1)
+        return [counts, cordoned, refused]
 
 
 # ------------------------------------------------------------------------------- shared run directory
@@ -194,24 +207,24 @@ def claim(run_dir: Path, key: str) -> tuple[str, bool]:
     return incident_id, True
 
 
-def job_hosts(run_dir: Path) -> set[str]:
+def job_hosts(run_dir: Path, key_file: str | Path | None = None) -> set[str]:
     """The nodes of the job's current attempt (the hosts of the newest attempt's rank files), not cordoned."""
     infos, _ = restore.read_ranks(run_dir)
     if not infos:
         return set()
     attempt = max(_restart_count(i) for i in infos)
     hosts = {i.host for i in infos if _restart_count(i) == attempt}
-    return hosts - set(evict.cordoned(run_dir))
+    return hosts - set(evict.cordoned(run_dir, key_file))
 
 
-def job(run_dir: Path, hosts: set[str]) -> verdicts.Job:
+def job(run_dir: Path, hosts: set[str], key_file: str | Path | None = None) -> verdicts.Job:
     launchers = evict.read_launchers(run_dir)
     bounds = [(int(launchers[h].get("min_nodes", 1)), int(launchers[h].get("max_nodes", 1)))
               for h in hosts if h in launchers]
     min_nodes = min((lo for lo, _ in bounds), default=len(hosts))
     max_nodes = max((hi for _, hi in bounds), default=len(hosts))
     return verdicts.Job(tuple(sorted(hosts)), min_nodes, max_nodes,
-                        evict.evictions_since(run_dir, time.time() - 3600))
+                        evict.evictions_since(run_dir, time.time() - 3600, key_file))
 
 
 def wait_for_nodes(run_dir: Path, incident_id: str, hosts: set[str], seconds: float) -> set[str]:

@@ -298,7 +298,7 @@ def install(server, agent, config) -> None:
     except (OSError, ValueError) as exc:
         log.error(f"bad configuration: webhook.token_file: {exc}")
         raise SystemExit(2) from None
-    executor = Executor.for_agent(config, policy, settings)
+    executor = Executor.for_agent(config, policy, settings, claim_secret=token)   # signs job-level claims
     limit = min(settings.max_body_bytes, getattr(server, "max_body_bytes", settings.max_body_bytes))
     webhook = Webhook(token, executor, limit)
     server.add_route("POST", PATH, webhook.route)

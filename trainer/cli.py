@@ -284,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc > 1 or max_restarts > 0 or nodes is not None:
         from trainguard.trainer.launch import launch
 
-        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=max_restarts, nodes=nodes)
+        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=max_restarts, nodes=nodes,
+                      key_file=config.run.key_file or None)
     from trainguard.trainer.train import run_worker
 
     return run_worker(config, run_dir)

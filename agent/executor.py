@@ -274,7 +274,7 @@ class Executor:
         thread = threading.Thread(target=self._investigate_and_restore, args=(verdict,),
                                   name="restore-evidence", daemon=True)
         thread.start()
-        self._investigations.append(thread)
+        self._investigations = [t for t in self._investigations if t.is_alive()] + [thread]
 
     def _investigate_and_restore(self, verdict: Verdict) -> None:
         assert self.investigator is not None

@@ -260,10 +260,12 @@ class Executor:
 
     # ------------------------------------------------------------- restore: evidence before ending
     def _needs_evidence(self, verdict: Verdict) -> bool:
-        """An Alertmanager restore on a live run: the embedded watchdog's gathered evidence before it was
-        submitted; this one must gather it here, before anything is ended."""
+        """An Alertmanager restore while this node has live ranks: the embedded watchdog's gathered the
+        evidence before it was submitted; this one must gather it here, before anything is ended. (With no
+        live rank here there is nothing to take stacks of and nothing to end: it is carried out at once.)"""
         return (verdict.action == actions.RESTORE and verdict.notice.source != "embedded"
-                and self.investigator is not None and not verdict.dry_run)
+                and self.investigator is not None and not verdict.dry_run
+                and bool(restore.local_ranks(restore.read_ranks(self.run_dir)[0], self.host)))
 
     def _restore_after_evidence(self, verdict: Verdict) -> None:
         """Gather the incident's evidence, then carry out the restore, on a thread of its own: the webhook

@@ -32,21 +32,14 @@ def special(kind: str, tmp_path) -> tuple[str, str]:
     return "/dev/zero", "is a device"
 
 
+@pytest.mark.parametrize("flag, named", [("--config", "config file"), ("--key-file", "checkpoint key file")])
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "directory"])
-def test_a_config_that_is_not_a_regular_file_is_named_with_exit_2(kind, tmp_path):
+def test_a_config_or_key_that_is_not_a_regular_file_is_named_with_exit_2(kind, flag, named, tmp_path):
     path, what = special(kind, tmp_path)
-    done = train("--run-dir", str(tmp_path / "run"), "--config", path)
+    done = train("--run-dir", str(tmp_path / "run"), flag, path)
     assert done.returncode == 2, done.stderr
-    assert f"{path}: {what}, not a config file" in done.stderr and "Traceback" not in done.stderr
+    assert f"{path}: {what}, not a {named}" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "run").exists()          # refused before anything is written
-
-
-@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "directory"])
-def test_a_key_file_that_is_not_a_regular_file_is_named_with_exit_2(kind, tmp_path):
-    path, what = special(kind, tmp_path)
-    done = train("--run-dir", str(tmp_path / "run"), "--key-file", path)
-    assert done.returncode == 2, done.stderr
-    assert f"{path}: {what}, not a checkpoint key file" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_a_key_file_that_does_not_exist_yet_is_still_created(tmp_path):

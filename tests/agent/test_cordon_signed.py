@@ -10,7 +10,6 @@ agent exports it, and `trainguard uncordon` removes either kind.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

@@ -289,7 +289,7 @@ class RankPids:
         if run_dir is not None:
             from .restore import RankFiles     # psutil and logging only when a run directory is watched
 
-            self._files = RankFiles(run_dir)
+            self._files = RankFiles(run_dir, self.ours)
         self._infos: list | None = None      # the RankFiles list the mapping was made from
         self._pids: dict[int, int] = {}
 
@@ -299,5 +299,5 @@ class RankPids:
         infos = self._files.read()
         if infos is not self._infos:
             self._infos = infos
-            self._pids = {info.rank: info.pid for info in sorted(infos, key=lambda i: i.rank) if info.host in self.ours}
+            self._pids = {info.rank: info.pid for info in infos}     # this node's, in rank order
         return self._pids

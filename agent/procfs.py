@@ -13,6 +13,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainguard.metrics.node import DiskStats   # read here, rendered there
+
 
 class ParseError(ValueError):
     """A kernel or run-dir file that does not parse; the message names file, line and field."""
@@ -54,14 +56,6 @@ DISKSTAT_FIELDS = (
     "discards_completed", "discards_merged", "sectors_discarded", "discard_ms",
     "flushes_completed", "flush_ms",
 )
-
-
-@dataclass(frozen=True)
-class DiskStats:
-    major: int
-    minor: int
-    device: str
-    stats: dict[str, int]    # the DISKSTAT_FIELDS this kernel wrote, in order
 
 
 def read_diskstats(procfs: Path) -> list[DiskStats]:

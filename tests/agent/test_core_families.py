@@ -1,4 +1,4 @@
-"""The parts collectors build families from (agent/families.py), the rank files read only when they change
+"""The parts collectors build families from (trainguard/metrics/families.py), the rank files read only when they change
 (restore.RankFiles), and the ranks' environments read once per process (nccl.RankEnvironments)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tests.agent.exposition import render
 from trainguard import rundir
 from trainguard.agent import restore
 from trainguard.agent.collectors.nccl import ENV_VARS, RankEnvironments
-from trainguard.agent.families import NO_LABELS, LabelCache, Labels, Spec
+from trainguard.metrics.families import NO_LABELS, LabelCache, Labels, Spec
 from trainguard.agent.procfs import RankPids
 from trainguard.trainer.control import write_rank_file
 

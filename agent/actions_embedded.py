@@ -31,19 +31,10 @@ from trainguard.agent import restore
 from trainguard.agent.stop_signal import StopSignal
 from trainguard.decide import stall
 from trainguard.decide.decision import Decision
+from trainguard.decide.embedded import ALERT_OF, cost_notice
 from trainguard.decide.ledger import FIRING, Notice
 from trainguard.node import node_name
 from trainguard.tls import format_timestamp, parse_timestamp
-
-# The alert each embedded decision stands in for: the records name it, as an alert's would.
-ALERT_OF = {actions.COST_WARN: "CostBudgetWarn", actions.COST_THROTTLE: "CostBudgetThrottle",
-            actions.COST_STOP: "CostBudgetStop", actions.RESTORE: "TrainingStalled"}
-
-
-def cost_notice(decision: Decision) -> Notice:
-    """A cost meter decision as a notice; its key is the tier, which acts once per run."""
-    return Notice.from_decision(decision, ALERT_OF[decision.action], key=f"embedded:{decision.action}")
-
 
 class DecisionHandler:
     """The agent's decision handler: cost tier decisions into the executor."""

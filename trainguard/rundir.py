@@ -4,6 +4,7 @@
     RUN/tls/node-<node>.jsonl              the agent's node log
     RUN/tls/node-<node>-actions.jsonl      the agent's decisions and actions (agent/executor.py)
     RUN/checkpoints/step_<N>/              verified checkpoints (trainer/checkpoint/)
+    RUN/checkpoints/status.json            the last save's outcome (trainer/checkpoint/manager.py writes it)
     RUN/incidents/<id>/                    incidents and their evidence (trainguard/incidents.py)
     RUN/control/actions.jsonl              requests: the agent writes (`append_request`), rank 0 reads (`Requests`)
     RUN/control/acked.jsonl                request ids the trainer handled (`append_ack`, `read_acked`)
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PathLike = str | os.PathLike
+CHECKPOINT_STATUS_FILE = "status.json"
 
 
 # ------------------------------------------------------------------------------------------- paths
@@ -53,6 +55,10 @@ def node_actions_log(run_dir: PathLike, node: str) -> Path:
 
 def checkpoints_dir(run_dir: PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_status_path(run_dir: PathLike) -> Path:
+    return checkpoints_dir(run_dir) / CHECKPOINT_STATUS_FILE
 
 
 def incidents_dir(run_dir: PathLike) -> Path:
@@ -119,6 +125,17 @@ def run_dir_of(path: PathLike) -> Path:
     """The run directory of `path`, which names either it or its tls/ folder."""
     path = Path(path)
     return path.parent if path.name == "tls" else path
+
+
+# --------------------------------------------------------------------- RUN/checkpoints/status.json
+
+def read_checkpoint_status(run_dir: PathLike) -> dict | None:
+    """The last checkpoint save's outcome (trainer/checkpoint/manager.py `SaveStatus`), or None when there is
+    none (or it cannot be read: the writer rewrites it in place, so a reader may meet it half written)."""
+    try:
+        return json.loads(checkpoint_status_path(run_dir).read_bytes().strip() or b"null")
+    except (OSError, ValueError):
+        return None
 
 
 # ----------------------------------------------------------------- RUN/control/actions.jsonl (requests)

@@ -17,5 +17,8 @@ ALERT_OF = {actions.COST_WARN: "CostBudgetWarn", actions.COST_THROTTLE: "CostBud
 
 
 def cost_notice(decision: Decision) -> Notice:
-    """A cost meter decision as a notice; its key is the tier, which acts once per run."""
-    return Notice.from_decision(decision, ALERT_OF[decision.action], key=f"embedded:{decision.action}")
+    """A cost meter decision (a cost tier) as a notice; its key is the tier, which acts once per run."""
+    tier = decision.action
+    if tier not in actions.COST_ORDER:
+        raise ValueError(f"not a cost tier: {tier!r}")
+    return Notice.from_decision(decision, ALERT_OF[tier], key=f"embedded:{tier}")

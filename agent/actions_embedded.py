@@ -182,21 +182,3 @@ def _restore(key: str, now: float, reason: str) -> Notice:
     """The watchdog's restore notice (one per `key`: the loop submits a key once)."""
     return Notice(alertname=ALERT_OF[actions.RESTORE], status=FIRING, action=actions.RESTORE, key=key,
                   starts_at=now, source="embedded", reason=reason)
-
-
-def install(agent, executor, policy, config) -> StallWatchdog:
-    """Wire the embedded path into a running agent; returns the (started) watchdog."""
-    from trainguard.agent.culprit import Investigator
-
-    agent.add_decision_handler(DecisionHandler(executor.submit))
-    investigator = Investigator(config.run_dir, node_name(), policy.restore, agent=agent,
-                                record=executor.records.append, submit=executor.submit,
-                                entry_points=executor.entry_points, launchers=executor.launchers)
-    agent.add_metrics_source(investigator.families)
-    watchdog = StallWatchdog(config.run_dir, policy.alerts.stall_seconds, executor.submit,
-                             startup_grace_seconds=policy.alerts.startup_grace_seconds,
-                             investigate=investigator).start()
-    tglog.get("agent.embedded", node=config.node).info(
-        "embedded actions on", cost="training collector's meter", stall_seconds=policy.alerts.stall_seconds,
-        evict=policy.restore.evict)
-    return watchdog

@@ -5,6 +5,7 @@
     RUN/tls/node-<node>-actions.jsonl      the agent's decisions and actions (agent/executor.py)
     RUN/checkpoints/step_<N>/              verified checkpoints (trainer/checkpoint/)
     RUN/checkpoints/status.json            the last save's outcome (trainer/checkpoint/manager.py writes it)
+    RUN/policy.yaml                        the run's policy, when no --policy is given (trainguard/policy.py)
     RUN/incidents/<id>/                    incidents and their evidence (trainguard/incidents.py)
     RUN/control/actions.jsonl              requests: the agent writes (`append_request`), rank 0 reads (`Requests`)
     RUN/control/acked.jsonl                request ids the trainer handled (`append_ack`, `read_acked`)
@@ -59,6 +60,16 @@ def checkpoints_dir(run_dir: PathLike) -> Path:
 
 def checkpoint_status_path(run_dir: PathLike) -> Path:
     return checkpoints_dir(run_dir) / CHECKPOINT_STATUS_FILE
+
+
+def policy_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "policy.yaml"
+
+
+def run_policy(run_dir: PathLike) -> Path | None:
+    """RUN/policy.yaml when the run has one (else the caller's default policy applies)."""
+    path = policy_path(run_dir)
+    return path if path.exists() else None
 
 
 def incidents_dir(run_dir: PathLike) -> Path:

@@ -68,7 +68,7 @@ class TrainingCollector(Collector):
     # ---------------------------------------------------------------------------------- persistence
 
     def _cost_meter(self, policy_path) -> CostMeter:
-        path = policy_path or (self.run_dir / "policy.yaml" if (self.run_dir / "policy.yaml").exists() else None)
+        path = policy_path or rundir.run_policy(self.run_dir)
         return CostMeter(tgpolicy.load(path).cost)
 
     def _restore(self) -> bool:

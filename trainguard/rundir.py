@@ -6,6 +6,10 @@
     RUN/checkpoints/step_<N>/              verified checkpoints (trainer/checkpoint/)
     RUN/checkpoints/status.json            the last save's outcome (trainer/checkpoint/manager.py writes it)
     RUN/policy.yaml                        the run's policy, when no --policy is given (trainguard/policy.py)
+    RUN/preflight.json                     `trainguard preflight`'s result (preflight/result.py)
+    RUN/report.html                        `trainguard report` (trainguard/report/)
+    RUN/agent/offsets-<node>.json          the training collector's offsets and state (agent/collectors/training.py)
+    RUN/agent/webhook.token                the webhook's bearer token, when none is configured (agent/executor.py)
     RUN/incidents/<id>/                    incidents and their evidence (trainguard/incidents.py)
     RUN/control/actions.jsonl              requests: the agent writes (`append_request`), rank 0 reads (`Requests`)
     RUN/control/acked.jsonl                request ids the trainer handled (`append_ack`, `read_acked`)
@@ -70,6 +74,26 @@ def run_policy(run_dir: PathLike) -> Path | None:
     """RUN/policy.yaml when the run has one (else the caller's default policy applies)."""
     path = policy_path(run_dir)
     return path if path.exists() else None
+
+
+def preflight_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "preflight.json"
+
+
+def report_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "report.html"
+
+
+def agent_dir(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "agent"
+
+
+def offsets_path(run_dir: PathLike, node: str) -> Path:
+    return agent_dir(run_dir) / f"offsets-{node}.json"
+
+
+def webhook_token_path(run_dir: PathLike) -> Path:
+    return agent_dir(run_dir) / "webhook.token"
 
 
 def incidents_dir(run_dir: PathLike) -> Path:

@@ -52,7 +52,7 @@ class TrainingCollector(Collector):
         self.log = tglog.get("agent.training", node=ctx.node)
         self.node_files = NodeFiles(self.run_dir, ctx.node)   # a shared run directory: this node's ranks only
         self.follower = Follower(rundir.tls_dir(self.run_dir), "rank-*.jsonl", select=self.node_files)
-        self.offsets_path = self.run_dir / "agent" / f"offsets-{ctx.node}.json"
+        self.offsets_path = rundir.offsets_path(self.run_dir, ctx.node)
         self.state = TrainingState()
         opts = options(ctx.options, self.name, policy=None, save_every_seconds=5.0,
                        checkpoint_rescan_seconds=CHECKPOINT_RESCAN_SECONDS, per_rank=True)

@@ -44,6 +44,7 @@ class TrainingCollector(Collector):
     name = "training"
     interval = 2.0
     timeout = 10.0
+
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         if ctx.run_dir is None:
@@ -119,6 +120,8 @@ class TrainingCollector(Collector):
         families = training_families.families(self.state, now, meter=self.cost.metering,
                                               stragglers=self.stragglers, per_rank=self.per_rank)
         return Sample(families, tls=self.state.tls_fragment(now))
+
+    # ---------------------------------------------------------------------------------------- ingest
 
     def _ingest(self, chunk, log_error: bool) -> int:
         """Fold one line in; returns 1 when it was malformed."""

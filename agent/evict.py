@@ -30,6 +30,7 @@ from trainguard import log as tglog
 from trainguard import cordon as cordon_mod
 from trainguard import rundir
 from trainguard.agent import restore
+from trainguard.trainer import cordon_key
 
 cordon_dir = rundir.cordon_dir
 check_host = cordon_mod.check_host
@@ -43,16 +44,16 @@ def cordon(run_dir: str | os.PathLike, host: str, *, incident: str | None, reaso
            key_file: str | os.PathLike | None = None) -> Path:
     """Write the node's signed cordon (trainguard/cordon.py); an honoured cordon already there is kept.
     Raises CannotCordon when the key cannot be read (an unsigned cordon would be ignored anyway)."""
-    key, where = cordon_mod.signing_key(key_file, create=True)
+    key, where = cordon_key.signing_key(key_file, create=True)
     if key is None:
         raise CannotCordon(f"cannot cordon {host}: no checkpoint key to sign it with ({where}; set "
                            f"webhook.checkpoint_key_file to the trainer's key)")
-    return cordon_mod.write(run_dir, host, key, incident=incident, reason=reason, by=by)
+    return cordon_key.write_cordon(run_dir, host, key, incident=incident, reason=reason, by=by)
 
 
 def cordons(run_dir: str | os.PathLike, key_file: str | os.PathLike | None = None) -> dict[str, cordon_mod.Cordon]:
     """host -> its cordon, checked against the agent's key (honoured, or why not)."""
-    key, _ = cordon_mod.signing_key(key_file)
+    key, _ = cordon_key.signing_key(key_file)
     return cordon_mod.read_all(run_dir, key)
 
 

@@ -90,7 +90,7 @@ class WebhookSettings:
         if unknown:
             raise ConfigError(f"webhook.{unknown[0]}: unknown key (known: {', '.join(cls.KEYS)})")
         run_dir = Path(config.run_dir) if config.run_dir is not None else Path(".")
-        default = run_dir / "agent" / "webhook.token"
+        default = rundir.webhook_token_path(run_dir)
         kwargs: dict[str, Any] = {"token_file": Path(values.get("token_file") or default),
                                   "default_token_file": default}
         for key in ("dry_run", "embedded"):

@@ -52,8 +52,9 @@ def cordon_refusal(run_dir: Path, key_file: str | None = None) -> str | None:
     checkpoint key), or None. A cordon that is not honoured (unsigned, forged, copied) is ignored loudly:
     stderr, a ``cordon_ignored`` TLS event (trainguard/cordon.py), and the node joins."""
     from trainguard import cordon
+    from trainguard.trainer.cordon_key import signing_key
 
-    key, key_path = cordon.signing_key(key_file)
+    key, key_path = signing_key(key_file)
     found = cordon.read_one(run_dir, node_name(), key)
     if found is None:
         return None

@@ -206,17 +206,17 @@ class ReplicaChecks:
 
     def _cordon(self, host: str, verdict: Verdict, ident: str) -> None:
         """RUN/control/cordon/<host>: kept out of the job until `trainguard uncordon` (the reason inside)."""
-        from trainguard import cordon
+        from trainguard.trainer import cordon_key
 
         reason = {"reason": "replica_mismatch", "detected_by": DETECTED_BY, "incident": ident,
                   "step": verdict.step, "ranks": list(verdict.ranks), "what": verdict.what, "time": time.time(),
                   "why": list(verdict.reasons), "by": f"rank:{self.rank}"}
-        key, where = cordon.signing_key(self.key_file, create=True)
+        key, where = cordon_key.signing_key(self.key_file, create=True)
         if key is None:
             self.log.error("could not sign the cordon file: no checkpoint key", host=host, error=where)
             return
         try:
-            cordon.write(self.run_dir, host, key, **reason)
+            cordon_key.write_cordon(self.run_dir, host, key, **reason)
         except OSError as exc:
             self.log.error("could not write the cordon file", host=host, error=str(exc))
             return

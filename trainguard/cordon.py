@@ -3,7 +3,7 @@
 A cordon stops a node from training (its launcher refuses to join, trainer/launch.py), so it is an
 action that needs proof: anyone who can write the run directory could otherwise evict any node. A cordon
 is signed (trainguard/signed.py, purpose ``cordon/1``, bound to its host) with the run's checkpoint HMAC
-key (trainer/checkpoint/keys.py) — the key the ranks already hold (trainer/replica_check.py writes a
+key (trainer/cordon_key.py finds it as trainer/checkpoint/keys.py does) — the key the ranks already hold (trainer/replica_check.py writes a
 cordon after a second replica mismatch) and the agent is given (``webhook.checkpoint_key_file``, by
 default the same place the trainer looks: ``$TRAINGUARD_CHECKPOINT_KEY`` or
 ``$XDG_CONFIG_HOME/trainguard/checkpoint.key``), and that lives outside the run directory.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard import paths, rundir, signed, tls
+from trainguard import rundir, signed, tls
 
 PURPOSE = "cordon/1"
 HOST_NAME_BAD = ("/", "\0")
@@ -52,32 +52,9 @@ def check_host(host: str) -> str:
     return host
 
 
-# -------------------------------------------------------------------------------------------- key
-
-def signing_key(key_file: str | os.PathLike | None = None, create: bool = False) -> tuple[bytes | None, str]:
-    """(the run's checkpoint key, its path), or (None, why not). A reader never creates it (a key only it
-    held would honour nothing); a writer does, where the trainer would (its first start creates it too)."""
-    from trainguard.trainer.checkpoint import keys
-    from trainguard.trainer.checkpoint.manifest import CheckpointError
-
-    path = keys.resolve_key_path(key_file)
-    try:
-        if path.exists():
-            paths.regular_file(path, "checkpoint key file")   # a FIFO would block the read
-        return keys.load_key(path, create=create), str(path)
-    except (CheckpointError, OSError) as exc:
-        return None, str(exc)
-
-
-def key_id(key: bytes) -> str:
-    from trainguard.trainer.checkpoint import keys
-
-    return keys.key_id(key)
-
-
 # ------------------------------------------------------------------------------------- read, write
 
-def write(run_dir: str | os.PathLike, host: str, key: bytes, **fields: Any) -> Path:
+def write(run_dir: str | os.PathLike, host: str, key: bytes, key_id: str | None = None, **fields: Any) -> Path:
     """Write the host's signed cordon (atomic). An honoured cordon already there is kept (the first
     verdict's reasons); one that is not honoured (forged, unsigned) is replaced by this one."""
     path = rundir.cordon_path(run_dir, check_host(host))
@@ -85,7 +62,7 @@ def write(run_dir: str | os.PathLike, host: str, key: bytes, **fields: Any) -> P
     if existing is not None and existing.honoured:
         return path
     record = signed.sign(key, PURPOSE, {**fields, "host": host, "cordoned_at": fields.get("cordoned_at", time.time())},
-                         key_id=key_id(key))
+                         key_id=key_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{host}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=1) + "\n")

@@ -92,8 +92,9 @@ def list_incidents(run_dir: Path, as_json: bool) -> int:
 def print_cordons(run_dir: Path) -> None:
     """The run's cordon files, each checked with this user's checkpoint key (trainguard/cordon.py)."""
     from trainguard import cordon
+    from trainguard.trainer.cordon_key import signing_key   # a command may reach the trainer's key
 
-    key, where = cordon.signing_key()
+    key, where = signing_key()
     for host, found in sorted(cordon.read_all(run_dir, key).items()):
         if found.honoured:
             print(f"cordoned   {host}: kept out of the job (incident {found.record.get('incident')}, "

@@ -4,6 +4,12 @@
     RUN/tls/node-<node>.jsonl              the agent's node log
     RUN/tls/node-<node>-actions.jsonl      the agent's decisions and actions (agent/executor.py)
     RUN/checkpoints/step_<N>/              verified checkpoints (trainer/checkpoint/)
+    RUN/checkpoints/status.json            the last save's outcome (trainer/checkpoint/manager.py writes it)
+    RUN/policy.yaml                        the run's policy, when no --policy is given (trainguard/policy.py)
+    RUN/preflight.json                     `trainguard preflight`'s result (preflight/result.py)
+    RUN/report.html                        `trainguard report` (trainguard/report/)
+    RUN/agent/offsets-<node>.json          the training collector's offsets and state (agent/collectors/training.py)
+    RUN/agent/webhook.token                the webhook's bearer token, when none is configured (agent/executor.py)
     RUN/incidents/<id>/                    incidents and their evidence (trainguard/incidents.py)
     RUN/control/actions.jsonl              requests: the agent writes (`append_request`), rank 0 reads (`Requests`)
     RUN/control/acked.jsonl                request ids the trainer handled (`append_ack`, `read_acked`)
@@ -31,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PathLike = str | os.PathLike
+CHECKPOINT_STATUS_FILE = "status.json"
 
 
 # ------------------------------------------------------------------------------------------- paths
@@ -53,6 +60,40 @@ def node_actions_log(run_dir: PathLike, node: str) -> Path:
 
 def checkpoints_dir(run_dir: PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_status_path(run_dir: PathLike) -> Path:
+    return checkpoints_dir(run_dir) / CHECKPOINT_STATUS_FILE
+
+
+def policy_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "policy.yaml"
+
+
+def run_policy(run_dir: PathLike) -> Path | None:
+    """RUN/policy.yaml when the run has one (else the caller's default policy applies)."""
+    path = policy_path(run_dir)
+    return path if path.exists() else None
+
+
+def preflight_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "preflight.json"
+
+
+def report_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "report.html"
+
+
+def agent_dir(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "agent"
+
+
+def offsets_path(run_dir: PathLike, node: str) -> Path:
+    return agent_dir(run_dir) / f"offsets-{node}.json"
+
+
+def webhook_token_path(run_dir: PathLike) -> Path:
+    return agent_dir(run_dir) / "webhook.token"
 
 
 def incidents_dir(run_dir: PathLike) -> Path:
@@ -119,6 +160,17 @@ def run_dir_of(path: PathLike) -> Path:
     """The run directory of `path`, which names either it or its tls/ folder."""
     path = Path(path)
     return path.parent if path.name == "tls" else path
+
+
+# --------------------------------------------------------------------- RUN/checkpoints/status.json
+
+def read_checkpoint_status(run_dir: PathLike) -> dict | None:
+    """The last checkpoint save's outcome (trainer/checkpoint/manager.py `SaveStatus`), or None when there is
+    none (or it cannot be read: the writer rewrites it in place, so a reader may meet it half written)."""
+    try:
+        return json.loads(checkpoint_status_path(run_dir).read_bytes().strip() or b"null")
+    except (OSError, ValueError):
+        return None
 
 
 # ----------------------------------------------------------------- RUN/control/actions.jsonl (requests)

@@ -108,9 +108,9 @@ def run_full_stack_demo(run_dir: Path, steps: int) -> int:
     except MissingBinary as exc:
         demo.say(str(exc))
         return 2
-    policy_path = run_dir / "policy.yaml"   # the agent reads RUN/policy.yaml too
+    policy_path = rundir.policy_path(run_dir)   # the agent reads RUN/policy.yaml too
     policy_path.write_text(yaml.safe_dump(DEMO_POLICY))
-    token_file = run_dir / "agent" / "webhook.token"
+    token_file = rundir.webhook_token_path(run_dir)
     token_file.parent.mkdir(parents=True, exist_ok=True)
     if not token_file.exists():
         token_file.write_text(os.urandom(24).hex() + "\n")

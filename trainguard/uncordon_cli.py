@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         paths.run_dir(args.run_dir)
-        key, where = cordon.signing_key()
+        from trainguard.trainer.cordon_key import signing_key   # a command may reach the trainer's key
+
+        key, where = signing_key()
         found = cordon.read_one(args.run_dir, args.host, key)
     except (FileNotFoundError, ValueError) as exc:
         print(f"trainguard uncordon: {exc}", file=sys.stderr)

@@ -22,6 +22,7 @@ from trainguard.agent.culprit import Investigator
 from trainguard.node import node_name
 from trainguard.policy import RestorePolicy
 from trainguard.trainer.checkpoint import keys
+from trainguard.trainer.cordon_key import write_cordon
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ def cli(*args, timeout=240):
 
 def test_only_a_cordon_signed_with_the_runs_key_for_its_own_host_is_honoured(tmp_path, key_file):
     key = keys.load_key(key_file)
-    cordon.write(tmp_path, "good", key, incident="i1", reason="hang culprit", by="agent:n1")
+    write_cordon(tmp_path, "good", key, incident="i1", reason="hang culprit", by="agent:n1")
     forge(tmp_path, "unsigned")                                                # round 1's form, or a stranger's
     cordon.write(tmp_path, "otherkey", b"k" * 40, incident="i2", reason="x", by="y")
     rundir.cordon_path(tmp_path, "copied").write_bytes(rundir.cordon_path(tmp_path, "good").read_bytes())
@@ -106,7 +107,7 @@ def test_a_forged_cordon_is_ignored_loudly_and_a_signed_one_keeps_the_node_out(t
     removed = cli("uncordon", str(run), host)
     assert removed.returncode == 0 and "NOT honoured" in removed.stdout and not rundir.cordon_path(run, host).exists()
 
-    cordon.write(run, host, keys.load_key(key_file), incident="i1", reason="hang culprit", by="agent:n1")
+    write_cordon(run, host, keys.load_key(key_file), incident="i1", reason="hang culprit", by="agent:n1")
     refused = cli(*train)
     assert refused.returncode == 4 and f"node {host} is cordoned" in refused.stderr
     assert f"cordoned   {host}: kept out of the job (incident i1" in cli("incidents", str(run)).stdout

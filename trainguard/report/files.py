@@ -27,7 +27,7 @@ def log_files(run_dir: Path) -> tuple[list[Path], list[Path]]:
     A folder without TLS logs that holds another tool's (TensorBoard, trainer_state.json, Megatron or
     torchtitan lines: trainguard.formats) has those as its rank logs, one run as rank 0's steps (the
     readers turn them into TLS records line by line)."""
-    tls = run_dir / "tls"
+    tls = rundir.tls_dir(run_dir)
     if not tls.is_dir():
         return [], formats.other_logs(run_dir)
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainguard import paths
+from trainguard import paths, rundir
 from trainguard.report.charts import format_elapsed, format_value
 from trainguard.report.data import event_detail
 from trainguard.report.files import log_files, read_checkpoints
@@ -106,9 +106,7 @@ def collect(run_dir: str | os.PathLike, tail_kib: int = TAIL_KIB, recent: int = 
 def _take_checkpoint_save(status: Status, root: Path) -> None:
     """A failing checkpoint save needs a human: RUN/checkpoints/status.json (the checkpoint manager's,
     rewritten in place so even a full disk can record it) says which, why and the bytes it needs."""
-    from trainguard.trainer.checkpoint.manager import read_status
-
-    saved = read_status(root)
+    saved = rundir.read_checkpoint_status(root)
     if isinstance(saved, dict) and saved.get("ok") is False:
         durable = saved.get("durable_step")
         status.attention.append(

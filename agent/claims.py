@@ -64,7 +64,7 @@ class Claims:
             return rundir.claim_path(self.run_dir, request_id)
         assert self.secret is not None
         tag = signed.tag(self.secret, PURPOSE, f"{request_id}/{generation}")
-        return rundir.claims_dir(self.run_dir) / f"{request_id}.takeover-{generation}-{tag}"
+        return rundir.takeover_claim_path(self.run_dir, request_id, generation, tag)
 
     # ------------------------------------------------------------------------------------- claim
     def take(self, request_id: str, now: float) -> Claim:

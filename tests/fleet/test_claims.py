@@ -11,10 +11,14 @@ import json
 import threading
 import time
 
+import pytest
+
 from tests.alerts.helpers import read_jsonl
 from trainguard import actions, rundir, signed
 from trainguard.agent import claims
-from trainguard.agent.executor import Executor, request_id
+from trainguard.agent.config import AgentConfig, ConfigError
+from trainguard.agent.executor import Executor, WebhookSettings, request_id
+from trainguard.policy import Policy
 from trainguard.decide.ledger import Ledger, Notice, Verdict
 
 TOKEN = b"the-job-webhook-token"
@@ -117,3 +121,20 @@ def test_a_claimant_that_finished_or_is_still_within_the_timeout_is_never_taken_
     time.sleep(1.5)
     assert outcomes(tmp_path, "n2") == ["claimed"] and second.claims.taken_over == 0
     assert len(rundir.read_requests(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("webhook, message", [
+    ({"claim_timeout_seconds": 0}, "webhook.claim_timeout_seconds: expected seconds >= 1"),
+    ({"claim_timeout_seconds": True}, "webhook.claim_timeout_seconds"),
+    ({"checkpoint_key_file": 5}, "webhook.checkpoint_key_file: expected a path"),
+])
+def test_bad_claim_and_key_settings_are_named(tmp_path, webhook, message):
+    with pytest.raises(ConfigError, match=message):
+        WebhookSettings.from_config(AgentConfig(run_dir=tmp_path, webhook=webhook))
+
+
+def test_claim_and_key_settings_reach_the_executor(tmp_path):
+    settings = WebhookSettings.from_config(AgentConfig(run_dir=tmp_path, webhook={
+        "claim_timeout_seconds": 5, "checkpoint_key_file": "~/k"}))
+    executor = Executor.for_agent(AgentConfig(run_dir=tmp_path, node="n1"), Policy(), settings, claim_secret=TOKEN)
+    assert executor.claims.timeout == 5.0 and str(executor.checkpoint_key_file).endswith("/k")

@@ -34,7 +34,7 @@ import yaml
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:       # annotations only: the series module imports the agent collectors (a second at start-up)
+if TYPE_CHECKING:       # annotations only: the series module (the metric families) is for --rules alone
     from trainguard.replay.series import Grid, SeriesTable
 
 PROMTOOL_TIMEOUT = 1800.0

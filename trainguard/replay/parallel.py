@@ -46,7 +46,7 @@ import numpy as np
 from trainguard.decide import replica as decide_replica
 from trainguard.decide.batch import Block
 from trainguard.replay import columns, source
-from trainguard.replay.picking import Action, Picked, Picker
+from trainguard.replay.picking import Picked, Picker
 
 ONE_PROCESS_ENV = "TRAINGUARD_REPLAY_ONE_PROCESS"   # set (to 1): the merged stream, as the reference
 
@@ -274,7 +274,6 @@ class _File:
     first: float | None = None
     failed: bool = False
 
-
     def lines_before(self, start: int) -> int:
         """The number of lines before byte `start` of the (plain) file: counted only when a malformed or
         marked line needs its number, on from where the last count ended."""
@@ -296,9 +295,21 @@ class _Unresolved:
     files: list = field(default_factory=list)
     ordinals: list = field(default_factory=list)
     best: list = field(default_factory=list)         # [(time, file, ordinal, count)] per step, filled later
+    _arrays: tuple | None = None
 
     def __bool__(self) -> bool:
         return bool(self.blocks)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """The held steps' times and files, and the best candidates so far as arrays (made once: every
+        step is held before the first file that is not the lead rank's comes in)."""
+        if self._arrays is None:
+            best = {"time": np.array([b[0] for b in self.best], np.float64),
+                    "file": np.array([b[1] for b in self.best], np.int64),
+                    "ordinal": np.array([b[2] for b in self.best], np.int64),
+                    "count": np.array([b[3] for b in self.best], np.int64)}
+            self._arrays = (np.array(self.times, np.float64), np.array(self.files, np.int64), best)
+        return self._arrays
 
 
 class _Run:
@@ -441,25 +452,27 @@ class _Run:
         """A file's GPU counts as candidates for the held steps: its latest one before each in merged order."""
         if not len(piece.gpu_ordinals):
             return
-        found = self.unresolved
+        wanted, files, best = self.unresolved.arrays()
         times = np.maximum(piece.gpu_latest, state.latest)
         ordinals = state.ordinals + piece.gpu_ordinals
-        wanted = np.array(found.times)
-        later_file = np.array(found.files) > piece.index      # this file sorts first at equal times
+        later_file = files > piece.index      # this file sorts first at equal times
         at = np.where(later_file, np.searchsorted(times, wanted, "right"), np.searchsorted(times, wanted, "left")) - 1
-        for i in np.flatnonzero(at >= 0):
-            j = at[i]
-            candidate = (float(times[j]), piece.index, int(ordinals[j]), int(piece.gpu_counts[j]))
-            if candidate[:3] > found.best[i][:3]:
-                found.best[i] = candidate
+        found = at >= 0
+        at = np.where(found, at, 0)
+        time, ordinal = times[at], ordinals[at]
+        # (time, file, ordinal) after the best so far, compared as tuples are
+        later = found & ((time > best["time"]) | ((time == best["time"]) & (
+            (piece.index > best["file"]) | ((piece.index == best["file"]) & (ordinal > best["ordinal"])))))
+        best["time"][later], best["file"][later], best["ordinal"][later] = time[later], piece.index, ordinal[later]
+        best["count"][later] = piece.gpu_counts[at][later]
 
     # ------------------------------------------------------------------------------------ the end
     def finish(self) -> None:
         found, i = self.unresolved, 0
+        counts = found.arrays()[2]["count"] if found else None
         for block, positions in found.blocks:
-            for position in positions:
-                block.gpus[position] = found.best[i][3]
-                i += 1
+            block.gpus[positions] = counts[i:i + len(positions)]
+            i += len(positions)
             self.decide(block)
         self.unresolved = _Unresolved()
         self.recorded.sort(key=lambda item: item[:3])
@@ -510,4 +523,4 @@ def _layers(records: list) -> tuple | None:
                  if r.metrics is not None and r.metrics.grad_norm_by_layer), None)
 
 
-__all__ = ["NotExact", "ONE_PROCESS_ENV", "fits", "replay", "Action"]
+__all__ = ["NotExact", "ONE_PROCESS_ENV", "fits", "replay"]

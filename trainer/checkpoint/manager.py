@@ -608,16 +608,19 @@ class CheckpointManager:
         return state
 
     def load_latest(self, *, stable_only: bool = False, map_location: Any = "cpu",
-                    into: dict | None = None) -> tuple[Checkpoint, dict] | None:
+                    into: dict | Callable[[], dict] | None = None) -> tuple[Checkpoint, dict] | None:
         """Restore in one pass: the newest checkpoint that verifies (signature, every hash, weights_only
         content), with its state. With `distributed`, every rank calls; rank 0 names each candidate and
-        all ranks agree it verified everywhere before loading it."""
+        all ranks agree it verified everywhere before loading it. `into` may be a function that builds
+        the target: it is called only once there is a candidate (building one can change a fresh
+        optimizer, which a run with nothing to restore must not see)."""
         with self._lock:
             candidates = self._step_dirs() if self.rank == 0 else iter(())
             while True:
                 path = self._group.broadcast(self._next_candidate(candidates, stable_only))
                 if path is None:
                     return None
+                into = into() if callable(into) else into
                 result, state = self._verify_and_load(Path(path), map_location, into)
                 if result.ok:
                     return Checkpoint.of(result), state

@@ -282,8 +282,8 @@ def _reader_class():
 
 def _still_as_verified(path: Path, now: os.stat_result, seen: os.stat_result | None) -> None:
     if seen is None:
-        raise CheckpointError(f"{path.name} is read by the checkpoint but not listed in its manifest",
-                              code="missing_file", path=path)
+        raise CheckpointError(f"{path.name} is read by the checkpoint but was not verified (not in its "
+                              "manifest, or not in this rank's load plan)", code="missing_file", path=path)
     if (now.st_size, now.st_mtime_ns, now.st_ctime_ns, now.st_ino) != (seen.st_size, seen.st_mtime_ns,
                                                                        seen.st_ctime_ns, seen.st_ino):
         raise CheckpointError(f"{path.name} changed after it was verified", code="hash_mismatch", path=path)
@@ -321,6 +321,20 @@ def _planners():
         load_bytes = SafeLoadPlanner.load_bytes
 
     return SafeLoadPlanner, SafeFullPlanner
+
+
+def files_read(target: dict | None, metadata_bytes: bytes) -> set[str] | None:
+    """The shard files a load into `target` reads (DCP's own planning of this rank's reads, done ahead on a
+    planner of its own, which leaves `target` as it is), or None for a whole load (every file)."""
+    if target is None:
+        return None
+    safe, _ = _planners()
+    metadata = read_metadata_bytes(metadata_bytes)
+    planner = safe()
+    with _dcp_errors():
+        planner.set_up_planner(target, metadata, False)
+        plan = planner.create_local_plan()
+    return {metadata.storage_data[item.storage_index].relative_path for item in plan.items}
 
 
 def load_into(folder: Path, target: dict, metadata_bytes: bytes, verified: dict[str, os.stat_result], *,

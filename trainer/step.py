@@ -7,6 +7,7 @@ protection library's (`trainguard.protect.sync`), called through `Protector.chec
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import nullcontext
 from typing import Any
 
@@ -104,9 +105,10 @@ class GradNorms:
 
 def shard_group(tensors: list[torch.Tensor]) -> Any:
     """The process group the tensors are sharded over (FSDP2's DTensors), or None for whole tensors."""
-    from torch.distributed.tensor import DTensor
-
-    first = next((t for t in tensors if isinstance(t, DTensor)), None)
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:   # never imported, so no DTensor exists (importing it costs seconds at a restart)
+        return None
+    first = next((t for t in tensors if isinstance(t, dtensor.DTensor)), None)
     return first.device_mesh.get_group() if first is not None else None
 
 

@@ -766,7 +766,10 @@ class SaveStatus:
             if os.fstat(fd).st_size < self.SIZE:
                 os.posix_fallocate(fd, 0, self.SIZE) if hasattr(os, "posix_fallocate") else None
             os.pwrite(fd, data + b" " * (self.SIZE - len(data)), 0)
-            os.fsync(fd)
+            if not fields.get("ok", False):
+                # a failure must survive a crash to be reported; a success is the checkpoint itself
+                # (durable already), so it costs the save no fsync of its own
+                os.fsync(fd)
         except OSError:
             pass  # the log and the event carry it; a status file must never fail a save
         finally:

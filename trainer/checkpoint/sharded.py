@@ -1,8 +1,10 @@
 """Sharded checkpoints through torch.distributed.checkpoint (DCP), with trainguard's guarantees kept.
 
 Writing: every rank writes its own shard files through DCP's ``FileSystemWriter``; the file system under
-it hashes each byte on its way to disk (`HashingFileSystem`), so a rank knows the SHA-256 and size of every
-file it wrote without a second pass. The coordinator's ``.metadata`` is hashed the same way. The caller
+it hashes each file once DCP has written and fsynced it, reading it back from the page cache in the thread
+that wrote it (`HashingFileSystem`), so a rank knows the SHA-256 and size of every file it wrote. The
+coordinator's ``.metadata`` is hashed the same way. (Hashing DCP's many small writes as they passed cost
+more: docs/checkpoints.md, "Hashing beside the writer".) The caller
 (the manager) gathers those entries to rank 0, which signs the manifest and renames the directory.
 
 Reading: nothing here trusts a byte that was not verified first. `SafeReader` unpickles ``.metadata``
@@ -42,30 +44,24 @@ def _dcp():
 
 # ------------------------------------------------------------------------------------------- writing
 
-class _HashingStream(io.RawIOBase):
-    """A file being written by DCP: hashed as written; its entry is recorded when DCP closes it."""
+class _WrittenStream(io.RawIOBase):
+    """A file being written by DCP. Keeps the first real write error (torch.save, which DCP calls per
+    tensor, masks ENOSPC with its own "unexpected pos"), so it can be reported instead."""
 
-    def __init__(self, path: Path, record: dict[str, FileEntry], errors: list[OSError]):
+    def __init__(self, path: Path, errors: list[OSError]):
         super().__init__()
         self._raw = open(path, "xb")
-        self._path, self._record, self._errors = path, record, errors
-        self._sha = hashlib.sha256()
-        self._bytes = 0
+        self._errors = errors
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._sha.update(view)
         try:
-            written = self._raw.write(view)
+            return self._raw.write(data)
         except OSError as exc:
-            # torch.save masks it with "unexpected pos"; kept to be reported instead (ENOSPC, EIO)
             self._errors.append(exc)
             raise
-        self._bytes += view.nbytes
-        return written
 
     def tell(self) -> int:
         return self._raw.tell()
@@ -84,15 +80,25 @@ class _HashingStream(io.RawIOBase):
             except OSError as exc:
                 self._errors.append(exc)
                 raise
-            self._record[self._path.name] = FileEntry(self._path.name, self._sha.hexdigest(), self._bytes)
         super().close()
+
+
+def hash_written(path: Path) -> FileEntry:
+    """SHA-256 and size of a file just written and fsynced, read back (from the page cache): the bytes
+    the kernel holds for the disk, not the buffers they were written from. One pass over the whole file
+    costs less than hashing DCP's many small writes as they pass (bench/bench_checkpoint.py)."""
+    with open(path, "rb", buffering=0) as handle:
+        digest = hashlib.file_digest(handle, "sha256")
+        size = os.fstat(handle.fileno()).st_size
+    return FileEntry(path.name, digest.hexdigest(), size)
 
 
 def _filesystem_class():
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class HashingFileSystem(FileSystem):
-        """DCP's local file system, with every file it creates hashed while written (`entries`)."""
+        """DCP's local file system; every file it creates is hashed once DCP has written and fsynced it
+        (`entries`), in the thread that wrote it (DCP's writer threads, its upload thread when async)."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -106,11 +112,14 @@ def _filesystem_class():
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            stream = _HashingStream(Path(path), self.entries, self.errors)
+            stream = _WrittenStream(Path(path), self.errors)
             try:
-                yield stream
+                yield stream   # DCP writes, flushes and (sync_files) fsyncs inside this block
             finally:
                 stream.close()
+            entry = hash_written(Path(path))
+            with self._lock:
+                self.entries[entry.name] = entry
 
         def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
             # DCP writes `.metadata.tmp` and renames it; the entry follows the file.

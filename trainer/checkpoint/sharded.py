@@ -270,17 +270,17 @@ def _reader_class():
                 yield stream
 
     class SafeReader(FileSystemReader):
-        """Reads only what was verified: `.metadata` from the verified bytes with an allowlist, each shard
-        through `VerifiedFileSystem`."""
+        """Reads only what was verified: `.metadata` as parsed from the verified bytes with an allowlist
+        (`read_metadata_bytes`), each shard through `VerifiedFileSystem`."""
 
-        def __init__(self, folder: Path, metadata_bytes: bytes, verified: dict[str, os.stat_result],
+        def __init__(self, folder: Path, metadata: Any, verified: dict[str, os.stat_result],
                      extension_registry: Any = None):
             super().__init__(folder, _extension_registry=extension_registry)
             self.fs = VerifiedFileSystem(verified)
-            self._metadata_bytes = metadata_bytes
+            self._metadata = metadata
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = read_metadata_bytes(self._metadata_bytes)
+            metadata = self._metadata
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -332,13 +332,12 @@ def _planners():
     return SafeLoadPlanner, SafeFullPlanner
 
 
-def files_read(target: dict | None, metadata_bytes: bytes) -> set[str] | None:
+def files_read(target: dict | None, metadata: Any) -> set[str] | None:
     """The shard files a load into `target` reads (DCP's own planning of this rank's reads, done ahead on a
     planner of its own, which leaves `target` as it is), or None for a whole load (every file)."""
     if target is None:
         return None
     safe, _ = _planners()
-    metadata = read_metadata_bytes(metadata_bytes)
     planner = safe()
     with _dcp_errors():
         planner.set_up_planner(target, metadata, False)
@@ -346,24 +345,24 @@ def files_read(target: dict | None, metadata_bytes: bytes) -> set[str] | None:
     return {metadata.storage_data[item.storage_index].relative_path for item in plan.items}
 
 
-def load_into(folder: Path, target: dict, metadata_bytes: bytes, verified: dict[str, os.stat_result], *,
+def load_into(folder: Path, target: dict, metadata: Any, verified: dict[str, os.stat_result], *,
               process_group: Any = None, distributed: bool = False, extensions: Any = None) -> None:
     """DCP-load into `target` in place, resharding to its layout (DTensors of any world size)."""
     safe, _ = _planners()
-    reader = _reader_class()(folder, metadata_bytes, verified, extensions)
+    reader = _reader_class()(folder, metadata, verified, extensions)
     with _dcp_errors():
         _dcp().load(target, storage_reader=reader, planner=safe(), process_group=process_group,
                     no_dist=not distributed)
 
 
-def load_full(folder: Path, metadata_bytes: bytes, verified: dict[str, os.stat_result], *,
+def load_full(folder: Path, metadata: Any, verified: dict[str, os.stat_result], *,
               int_key_paths: list[list[str]] = (), extensions: Any = None) -> dict:
     """The whole saved state as plain tensors, in this process (no collective): any world size can read
     it. Dicts whose keys were ints when saved (an optimizer's `state`) get int keys back."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     _, full = _planners()
-    reader = _reader_class()(folder, metadata_bytes, verified, extensions)
+    reader = _reader_class()(folder, metadata, verified, extensions)
     state: dict = {}
     with _dcp_errors():
         _load_state_dict(state, storage_reader=reader, planner=full(), no_dist=True)

@@ -51,7 +51,8 @@ class _WrittenStream(io.RawIOBase):
     def __init__(self, path: Path, errors: list[OSError]):
         super().__init__()
         self._raw = open(path, "xb")
-        self._errors = errors
+        self._path, self._errors = path, errors
+        self.hashing: Any = None   # the hash of the finished file, started when DCP asks to fsync it
 
     def writable(self) -> bool:
         return True
@@ -67,7 +68,23 @@ class _WrittenStream(io.RawIOBase):
         return self._raw.tell()
 
     def fileno(self) -> int:
+        # DCP asks for the descriptor to fsync the file it has finished writing: the bytes are all in the
+        # page cache now, so they are hashed (a thread, GIL-free) while the fsync waits for the disk.
+        if self.hashing is None:
+            self._raw.flush()
+            from trainguard.trainer.checkpoint import store
+
+            self.hashing = store._pool().submit(hash_written, self._path)
         return self._raw.fileno()
+
+    def entry(self) -> FileEntry:
+        """The file's entry once closed: the hash begun at the fsync if the file has not grown since (DCP
+        writes each file front to back, so the same size is the same bytes), else hashed now."""
+        if self.hashing is not None:
+            early = self.hashing.result()
+            if early.bytes == os.stat(self._path).st_size:
+                return early
+        return hash_written(self._path)
 
     def flush(self) -> None:
         if not self._raw.closed:
@@ -117,7 +134,7 @@ def _filesystem_class():
                 yield stream   # DCP writes, flushes and (sync_files) fsyncs inside this block
             finally:
                 stream.close()
-            entry = hash_written(Path(path))
+            entry = stream.entry()
             with self._lock:
                 self.entries[entry.name] = entry
 

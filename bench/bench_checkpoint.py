@@ -15,6 +15,7 @@ purpose: the host's 2 cores are shared) after one AdamW step, on CPU. One proces
   floor  copy of the state         one copy_ of every tensor into preallocated host buffers
   peer   DCP async_save, blocking  the time async_save() holds the caller (its staging)
   ours   async save, blocking      CheckpointManager.save(async_save=True): time save() holds the caller
+                                   (a manager's later saves, as in training: its first allocates the buffers)
   peer   DCP load + SHA-256        every file hashed, then torch.distributed.checkpoint.load into the model
   ours   verified restore          CheckpointManager.load_latest(into=...): signature, every hash, safe load
   peer   DCP load, resharded       a checkpoint saved by 2 FSDP2 ranks (torchrun, gloo) loaded into one plain
@@ -212,9 +213,12 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
                 results.setdefault(name, []).append(timed(run))
             os.sync()
             results.setdefault("DCP async_save, blocking", []).append(dcp_async_blocking(state, root / f"dcpa{i}"))
-            manager = CheckpointManager(root / f"async{i}", async_save=True, keep_last=1)
+            if i == 0:   # one manager for the run, as a trainer has: its staging buffers are kept
+                manager = CheckpointManager(root / "async", async_save=True, keep_last=1)
+                manager.save(1, state, stable=True)
+                manager.wait()
             os.sync()
-            handle = manager.save(1, state, stable=True)
+            handle = manager.save(2 + i, state, stable=True)
             manager.wait()
             results.setdefault("async save, blocking (ours)", []).append(handle.blocking_seconds)
             target = training_state(args.n_layer, args.n_embd)

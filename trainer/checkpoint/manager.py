@@ -147,6 +147,7 @@ class CheckpointManager:
         self._lock = threading.RLock()  # directory changes (publish, retention) against scans
         self._pending: tuple[SaveHandle, threading.Thread] | None = None
         self._stager = state_mod.Stager()
+        self._dcp_stager: Any = None   # DCP's staging buffers, kept between async saves (sharded.cached_stager)
         self._group = _Group(distributed)
         self.rank = self._group.rank
         self.failures = 0                    # consecutive failed saves (0 after a durable one)
@@ -248,9 +249,12 @@ class CheckpointManager:
         tmp = writer = None
         try:
             tmp = self._tmp_dir(handle)
+            if self._dcp_stager is None:
+                self._dcp_stager = sharded.cached_stager()
             future, writer = sharded.async_save(tmp, parts["tensors"], process_group=self._group.pg,
                                                 distributed=self._group.distributed,
-                                                extensions=compress_mod.writer_extensions(self.compress))
+                                                extensions=compress_mod.writer_extensions(self.compress),
+                                                stager=self._dcp_stager)
         except Exception as exc:
             future, writer = _failed_future(exc), None
         return {"tmp": tmp, "future": future, "writer": writer, "extra": extra,

@@ -181,15 +181,50 @@ def save(folder: Path, state: dict, *, process_group: Any = None, distributed: b
 
 
 def async_save(folder: Path, state: dict, *, process_group: Any, distributed: bool,
-               extensions: list | None = None) -> tuple[Any, Any]:
-    """DCP's async_save (its own staging into host memory, its upload thread): (future, writer). The
-    entries are in `written_entries(writer)` once the future is done."""
+               extensions: list | None = None, stager: Any = None) -> tuple[Any, Any]:
+    """DCP's async_save (its staging into host memory — `stager`, a `cached_stager()` kept from one save
+    to the next — and its upload thread): (future, writer). The entries are in `written_entries(writer)`
+    once the future is done."""
     writer = make_writer(folder, extensions=extensions)
     with _dcp_errors(writer):
         response = _dcp().async_save(state, storage_writer=writer, process_group=process_group,
-                                     no_dist=not distributed)
+                                     no_dist=not distributed, async_stager=stager)
     future = getattr(response, "upload_completion", response)
     return future, writer
+
+
+def cached_stager() -> Any:
+    """DCP's blocking stager that keeps its host copy of the state from one async save to the next (DCP's
+    own cache pins the memory, which needs a GPU: pinned here only where there is one). Allocating and
+    first touching a state's worth of fresh memory at every save costs several times the copy itself
+    (bench/bench_checkpoint.py: the copy floor). A state of another layout gets a fresh copy."""
+    import torch
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+    class CachedStager(BlockingAsyncStager):
+        def __init__(self) -> None:
+            super().__init__(cache_staged_state_dict=True)
+            self._layout: Any = None
+
+        def stage(self, state_dict: Any) -> Any:
+            layout = _layout_of(state_dict)
+            if self.state_dict_cache is None or layout != self._layout:
+                self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+                self._layout = layout
+            return _copy_state_dict(state_dict, self.state_dict_cache)   # non-tensor values: fresh
+
+    return CachedStager()
+
+
+def _layout_of(obj: Any) -> Any:
+    """The shape of a state: its keys and, for each tensor, its class, shape and dtype."""
+    if isinstance(obj, dict):
+        return tuple((key, _layout_of(value)) for key, value in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return tuple(_layout_of(value) for value in obj)
+    shape = getattr(obj, "shape", None)
+    return (type(obj).__name__, tuple(shape), str(obj.dtype)) if shape is not None else type(obj).__name__
 
 
 @contextmanager

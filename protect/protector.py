@@ -38,7 +38,7 @@ import torch
 
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
-from trainguard import tls
+from trainguard import rundir, tls
 from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SKIP_STEP, STOP
 from trainguard.decide.cost import CostMeter, clock_of
 from trainguard.decide.decision import CARRY_ON, Decision
@@ -129,7 +129,7 @@ class Protector:
             self.run_dir, rank=rank, world_size=world_size, on_event=self.telemetry.event, key_file=key_file,
             keep_last=keep_last, async_save=async_checkpoint, on_error=checkpoint_on_error,
             distributed=sharded_checkpoints)
-        self.stop_path = self.run_dir / "control" / "stopped.json"
+        self.stop_path = rundir.stopped_path(self.run_dir)
 
     # ------------------------------------------------------------------------------------ start, end
     def begin(self, **rank_info: Any) -> Begun:

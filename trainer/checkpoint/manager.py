@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator
 
 import trainguard
 from trainguard import log as tglog
+from trainguard import rundir
 from trainguard.tls import format_timestamp
 from trainguard.trainer.checkpoint import compress as compress_mod
 from trainguard.trainer.checkpoint import keys, sharded, store
@@ -44,7 +45,7 @@ from trainguard.trainer.checkpoint.manifest import CheckpointError, VerifyResult
 SUPERSEDED = "superseded"
 EXIT_NO_DURABLE_CHECKPOINT = 4   # a run that ends without a durable final checkpoint (RUN/checkpoints/status.json)
 INVALID = "invalid"          # checkpoints that did not verify, moved aside by retention (never deleted)
-STATUS_FILE = "status.json"  # the last save's outcome, for `trainguard status`
+STATUS_FILE = rundir.CHECKPOINT_STATUS_FILE  # the last save's outcome, for `trainguard status`
 ENGINES = ("dcp", "files")
 TENSOR_PARTS = ("model", "optim")   # through DCP; every other key goes to extra.pt (rank 0's)
 
@@ -780,12 +781,7 @@ class SaveStatus:
             os.close(fd)
 
 
-def read_status(run_dir: str | Path) -> dict | None:
-    """The last save's outcome (`SaveStatus`), or None when there is none."""
-    try:
-        return json.loads((Path(run_dir) / "checkpoints" / STATUS_FILE).read_bytes().strip() or b"null")
-    except (OSError, ValueError):
-        return None
+read_status = rundir.read_checkpoint_status   # the reading end lives with the run directory's paths
 
 
 def info_of(step: int, path: Path, result: VerifyResult) -> CheckpointInfo:

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from trainguard import actions, tls
+from trainguard import actions, rundir, tls
 from trainguard.decide import stall
 from trainguard.decide import ledger as tgledger
+from trainguard.decide.embedded import ALERT_OF, cost_notice   # the agent's own notices
 from trainguard.decide.cost import CostMeter
 from trainguard.policy import Policy
 from trainguard.replay import dynamics, engine, expect, replica, rules, source
@@ -254,21 +255,7 @@ def _action_event(record: dict, event: dict) -> Recorded:
 
 def _control_requests(given: list[Path]) -> list[dict]:
     """RUN/control/actions.jsonl of each run directory given: the requests the agents wrote for the ranks."""
-    import json
-
-    requests = []
-    for root in given:
-        path = (root.parent if root.name == "tls" else root) / "control" / "actions.jsonl"
-        if not path.is_file():
-            continue
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                request = json.loads(line)
-            except ValueError:
-                continue    # a torn last line: the agent's own reader skips it too
-            if isinstance(request, dict) and request.get("action"):
-                requests.append(request)
-    return requests
+    return [request for root in given for request in rundir.read_requests(rundir.run_dir_of(root))]
 
 
 def stall_notices(files: list[Path], outcome: engine.Outcome, policy: Policy) -> list[tgledger.Notice]:
@@ -287,7 +274,6 @@ def stall_notices(files: list[Path], outcome: engine.Outcome, policy: Policy) ->
                 found.append((line.record["timestamp"], index, line.lineno, line.record))
     found.sort(key=lambda item: item[:3])
     restores = stall.stall_actions((record for *_, record in found), stall_seconds)
-    from trainguard.agent.actions_embedded import ALERT_OF     # the name the agent's watchdog gives it
 
     return [tgledger.Notice(alertname=ALERT_OF[actions.RESTORE], status=tgledger.FIRING,
                             action=actions.RESTORE, key=f"stall@{r['timestamp'] - stall_seconds:.3f}",
@@ -305,7 +291,6 @@ def _execute(decided: list[engine.Action], alerts: list[rules.FiredAlert], polic
              stalls: list[tgledger.Notice] = ()) -> tuple[list[engine.Action], list[tgledger.Verdict]]:
     """Guard actions as they are; cost decisions, the stall watchdog's restores and acting alerts
     through the agent's ledger (its de-duplication and hourly limits, as live)."""
-    from trainguard.agent.actions_embedded import cost_notice   # the agent's own cost notice
 
     notices = [cost_notice(action.decision) for action in decided if action.source == "cost"]
     notices += stalls

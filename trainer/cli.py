@@ -29,6 +29,7 @@ FLAG_KEYS = {
     "micro_batch_size": ("optim", "micro_batch_size"), "lr": ("optim", "lr"),
     "schedule": ("optim", "schedule"), "schedule_preset": ("optim", "schedule_preset"),
     "clip_rule": ("optim", "clip_rule"),
+    "parallel": ("run", "parallel"),
 }
 
 
@@ -65,6 +66,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed: the policy's long-run numbers (default); cpu: spans scaled to a CPU run")
     parser.add_argument("--clip-rule", choices=("fixed", "zscore", "percentile"),
                         help="gradient clipping: fixed optim.grad_clip (default), ZClip z-score, AutoClip percentile")
+    parser.add_argument("--parallel", choices=("ddp", "fsdp2"),
+                        help="ddp: every rank holds the whole model (default); fsdp2: fully_shard, each rank "
+                             "holds and checkpoints a shard of every parameter (run.parallel)")
     parser.add_argument("--eval-every", type=int, metavar="N", help="validation loss every N steps")
     parser.add_argument("--peak-flops", type=float, metavar="FLOPS", help="peak FLOP/s per device for MFU")
     parser.add_argument("--run-id")
@@ -150,7 +154,17 @@ def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
             policy.load(config.run.policy)
         except policy.PolicyError as exc:
             raise cfg.ConfigError(str(exc)) from None
+    if (conflict := _replica_check_conflict(config)) is not None:
+        raise cfg.ConfigError(conflict)
     return cfg.validate(config, source=args.config or "config")
+
+
+def _replica_check_conflict(config: cfg.TrainConfig) -> str | None:
+    if config.run.parallel != "fsdp2":
+        return None   # (no torch import for the common case: the CLI starts faster)
+    from trainguard.trainer.parallel import replica_check_conflict
+
+    return replica_check_conflict(config.run.parallel, config.run.policy)
 
 
 def _regular_file(path: Path, what: str) -> None:

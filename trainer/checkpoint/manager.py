@@ -148,6 +148,7 @@ class CheckpointManager:
         self._lock = threading.RLock()  # directory changes (publish, retention) against scans
         self._pending: tuple[SaveHandle, threading.Thread] | None = None
         self._stager = state_mod.Stager()
+        self._dcp_stager: Any = None   # DCP's staging buffers, kept between async saves (sharded.cached_stager)
         self._group = _Group(distributed)
         self.rank = self._group.rank
         self.failures = 0                    # consecutive failed saves (0 after a durable one)
@@ -249,9 +250,12 @@ class CheckpointManager:
         tmp = writer = None
         try:
             tmp = self._tmp_dir(handle)
+            if self._dcp_stager is None:
+                self._dcp_stager = sharded.cached_stager()
             future, writer = sharded.async_save(tmp, parts["tensors"], process_group=self._group.pg,
                                                 distributed=self._group.distributed,
-                                                extensions=compress_mod.writer_extensions(self.compress))
+                                                extensions=compress_mod.writer_extensions(self.compress),
+                                                stager=self._dcp_stager)
         except Exception as exc:
             future, writer = _failed_future(exc), None
         return {"tmp": tmp, "future": future, "writer": writer, "extra": extra,
@@ -609,16 +613,19 @@ class CheckpointManager:
         return state
 
     def load_latest(self, *, stable_only: bool = False, map_location: Any = "cpu",
-                    into: dict | None = None) -> tuple[Checkpoint, dict] | None:
+                    into: dict | Callable[[], dict] | None = None) -> tuple[Checkpoint, dict] | None:
         """Restore in one pass: the newest checkpoint that verifies (signature, every hash, weights_only
         content), with its state. With `distributed`, every rank calls; rank 0 names each candidate and
-        all ranks agree it verified everywhere before loading it."""
+        all ranks agree it verified everywhere before loading it. `into` may be a function that builds
+        the target: it is called only once there is a candidate (building one can change a fresh
+        optimizer, which a run with nothing to restore must not see)."""
         with self._lock:
             candidates = self._step_dirs() if self.rank == 0 else iter(())
             while True:
                 path = self._group.broadcast(self._next_candidate(candidates, stable_only))
                 if path is None:
                     return None
+                into = into() if callable(into) else into
                 result, state = self._verify_and_load(Path(path), map_location, into)
                 if result.ok:
                     return Checkpoint.of(result), state
@@ -764,7 +771,10 @@ class SaveStatus:
             if os.fstat(fd).st_size < self.SIZE:
                 os.posix_fallocate(fd, 0, self.SIZE) if hasattr(os, "posix_fallocate") else None
             os.pwrite(fd, data + b" " * (self.SIZE - len(data)), 0)
-            os.fsync(fd)
+            if not fields.get("ok", False):
+                # a failure must survive a crash to be reported; a success is the checkpoint itself
+                # (durable already), so it costs the save no fsync of its own
+                os.fsync(fd)
         except OSError:
             pass  # the log and the event carry it; a status file must never fail a save
         finally:

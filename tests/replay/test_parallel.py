@@ -226,6 +226,17 @@ def test_a_lead_rank_decision_in_another_file_is_recorded_in_its_place(tmp_path,
     assert {"action": "rollback", "step": 33} in [{k: a[k] for k in ("action", "step")} for a in found["recorded_actions"]]
 
 
+@pytest.mark.parametrize("compress", [".gz", ".zst"])
+def test_a_rotated_part_cut_short_keeps_what_was_read(tmp_path, monkeypatch, compress):
+    """A compressed part copied while it was written: its lines before the cut (gzip: then one malformed line;
+    a zstd frame cut short just ends, as tls.open_log reads it)."""
+    run = build_run(tmp_path / "run", seed=8, rotate=1, compress=compress, gap=False)
+    part = run / "tls" / f"rank-0.jsonl.1{compress}"
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    found = json.loads(both_ways([run], monkeypatch))
+    assert found["steps"] and any(m["file"] == str(part) for m in found["malformed_lines"]) is (compress == ".gz")
+
+
 def test_one_compressed_log_and_files_without_records(tmp_path, monkeypatch):
     log = tmp_path / "rank-0.jsonl.zst"
     rng = random.Random(5)

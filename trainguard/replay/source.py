@@ -255,6 +255,7 @@ def decode_block(block: bytes, first_line: int | Callable[[], int], source: str,
 # A compressed log cut short (copied while it was written) ends the file, as one malformed line, in the
 # words of tls.iter_lines (the reader of the full path, which the typed path hands over to).
 _UNREADABLE = (EOFError, OSError, zlib.error, zstandard.ZstdError)
+UNREADABLE = _UNREADABLE      # for the other passes over the same files (replica.py)
 
 
 def _typed_chunks(path: Path, problems: Problems) -> Iterator[tuple[list[Record], None]]:
@@ -359,8 +360,8 @@ def first_block(path: str | os.PathLike) -> list[Record]:
                 records = decode_block(block, 1, str(path), Problems())
                 if records:
                     return records
-    except _UNREADABLE:
-        return []        # cut short before any record: the file's own pass reports it
+    except _UNREADABLE:      # a compressed log cut short inside the first block: line by line, as read
+        return [record for record, _ in itertools.islice(_typed_lines(Path(path), Problems()), 1)]
     return []
 
 

@@ -121,26 +121,37 @@ def build_actions(config: AgentConfig, agent: Agent, server: AgentServer) -> Act
     except (OSError, ValueError) as exc:
         log.error(f"bad configuration: webhook.token_file: {exc}")
         raise SystemExit(2) from None
-    executor = Executor.for_agent(config, policy, settings)
+    executor = Executor.for_agent(config, policy, settings, claim_secret=token)   # the token signs job-level claims
     webhook = Webhook(token, executor, min(settings.max_body_bytes, server.max_body_bytes))
     server.add_route("POST", PATH, webhook.route)
     agent.add_metrics_source(lambda: [*webhook.families(), *executor.families()])
     log.info("webhook ready", path=PATH, token_file=str(settings.token_file), dry_run=settings.dry_run,
              embedded=settings.embedded)
     actions = Actions(executor, webhook)
+    build_investigator(config, agent, executor, policy)   # evidence before any restore, embedded or not
     if settings.embedded:
         actions.watchdog = build_embedded(config, agent, executor, policy)
     return actions
+
+
+def build_investigator(config: AgentConfig, agent: Agent, executor: Executor,
+                       policy: policy_mod.Policy) -> Investigator:
+    """The agent's one Investigator (agent/culprit.py): the watchdog's stalls and the executor's
+    Alertmanager restores both gather an incident's evidence through it before anything is ended."""
+    investigator = Investigator(config.run_dir, node_name(), policy.restore, agent=agent,
+                                record=executor.records.append, submit=executor.submit,
+                                entry_points=executor.entry_points, launchers=executor.launchers,
+                                key_file=executor.checkpoint_key_file)
+    executor.investigator = investigator
+    agent.add_metrics_source(investigator.families)
+    return investigator
 
 
 def build_embedded(config: AgentConfig, agent: Agent, executor: Executor,
                    policy: policy_mod.Policy) -> actions_embedded.StallWatchdog:
     """The embedded path: cost tiers into the executor, the stall watchdog (started) and its investigator."""
     agent.add_decision_handler(actions_embedded.DecisionHandler(executor.submit))
-    investigator = Investigator(config.run_dir, node_name(), policy.restore, agent=agent,
-                                record=executor.records.append, submit=executor.submit,
-                                entry_points=executor.entry_points, launchers=executor.launchers)
-    agent.add_metrics_source(investigator.families)
+    investigator = executor.investigator or build_investigator(config, agent, executor, policy)
     watchdog = actions_embedded.StallWatchdog(config.run_dir, policy.alerts.stall_seconds, executor.submit,
                                               startup_grace_seconds=policy.alerts.startup_grace_seconds,
                                               investigate=investigator).start()

@@ -109,6 +109,8 @@ class Server(str):
 
     process: subprocess.Popen
     log_path: Path
+    ready_url: str | None = None             # what `wait_ready` waits for: this URL answering 200,
+    ready_port: tuple[str, int] | None = None    # else this port accepting
 
     def __new__(cls, url: str, process: subprocess.Popen, log_path: Path) -> "Server":
         server = super().__new__(cls, url)
@@ -117,6 +119,16 @@ class Server(str):
 
     def log_tail(self, chars: int = 4000) -> str:
         return _tail(self.log_path, chars)
+
+    def wait_ready(self, timeout: float = 30.0) -> "Server":
+        """Wait until its `ready_url` answers 200 (else `ready_port` accepts); stop the process if it never does."""
+        try:
+            wait_until_ready(self.process, port=self.ready_port, url=self.ready_url, timeout=timeout,
+                             log_path=self.log_path)
+        except BaseException:
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
         _kill(self.process)
@@ -196,17 +208,22 @@ def start(cmd: Sequence[str], *, url: str, ready_url: str | None = None, port: t
     Readiness is `ready_url` answering 200, else `port` accepting connections. The process is killed if it
     never gets ready; otherwise it runs until `.stop()`, the end of a ``with`` block, or :func:`stop_all`.
     """
+    return spawn(cmd, url=url, ready_url=ready_url, port=port, log_path=log_path, cwd=cwd,
+                 env=env).wait_ready(timeout)
+
+
+def spawn(cmd: Sequence[str], *, url: str, log_path: Path, ready_url: str | None = None,
+          port: tuple[str, int] | None = None, cwd: str | os.PathLike | None = None,
+          env: Mapping[str, str] | None = None) -> Server:
+    """Start `cmd` as :func:`start` does, without waiting: start several, then `.wait_ready()` on each, so
+    their start-ups (an interpreter importing trainguard, a Prometheus opening its TSDB) overlap."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         process = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    cwd=cwd, env=None if env is None else dict(env), start_new_session=True)
     server = Server(url, process, log_path)
+    server.ready_url, server.ready_port = ready_url, port
     _running.append(server)
-    try:
-        wait_until_ready(process, port=port, url=ready_url, timeout=timeout, log_path=log_path)
-    except BaseException:
-        server.stop()
-        raise
     return server
 
 
@@ -258,8 +275,11 @@ def _scrape_configs(scrape_targets: Sequence[str] | Mapping[str, Sequence[str] |
 def start_prometheus(tmp_path: Path, scrape_targets: Sequence[str] | Mapping[str, Sequence[str] | Mapping],
                      rule_files: Iterable[str | os.PathLike] = (), alertmanager_url: str | None = None,
                      scrape_interval: str = "1s", eval_interval: str = "1s", timeout: float = 60.0,
-                     extra_args: Sequence[str] = (), extra_config: Mapping | None = None) -> Server:
+                     extra_args: Sequence[str] = (), extra_config: Mapping | None = None,
+                     wait: bool = True) -> Server:
     """A real Prometheus on a free loopback port with its data under tmp_path; returns its URL (a :class:`Server`).
+
+    `wait=False`: started, not yet ready; call ``.wait_ready(timeout)`` (to start other servers meanwhile).
 
     `extra_config`: top-level keys merged into prometheus.yml (remote_write, global external_labels ...).
 
@@ -284,7 +304,8 @@ def start_prometheus(tmp_path: Path, scrape_targets: Sequence[str] | Mapping[str
     url = f"http://127.0.0.1:{port}"
     cmd = [binary, f"--config.file={home / 'prometheus.yml'}", f"--storage.tsdb.path={home / 'data'}",
            f"--web.listen-address=127.0.0.1:{port}", "--web.enable-lifecycle", *extra_args]
-    return start(cmd, url=url, ready_url=url + "/-/ready", log_path=home / "prometheus.log", timeout=timeout)
+    server = spawn(cmd, url=url, ready_url=url + "/-/ready", log_path=home / "prometheus.log")
+    return server.wait_ready(timeout) if wait else server
 
 
 def _seconds(duration: str) -> float:
@@ -296,8 +317,9 @@ def _seconds(duration: str) -> float:
 
 
 def start_alertmanager(tmp_path: Path, config_yaml: str | Mapping, timeout: float = 60.0,
-                       extra_args: Sequence[str] = ()) -> Server:
-    """A real Alertmanager on a free loopback port (clustering off), config given as YAML text or a mapping."""
+                       extra_args: Sequence[str] = (), wait: bool = True) -> Server:
+    """A real Alertmanager on a free loopback port (clustering off), config given as YAML text or a mapping;
+    `wait=False` as for :func:`start_prometheus`."""
     binary = require_binary("prometheus-alertmanager", "alertmanager")
     home = _fresh_dir(Path(tmp_path), "alertmanager")
     text = config_yaml if isinstance(config_yaml, str) else yaml.safe_dump(dict(config_yaml), sort_keys=False)
@@ -306,7 +328,8 @@ def start_alertmanager(tmp_path: Path, config_yaml: str | Mapping, timeout: floa
     url = f"http://127.0.0.1:{port}"
     cmd = [binary, f"--config.file={home / 'alertmanager.yml'}", f"--storage.path={home / 'data'}",
            f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address=", *extra_args]
-    return start(cmd, url=url, ready_url=url + "/-/ready", log_path=home / "alertmanager.log", timeout=timeout)
+    server = spawn(cmd, url=url, ready_url=url + "/-/ready", log_path=home / "alertmanager.log")
+    return server.wait_ready(timeout) if wait else server
 
 
 def start_node_exporter(tmp_path: Path, args: Sequence[str] = (), timeout: float = 30.0) -> Server:

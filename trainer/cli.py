@@ -121,6 +121,8 @@ def build_nodes(args: argparse.Namespace):
 def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
     """Preset or --config, then --set, then flags; raises ConfigError naming the file (or flag) and key."""
     config = cfg.TrainConfig()
+    if args.config:
+        _regular_file(cfg.config_path(args.config), "config file")
     cfg.load_file(config, args.config or cfg.default_preset(_default_device(args.device)))
     for assignment in args.set:
         cfg.set_value(config, assignment)
@@ -139,6 +141,8 @@ def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
         except FaultError as exc:
             raise cfg.ConfigError(str(exc)) from None
     _absolute_paths(config)
+    if config.run.key_file and Path(config.run.key_file).expanduser().exists():
+        _regular_file(Path(config.run.key_file).expanduser(), "checkpoint key file")  # a missing one is created
     if config.run.policy:
         from trainguard import policy
 
@@ -147,6 +151,16 @@ def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
         except policy.PolicyError as exc:
             raise cfg.ConfigError(str(exc)) from None
     return cfg.validate(config, source=args.config or "config")
+
+
+def _regular_file(path: Path, what: str) -> None:
+    """A FIFO would block the open and /dev/zero never end: look first (trainguard/paths.py)."""
+    from trainguard import paths
+
+    try:
+        paths.regular_file(path, what)
+    except FileNotFoundError as exc:
+        raise cfg.ConfigError(str(exc)) from None
 
 
 def _absolute_paths(config: cfg.TrainConfig) -> None:
@@ -270,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc > 1 or max_restarts > 0 or nodes is not None:
         from trainguard.trainer.launch import launch
 
-        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=max_restarts, nodes=nodes)
+        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=max_restarts, nodes=nodes,
+                      key_file=config.run.key_file or None)
     from trainguard.trainer.train import run_worker
 
     return run_worker(config, run_dir)

@@ -99,6 +99,7 @@ class Trainer:
         callbacks = trainer_callbacks(schedule=self.schedule, train_data=self.train_data, faults=self.faults,
                                       batch_size=config.optim.batch_size, block_size=config.model.block_size,
                                       validate=self.validation_loss)
+        self.key_file = run.key_file or None
         self.replicas = self._replica_checks(policy)   # sdc hook (trainer/replica_check.py)
         callbacks.checkpoint_meta = self.replicas.before_checkpoint
         self.protector = Protector(
@@ -131,7 +132,8 @@ class Trainer:
         return ReplicaChecks(list(self.model.parameters()), names, every=policy.guard.replica_check_every,
                              world_size=self.world, rank=self.rank, node=self.telemetry.envelope["node"],
                              run_dir=self.run_dir, emit=self.telemetry.event, log=self.log,
-                             policy=ReplicaPolicy(policy.guard.replica_cordon_window_seconds))
+                             policy=ReplicaPolicy(policy.guard.replica_cordon_window_seconds),
+                             key_file=self.key_file)   # signs its cordons (trainguard/cordon.py)
 
     def replica_check(self, step: int) -> int | None:
         """sdc hook: at check steps, after the step's record; a mismatch rolls every rank back to the newest

@@ -13,9 +13,11 @@
     RUN/incidents/<id>/                    incidents and their evidence (trainguard/incidents.py)
     RUN/control/actions.jsonl              requests: the agent writes (`append_request`), rank 0 reads (`Requests`)
     RUN/control/acked.jsonl                request ids the trainer handled (`append_ack`, `read_acked`)
-    RUN/control/claims/<request id>        which agent carries out a job-level action (agent/executor.py)
+    RUN/control/claims/<request id>        which agent carries out a job-level action (agent/claims.py, signed)
+    RUN/control/claims/<id>.takeover-<g>-<tag>   a claim taken over from a claimant that did not finish
+    RUN/tls/node-<host>-launcher.jsonl     the launcher's events (a cordon it did not honour)
     RUN/control/ranks/rank-<r>.json        each rank's registration (`write_rank_file`, `read_ranks`)
-    RUN/control/cordon/<host>              a node kept out of the job (agent/evict.py)
+    RUN/control/cordon/<host>              a node kept out of the job, when signed (trainguard/cordon.py)
     RUN/control/launchers/<host>.json      each node's elastic launcher (trainer/launch.py)
     RUN/control/dump/<incident>.json       a Flight Recorder dump request (trainer/flight_recorder.py)
     RUN/control/faults-fired.jsonl         injected faults that already fired (trainer/faults.py)
@@ -118,6 +120,16 @@ def claims_dir(run_dir: PathLike) -> Path:
 
 def claim_path(run_dir: PathLike, request_id: str) -> Path:
     return claims_dir(run_dir) / request_id
+
+
+def takeover_claim_path(run_dir: PathLike, request_id: str, generation: int, tag: str) -> Path:
+    """A job-level claim's generation >= 1 (agent/claims.py): `tag` is an HMAC only the job's agents compute."""
+    return claims_dir(run_dir) / f"{request_id}.takeover-{generation}-{tag}"
+
+
+def launcher_log(run_dir: PathLike, host: str) -> Path:
+    """The node's launcher's own TLS events (a node log: `cordon_ignored`, trainguard/cordon.py)."""
+    return tls_dir(run_dir) / f"node-{host}-launcher.jsonl"
 
 
 def ranks_dir(run_dir: PathLike) -> Path:

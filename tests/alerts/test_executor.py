@@ -75,7 +75,8 @@ def test_the_trainer_control_channel_reads_what_the_executor_writes(tmp_path):
 
 
 def test_cost_tiers_from_two_agents_on_one_run_reach_the_trainer_once(tmp_path):
-    first, second = Executor(tmp_path, "n1", Ledger()), Executor(tmp_path, "n2", Ledger())
+    # the job's agents share the webhook token, which signs their claims (agent/claims.py)
+    first, second = (Executor(tmp_path, node, Ledger(), claim_secret=b"job-token") for node in ("n1", "n2"))
     first.submit([notice("CostBudgetWarn", actions.COST_WARN, "embedded:cost_warn")])
     second.submit([notice("CostBudgetWarn", actions.COST_WARN, "embedded:cost_warn")])
     assert [r["action"] for r in requests(tmp_path)] == ["cost_warn"]

@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from tests.e2e.stack import kill_tree, merge
-from tests.servers import free_port, start, wait_for
+from tests.servers import free_port, spawn, wait_for
 from trainguard import tls
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +31,12 @@ TRAINGUARD = str(Path(sys.executable).with_name("trainguard"))
 STORE = ("import sys, time\nfrom torch.distributed import TCPStore\n"
          "store = TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False)\n"
          "print('ready', flush=True)\ntime.sleep(10**6)\n")
+
+# A node whose launcher was ended leaves the rendezvous once its keep-alive has lapsed: torch's default
+# (every 5 s, dead after 3 missed) holds the survivor's next round 15 s; 1 s x 5 is 5 s, still far above a
+# launcher's heartbeat delay on a loaded machine (a thread that only writes to the store). The tests use
+# it; bench/bench_culprit.py keeps torch's default, as a job would run.
+FAST_KEEP_ALIVE = ("keep_alive_interval=1", "keep_alive_max_attempt=5")
 
 POLICY = {
     "alerts": {"stall_seconds": 6.0, "action_cooldown_seconds": 5.0},
@@ -48,6 +54,7 @@ class Cluster:
     launchers: dict = field(default_factory=dict)
     agents: dict = field(default_factory=dict)
     addresses: dict = field(default_factory=dict)
+    rdzv_conf: tuple = ()
 
     def start_store(self) -> None:
         port = free_port()
@@ -55,12 +62,15 @@ class Cluster:
         process = subprocess.Popen([sys.executable, "-c", STORE, str(port)], stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         self.processes.append(process)
-        wait_for(lambda: b"ready" in (self.tmp / "store.log").read_bytes(), timeout=60, interval=0.2,
-                 message="rendezvous store")
         self.endpoint = f"127.0.0.1:{port}"
 
+    def wait_store(self) -> None:
+        wait_for(lambda: b"ready" in (self.tmp / "store.log").read_bytes(), timeout=60, interval=0.2,
+                 message="rendezvous store")
+
     def start_agent(self, node: str, nvml_scenario: str | None = None) -> None:
-        """The node's agent; with `nvml_scenario`, its gpu collector reads the FAKE NVML (tests/fakes)."""
+        """The node's agent, started (ready once `wait_agent`); with `nvml_scenario`, its gpu collector reads
+        the FAKE NVML (tests/fakes)."""
         address = f"127.0.0.1:{free_port()}"
         token = self.tmp / "webhook.token"
         if not token.exists():
@@ -80,15 +90,19 @@ class Cluster:
         path.write_text(yaml.safe_dump(config))
         cmd = [TRAINGUARD, "agent", "--run-dir", str(self.run_dir), "--listen", address, "--node", node,
                "--config", str(path), "--collectors", collectors, "--policy", str(self.policy_path)]
-        self.agents[node] = start(cmd, url=f"http://{address}", ready_url=f"http://{address}/healthz",
-                                  log_path=self.tmp / f"agent-{node}.log", timeout=90, env=env, cwd=ROOT)
+        self.agents[node] = spawn(cmd, url=f"http://{address}", ready_url=f"http://{address}/healthz",
+                                  log_path=self.tmp / f"agent-{node}.log", env=env, cwd=ROOT)
         self.addresses[node] = address
+
+    def wait_agent(self, node: str) -> None:
+        self.agents[node].wait_ready(timeout=90)
 
     def launch(self, node: str, *args: str, nnodes: str = "1:2", nproc: int = 1) -> subprocess.Popen:
         log = open(self.tmp / f"launcher-{node}.log", "ab")
         cmd = [TRAINGUARD, "train", "--run-dir", str(self.run_dir), "--policy", str(self.policy_path),
                "--nproc", str(nproc), "--nnodes", nnodes, "--rdzv-endpoint", self.endpoint,
                "--rdzv-id", "culprit", "--rdzv-conf", "is_host=false", "--rdzv-conf", "last_call_timeout=3",
+               *[arg for conf in self.rdzv_conf for arg in ("--rdzv-conf", conf)],
                "--max-restarts", "3", *args]
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                    env={**os.environ, "TRAINGUARD_NODE": node, "OMP_NUM_THREADS": "1"})
@@ -141,16 +155,20 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def cluster(tmp_path: Path, policy: dict | None = None, nodes=("n1", "n2"), nvml: dict | None = None):
+def cluster(tmp_path: Path, policy: dict | None = None, nodes=("n1", "n2"), nvml: dict | None = None,
+            rdzv_conf: tuple = ()):
     run_dir = tmp_path / "run"
     (run_dir / "tls").mkdir(parents=True)
     policy_path = run_dir / "policy.yaml"
     policy_path.write_text(yaml.safe_dump(merge(POLICY, policy or {})))
-    c = Cluster(tmp_path, run_dir, policy_path)
+    c = Cluster(tmp_path, run_dir, policy_path, rdzv_conf=rdzv_conf)
     try:
-        c.start_store()
+        c.start_store()                     # the store and the agents start side by side, then are waited for
         for node in nodes:
             c.start_agent(node, (nvml or {}).get(node))
+        c.wait_store()
+        for node in nodes:
+            c.wait_agent(node)
         yield c
     finally:
         c.stop()

@@ -8,11 +8,10 @@ Recorder; the FAKE NVML (tests/fakes) stands in for a GPU with an XID.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from tests.culprit.cluster import TRAINGUARD, cluster, wait_until
+from tests.culprit.cluster import FAST_KEEP_ALIVE, cluster, wait_until
 from tests.servers import http_get
 from trainguard.trainer import config as cfg
 from trainguard.trainer.data import ShardLoader, open_stream
@@ -35,8 +34,12 @@ def node_of_rank(c, incident: dict, rank: int) -> str:
     raise AssertionError(f"no node evidence lists rank {rank}")
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([TRAINGUARD, *args], capture_output=True, text=True, timeout=60)
+def cli(capsys, *args: str) -> tuple[int, str]:
+    """A `trainguard` command in this process (tests/culprit/test_cli.py runs the same commands as processes)."""
+    from trainguard.cli import main
+
+    code = main(list(args))
+    return code, capsys.readouterr().out
 
 
 def expected_data_state(c, steps_since_checkpoint: int) -> dict:
@@ -54,8 +57,8 @@ def expected_data_state(c, steps_since_checkpoint: int) -> dict:
             "done": [list(d) for d in survivor.done]}
 
 
-def test_hang_on_a_rank_names_it_cordons_its_node_and_the_run_finishes_on_the_other(tmp_path):
-    with cluster(tmp_path) as c:
+def test_hang_on_a_rank_names_it_cordons_its_node_and_the_run_finishes_on_the_other(tmp_path, capsys):
+    with cluster(tmp_path, rdzv_conf=FAST_KEEP_ALIVE) as c:
         for node in ("n1", "n2"):
             c.launch(node, *STEPS, f"--inject=hang@{HANG_STEP}:1")
         incident = c.wait_incident(150)
@@ -89,17 +92,17 @@ def test_hang_on_a_rank_names_it_cordons_its_node_and_the_run_finishes_on_the_ot
         refused = c.launch(bad, *STEPS)                                  # kept out until uncordoned
         assert c.wait(bad, 60) == 4 and refused.returncode == 4
         assert "cordoned" in (tmp_path / f"launcher-{bad}.log").read_text()
-        shown = cli("incidents", "show", str(c.run_dir), incident["id"])
-        assert shown.returncode == 0 and f"rank 1 on {bad}" in shown.stdout and "(culprit)" in shown.stdout
-        replayed = cli("incidents", "replay", str(c.run_dir))
-        assert replayed.returncode == 0 and "same" in replayed.stdout
-        assert cli("uncordon", str(c.run_dir), bad).returncode == 0
+        code, shown = cli(capsys, "incidents", "show", str(c.run_dir), incident["id"])
+        assert code == 0 and f"rank 1 on {bad}" in shown and "(culprit)" in shown
+        code, replayed = cli(capsys, "incidents", "replay", str(c.run_dir))
+        assert code == 0 and "same" in replayed
+        assert cli(capsys, "uncordon", str(c.run_dir), bad)[0] == 0
         assert not (c.run_dir / "control" / "cordon" / bad).exists()
-        assert cli("uncordon", str(c.run_dir), bad).returncode == 2
+        assert cli(capsys, "uncordon", str(c.run_dir), bad)[0] == 2
 
 
 def test_with_eviction_off_the_incident_names_the_rank_and_restore_is_in_place(tmp_path):
-    with cluster(tmp_path, policy={"restore": {"evict": "off"}}) as c:
+    with cluster(tmp_path, policy={"restore": {"evict": "off"}}, rdzv_conf=FAST_KEEP_ALIVE) as c:
         for node in ("n1", "n2"):
             c.launch(node, *STEPS, f"--inject=hang@{HANG_STEP}:1")
         incident = c.wait_incident(150)
@@ -112,7 +115,7 @@ def test_with_eviction_off_the_incident_names_the_rank_and_restore_is_in_place(t
 
 
 def test_every_rank_in_the_same_collective_is_no_culprit_and_no_eviction(tmp_path):
-    with cluster(tmp_path) as c:
+    with cluster(tmp_path, rdzv_conf=FAST_KEEP_ALIVE) as c:
         for node in ("n1", "n2"):
             c.launch(node, *STEPS, f"--inject=commhang@{HANG_STEP}")
         incident = c.wait_incident(150)
@@ -125,7 +128,7 @@ def test_every_rank_in_the_same_collective_is_no_culprit_and_no_eviction(tmp_pat
 
 
 def test_an_xid_on_one_node_during_a_hang_makes_it_the_culprit(tmp_path):
-    with cluster(tmp_path, policy={"restore": {"evict": "off"}}, nvml={"n1": "xid"}) as c:
+    with cluster(tmp_path, policy={"restore": {"evict": "off"}}, nvml={"n1": "xid"}, rdzv_conf=FAST_KEEP_ALIVE) as c:
         for node in ("n1", "n2"):
             c.launch(node, *STEPS, f"--inject=commhang@{HANG_STEP}")
         incident = c.wait_incident(150)

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import yaml
 
-from tests.servers import free_port, http_get, start, start_alertmanager, start_prometheus, wait_for
+from tests.servers import free_port, http_get, spawn, start_alertmanager, start_prometheus, wait_for
 from trainguard import tls
 from trainguard.alerts import alertmanager, rules
 from trainguard.policy import load as load_policy
@@ -77,7 +77,8 @@ class Stack:
     trainers: list[subprocess.Popen] = field(default_factory=list)
 
     # ------------------------------------------------------------------------------------ start
-    def start_agent(self, node: str, embedded: bool = False) -> Agent:
+    def start_agent(self, node: str, embedded: bool = False, wait: bool = True) -> Agent:
+        """The node's agent; `wait=False` leaves it starting (start_servers waits for every agent)."""
         port = free_port()
         address = f"127.0.0.1:{port}"
         config = {
@@ -90,21 +91,28 @@ class Stack:
         log_path = self.tmp / f"agent-{node}.log"
         cmd = [TRAINGUARD, "agent", "--run-dir", str(self.run_dir), "--listen", address, "--node", node,
                "--config", str(config_path), "--collectors", "training,host"]
-        server = start(cmd, url=f"http://{address}", ready_url=f"http://{address}/healthz", log_path=log_path,
+        server = spawn(cmd, url=f"http://{address}", ready_url=f"http://{address}/healthz", log_path=log_path,
                        env={**os.environ, "TRAINGUARD_LOG_JSON": "1"})
+        if wait:
+            server.wait_ready()
         agent = Agent(node, address, server, log_path)
         self.agents.append(agent)
         return agent
 
     def start_servers(self) -> None:
-        """Alertmanager routing to the agents (the first is primary), Prometheus with the policy's rules."""
+        """Alertmanager routing to the agents (the first is primary), Prometheus with the policy's rules;
+        returns once they and every agent are ready (their start-ups overlap)."""
         policy = load_policy(self.policy_path)
         rule_dir = self.tmp / "rules"
         rule_files = rules.write(rule_dir, policy)
         config = alertmanager.render([a.address for a in self.agents], str(self.token_file), timing=FAST_TIMING)
-        self.alertmanager = start_alertmanager(self.tmp, config)
+        self.alertmanager = start_alertmanager(self.tmp, config, wait=False)
         self.prometheus = start_prometheus(self.tmp, [a.address for a in self.agents], rule_files=rule_files,
-                                           alertmanager_url=self.alertmanager)
+                                           alertmanager_url=self.alertmanager, wait=False)
+        for server in (self.alertmanager, self.prometheus):
+            server.wait_ready(60)
+        for agent in self.agents:
+            agent.server.wait_ready()
 
     def train(self, *args: str, name: str = "trainer", env: dict | None = None) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "ab")

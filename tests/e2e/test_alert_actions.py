@@ -3,7 +3,7 @@
 Each scenario runs the bundled trainer (tiny model, CPU), one agent (`trainguard agent`), Prometheus with
 the rules rendered from the scenario's policy, and Alertmanager with the generated route, all on loopback.
 The agents' embedded path is off here: these tests prove the alert path; tests/alerts/test_embedded.py
-covers the embedded one.
+covers the embedded one. The loss-spike scenario runs on two nodes, once, in tests/e2e/test_two_nodes.py.
 """
 
 from __future__ import annotations
@@ -12,54 +12,18 @@ import json
 
 import pytest
 
-from tests.e2e.stack import PACE, SPIKES, read_records, record_timing, stack
+from tests.e2e.stack import read_records, record_timing, stack
 
 pytestmark = [pytest.mark.servers, pytest.mark.slow, pytest.mark.timeout(300)]
-
 
 
 def of_type(kind, **fields):
     return lambda r: r["event"]["type"] == kind and all(r["event"].get(k) == v for k, v in fields.items())
 
 
-def test_loss_spike_alert_rolls_back_and_the_run_finishes(tmp_path):
-    with stack(tmp_path) as s:
-        s.start_agent("n1")
-        s.start_servers()
-        trainer = s.train("--steps", "50", "--checkpoint-every", "10", *PACE, *SPIKES)
-
-        rollback = s.wait_for_event(s.rank_events, of_type("rollback", source="control"), 150,
-                                    "the trainer's rollback on the alert's request")
-        assert s.wait_trainer(trainer, 150) == 0
-
-        fault = next(r for r in s.rank_events() if r["event"]["type"] == "fault_injected"
-                     and r["event"]["kind"] == "spike")
-        alerts = [r["event"] for r in s.agent_events("n1") if r["event"]["type"] == "alert"]
-        # The spike also blows up the gradient norm: LossSpike and GradNormExplosion describe one incident,
-        # and the ledger turns them into one rollback (the other is coalesced into it). Which of the two
-        # reaches the agent first depends on scrape timing; once the rollback has removed the spike, the
-        # other may never fire.
-        assert any(e["alertname"] in ("LossSpike", "GradNormExplosion") and e["status"] == "firing"
-                   for e in alerts)
-        decided = [e for e in alerts if e["outcome"] == "act"]
-        assert len(decided) == 1 and decided[0]["action"] == "rollback" and decided[0]["source"] == "alertmanager"
-        assert decided[0]["alertname"] in ("LossSpike", "GradNormExplosion")
-        assert all(e["outcome"] in ("coalesced", "duplicate", "resolved") for e in alerts if e is not decided[0])
-        [issued] = [r for r in s.agent_events("n1") if r["event"]["type"] == "action"]
-        assert issued["event"]["id"] == decided[0]["request_id"] == rollback["event"]["id"]
-        assert rollback["event"]["alertname"] == decided[0]["alertname"]
-        assert rollback["event"]["restored_step"] is not None and rollback["event"]["restored_step"] <= 30
-        events = s.rank_events()
-        assert not [r for r in events if r["event"]["type"] == "skip_step"]      # the guard left it to the alert
-        assert events[-1]["event"] == {"type": "run_end", "step": 50, "reason": "completed"}
-        record_timing("loss spike -> LossSpike -> rollback",
-                      to_action=issued["timestamp"] - fault["timestamp"],
-                      to_trainer=rollback["timestamp"] - fault["timestamp"])
-
-
 def test_hang_is_restored_and_the_run_resumes_from_the_latest_verified_checkpoint(tmp_path):
     with stack(tmp_path) as s:
-        s.start_agent("n1")
+        s.start_agent("n1", wait=False)
         s.start_servers()
         trainer = s.train("--steps", "40", "--checkpoint-every", "10", "--nproc", "2", "--max-restarts", "3",
                           "--inject=hang@25")
@@ -89,7 +53,7 @@ def test_a_low_budget_warns_then_throttles_then_stops_with_a_verified_checkpoint
     # One billed device at $2/h; even a fast tiny CPU step (5 ms) costs 28x the $0.0001 budget per 1000 steps: every tier is crossed.
     policy = {"cost": {"budget_per_1k_steps": 0.0001, "gpu_count_override": 1, "min_steps": 20}}
     with stack(tmp_path, policy) as s:
-        s.start_agent("n1")
+        s.start_agent("n1", wait=False)
         s.start_servers()
         trainer = s.train("--steps", "2000", "--checkpoint-every", "50")
         assert s.wait_trainer(trainer, 200) == 0

@@ -3,7 +3,9 @@
 `trainguard train --nproc 2` with default flags gives its launcher room for the agent's restores, so a
 hung run next to `trainguard agent` is restored and completes; launched with `--max-restarts 0`, its ranks
 register `restarts_left: 0`, and the agent does not end them: it pages a human, in its log, its metrics
-and `trainguard status`. Real trainer under torch's elastic launcher (gloo), real agent process.
+and `trainguard status`. Real trainer under torch's elastic launcher (gloo), real agent process. The
+restored run is the session's run with a hang (the `hung_run` fixture, tests/hung_run.py), launched with
+default flags.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import urllib.request
 import pytest
 
 from tests.alerts.helpers import read_jsonl
+from tests.hung_run import STEPS
 from tests.trainer.helpers import events, step_records
 from trainguard import demo
 
@@ -40,21 +43,15 @@ def agent_actions(run):
             for r in read_jsonl(path) if r["event"]["type"] == "action"]
 
 
-def test_a_hung_run_with_default_flags_is_restored_by_the_agent_and_completes(tmp_path):
-    run = tmp_path / "run"
-    agent, _, trainer = start(run)
-    try:
-        assert trainer.wait(timeout=300) == 0
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-        demo.stop(agent)
+def test_a_hung_run_with_default_flags_is_restored_by_the_agent_and_completes(hung_run):
+    # the session's run with a hang (tests/hung_run.py): `trainguard train --nproc 2` without --max-restarts
+    run = hung_run
     [restore] = agent_actions(run)
     assert restore["outcome"] == "issued" and sorted(e["rank"] for e in restore["ended"]) == [0, 1]
     assert restore["refused"] == []
     starts = events(run, "run_start")
-    assert [(s["restart_count"], s["resumed_from"]) for s in starts] == [(0, None), (1, 4)]
-    assert step_records(run)[-1]["step"] == 12
+    assert [(s["restart_count"], s["resumed_from"]) for s in starts] == [(0, None), (1, 30)]   # hung in step 40
+    assert step_records(run)[-1]["step"] == STEPS
     registration = json.loads((run / "control" / "ranks" / "rank-0.json").read_text())
     assert registration["max_restarts"] == 3 and registration["restarts_left"] == 2
 

@@ -3,7 +3,8 @@
 Two ranks of the bundled trainer (torchrun, gloo on CPU) with `trainguard agent` beside them: NaNs at
 steps 15-17 make the guard roll back to step 10 (steps 11-17 run twice); a hang at step 40 is seen by
 the agent's embedded stall watchdog, which restores (ends the ranks; torchrun starts them again from
-step 30). One run, shared by the tests below.
+step 30). One run (the `hung_run` fixture of tests/conftest.py, tests/hung_run.py), shared by
+the tests below and by tests/reliability/test_restore_needs_a_restart.py.
 """
 
 from __future__ import annotations
@@ -12,40 +13,16 @@ import json
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
 
-from tests.report.agent_beside import start_agent, stop
 from tests.report.browser import chromium
+from tests.hung_run import STALL_SECONDS
 from trainguard import tls
 
 TRAINGUARD = [sys.executable, "-m", "trainguard.cli"]
-STALL_SECONDS = 5.0
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
-
-
-@pytest.fixture(scope="module")
-def hung_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("hang") / "run"
-    (run_dir / "agent").mkdir(parents=True)
-    policy = run_dir / "policy.yaml"           # the agent's watchdog reads RUN/policy.yaml
-    policy.write_text(yaml.safe_dump({"alerts": {"stall_seconds": STALL_SECONDS}}))
-    config = run_dir / "agent" / "agent.yaml"
-    config.write_text(yaml.safe_dump({"nodelog": {"interval": 1},
-                                      "collectors": {"training": {"interval": 1}, "host": {"interval": 1}}}))
-    agent, _ = start_agent(run_dir, config)
-    try:
-        faults = ["--inject=nan@15", "--inject=nan@16", "--inject=nan@17", "--inject=hang@40"]
-        done = subprocess.run(TRAINGUARD + ["train", "--run-dir", str(run_dir), "--policy", str(policy), "--steps",
-                                            "60", "--nproc", "2", "--max-restarts", "3", "--checkpoint-every", "10",
-                                            *faults], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        time.sleep(1.5)                        # one more node record after the end
-    finally:
-        stop(agent)
-    return run_dir
 
 
 def _events(path, kind):
@@ -134,11 +111,20 @@ def test_the_report_breaks_lines_at_the_stall_shades_it_and_draws_both_axes(hung
     assert f'data-drawn="{charts}"' in dom and console == []
 
 
-def test_goodput_splits_the_hang_into_stall_and_restart_recovery(hung_run):
-    done = subprocess.run(TRAINGUARD + ["goodput", str(hung_run), "--json"], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+def here(capfd, *args: str) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of a command run in this process: the tests below are about what the
+    commands say of this run; each command also runs once here as a process (report, goodput, replay)."""
+    from trainguard.cli import main
+
+    code = main(list(args))
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
+def test_goodput_splits_the_hang_into_stall_and_restart_recovery(hung_run, capfd):
+    code, out, err = here(capfd, "goodput", str(hung_run), "--json")
+    assert code == 0, err
+    result = json.loads(out)
     before, decided, resumed = _recorded_times(hung_run)
     [hang] = result["hangs"]
     assert hang["stall_seconds"] == pytest.approx(decided - before, abs=1.0)
@@ -168,11 +154,10 @@ def test_goodput_names_the_incident_a_hang_belongs_to(hung_run, tmp_path):
                      done.stdout)
 
 
-def test_replay_lists_the_alert_the_restore_and_the_restart_and_expect_asserts_on_them(hung_run, tmp_path):
-    done = subprocess.run(TRAINGUARD + ["replay", str(hung_run), "--json"], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+def test_replay_lists_the_alert_the_restore_and_the_restart_and_expect_asserts_on_them(hung_run, tmp_path, capfd):
+    code, out, err = here(capfd, "replay", str(hung_run), "--json")
+    assert code == 0, err
+    result = json.loads(out)
     actions = [(a["action"], a["source"]) for a in result["recorded_actions"]]
     assert ("restore", "agent+control") in actions
     assert ("restart", "trainer") in actions and ("rollback", "trainer") in actions
@@ -195,7 +180,6 @@ def test_replay_lists_the_alert_the_restore_and_the_restart_and_expect_asserts_o
 
     expectation.write_text(yaml.safe_dump({"actions": [{"action": "skip_step", "count": 2}, {"action": "rollback"}],
                                            "recorded": [{"action": "restart", "step": 20}]}))
-    done = subprocess.run(TRAINGUARD + ["replay", str(hung_run), "--expect", str(expectation)], capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 1
-    assert "- recorded_action restart  step 20" in done.stderr and "+ recorded_action restore" in done.stderr
+    code, out, err = here(capfd, "replay", str(hung_run), "--expect", str(expectation))
+    assert code == 1
+    assert "- recorded_action restart  step 20" in err and "+ recorded_action restore" in err

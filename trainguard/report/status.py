@@ -170,6 +170,10 @@ def _needs_a_human(status: Status, ts: float, event: dict) -> None:
                                 f"(ranks {paged.get('ranks')}); the ranks were left running")
     elif event["type"] == "alert" and event.get("action") == "page":
         status.attention.append(f"{_clock(ts)}  {event.get('alertname')}: paged a human ({event.get('reason')})")
+    if event["type"] == "cordon_ignored":     # trainguard/cordon.py: the launcher joined despite a cordon file
+        status.attention.append(f"{_clock(ts)}  cordon of {event.get('host')} NOT honoured ({event.get('reason')}): "
+                                f"the node joined the job (ignored {event.get('ignored_total')} time(s)); "
+                                f"{event.get('why', '')}")
     if event["type"] == "action" and event.get("refused"):
         reasons = sorted({str(r.get("reason")) for r in event["refused"] if isinstance(r, dict)})
         status.attention.append(f"{_clock(ts)}  restore refused to end {len(event['refused'])} process(es) "

@@ -1,0 +1,42 @@
+"""A real run with a rollback and a hang, made once per session by the `hung_run` fixture (tests/conftest.py).
+
+Two ranks of the bundled trainer under `trainguard train --nproc 2` with its default flags (the launcher
+gets room for the agent's restores), `trainguard agent` beside them: NaNs at steps 15-17 make the guard
+roll back to step 10 (steps 11-17 run twice); a hang at step 40 is seen by the agent's embedded stall
+watchdog, which restores (ends the ranks; the launcher starts them again from step 30).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from tests.report.agent_beside import start_agent, stop
+
+TRAINGUARD = [sys.executable, "-m", "trainguard.cli"]
+STALL_SECONDS = 5.0
+STEPS, HANG_STEP, CHECKPOINT_EVERY = 60, 40, 10
+
+
+def run_with_a_hang(run_dir: Path) -> Path:
+    (run_dir / "agent").mkdir(parents=True)
+    policy = run_dir / "policy.yaml"           # the agent's watchdog reads RUN/policy.yaml
+    policy.write_text(yaml.safe_dump({"alerts": {"stall_seconds": STALL_SECONDS}}))
+    config = run_dir / "agent" / "agent.yaml"
+    config.write_text(yaml.safe_dump({"nodelog": {"interval": 1},
+                                      "collectors": {"training": {"interval": 1}, "host": {"interval": 1}}}))
+    agent, _ = start_agent(run_dir, config)
+    try:
+        faults = ["--inject=nan@15", "--inject=nan@16", "--inject=nan@17", f"--inject=hang@{HANG_STEP}"]
+        done = subprocess.run(TRAINGUARD + ["train", "--run-dir", str(run_dir), "--policy", str(policy), "--steps",
+                                            str(STEPS), "--nproc", "2", "--checkpoint-every", str(CHECKPOINT_EVERY),
+                                            *faults], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        time.sleep(1.5)                        # one more node record after the end
+    finally:
+        stop(agent)
+    return run_dir

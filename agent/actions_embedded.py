@@ -24,25 +24,17 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from trainguard import rundir
 from trainguard import actions
 from trainguard import log as tglog
 from trainguard.agent import restore
 from trainguard.agent.stop_signal import StopSignal
 from trainguard.decide import stall
 from trainguard.decide.decision import Decision
+from trainguard.decide.embedded import ALERT_OF, cost_notice
 from trainguard.decide.ledger import FIRING, Notice
 from trainguard.node import node_name
 from trainguard.tls import format_timestamp, parse_timestamp
-
-# The alert each embedded decision stands in for: the records name it, as an alert's would.
-ALERT_OF = {actions.COST_WARN: "CostBudgetWarn", actions.COST_THROTTLE: "CostBudgetThrottle",
-            actions.COST_STOP: "CostBudgetStop", actions.RESTORE: "TrainingStalled"}
-
-
-def cost_notice(decision: Decision) -> Notice:
-    """A cost meter decision as a notice; its key is the tier, which acts once per run."""
-    return Notice.from_decision(decision, ALERT_OF[decision.action], key=f"embedded:{decision.action}")
-
 
 class DecisionHandler:
     """The agent's decision handler: cost tier decisions into the executor."""
@@ -83,7 +75,7 @@ class StallWatchdog:
         self._stop = StopSignal()
         self._thread: threading.Thread | None = None
         self._last_key: str | None = None     # one notice per stall, not one per check
-        self._rank_files = restore.RankFiles(self.run_dir)
+        self._rank_files = restore.RankFiles(self.run_dir, {self.host})
         self.log = tglog.get("agent.stall_watchdog")
 
     def progress(self) -> list[tuple[stall.RankProgress, object]]:
@@ -92,7 +84,7 @@ class StallWatchdog:
         now, monotonic = self.clock(), self.monotonic()
         out = []
         for info, _ in live:
-            step, at, ended_at = rank_progress(self.run_dir / "tls" / f"rank-{info.rank}.jsonl")
+            step, at, ended_at = rank_progress(rundir.rank_log(self.run_dir, info.rank))
             if ended_at is not None and ended_at >= info.started_at:
                 continue        # this attempt has finished (or was stopped) and is leaving: not stalled
             seen = self._seen.get(info.rank)
@@ -190,21 +182,3 @@ def _restore(key: str, now: float, reason: str) -> Notice:
     """The watchdog's restore notice (one per `key`: the loop submits a key once)."""
     return Notice(alertname=ALERT_OF[actions.RESTORE], status=FIRING, action=actions.RESTORE, key=key,
                   starts_at=now, source="embedded", reason=reason)
-
-
-def install(agent, executor, policy, config) -> StallWatchdog:
-    """Wire the embedded path into a running agent; returns the (started) watchdog."""
-    from trainguard.agent.culprit import Investigator
-
-    agent.add_decision_handler(DecisionHandler(executor.submit))
-    investigator = Investigator(config.run_dir, node_name(), policy.restore, agent=agent,
-                                record=executor.records.append, submit=executor.submit,
-                                entry_points=executor.entry_points, launchers=executor.launchers)
-    agent.add_metrics_source(investigator.families)
-    watchdog = StallWatchdog(config.run_dir, policy.alerts.stall_seconds, executor.submit,
-                             startup_grace_seconds=policy.alerts.startup_grace_seconds,
-                             investigate=investigator).start()
-    tglog.get("agent.embedded", node=config.node).info(
-        "embedded actions on", cost="training collector's meter", stall_seconds=policy.alerts.stall_seconds,
-        evict=policy.restore.evict)
-    return watchdog

@@ -2,22 +2,18 @@
 
     trainguard agent --run-dir /data/runs/gpt --listen 127.0.0.1:9400 --config /etc/trainguard/agent.yaml
 
-Flags override the config file. SIGTERM or SIGINT stops it cleanly.
+Flags override the config file. SIGTERM or SIGINT stops it cleanly. This module parses; agent/app.py
+builds every part from the config and runs them.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import signal
 import threading
 from pathlib import Path
 
 from trainguard import log as tglog
 from trainguard.agent import config as agent_config
-
-WEBHOOK_MODULE = "trainguard.agent.webhook"   # optional: install(server, agent, config) adds its routes
-
 
 def _names(value: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in value.split(",") if name.strip())
@@ -110,57 +106,12 @@ def check_run_dir(run_dir, create: bool) -> str | None:
 
 
 def serve(config: agent_config.AgentConfig, stop: threading.Event | None = None) -> int:
-    """Run the agent until SIGTERM/SIGINT (or `stop` is set); returns the exit status."""
-    from trainguard.agent.nodelog import NodeLog
-    from trainguard.agent.runner import Agent
-    from trainguard.agent.server import AgentServer
+    """Build the agent (agent/app.py) and run it until SIGTERM/SIGINT (or `stop` is set); the exit status."""
+    from trainguard.agent import app
 
-    log = tglog.get("agent", node=config.node)
-    stop = stop or threading.Event()
-    agent = Agent(config)
-    host, port = config.listen_address
     try:
-        server = AgentServer(agent, host, port, max_body_bytes=config.http.max_body_bytes,
-                             max_connections=config.http.max_connections,
-                             request_timeout=config.http.request_timeout)
-    except OSError as exc:
-        log.error(f"cannot listen on {config.listen}: {exc.strerror or exc}")
+        built = app.build(config)
+    except app.CannotListen as exc:
+        tglog.get("agent", node=config.node).error(str(exc))
         return 1
-    _install_webhook(server, agent, config, log)
-    nodelog = None
-    if config.run_dir is not None and config.nodelog.enabled:
-        nodelog = NodeLog(agent.tls_fragments, config.run_dir, config.node, interval=config.nodelog.interval,
-                          max_bytes=config.nodelog.max_bytes, keep=config.nodelog.keep)
-        agent.add_metrics_source(nodelog.families)
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stop.set())
-    agent.start()
-    server.start()
-    if nodelog:
-        nodelog.start()
-    while not stop.wait(agent.check_interval):
-        agent.check()   # logs a collector that has just hung
-    log.info("stopping")
-    server.stop()
-    if nodelog:
-        nodelog.stop()
-    agent.stop()
-    log.info("stopped")
-    return 0
-
-
-def _install_webhook(server, agent, config, log) -> None:
-    """Let the webhook module add its routes (POST /api/v1/alerts) when it is part of this build."""
-    try:
-        module = importlib.import_module(WEBHOOK_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name != WEBHOOK_MODULE:
-            raise
-        log.info("webhook not part of this build; /api/v1/alerts not served")
-        return
-    install = getattr(module, "install", None)
-    if install is None:
-        log.warning(f"{WEBHOOK_MODULE} has no install(server, agent, config); webhook not served")
-        return
-    install(server, agent, config)
+    return built.run(stop)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 from prometheus_client.core import Metric
 
@@ -37,6 +37,8 @@ class Context:
     node: str = field(default_factory=socket.gethostname)
     options: Mapping[str, Any] = field(default_factory=dict)   # this collector's own section of the config file
     policy: Path | None = None         # the policy file (cost tiers) the agent was given, if any
+    # Where a collector's own decisions go (the training collector's cost tiers): the agent's handlers.
+    on_decision: Callable[[Any], None] | None = None
 
 
 @dataclass
@@ -45,7 +47,7 @@ class Sample:
 
     A family handed out is never changed afterwards (scrapes read it while the next update runs, and the
     exposition reuses the text of a family it has seen): make new families, or hand out the same ones again
-    only if nothing in them changed. agent/families.py builds them cheaply (`Spec`, `LabelCache`).
+    only if nothing in them changed. trainguard/metrics/families.py builds them cheaply (`Spec`, `LabelCache`).
     """
 
     families: list[Metric]

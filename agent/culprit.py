@@ -26,6 +26,7 @@ from typing import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from trainguard import rundir
 from trainguard import incidents
 from trainguard import log as tglog
 from trainguard.agent import evict, evidence, restore
@@ -45,21 +46,25 @@ class Investigator:
     def __init__(self, run_dir: str | Path, host: str, policy: RestorePolicy, *, agent=None,
                  record: Callable[[list[dict]], object] | None = None,
                  submit: Callable[[list[Notice]], object] | None = None,
-                 entry_points: tuple[str, ...] = (), launchers: tuple[str, ...] = ()):
+                 entry_points: tuple[str, ...] = (), launchers: tuple[str, ...] = (),
+                 key_file: str | Path | None = None):
         self.run_dir, self.host, self.policy = Path(run_dir), host, policy
+        self.key_file = key_file          # the run's checkpoint key: signs cordons (trainguard/cordon.py)
         self.entry_points, self.launchers = entry_points, launchers   # what the restore trusts, as the executor
         self.agent, self.record, self.submit = agent, record, submit
         self.log = tglog.get("agent.culprit", node=host)
         self.verdicts: dict[tuple[str, str], int] = {}    # (node, kind) -> count, for the metric
 
-    def __call__(self, notice: Notice, live: list) -> Notice | None:
+    def __call__(self, notice: Notice, live: list, fallback: Callable[[Notice], object] | None = None) -> Notice | None:
+        """`fallback(notice)` restores this node's ranks if they outlive the culprit's eviction (default:
+        submit the notice; the executor's own restore after evidence passes its verdict's)."""
         try:
-            return self.investigate(notice, live)
+            return self.investigate(notice, live, fallback)
         except Exception as exc:        # never let a failed investigation keep the run hung
             self.log.error("investigation failed; restoring in place", error=f"{type(exc).__name__}: {exc}")
             return notice
 
-    def investigate(self, notice: Notice, live: list) -> Notice | None:
+    def investigate(self, notice: Notice, live: list, fallback: Callable[[Notice], object] | None = None) -> Notice | None:
         incident_id, leader = claim(self.run_dir, stall_key(self.run_dir))
         self.log.warning("stall: gathering evidence", incident=incident_id, leader=leader)
         summary = evidence.gather(self.run_dir, incident_id, self.host, live, self.agent,
@@ -71,15 +76,15 @@ class Investigator:
         if decided is None:
             self.log.error("no verdict in time; restoring in place", incident=incident_id)
             return notice
-        return self.act(decided, notice, live)
+        return self.act(decided, notice, live, fallback)
 
     # ---------------------------------------------------------------------------------- deciding
     def decide(self, incident_id: str, notice: Notice) -> dict:
-        hosts = job_hosts(self.run_dir)
+        hosts = job_hosts(self.run_dir, self.key_file)
         wait_for_nodes(self.run_dir, incident_id, hosts, self.policy.evidence_seconds + 5)
         ranks, nodes = evidence.load(self.run_dir, incident_id)
         verdict = verdicts.decide(ranks, nodes)
-        action, why = verdicts.eviction(verdict, job(self.run_dir, hosts), self.policy.evict,
+        action, why = verdicts.eviction(verdict, job(self.run_dir, hosts, self.key_file), self.policy.evict,
                                         self.policy.max_evictions_per_hour)
         incident = incidents.Incident(
             id=incident_id, kind="hang", detected_at=time.time(), detected_by=f"agent:{self.host}",
@@ -87,7 +92,11 @@ class Investigator:
             action=action, extra={"stall": notice.reason, "nodes": sorted(hosts)})
         incidents.write_incident(self.run_dir, incident)
         if action == verdicts.EVICT:
-            evict.cordon(self.run_dir, verdict.node, incident=incident_id, reason=why, by=f"agent:{self.host}")
+            try:
+                evict.cordon(self.run_dir, verdict.node, incident=incident_id, reason=why, by=f"agent:{self.host}",
+                             key_file=self.key_file)
+            except evict.CannotCordon as exc:   # the launcher is still ended; it could join again if restarted
+                self.log.error(str(exc), incident=incident_id)
         self._record_culprit(incident)
         self.log.warning("verdict", incident=incident_id, culprit=verdict.culprit, action=action,
                          confidence=verdict.confidence, reasons=incident.reasons)
@@ -105,7 +114,8 @@ class Investigator:
         self.record([{**tls.make_record(timestamp=incident.detected_at, event=event), "node": self.host}])
 
     # ------------------------------------------------------------------------------------ acting
-    def act(self, decided: dict, notice: Notice, live: list) -> Notice | None:
+    def act(self, decided: dict, notice: Notice, live: list,
+            fallback: Callable[[Notice], object] | None = None) -> Notice | None:
         if decided.get("action") != verdicts.EVICT:
             return notice
         node = (decided.get("culprit") or {}).get("node")
@@ -116,10 +126,10 @@ class Investigator:
             if not result["launchers_ended"]:
                 return notice       # no provable launcher: end the ranks at least (the node stays cordoned)
             return None
-        self._fallback(notice, live)
+        self._fallback(notice, live, fallback)
         return None
 
-    def _fallback(self, notice: Notice, live: list) -> None:
+    def _fallback(self, notice: Notice, live: list, restore_here: Callable[[Notice], object] | None = None) -> None:
         """The culprit's node is being kept out: our ranks should fail with it. If they are still alive
         after FALLBACK_RESTORE_SECONDS, restore them after all."""
         pids = {(info.rank, info.pid) for info in live}
@@ -127,9 +137,10 @@ class Investigator:
         def check() -> None:
             alive = {(info.rank, info.pid) for info, _ in restore.local_ranks(restore.read_ranks(self.run_dir)[0],
                                                                               self.host)}
-            if pids & alive and self.submit is not None:
+            act = restore_here or (None if self.submit is None else lambda n: self.submit([n]))
+            if pids & alive and act is not None:
                 self.log.warning("ranks outlived the culprit's eviction; restoring them", ranks=sorted(pids & alive))
-                self.submit([notice])
+                act(notice)
         timer = threading.Timer(FALLBACK_RESTORE_SECONDS, check)
         timer.daemon = True
         timer.start()
@@ -142,9 +153,16 @@ class Investigator:
             counts.add_metric([node, kind], count)
         cordoned = GaugeMetricFamily("trainguard_node_cordoned", "1 for each node kept out of the job "
                                      "(RUN/control/cordon/<host>) until `trainguard uncordon`.", labels=["node"])
-        for host in sorted(evict.cordoned(self.run_dir)):
-            cordoned.add_metric([host], 1)
-        return [counts, cordoned]
+        refused = GaugeMetricFamily("trainguard_cordon_refused", "1 for each cordon file that is not honoured "
+                                    "(not signed with the run's checkpoint key, changed, or copied from another "
+                                    "host's): the node is NOT kept out (trainguard/cordon.py).",
+                                    labels=["node", "reason"])
+        for host, found in sorted(evict.cordons(self.run_dir, self.key_file).items()):
+            if found.honoured:
+                cordoned.add_metric([host], 1)
+            else:
+                refused.add_metric([host, str(found.refused)], 1)
+        return [counts, cordoned, refused]
 
 
 # ------------------------------------------------------------------------------- shared run directory
@@ -152,7 +170,7 @@ class Investigator:
 def stall_key(run_dir: Path) -> str:
     """The same on every node for one stall: the run's newest step and launcher attempt."""
     infos, _ = restore.read_ranks(run_dir)
-    steps = [last_step(run_dir / "tls" / f"rank-{info.rank}.jsonl")[0] for info in infos]
+    steps = [last_step(rundir.rank_log(run_dir, info.rank))[0] for info in infos]
     attempt = max((_restart_count(info) for info in infos), default=0)
     newest = max((s for s in steps if s is not None), default=0)
     return f"step{newest}-attempt{attempt}"
@@ -189,24 +207,24 @@ def claim(run_dir: Path, key: str) -> tuple[str, bool]:
     return incident_id, True
 
 
-def job_hosts(run_dir: Path) -> set[str]:
+def job_hosts(run_dir: Path, key_file: str | Path | None = None) -> set[str]:
     """The nodes of the job's current attempt (the hosts of the newest attempt's rank files), not cordoned."""
     infos, _ = restore.read_ranks(run_dir)
     if not infos:
         return set()
     attempt = max(_restart_count(i) for i in infos)
     hosts = {i.host for i in infos if _restart_count(i) == attempt}
-    return hosts - set(evict.cordoned(run_dir))
+    return hosts - set(evict.cordoned(run_dir, key_file))
 
 
-def job(run_dir: Path, hosts: set[str]) -> verdicts.Job:
+def job(run_dir: Path, hosts: set[str], key_file: str | Path | None = None) -> verdicts.Job:
     launchers = evict.read_launchers(run_dir)
     bounds = [(int(launchers[h].get("min_nodes", 1)), int(launchers[h].get("max_nodes", 1)))
               for h in hosts if h in launchers]
     min_nodes = min((lo for lo, _ in bounds), default=len(hosts))
     max_nodes = max((hi for _, hi in bounds), default=len(hosts))
     return verdicts.Job(tuple(sorted(hosts)), min_nodes, max_nodes,
-                        evict.evictions_since(run_dir, time.time() - 3600))
+                        evict.evictions_since(run_dir, time.time() - 3600, key_file))
 
 
 def wait_for_nodes(run_dir: Path, incident_id: str, hosts: set[str], seconds: float) -> set[str]:

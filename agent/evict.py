@@ -1,10 +1,11 @@
 """Keeping a node out: its cordon file, and the agent's ending of this node's launcher.
 
-    RUN/control/cordon/<host>            {"host", "incident", "reason", "cordoned_at", "by"}
+    RUN/control/cordon/<host>            {"host", "incident", "reason", "cordoned_at", "by", "key_id", "signature"}
     RUN/control/launchers/<host>.json    {"host", "pid", "started_at", "min_nodes", "max_nodes"} (the launcher's)
 
 A cordoned node's launcher refuses to join the job (trainer/launch.py) until ``trainguard uncordon RUN
-HOST`` removes the file. When the culprit of a hang is on this node, the agent ends this node's launcher
+HOST`` removes the file — when the cordon is signed with the run's checkpoint key (trainguard/cordon.py):
+an unsigned or forged one is ignored, loudly. When the culprit of a hang is on this node, the agent ends this node's launcher
 (torchrun's elastic agent): its ranks die with it (they asked Linux to, trainer/train.py), the other
 nodes' ranks see their peers gone and fail, and their launchers re-form the job without this node
 through the elastic rendezvous (``--nnodes MIN:MAX``), resuming from the newest verified checkpoint.
@@ -21,75 +22,62 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from pathlib import Path
 
 import psutil
 
 from trainguard import log as tglog
+from trainguard import cordon as cordon_mod
+from trainguard import rundir
 from trainguard.agent import restore
+from trainguard.trainer import cordon_key
 
-HOST_NAME_BAD = ("/", "\0")
-
-
-def cordon_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "control" / "cordon"
+cordon_dir = rundir.cordon_dir
+check_host = cordon_mod.check_host
 
 
-def check_host(host: str) -> str:
-    if not host or host.startswith(".") or any(c in host for c in HOST_NAME_BAD) or len(host) > 253:
-        raise ValueError(f"host {host!r}: not a node name")
-    return host
+class CannotCordon(RuntimeError):
+    """The agent holds no checkpoint key, so it cannot sign a cordon any launcher would honour."""
 
 
-def cordon(run_dir: str | os.PathLike, host: str, *, incident: str | None, reason: str, by: str) -> Path:
-    """Write the node's cordon file (atomic); cordoning a cordoned node keeps the first file."""
-    directory = cordon_dir(run_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / check_host(host)
-    if path.exists():
-        return path
-    tmp = directory / f".{host}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"host": host, "incident": incident, "reason": reason,
-                               "cordoned_at": time.time(), "by": by}) + "\n")
-    os.replace(tmp, path)
-    return path
+def cordon(run_dir: str | os.PathLike, host: str, *, incident: str | None, reason: str, by: str,
+           key_file: str | os.PathLike | None = None) -> Path:
+    """Write the node's signed cordon (trainguard/cordon.py); an honoured cordon already there is kept.
+    Raises CannotCordon when the key cannot be read (an unsigned cordon would be ignored anyway)."""
+    key, where = cordon_key.signing_key(key_file, create=True)
+    if key is None:
+        raise CannotCordon(f"cannot cordon {host}: no checkpoint key to sign it with ({where}; set "
+                           f"webhook.checkpoint_key_file to the trainer's key)")
+    return cordon_key.write_cordon(run_dir, host, key, incident=incident, reason=reason, by=by)
 
 
-def cordoned(run_dir: str | os.PathLike) -> dict[str, dict]:
-    """host -> its cordon record (an unreadable file still cordons: {"unreadable": why})."""
-    directory = cordon_dir(run_dir)
-    if not directory.is_dir():
-        return {}
-    out = {}
-    for path in sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".")):
-        try:
-            out[path.name] = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            out[path.name] = {"host": path.name, "unreadable": str(exc)}
-    return out
+def cordons(run_dir: str | os.PathLike, key_file: str | os.PathLike | None = None) -> dict[str, cordon_mod.Cordon]:
+    """host -> its cordon, checked against the agent's key (honoured, or why not)."""
+    key, _ = cordon_key.signing_key(key_file)
+    return cordon_mod.read_all(run_dir, key)
+
+
+def cordoned(run_dir: str | os.PathLike, key_file: str | os.PathLike | None = None) -> dict[str, dict]:
+    """host -> its cordon record, for the honoured cordons only: a forged one keeps no node out, counts
+    toward no eviction limit, and takes no node out of a verdict."""
+    return {host: found.record for host, found in cordons(run_dir, key_file).items() if found.honoured}
 
 
 def uncordon(run_dir: str | os.PathLike, host: str) -> bool:
-    """Remove the node's cordon; False when it was not cordoned."""
-    try:
-        (cordon_dir(run_dir) / check_host(host)).unlink()
-        return True
-    except FileNotFoundError:
-        return False
+    """Remove the node's cordon, honoured or not; False when it had none."""
+    return cordon_mod.remove(run_dir, host)
 
 
-def evictions_since(run_dir: str | os.PathLike, since: float) -> int:
-    """Cordons written since `since` (the hourly limit counts them; an uncordoned node still counted
-    through its incident's action)."""
-    return sum(1 for record in cordoned(run_dir).values()
+def evictions_since(run_dir: str | os.PathLike, since: float, key_file: str | os.PathLike | None = None) -> int:
+    """Honoured cordons written since `since` (the hourly limit counts them; an uncordoned node still
+    counted through its incident's action)."""
+    return sum(1 for record in cordoned(run_dir, key_file).values()
                if isinstance(record.get("cordoned_at"), (int, float)) and record["cordoned_at"] >= since)
 
 
 # ------------------------------------------------------------------------------------ launchers
 
-def launchers_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "control" / "launchers"
+launchers_dir = rundir.launchers_dir
 
 
 def read_launchers(run_dir: str | os.PathLike) -> dict[str, dict]:

@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from trainguard import rundir
 from trainguard import incidents
 from trainguard.agent.collectors.nccl import classify
 from trainguard.trainer import flight_recorder
@@ -107,7 +108,7 @@ def node_signals(run_dir: Path, host: str, live: list, agent=None) -> dict:
 
     ranks = {}
     for info in live:
-        step, at = last_step(run_dir / "tls" / f"rank-{info.rank}.jsonl")
+        step, at = last_step(rundir.rank_log(run_dir, info.rank))
         ranks[str(info.rank)] = {"pid": info.pid, "last_step": step, "last_step_at": at,
                                  "started_at": info.started_at, "last_record_at": _mtime(run_dir, info.rank)}
     return {"node": host, "taken_at": time.time(), "ranks": ranks, **hardware(agent),
@@ -158,7 +159,7 @@ def nccl_lines(run_dir: Path) -> list[dict]:
 
 def _mtime(run_dir: Path, rank: int) -> float | None:
     try:
-        return (run_dir / "tls" / f"rank-{rank}.jsonl").stat().st_mtime
+        return rundir.rank_log(run_dir, rank).stat().st_mtime
     except OSError:
         return None
 

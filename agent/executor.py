@@ -25,19 +25,19 @@ re-executing after a crash between 2 and 4 (``recover()`` does, at start) or fro
 shared run directory never makes the trainer act twice.
 
 A job-level alert (no `instance`: the global tier's, the run-wide cost tiers; ledger.job_level) reaches
-every agent of the job. Before carrying one out, an agent claims it: ``RUN/control/claims/<request id>``
-created with O_EXCL (atomic on local filesystems and NFSv3+), the one place every agent sees. The agent
-that created it acts; the others record the action as ``claimed`` by that node and do nothing, so a
-job-level ``restore`` ends one node's ranks (torch's elastic rendezvous then restarts every node's
-workers) rather than every node's at once. An agent that crashed after claiming finds its own claim and
-acts on recovery.
+every agent of the job. Before carrying one out, an agent claims it (agent/claims.py): a claim signed with
+the webhook token every agent of the route holds, created with O_EXCL in ``RUN/control/claims/``. The
+agent that created it acts; the others record the action as ``claimed`` by that node, so a job-level
+``restore`` ends one node's ranks (torch's elastic rendezvous then restarts every node's workers) rather
+than every node's at once. A claim that does not prove itself is ignored (logged once, counted in
+``trainguard_claims_refused_total{reason}``), and a claimant that has not recorded the action done within
+``webhook.claim_timeout_seconds`` is taken over by exactly one other agent. An agent that crashed after
+claiming finds its own claim and acts on recovery.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import json
 import os
 import threading
 import time
@@ -47,9 +47,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client.core import CounterMetricFamily
 
-from trainguard import actions, tls
+from trainguard import actions, rundir, tls
 from trainguard import log as tglog
-from trainguard.agent import restore
+from trainguard.agent import claims, restore
 from trainguard.node import node_name
 from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, Verdict, job_level
 
@@ -75,9 +75,11 @@ class WebhookSettings:
     restore_grace_seconds: float = DEFAULT_GRACE_SECONDS
     restore_entry_points: tuple[str, ...] = ()   # worker programs besides trainguard's (docs/agent.md)
     restore_launchers: tuple[str, ...] = ()      # launcher programs besides torchrun and `trainguard train`
+    claim_timeout_seconds: float = claims.DEFAULT_TIMEOUT_SECONDS   # a job-level claim not done by then is taken over
+    checkpoint_key_file: Path | None = None      # the trainer's checkpoint key, to sign cordons (default: its default)
 
     KEYS = ("token_file", "dry_run", "max_body_bytes", "embedded", "restore_grace_seconds",
-            "restore_entry_points", "restore_launchers")
+            "restore_entry_points", "restore_launchers", "claim_timeout_seconds", "checkpoint_key_file")
 
     @classmethod
     def from_config(cls, config) -> "WebhookSettings":
@@ -88,7 +90,7 @@ class WebhookSettings:
         if unknown:
             raise ConfigError(f"webhook.{unknown[0]}: unknown key (known: {', '.join(cls.KEYS)})")
         run_dir = Path(config.run_dir) if config.run_dir is not None else Path(".")
-        default = run_dir / "agent" / "webhook.token"
+        default = rundir.webhook_token_path(run_dir)
         kwargs: dict[str, Any] = {"token_file": Path(values.get("token_file") or default),
                                   "default_token_file": default}
         for key in ("dry_run", "embedded"):
@@ -98,11 +100,16 @@ class WebhookSettings:
                 kwargs[key] = values[key]
         if "max_body_bytes" in values:
             kwargs["max_body_bytes"] = _size(values["max_body_bytes"])
-        if "restore_grace_seconds" in values:
-            grace = values["restore_grace_seconds"]
-            if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
-                raise ConfigError(f"webhook.restore_grace_seconds: expected seconds >= 0, got {grace!r}")
-            kwargs["restore_grace_seconds"] = float(grace)
+        for key, low in (("restore_grace_seconds", 0.0), ("claim_timeout_seconds", 1.0)):
+            if key in values:
+                seconds = values[key]
+                if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not low <= seconds < 1e9:
+                    raise ConfigError(f"webhook.{key}: expected seconds >= {low:g}, got {seconds!r}")
+                kwargs[key] = float(seconds)
+        if values.get("checkpoint_key_file") is not None:
+            if not isinstance(values["checkpoint_key_file"], str) or not values["checkpoint_key_file"].strip():
+                raise ConfigError(f"webhook.checkpoint_key_file: expected a path, got {values['checkpoint_key_file']!r}")
+            kwargs["checkpoint_key_file"] = Path(values["checkpoint_key_file"]).expanduser()
         for key in ("restore_entry_points", "restore_launchers"):
             if key in values:
                 kwargs[key] = _names(values[key], f"webhook.{key}")
@@ -152,7 +159,7 @@ class EventLog:
                     raise OSError(28, f"wrote {written} of {len(data)} bytes")
                 os.fsync(fd)
             except OSError as exc:
-                _truncate(fd, size)
+                rundir.cut_back(fd, size)   # a partial record must not glue onto the next one
                 raise OSError(exc.errno, f"{self.path}: {exc.strerror or exc} ({len(data)} bytes needed)") from None
         finally:
             os.close(fd)
@@ -163,73 +170,6 @@ class EventLog:
             return []
         return [line.record["event"] for line in tls.iter_lines(self.path)
                 if line.record is not None and isinstance(line.record.get("event"), dict)]
-
-
-def _truncate(fd: int, size: int) -> None:
-    try:
-        os.ftruncate(fd, size)
-    except OSError:
-        pass     # the reader skips a torn line; the record is written again on the retry
-
-
-def append_request(path: Path, request: dict) -> bool:
-    """Append one control request unless its id is already there (under an exclusive lock); fsynced."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            handle.seek(0)
-            for raw in handle:
-                try:
-                    if json.loads(raw).get("id") == request["id"]:
-                        return False
-                except (ValueError, AttributeError):
-                    continue
-            handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            line = json.dumps(request, separators=(",", ":")).encode() + b"\n"
-            try:
-                handle.write(line)
-                handle.flush()
-                os.fsync(handle.fileno())
-            except OSError as exc:
-                _truncate(handle.fileno(), size)   # a torn request must not glue onto the next one
-                raise OSError(exc.errno, f"{path}: {exc.strerror or exc} ({len(line)} bytes needed)") from None
-            return True
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-def claim(path: Path, node: str, now: float) -> str:
-    """Create `path` naming `node` unless it exists (O_EXCL: exactly one creator); the claimant's node.
-
-    A claim written but not yet readable (the creator between open and write) is retried briefly; one
-    that stays unreadable is damaged, and its creator is taken to be another agent (never act twice).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    body = json.dumps({"node": node, "claimed_at": now}).encode()
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return _claimant(path)
-    try:
-        os.write(fd, body)
-        os.fsync(fd)
-    except OSError:
-        os.close(fd)
-        os.unlink(path)        # a claim nobody can read would block the job's action for good
-        raise
-    os.close(fd)
-    return node
-
-
-def _claimant(path: Path, attempts: int = 20) -> str:
-    for _ in range(attempts):
-        try:
-            return str(json.loads(path.read_bytes())["node"])
-        except (OSError, ValueError, KeyError, TypeError):
-            time.sleep(0.05)
-    return f"unreadable claim {path}"
 
 
 def request_id(verdict: Verdict) -> str:
@@ -245,15 +185,19 @@ def request_id(verdict: Verdict) -> str:
 class Executor:
     def __init__(self, run_dir: str | os.PathLike, node: str, ledger: Ledger, *, host: str | None = None,
                  restore_grace_seconds: float = DEFAULT_GRACE_SECONDS, clock: Callable[[], float] = time.time,
-                 entry_points: tuple[str, ...] = (), launchers: tuple[str, ...] = ()):
+                 entry_points: tuple[str, ...] = (), launchers: tuple[str, ...] = (),
+                 claim_secret: bytes | None = None, claim_timeout_seconds: float = claims.DEFAULT_TIMEOUT_SECONDS,
+                 checkpoint_key_file: str | os.PathLike | None = None):
         self.run_dir = Path(run_dir)
+        self.checkpoint_key_file = checkpoint_key_file   # signs cordons (agent/culprit.py, trainguard/cordon.py)
         self.entry_points, self.launchers = entry_points, launchers   # beyond the bundled ones (restore.Trust)
         self.node, self.host = node, host or node_name()
         self.ledger, self.clock = ledger, clock
         self.grace = restore_grace_seconds
-        self.records = EventLog(self.run_dir / "tls" / f"node-{node}-actions.jsonl")
-        self.control_path = self.run_dir / "control" / "actions.jsonl"
+        self.records = EventLog(rundir.node_actions_log(self.run_dir, node))
         self.log = tglog.get("agent.executor", node=node)
+        self.claims = claims.Claims(self.run_dir, node, claim_secret, timeout_seconds=claim_timeout_seconds,
+                                    log=self.log)
         self._lock = threading.Lock()
         self.outcomes: dict[str, int] = {}
         self.executed: dict[str, int] = {}
@@ -261,14 +205,21 @@ class Executor:
         self.failures = 0                         # decisions not done: a write or the action failed
         self._failing: str | None = None          # the failure being reported (logged once until it clears)
         self._retry: list[Notice] = []            # embedded notices waiting for a retry
+        self._investigations: list[threading.Thread] = []   # restores gathering evidence (tests join them)
         self._retry_timer: threading.Timer | None = None
+        # agent/culprit.py Investigator, set by the agent (webhook.install): an Alertmanager restore then
+        # gathers the incident's evidence before ranks are ended, as the embedded watchdog's does.
+        self.investigator: Callable[..., Notice | None] | None = None
         self.recover()
 
     @classmethod
-    def for_agent(cls, config, policy, settings) -> "Executor":
+    def for_agent(cls, config, policy, settings, claim_secret: bytes | None = None) -> "Executor":
+        """`claim_secret`: the webhook token, which every agent behind the job's Alertmanager route holds."""
         ledger = Ledger(Limits.from_policy(policy), dry_run=settings.dry_run)
         return cls(config.run_dir, config.node, ledger, restore_grace_seconds=settings.restore_grace_seconds,
-                   entry_points=settings.restore_entry_points, launchers=settings.restore_launchers)
+                   entry_points=settings.restore_entry_points, launchers=settings.restore_launchers,
+                   claim_secret=claim_secret, claim_timeout_seconds=settings.claim_timeout_seconds,
+                   checkpoint_key_file=settings.checkpoint_key_file)
 
     # ------------------------------------------------------------------------------------- submit
     def submit(self, notices: list[Notice]) -> list[Verdict]:
@@ -295,14 +246,74 @@ class Executor:
         self.records.append([self._alert_record(v, now) for v in verdicts])
         for verdict in verdicts:
             self._log_verdict(verdict)
-        results = [self._execute(v, now) for v in verdicts if v.executes]
+        later = [v for v in verdicts if v.executes and self._needs_evidence(v)]
+        results = [self._execute(v, now) for v in verdicts if v.executes and v not in later]
         self.records.append(results)
         failed = [r for r in results if r.get("outcome") == "failed"]
         if failed:
             raise OSError(failed[0].get("errno") or 0, failed[0]["error"])
         for verdict in verdicts:
             self.outcomes[verdict.outcome] = self.outcomes.get(verdict.outcome, 0) + 1
+        for verdict in later:
+            self._restore_after_evidence(verdict)
         return verdicts
+
+    # ------------------------------------------------------------- restore: evidence before ending
+    def _needs_evidence(self, verdict: Verdict) -> bool:
+        """An Alertmanager restore while this node has live ranks: the embedded watchdog's gathered the
+        evidence before it was submitted; this one must gather it here, before anything is ended. (With no
+        live rank here there is nothing to take stacks of and nothing to end: it is carried out at once.)"""
+        return (verdict.action == actions.RESTORE and verdict.notice.source != "embedded"
+                and self.investigator is not None and not verdict.dry_run
+                and bool(restore.local_ranks(restore.read_ranks(self.run_dir)[0], self.host)))
+
+    def _restore_after_evidence(self, verdict: Verdict) -> None:
+        """Gather the incident's evidence, then carry out the restore, on a thread of its own: the webhook
+        answers as soon as the decision is on disk (Alertmanager's notify timeout is 10 s, evidence takes up
+        to `restore.evidence_seconds` and more), and the time it takes is bounded by the Investigator's
+        waits (py-spy's timeout, the Flight Recorder and verdict waits). The decision is already recorded:
+        an agent that dies meanwhile redoes the restore at its next start (`recover`)."""
+        thread = threading.Thread(target=self._investigate_and_restore, args=(verdict,),
+                                  name="restore-evidence", daemon=True)
+        thread.start()
+        self._investigations = [t for t in self._investigations if t.is_alive()] + [thread]
+
+    def _investigate_and_restore(self, verdict: Verdict) -> None:
+        assert self.investigator is not None
+        live = [info for info, _ in restore.local_ranks(restore.read_ranks(self.run_dir)[0], self.host)]
+        self.log.warning("restore: gathering evidence before ending ranks", alertname=verdict.notice.alertname,
+                         id=request_id(verdict), ranks=[info.rank for info in live])
+        after = self.investigator(verdict.notice, live, fallback=lambda notice: self._finish(verdict, notice))
+        self._finish(verdict, after)
+
+    def _finish(self, verdict: Verdict, after: Notice | None, attempts: int = 12) -> None:
+        """Record the restore's result: carried out, or (`after` None) the culprit's node kept out instead
+        (agent/culprit.py ended its launcher, or will restore here if the ranks outlive it)."""
+        for _ in range(attempts):
+            with self._lock:
+                now = self.clock()
+                try:
+                    if after is None:
+                        result = self._kept_out(verdict, now)
+                    else:
+                        result = self._execute(verdict, now)
+                    self.records.append([result])
+                    if result.get("outcome") != "failed":
+                        return
+                except OSError as exc:
+                    result = {"error": str(exc)}
+                self.failures += 1
+                self.log.error("restore after evidence not done; will retry", error=result.get("error"),
+                               id=request_id(verdict))
+            time.sleep(RETRY_SECONDS)
+
+    def _kept_out(self, verdict: Verdict, now: float) -> dict:
+        n = verdict.notice
+        result = {"id": request_id(verdict), "action": verdict.action, "alertname": n.alertname,
+                  "reason": verdict.reason, "key": n.key, "source": n.source, "issued_at": now,
+                  "outcome": "kept_out", "why": "the incident's culprit node is kept out (agent/culprit.py)"}
+        self.log.warning("restore not needed here: the culprit's node is kept out", id=result["id"])
+        return {**tls.event("action", timestamp=now, **result), "node": self.node}
 
     def _not_done(self, notices: list[Notice], exc: OSError) -> None:
         """Report a failure once (until writes work again); queue the embedded notices for a retry."""
@@ -350,18 +361,20 @@ class Executor:
     # ------------------------------------------------------------------------------------ execute
     def _execute(self, verdict: Verdict, now: float) -> dict:
         n = verdict.notice
-        request = {"id": request_id(verdict), "action": verdict.action, "alertname": n.alertname,
-                   "reason": verdict.reason, "issued_at": now}
+        request = rundir.request(verdict.action, request_id(verdict), alertname=n.alertname,
+                                 reason=verdict.reason, issued_at=now)
         result: dict[str, Any] = {"id": request["id"], "action": verdict.action, "alertname": n.alertname,
                                   "reason": verdict.reason, "key": n.key, "source": n.source, "issued_at": now}
         try:
-            claimant = self._claim(verdict, request["id"], now)
-            if claimant != self.node:
-                result.update(outcome="claimed", claimed_by=claimant)
+            claim = self._claim(verdict, request["id"], now)
+            if claim is not None and not claim.mine:
+                result.update(outcome="claimed", claimed_by=claim.node, generation=claim.generation)
                 self.log.info("job-level action carried out by another agent", action=verdict.action,
-                              alertname=n.alertname, claimed_by=claimant, id=request["id"])
+                              alertname=n.alertname, claimed_by=claim.node, id=request["id"])
+                if not claim.done:
+                    self._watch_claim(verdict, claim, now)
                 return {**tls.event("action", timestamp=now, **result), "node": self.node}
-            result["appended"] = append_request(self.control_path, request)
+            result["appended"] = rundir.append_request(self.run_dir, request)
             if verdict.action == actions.RESTORE:
                 result.update(restore.end_local_ranks(self.run_dir, self.host, started_before=n.starts_at,
                                                     grace_seconds=self.grace, trust=self._trust()))
@@ -370,6 +383,8 @@ class Executor:
                 if "paged" in result:
                     self.refused["no_restarts_left"] = self.refused.get("no_restarts_left", 0) + 1
             result["outcome"] = "paged" if "paged" in result else "issued"
+            if claim is not None:
+                self.claims.done(request["id"], claim, self.clock())
         except OSError as exc:
             result.update(outcome="failed", error=f"{type(exc).__name__}: {exc}", errno=exc.errno)
             self.log.error("action failed", action=verdict.action, alertname=n.alertname, error=result["error"])
@@ -377,12 +392,33 @@ class Executor:
         self.log.warning("action issued", **{k: v for k, v in result.items() if k != "issued_at"})
         return {**tls.event("action", timestamp=now, **result), "node": self.node}
 
-    def _claim(self, verdict: Verdict, request_id: str, now: float) -> str:
-        """The node that carries out this verdict: this one, unless the action is job-level and another
-        agent claimed it first (RUN/control/claims/<request id>, created once with O_EXCL)."""
+    def _claim(self, verdict: Verdict, request_id: str, now: float) -> claims.Claim | None:
+        """Who carries out a job-level verdict (agent/claims.py: a signed claim in RUN/control/claims/);
+        None for any other: this agent acts."""
         if not job_level(verdict.notice):
-            return self.node
-        return claim(self.run_dir / "control" / "claims" / request_id, self.node, now)
+            return None
+        return self.claims.take(request_id, now)
+
+    def _watch_claim(self, verdict: Verdict, claim: claims.Claim, now: float) -> None:
+        """Look again once another agent's claim may be taken over: if it is still not done, its claimant
+        is taken to have died, and one of the agents (O_EXCL on the next generation's name) acts."""
+        timer = threading.Timer(self.claims.check_after(claim, now), self._claim_check, (verdict,))
+        timer.daemon = True
+        timer.start()
+
+    def _claim_check(self, verdict: Verdict) -> None:
+        with self._lock:
+            now = self.clock()
+            try:
+                claim = self.claims.take(request_id(verdict), now)
+                if claim.mine:
+                    self.records.append([self._execute(verdict, now)])
+                elif not claim.done:
+                    self._watch_claim(verdict, claim, now)
+            except OSError as exc:   # a full disk: the next start's recovery redoes what this agent decided
+                self.failures += 1
+                self.log.error("could not check or take over a job-level claim", error=str(exc),
+                               id=request_id(verdict))
 
     def _trust(self) -> restore.Trust:
         """Built at each restore: the run directory (whose owner root trusts) may appear after the agent."""
@@ -435,4 +471,14 @@ class Executor:
         not_done = CounterMetricFamily("trainguard_actions_not_done", "Decisions that could not be recorded or "
                                        "carried out (a full disk); the ledger was left as it was, to retry.")
         not_done.add_metric([], self.failures)
-        return [verdicts, executed, refused, not_done]
+        claims_refused = CounterMetricFamily("trainguard_claims_refused", "Claim files of job-level actions that "
+                                             "did not prove themselves (not signed with the job's token, or copied "
+                                             "from another request), by reason: ignored, the action went on.",
+                                             labels=["reason"])
+        for reason, count in sorted(self.claims.refused.items()):
+            claims_refused.add_metric([reason], count)
+        taken_over = CounterMetricFamily("trainguard_claims_taken_over", "Job-level actions this agent carried out "
+                                         "after their claimant did not record them done within "
+                                         "webhook.claim_timeout_seconds.")
+        taken_over.add_metric([], self.claims.taken_over)
+        return [verdicts, executed, refused, not_done, claims_refused, taken_over]

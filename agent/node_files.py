@@ -35,7 +35,7 @@ class NodeFiles:
 
     def __init__(self, run_dir: str | os.PathLike, node: str, host: str | None = None):
         self.ours = frozenset({node, host or socket.gethostname()})
-        self.rank_files = RankFiles(run_dir)
+        self.rank_files = RankFiles(run_dir, self.ours)    # keeps only this node's registrations
         self._seen: tuple | None = None   # the (listing, registrations) objects selected from (held: no id reuse)
         self._selected: dict[str, str] = {}
         self._first_node: dict[tuple[str, int], str | None] = {}   # (name, inode) -> node of its first record
@@ -49,16 +49,18 @@ class NodeFiles:
         registered = self.rank_files.read()        # the same list object until RUN/control/ranks changes
         seen = self._seen
         if seen is None or seen[0] is not listing or seen[1] is not registered or self._undecided:
-            hosts = {info.rank: info.host for info in registered}
+            here = {info.rank for info in registered}
             self._undecided = False
-            self._selected = {name: path for name, path in listing.items() if self._owned(name, path, hosts)}
+            self._selected = {name: path for name, path in listing.items() if self._owned(name, path, here)}
             self._seen = (listing, registered)
         return self._selected
 
-    def _owned(self, name: str, path: str, hosts: dict[int, str]) -> bool:
+    def _owned(self, name: str, path: str, here: set[int]) -> bool:
         match = RANK_LOG.match(name)
-        if match and int(match.group(1)) in hosts:
-            return hosts[int(match.group(1))] in self.ours
+        if match and int(match.group(1)) in here:
+            return True
+        if match and self.rank_files.registered_elsewhere(int(match.group(1))):
+            return False
         return self.is_ours(self._node_of_first_record(name, path))
 
     def _node_of_first_record(self, name: str, path: str) -> str | None:

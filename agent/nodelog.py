@@ -21,6 +21,7 @@ from typing import Callable, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from trainguard import rundir
 from trainguard import log as tglog
 from trainguard import tls
 from trainguard.agent.stop_signal import StopSignal
@@ -119,7 +120,7 @@ class NodeLog:
     def __init__(self, fragments: Callable[[], Mapping[str, dict]], run_dir: str | os.PathLike, node: str, *,
                  interval: float = 10.0, max_bytes: int = 64 * 2**20, keep: int = 5):
         self.fragments, self.node, self.interval = fragments, node, interval
-        self.file = RotatingFile(Path(run_dir) / "tls" / f"node-{node}.jsonl", max_bytes, keep)
+        self.file = RotatingFile(rundir.node_log(run_dir, node), max_bytes, keep)
         self.records = self.errors = 0
         self._failing = False
         self._log = tglog.get("agent.nodelog", path=str(self.file.path))

@@ -13,6 +13,8 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainguard.metrics.node import DiskStats   # read here, rendered there
+
 
 class ParseError(ValueError):
     """A kernel or run-dir file that does not parse; the message names file, line and field."""
@@ -54,14 +56,6 @@ DISKSTAT_FIELDS = (
     "discards_completed", "discards_merged", "sectors_discarded", "discard_ms",
     "flushes_completed", "flush_ms",
 )
-
-
-@dataclass(frozen=True)
-class DiskStats:
-    major: int
-    minor: int
-    device: str
-    stats: dict[str, int]    # the DISKSTAT_FIELDS this kernel wrote, in order
 
 
 def read_diskstats(procfs: Path) -> list[DiskStats]:
@@ -289,7 +283,7 @@ class RankPids:
         if run_dir is not None:
             from .restore import RankFiles     # psutil and logging only when a run directory is watched
 
-            self._files = RankFiles(run_dir)
+            self._files = RankFiles(run_dir, self.ours)
         self._infos: list | None = None      # the RankFiles list the mapping was made from
         self._pids: dict[int, int] = {}
 
@@ -299,5 +293,5 @@ class RankPids:
         infos = self._files.read()
         if infos is not self._infos:
             self._infos = infos
-            self._pids = {info.rank: info.pid for info in sorted(infos, key=lambda i: i.rank) if info.host in self.ours}
+            self._pids = {info.rank: info.pid for info in infos}     # this node's, in rank order
         return self._pids

@@ -23,7 +23,7 @@ import trainguard
 from trainguard import log as tglog
 from trainguard.agent.collector import REGISTRY, Collector, CollectorDisabled, Context, Sample
 from trainguard.agent.config import AgentConfig
-from trainguard.agent.families import Labels, Spec
+from trainguard.metrics.families import Labels, Spec
 from trainguard.agent.stop_signal import StopSignal
 
 STARTING, OK, FAILED, HUNG, DISABLED = "starting", "ok", "failed", "hung", "disabled"
@@ -57,10 +57,9 @@ class View:
 class CollectorRunner:
     """One collector: its thread, its schedule, and what its last update left."""
 
-    def __init__(self, cls: type[Collector], ctx: Context, interval: float, timeout: float,
-                 on_created: Callable[[Collector], None] | None = None):
+    def __init__(self, cls: type[Collector], ctx: Context, interval: float, timeout: float):
         self.name, self.interval, self.timeout = cls.name, interval, timeout
-        self._cls, self._ctx, self._on_created = cls, ctx, on_created
+        self._cls, self._ctx = cls, ctx
         self._log = tglog.get("agent.collector", collector=self.name)
         self._lock = threading.Lock()
         self._stop = StopSignal()
@@ -102,8 +101,6 @@ class CollectorRunner:
         try:
             if self.collector is None:
                 self.collector = self._cls(self._ctx)
-                if self._on_created:
-                    self._on_created(self.collector)
             sample = self.collector.update()
             if not isinstance(sample, Sample):
                 sample, error = None, f"update() returned {type(sample).__name__}, not a Sample"
@@ -210,15 +207,10 @@ class Agent:
             settings = self.config.collector(name)
             ctx = Context(procfs=self.config.procfs, sysfs=self.config.sysfs, devfs=self.config.devfs,
                           run_dir=self.config.run_dir, node=self.config.node, options=dict(settings.options),
-                          policy=self.config.policy)
+                          policy=self.config.policy, on_decision=self._dispatch_decision)
             runners[name] = CollectorRunner(cls, ctx, self.config.interval_of(name, cls.interval),
-                                            self.config.timeout_of(name, cls.timeout), self._attach)
+                                            self.config.timeout_of(name, cls.timeout))
         return runners
-
-    def _attach(self, collector: Collector) -> None:
-        """Hooks a collector may offer: `on_decision` (the training collector's cost decisions)."""
-        if hasattr(collector, "on_decision"):
-            collector.on_decision = self._dispatch_decision
 
     # ---------------------------------------------------------------------------------- lifecycle
 

@@ -30,7 +30,7 @@ from typing import Callable, Mapping
 from urllib.parse import parse_qs, urlsplit
 
 from trainguard import log as tglog
-from trainguard.agent import exposition
+from trainguard.metrics import exposition
 
 Response = tuple[int, Mapping[str, str], bytes]
 RESERVED_PATHS = ("/healthz", "/api/v1/alerts")

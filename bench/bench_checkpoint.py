@@ -15,8 +15,12 @@ purpose: the host's 2 cores are shared) after one AdamW step, on CPU. One proces
   floor  copy of the state         one copy_ of every tensor into preallocated host buffers
   peer   DCP async_save, blocking  the time async_save() holds the caller (its staging)
   ours   async save, blocking      CheckpointManager.save(async_save=True): time save() holds the caller
+                                   (a manager's later saves, as in training: its first allocates the buffers)
   peer   DCP load + SHA-256        every file hashed, then torch.distributed.checkpoint.load into the model
   ours   verified restore          CheckpointManager.load_latest(into=...): signature, every hash, safe load
+  peer   DCP load, resharded       a checkpoint saved by 2 FSDP2 ranks (torchrun, gloo) loaded into one plain
+                                   process by torch.distributed.checkpoint.load (and + SHA-256 of its files)
+  ours   restore, resharded        CheckpointManager.load_latest(into=...) of the same state saved by 2 ranks
   size   none / lossless / fp16-zlib   bytes of the tensors' files; lossless checked bit-exact
 """
 
@@ -128,6 +132,63 @@ def dcp_load_hashed(state: dict, folder: Path) -> None:
     dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
 
 
+def fsdp_state(n_layer: int, n_embd: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The bench's GPT and AdamW after one step (wrapped with FSDP2 when a process group is up)."""
+    import torch.distributed as dist
+
+    from trainguard.trainer import parallel
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=64, vocab_size=256))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model = parallel.wrap(model, parallel.FSDP2, world, torch.device("cpu"))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, 256, (2, 64))
+    model(idx, idx)[1].backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return model, optim
+
+
+def save_sharded(folder: Path, n_layer: int, n_embd: int) -> None:
+    """(Under torchrun, every rank.) The FSDP2 state saved by CheckpointManager and by plain DCP."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from trainguard.trainer import parallel
+
+    dist.init_process_group("gloo")
+    model, optim = fsdp_state(n_layer, n_embd)
+    state = parallel.train_state(model, optim)
+    CheckpointManager(folder / "ours", distributed=True, keep_last=1).save(1, state, stable=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder / "dcp", sync_files=True))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def resharded(args: argparse.Namespace, root: Path, results: dict[str, list[float]]) -> None:
+    """2 FSDP2 ranks' checkpoint into 1 process: ours against DCP's own resharding load."""
+    import subprocess
+
+    import torch.distributed.checkpoint as dcp
+
+    from trainguard.trainer import parallel
+
+    folder = root / "sharded"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    __file__, "--save-sharded", str(folder), "--n-layer", str(args.n_layer), "--n-embd",
+                    str(args.n_embd)], check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    model, optim = fsdp_state(args.n_layer, args.n_embd)
+    for _ in range(args.repeat):
+        target = parallel.train_state(model, optim)
+        results.setdefault("DCP load, resharded 2->1", []).append(timed(
+            lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(folder / "dcp"), no_dist=True)))
+        results.setdefault("DCP load resharded + SHA-256", []).append(timed(
+            lambda: dcp_load_hashed(target, folder / "dcp")))
+        results.setdefault("restore resharded 2->1 (ours)", []).append(timed(
+            lambda: CheckpointManager(folder / "ours").load_latest(into=target)))
+
+
 def tensor_file_bytes(step_dir: Path) -> int:
     return sum(p.stat().st_size for p in step_dir.iterdir() if p.name.endswith(".distcp"))
 
@@ -152,9 +213,12 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
                 results.setdefault(name, []).append(timed(run))
             os.sync()
             results.setdefault("DCP async_save, blocking", []).append(dcp_async_blocking(state, root / f"dcpa{i}"))
-            manager = CheckpointManager(root / f"async{i}", async_save=True, keep_last=1)
+            if i == 0:   # one manager for the run, as a trainer has: its staging buffers are kept
+                manager = CheckpointManager(root / "async", async_save=True, keep_last=1)
+                manager.save(1, state, stable=True)
+                manager.wait()
             os.sync()
-            handle = manager.save(1, state, stable=True)
+            handle = manager.save(2 + i, state, stable=True)
             manager.wait()
             results.setdefault("async save, blocking (ours)", []).append(handle.blocking_seconds)
             target = training_state(args.n_layer, args.n_embd)
@@ -170,6 +234,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
                 _, restored = manager.load_latest()
                 exact = all(torch.equal(a, b) for a, b in zip(_tensors(state), _tensors(restored)))
                 results["lossless bit-exact"] = [float(exact)]
+        resharded(args, root, results)
         plain = CheckpointManager(root / "size-none")
         export = plain.export_checkpoint(plain.latest_verified(), root / "export")
         results["size fp16-zlib (bytes)"] = [tensor_file_bytes(export.path)]
@@ -197,6 +262,10 @@ def report(results: dict[str, list[float]], args: argparse.Namespace) -> str:
     row("async save blocked vs copy floor", "async save, blocking (ours)", "copy of the state (floor)",
         "<= 1.25x the floor")
     row("verified restore", "verified restore (ours)", "DCP load + SHA-256", "<= 1.1x")
+    row("restore into another world size (2 -> 1)", "restore resharded 2->1 (ours)", "DCP load, resharded 2->1",
+        "<= 1.1x")
+    row("restore into another world size, vs DCP + SHA-256", "restore resharded 2->1 (ours)",
+        "DCP load resharded + SHA-256", "(the hashing's share)")
     none = med["size none (bytes)"]
     lines += ["", f"sizes of the tensors' files: none {none / 2**20:.1f} MiB; lossless "
               f"{med['size lossless (bytes)'] / 2**20:.1f} MiB ({1 - med['size lossless (bytes)'] / none:.0%} smaller, "
@@ -214,7 +283,11 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: the system temp dir)")
+    parser.add_argument("--save-sharded", type=Path, help=argparse.SUPPRESS)   # the torchrun ranks' part
     args = parser.parse_args()
+    if args.save_sharded:
+        save_sharded(args.save_sharded, args.n_layer, args.n_embd)
+        return
     print(report(measure(args), args))
 
 

@@ -1,8 +1,15 @@
-"""Verified checkpoints across ranks: rank 0 saves; to load, rank 0 picks and every rank loads its choice.
+"""Verified checkpoints across ranks, in one of two layouts.
 
-Rank 0 picks the checkpoint (the newest verified, or the newest *stable* verified for a rollback) and
-broadcasts its choice, so ranks never disagree because one of them looked at the directory a moment
-later than another. The files, hashes and signature are `trainguard.trainer.checkpoint.CheckpointManager`'s.
+- Whole (the default: DDP, one process, a Trainer): rank 0 saves the whole state; to load, rank 0 picks
+  the checkpoint (the newest verified, or the newest *stable* verified for a rollback) and broadcasts its
+  choice, so ranks never disagree because one of them looked at the directory a moment later, and every
+  rank loads exactly that one.
+- `distributed` (FSDP2: each rank holds shards): every rank saves its own shards through
+  torch.distributed.checkpoint, rank 0 signs the manifest once all are durable; to load, every rank calls
+  together, rank 0 names each candidate, every rank verifies the files its own load reads, and all agree
+  before DCP loads them into the rank's current state (`target`), resharded to its layout.
+
+The files, hashes and signature are `trainguard.trainer.checkpoint.CheckpointManager`'s.
 """
 
 from __future__ import annotations
@@ -18,28 +25,42 @@ from trainguard.trainer.checkpoint import Checkpoint, CheckpointManager
 
 class RankCheckpoints:
     def __init__(self, run_dir: Path, *, rank: int, world_size: int, on_event: Callable[..., Any],
-                 key_file: str = "", keep_last: int = 3, async_save: bool = False, on_error: str = "warn"):
+                 key_file: str = "", keep_last: int = 3, async_save: bool = False, on_error: str = "warn",
+                 distributed: bool = False):
         self.rank, self.world = rank, world_size
+        self.distributed = distributed
         self.manager = CheckpointManager(run_dir, key_file=key_file or None, keep_last=keep_last,
                                          async_save=async_save, on_error=on_error, on_event=on_event,
-                                         world_size=world_size)
+                                         world_size=world_size, distributed=distributed)
+
+    @property
+    def saves_here(self) -> bool:
+        """Whether this rank calls `save` (every rank when distributed, else rank 0)."""
+        return self.distributed or self.rank == 0
 
     def save(self, step: int, state: dict, stable: bool, meta: dict | None = None) -> Path | None:
-        """Rank 0 only. The directory the checkpoint has (or will have, once durable); None if the save
-        failed and the manager was told to warn rather than raise (it has logged and emitted why)."""
+        """On the ranks that save (`saves_here`). The directory the checkpoint has (or will have, once
+        durable); None if the save failed and the manager was told to warn rather than raise (it has
+        logged and emitted why)."""
         handle = self.manager.save(step, state, stable=stable, meta=meta)
         return None if handle.error is not None else handle.path
 
     def wait(self) -> None:
-        if self.rank == 0:
+        if self.saves_here:
             self.manager.wait()
 
-    def restore(self, stable_only: bool, device: torch.device) -> tuple[Checkpoint, dict] | None:
+    def restore(self, stable_only: bool, device: torch.device,
+                target: Callable[[], dict] | None = None) -> tuple[Checkpoint, dict] | None:
         """(checkpoint, state) of the newest verified (stable) checkpoint, the same one on every rank.
 
-        Rank 0 verifies and loads (the store reports each checkpoint it refuses, with the reason), then
-        broadcasts its choice; the other ranks load exactly that one, hash-checked again as they read.
+        Whole: rank 0 verifies and loads (the store reports each checkpoint it refuses, with the reason),
+        then broadcasts its choice; the other ranks load exactly that one, hash-checked again as they read.
+        Distributed: every rank loads its shards in place into `target()` (built only once a candidate is
+        there), after all ranks verified what they read.
         """
+        if self.distributed:
+            self.manager.wait()
+            return self.manager.load_latest(stable_only=stable_only, map_location=device, into=target)
         found = None
         if self.rank == 0:
             self.manager.wait()   # a save still in flight must be durable before it can be chosen
@@ -59,10 +80,11 @@ class RankCheckpoints:
         return found.step if found else None
 
     def abandon_after(self, step: int) -> None:
-        """After a rollback to `step`, newer checkpoints belong to an abandoned timeline (rank 0)."""
-        if self.rank == 0:
+        """After a rollback to `step`, newer checkpoints belong to an abandoned timeline (rank 0 moves them;
+        distributed, every rank first finishes its part of a save in flight)."""
+        if self.saves_here:
             self.manager.supersede_after(step)
 
     def close(self) -> None:
-        if self.rank == 0:
+        if self.saves_here:
             self.manager.close()

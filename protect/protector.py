@@ -38,7 +38,7 @@ import torch
 
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
-from trainguard import tls
+from trainguard import rundir, tls
 from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SKIP_STEP, STOP
 from trainguard.decide.cost import CostMeter, clock_of
 from trainguard.decide.decision import CARRY_ON, Decision
@@ -105,7 +105,9 @@ class Protector:
                  layer_names: list[str] = (), run_id: str | None = None, checkpoint_every: int = 0,
                  checkpoint_every_seconds: float = 0.0, keep_last: int = 3, key_file: str = "",
                  async_checkpoint: bool = False, checkpoint_on_error: str = "warn",
-                 stable_val_factor: float = 1.5, log: Any = None):
+                 stable_val_factor: float = 1.5, log: Any = None, sharded_checkpoints: bool = False):
+        """`sharded_checkpoints`: every rank saves (and loads in place) its own shards of the `model` and
+        `optim` states (FSDP2: their state dicts hold DTensors); otherwise rank 0 saves the whole state."""
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
         self.device = torch.device(device)
         self.run_id = run_id or self.run_dir.name
@@ -125,8 +127,9 @@ class Protector:
         self.control = ControlChannel(self.run_dir, rank, self.log)
         self.checkpoints = RankCheckpoints(
             self.run_dir, rank=rank, world_size=world_size, on_event=self.telemetry.event, key_file=key_file,
-            keep_last=keep_last, async_save=async_checkpoint, on_error=checkpoint_on_error)
-        self.stop_path = self.run_dir / "control" / "stopped.json"
+            keep_last=keep_last, async_save=async_checkpoint, on_error=checkpoint_on_error,
+            distributed=sharded_checkpoints)
+        self.stop_path = rundir.stopped_path(self.run_dir)
 
     # ------------------------------------------------------------------------------------ start, end
     def begin(self, **rank_info: Any) -> Begun:
@@ -209,7 +212,8 @@ class Protector:
         return val
 
     def save(self) -> Path | None:
-        """A checkpoint of every state at this step (rank 0 writes). It is *stable* when the validation loss
+        """A checkpoint of every state at this step (rank 0 writes; with `sharded_checkpoints` every rank
+        writes its shards). It is *stable* when the validation loss
         is finite and within `stable_val_factor` of the best, and the guard saw no trouble since the last."""
         state = self.state
         extra = self.callbacks.checkpoint_meta() if self.callbacks.checkpoint_meta is not None else {}
@@ -221,11 +225,11 @@ class Protector:
         if stable and val is not None:
             state.best_val = min(state.best_val, val)
         path = None
-        if self.rank == 0:
+        if self.checkpoints.saves_here:
             parts = {key: obj.state_dict() for key, obj in self.states.items()}
             meta = {"val_loss": val if val is not None and math.isfinite(val) else None, **extra}
             path = self.checkpoints.save(state.step, parts, stable, meta=meta)
-            if path is not None and self.callbacks.saved is not None:
+            if path is not None and self.rank == 0 and self.callbacks.saved is not None:
                 self.callbacks.saved(state.step, path, self.checkpoints.wait)
         if path is not None or self.rank != 0:   # a failed save (on_error "warn"): the previous one stands
             self.telemetry.last_checkpoint = f"step_{state.step}"
@@ -256,7 +260,7 @@ class Protector:
         leaves `KEPT_ON_ROLLBACK` and the decisions in `TrainState` as they are, skips the data since the
         checkpoint, lowers the LR, and moves newer checkpoints aside. Returns the restored step."""
         state, from_step = self.state, self.state.step
-        found = self.checkpoints.restore(stable_only=rollback, device=self.device)
+        found = self.checkpoints.restore(stable_only=rollback, device=self.device, target=self._load_target)
         if found is None:
             if rollback:
                 self.event(ROLLBACK, source=source, restored_step=None,
@@ -277,6 +281,13 @@ class Protector:
             return state.step
         self._after_rollback(checkpoint, saved, from_step, source, fields)
         return state.step
+
+    def _load_target(self) -> dict[str, Any]:
+        """What a sharded restore loads into in place: the current state dicts of the tensor states
+        (their shards, in this rank's layout)."""
+        from trainguard.trainer.checkpoint.manager import TENSOR_PARTS
+
+        return {key: self.states[key].state_dict() for key in TENSOR_PARTS if key in self.states}
 
     def _reload(self, parts: dict[str, Any]) -> None:
         """The library's own states, then the loop's (its `reload` callback, or `load_state_dict` each)."""

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from trainguard import rundir
 from trainguard.trainer import config as cfg
 from trainguard.trainer.faults import FaultError, parse as parse_fault
 
@@ -28,6 +29,7 @@ FLAG_KEYS = {
     "micro_batch_size": ("optim", "micro_batch_size"), "lr": ("optim", "lr"),
     "schedule": ("optim", "schedule"), "schedule_preset": ("optim", "schedule_preset"),
     "clip_rule": ("optim", "clip_rule"),
+    "parallel": ("run", "parallel"),
 }
 
 
@@ -64,6 +66,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed: the policy's long-run numbers (default); cpu: spans scaled to a CPU run")
     parser.add_argument("--clip-rule", choices=("fixed", "zscore", "percentile"),
                         help="gradient clipping: fixed optim.grad_clip (default), ZClip z-score, AutoClip percentile")
+    parser.add_argument("--parallel", choices=("ddp", "fsdp2"),
+                        help="ddp: every rank holds the whole model (default); fsdp2: fully_shard, each rank "
+                             "holds and checkpoints a shard of every parameter (run.parallel)")
     parser.add_argument("--eval-every", type=int, metavar="N", help="validation loss every N steps")
     parser.add_argument("--peak-flops", type=float, metavar="FLOPS", help="peak FLOP/s per device for MFU")
     parser.add_argument("--run-id")
@@ -120,6 +125,8 @@ def build_nodes(args: argparse.Namespace):
 def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
     """Preset or --config, then --set, then flags; raises ConfigError naming the file (or flag) and key."""
     config = cfg.TrainConfig()
+    if args.config:
+        _regular_file(cfg.config_path(args.config), "config file")
     cfg.load_file(config, args.config or cfg.default_preset(_default_device(args.device)))
     for assignment in args.set:
         cfg.set_value(config, assignment)
@@ -138,6 +145,8 @@ def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
         except FaultError as exc:
             raise cfg.ConfigError(str(exc)) from None
     _absolute_paths(config)
+    if config.run.key_file and Path(config.run.key_file).expanduser().exists():
+        _regular_file(Path(config.run.key_file).expanduser(), "checkpoint key file")  # a missing one is created
     if config.run.policy:
         from trainguard import policy
 
@@ -145,7 +154,27 @@ def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
             policy.load(config.run.policy)
         except policy.PolicyError as exc:
             raise cfg.ConfigError(str(exc)) from None
+    if (conflict := _replica_check_conflict(config)) is not None:
+        raise cfg.ConfigError(conflict)
     return cfg.validate(config, source=args.config or "config")
+
+
+def _replica_check_conflict(config: cfg.TrainConfig) -> str | None:
+    if config.run.parallel != "fsdp2":
+        return None   # (no torch import for the common case: the CLI starts faster)
+    from trainguard.trainer.parallel import replica_check_conflict
+
+    return replica_check_conflict(config.run.parallel, config.run.policy)
+
+
+def _regular_file(path: Path, what: str) -> None:
+    """A FIFO would block the open and /dev/zero never end: look first (trainguard/paths.py)."""
+    from trainguard import paths
+
+    try:
+        paths.regular_file(path, what)
+    except FileNotFoundError as exc:
+        raise cfg.ConfigError(str(exc)) from None
 
 
 def _absolute_paths(config: cfg.TrainConfig) -> None:
@@ -163,7 +192,7 @@ def _check_checkpoint_key(config: cfg.TrainConfig, run_dir: Path, start_over: bo
     from trainguard.trainer.checkpoint import CheckpointError, CheckpointManager
     from trainguard.trainer.checkpoint.manager import KeyMismatchError
 
-    if not (run_dir / "checkpoints").is_dir():
+    if not rundir.checkpoints_dir(run_dir).is_dir():
         return None   # nothing signed yet (and nothing is created here: the disk may be full)
     try:
         manager = CheckpointManager(run_dir, key_file=config.run.key_file or None, inspect_only=True)
@@ -269,7 +298,8 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc > 1 or max_restarts > 0 or nodes is not None:
         from trainguard.trainer.launch import launch
 
-        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=max_restarts, nodes=nodes)
+        return launch(run_dir, resolved, nproc=args.nproc, max_restarts=max_restarts, nodes=nodes,
+                      key_file=config.run.key_file or None)
     from trainguard.trainer.train import run_worker
 
     return run_worker(config, run_dir)

@@ -87,6 +87,7 @@ class RunConfig:
     gpu_count: int = -1          # system.gpu_count in the records (what cost is billed on); -1: GPUs in use
     run_id: str = ""             # "" means the run directory's name
     log_every: int = 10
+    parallel: str = "ddp"        # ddp | fsdp2 (fully_shard: each rank holds a shard; trainer/parallel.py)
 
 
 @dataclass
@@ -218,6 +219,7 @@ def validate(config: TrainConfig, source: str = "config") -> TrainConfig:
         (r.checkpoint_compress in ("none", "lossless"), "run.checkpoint_compress",
          "must be none or lossless (fp16-zlib is lossy: only for `trainguard checkpoint export`, never for "
          "the checkpoints a run resumes from)"),
+        (r.parallel in ("ddp", "fsdp2"), "run.parallel", "must be ddp or fsdp2"),
         (0 < config.data.val_fraction < 0.5, "data.val_fraction", "must be between 0 and 0.5"),
         (o.schedule in ("cosine", "breathing", "phase"), "optim.schedule", "must be cosine, breathing or phase"),
         (o.schedule_preset in ("seed", "cpu"), "optim.schedule_preset", "must be seed or cpu"),

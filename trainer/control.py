@@ -20,6 +20,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from trainguard import rundir
 from trainguard.node import node_name
 from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, RESTORE, ROLLBACK
 
@@ -29,46 +30,26 @@ ACTIONS_BY_CODE = {code: action for action, code in CODES.items()}
 
 
 class ControlChannel:
-    def __init__(self, run_dir: str | os.PathLike, rank: int, log=None):
-        self.dir = Path(run_dir) / "control"
-        self.path = self.dir / "actions.jsonl"
-        self.acked_path = self.dir / "acked.jsonl"
-        self.rank, self.log = rank, log
-        self.offset = 0          # bytes of actions.jsonl already read
-        self.lines_read = 0      # complete lines already read
-        self.pending: deque[tuple[int, dict]] = deque()
-        self.acked = self._read_acked() if rank == 0 else set()
+    """Rank 0's end of RUN/control/actions.jsonl (the agent's end is `rundir.append_request`)."""
 
-    def _read_acked(self) -> set[str]:
-        try:
-            return {json.loads(line)["id"] for line in self.acked_path.read_text().splitlines() if line.strip()}
-        except FileNotFoundError:
-            return set()
+    def __init__(self, run_dir: str | os.PathLike, rank: int, log=None):
+        self.run_dir = Path(run_dir)
+        self.requests = rundir.Requests(run_dir)
+        self.path = self.requests.path
+        self.rank, self.log = rank, log
+        self.pending: deque[tuple[int, dict]] = deque()
+        self.acked = rundir.read_acked(run_dir) if rank == 0 else set()
 
     def poll(self) -> tuple[int, int]:
         """(code, line number) of the next request to act on, or (0, 0). Rank 0 only; one stat a step."""
-        try:
-            size = os.stat(self.path).st_size
-        except FileNotFoundError:
-            size = 0
-        if size > self.offset:
-            self._read_new(size)
+        for lineno, raw in self.requests.new_lines():
+            request = self._parse(raw, lineno)
+            if request is not None:
+                self.pending.append((lineno, request))
         if not self.pending:
             return 0, 0
         lineno, request = self.pending.popleft()
         return CODES[request["action"]], lineno
-
-    def _read_new(self, size: int) -> None:
-        with open(self.path, "rb") as handle:
-            handle.seek(self.offset)
-            chunk = handle.read(size - self.offset)
-        complete = chunk[:chunk.rfind(b"\n") + 1]   # a line still being written waits for the next step
-        self.offset += len(complete)
-        for raw in complete.splitlines():
-            self.lines_read += 1
-            request = self._parse(raw, self.lines_read)
-            if request is not None:
-                self.pending.append((self.lines_read, request))
 
     def _parse(self, raw: bytes, lineno: int) -> dict | None:
         """A request to act on, or None (blank, already handled, not ours, or malformed: logged)."""
@@ -90,24 +71,14 @@ class ControlChannel:
 
     def request_at(self, lineno: int) -> dict:
         """The request on line `lineno` (1-based): how ranks other than 0 learn the id to acknowledge."""
-        with open(self.path, "rb") as handle:
-            for number, raw in enumerate(handle, 1):
-                if number == lineno:
-                    return json.loads(raw)
-        raise LookupError(f"{self.path}:{lineno}: no such line")
+        return self.requests.at(lineno)
 
     def ack(self, request: dict, step: int) -> None:
         """Remember that the request was handled (rank 0), so a restart does not handle it again."""
         if self.rank != 0:
             return
         self.acked.add(str(request["id"]))
-        line = json.dumps({"id": str(request["id"]), "action": request["action"], "step": step,
-                           "time": time.time()})
-        fd = os.open(self.acked_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, (line + "\n").encode())
-        finally:
-            os.close(fd)
+        rundir.append_ack(self.run_dir, str(request["id"]), request["action"], step)
 
     def _warn(self, message: str, **fields) -> None:
         if self.log is not None:
@@ -124,15 +95,9 @@ def write_rank_file(run_dir: str | os.PathLike, rank: int, **extra) -> Path:
     ``TORCHELASTIC_MAX_RESTARTS`` and ``TORCHELASTIC_RESTART_COUNT``; 0 when no launcher restarts it).
     Any training loop registers by calling this (or writing the same JSON) once per process start.
     """
-    directory = Path(run_dir) / "control" / "ranks"
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"rank-{rank}.json"
     info = {"rank": rank, "pid": os.getpid(), "host": node_name(), "started_at": time.time(),
             **process_identity(), **restarts_of_launcher(), **extra}
-    tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, path)
-    return path
+    return rundir.write_rank_file(run_dir, rank, info)
 
 
 def process_identity() -> dict:
@@ -159,17 +124,3 @@ def restarts_of_launcher(environ=os.environ) -> dict:
     if "TORCHELASTIC_RUN_ID" not in environ:
         allowed = used = 0
     return {"max_restarts": allowed, "restarts_left": max(0, allowed - used)}
-
-
-def append_request(run_dir: str | os.PathLike, action: str, *, request_id: str, alertname: str = "",
-                   reason: str = "") -> None:
-    """Append one request as the agent does (used by drills and tests; the agent has its own writer)."""
-    path = Path(run_dir) / "control" / "actions.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"id": request_id, "action": action, "alertname": alertname, "reason": reason,
-                       "issued_at": time.time()})
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from trainguard import rundir
+
 KINDS = ("nan", "spike", "gradexplode", "hang", "crash", "slowio", "corrupt-checkpoint",
          "slowrank", "bitflip", "gradflip", "commhang")
 # Faults of one rank by default; the others hit every rank. A flip on every replica alike would be no
@@ -93,7 +95,7 @@ class FaultInjector:
     def __init__(self, specs: list[str], run_dir: str | os.PathLike, rank: int,
                  emit: Callable[..., object]):
         self.rank, self.emit = rank, emit
-        self.fired_path = Path(run_dir) / "control" / "faults-fired.jsonl"
+        self.fired_path = rundir.faults_fired_path(run_dir)
         fired = self._read_fired()
         self.pending = [f for f in map(parse, specs) if f.applies_to(rank) and f.key not in fired]
         self.slow_until = 0

@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from trainguard import incidents
+from trainguard import incidents, rundir
 
 BUFFER_ENTRIES = 2000          # collectives kept per rank; a few hundred bytes each
 POLL_SECONDS = 0.5
@@ -35,8 +35,7 @@ def enable() -> None:
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
 
-def requests_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "control" / "dump"
+requests_dir = rundir.dump_dir
 
 
 def request_dump(run_dir: str | os.PathLike, incident_id: str) -> Path:

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainguard import log
+from trainguard import log, rundir
 from trainguard.node import node_name
 from trainguard.trainer import flight_recorder
 
@@ -47,20 +47,39 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     return bounds
 
 
-def cordon_refusal(run_dir: Path) -> str | None:
-    """Why this node must not join (it is cordoned: RUN/control/cordon/<node>), or None."""
-    path = run_dir / "control" / "cordon" / node_name()
-    if not path.exists():
+def cordon_refusal(run_dir: Path, key_file: str | None = None) -> str | None:
+    """Why this node must not join (an honoured cordon: RUN/control/cordon/<node>, signed with the run's
+    checkpoint key), or None. A cordon that is not honoured (unsigned, forged, copied) is ignored loudly:
+    stderr, a ``cordon_ignored`` TLS event (trainguard/cordon.py), and the node joins."""
+    from trainguard import cordon
+    from trainguard.trainer.cordon_key import signing_key
+
+    key, key_path = signing_key(key_file)
+    found = cordon.read_one(run_dir, node_name(), key)
+    if found is None:
         return None
-    return (f"node {node_name()} is cordoned ({path}): it does not join the job until "
-            f"`trainguard uncordon {run_dir} {node_name()}`")
+    if found.honoured:
+        return (f"node {node_name()} is cordoned ({found.path}): it does not join the job until "
+                f"`trainguard uncordon {run_dir} {node_name()}`")
+    why = f"{found.why_refused()} (checked with the key {key_path})"
+    try:
+        count = cordon.record_ignored(run_dir, found, key_path)
+    except OSError as exc:
+        count, why = 0, f"{why}; the event could not be recorded: {exc}"
+    message = (f"trainguard train: WARNING: {why}: the cordon is NOT honoured and node {node_name()} joins the "
+               f"job (ignored {count} time(s)). If it is genuine, it was signed with another key (--key-file); "
+               f"remove it with `trainguard uncordon {run_dir} {node_name()}`")
+    print(message, file=sys.stderr, flush=True)
+    log.get("launch").warning("cordon not honoured; joining", host=node_name(), reason=found.refused,
+                              path=str(found.path), ignored_total=count)
+    return None
 
 
 def write_launcher_file(run_dir: Path, nodes: Nodes) -> Path:
     """``RUN/control/launchers/<node>.json``: this launcher, for the agent (the job's elastic bounds)."""
-    directory = run_dir / "control" / "launchers"
+    path = rundir.launcher_path(run_dir, node_name())
+    directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{node_name()}.json"
     tmp = directory / f".{node_name()}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps({"host": node_name(), "pid": os.getpid(), "started_at": time.time(),
                                "min_nodes": nodes.min_nodes, "max_nodes": nodes.max_nodes}))
@@ -69,7 +88,7 @@ def write_launcher_file(run_dir: Path, nodes: Nodes) -> Path:
 
 
 def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: int,
-           nodes: "Nodes | None" = None) -> int:
+           nodes: "Nodes | None" = None, key_file: str | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -82,7 +101,7 @@ def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: in
         os.environ["OMP_NUM_THREADS"] = "1"   # as torchrun does: K ranks must not each take every core
     flight_recorder.enable()              # every rank records its collectives (agent/evidence.py asks)
     nodes = nodes or Nodes()
-    if (refusal := cordon_refusal(run_dir)) is not None:
+    if (refusal := cordon_refusal(run_dir, key_file)) is not None:
         log.get("launch").error(refusal)
         return EXIT_CORDONED
     write_launcher_file(run_dir, nodes)

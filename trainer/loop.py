@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from trainguard import log, policy as policy_mod
 from trainguard.protect import EXIT_OK, EXIT_STOPPED, Outcome, Protector, TrainState, Verdict
-from trainguard.trainer import mfu
+from trainguard.trainer import mfu, parallel
 from trainguard.trainer import schedules as dynamics
 from trainguard.trainer.config import TrainConfig
 from trainguard.trainer.data import ShardLoader, open_stream
@@ -99,22 +99,28 @@ class Trainer:
         callbacks = trainer_callbacks(schedule=self.schedule, train_data=self.train_data, faults=self.faults,
                                       batch_size=config.optim.batch_size, block_size=config.model.block_size,
                                       validate=self.validation_loss)
+        self.key_file = run.key_file or None
         self.replicas = self._replica_checks(policy)   # sdc hook (trainer/replica_check.py)
         callbacks.checkpoint_meta = self.replicas.before_checkpoint
         self.protector = Protector(
-            self.run_dir, states=checkpoint_states(self.model, self.optimizer, self.schedule, self.train_data),
+            self.run_dir, states=checkpoint_states(self.model, self.optimizer, self.schedule, self.train_data,
+                                                   sharded=self.sharded),
             state=self.state, rank=self.rank, world_size=self.world, device=self.device, policy=policy,
             telemetry=self.telemetry, callbacks=callbacks, layer_names=self.layer_names, run_id=self.run_id,
             checkpoint_every=run.checkpoint_every, checkpoint_every_seconds=run.checkpoint_every_seconds,
             keep_last=run.keep_last, key_file=run.key_file, async_checkpoint=run.async_checkpoint,
-            checkpoint_on_error=run.checkpoint_on_error, stable_val_factor=run.stable_val_factor, log=self.log)
+            checkpoint_on_error=run.checkpoint_on_error, stable_val_factor=run.stable_val_factor, log=self.log,
+            sharded_checkpoints=self.sharded)
         self.schedule.bind(self.model, self.optimizer, self.telemetry.event)
         self.progress = Progress(run.steps, run.log_every, self.log) if self.rank == 0 else None
 
     def _wrap(self, model: torch.nn.Module, telemetry: bool):
         self.comm_timer = None
+        self.sharded = self.cfg.run.parallel == parallel.FSDP2 and self.world > 1
         if self.world == 1:
             return model
+        if self.sharded:   # run.parallel fsdp2: every rank holds (and checkpoints) a shard of each parameter
+            return parallel.wrap(model, parallel.FSDP2, self.world, self.device)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ddp = DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -128,10 +134,13 @@ class Trainer:
         from trainguard.decide.replica import ReplicaPolicy
 
         names = [name for name, _ in self.model.named_parameters()]
-        return ReplicaChecks(list(self.model.parameters()), names, every=policy.guard.replica_check_every,
+        every = 0 if self.sharded else policy.guard.replica_check_every   # FSDP2: no replicas to compare
+        params = parallel.local_shards(list(self.model.parameters()))   # FSDP2: this rank's shards
+        return ReplicaChecks(params, names, every=every,
                              world_size=self.world, rank=self.rank, node=self.telemetry.envelope["node"],
                              run_dir=self.run_dir, emit=self.telemetry.event, log=self.log,
-                             policy=ReplicaPolicy(policy.guard.replica_cordon_window_seconds))
+                             policy=ReplicaPolicy(policy.guard.replica_cordon_window_seconds),
+                             key_file=self.key_file)   # signs its cordons (trainguard/cordon.py)
 
     def replica_check(self, step: int) -> int | None:
         """sdc hook: at check steps, after the step's record; a mismatch rolls every rank back to the newest

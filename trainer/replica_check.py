@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from trainguard import incidents
+from trainguard import incidents, rundir
 from trainguard.decide.replica import (ARBITRATION, CHECK_EVENT, MISMATCH, ReplicaCheck, ReplicaMonitor,
                                        ReplicaPolicy, Verdict, agree, check_fields)
 from trainguard.trainer import fingerprint as fp
@@ -32,8 +32,7 @@ META_KEY = "replica_fingerprint"
 DETECTED_BY = "replica_check"
 
 
-def cordon_path(run_dir: str | os.PathLike, host: str) -> Path:
-    return Path(run_dir) / "control" / "cordon" / host
+cordon_path = rundir.cordon_path
 
 
 def incident_id(step: int, when: float) -> str:
@@ -44,8 +43,9 @@ def incident_id(step: int, when: float) -> str:
 class ReplicaChecks:
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, every: int, world_size: int,
                  rank: int, node: str, run_dir: str | os.PathLike, emit: Callable[..., Any], log: Any,
-                 policy: ReplicaPolicy | None = None):
+                 policy: ReplicaPolicy | None = None, key_file: str | os.PathLike | None = None):
         self.params, self.names = params, names
+        self.key_file = key_file      # the run's checkpoint key signs the cordon (trainguard/cordon.py)
         self.every, self.world, self.rank = every, world_size, rank
         self.run_dir, self.emit, self.log = Path(run_dir), emit, log
         self.monitor = ReplicaMonitor(policy)
@@ -206,15 +206,17 @@ class ReplicaChecks:
 
     def _cordon(self, host: str, verdict: Verdict, ident: str) -> None:
         """RUN/control/cordon/<host>: kept out of the job until `trainguard uncordon` (the reason inside)."""
-        path = cordon_path(self.run_dir, host)
-        reason = {"host": host, "reason": "replica_mismatch", "detected_by": DETECTED_BY, "incident": ident,
+        from trainguard.trainer import cordon_key
+
+        reason = {"reason": "replica_mismatch", "detected_by": DETECTED_BY, "incident": ident,
                   "step": verdict.step, "ranks": list(verdict.ranks), "what": verdict.what, "time": time.time(),
-                  "why": list(verdict.reasons)}
+                  "why": list(verdict.reasons), "by": f"rank:{self.rank}"}
+        key, where = cordon_key.signing_key(self.key_file, create=True)
+        if key is None:
+            self.log.error("could not sign the cordon file: no checkpoint key", host=host, error=where)
+            return
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{host}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(reason, indent=1) + "\n")
-            os.replace(tmp, path)
+            cordon_key.write_cordon(self.run_dir, host, key, **reason)
         except OSError as exc:
             self.log.error("could not write the cordon file", host=host, error=str(exc))
             return
@@ -233,7 +235,7 @@ def recorded_fingerprint(run_dir: Path, step: int) -> str | None:
     from trainguard.trainer.checkpoint.manifest import MANIFEST_NAME
 
     try:
-        manifest = json.loads((run_dir / "checkpoints" / f"step_{step}" / MANIFEST_NAME).read_text())
+        manifest = json.loads((rundir.checkpoints_dir(run_dir) / f"step_{step}" / MANIFEST_NAME).read_text())
     except (OSError, ValueError):
         return None
     return ((manifest.get("meta") or {}).get(META_KEY) or {}).get("weights")

@@ -34,7 +34,7 @@ from trainguard.decide.layers import LayerResponse
 from trainguard.decide.schedules import PhaseChange, StepSignals
 from trainguard.policy import Policy
 from trainguard.trainer.config import OptimConfig
-from trainguard.trainer.step import LRSchedule
+from trainguard.trainer.step import LRSchedule, global_norm
 
 
 def layer_group(layer: str) -> str:
@@ -204,5 +204,5 @@ class Dynamics(LRSchedule):
 
 
 def param_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """The global L2 norm of the parameters, on the device (joins the step's one sync)."""
-    return torch.stack(torch._foreach_norm([p.detach() for p in params])).float().pow(2).sum().sqrt()
+    """The global L2 norm of the parameters, on the device (joins the step's one sync); whole under FSDP2."""
+    return global_norm([p.detach() for p in params])

@@ -7,7 +7,9 @@ protection library's (`trainguard.protect.sync`), called through `Protector.chec
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 
@@ -79,14 +81,49 @@ def forward_backward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, m
 
 
 class GradNorms:
-    """Per-layer and global L2 norms of the gradients, computed on the device (no sync)."""
+    """Per-layer and global L2 norms of the gradients, computed on the device (no host sync).
+
+    Under FSDP2 each rank holds a shard of every gradient (DTensors): the squares of its shards are summed
+    over the ranks (one all-reduce of a vector of one float per parameter), so every rank gets the norms
+    of the whole gradients, equal to a DDP run's up to the order of float additions.
+    """
 
     def __init__(self, params: list[torch.nn.Parameter], owners: list[int], layer_names: list[str]):
         self.params, self.names = params, layer_names
         self.owners = torch.tensor(owners, device=params[0].device)
+        self.group = shard_group(params)
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        squares = torch.stack(torch._foreach_norm(grads)).float() ** 2
+        squares = local_squares([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.group)
         layers = torch.zeros(len(self.names), device=squares.device).index_add_(0, self.owners, squares)
         return squares.sum().sqrt(), layers.sqrt()
+
+
+def shard_group(tensors: list[torch.Tensor]) -> Any:
+    """The process group the tensors are sharded over (FSDP2's DTensors), or None for whole tensors."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:   # never imported, so no DTensor exists (importing it costs seconds at a restart)
+        return None
+    first = next((t for t in tensors if isinstance(t, dtensor.DTensor)), None)
+    return first.device_mesh.get_group() if first is not None else None
+
+
+def local_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The squared L2 norm of each tensor, of this rank's shard when it is a DTensor (float32, on device)."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+    return torch.stack(torch._foreach_norm(local)).float() ** 2
+
+
+def global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all the tensors together, whole even when they are sharded over ranks (FSDP2)."""
+    squares = local_squares(tensors).sum()
+    group = shard_group(tensors)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+    return squares.sqrt()

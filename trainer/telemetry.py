@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainguard import rundir
 from trainguard import tls
 from trainguard.trainer.mfu import mfu as compute_mfu
 
@@ -195,7 +196,7 @@ class StepTelemetry:
                  run_id: str | None = None, node: str | None = None, device_type: str = "cpu",
                  gpu_count: int | None = None, flops_per_token: float = 0.0, peak_flops: float = 0.0,
                  enabled: bool = True):
-        self.path = Path(run_dir) / "tls" / f"rank-{rank}.jsonl"
+        self.path = rundir.rank_log(run_dir, rank)
         self.writer = tls.Writer(self.path)
         self.enabled = enabled
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops

@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainguard import rundir
 from trainguard import actions
 from trainguard import tls
 
@@ -67,7 +68,7 @@ def start_agent(run_dir: Path, port: int, *extra: str) -> subprocess.Popen:
     import yaml
 
     log_path = run_dir / "agent.log"
-    config_path = run_dir / "agent" / "demo-agent.yaml"
+    config_path = rundir.agent_dir(run_dir) / "demo-agent.yaml"
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(yaml.safe_dump(DEMO_AGENT_CONFIG))
     with open(log_path, "ab") as log:
@@ -115,7 +116,7 @@ def run_local_demo(run_dir: Path, steps: int) -> int:
 def finish(run_dir: Path, code: int) -> int:
     from trainguard.report.cli import write_report
 
-    report = write_report(run_dir, run_dir / "report.html")
+    report = write_report(run_dir, rundir.report_path(run_dir))
     print_story(run_dir)
     say(f"TLS logs          {run_dir / 'tls'}")
     say(f"checkpoints       {run_dir / 'checkpoints'}   (trainguard checkpoint list {run_dir})")
@@ -141,7 +142,7 @@ STORY = {
 
 def print_story(run_dir: Path) -> None:
     """What the guard and the actions did, from the rank-0 log: the demo's point, in a few lines."""
-    path = run_dir / "tls" / "rank-0.jsonl"
+    path = rundir.rank_log(run_dir, 0)
     if not path.exists():
         return
     last = None

@@ -17,6 +17,7 @@ import re
 import sys
 from pathlib import Path
 
+from trainguard import rundir
 from trainguard import paths, tls
 from trainguard.goodput import CAUSES, Goodput, GoodputConfig, Incident, compute
 
@@ -37,11 +38,11 @@ def find_log(run_dir: Path, rank: int | None) -> Path:
         return run_dir
     paths.run_dir(run_dir, "run directory or log")
     if rank is not None:
-        path = run_dir / "tls" / f"rank-{rank}.jsonl"
+        path = rundir.rank_log(run_dir, rank)
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such log")
         return path
-    logs = [(int(m.group(1)), p) for p in (run_dir / "tls").glob("rank-*.jsonl")
+    logs = [(int(m.group(1)), p) for p in rundir.tls_dir(run_dir).glob("rank-*.jsonl")
             if (m := re.fullmatch(r"rank-([0-9]+)\.jsonl", p.name))]
     if not logs:
         raise FileNotFoundError(f"{run_dir / 'tls'}: no rank-*.jsonl log")

@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from trainguard import rundir
+
 KINDS = ("hang", "slow", "crash", "sdc")
 MAX_FILE_BYTES = 4 * 2**20
 MAX_INCIDENT_BYTES = 64 * 2**20
@@ -66,7 +68,7 @@ class Incident:
 
 
 def incidents_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / "incidents"
+    return rundir.incidents_dir(run_dir)
 
 
 def new_id(kind: str, when: float | None = None) -> str:

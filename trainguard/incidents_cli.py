@@ -82,9 +82,26 @@ def list_incidents(run_dir: Path, as_json: bool) -> int:
                 print(f"{row['id']:34} {'?':5} {row.get('problem') or 'gathering evidence'}")
                 continue
             print(f"{row['id']:34} {row['kind']:5} {_culprit(row):18} {row['confidence']:5.2f}  {row.get('action')}")
+    if not as_json:
+        print_cordons(run_dir)
     for problem in problems:
         print(f"trainguard incidents: {problem}", file=sys.stderr)
     return EXIT_DIFFERS if problems else EXIT_OK
+
+
+def print_cordons(run_dir: Path) -> None:
+    """The run's cordon files, each checked with this user's checkpoint key (trainguard/cordon.py)."""
+    from trainguard import cordon
+    from trainguard.trainer.cordon_key import signing_key   # a command may reach the trainer's key
+
+    key, where = signing_key()
+    for host, found in sorted(cordon.read_all(run_dir, key).items()):
+        if found.honoured:
+            print(f"cordoned   {host}: kept out of the job (incident {found.record.get('incident')}, "
+                  f"{found.record.get('reason')}); `trainguard uncordon {run_dir} {host}` lets it join")
+        else:
+            print(f"NOT honoured: cordon of {host}: {found.why_refused()} (checked with {where}); "
+                  f"its launcher joins the job anyway")
 
 
 def show(run_dir: Path, incident_id: str, as_json: bool) -> int:
@@ -172,30 +189,3 @@ def _culprit(verdict: dict) -> str:
     if not culprit:
         return "none"
     return f"rank {culprit.get('rank')} on {culprit.get('node')}"
-
-
-# ------------------------------------------------------------------------------------ uncordon
-
-def add_uncordon_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN", type=Path, help="the run directory")
-    parser.add_argument("host", metavar="HOST", help="the node to let join the job again")
-
-
-def run_uncordon(args: argparse.Namespace) -> int:
-    from trainguard.agent import evict
-
-    if not args.run_dir.is_dir():
-        print(f"trainguard uncordon: {args.run_dir}: no such run directory", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        removed = evict.uncordon(args.run_dir, args.host)
-    except ValueError as exc:
-        print(f"trainguard uncordon: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    if not removed:
-        cordoned = sorted(evict.cordoned(args.run_dir))
-        print(f"trainguard uncordon: {args.host} is not cordoned in {args.run_dir} "
-              f"(cordoned: {', '.join(cordoned) or 'none'})", file=sys.stderr)
-        return EXIT_USAGE
-    print(f"{args.host} uncordoned: its launcher may join the job again")
-    return EXIT_OK

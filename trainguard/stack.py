@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from trainguard import rundir
 from trainguard import demo
 
 # Short intervals so the story plays out in a minute or two; a real run keeps the defaults.
@@ -107,9 +108,9 @@ def run_full_stack_demo(run_dir: Path, steps: int) -> int:
     except MissingBinary as exc:
         demo.say(str(exc))
         return 2
-    policy_path = run_dir / "policy.yaml"   # the agent reads RUN/policy.yaml too
+    policy_path = rundir.policy_path(run_dir)   # the agent reads RUN/policy.yaml too
     policy_path.write_text(yaml.safe_dump(DEMO_POLICY))
-    token_file = run_dir / "agent" / "webhook.token"
+    token_file = rundir.webhook_token_path(run_dir)
     token_file.parent.mkdir(parents=True, exist_ok=True)
     if not token_file.exists():
         token_file.write_text(os.urandom(24).hex() + "\n")
@@ -149,7 +150,7 @@ def print_alert_actions(run_dir: Path) -> None:
     """The agent's side of the story: which alerts arrived and what it did."""
     from trainguard import tls
 
-    for path in sorted((run_dir / "tls").glob("node-*-actions.jsonl")):
+    for path in sorted(rundir.tls_dir(run_dir).glob("node-*-actions.jsonl")):
         for line in tls.iter_lines(path):
             event = (line.record or {}).get("event") or {}
             if event.get("type") in ("alert", "action"):

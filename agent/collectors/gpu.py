@@ -27,8 +27,8 @@ from trainguard import log
 from ..collector import Collector, CollectorDisabled, Sample, register
 from ..config import ConfigError
 from ..procfs import RankPids
-from . import gpu_metrics
-from .gpu_metrics import GPU, LABEL_STYLES, LOST, Reader, error_values
+from trainguard.metrics import gpu_metrics
+from trainguard.metrics.gpu_metrics import GPU, LABEL_STYLES, LOST, Reader, error_values
 from .options import options
 from .xid import KmsgSource, NvmlEventSource, XidCounts, pci_key_from_bus_id
 

@@ -21,7 +21,8 @@ from prometheus_client.core import InfoMetricFamily
 
 from trainguard.agent.collector import Collector, Context, Sample, register
 from trainguard.agent.collectors.options import options
-from trainguard.agent.families import LabelCache, Spec
+from trainguard.metrics.families import LabelCache, Spec
+from trainguard.metrics.node import rank_families
 from trainguard.agent.procfs import RankPids, read_pid_stat, read_small
 from trainguard.agent.versions import software_versions
 
@@ -97,7 +98,7 @@ class HostCollector(Collector):
             self._info = _info_family(self.ctx.node, versions)
         ranks = self._rank_processes()
         families = [*_cpu_families(stat), *_memory_families(memory), *_load_families(load),
-                    *_rank_families(ranks), self._info]
+                    *rank_families(ranks), self._info]
         return Sample(families, tls=self._tls(stat, memory, load, ranks))
 
     def _tls(self, stat: dict, memory: dict, load: tuple, ranks: dict) -> dict:
@@ -198,28 +199,6 @@ def _memory_families(memory: dict[str, float]) -> list:
 
 def _load_families(load: tuple[float, float, float]) -> list:
     return [spec.value(value) for spec, value in zip(_LOAD_SPECS, load)]
-
-
-_RANK_LABELS = LabelCache(["rank"])
-_RANK_MODE_LABELS = LabelCache(["rank", "mode"])
-RANK_UP = Spec("gauge", "trainguard_rank_process_up", "1 when the rank's process (from control/ranks) is alive.",
-               ["rank"])
-RANK_CPU = Spec("counter", "trainguard_rank_cpu_seconds", "CPU time of the rank's process, by mode.", ["rank", "mode"])
-RANK_RSS = Spec("gauge", "trainguard_rank_resident_memory_bytes", "Resident memory of the rank's process.", ["rank"])
-RANK_THREADS = Spec("gauge", "trainguard_rank_threads", "Threads of the rank's process.", ["rank"])
-
-
-def _rank_families(ranks: dict[int, dict]) -> list:
-    up, cpu, rss, threads = [], [], [], []
-    for rank, values in sorted(ranks.items()):
-        label = _RANK_LABELS.get(str(rank))
-        up.append((label, 1 if values["up"] else 0))
-        if values["up"]:
-            cpu += [(_RANK_MODE_LABELS.get(str(rank), "user"), values["user"]),
-                    (_RANK_MODE_LABELS.get(str(rank), "system"), values["system"])]
-            rss.append((label, values["rss"]))
-            threads.append((label, values["threads"]))
-    return [RANK_UP.family(up), RANK_CPU.family(cpu), RANK_RSS.family(rss), RANK_THREADS.family(threads)]
 
 
 def _info_family(node: str, versions: dict[str, str]) -> InfoMetricFamily:

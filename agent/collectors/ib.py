@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client.core import Metric
 
 from ..collector import Collector, Sample, register
-from ..families import LabelCache, Spec
+from trainguard.metrics.families import LabelCache, Spec
 from ..procfs import IBDevice, read_infiniband
 from .options import options
 

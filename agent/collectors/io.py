@@ -18,44 +18,16 @@ from pathlib import Path
 
 from prometheus_client.core import Metric
 
+from trainguard import rundir
 from ..collector import Collector, Sample, register
-from ..families import LabelCache, Labels, Spec
-from ..procfs import DiskStats, read_diskstats, read_net_dev
+from trainguard.metrics.families import LabelCache, Labels, Spec
+from trainguard.metrics.node import DEVICE as _DEVICE
+from trainguard.metrics.node import DiskStats, disk_families
+from ..procfs import read_diskstats, read_net_dev
 from .options import DeviceFilter, options
 
 # node_exporter's diskstats default: partitions, ram/zram, loop and floppy devices are not disks of their own
 DISK_EXCLUDE_DEFAULT = r"^(z?ram|loop|fd|(h|s|v|xv)d[a-z]|nvme\d+n\d+p)\d+$"
-UNIX_SECTOR_BYTES = 512.0   # diskstats sectors are always 512 bytes, whatever the device's block size
-SECONDS_PER_MS = 1e-3
-
-# diskstats field -> (node_disk_ name, help, scale, counter?) in node_exporter's order; a kernel writing fewer
-# fields gives fewer series, as node_exporter does.
-DISK_SERIES = (
-    ("reads_completed", "reads_completed_total", "The total number of reads completed successfully.", 1, True),
-    ("reads_merged", "reads_merged_total", "The total number of reads merged.", 1, True),
-    ("sectors_read", "read_bytes_total", "The total number of bytes read successfully.", UNIX_SECTOR_BYTES, True),
-    ("read_ms", "read_time_seconds_total", "The total number of seconds spent by all reads.", SECONDS_PER_MS, True),
-    ("writes_completed", "writes_completed_total", "The total number of writes completed successfully.", 1, True),
-    ("writes_merged", "writes_merged_total", "The number of writes merged.", 1, True),
-    ("sectors_written", "written_bytes_total", "The total number of bytes written successfully.",
-     UNIX_SECTOR_BYTES, True),
-    ("write_ms", "write_time_seconds_total", "This is the total number of seconds spent by all writes.",
-     SECONDS_PER_MS, True),
-    ("ios_in_progress", "io_now", "The number of I/Os currently in progress.", 1, False),
-    ("io_ms", "io_time_seconds_total", "Total seconds spent doing I/Os.", SECONDS_PER_MS, True),
-    ("weighted_io_ms", "io_time_weighted_seconds_total", "The weighted # of seconds spent doing I/Os.",
-     SECONDS_PER_MS, True),
-    ("discards_completed", "discards_completed_total", "The total number of discards completed successfully.", 1, True),
-    ("discards_merged", "discards_merged_total", "The total number of discards merged.", 1, True),
-    ("sectors_discarded", "discarded_sectors_total", "The total number of sectors discarded successfully.", 1, True),
-    ("discard_ms", "discard_time_seconds_total", "This is the total number of seconds spent by all discards.",
-     SECONDS_PER_MS, True),
-    ("flushes_completed", "flush_requests_total", "The total number of flush requests completed successfully", 1, True),
-    ("flush_ms", "flush_requests_time_seconds_total",
-     "This is the total number of seconds spent by all flush requests.", SECONDS_PER_MS, True),
-)
-
-
 @register
 class IOCollector(Collector):
     name = "io"
@@ -71,7 +43,7 @@ class IOCollector(Collector):
         self.disks = DeviceFilter(self.name, exclude, opts["device_include"])
         self.nics = DeviceFilter(self.name, opts["netdev_device_exclude"], opts["netdev_device_include"],
                                  prefix="netdev_device")
-        checkpoints = opts["checkpoint_dir"] or (ctx.run_dir / "checkpoints" if ctx.run_dir else None)
+        checkpoints = opts["checkpoint_dir"] or (rundir.checkpoints_dir(ctx.run_dir) if ctx.run_dir else None)
         self.checkpoint_fs = CheckpointFilesystem(Path(checkpoints)) if checkpoints else None
         self._previous: dict[str, DiskStats] = {}
         self._failed: dict[str, str] = {}      # source -> its error, while it fails
@@ -112,7 +84,6 @@ class IOCollector(Collector):
         return _SOURCE_SUCCESS.family([(_SOURCE.get(name), 0.0 if name in self._failed else 1.0) for name in sources])
 
 
-_DEVICE = LabelCache(["device"])     # one label set per disk or NIC, shared by all their series
 _SOURCE = LabelCache(["source"])
 _SOURCE_SUCCESS = Spec("gauge", "trainguard_io_source_success",
                        "Whether the io collector's source (diskstats, netdev, checkpoint_fs) was read at the last update.",
@@ -123,19 +94,7 @@ def _log():
     from trainguard import log
 
     return log.get("agent.collector", collector="io")
-_DISK_SPECS = [(field, Spec("counter" if is_counter else "gauge", f"node_disk_{name}", help_, ["device"]), scale)
-               for field, name, help_, scale, is_counter in DISK_SERIES]
 _NETWORK_SPECS: dict[str, Spec] = {}  # /proc/net/dev column -> its family (columns come from the file's header)
-
-
-def disk_families(disks: list[DiskStats]) -> list[Metric]:
-    labels = [(_DEVICE.get(disk.device), disk.stats) for disk in disks]
-    families = []
-    for field, spec, scale in _DISK_SPECS:
-        samples = [(device, stats[field] * scale) for device, stats in labels if field in stats]
-        if samples:
-            families.append(spec.family(samples))
-    return families
 
 
 def network_families(nics: dict[str, dict[str, int]]) -> list[Metric]:

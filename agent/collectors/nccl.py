@@ -27,7 +27,7 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from ..collector import Collector, Sample, register
-from ..families import LabelCache, Spec
+from trainguard.metrics.families import LabelCache, Spec
 from ..procfs import RankPids, process_start, read_environ
 from ..tail import Follower
 from .options import options

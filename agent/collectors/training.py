@@ -1,15 +1,16 @@
 """training: the trainer's step telemetry (RUN/tls/rank-*.jsonl) as metrics, followed incrementally.
 
-Each update reads only what the ranks appended since the last one (agent/tail.py), folds it into
-`TrainingState`, and saves offsets and state together, atomically, in RUN/agent/offsets-<node>.json (at
-most every `save_every_seconds`, and at shutdown): an agent killed at any moment and restarted resumes from
-the last save, re-reading what it read since with the counters of that moment, so no step is lost or
-counted twice.
-A malformed line is counted (`trainguard_tls_malformed_lines_total{file}`) and logged with file:line.
+The collector does one job, following the files, and hands the rest to the pieces that own it:
+- each update reads only what this node's ranks appended since the last one (agent/tail.py `Follower`,
+  agent/node_files.py `NodeFiles`) and folds it into `TrainingState` (trainguard/metrics/training_state.py);
+- the lead rank's steps go to the run's cost meter (agent/cost_feed.py `CostFeed`), whose tier decisions
+  go to `ctx.on_decision` (the agent's decision handlers), and every rank's to the straggler board;
+- the families are rendered by the pure `trainguard.metrics.training.families` (replay renders the same).
 
-Labels are `run_id` and `rank` (bounded by the world size); never step or pid. The cost meter of the
-run (trainguard.decide.cost) is fed the lead rank's steps; its tier decisions go to the agent's
-decision handlers (the executor), its state to `trainguard_cost_*`.
+Offsets and state are saved together, atomically, in RUN/agent/offsets-<node>.json (at most every
+`save_every_seconds`, and at shutdown): an agent killed at any moment and restarted resumes from the last
+save, re-reading what it read since with the counters of that moment, so no step is lost or counted twice.
+A malformed line is counted (`trainguard_tls_malformed_lines_total{file}`) and logged with file:line.
 """
 
 from __future__ import annotations
@@ -19,40 +20,30 @@ import re
 import time
 from pathlib import Path
 
-from trainguard import actions
 from trainguard import log as tglog
 from trainguard import policy as tgpolicy
-from trainguard import tls
+from trainguard import rundir, tls
 from trainguard.agent.collector import Collector, CollectorDisabled, Context, Sample, register
 from trainguard.agent.collectors.options import options
-from trainguard.agent.families import LabelCache, Spec
+from trainguard.agent.cost_feed import CostFeed
 from trainguard.agent.node_files import NodeFiles
 from trainguard.agent.tail import Follower, load_json, save_json_atomic
-from trainguard.agent.training_state import STEP_GAUGES, TrainingState
-from trainguard.decide.cost import CostMeter, clock_of
+from trainguard.decide.cost import CostMeter
 from trainguard.decide.straggler import StragglerBoard
-
+from trainguard.metrics import training as training_families
+from trainguard.metrics.training_state import TrainingState
 
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
 STATE_VERSION = 1
 MAX_ERRORS_LOGGED = 20          # per update; the counter has them all
 CHECKPOINT_RESCAN_SECONDS = 30.0   # RUN/checkpoints listed at least this often even when its mtime holds
-TIER_VALUES = {"ok": 0, "warn": 1, "throttle": 2, "stop": 3}
 
-
-# Guard and recovery events exported at 0 until they happen (see _families).
-WATCHED_EVENTS = (actions.SKIP_STEP, actions.ROLLBACK, actions.RESTORE, "action", "checkpoint_saved", "fault_injected",
-                  actions.STOP)
-WATCHED_EVENTS += ("replica_mismatch",)   # silent corruption (trainer/replica_check.py): the ReplicaMismatch alert
 
 @register
 class TrainingCollector(Collector):
     name = "training"
     interval = 2.0
     timeout = 10.0
-    # Per-rank straggler scores (trainguard/decide/straggler.py); a class default so a collector made
-    # without __init__ (replay's series) exports none rather than failing.
-    stragglers: StragglerBoard | None = None
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
@@ -61,26 +52,24 @@ class TrainingCollector(Collector):
         self.run_dir = Path(ctx.run_dir)
         self.log = tglog.get("agent.training", node=ctx.node)
         self.node_files = NodeFiles(self.run_dir, ctx.node)   # a shared run directory: this node's ranks only
-        self.follower = Follower(self.run_dir / "tls", "rank-*.jsonl", select=self.node_files)
-        self.offsets_path = self.run_dir / "agent" / f"offsets-{ctx.node}.json"
+        self.follower = Follower(rundir.tls_dir(self.run_dir), "rank-*.jsonl", select=self.node_files)
+        self.offsets_path = rundir.offsets_path(self.run_dir, ctx.node)
         self.state = TrainingState()
         opts = options(ctx.options, self.name, policy=None, save_every_seconds=5.0,
                        checkpoint_rescan_seconds=CHECKPOINT_RESCAN_SECONDS, per_rank=True)
         self.save_every = opts["save_every_seconds"]
         self.per_rank = opts["per_rank"]    # False: the node's lead rank only (docs/scale.md, the series budget)
-        self.checkpoints = CheckpointLister(self.run_dir / "checkpoints", opts["checkpoint_rescan_seconds"])
+        self.checkpoints = CheckpointLister(rundir.checkpoints_dir(self.run_dir), opts["checkpoint_rescan_seconds"])
         self._unsaved = False
         self._saved_at: float | None = None   # monotonic time of the last save; None: never
-        self.meter = self._cost_meter(opts["policy"] or ctx.policy)
-        self.on_decision = None          # set by the agent: callable(Decision)
-        self._cost_rank: int | None = None   # the rank whose steps feed the cost meter
+        self.cost = CostFeed(self._cost_meter(opts["policy"] or ctx.policy), ctx.on_decision, self.log)
         self.stragglers = StragglerBoard()   # rebuilt from the next steps after an agent restart
         self.restored = self._restore()
 
     # ---------------------------------------------------------------------------------- persistence
 
     def _cost_meter(self, policy_path) -> CostMeter:
-        path = policy_path or (self.run_dir / "policy.yaml" if (self.run_dir / "policy.yaml").exists() else None)
+        path = policy_path or rundir.run_policy(self.run_dir)
         return CostMeter(tgpolicy.load(path).cost)
 
     def _restore(self) -> bool:
@@ -93,17 +82,14 @@ class TrainingCollector(Collector):
             return False
         self.follower.restore(saved.get("files") or {})
         self.state = TrainingState.from_dict(saved.get("state") or {})
-        if saved.get("cost"):
-            self.meter.load_state_dict(saved["cost"])
-        self._cost_rank = saved.get("cost_rank")
+        self.cost.load_state_dict(saved)
         self.log.info("resumed from saved offsets", path=str(self.offsets_path),
                       files=len(self.follower.positions))
         return True
 
     def _save(self) -> None:
         payload = {"version": STATE_VERSION, "saved_at": time.time(), "files": self.follower.state(),
-                   "state": self.state.to_dict(), "cost_rank": self._cost_rank,
-                   "cost": self.meter.state_dict()}
+                   "state": self.state.to_dict(), **self.cost.state_dict()}
         save_json_atomic(self.offsets_path, payload)
         self._unsaved, self._saved_at = False, time.monotonic()
 
@@ -131,7 +117,11 @@ class TrainingCollector(Collector):
             self._save()
         self._refresh_checkpoint()
         now = time.time()
-        return Sample(self._families(now), tls=self.state.tls_fragment(now))
+        families = training_families.families(self.state, now, meter=self.cost.metering,
+                                              stragglers=self.stragglers, per_rank=self.per_rank)
+        return Sample(families, tls=self.state.tls_fragment(now))
+
+    # ---------------------------------------------------------------------------------------- ingest
 
     def _ingest(self, chunk, log_error: bool) -> int:
         """Fold one line in; returns 1 when it was malformed."""
@@ -160,59 +150,12 @@ class TrainingCollector(Collector):
 
     def _score_step(self, record: dict, rank: int) -> None:
         metrics = record.get("metrics")
-        if self.stragglers is not None and isinstance(metrics, dict) and rank >= 0:
+        if isinstance(metrics, dict) and rank >= 0:
             self.stragglers.observe(rank, str(record.get("node") or self.ctx.node), record["step"], metrics)
 
     def _meter_step(self, record: dict, rank: int) -> None:
-        if self._cost_rank is None or rank < self._cost_rank:
-            self._cost_rank = rank
-        if rank != self._cost_rank:
-            return   # the run's cost is metered once, from one rank's steps
         gpus = self.state.ranks[rank].gpu_count
-        if gpus is None:
-            gpus = len(self.follower.positions)
-        for decision in self.meter.observe(step=record["step"], timestamp=record["timestamp"], gpu_count=gpus,
-                                           clock=clock_of(record)):
-            self.log.warning("cost decision", action=decision.action, reason=decision.reason, step=decision.step)
-            if self.on_decision is not None:
-                self.on_decision(decision)
-
-    # ------------------------------------------------------------------------------------- families
-
-    def _families(self, now: float) -> list:
-        samples: dict[str, list] = {key: [] for key in STEP_SPECS}
-        step, last, steps, events = [], [], [], []
-        ranks = sorted(self.state.ranks.items())
-        for rank, rs in (ranks if self.per_rank else ranks[:1]):
-            labels = _RUN_RANK.get(rs.run_id, str(rank))
-            for key, value in rs.metrics.items():
-                samples[key].append((labels, value))
-            if rs.step is not None:
-                step.append((labels, rs.step))
-                last.append((labels, rs.last_step_time))
-            steps.append((labels, rs.steps_total))
-            # The event types alerts and annotations look for exist from the start at 0: Prometheus sees
-            # no increase in a series' first sample, so a first rollback would otherwise go unseen.
-            events += [(_RUN_RANK_TYPE.get(rs.run_id, str(rank), kind), count)
-                       for kind, count in sorted({**_WATCHED_AT_ZERO, **rs.events}.items())]
-        families = [spec.family(samples[key]) for key, spec in STEP_SPECS.items()]
-        families += [STEP.family(step), LAST_STEP.family(last), STEPS.family(steps), EVENTS.family(events)]
-        return (families + self._file_families() + self._checkpoint(now) + self._cost_families()
-                + self._straggler_families())
-
-    def _straggler_families(self) -> list:
-        if self.stragglers is None:
-            return []
-        scores = self.stragglers.scores()
-        run_id = self.state.run_id
-        return [STRAGGLER_SCORE.family((_RUN_RANK_NODE.get(run_id, str(s.rank), s.node), s.relative) for s in scores),
-                STRAGGLER_INDIVIDUAL.family((_RUN_RANK_NODE.get(run_id, str(s.rank), s.node), s.individual)
-                                            for s in scores)]
-
-    def _file_families(self) -> list:
-        names = sorted(set(self.state.records) | set(self.state.malformed))
-        return [RECORDS.family((_FILE.get(name), self.state.records.get(name, 0)) for name in names),
-                MALFORMED.family((_FILE.get(name), self.state.malformed.get(name, 0)) for name in names)]
+        self.cost.observe(record, rank, len(self.follower.positions) if gpus is None else gpus)
 
     def _refresh_checkpoint(self) -> None:
         """A checkpoint on disk newer than the last checkpoint_saved event (or saved without one) counts too."""
@@ -221,63 +164,6 @@ class TrainingCollector(Collector):
         if on_disk is not None and (state.checkpoint_time is None or on_disk[0] > state.checkpoint_time):
             state.checkpoint_time, state.checkpoint_step = on_disk
             state.checkpoint_name = f"step_{on_disk[1]}"
-
-    def _checkpoint(self, now: float) -> list:
-        state = self.state
-        if state.checkpoint_time is None:
-            return []
-        run = _RUN.get(state.run_id)
-        families = [CHECKPOINT_AGE.family([(run, max(0.0, now - state.checkpoint_time))]),
-                    CHECKPOINT_TIME.family([(run, state.checkpoint_time)])]
-        if state.checkpoint_step is not None:
-            families.append(CHECKPOINT_STEP.family([(run, state.checkpoint_step)]))
-        return families
-
-    def _cost_families(self) -> list:
-        if self._cost_rank is None:
-            return []
-        cost, run = self.meter.state, _RUN.get(self.state.run_id)
-        values = (cost.cost_usd, cost.cost_per_1k_steps, cost.overrun_ratio, TIER_VALUES.get(cost.tier, 0),
-                  self.meter.policy.budget_per_1k_steps, self.meter.gpus(None))
-        return [spec.family([(run, value)]) for spec, value in zip(COST_SPECS, values)]
-
-
-# Families, their names checked once; label sets made once per run and rank (module-level: replay builds
-# these families from a collector it never initialises, trainguard/replay/series.py).
-_RUN_RANK = LabelCache(["run_id", "rank"])
-_RUN_RANK_TYPE = LabelCache(["run_id", "rank", "type"])
-_RUN = LabelCache(["run_id"])
-_FILE = LabelCache(["file"])
-_RUN_RANK_NODE = LabelCache(["run_id", "rank", "node"])
-_WATCHED_AT_ZERO = dict.fromkeys(WATCHED_EVENTS, 0)
-STEP_SPECS = {key: Spec("gauge", name, text, ["run_id", "rank"]) for key, (name, text) in STEP_GAUGES.items()}
-STEP = Spec("gauge", "trainguard_training_step", "Latest step the rank finished.", ["run_id", "rank"])
-LAST_STEP = Spec("gauge", "trainguard_training_last_step_timestamp_seconds",
-                 "Unix time of the rank's latest step record.", ["run_id", "rank"])
-STEPS = Spec("counter", "trainguard_training_steps", "Step records read from the rank's TLS log.", ["run_id", "rank"])
-EVENTS = Spec("counter", "trainguard_training_events", "Events in the rank's TLS log, by type (guard decisions, "
-              "checkpoints, actions ...).", ["run_id", "rank", "type"])
-RECORDS = Spec("counter", "trainguard_tls_records", "TLS records read, by file.", ["file"])
-MALFORMED = Spec("counter", "trainguard_tls_malformed_lines",
-                 "TLS lines that could not be read (logged with file:line), by file.", ["file"])
-CHECKPOINT_AGE = Spec("gauge", "trainguard_checkpoint_age_seconds", "Seconds since the latest checkpoint was saved.",
-                      ["run_id"])
-CHECKPOINT_TIME = Spec("gauge", "trainguard_checkpoint_last_timestamp_seconds",
-                       "Unix time the latest checkpoint was saved.", ["run_id"])
-CHECKPOINT_STEP = Spec("gauge", "trainguard_checkpoint_last_step", "Step of the latest checkpoint.", ["run_id"])
-STRAGGLER_SCORE = Spec("gauge", "trainguard_rank_straggler_score",
-                       "NVRx relative score of the rank's recent compute time: the fastest rank's median over this "
-                       "rank's (1 = fastest, 0.5 = twice as slow).", ["run_id", "rank", "node"])
-STRAGGLER_INDIVIDUAL = Spec("gauge", "trainguard_rank_straggler_individual_score",
-                            "NVRx individual score: the rank's best median compute time in its history over its "
-                            "recent one (0.5 = twice as slow as it was).", ["run_id", "rank", "node"])
-COST_SPECS = [Spec("gauge", name, text, ["run_id"]) for name, text in (
-    ("trainguard_cost_usd", "Cost of the run metered so far (GPU-hours x price)."),
-    ("trainguard_cost_per_1k_steps_usd", "Cost per 1000 steps over the recent window."),
-    ("trainguard_cost_overrun_ratio", "Cost per 1000 steps over budget, minus 1 (0.3 = 30% over)."),
-    ("trainguard_cost_tier", "Budget tier reached: 0 ok, 1 warn, 2 throttle, 3 stop."),
-    ("trainguard_cost_budget_per_1k_steps_usd", "Budget per 1000 steps from the policy."),
-    ("trainguard_cost_billable_gpus", "GPUs the run is billed for (policy override, else the records)."))]
 
 
 def _base_name(name: str) -> str:

@@ -12,7 +12,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.openmetrics import exposition as om_format
 from prometheus_client.samples import Exemplar
 
-from trainguard.agent import exposition
+from trainguard.metrics import exposition
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ACCEPT_OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"

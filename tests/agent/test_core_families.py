@@ -1,4 +1,4 @@
-"""The parts collectors build families from (agent/families.py), the rank files read only when they change
+"""The parts collectors build families from (trainguard/metrics/families.py), the rank files read only when they change
 (restore.RankFiles), and the ranks' environments read once per process (nccl.RankEnvironments)."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import pytest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tests.agent.exposition import render
+from trainguard import rundir
 from trainguard.agent import restore
 from trainguard.agent.collectors.nccl import ENV_VARS, RankEnvironments
-from trainguard.agent.families import NO_LABELS, LabelCache, Labels, Spec
+from trainguard.metrics.families import NO_LABELS, LabelCache, Labels, Spec
 from trainguard.agent.procfs import RankPids
 from trainguard.trainer.control import write_rank_file
 
@@ -65,20 +66,25 @@ def settle(path) -> None:
 
 def test_rank_files_are_read_again_only_when_the_directory_changes(tmp_path, monkeypatch):
     reads = []
-    real = restore.read_ranks
-    monkeypatch.setattr(restore, "read_ranks", lambda run_dir: reads.append(1) or real(run_dir))
-    files = restore.RankFiles(tmp_path)
+    real = rundir.read_rank_file
+    monkeypatch.setattr(rundir, "read_rank_file", lambda path: reads.append(path.name) or real(path))
+    files = restore.RankFiles(tmp_path, {"node-a"})
     assert files.read() == [] and reads == []              # no control/ranks yet: nothing to read
     write_rank_file(tmp_path, 0, pid=4242, host="node-a")
     directory = tmp_path / "control" / "ranks"
     first = files.read()
-    assert [info.pid for info in first] == [4242] and len(reads) == 1
-    assert files.read() is not first and len(reads) == 2    # changed just now: read again (racy window) ...
-    settle(directory)
+    assert [info.pid for info in first] == [4242] and reads == ["rank-0.json"]
+    assert files.read() is not first and len(reads) == 1    # changed just now: listed again (racy window),
+    settle(directory)                                       # but an unchanged file is not read again
     settled = files.read()
-    assert len(reads) == 3 and files.read() is settled and len(reads) == 3   # ... settled: not read again
+    assert files.read() is settled and len(reads) == 1      # settled: not even listed again
     write_rank_file(tmp_path, 1, pid=4243, host="node-a")   # an atomic replace changes the directory
-    assert [info.rank for info in files.read()] == [0, 1] and len(reads) == 4
+    assert [info.rank for info in files.read()] == [0, 1] and reads[1:] == ["rank-1.json"]
+    write_rank_file(tmp_path, 2, pid=4244, host="node-b")   # another node's: read once, only its rank kept
+    assert [info.rank for info in files.read()] == [0, 1] and reads[2:] == ["rank-2.json"]
+    assert files.registered_elsewhere(2) and not files.registered_elsewhere(1)
+    write_rank_file(tmp_path, 1, pid=4245, host="node-b")   # rank 1 moved to node-b
+    assert [info.rank for info in files.read()] == [0] and files.registered_elsewhere(1)
 
 
 def test_rank_pids_follow_the_rank_files(tmp_path):

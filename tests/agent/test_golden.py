@@ -14,7 +14,8 @@ from tests.agent.exposition import render, without
 from tests.fakes.fake_nvml import FakeNVML
 from tests.servers import promtool_check_metrics
 from trainguard.agent.collector import Context
-from trainguard.agent.collectors import gpu_metrics, ib, io
+from trainguard.metrics import gpu_metrics, node
+from trainguard.agent.collectors import ib
 from trainguard.agent.collectors.gpu import GPUCollector
 from trainguard.agent.collectors.ib import InfiniBandCollector
 from trainguard.agent.collectors.io import IOCollector
@@ -95,7 +96,7 @@ def test_every_metric_is_documented():
     names |= {name for name, _, _ in gpu_metrics.DCGM_GAUGES}
     names |= {f"node_infiniband_{name}_total" for table in (ib.COUNTERS, ib.COUNTERS_EXT)
               for name, _ in table.values()}
-    names |= {f"node_disk_{name}" for _, name, *_ in io.DISK_SERIES}
+    names |= {f"node_disk_{name}" for _, name, *_ in node.DISK_SERIES}
     names |= {"trainguard_checkpoint_fs_avail_bytes", "trainguard_checkpoint_fs_free_bytes",
               "trainguard_checkpoint_fs_size_bytes"}
 

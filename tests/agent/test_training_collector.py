@@ -39,9 +39,10 @@ def event_record(kind: str, step: int, timestamp: float, rank: int = 0, **fields
                            event={"type": kind, "step": step, **fields})
 
 
-def collector(run_dir, **options) -> TrainingCollector:
+def collector(run_dir, on_decision=None, **options) -> TrainingCollector:
     """Saves after every update unless told otherwise, so each test sees its state on disk."""
-    return TrainingCollector(Context(run_dir=run_dir, node="node-a", options={"save_every_seconds": 0.0, **options}))
+    return TrainingCollector(Context(run_dir=run_dir, node="node-a", options={"save_every_seconds": 0.0, **options},
+                                     on_decision=on_decision))
 
 
 @pytest.fixture
@@ -174,9 +175,8 @@ def test_cost_state_and_decisions(run_dir):
     policy = run_dir / "policy.yaml"
     # 8 GPUs at $100/h, one step per second: $222 per 1000 steps against a budget of $100 -> every tier.
     policy.write_text("cost: {price_per_gpu_hour: 100.0, budget_per_1k_steps: 100.0, min_steps: 5, window_steps: 10}\n")
-    source = collector(run_dir)
     decisions = []
-    source.on_decision = decisions.append
+    source = collector(run_dir, on_decision=decisions.append)
     with tls.Writer(run_dir / "tls" / "rank-0.jsonl") as writer:
         for step in range(1, 31):
             writer.write(step_record(step, 0))
@@ -188,8 +188,7 @@ def test_cost_state_and_decisions(run_dir):
     assert get(values, "trainguard_cost_billable_gpus", **run) == 8
     assert get(values, "trainguard_cost_overrun_ratio", **run) > 1
     assert [d.action for d in decisions] == ["cost_warn", "cost_throttle", "cost_stop"]
-    restarted = collector(run_dir)     # the tiers that fired are remembered across a restart
-    restarted.on_decision = decisions.append
+    restarted = collector(run_dir, on_decision=decisions.append)   # the tiers that fired are remembered
     with tls.Writer(run_dir / "tls" / "rank-0.jsonl") as writer:
         writer.write(step_record(31, 0))
     restarted.update()

@@ -9,7 +9,8 @@ import pytest
 from tests.alerts.helpers import read_jsonl
 from tests.alerts.ranks import STANDIN, Ranks, alive, rewrite
 from trainguard import actions
-from trainguard.agent.executor import EventLog, Executor, append_request, request_id
+from trainguard import rundir
+from trainguard.agent.executor import EventLog, Executor, request_id
 from trainguard.decide.ledger import Ledger, Limits, Notice
 from trainguard.trainer.control import ControlChannel
 
@@ -74,7 +75,8 @@ def test_the_trainer_control_channel_reads_what_the_executor_writes(tmp_path):
 
 
 def test_cost_tiers_from_two_agents_on_one_run_reach_the_trainer_once(tmp_path):
-    first, second = Executor(tmp_path, "n1", Ledger()), Executor(tmp_path, "n2", Ledger())
+    # the job's agents share the webhook token, which signs their claims (agent/claims.py)
+    first, second = (Executor(tmp_path, node, Ledger(), claim_secret=b"job-token") for node in ("n1", "n2"))
     first.submit([notice("CostBudgetWarn", actions.COST_WARN, "embedded:cost_warn")])
     second.submit([notice("CostBudgetWarn", actions.COST_WARN, "embedded:cost_warn")])
     assert [r["action"] for r in requests(tmp_path)] == ["cost_warn"]
@@ -84,11 +86,11 @@ def test_cost_tiers_from_two_agents_on_one_run_reach_the_trainer_once(tmp_path):
 
 
 def test_append_request_skips_an_id_already_there(tmp_path):
-    path = tmp_path / "control" / "actions.jsonl"
-    assert append_request(path, {"id": "a", "action": "rollback"})
+    path = rundir.requests_path(tmp_path)
+    assert rundir.append_request(tmp_path, {"id": "a", "action": "rollback"})
     path.open("a").write("not json\n")
-    assert not append_request(path, {"id": "a", "action": "rollback"})
-    assert append_request(path, {"id": "b", "action": "rollback"})
+    assert not rundir.append_request(tmp_path, {"id": "a", "action": "rollback"})
+    assert rundir.append_request(tmp_path, {"id": "b", "action": "rollback"})
     assert [json.loads(line)["id"] for line in path.read_text().splitlines() if line.startswith("{")] == ["a", "b"]
 
 

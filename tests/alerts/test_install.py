@@ -1,4 +1,4 @@
-"""The webhook installed in the real agent HTTP server, as `trainguard agent` does it."""
+"""The webhook installed in the real agent HTTP server, as `trainguard agent` does it (agent/app.py)."""
 
 import json
 import urllib.error
@@ -10,7 +10,7 @@ from tests.alerts.helpers import alert, payload, read_jsonl
 from trainguard.agent.config import AgentConfig
 from trainguard.agent.runner import Agent
 from trainguard.agent.server import AgentServer
-from trainguard.agent.webhook import install
+from trainguard.agent.app import build_actions
 
 
 def request(url, data: bytes, headers: dict) -> tuple[int, dict]:
@@ -29,7 +29,7 @@ def served(tmp_path):
         agent = Agent(config, registry={})
         server = AgentServer(agent, "127.0.0.1", 0)
         started.append(server)
-        install(server, agent, config)
+        build_actions(config, agent, server)
         server.start()
         return server, agent
     started = []

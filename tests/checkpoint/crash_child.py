@@ -41,15 +41,15 @@ def main() -> None:
     manager.save(1, small_state(), stable=True)
     manager.wait()
     if point in ("write", "async"):
-        real_write = sharded._HashingStream.write
+        real_write = sharded._WrittenStream.write
 
         def write_then_pause(self, data):
             written = real_write(self, data)
-            if self._bytes >= 8 << 20:
+            if self.tell() >= 8 << 20:
                 pause()
             return written
 
-        sharded._HashingStream.write = write_then_pause
+        sharded._WrittenStream.write = write_then_pause
     elif point == "manifest":
         real_publish = store.publish
         store.publish = lambda tmp, final: (pause(), real_publish(tmp, final))

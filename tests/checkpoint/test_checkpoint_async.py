@@ -41,14 +41,14 @@ def test_training_that_goes_on_after_save_returns_does_not_change_the_checkpoint
     state, model, optim = training_state()
     expected = {name: t.clone() for name, t in model.state_dict().items()}
     release = threading.Event()
-    real_write = sharded._HashingStream.write   # the writer of DCP's shards, on its upload thread
+    real_write = sharded._WrittenStream.write   # the writer of DCP's shards, on its upload thread
 
     def slow_write(self, data):  # hold the worker until training has changed the weights in place
         release.wait(30)
         return real_write(self, data)
 
     manager = CheckpointManager(tmp_path, key_file=key_file, async_save=True)
-    sharded._HashingStream.write = slow_write
+    sharded._WrittenStream.write = slow_write
     try:
         manager.save(3, state, stable=False)
         with torch.no_grad():
@@ -57,7 +57,7 @@ def test_training_that_goes_on_after_save_returns_does_not_change_the_checkpoint
         release.set()
         manager.wait()
     finally:
-        sharded._HashingStream.write = real_write
+        sharded._WrittenStream.write = real_write
     _, restored = manager.load_latest()
     assert_same(restored["model"], expected)
     assert not torch.equal(restored["model"]["lm_head.weight"], model.lm_head.weight)

@@ -22,7 +22,7 @@ from typing import Any
 
 from trainguard.agent.collector import CollectorDisabled, Context
 from trainguard.agent.collectors.gpu import GPUCollector
-from trainguard.agent.collectors.gpu_metrics import field_number
+from trainguard.metrics.gpu_metrics import field_number
 
 from .fake_nvml import FORMAT
 

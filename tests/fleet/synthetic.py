@@ -13,7 +13,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from trainguard import tls
+from trainguard import rundir, tls
 
 T0 = 1_700_000_000.0
 
@@ -45,10 +45,7 @@ def write_fleet(run_dir: Path, nodes: int, ranks_per_node: int = 8, steps: int =
 
 def register_rank(run_dir: Path, rank: int, host: str) -> None:
     """A rank's registration as trainer/control.py writes it (the fields the agent's ownership reads)."""
-    directory = run_dir / "control" / "ranks"
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"rank-{rank}.json").write_text(json.dumps(
-        {"rank": rank, "pid": 10_000_000 + rank, "host": host, "started_at": T0}))
+    rundir.write_rank_file(run_dir, rank, {"rank": rank, "pid": 10_000_000 + rank, "host": host, "started_at": T0})
 
 
 def append_steps(run_dir: Path, ranks: range, node: str, step: int) -> None:

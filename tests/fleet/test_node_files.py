@@ -7,9 +7,13 @@ an update not growing with the number of nodes is measured by bench/bench_fleet.
 
 from __future__ import annotations
 
+import gc
 import json
+import tracemalloc
 
 import pytest
+from trainguard import rundir
+from trainguard.agent import restore
 from trainguard.agent.collector import Context
 from trainguard.agent.collectors.training import TrainingCollector
 from trainguard.trainer.control import write_rank_file
@@ -18,6 +22,7 @@ from tests.fleet.synthetic import (
     append_steps,
     fast_dir,
     node_name,
+    register_rank,
     step_line,
     write_fleet,
 )
@@ -96,3 +101,42 @@ def test_a_node_name_other_than_the_host_still_owns_what_the_host_registered(tmp
     (tmp_path / "tls" / "rank-0.jsonl").write_bytes(step_line(1, 0, socket.gethostname()))
     agent = collector(tmp_path, "gpu-node-01")
     assert exported(agent.update(), "trainguard_training_steps_total")
+
+
+def held_by_rank_files(run_dir, nodes: int) -> int:
+    """Bytes a RankFiles of node 0 holds after reading `nodes` x 8 registrations (written here if missing)."""
+    for rank in range(nodes * 8):
+        if not rundir.rank_file(run_dir, rank).exists():
+            register_rank(run_dir, rank, node_name(rank // 8))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        files = restore.RankFiles(run_dir, {node_name(0)})
+        assert [info.rank for info in files.read()] == list(range(8))
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert files.registered_elsewhere(nodes * 8 - 1) and not files.problems
+    return held
+
+
+def test_an_agent_holds_and_reads_only_its_own_registrations_at_a_thousand_nodes(tmp_path, monkeypatch):
+    """Issue 21: memory stays flat as the cluster grows, and a restart storm does not read every file at
+    every change. Another node's registration costs its packed fingerprint and rank (24 bytes), not the
+    ~1 KiB of a RankInfo with its path and strings; a replaced file is the only one read again."""
+    with fast_dir(tmp_path) as run_dir:
+        small = held_by_rank_files(run_dir, nodes=10)
+        large = held_by_rank_files(run_dir, nodes=1000)
+        per_other_rank = (large - small) / (990 * 8)
+        assert per_other_rank <= 32, f"{per_other_rank:.0f} bytes per other node's rank"
+        files = restore.RankFiles(run_dir, {node_name(0)})
+        files.read()
+        reads = []
+        real = rundir.read_rank_file
+        monkeypatch.setattr(rundir, "read_rank_file", lambda path: reads.append(path.name) or real(path))
+        register_rank(run_dir, 4321, node_name(0))          # a rank of node 540 restarted here
+        assert 4321 in [info.rank for info in files.read()] and reads == ["rank-4321.json"]
+        assert not files.registered_elsewhere(4321)
+        print(f"RankFiles holds {per_other_rank:.1f} bytes per other node's rank")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from trainguard.agent.collectors.training import WATCHED_EVENTS
+from trainguard.metrics.training import WATCHED_EVENTS
 
 from tests.fleet.agents import scrape, start_node_agent, write_node_ranks
 from tests.servers import wait_for

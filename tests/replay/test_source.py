@@ -3,6 +3,7 @@
 import gzip
 import json
 import math
+import random
 
 import pytest
 import zstandard
@@ -239,3 +240,20 @@ def test_a_device_or_fifo_is_named_as_such_not_as_missing(tmp_path):
             source.expand([path])
     with pytest.raises(source.InputError, match="no such file or directory"):
         source.expand([tmp_path / "absent.jsonl"])
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+def test_lines_naming_finds_the_lines_a_line_by_line_search_finds(tmp_path, monkeypatch, suffix):
+    """The recorded pass's byte search (source.lines_naming) over blocks cut anywhere, a last line without
+    a newline included: the same (line number, line) as testing every line."""
+    rng = random.Random(4)
+    marks = (b'"run_start"', b'"alert"')
+    kinds = [b'{"a":1}\n', b'{"event":{"type":"alert"}}\n', b'{"x":"alert","y":"run_start"}\n', b'\n']
+    data = b"".join(rng.choice(kinds) for _ in range(3000)) + b'{"last":"alert"}'
+    path = tmp_path / f"log.jsonl{suffix}"
+    path.write_bytes(gzip.compress(data) if suffix else data)
+    want = [(n, raw) for n, raw in enumerate(data.splitlines(keepends=True), 1) if any(m in raw for m in marks)]
+    for size in (5, 333, 1 << 20):
+        monkeypatch.setattr(source, "SCAN_BYTES", size)
+        assert list(source.lines_naming(path, marks)) == want
+    assert source.head_names(path, b'"run_start"', 3000) and not source.head_names(path, b'"nowhere"', 3000)

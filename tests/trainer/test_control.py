@@ -10,13 +10,14 @@ import pytest
 
 from tests.trainer.helpers import events, final_losses, step_records, train
 from trainguard.trainer.checkpoint.manager import CheckpointManager
-from trainguard.trainer.control import ControlChannel, append_request
+from trainguard import rundir
+from trainguard.trainer.control import ControlChannel
 
 
 def test_cost_throttle_cuts_the_micro_batch_and_keeps_tokens_per_step(tmp_path):
     plain, throttled = tmp_path / "plain", tmp_path / "throttled"
     assert train(plain, "--steps", "6") == 0
-    append_request(throttled, "cost_throttle", request_id="t1", alertname="CostBudgetThrottle", reason="over")
+    rundir.append_request(throttled, rundir.request("cost_throttle", "t1", alertname="CostBudgetThrottle", reason="over"))
     assert train(throttled, "--steps", "6") == 0
 
     (ack,) = events(throttled, "action")
@@ -36,8 +37,8 @@ def test_cost_throttle_cuts_the_micro_batch_and_keeps_tokens_per_step(tmp_path):
 
 def test_cost_stop_ends_cleanly_with_a_verified_checkpoint_and_a_summary(tmp_path):
     run = tmp_path / "run"
-    append_request(run, "cost_warn", request_id="w1", alertname="CostBudgetWarn")
-    append_request(run, "cost_stop", request_id="s1", alertname="CostBudgetStop", reason="budget spent")
+    rundir.append_request(run, rundir.request("cost_warn", "w1", alertname="CostBudgetWarn"))
+    rundir.append_request(run, rundir.request("cost_stop", "s1", alertname="CostBudgetStop", reason="budget spent"))
     assert train(run, "--steps", "40", "--eval-every", "1") == 0
 
     acks = [(e["action"], e["id"], e["step"]) for e in events(run, "action")]
@@ -66,7 +67,7 @@ def test_rollback_request_restores_the_last_stable_checkpoint(tmp_path):
         deadline = time.time() + 60
         while time.time() < deadline:
             if path.exists() and '"step":12,"metrics"' in path.read_text():
-                append_request(run, "rollback", request_id="r1", alertname="LossSpike", reason="drill")
+                rundir.append_request(run, rundir.request("rollback", "r1", alertname="LossSpike", reason="drill"))
                 return
             time.sleep(0.005)
 
@@ -92,7 +93,7 @@ def test_channel_reads_only_new_complete_lines_and_reports_bad_ones(tmp_path):
     channel = ControlChannel(tmp_path, rank=0, log=Log())
     assert channel.poll() == (0, 0)
     path = tmp_path / "control" / "actions.jsonl"
-    append_request(tmp_path, "cost_warn", request_id="a")
+    rundir.append_request(tmp_path, rundir.request("cost_warn", "a"))
     with open(path, "a") as handle:
         handle.write('{"id": "b", "action": "explode"}\nnot json\n{"id": "c", "action": "restore"}\n')
         handle.write('{"id": "d", "action": "rollback"')          # still being written

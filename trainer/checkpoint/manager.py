@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator
 
 import trainguard
 from trainguard import log as tglog
+from trainguard import rundir
 from trainguard.tls import format_timestamp
 from trainguard.trainer.checkpoint import compress as compress_mod
 from trainguard.trainer.checkpoint import keys, sharded, store
@@ -44,7 +45,7 @@ from trainguard.trainer.checkpoint.manifest import CheckpointError, VerifyResult
 SUPERSEDED = "superseded"
 EXIT_NO_DURABLE_CHECKPOINT = 4   # a run that ends without a durable final checkpoint (RUN/checkpoints/status.json)
 INVALID = "invalid"          # checkpoints that did not verify, moved aside by retention (never deleted)
-STATUS_FILE = "status.json"  # the last save's outcome, for `trainguard status`
+STATUS_FILE = rundir.CHECKPOINT_STATUS_FILE  # the last save's outcome, for `trainguard status`
 ENGINES = ("dcp", "files")
 TENSOR_PARTS = ("model", "optim")   # through DCP; every other key goes to extra.pt (rank 0's)
 
@@ -147,6 +148,7 @@ class CheckpointManager:
         self._lock = threading.RLock()  # directory changes (publish, retention) against scans
         self._pending: tuple[SaveHandle, threading.Thread] | None = None
         self._stager = state_mod.Stager()
+        self._dcp_stager: Any = None   # DCP's staging buffers, kept between async saves (sharded.cached_stager)
         self._group = _Group(distributed)
         self.rank = self._group.rank
         self.failures = 0                    # consecutive failed saves (0 after a durable one)
@@ -248,9 +250,12 @@ class CheckpointManager:
         tmp = writer = None
         try:
             tmp = self._tmp_dir(handle)
+            if self._dcp_stager is None:
+                self._dcp_stager = sharded.cached_stager()
             future, writer = sharded.async_save(tmp, parts["tensors"], process_group=self._group.pg,
                                                 distributed=self._group.distributed,
-                                                extensions=compress_mod.writer_extensions(self.compress))
+                                                extensions=compress_mod.writer_extensions(self.compress),
+                                                stager=self._dcp_stager)
         except Exception as exc:
             future, writer = _failed_future(exc), None
         return {"tmp": tmp, "future": future, "writer": writer, "extra": extra,
@@ -608,16 +613,19 @@ class CheckpointManager:
         return state
 
     def load_latest(self, *, stable_only: bool = False, map_location: Any = "cpu",
-                    into: dict | None = None) -> tuple[Checkpoint, dict] | None:
+                    into: dict | Callable[[], dict] | None = None) -> tuple[Checkpoint, dict] | None:
         """Restore in one pass: the newest checkpoint that verifies (signature, every hash, weights_only
         content), with its state. With `distributed`, every rank calls; rank 0 names each candidate and
-        all ranks agree it verified everywhere before loading it."""
+        all ranks agree it verified everywhere before loading it. `into` may be a function that builds
+        the target: it is called only once there is a candidate (building one can change a fresh
+        optimizer, which a run with nothing to restore must not see)."""
         with self._lock:
             candidates = self._step_dirs() if self.rank == 0 else iter(())
             while True:
                 path = self._group.broadcast(self._next_candidate(candidates, stable_only))
                 if path is None:
                     return None
+                into = into() if callable(into) else into
                 result, state = self._verify_and_load(Path(path), map_location, into)
                 if result.ok:
                     return Checkpoint.of(result), state
@@ -763,19 +771,17 @@ class SaveStatus:
             if os.fstat(fd).st_size < self.SIZE:
                 os.posix_fallocate(fd, 0, self.SIZE) if hasattr(os, "posix_fallocate") else None
             os.pwrite(fd, data + b" " * (self.SIZE - len(data)), 0)
-            os.fsync(fd)
+            if not fields.get("ok", False):
+                # a failure must survive a crash to be reported; a success is the checkpoint itself
+                # (durable already), so it costs the save no fsync of its own
+                os.fsync(fd)
         except OSError:
             pass  # the log and the event carry it; a status file must never fail a save
         finally:
             os.close(fd)
 
 
-def read_status(run_dir: str | Path) -> dict | None:
-    """The last save's outcome (`SaveStatus`), or None when there is none."""
-    try:
-        return json.loads((Path(run_dir) / "checkpoints" / STATUS_FILE).read_bytes().strip() or b"null")
-    except (OSError, ValueError):
-        return None
+read_status = rundir.read_checkpoint_status   # the reading end lives with the run directory's paths
 
 
 def info_of(step: int, path: Path, result: VerifyResult) -> CheckpointInfo:

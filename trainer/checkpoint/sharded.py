@@ -1,8 +1,10 @@
 """Sharded checkpoints through torch.distributed.checkpoint (DCP), with trainguard's guarantees kept.
 
 Writing: every rank writes its own shard files through DCP's ``FileSystemWriter``; the file system under
-it hashes each byte on its way to disk (`HashingFileSystem`), so a rank knows the SHA-256 and size of every
-file it wrote without a second pass. The coordinator's ``.metadata`` is hashed the same way. The caller
+it hashes each file once DCP has written and fsynced it, reading it back from the page cache in the thread
+that wrote it (`HashingFileSystem`), so a rank knows the SHA-256 and size of every file it wrote. The
+coordinator's ``.metadata`` is hashed the same way. (Hashing DCP's many small writes as they passed cost
+more: docs/checkpoints.md, "Hashing beside the writer".) The caller
 (the manager) gathers those entries to rank 0, which signs the manifest and renames the directory.
 
 Reading: nothing here trusts a byte that was not verified first. `SafeReader` unpickles ``.metadata``
@@ -42,36 +44,47 @@ def _dcp():
 
 # ------------------------------------------------------------------------------------------- writing
 
-class _HashingStream(io.RawIOBase):
-    """A file being written by DCP: hashed as written; its entry is recorded when DCP closes it."""
+class _WrittenStream(io.RawIOBase):
+    """A file being written by DCP. Keeps the first real write error (torch.save, which DCP calls per
+    tensor, masks ENOSPC with its own "unexpected pos"), so it can be reported instead."""
 
-    def __init__(self, path: Path, record: dict[str, FileEntry], errors: list[OSError]):
+    def __init__(self, path: Path, errors: list[OSError]):
         super().__init__()
         self._raw = open(path, "xb")
-        self._path, self._record, self._errors = path, record, errors
-        self._sha = hashlib.sha256()
-        self._bytes = 0
+        self._path, self._errors = path, errors
+        self.hashing: Any = None   # the hash of the finished file, started when DCP asks to fsync it
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self._sha.update(view)
         try:
-            written = self._raw.write(view)
+            return self._raw.write(data)
         except OSError as exc:
-            # torch.save masks it with "unexpected pos"; kept to be reported instead (ENOSPC, EIO)
             self._errors.append(exc)
             raise
-        self._bytes += view.nbytes
-        return written
 
     def tell(self) -> int:
         return self._raw.tell()
 
     def fileno(self) -> int:
+        # DCP asks for the descriptor to fsync the file it has finished writing: the bytes are all in the
+        # page cache now, so they are hashed (a thread, GIL-free) while the fsync waits for the disk.
+        if self.hashing is None:
+            self._raw.flush()
+            from trainguard.trainer.checkpoint import store
+
+            self.hashing = store._pool().submit(hash_written, self._path)
         return self._raw.fileno()
+
+    def entry(self) -> FileEntry:
+        """The file's entry once closed: the hash begun at the fsync if the file has not grown since (DCP
+        writes each file front to back, so the same size is the same bytes), else hashed now."""
+        if self.hashing is not None:
+            early = self.hashing.result()
+            if early.bytes == os.stat(self._path).st_size:
+                return early
+        return hash_written(self._path)
 
     def flush(self) -> None:
         if not self._raw.closed:
@@ -84,15 +97,25 @@ class _HashingStream(io.RawIOBase):
             except OSError as exc:
                 self._errors.append(exc)
                 raise
-            self._record[self._path.name] = FileEntry(self._path.name, self._sha.hexdigest(), self._bytes)
         super().close()
+
+
+def hash_written(path: Path) -> FileEntry:
+    """SHA-256 and size of a file just written and fsynced, read back (from the page cache): the bytes
+    the kernel holds for the disk, not the buffers they were written from. One pass over the whole file
+    costs less than hashing DCP's many small writes as they pass (bench/bench_checkpoint.py)."""
+    with open(path, "rb", buffering=0) as handle:
+        digest = hashlib.file_digest(handle, "sha256")
+        size = os.fstat(handle.fileno()).st_size
+    return FileEntry(path.name, digest.hexdigest(), size)
 
 
 def _filesystem_class():
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     class HashingFileSystem(FileSystem):
-        """DCP's local file system, with every file it creates hashed while written (`entries`)."""
+        """DCP's local file system; every file it creates is hashed once DCP has written and fsynced it
+        (`entries`), in the thread that wrote it (DCP's writer threads, its upload thread when async)."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -106,11 +129,14 @@ def _filesystem_class():
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            stream = _HashingStream(Path(path), self.entries, self.errors)
+            stream = _WrittenStream(Path(path), self.errors)
             try:
-                yield stream
+                yield stream   # DCP writes, flushes and (sync_files) fsyncs inside this block
             finally:
                 stream.close()
+            entry = stream.entry()
+            with self._lock:
+                self.entries[entry.name] = entry
 
         def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
             # DCP writes `.metadata.tmp` and renames it; the entry follows the file.
@@ -155,15 +181,50 @@ def save(folder: Path, state: dict, *, process_group: Any = None, distributed: b
 
 
 def async_save(folder: Path, state: dict, *, process_group: Any, distributed: bool,
-               extensions: list | None = None) -> tuple[Any, Any]:
-    """DCP's async_save (its own staging into host memory, its upload thread): (future, writer). The
-    entries are in `written_entries(writer)` once the future is done."""
+               extensions: list | None = None, stager: Any = None) -> tuple[Any, Any]:
+    """DCP's async_save (its staging into host memory — `stager`, a `cached_stager()` kept from one save
+    to the next — and its upload thread): (future, writer). The entries are in `written_entries(writer)`
+    once the future is done."""
     writer = make_writer(folder, extensions=extensions)
     with _dcp_errors(writer):
         response = _dcp().async_save(state, storage_writer=writer, process_group=process_group,
-                                     no_dist=not distributed)
+                                     no_dist=not distributed, async_stager=stager)
     future = getattr(response, "upload_completion", response)
     return future, writer
+
+
+def cached_stager() -> Any:
+    """DCP's blocking stager that keeps its host copy of the state from one async save to the next (DCP's
+    own cache pins the memory, which needs a GPU: pinned here only where there is one). Allocating and
+    first touching a state's worth of fresh memory at every save costs several times the copy itself
+    (bench/bench_checkpoint.py: the copy floor). A state of another layout gets a fresh copy."""
+    import torch
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+    class CachedStager(BlockingAsyncStager):
+        def __init__(self) -> None:
+            super().__init__(cache_staged_state_dict=True)
+            self._layout: Any = None
+
+        def stage(self, state_dict: Any) -> Any:
+            layout = _layout_of(state_dict)
+            if self.state_dict_cache is None or layout != self._layout:
+                self.state_dict_cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+                self._layout = layout
+            return _copy_state_dict(state_dict, self.state_dict_cache)   # non-tensor values: fresh
+
+    return CachedStager()
+
+
+def _layout_of(obj: Any) -> Any:
+    """The shape of a state: its keys and, for each tensor, its class, shape and dtype."""
+    if isinstance(obj, dict):
+        return tuple((key, _layout_of(value)) for key, value in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return tuple(_layout_of(value) for value in obj)
+    shape = getattr(obj, "shape", None)
+    return (type(obj).__name__, tuple(shape), str(obj.dtype)) if shape is not None else type(obj).__name__
 
 
 @contextmanager
@@ -261,17 +322,17 @@ def _reader_class():
                 yield stream
 
     class SafeReader(FileSystemReader):
-        """Reads only what was verified: `.metadata` from the verified bytes with an allowlist, each shard
-        through `VerifiedFileSystem`."""
+        """Reads only what was verified: `.metadata` as parsed from the verified bytes with an allowlist
+        (`read_metadata_bytes`), each shard through `VerifiedFileSystem`."""
 
-        def __init__(self, folder: Path, metadata_bytes: bytes, verified: dict[str, os.stat_result],
+        def __init__(self, folder: Path, metadata: Any, verified: dict[str, os.stat_result],
                      extension_registry: Any = None):
             super().__init__(folder, _extension_registry=extension_registry)
             self.fs = VerifiedFileSystem(verified)
-            self._metadata_bytes = metadata_bytes
+            self._metadata = metadata
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = read_metadata_bytes(self._metadata_bytes)
+            metadata = self._metadata
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -282,8 +343,8 @@ def _reader_class():
 
 def _still_as_verified(path: Path, now: os.stat_result, seen: os.stat_result | None) -> None:
     if seen is None:
-        raise CheckpointError(f"{path.name} is read by the checkpoint but not listed in its manifest",
-                              code="missing_file", path=path)
+        raise CheckpointError(f"{path.name} is read by the checkpoint but was not verified (not in its "
+                              "manifest, or not in this rank's load plan)", code="missing_file", path=path)
     if (now.st_size, now.st_mtime_ns, now.st_ctime_ns, now.st_ino) != (seen.st_size, seen.st_mtime_ns,
                                                                        seen.st_ctime_ns, seen.st_ino):
         raise CheckpointError(f"{path.name} changed after it was verified", code="hash_mismatch", path=path)
@@ -323,24 +384,37 @@ def _planners():
     return SafeLoadPlanner, SafeFullPlanner
 
 
-def load_into(folder: Path, target: dict, metadata_bytes: bytes, verified: dict[str, os.stat_result], *,
+def files_read(target: dict | None, metadata: Any) -> set[str] | None:
+    """The shard files a load into `target` reads (DCP's own planning of this rank's reads, done ahead on a
+    planner of its own, which leaves `target` as it is), or None for a whole load (every file)."""
+    if target is None:
+        return None
+    safe, _ = _planners()
+    planner = safe()
+    with _dcp_errors():
+        planner.set_up_planner(target, metadata, False)
+        plan = planner.create_local_plan()
+    return {metadata.storage_data[item.storage_index].relative_path for item in plan.items}
+
+
+def load_into(folder: Path, target: dict, metadata: Any, verified: dict[str, os.stat_result], *,
               process_group: Any = None, distributed: bool = False, extensions: Any = None) -> None:
     """DCP-load into `target` in place, resharding to its layout (DTensors of any world size)."""
     safe, _ = _planners()
-    reader = _reader_class()(folder, metadata_bytes, verified, extensions)
+    reader = _reader_class()(folder, metadata, verified, extensions)
     with _dcp_errors():
         _dcp().load(target, storage_reader=reader, planner=safe(), process_group=process_group,
                     no_dist=not distributed)
 
 
-def load_full(folder: Path, metadata_bytes: bytes, verified: dict[str, os.stat_result], *,
+def load_full(folder: Path, metadata: Any, verified: dict[str, os.stat_result], *,
               int_key_paths: list[list[str]] = (), extensions: Any = None) -> dict:
     """The whole saved state as plain tensors, in this process (no collective): any world size can read
     it. Dicts whose keys were ints when saved (an optimizer's `state`) get int keys back."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     _, full = _planners()
-    reader = _reader_class()(folder, metadata_bytes, verified, extensions)
+    reader = _reader_class()(folder, metadata, verified, extensions)
     state: dict = {}
     with _dcp_errors():
         _load_state_dict(state, storage_reader=reader, planner=full(), no_dist=True)

@@ -260,6 +260,11 @@ class _SizeChanged(Exception):
 def _read_hashed(handle: IO[bytes], size: int) -> str:
     """SHA-256 of exactly `size` bytes of `handle`, read into one scratch buffer while the hash thread
     digests the other (or inline, where PARALLEL_HASH is off)."""
+    if not PARALLEL_HASH:   # one small buffer, reused (two fresh 8 MiB ones per file cost ~9 ms each)
+        digest = hashlib.file_digest(handle, "sha256")
+        if handle.tell() != size:
+            raise _SizeChanged
+        return digest.hexdigest()
     sha = hashlib.sha256()
     scratch = [memoryview(bytearray(min(CHUNK, size) or 1)) for _ in range(2)]
     pending, pos, turn = None, 0, 0
@@ -384,18 +389,19 @@ def _load_checked(path: Path, manifest: dict, into: dict | None, map_location: A
         if agree is not None and not agree(True):
             raise CheckpointError("another rank could not verify its files", code="peer_refused")
         return state_mod.join({e.name: load_verified(path / e.name, e, map_location) for e in entries})
-    shards = [e for e in entries if e.name != state_mod.EXTRA_FILE]
-    stats, metadata = {}, b""
+    stats: dict[str, os.stat_result] = {}
     try:
-        for entry in shards:
-            stats[entry.name], data = _hash_checked(path / entry.name, entry, keep=entry.name == sharded.METADATA)
-            metadata = data if data is not None else metadata
-    except CheckpointError:
-        if agree is not None:
-            agree(False)
-        raise
-    try:
-        sharded.read_metadata_bytes(metadata)   # refused here, with its reason, before DCP sees it
+        meta_entry = next((e for e in entries if e.name == sharded.METADATA), None)
+        if meta_entry is None:
+            raise CheckpointError(f"{sharded.METADATA} is not in the manifest", code=mf.MISSING_FILE, path=path)
+        stats[meta_entry.name], kept = _hash_checked(path / meta_entry.name, meta_entry, keep=True)
+        metadata = sharded.read_metadata_bytes(kept or b"")   # refused here, with its reason, before DCP sees it
+        # Only the files this rank's load reads are hashed (a whole load: every shard); DCP can open no
+        # other (`sharded.SafeReader` refuses a file whose stat was not taken here).
+        reads = sharded.files_read(into, metadata)
+        for entry in entries:
+            if entry.name not in (state_mod.EXTRA_FILE, sharded.METADATA) and (reads is None or entry.name in reads):
+                stats[entry.name], _ = _hash_checked(path / entry.name, entry, keep=False)
     except CheckpointError:
         if agree is not None:
             agree(False)

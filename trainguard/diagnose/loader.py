@@ -14,7 +14,7 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainguard import paths
+from trainguard import paths, rundir
 from trainguard import formats
 from trainguard.tls import TLSError, iter_lines, run_logs
 
@@ -147,7 +147,7 @@ def _note_error(run: RunData, error: TLSError) -> None:
 def load_run(run_dir: str | Path) -> RunData:
     """Read RUN/tls/*.jsonl (or a tls directory itself); FileNotFoundError when there is no such directory."""
     root = paths.run_dir(run_dir)
-    tls_dir = root / "tls" if (root / "tls").is_dir() else root
+    tls_dir = rundir.tls_dir(root) if rundir.tls_dir(root).is_dir() else root
     run = RunData(run_dir=str(root))
     logs = [(log.path, log.kind, log.name) for log in run_logs(tls_dir)]
     if not logs:     # another tool's logs (trainguard.formats): one run, as rank 0's steps

@@ -142,39 +142,48 @@ def _spans(path: str, chunk_bytes: int) -> Iterator[tuple[int, int]]:
 
 
 def _chunks(path: str, head: tuple, chunk_bytes: int, workers: int) -> Iterator[Chunk]:
-    spans = _spans(path, chunk_bytes)
-    if workers < 2 or os.path.getsize(path) <= 2 * chunk_bytes or "fork" not in multiprocessing.get_all_start_methods():
-        for start, end in spans:
-            yield _read_chunk(path, start, end, head)
+    in_process = os.path.getsize(path) <= 2 * chunk_bytes
+    tasks = ((path, start, end, head) for start, end in _spans(path, chunk_bytes))
+    return pipelined(_read_chunk, tasks, 1 if in_process else workers)
+
+
+def pipelined(work, tasks: Iterator[tuple], workers: int) -> Iterator:
+    """work(*task) for each task, in order, on `workers` forked processes (in this one when fewer than two
+    or where fork is missing); at most IN_FLIGHT per worker ahead of the caller, so memory stays flat.
+    `tasks` is advanced only as a task is handed over: it may depend on what the caller has seen.
+
+    A task whose worker died (the pool broken, say by the OOM killer) is done here instead: the replay
+    goes on, slower, and loses nothing."""
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        for task in tasks:
+            yield work(*task)
         return
     # fork: the workers need nothing but this module, already imported, and start in milliseconds.
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-        pending: deque[tuple[tuple[int, int], Future | None]] = deque()
+        pending: deque[tuple[tuple, Future | None]] = deque()
         try:
-            for span in spans:
+            for task in tasks:
                 try:
-                    pending.append((span, pool.submit(_read_chunk, path, *span, head)))
+                    pending.append((task, pool.submit(work, *task)))
                 except BrokenProcessPool:
-                    pending.append((span, None))
+                    pending.append((task, None))
                 if len(pending) >= IN_FLIGHT * workers:
-                    yield _collect(*pending.popleft(), path, head)
+                    yield _collect(work, *pending.popleft())
             while pending:
-                yield _collect(*pending.popleft(), path, head)
+                yield _collect(work, *pending.popleft())
         finally:
             for _, future in pending:
                 if future is not None:
                     future.cancel()
 
 
-def _collect(span: tuple[int, int], future: Future | None, path: str, head: tuple) -> Chunk:
-    """A worker's chunk; read here instead when the pool has broken (a worker killed, say by the OOM
-    killer): the replay goes on, slower, and loses nothing."""
+def _collect(work, task: tuple, future: Future | None):
     if future is not None:
         try:
             return future.result()
         except BrokenProcessPool:
             pass
-    return _read_chunk(path, *span, head)
+    return work(*task)
 
 
 def _read_chunk(path: str, start: int, end: int, head: tuple) -> Chunk:

@@ -7,10 +7,13 @@ in order (picking.py says which records those are), a block of columns at a time
 
 - one plain log file, without an observer, is read the columnar way (columns.py): worker processes decode
   and pick its chunks side by side, each chunk a block;
-- anything else (several files merged by time, compressed logs, the alert-rule path's observer) is
-  picked here from the merged stream's blocks, each made a block by `columns.block_of`.
+- several files (a run directory) or a compressed log, without an observer, are read side by side in
+  worker processes and put together in merged order (parallel.py), falling back to the merged stream for
+  what only it can decide (parallel.NotExact);
+- the alert-rule path's observer, and `parallel.ONE_PROCESS_ENV` set (the reference), read the merged
+  stream's blocks here, each made a block by `columns.block_of`.
 
-Both ways make the same decisions and leave the same state (tests/replay/test_columns.py).
+All ways make the same decisions and leave the same state (tests/replay/test_columns.py, test_parallel.py).
 After the guard says ``stop`` the live run would have ended: the guard is not asked again, the cost
 meter keeps metering so the timeline shows what the rest of the log cost.
 """
@@ -28,7 +31,7 @@ from trainguard.decide.batch import Block
 from trainguard.decide.cost import CostMeter
 from trainguard.decide.guard import Guard
 from trainguard.policy import Policy
-from trainguard.replay import columns
+from trainguard.replay import columns, parallel
 from trainguard.replay.picking import FIRST_SEEN, Action, Picked, Picker
 
 __all__ = ["Action", "Outcome", "replay", "finite_or_text"]
@@ -50,6 +53,8 @@ class Outcome:
     recorded: list[Action] = field(default_factory=list)   # decisions the live run wrote in the log
     cost: dict = field(default_factory=dict)
     progress: "Progress" = field(default_factory=lambda: Progress())
+    # each file's lines naming a parallel.MARKS event, found while decoding (None: not looked for)
+    event_lines: dict[str, list] | None = None
 
     def may_have_stalled(self, stall_seconds: float) -> bool:
         """Whether the lead rank's steps leave room for a stall (the screen of `trainguard.decide.stall`)."""
@@ -150,6 +155,14 @@ def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None
     decider = _Decider(Guard(policy.guard), meter, out.actions, out.progress)
     if observer is None and columns.fits(stream):
         picker = _replay_columns(stream, decider)
+    elif observer is None and parallel.fits(stream):
+        try:
+            picker, out.event_lines = _replay_parallel(stream, decider)
+        except parallel.NotExact:         # only the merged stream can: start again there, afresh
+            stream.reread()
+            meter, out = CostMeter(policy.cost), Outcome()
+            decider = _Decider(Guard(policy.guard), meter, out.actions, out.progress)
+            picker = _replay_entries(stream, decider, None)
     else:
         picker = _replay_entries(stream, decider, observer)
     out.records, out.first_timestamp, out.last_timestamp = picker.records, picker.first, picker.last
@@ -183,6 +196,12 @@ def _replay_entries(stream: Iterable, decider: _Decider, observer: Observer | No
             decider.decide(columns.block_of(picker.take([entry])))
     decider.decide(columns.block_of(gathered))
     return picker
+
+
+def _replay_parallel(stream, decider: _Decider) -> tuple[Picker, dict[str, list]]:
+    totals = Picker()
+    event_lines = parallel.replay(stream, totals, decider.decide)
+    return totals, event_lines
 
 
 def _replay_columns(stream, decider: _Decider) -> Picker:

@@ -58,6 +58,22 @@ class Picked:
         return [None if at is None else (node, at) for node, at in zip(self.clock_nodes, seconds)]
 
 
+class Tracked:
+    """Ordinals (a record's place in its stretch of a file, from 1) a tracking Picker noted."""
+
+    __slots__ = ("steps", "gpu_ordinals", "gpu_counts", "recorded")
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.gpu_ordinals: list[int] = []
+        self.gpu_counts: list[int] = []
+        self.recorded: list[int] = []
+
+    def gpu_said(self, ordinal: int, count: int) -> None:
+        self.gpu_ordinals.append(ordinal)
+        self.gpu_counts.append(count)
+
+
 @dataclass(frozen=True)
 class Action:
     action: str
@@ -81,8 +97,11 @@ def recorded(record, when: float) -> Action | None:
 class Picker:
     """The picking state carried from entry to entry: lead rank, last step and file, GPUs seen, counts."""
 
-    def __init__(self, lead=FIRST_SEEN):
+    def __init__(self, lead=FIRST_SEEN, *, track: bool = False):
         self.lead = lead
+        # track: where things are, for a reader that merges files afterwards (parallel.py): the ordinal of
+        # each picked step, of each record that says a GPU count (and the count), of each recorded event.
+        self.tracked: Tracked | None = Tracked() if track else None
         self.last_step: int | None = None
         self.last_file: int | None = None
         self.gpus: int | None = None
@@ -115,22 +134,29 @@ class Picker:
         steps, losses, grad_norms, by_layer = picked.steps, picked.losses, picked.grad_norms, picked.layers
         times, counts, nodes, clocks = picked.timestamps, picked.gpus, picked.clock_nodes, picked.clock_seconds
         lead, last_step, last_file, gpus = self.lead, self.last_step, self.last_file, self.gpus
+        tracked = self.tracked
         duplicates = partial = 0
         last = entries[0][0] if self.first is None else self.last
         if self.first is None:
             self.first = last
-        for when, file_index, _, record, _ in entries:
+        for when, file_index, ordinal, record, _ in entries:
             if when > last:
                 last = when
             system = record.system
             if system is not None and system.gpu_count:
                 gpus = system.gpu_count
+                if tracked is not None:
+                    tracked.gpu_said(ordinal, gpus)
             elif record.hardware is not None and record.hardware.gpus:
                 gpus = len(record.hardware.gpus)
+                if tracked is not None:
+                    tracked.gpu_said(ordinal, gpus)
             if record.event is not None and (record.rank == lead or lead is FIRST_SEEN):
                 logged = recorded(record, when)
                 if logged is not None:
                     self.recorded.append(logged)
+                    if tracked is not None:
+                        tracked.recorded.append(ordinal)
             metrics, step = record.metrics, record.step
             if metrics is None or step is None:
                 continue
@@ -145,6 +171,8 @@ class Picker:
                 duplicates += 1
                 continue
             last_step, last_file = step, file_index
+            if tracked is not None:
+                tracked.steps.append(ordinal)
             layers = metrics.grad_norm_by_layer     # a dict, or a worker's layer struct (numbers only)
             if layers.__class__ is dict and None in layers.values():
                 layers = {name: math.nan if norm is None else norm for name, norm in layers.items()}

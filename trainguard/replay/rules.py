@@ -32,7 +32,10 @@ from pathlib import Path
 
 import yaml
 
-from trainguard.replay.series import Grid, SeriesTable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:       # annotations only: the series module (the metric families) is for --rules alone
+    from trainguard.replay.series import Grid, SeriesTable
 
 PROMTOOL_TIMEOUT = 1800.0
 

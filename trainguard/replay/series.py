@@ -1,13 +1,13 @@
 """The series the agent would have exported for a recorded log, as Prometheus would have scraped them.
 
-Replay does not know metric names: it drives the agent's own code. Training records are folded into the
-training collector's `TrainingState` and turned into metric families by the training collector; disk
-await goes through the IO collector's `disk_families`; GPU readings through the GPU collector. What
+Replay does not know metric names: it renders the families the agent renders, with the same pure
+functions of trainguard/metrics/. Training records are folded into a `TrainingState` and rendered by
+`metrics.training.families`; disk await by `metrics.node.disk_families`; GPU readings by `metrics.gpu_metrics`. What
 comes out is sampled on a scrape grid (every `interval` seconds from the first record), each sample
 being the latest value exported at that instant, with the `job` and `instance` labels a scrape adds.
 
 A node log's per-GPU readings (``hardware.gpus``) are turned back into the gpu collector's readings and
-rendered by its pure `gpu_metrics.families`. One exporter per node (the records' ``node``), as there is one agent per node. Which records feed the
+rendered by the pure `gpu_metrics.families`. One exporter per node (the records' ``node``), as there is one agent per node. Which records feed the
 training state mirrors the agent: the ranks' own records (a ``rank`` field, or a ``rank-<r>.jsonl``
 file); a node log's joined copy of the lead rank's metrics is used only when no input has ranks.
 
@@ -20,16 +20,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterable
 
-from trainguard.agent import training_state
-from trainguard.agent.collectors import gpu_metrics
-from trainguard.agent.collectors import host as host_collector
-from trainguard.agent.collectors import io as io_collector
-from trainguard.agent.collectors import training as training_collector
 from trainguard.decide.straggler import StragglerBoard
-from trainguard.agent.procfs import DiskStats
+from trainguard.metrics import gpu_metrics, training, training_state
+from trainguard.metrics import node as node_families
 
 JOB = "trainguard"                  # the agent's scrape job (alerts/rules.py AGENT_JOB)
 DEFAULT_INSTANCE = "replay"         # records without a `node`
@@ -90,9 +85,9 @@ class NodeExporter:
         if self.ranks_up:
             families += self._rank_up_families()
         if self.disk_ops:
-            disk = DiskStats(0, 0, REPLAY_DISK, {"reads_completed": self.disk_ops, "read_ms": self.disk_wait_ms,
+            disk = node_families.DiskStats(0, 0, REPLAY_DISK, {"reads_completed": self.disk_ops, "read_ms": self.disk_wait_ms,
                                                  "writes_completed": 0, "write_ms": 0})
-            families += io_collector.disk_families([disk])
+            families += node_families.disk_families([disk])
         if self.gpus:
             families += self._gpu_families()
         return families
@@ -102,7 +97,7 @@ class NodeExporter:
         # process are not in a log, and are not made up here.
         alive = {rank: {"up": up, "user": 0.0, "system": 0.0, "rss": 0, "threads": 0}
                  for rank, up in self.ranks_up.items()}
-        return [family for family in host_collector._rank_families(alive)
+        return [family for family in node_families.rank_families(alive)
                 if family.name == "trainguard_rank_process_up"]
 
     def _gpu_families(self) -> list:
@@ -119,14 +114,8 @@ class NodeExporter:
         return gpu_metrics.families(gpus, readings, {}, {}, self.node, GPU_LABELS, {})
 
     def _training_families(self, now: float) -> list:
-        # The training collector builds its families in a method; it is driven here without a run
-        # directory (no follower, no checkpoint directory on disk). See docs/replay.md, "Integration".
-        collector = object.__new__(training_collector.TrainingCollector)
-        collector.state, collector.meter, collector._cost_rank = self.training, self.meter, self.cost_rank
-        collector.stragglers = self.stragglers
-        collector.per_rank = True      # replay scores every rank, as an agent with the default options
-        collector.run_dir = Path("/nonexistent-replay-run-dir")
-        return collector._families(now)
+        # As an agent with the default options: every rank scored (per_rank), the run's cost metered.
+        return training.families(self.training, now, meter=self.meter, stragglers=self.stragglers)
 
 
 @dataclass

@@ -29,7 +29,7 @@ import zlib
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Iterator, Union
+from typing import Annotated, Any, Callable, Iterable, Iterator, Union
 
 import msgspec
 import zstandard
@@ -123,16 +123,36 @@ Entry = tuple
 
 
 class Problems:
-    """Malformed lines: all counted, the first MAX_MALFORMED_KEPT kept with file and line."""
+    """Malformed lines: all counted, the first MAX_MALFORMED_KEPT kept with file and line.
 
-    def __init__(self) -> None:
+    "First" in the order of the inputs (`order`: a file's position among them), then of the lines, not in
+    the order they were found: several files are read interleaved (the merge) or side by side (parallel.py),
+    and both must list the same lines. A file `order` does not name (another tool's log, as converted)
+    comes first, in the order its problems were added."""
+
+    def __init__(self, order: dict[str, int] | None = None) -> None:
         self.count = 0
-        self.kept: list[Malformed] = []
+        self.order = order or {}
+        self._heap: list[tuple] = []        # the kept ones, largest key on top (keys negated)
+        self._sorted: list[Malformed] | None = []
 
     def add(self, file: str, line: int, error: str) -> None:
         self.count += 1
-        if len(self.kept) < MAX_MALFORMED_KEPT:
-            self.kept.append(Malformed(file, line, error))
+        position = self.order.get(file, -1)
+        key = (-position, -line if position >= 0 else 0, -self.count)
+        if len(self._heap) < MAX_MALFORMED_KEPT:
+            heapq.heappush(self._heap, (key, Malformed(file, line, error)))
+        elif key > self._heap[0][0]:
+            heapq.heapreplace(self._heap, (key, Malformed(file, line, error)))
+        else:
+            return
+        self._sorted = None
+
+    @property
+    def kept(self) -> list[Malformed]:
+        if self._sorted is None:
+            self._sorted = [malformed for _, malformed in sorted(self._heap, reverse=True)]
+        return self._sorted
 
 
 # ------------------------------------------------------------------------------------------- inputs
@@ -209,15 +229,18 @@ def _lenient(raw: bytes, source: str, lineno: int, problems: Problems) -> Record
         return None
 
 
-def decode_block(block: bytes, first_line: int, source: str, problems: Problems,
+def decode_block(block: bytes, first_line: int | Callable[[], int], source: str, problems: Problems,
                  fast: msgspec.json.Decoder | None = None) -> list[Record]:
     """Typed decode of many lines at once (first by `fast`, if given: see `layers_decoder`); refused lines
-    are isolated by halving the block."""
+    are isolated by halving the block. `first_line` may be a function that counts it: called only for a
+    block with a refused line (counting a file's lines costs as much as a quarter of decoding it)."""
     for decoder in (_typed,) if fast is None else (fast, _typed):
         try:
             return decoder.decode_lines(block)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             pass          # nested past the recursion limit too: the lenient reader names the line
+    if callable(first_line):
+        first_line = first_line()
     lines = block.count(b"\n") + (0 if block.endswith(b"\n") else 1)
     if lines <= 1:
         record = _lenient(block, source, first_line, problems) if block.strip() else None
@@ -232,6 +255,7 @@ def decode_block(block: bytes, first_line: int, source: str, problems: Problems,
 # A compressed log cut short (copied while it was written) ends the file, as one malformed line, in the
 # words of tls.iter_lines (the reader of the full path, which the typed path hands over to).
 _UNREADABLE = (EOFError, OSError, zlib.error, zstandard.ZstdError)
+UNREADABLE = _UNREADABLE      # for the other passes over the same files (replica.py)
 
 
 def _typed_chunks(path: Path, problems: Problems) -> Iterator[tuple[list[Record], None]]:
@@ -317,16 +341,84 @@ def entries_of(records: list[Record], raws: list[dict] | None, index: int, ordin
 
 
 def head(path: str | os.PathLike) -> tuple[int | None, tuple[str, ...] | None]:
-    """A plain file's lead rank (its first record's: `Stream.lead_rank` of that file alone) and the layer
+    """A file's lead rank (its first record's: `Stream.lead_rank` of that file alone) and the layer
     groups of the first training record with any in the same block (None: no such record)."""
-    with open(path, "rb") as handle:
-        for block in line_blocks(handle):
-            records = decode_block(block, 1, str(path), Problems())
-            if records:
-                layers = next((tuple(r.metrics.grad_norm_by_layer) for r in records
-                               if r.metrics is not None and r.metrics.grad_norm_by_layer), None)
-                return records[0].rank, layers
-    return None, None
+    found = first_block(path)
+    if not found:
+        return None, None
+    layers = next((tuple(r.metrics.grad_norm_by_layer) for r in found
+                   if r.metrics is not None and r.metrics.grad_norm_by_layer), None)
+    return found[0].rank, layers
+
+
+def first_block(path: str | os.PathLike) -> list[Record]:
+    """The records of a file's first block that holds any (plain or compressed; [] for none): the block
+    `Stream.blocks` takes a file's rank from."""
+    try:
+        with tls.open_log(Path(path)) as handle:
+            for block in line_blocks(handle):
+                records = decode_block(block, 1, str(path), Problems())
+                if records:
+                    return records
+    except _UNREADABLE:      # a compressed log cut short inside the first block: line by line, as read
+        return [record for record, _ in itertools.islice(_typed_lines(Path(path), Problems()), 1)]
+    return []
+
+
+def head_names(path: str | os.PathLike, mark: bytes, lines: int) -> bool:
+    """Whether one of the first `lines` lines of a TLS file (plain or compressed) holds `mark`: a byte check
+    that passes over the files a head-of-log reader (replay.dynamics) would find nothing in."""
+    try:
+        with tls.open_log(Path(path)) as handle:
+            return any(mark in handle.readline() for _ in range(lines))
+    except _UNREADABLE:
+        return True      # unreadable: the reader says so itself
+
+
+SCAN_BYTES = 8 << 20
+
+
+def lines_naming(path: str | os.PathLike, marks: tuple[bytes, ...]) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line) of each line of a TLS file (plain or compressed) holding one of `marks`.
+
+    A byte search over blocks of whole lines (no loop over the lines in Python): a long log holds a few
+    such lines, and finding them costs about a memchr over the file. A compressed log cut short ends the
+    search (the file's own pass reports it)."""
+    number = 1
+    try:
+        with tls.open_log(Path(path)) as handle:
+            pending = b""
+            while True:
+                data = handle.read(SCAN_BYTES)
+                block = pending + data
+                cut = len(block) if not data else block.rfind(b"\n") + 1
+                if cut == 0 and data:
+                    pending = block
+                    continue
+                yield from _marked(block[:cut], marks, number)
+                number += block.count(b"\n", 0, cut)
+                pending = block[cut:]
+                if not data:
+                    return
+    except _UNREADABLE:
+        return
+
+
+def _marked(block: bytes, marks: tuple[bytes, ...], first: int) -> Iterator[tuple[int, bytes]]:
+    starts = sorted({block.rfind(b"\n", 0, at) + 1 for mark in marks for at in _all(block, mark)})
+    counted, number = 0, first
+    for start in starts:
+        number += block.count(b"\n", counted, start)
+        counted = start
+        end = block.find(b"\n", start)
+        yield number, block[start:] if end < 0 else block[start:end + 1]
+
+
+def _all(block: bytes, mark: bytes) -> Iterator[int]:
+    at = block.find(mark)
+    while at >= 0:
+        yield at
+        at = block.find(mark, at + len(mark))
 
 
 # ---------------------------------------------------------------------------------------- stream
@@ -342,9 +434,11 @@ class Stream:
         self.problems = Problems()
         self._scratch = None
         self.files = self._as_tls(expand(paths))
+        self.problems.order = {str(path): index for index, path in enumerate(self.files)}
         self.full = full
         self.lead_rank: int | None = None
         self._opened = False
+        self._before_reading = (0, [])
 
     def __iter__(self) -> Iterator[Entry]:
         return itertools.chain.from_iterable(self.blocks())
@@ -374,6 +468,15 @@ class Stream:
         if self._opened:
             raise RuntimeError("a replay stream is read once")
         self._opened = True
+        self._before_reading = (self.problems.count, list(self.problems._heap))
+
+    def reread(self) -> None:
+        """Read again from the start (parallel.py hands a run over to the merged stream): the problems found
+        by reading are forgotten, those of converting other tools' logs kept."""
+        self.problems.count, self.problems._heap = self._before_reading[0], list(self._before_reading[1])
+        self.problems._sorted = None
+        self.lead_rank = None
+        self._opened = False
 
     def blocks(self) -> Iterator[list[Entry]]:
         """The same entries a list at a time (one file: its decoded blocks as they are, no merge cost)."""

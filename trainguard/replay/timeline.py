@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from trainguard import actions, tls
-from trainguard.decide import stall
+from trainguard import actions, rundir, tls
+from trainguard.decide import schedules, stall
 from trainguard.decide import ledger as tgledger
+from trainguard.decide.embedded import ALERT_OF, cost_notice   # the agent's own notices
 from trainguard.decide.cost import CostMeter
 from trainguard.policy import Policy
 from trainguard.replay import dynamics, engine, expect, replica, rules, source
@@ -29,6 +30,7 @@ DEFAULT_SCRAPE_INTERVAL = 15.0
 # What the live run did, beyond the lead rank's own decisions: only lines naming these are decoded, so
 # a long log is scanned, not parsed, for them.
 _RESTART_MARK, _AGENT_MARKS = b'"run_start"', (b'"alert"', b'"action"')
+_LR_MARK = b'"' + schedules.EVENT.encode() + b'"'   # what opens a log with an LR schedule (replay.dynamics)
 
 
 @dataclass(frozen=True)
@@ -165,24 +167,39 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
         result.rules_dir = str(rules_dir)
     stalls = stall_notices(stream.files, outcome, policy)
     result.actions, result.verdicts = _execute(outcome.actions, result.alerts or [], policy, stalls)
-    result.actions = sorted(result.actions + replica.actions(stream.files, policy), key=lambda a: a.timestamp)
-    result.recorded = recorded_actions(outcome.recorded, stream.files, paths_given)
-    result.extra["lr_phases"] = dynamics.replay_phases(stream.files)   # the LR schedule's machine, again
+    result.actions = sorted(result.actions + replica.actions(_may_hold_checks(stream.files, outcome), policy),
+                            key=lambda a: a.timestamp)
+    result.recorded = recorded_actions(outcome.recorded, stream.files, paths_given, outcome.event_lines)
+    # the LR schedule's machine, again, over the logs that may open with its event (a byte check first)
+    opening = [path for path in stream.files if source.head_names(path, _LR_MARK, 2 * dynamics.HEAD_LINES)]
+    result.extra["lr_phases"] = dynamics.replay_phases(opening)
     return result
+
+
+def _may_hold_checks(files: list[Path], outcome: engine.Outcome) -> list[Path]:
+    """The files the replica pass reads: those the replay's own read saw naming a check (all, where it did
+    not look: engine.Outcome.event_lines)."""
+    if outcome.event_lines is None:
+        return files
+    return [path for path in files if any(replica.MARK in raw for _, raw in outcome.event_lines.get(str(path), ()))]
 
 
 # ------------------------------------------------------------------------------ what the live run did
 
-def recorded_actions(lead: list[engine.Action], files: list[Path], given: list[Path]) -> list[Recorded]:
+def recorded_actions(lead: list[engine.Action], files: list[Path], given: list[Path],
+                     event_lines: dict[str, list] | None = None) -> list[Recorded]:
     """Every action the live run took, from every source, in time order: the lead rank's decisions, its
     restarts (a `run_start` that resumed), the agents' alert verdicts and actions (node logs), and the
-    requests of RUN/control/actions.jsonl (merged into the agent's action of the same id)."""
+    requests of RUN/control/actions.jsonl (merged into the agent's action of the same id). `event_lines`:
+    each file's lines naming the marks, as the replay's own read found them (engine.Outcome), else
+    searched for here."""
     found = [Recorded("action", a.action, a.step, a.timestamp, a.reason, "trainer") for a in lead]
     restarts: dict[tuple, Recorded] = {}
     by_id: dict[str, Recorded] = {}
     for path in files:
         marks = _AGENT_MARKS if path.name.startswith("node-") else (_RESTART_MARK, *_AGENT_MARKS)
-        for record in _records_naming(path, marks):
+        found_lines = None if event_lines is None else event_lines.get(str(path), [])
+        for record in _records_naming(path, marks, found_lines):
             event = record.get("event")
             if not isinstance(event, dict):
                 continue
@@ -215,17 +232,15 @@ def _merge(by_id: dict[str, "Recorded"], item: "Recorded") -> None:
                               f"{known.source}+{item.source}", known.detail)
 
 
-def _records_naming(path: Path, marks: tuple[bytes, ...]):
-    """The records of a TLS file whose line names one of `marks` (malformed ones are replay's to report)."""
-    with tls.open_log(path) as handle:
-        try:
-            for number, raw in enumerate(handle, 1):
-                if any(mark in raw for mark in marks):
-                    line = tls.decode_line(raw, str(path), number)
-                    if line.record is not None:
-                        yield line.record
-        except (OSError, EOFError, ValueError):
-            return      # a cut-off compressed file: replay's own pass reports it
+def _records_naming(path: Path, marks: tuple[bytes, ...], found_lines: list | None = None):
+    """The records of a TLS file whose line names one of `marks` (malformed ones are replay's to report;
+    a cut-off compressed file ends the search: replay's own pass reports it)."""
+    lines = source.lines_naming(path, marks) if found_lines is None else \
+        ((number, raw) for number, raw in found_lines if any(mark in raw for mark in marks))
+    for number, raw in lines:
+        line = tls.decode_line(raw, str(path), number)
+        if line.record is not None:
+            yield line.record
 
 
 def _restart(record: dict, event: dict) -> Recorded:
@@ -254,21 +269,7 @@ def _action_event(record: dict, event: dict) -> Recorded:
 
 def _control_requests(given: list[Path]) -> list[dict]:
     """RUN/control/actions.jsonl of each run directory given: the requests the agents wrote for the ranks."""
-    import json
-
-    requests = []
-    for root in given:
-        path = (root.parent if root.name == "tls" else root) / "control" / "actions.jsonl"
-        if not path.is_file():
-            continue
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                request = json.loads(line)
-            except ValueError:
-                continue    # a torn last line: the agent's own reader skips it too
-            if isinstance(request, dict) and request.get("action"):
-                requests.append(request)
-    return requests
+    return [request for root in given for request in rundir.read_requests(rundir.run_dir_of(root))]
 
 
 def stall_notices(files: list[Path], outcome: engine.Outcome, policy: Policy) -> list[tgledger.Notice]:
@@ -284,15 +285,27 @@ def stall_notices(files: list[Path], outcome: engine.Outcome, policy: Policy) ->
     for index, path in enumerate(files):
         for line in tls.iter_lines(path):
             if line.record is not None and isinstance(line.record.get("timestamp"), (int, float)):
-                found.append((line.record["timestamp"], index, line.lineno, line.record))
+                found.append((line.record["timestamp"], index, line.lineno, _what_stall_reads(line.record)))
     found.sort(key=lambda item: item[:3])
     restores = stall.stall_actions((record for *_, record in found), stall_seconds)
-    from trainguard.agent.actions_embedded import ALERT_OF     # the name the agent's watchdog gives it
 
     return [tgledger.Notice(alertname=ALERT_OF[actions.RESTORE], status=tgledger.FIRING,
                             action=actions.RESTORE, key=f"stall@{r['timestamp'] - stall_seconds:.3f}",
                             starts_at=r["timestamp"], source="embedded", reason=r["reason"], step=r["step"])
             for r in restores]
+
+
+def _what_stall_reads(record: dict) -> dict:
+    """Of a record, only what trainguard.decide.stall.stall_actions reads (its time, its step when it is a
+    step record, its event's type): every record of every file is held for the sort, so a long log with a
+    pause holds a few keys a record, not the records."""
+    kept = {"timestamp": record["timestamp"]}
+    if isinstance(record.get("metrics"), dict):
+        kept["metrics"], kept["step"] = {}, record.get("step")
+    event = record.get("event")
+    if isinstance(event, dict):
+        kept["event"] = {"type": event.get("type")}
+    return kept
 
 
 def _decided_by(notice: tgledger.Notice) -> str:
@@ -305,7 +318,6 @@ def _execute(decided: list[engine.Action], alerts: list[rules.FiredAlert], polic
              stalls: list[tgledger.Notice] = ()) -> tuple[list[engine.Action], list[tgledger.Verdict]]:
     """Guard actions as they are; cost decisions, the stall watchdog's restores and acting alerts
     through the agent's ledger (its de-duplication and hourly limits, as live)."""
-    from trainguard.agent.actions_embedded import cost_notice   # the agent's own cost notice
 
     notices = [cost_notice(action.decision) for action in decided if action.source == "cost"]
     notices += stalls

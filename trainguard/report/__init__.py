@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from trainguard import rundir
 from trainguard.report.data import Run, load_run
 
 __all__ = ["Run", "load_run", "render_report", "write_report"]
@@ -24,7 +25,7 @@ def render_report(run_dir: str | os.PathLike, policy=None, goodput: bool = True)
 def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, policy=None,
                  goodput: bool = True) -> Path:
     """Write the report (default RUN/report.html) atomically and return its path."""
-    target = Path(out) if out is not None else Path(run_dir) / "report.html"
+    target = Path(out) if out is not None else rundir.report_path(run_dir)
     html = render_report(run_dir, policy=policy, goodput=goodput)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")

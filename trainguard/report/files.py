@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainguard import rundir
 from trainguard import formats
 
 _ROTATED = re.compile(r"^(?P<base>.+\.jsonl)(?:\.(?P<n>\d+))?(?:\.gz|\.zst)?$")
@@ -26,7 +27,7 @@ def log_files(run_dir: Path) -> tuple[list[Path], list[Path]]:
     A folder without TLS logs that holds another tool's (TensorBoard, trainer_state.json, Megatron or
     torchtitan lines: trainguard.formats) has those as its rank logs, one run as rank 0's steps (the
     readers turn them into TLS records line by line)."""
-    tls = run_dir / "tls"
+    tls = rundir.tls_dir(run_dir)
     if not tls.is_dir():
         return [], formats.other_logs(run_dir)
 
@@ -52,7 +53,7 @@ def host_of(path: Path) -> str:
 
 
 def read_checkpoints(run_dir: Path) -> list[Checkpoint]:
-    root = run_dir / "checkpoints"
+    root = rundir.checkpoints_dir(run_dir)
     found = []
     for path in sorted(root.glob("step_*")) if root.is_dir() else []:
         match = re.fullmatch(r"step_(\d+)", path.name)

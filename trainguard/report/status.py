@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainguard import paths
+from trainguard import paths, rundir
 from trainguard.report.charts import format_elapsed, format_value
 from trainguard.report.data import event_detail
 from trainguard.report.files import log_files, read_checkpoints
@@ -106,9 +106,7 @@ def collect(run_dir: str | os.PathLike, tail_kib: int = TAIL_KIB, recent: int = 
 def _take_checkpoint_save(status: Status, root: Path) -> None:
     """A failing checkpoint save needs a human: RUN/checkpoints/status.json (the checkpoint manager's,
     rewritten in place so even a full disk can record it) says which, why and the bytes it needs."""
-    from trainguard.trainer.checkpoint.manager import read_status
-
-    saved = read_status(root)
+    saved = rundir.read_checkpoint_status(root)
     if isinstance(saved, dict) and saved.get("ok") is False:
         durable = saved.get("durable_step")
         status.attention.append(
@@ -172,6 +170,10 @@ def _needs_a_human(status: Status, ts: float, event: dict) -> None:
                                 f"(ranks {paged.get('ranks')}); the ranks were left running")
     elif event["type"] == "alert" and event.get("action") == "page":
         status.attention.append(f"{_clock(ts)}  {event.get('alertname')}: paged a human ({event.get('reason')})")
+    if event["type"] == "cordon_ignored":     # trainguard/cordon.py: the launcher joined despite a cordon file
+        status.attention.append(f"{_clock(ts)}  cordon of {event.get('host')} NOT honoured ({event.get('reason')}): "
+                                f"the node joined the job (ignored {event.get('ignored_total')} time(s)); "
+                                f"{event.get('why', '')}")
     if event["type"] == "action" and event.get("refused"):
         reasons = sorted({str(r.get("reason")) for r in event["refused"] if isinstance(r, dict)})
         status.attention.append(f"{_clock(ts)}  restore refused to end {len(event['refused'])} process(es) "

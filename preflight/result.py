@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainguard import rundir
+
 SCHEMA = "trainguard.preflight/1"
 FILENAME = "preflight.json"
 PASS, FAIL, SKIP = "pass", "fail", "skip"
@@ -57,7 +59,7 @@ class Report:
 
 def default_path(run_dir: str | os.PathLike | None) -> Path:
     if run_dir is not None:
-        return Path(run_dir) / FILENAME
+        return rundir.preflight_path(run_dir)
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "trainguard" / FILENAME
 

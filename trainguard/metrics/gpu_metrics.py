@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from prometheus_client.core import Metric
 
-from ..families import LabelCache, Spec
+from trainguard.metrics.families import LabelCache, Spec
 
 MiB = 2**20
 UINT_MAX = 0xFFFFFFFF

@@ -8,7 +8,7 @@ escaping asked for in the Accept header) is handed to client_python's own encode
 tests/agent/test_core_exposition.py holds the output equal to client_python's.
 
 Two things keep a scrape cheaper still: a `Labels` set (made once per device by the collectors, see
-agent/families.py) carries its own `{k="v"}` text, and the server's `Renderer` reuses the text of every
+trainguard/metrics/families.py) carries its own `{k="v"}` text, and the server's `Renderer` reuses the text of every
 family whose samples have not changed since the previous scrape.
 """
 

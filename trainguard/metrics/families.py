@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.samples import Sample
 
-from .exposition import Labels
+from trainguard.metrics.exposition import Labels
 
 __all__ = ["Labels", "LabelCache", "Spec", "NO_LABELS"]
 
@@ -32,7 +32,7 @@ _CLASSES = {"gauge": GaugeMetricFamily, "counter": CounterMetricFamily}
 # a sample): so the fields must be the ones this code knows.
 _SAMPLE_FIELDS = ("name", "labels", "value", "timestamp", "exemplar", "native_histogram")
 if Sample._fields != _SAMPLE_FIELDS:
-    raise ImportError(f"prometheus_client's Sample has fields {Sample._fields}, agent/families.py knows "
+    raise ImportError(f"prometheus_client's Sample has fields {Sample._fields}, trainguard/metrics/families.py knows "
                       f"{_SAMPLE_FIELDS}: update Spec.family")
 _new_tuple = tuple.__new__
 

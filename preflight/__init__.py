@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from trainguard import rundir
 from trainguard.policy import Policy
 from trainguard.preflight.result import FAIL, CheckResult, Report
 
@@ -43,7 +44,7 @@ def run_preflight(*, run_dir: str | Path | None = None, checkpoint_dir: str | Pa
     settings = (policy or Policy()).preflight
     run_dir = Path(run_dir) if run_dir is not None else None
     checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else (
-        run_dir / "checkpoints" if run_dir is not None else None)
+        rundir.checkpoints_dir(run_dir) if run_dir is not None else None)
     began = time.perf_counter()
     gpu_result, gpu_identity = gpus.check_gpus(settings, nvml_module)   # first: the lock pins the GPU model
     gpu_seconds = time.perf_counter() - began

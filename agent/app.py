@@ -1,0 +1,163 @@
+"""The agent's composition root: every part of `trainguard agent` built from its config, in one place.
+
+    config ─► Agent          the collector runners, each collector's Context, the /metrics registry
+          ─► AgentServer    /metrics, /healthz (and the webhook's route, below)
+          ─► NodeLog        RUN/tls/node-<node>.jsonl, from the collectors' TLS fragments
+          ─► Actions        with a run directory: the policy, the ledger and the executor
+                              (RUN/control, the action records), the webhook POST /api/v1/alerts, and
+                              with `webhook.embedded` the embedded path: the training collector's cost
+                              decisions into the executor, the stall watchdog and its investigator
+
+agent/cli.py parses the flags and the config file and calls `build` then `App.run`. Nothing is optional
+by import: every part named here is part of the agent; a part without what it needs (no run directory)
+is left out with one log line. Collectors reach the rest only through their `Context`
+(agent/collector.py): `on_decision` is how the training collector's cost tiers reach the handlers added here.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass, field
+
+from trainguard import log as tglog
+from trainguard import policy as policy_mod
+from trainguard import rundir
+from trainguard.agent import actions_embedded
+from trainguard.agent.config import AgentConfig, ConfigError
+from trainguard.agent.culprit import Investigator
+from trainguard.agent.executor import Executor, WebhookSettings
+from trainguard.agent.nodelog import NodeLog
+from trainguard.agent.runner import Agent
+from trainguard.agent.server import AgentServer
+from trainguard.agent.webhook import PATH, Webhook, load_token
+from trainguard.node import node_name
+
+
+class CannotListen(Exception):
+    """The listen address cannot be bound (taken, or not this host's)."""
+
+
+@dataclass
+class Actions:
+    """What acts on the run: the executor behind the webhook and, when embedded, the watchdog."""
+
+    executor: Executor
+    webhook: Webhook
+    watchdog: actions_embedded.StallWatchdog | None = None
+
+
+@dataclass
+class App:
+    config: AgentConfig
+    agent: Agent
+    server: AgentServer
+    nodelog: NodeLog | None = None
+    actions: Actions | None = None
+    log: object = field(default=None, repr=False)
+
+    def run(self, stop: threading.Event | None = None) -> int:
+        """Serve until SIGTERM/SIGINT (or `stop` is set); returns the exit status."""
+        stop = stop or threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, lambda *_: stop.set())
+        self.agent.start()
+        self.server.start()
+        if self.nodelog:
+            self.nodelog.start()
+        while not stop.wait(self.agent.check_interval):
+            self.agent.check()   # logs a collector that has just hung
+        self.log.info("stopping")
+        self.server.stop()
+        if self.nodelog:
+            self.nodelog.stop()
+        self.agent.stop()
+        self.log.info("stopped")
+        return 0
+
+
+def build(config: AgentConfig) -> App:
+    """Every part, wired. `CannotListen` when the address is taken; SystemExit(2) on a bad webhook setting."""
+    agent = Agent(config)
+    host, port = config.listen_address
+    try:
+        server = AgentServer(agent, host, port, max_body_bytes=config.http.max_body_bytes,
+                             max_connections=config.http.max_connections,
+                             request_timeout=config.http.request_timeout)
+    except OSError as exc:
+        raise CannotListen(f"cannot listen on {config.listen}: {exc.strerror or exc}") from None
+    try:
+        return App(config, agent, server, nodelog=build_nodelog(config, agent),
+                   actions=build_actions(config, agent, server), log=tglog.get("agent", node=config.node))
+    except BaseException:
+        server.stop()
+        raise
+
+
+def build_nodelog(config: AgentConfig, agent: Agent) -> NodeLog | None:
+    if config.run_dir is None or not config.nodelog.enabled:
+        return None
+    nodelog = NodeLog(agent.tls_fragments, config.run_dir, config.node, interval=config.nodelog.interval,
+                      max_bytes=config.nodelog.max_bytes, keep=config.nodelog.keep)
+    agent.add_metrics_source(nodelog.families)
+    return nodelog
+
+
+def build_actions(config: AgentConfig, agent: Agent, server: AgentServer) -> Actions | None:
+    """The executor, the webhook's route and (with `webhook.embedded`) the embedded path."""
+    log = tglog.get("agent.webhook", node=config.node)
+    if config.run_dir is None:
+        log.warning("no run directory (--run-dir): nothing to act on; /api/v1/alerts not served")
+        return None
+    try:
+        settings = WebhookSettings.from_config(config)
+        policy = policy_mod.load(config.policy or rundir.run_policy(config.run_dir))
+    except (ConfigError, policy_mod.PolicyError) as exc:
+        log.error(f"bad configuration: {exc}")
+        raise SystemExit(2) from None
+    try:
+        token = load_token(settings.token_file, create=settings.token_file == settings.default_token_file)
+    except (OSError, ValueError) as exc:
+        log.error(f"bad configuration: webhook.token_file: {exc}")
+        raise SystemExit(2) from None
+    executor = Executor.for_agent(config, policy, settings, claim_secret=token)   # the token signs job-level claims
+    webhook = Webhook(token, executor, min(settings.max_body_bytes, server.max_body_bytes))
+    server.add_route("POST", PATH, webhook.route)
+    agent.add_metrics_source(lambda: [*webhook.families(), *executor.families()])
+    log.info("webhook ready", path=PATH, token_file=str(settings.token_file), dry_run=settings.dry_run,
+             embedded=settings.embedded)
+    actions = Actions(executor, webhook)
+    build_investigator(config, agent, executor, policy)   # evidence before any restore, embedded or not
+    if settings.embedded:
+        actions.watchdog = build_embedded(config, agent, executor, policy)
+    return actions
+
+
+def build_investigator(config: AgentConfig, agent: Agent, executor: Executor,
+                       policy: policy_mod.Policy) -> Investigator:
+    """The agent's one Investigator (agent/culprit.py): the watchdog's stalls and the executor's
+    Alertmanager restores both gather an incident's evidence through it before anything is ended."""
+    investigator = Investigator(config.run_dir, node_name(), policy.restore, agent=agent,
+                                record=executor.records.append, submit=executor.submit,
+                                entry_points=executor.entry_points, launchers=executor.launchers,
+                                key_file=executor.checkpoint_key_file)
+    executor.investigator = investigator
+    agent.add_metrics_source(investigator.families)
+    return investigator
+
+
+def build_embedded(config: AgentConfig, agent: Agent, executor: Executor,
+                   policy: policy_mod.Policy) -> actions_embedded.StallWatchdog:
+    """The embedded path: cost tiers into the executor, the stall watchdog (started) and its investigator."""
+    agent.add_decision_handler(actions_embedded.DecisionHandler(executor.submit))
+    investigator = executor.investigator or build_investigator(config, agent, executor, policy)
+    watchdog = actions_embedded.StallWatchdog(config.run_dir, policy.alerts.stall_seconds, executor.submit,
+                                              startup_grace_seconds=policy.alerts.startup_grace_seconds,
+                                              investigate=investigator).start()
+    tglog.get("agent.embedded", node=config.node).info(
+        "embedded actions on", cost="training collector's meter", stall_seconds=policy.alerts.stall_seconds,
+        evict=policy.restore.evict)
+    return watchdog
+
+

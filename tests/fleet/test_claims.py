@@ -1,0 +1,140 @@
+"""A job-level action's claim proves itself (agent/claims.py): a forged one stops nothing, two agents still
+act once, and a claimant that died mid-action is taken over exactly once.
+
+Before: the claim was any file at RUN/control/claims/<request id>; whoever could write the run directory
+could pre-create it and no agent acted (a job-level restore of a hung job never happened).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from tests.alerts.helpers import read_jsonl
+from trainguard import actions, rundir, signed
+from trainguard.agent import claims
+from trainguard.agent.config import AgentConfig, ConfigError
+from trainguard.agent.executor import Executor, WebhookSettings, request_id
+from trainguard.policy import Policy
+from trainguard.decide.ledger import Ledger, Notice, Verdict
+
+TOKEN = b"the-job-webhook-token"
+
+
+def job_alert(key="fp-job@1") -> Notice:
+    """JobStalledEverywhere as Alertmanager sends it: no instance label, so job-level."""
+    return Notice(alertname="JobStalledEverywhere", status="firing", action=actions.COST_WARN, key=key,
+                  source="alertmanager", labels={"alertname": "JobStalledEverywhere", "job": "trainguard"})
+
+
+def the_id(notice: Notice) -> str:
+    return request_id(Verdict(notice, "act", notice.action or "", "", 0.0))
+
+
+def outcomes(run, node) -> list[str]:
+    return [r["event"]["outcome"] for r in read_jsonl(rundir.node_actions_log(run, node))
+            if r["event"]["type"] == "action"]
+
+
+def refused(executor) -> dict[str, float]:
+    family = next(f for f in executor.families() if f.name == "trainguard_claims_refused")
+    return {s.labels["reason"]: s.value for s in family.samples if s.value}
+
+
+def test_a_forged_claim_does_not_stop_the_action_and_is_counted_once(tmp_path):
+    notice = job_alert()
+    forged = rundir.claim_path(tmp_path, the_id(notice))
+    forged.parent.mkdir(parents=True)
+    forged.write_text(json.dumps({"node": "stranger", "claimed_at": time.time()}))   # the round-1 form
+    executor = Executor(tmp_path, "n1", Ledger(), claim_secret=TOKEN)
+    executor.submit([notice])
+    assert outcomes(tmp_path, "n1") == ["issued"]
+    assert [r["action"] for r in rundir.read_requests(tmp_path)] == [actions.COST_WARN]
+    assert refused(executor) == {signed.UNSIGNED: 1}
+    executor.claims.take(the_id(notice), time.time())        # seen again: logged and counted once
+    assert refused(executor) == {signed.UNSIGNED: 1}
+
+
+def test_a_claim_signed_with_another_token_or_copied_from_another_request_is_refused(tmp_path):
+    stranger = claims.Claims(tmp_path, "stranger", b"another-token")
+    stranger.take("cost-cost_warn", time.time())             # a valid claim, under the wrong token
+    mine = claims.Claims(tmp_path, "n1", TOKEN)
+    mine.take("restore-0001", time.time())
+    copy = rundir.claim_path(tmp_path, "restore-0002")
+    copy.write_bytes(rundir.claim_path(tmp_path, "restore-0001").read_bytes())   # a real claim, copied
+    other = claims.Claims(tmp_path, "n2", TOKEN)
+    assert other.take("cost-cost_warn", time.time()).mine
+    assert other.take("restore-0002", time.time()).mine
+    assert {k: v for k, v in other.refused.items() if v} == {signed.BAD_SIGNATURE: 1, signed.NOT_BOUND: 1}
+
+
+def test_two_agents_on_one_alert_act_exactly_once(tmp_path):
+    agents = [Executor(tmp_path, f"n{i}", Ledger(), claim_secret=TOKEN) for i in (1, 2)]
+    barrier = threading.Barrier(2)
+
+    def deliver(executor):
+        barrier.wait()
+        executor.submit([job_alert()])
+
+    threads = [threading.Thread(target=deliver, args=(a,)) for a in agents]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes(tmp_path, "n1") + outcomes(tmp_path, "n2")) == ["claimed", "issued"]
+    assert len(rundir.read_requests(tmp_path)) == 1
+    [claim] = [p for p in rundir.claims_dir(tmp_path).iterdir()]
+    record = json.loads(claim.read_text())
+    assert record["done_at"] >= record["claimed_at"] and signed.check(TOKEN, claims.PURPOSE, record, {}) is None
+
+
+def test_a_claimant_that_died_mid_action_is_taken_over_exactly_once(tmp_path):
+    notice = job_alert()
+    dead = claims.Claims(tmp_path, "n0", TOKEN)
+    assert dead.take(the_id(notice), time.time()).mine       # n0 claimed it, then died before acting
+    agents = [Executor(tmp_path, f"n{i}", Ledger(), claim_secret=TOKEN, claim_timeout_seconds=1.0) for i in (1, 2, 3)]
+    for executor in agents:
+        executor.submit([notice])                            # each finds n0's claim, fresh: n0 is at work
+    assert all(outcomes(tmp_path, f"n{i}") == ["claimed"] for i in (1, 2, 3))
+    deadline = time.time() + 20
+    while sum(e.claims.taken_over for e in agents) == 0:
+        assert time.time() < deadline, "nobody took the abandoned claim over"
+        time.sleep(0.1)
+    time.sleep(1.5)       # every watcher has looked again by now (timeout 1 s): none may act a second time
+    taken = [e.node for e in agents if e.claims.taken_over]
+    assert len(taken) == 1
+    assert outcomes(tmp_path, taken[0]) == ["claimed", "issued"]
+    assert [r["action"] for r in rundir.read_requests(tmp_path)] == [actions.COST_WARN]
+    names = sorted(p.name for p in rundir.claims_dir(tmp_path).iterdir())
+    assert names[0] == the_id(notice) and names[1].startswith(f"{the_id(notice)}.takeover-1-") and len(names) == 2
+
+
+def test_a_claimant_that_finished_or_is_still_within_the_timeout_is_never_taken_over(tmp_path):
+    notice = job_alert()
+    first = Executor(tmp_path, "n1", Ledger(), claim_secret=TOKEN, claim_timeout_seconds=1.0)
+    first.submit([notice])                                   # claimed and done
+    second = Executor(tmp_path, "n2", Ledger(), claim_secret=TOKEN, claim_timeout_seconds=1.0)
+    second.submit([notice])
+    time.sleep(1.5)
+    assert outcomes(tmp_path, "n2") == ["claimed"] and second.claims.taken_over == 0
+    assert len(rundir.read_requests(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("webhook, message", [
+    ({"claim_timeout_seconds": 0}, "webhook.claim_timeout_seconds: expected seconds >= 1"),
+    ({"claim_timeout_seconds": True}, "webhook.claim_timeout_seconds"),
+    ({"checkpoint_key_file": 5}, "webhook.checkpoint_key_file: expected a path"),
+])
+def test_bad_claim_and_key_settings_are_named(tmp_path, webhook, message):
+    with pytest.raises(ConfigError, match=message):
+        WebhookSettings.from_config(AgentConfig(run_dir=tmp_path, webhook=webhook))
+
+
+def test_claim_and_key_settings_reach_the_executor(tmp_path):
+    settings = WebhookSettings.from_config(AgentConfig(run_dir=tmp_path, webhook={
+        "claim_timeout_seconds": 5, "checkpoint_key_file": "~/k"}))
+    executor = Executor.for_agent(AgentConfig(run_dir=tmp_path, node="n1"), Policy(), settings, claim_secret=TOKEN)
+    assert executor.claims.timeout == 5.0 and str(executor.checkpoint_key_file).endswith("/k")

@@ -1,0 +1,298 @@
+"""A run directory replays on every CPU (trainguard.replay.parallel) to the very JSON of the merged stream.
+
+The merged stream (one process, `TRAINGUARD_REPLAY_ONE_PROCESS=1`) is the reference: every document here
+is `trainguard replay --json`'s, made both ways and compared as text. The run directories are built to
+hold what the merged order decides (parallel.py's docstring): rank logs beside node logs that say other GPU
+counts at other times, lead steps that say no GPU count of their own (a CPU run), rotated and compressed
+parts of the lead rank's log, malformed and step-less lines, files whose times go back, equal times
+across files, recorded decisions (trainer events, the agents' alerts and actions, the control file), a
+hang (the stall watchdog), and several runs' directories at once. Where only the merged stream can decide
+(lead files that overlap in time, lead-rank steps in a node log), the run is handed over to it: same JSON.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from trainguard import tls
+from trainguard.policy import CostPolicy, CostTiers, Policy
+from trainguard.replay import columns, engine, parallel, timeline
+
+T0 = 1_710_512_538.0
+LAYERS = ("embed", "h.0", "h.1", "ln_f")
+POLICY = Policy(cost=CostPolicy(budget_per_1k_steps=1.2, tiers=CostTiers(warn=0.3, throttle=0.6, stop=1.0)))
+
+
+def rank_records(rank: int, steps: int, rng: random.Random, *, world: int, own_gpus: bool, start: float,
+                 faults: bool, hang_at: int | None, clock_back: bool = False, gap: bool = False):
+    """One rank's trainer records (the shape trainer/telemetry.py writes), with faults and events."""
+    when, clock = start, 5000.0
+    step = 0
+    for i in range(steps):
+        step += 1
+        when += 0.5                               # every rank at the same times: ties across files
+        if hang_at is not None and i == hang_at:
+            when += 400.0                         # no step for minutes: a hang, then the run goes on
+        if faults and i == steps // 2:
+            step -= 7                             # a rollback: the steps go back
+        if faults and rng.random() < 0.02:
+            when -= 2.0                           # the wall clock stepped back
+        if clock_back and rank == 1 and i == steps // 2:
+            when -= 60.0                          # ... by a minute: this rank's next records wait in the merge
+        loss = 3.0 + rng.gauss(0, 0.02)
+        if faults and rng.random() < 0.03:
+            loss = rng.choice([math.nan, 80.0])
+        grad = 400.0 if faults and rng.random() < 0.01 else 0.8 + rng.random() * 0.1
+        system = {"world_size": world, "monotonic_seconds": clock + i * 0.5}
+        if own_gpus and (i > 3 or rank != 0 or not gap):     # gap: the first lead steps say none
+            system["gpu_count"] = world
+        if clock_back and rank == 1:          # told apart in the bill: before and after its clock stepped back
+            system["gpu_count"] = 50 if i < steps // 2 else 70
+        record = {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "run_id": "r", "node": f"n{rank // 2}",
+                  "rank": rank, "step": step,
+                  "metrics": {"loss": loss, "grad_norm": grad, "learning_rate": 3e-4,
+                              "grad_norm_by_layer": {name: 0.1 + rng.random() * 0.05 for name in LAYERS},
+                              "step_time_seconds": 0.5, "tokens_per_second": 1000.0},
+                  "hardware": {"mem_allocated_bytes": 10_000}, "system": system}
+        if faults and rng.random() < 0.03:
+            del record["step"]                    # the seed form: the step after the file's last
+        if faults and rng.random() < 0.02:
+            del record["metrics"]["grad_norm"]    # a partial step
+        yield record
+        if faults and i % 37 == 11:
+            yield {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "run_id": "r", "rank": rank,
+                   "step": step, "event": {"type": "skip_step", "reason": "loss_spike"}}
+
+
+def node_records(node: str, steps: int, rng: random.Random, *, gpus: int, start: float, faults: bool):
+    """An agent's joined node log: the latest step's metrics (no rank), the GPUs it sees, its alerts."""
+    when = start - 1.0 + (0.25 if faults else 0.0)    # healthy: at the times of every third step
+    for i in range(steps // 3):
+        when += 1.5
+        record = {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "node": node, "run_id": "r",
+                  "step": 3 * i + 1, "metrics": {"loss": 3.0, "grad_norm": 0.8},
+                  "hardware": {"gpus": [{"index": g, "temp_c": 50} for g in range(gpus)]}}
+        if faults and rng.random() < 0.1:
+            record["system"] = {"gpu_count": gpus * 2}
+        yield record
+        if faults and i % 23 == 4:
+            yield {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "node": node,
+                   "event": {"type": "alert", "alertname": "TrainingStalled", "status": "firing",
+                             "source": "embedded", "outcome": "act", "action": "restore", "key": f"k{i}"}}
+            yield {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "node": node,
+                   "event": {"type": "action", "action": "restore", "id": f"restore-{i}", "issued_at": when,
+                             "alertname": "TrainingStalled", "ended": [{"rank": 0}]}}
+
+
+def write_lines(path: Path, records, rng: random.Random, *, bad: float) -> None:
+    lines = []
+    for record in records:
+        lines.append(tls.encode(record))
+        if bad and rng.random() < bad:
+            lines.append(rng.choice([b"{not json\n", b'{"timestamp": "yesterday", "step": 1}\n',
+                                     b'{"timestamp": 1710512540.0, "metrics": {"grad_norm_by_layer": {"a": "x"}}}\n',
+                                     # malformed for replay's decisions, an alert all the same for the recorded pass
+                                     b'{"timestamp": 1710512541.0, "metrics": {"grad_norm_by_layer": {"a": "x"}}, '
+                                     b'"event": {"type": "alert", "alertname": "Odd", "status": "firing"}}\n']))
+    data = b"".join(lines)
+    if path.name.endswith(".gz"):
+        data = gzip.compress(data)
+    elif path.name.endswith(".zst"):
+        data = zstandard.ZstdCompressor().compress(data)
+    path.write_bytes(data)
+
+
+def build_run(root: Path, seed: int, *, ranks: int = 3, nodes: int = 1, steps: int = 300, rotate: int = 0,
+              compress: str = ".gz", own_gpus: bool = True, faults: bool = True, bad: float = 0.01,
+              hang: bool = False, start: float = T0, control: bool = True, clock_back: bool = False,
+              gap: bool = True) -> Path:
+    rng = random.Random(seed)
+    folder = root / "tls"
+    folder.mkdir(parents=True)
+    hang_at = steps // 3 if hang else None
+    for rank in range(ranks):
+        records = list(rank_records(rank, steps, rng, world=ranks, own_gpus=own_gpus, start=start,
+                                    faults=faults, hang_at=hang_at, clock_back=clock_back, gap=gap))
+        parts = [records]
+        if rank == 0 and rotate:               # rotated parts, oldest first: rank-0.jsonl.N<suffix>, .., live
+            size = len(records) // (rotate + 1)
+            parts = [records[i * size:(i + 1) * size] for i in range(rotate)] + [records[rotate * size:]]
+        for number, part in zip(range(len(parts) - 1, -1, -1), parts):
+            name = f"rank-{rank}.jsonl" + (f".{number}{compress}" if number else "")
+            write_lines(folder / name, part, rng, bad=bad)
+    for node in range(nodes):
+        write_lines(folder / f"node-n{node}.jsonl",
+                    node_records(f"n{node}", steps, rng, gpus=4 + node, start=start, faults=faults), rng, bad=bad)
+    if control:
+        (root / "control").mkdir()
+        (root / "control" / "actions.jsonl").write_text(
+            json.dumps({"id": "restore-4", "action": "restore", "issued_at": start + 9.0,
+                        "alertname": "TrainingStalled"}) + "\n")
+    return root
+
+
+def document(inputs, *, one_process: bool, monkeypatch) -> str:
+    if one_process:
+        monkeypatch.setenv(parallel.ONE_PROCESS_ENV, "1")
+    else:
+        monkeypatch.delenv(parallel.ONE_PROCESS_ENV, raising=False)
+    try:
+        return json.dumps(timeline.replay_logs(inputs, POLICY).to_json(), indent=1)
+    finally:
+        monkeypatch.delenv(parallel.ONE_PROCESS_ENV, raising=False)
+
+
+def both_ways(inputs, monkeypatch, *, side_by_side: bool = True) -> str:
+    """The document both ways, equal as text; `side_by_side`: the run must not be handed to the merged stream."""
+    reference = document(inputs, one_process=True, monkeypatch=monkeypatch)
+    handed_over = []
+    original = engine._replay_entries
+    monkeypatch.setattr(engine, "_replay_entries", lambda *a: handed_over.append(1) or original(*a))
+    found = document(inputs, one_process=False, monkeypatch=monkeypatch)
+    monkeypatch.setattr(engine, "_replay_entries", original)
+    assert found == reference
+    assert bool(handed_over) is not side_by_side
+    return found
+
+
+CASES = {
+    "ranks and a node log": dict(),
+    "rotated gz parts of the lead rank's log": dict(rotate=2),
+    "rotated zst parts": dict(rotate=3, compress=".zst"),
+    "lead steps without a GPU count of their own (a CPU run)": dict(own_gpus=False, nodes=2, rotate=1),
+    "... with node records at the very times of steps": dict(own_gpus=False, nodes=2, faults=False),
+    "a hang the stall watchdog sees": dict(hang=True, nodes=2),
+    "a rank whose clock steps back a minute, in a CPU run": dict(own_gpus=False, clock_back=True, ranks=2,
+                                                                  steps=500),
+    "many ranks, healthy": dict(ranks=8, nodes=2, faults=False, bad=0.0, gap=False),
+    "every lead step says its GPUs (the other ranks' records only counted)": dict(gap=False, ranks=4, rotate=1),
+    "malformed lines everywhere": dict(bad=0.2),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_run_directory_replays_on_every_cpu_to_the_same_json(tmp_path, monkeypatch, case):
+    monkeypatch.setattr(columns, "CHUNK_BYTES", 16_000)      # many pieces per file, read by two workers
+    monkeypatch.setattr(columns, "available_cpus", lambda: 2)
+    run = build_run(tmp_path / "run", seed=len(case), **CASES[case])
+    found = json.loads(both_ways([run], monkeypatch))
+    assert found["steps"] and found["duplicate_steps"] and found["lead_rank"] == 0
+    if CASES[case].get("faults", True):
+        assert found["actions"] and found["recorded_actions"] and found["recorded_alerts"]
+    if CASES[case].get("bad", 0.01):
+        assert found["malformed"]
+    if CASES[case].get("hang"):
+        assert any(a["source"] == "stall" for a in found["actions"])
+
+
+def test_several_runs_directories_at_once(tmp_path, monkeypatch):
+    """Two runs one after the other: the second run's rank-0 log follows the first's in time."""
+    first = build_run(tmp_path / "a", seed=1, rotate=1)
+    second = build_run(tmp_path / "b", seed=2, start=T0 + 10_000, own_gpus=False)
+    both_ways([first, second], monkeypatch)
+
+
+def test_what_only_the_merged_stream_decides_is_handed_to_it(tmp_path, monkeypatch):
+    """Two runs at the same time (their lead logs overlap), and a node log holding the lead rank's steps."""
+    runs = [build_run(tmp_path / "a", seed=1), build_run(tmp_path / "b", seed=2, start=T0 + 30)]
+    both_ways(runs, monkeypatch, side_by_side=False)
+    joined = build_run(tmp_path / "joined", seed=3)
+    node = joined / "tls" / "node-n0.jsonl"
+    node.write_bytes(node.read_bytes() + tls.encode({"timestamp": T0 + 99, "rank": 0, "step": 5,
+                                                    "metrics": {"loss": 1.0, "grad_norm": 1.0}}))
+    both_ways([joined], monkeypatch, side_by_side=False)
+
+
+def test_a_lead_rank_decision_in_another_file_is_recorded_in_its_place(tmp_path, monkeypatch):
+    """A node log that carries one of rank 0's decision events (no step of it): read apart all the same,
+    the event among the recorded decisions where the merged order puts it."""
+    run = build_run(tmp_path / "run", seed=4, gap=False, ranks=2)
+    node = run / "tls" / "node-n0.jsonl"
+    node.write_bytes(node.read_bytes() + tls.encode({"timestamp": T0 + 20.0, "rank": 0, "step": 33,
+                                                    "event": {"type": "rollback", "reason": "repeated_nan"}}))
+    found = json.loads(both_ways([run], monkeypatch))
+    assert {"action": "rollback", "step": 33} in [{k: a[k] for k in ("action", "step")} for a in found["recorded_actions"]]
+
+
+@pytest.mark.parametrize("compress", [".gz", ".zst"])
+def test_a_rotated_part_cut_short_keeps_what_was_read(tmp_path, monkeypatch, compress):
+    """A compressed part copied while it was written: its lines before the cut (gzip: then one malformed line;
+    a zstd frame cut short just ends, as tls.open_log reads it)."""
+    run = build_run(tmp_path / "run", seed=8, rotate=1, compress=compress, gap=False)
+    part = run / "tls" / f"rank-0.jsonl.1{compress}"
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    found = json.loads(both_ways([run], monkeypatch))
+    assert found["steps"] and any(m["file"] == str(part) for m in found["malformed_lines"]) is (compress == ".gz")
+
+
+def test_one_compressed_log_and_files_without_records(tmp_path, monkeypatch):
+    log = tmp_path / "rank-0.jsonl.zst"
+    rng = random.Random(5)
+    write_lines(log, rank_records(0, 400, rng, world=2, own_gpus=True, start=T0, faults=True, hang_at=None),
+                rng, bad=0.02)
+    both_ways([log], monkeypatch)
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    (tmp_path / "junk.jsonl").write_bytes(b"{not json\n" * 3)
+    both_ways([log, tmp_path / "empty.jsonl", tmp_path / "junk.jsonl"], monkeypatch)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), ranks=st.integers(1, 4), nodes=st.integers(0, 2), rotate=st.integers(0, 2),
+       compress=st.sampled_from([".gz", ".zst"]), own_gpus=st.booleans(), faults=st.booleans(),
+       bad=st.sampled_from([0.0, 0.02, 0.3]), hang=st.booleans(), chunk=st.sampled_from([2_000, 9_000, 1 << 20]),
+       gap=st.booleans())
+def test_any_run_directory_replays_to_the_same_json(tmp_path_factory, monkeypatch, seed, ranks, nodes, rotate,
+                                                    compress, own_gpus, faults, bad, hang, chunk, gap):
+    monkeypatch.setattr(columns, "CHUNK_BYTES", chunk)       # pieces in this process: the pool is columns'
+    monkeypatch.setattr(columns, "available_cpus", lambda: 1)
+    run = build_run(tmp_path_factory.mktemp("run"), seed, ranks=ranks, nodes=nodes, rotate=rotate,
+                    compress=compress, own_gpus=own_gpus, faults=faults, bad=bad, hang=hang, steps=120, gap=gap)
+    reference = document([run], one_process=True, monkeypatch=monkeypatch)
+    assert document([run], one_process=False, monkeypatch=monkeypatch) == reference
+
+
+def test_the_cli_takes_the_parallel_way_and_prints_the_same(tmp_path):
+    run = build_run(tmp_path / "run", seed=9, rotate=1, nodes=2)
+    command = [str(Path(sys.executable).with_name("trainguard")), "replay", str(run), "--json"]
+    env = {k: v for k, v in os.environ.items() if k != parallel.ONE_PROCESS_ENV}
+    found = subprocess.run(command, capture_output=True, env=env, timeout=120)
+    reference = subprocess.run(command, capture_output=True, env={**env, parallel.ONE_PROCESS_ENV: "1"}, timeout=120)
+    assert found.returncode == reference.returncode == 0, found.stderr
+    assert found.stdout == reference.stdout and json.loads(found.stdout)["steps"]
+
+
+def test_the_workers_hand_over_every_line_the_recorded_pass_reads():
+    """The recorded pass (timeline.recorded_actions) reads the lines naming its marks from what the
+    workers found (parallel.MARKS): it must name no mark they do not look for."""
+    assert {timeline._RESTART_MARK, *timeline._AGENT_MARKS} <= set(parallel.MARKS)
+
+
+def test_replica_checks_in_a_run_directory_replay_alike(tmp_path, monkeypatch):
+    """The replica pass reads only the files the workers saw naming a check: the same verdicts (a rollback
+    at the check whose replicas disagree, written in a rotated part, compressed)."""
+    from trainguard.decide import replica
+
+    assert timeline.replica.MARK in parallel.MARKS
+    run = build_run(tmp_path / "run", seed=6, gap=False, ranks=2, rotate=1)
+    good, bad = 0x1111, 0x2222
+    log = run / "tls" / "rank-0.jsonl"
+    for step, weights in ((10, (good, good, good)), (20, (good, bad, good))):
+        check = replica.ReplicaCheck(step, T0 + step, weights, gradients=(7, 7, 7), recomputed=weights,
+                                     nodes=("a", "b", "c"))
+        log.write_bytes(log.read_bytes() + tls.encode(
+            {"timestamp": T0 + 600 + step, "rank": 0, "step": step,
+             "event": {"type": replica.CHECK_EVENT, "step": step, **replica.check_fields(check)}}))
+    found = json.loads(both_ways([run], monkeypatch))
+    assert ("rollback", 20, "replica_mismatch") in [(a["action"], a["step"], a["reason"]) for a in found["actions"]]

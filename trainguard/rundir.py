@@ -1,0 +1,368 @@
+"""The run directory: every path in it, and both ends of the files the trainer and the agent exchange.
+
+    RUN/tls/rank-<r>.jsonl                 the trainer's TLS log per rank
+    RUN/tls/node-<node>.jsonl              the agent's node log
+    RUN/tls/node-<node>-actions.jsonl      the agent's decisions and actions (agent/executor.py)
+    RUN/checkpoints/step_<N>/              verified checkpoints (trainer/checkpoint/)
+    RUN/checkpoints/status.json            the last save's outcome (trainer/checkpoint/manager.py writes it)
+    RUN/policy.yaml                        the run's policy, when no --policy is given (trainguard/policy.py)
+    RUN/preflight.json                     `trainguard preflight`'s result (preflight/result.py)
+    RUN/report.html                        `trainguard report` (trainguard/report/)
+    RUN/agent/offsets-<node>.json          the training collector's offsets and state (agent/collectors/training.py)
+    RUN/agent/webhook.token                the webhook's bearer token, when none is configured (agent/executor.py)
+    RUN/incidents/<id>/                    incidents and their evidence (trainguard/incidents.py)
+    RUN/control/actions.jsonl              requests: the agent writes (`append_request`), rank 0 reads (`Requests`)
+    RUN/control/acked.jsonl                request ids the trainer handled (`append_ack`, `read_acked`)
+    RUN/control/claims/<request id>        which agent carries out a job-level action (agent/claims.py, signed)
+    RUN/control/claims/<id>.takeover-<g>-<tag>   a claim taken over from a claimant that did not finish
+    RUN/tls/node-<host>-launcher.jsonl     the launcher's events (a cordon it did not honour)
+    RUN/control/ranks/rank-<r>.json        each rank's registration (`write_rank_file`, `read_ranks`)
+    RUN/control/cordon/<host>              a node kept out of the job, when signed (trainguard/cordon.py)
+    RUN/control/launchers/<host>.json      each node's elastic launcher (trainer/launch.py)
+    RUN/control/dump/<incident>.json       a Flight Recorder dump request (trainer/flight_recorder.py)
+    RUN/control/faults-fired.jsonl         injected faults that already fired (trainer/faults.py)
+    RUN/control/stopped.json               the run stopped for good (protect/protector.py)
+
+The layout is the on-disk contract of /work/shared/design.md ("Run directory"); every module asks here for a
+path instead of spelling it. Files whose content another module owns (claims, cordons, launchers, dumps)
+get their path here and their content there. No torch, no psutil: the core, the agent and the trainer all
+import this module.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PathLike = str | os.PathLike
+CHECKPOINT_STATUS_FILE = "status.json"
+
+
+# ------------------------------------------------------------------------------------------- paths
+
+def tls_dir(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "tls"
+
+
+def rank_log(run_dir: PathLike, rank: int) -> Path:
+    return tls_dir(run_dir) / f"rank-{rank}.jsonl"
+
+
+def node_log(run_dir: PathLike, node: str) -> Path:
+    return tls_dir(run_dir) / f"node-{node}.jsonl"
+
+
+def node_actions_log(run_dir: PathLike, node: str) -> Path:
+    return tls_dir(run_dir) / f"node-{node}-actions.jsonl"
+
+
+def checkpoints_dir(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_status_path(run_dir: PathLike) -> Path:
+    return checkpoints_dir(run_dir) / CHECKPOINT_STATUS_FILE
+
+
+def policy_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "policy.yaml"
+
+
+def run_policy(run_dir: PathLike) -> Path | None:
+    """RUN/policy.yaml when the run has one (else the caller's default policy applies)."""
+    path = policy_path(run_dir)
+    return path if path.exists() else None
+
+
+def preflight_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "preflight.json"
+
+
+def report_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "report.html"
+
+
+def agent_dir(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "agent"
+
+
+def offsets_path(run_dir: PathLike, node: str) -> Path:
+    return agent_dir(run_dir) / f"offsets-{node}.json"
+
+
+def webhook_token_path(run_dir: PathLike) -> Path:
+    return agent_dir(run_dir) / "webhook.token"
+
+
+def incidents_dir(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "incidents"
+
+
+def control_dir(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "control"
+
+
+def requests_path(run_dir: PathLike) -> Path:
+    return control_dir(run_dir) / "actions.jsonl"
+
+
+def acked_path(run_dir: PathLike) -> Path:
+    return control_dir(run_dir) / "acked.jsonl"
+
+
+def claims_dir(run_dir: PathLike) -> Path:
+    return control_dir(run_dir) / "claims"
+
+
+def claim_path(run_dir: PathLike, request_id: str) -> Path:
+    return claims_dir(run_dir) / request_id
+
+
+def takeover_claim_path(run_dir: PathLike, request_id: str, generation: int, tag: str) -> Path:
+    """A job-level claim's generation >= 1 (agent/claims.py): `tag` is an HMAC only the job's agents compute."""
+    return claims_dir(run_dir) / f"{request_id}.takeover-{generation}-{tag}"
+
+
+def launcher_log(run_dir: PathLike, host: str) -> Path:
+    """The node's launcher's own TLS events (a node log: `cordon_ignored`, trainguard/cordon.py)."""
+    return tls_dir(run_dir) / f"node-{host}-launcher.jsonl"
+
+
+def ranks_dir(run_dir: PathLike) -> Path:
+    return control_dir(run_dir) / "ranks"
+
+
+def rank_file(run_dir: PathLike, rank: int) -> Path:
+    return ranks_dir(run_dir) / f"rank-{rank}.json"
+
+
+def cordon_dir(run_dir: PathLike) -> Path:
+    return control_dir(run_dir) / "cordon"
+
+
+def cordon_path(run_dir: PathLike, host: str) -> Path:
+    return cordon_dir(run_dir) / host
+
+
+def launchers_dir(run_dir: PathLike) -> Path:
+    return control_dir(run_dir) / "launchers"
+
+
+def launcher_path(run_dir: PathLike, host: str) -> Path:
+    return launchers_dir(run_dir) / f"{host}.json"
+
+
+def dump_dir(run_dir: PathLike) -> Path:
+    return control_dir(run_dir) / "dump"
+
+
+def faults_fired_path(run_dir: PathLike) -> Path:
+    return control_dir(run_dir) / "faults-fired.jsonl"
+
+
+def stopped_path(run_dir: PathLike) -> Path:
+    return control_dir(run_dir) / "stopped.json"
+
+
+def run_dir_of(path: PathLike) -> Path:
+    """The run directory of `path`, which names either it or its tls/ folder."""
+    path = Path(path)
+    return path.parent if path.name == "tls" else path
+
+
+# --------------------------------------------------------------------- RUN/checkpoints/status.json
+
+def read_checkpoint_status(run_dir: PathLike) -> dict | None:
+    """The last checkpoint save's outcome (trainer/checkpoint/manager.py `SaveStatus`), or None when there is
+    none (or it cannot be read: the writer rewrites it in place, so a reader may meet it half written)."""
+    try:
+        return json.loads(checkpoint_status_path(run_dir).read_bytes().strip() or b"null")
+    except (OSError, ValueError):
+        return None
+
+
+# ----------------------------------------------------------------- RUN/control/actions.jsonl (requests)
+
+def request(action: str, request_id: str, *, alertname: str = "", reason: str = "",
+            issued_at: float | None = None) -> dict:
+    """One control request, as the agent writes it and the trainer reads it."""
+    return {"id": request_id, "action": action, "alertname": alertname, "reason": reason,
+            "issued_at": time.time() if issued_at is None else issued_at}
+
+
+def append_request(run_dir: PathLike, entry: dict) -> bool:
+    """Append one request unless its id is already there (under an exclusive lock); fsynced.
+
+    False when the id was there (a retry, or a second agent of the job): the trainer never acts twice.
+    A write that fails is cut back off (a torn request must not glue onto the next one) and raises an
+    OSError naming the file and the bytes it needed.
+    """
+    path = requests_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            handle.seek(0)
+            if any(_id_of(raw) == entry["id"] for raw in handle):
+                return False
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            line = json.dumps(entry, separators=(",", ":")).encode() + b"\n"
+            try:
+                handle.write(line)
+                handle.flush()
+                os.fsync(handle.fileno())
+            except OSError as exc:
+                cut_back(handle.fileno(), size)
+                raise OSError(exc.errno, f"{path}: {exc.strerror or exc} ({len(line)} bytes needed)") from None
+            return True
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _id_of(raw: bytes):
+    try:
+        return json.loads(raw).get("id")
+    except (ValueError, AttributeError):
+        return None
+
+
+def cut_back(fd: int, size: int) -> None:
+    """Truncate a file back to `size` after a failed append (best effort: readers skip a torn line)."""
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        pass     # the reader skips a torn line; the request is written again on the retry
+
+
+class Requests:
+    """The reading end of RUN/control/actions.jsonl: the complete lines not read yet, one stat a call."""
+
+    def __init__(self, run_dir: PathLike):
+        self.path = requests_path(run_dir)
+        self.offset = 0          # bytes already read
+        self.lines_read = 0      # complete lines already read
+
+    def new_lines(self) -> list[tuple[int, bytes]]:
+        """(line number, raw line) of each complete line appended since the last call."""
+        try:
+            size = os.stat(self.path).st_size
+        except (FileNotFoundError, NotADirectoryError):   # not written yet, or `run_dir` names a file
+            return []
+        if size <= self.offset:
+            return []
+        with open(self.path, "rb") as handle:
+            handle.seek(self.offset)
+            chunk = handle.read(size - self.offset)
+        complete = chunk[:chunk.rfind(b"\n") + 1]   # a line still being written waits for the next call
+        self.offset += len(complete)
+        lines = []
+        for raw in complete.splitlines():
+            self.lines_read += 1
+            lines.append((self.lines_read, raw))
+        return lines
+
+    def at(self, lineno: int) -> dict:
+        """The request on line `lineno` (1-based)."""
+        with open(self.path, "rb") as handle:
+            for number, raw in enumerate(handle, 1):
+                if number == lineno:
+                    return json.loads(raw)
+        raise LookupError(f"{self.path}:{lineno}: no such line")
+
+
+def read_requests(run_dir: PathLike) -> list[dict]:
+    """Every readable request of the run (a torn or malformed line is skipped, as the trainer skips it)."""
+    requests = []
+    for _, raw in Requests(run_dir).new_lines():
+        try:
+            entry = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("action"):
+            requests.append(entry)
+    return requests
+
+
+# ------------------------------------------------------------------------- RUN/control/acked.jsonl
+
+def read_acked(run_dir: PathLike) -> set[str]:
+    """The ids of the requests the trainer already handled."""
+    try:
+        text = acked_path(run_dir).read_text()
+    except FileNotFoundError:
+        return set()
+    return {json.loads(line)["id"] for line in text.splitlines() if line.strip()}
+
+
+def append_ack(run_dir: PathLike, request_id: str, action: str, step: int) -> None:
+    """Remember that a request was handled (one O_APPEND write), so a restarted run does not handle it again."""
+    line = json.dumps({"id": request_id, "action": action, "step": step, "time": time.time()})
+    fd = os.open(acked_path(run_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------- RUN/control/ranks/rank-<r>.json
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    pid: int
+    host: str
+    started_at: float
+    path: Path
+    create_time: float | None = None      # psutil create_time of the rank's process, as it recorded it
+    uid: int | None = None
+    launcher_pid: int | None = None
+    launcher_create_time: float | None = None
+    restarts_left: int | None = None      # of its launcher (None: not said)
+
+
+def write_rank_file(run_dir: PathLike, rank: int, info: dict) -> Path:
+    """Register rank `rank` with `info` (rank, pid, host, started_at, ...; docs/agent.md): an atomic
+    replace, so a reader sees the old file or the new one, and the directory's mtime changes."""
+    path = rank_file(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
+    return path
+
+
+def rank_file_paths(run_dir: PathLike) -> list[Path]:
+    return sorted(ranks_dir(run_dir).glob("rank-*.json"))
+
+
+def read_rank_file(path: Path) -> RankInfo:
+    """One registration; ValueError, KeyError or TypeError when a field is missing or malformed."""
+    data = json.loads(path.read_text())
+    return RankInfo(int(data["rank"]), int(data["pid"]), str(data["host"]), float(data["started_at"]), path,
+                    create_time=_optional(data, "create_time", float),
+                    uid=_optional(data, "uid", int),
+                    launcher_pid=_optional(data, "launcher_pid", int),
+                    launcher_create_time=_optional(data, "launcher_create_time", float),
+                    restarts_left=_optional(data, "restarts_left", int))
+
+
+def _optional(data: dict, key: str, kind: type):
+    return None if data.get(key) is None else kind(data[key])
+
+
+def read_ranks(run_dir: PathLike) -> tuple[list[RankInfo], list[str]]:
+    """Every readable rank file, and a message for each unreadable one (file and field named)."""
+    found, problems = [], []
+    for path in rank_file_paths(run_dir):
+        try:
+            found.append(read_rank_file(path))
+        except FileNotFoundError:
+            continue    # replaced between the listing and the read: the launcher is restarting it
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            problems.append(f"{path}: {type(exc).__name__}: {exc}")
+    return found, problems

@@ -12,6 +12,34 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
+SHARED_SCOPES = ("session", "package", "module", "class")
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) each worker makes its own session-
+    and module-scoped fixtures: a module's real run (tests/e2e/test_two_nodes.py's two-node job, the `hung_run`
+    session) would be made once per worker that gets one of its tests. A test using such a fixture joins the
+    fixture's `xdist_group`, so the tests sharing one run go to one worker and the run is made once.
+    A test's own `@pytest.mark.xdist_group` wins."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None and (group := _shared_fixture_group(item)):
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _shared_fixture_group(item) -> str | None:
+    """The group of the widest-scoped fixture of ours (tests/...) the test uses; None if it uses none."""
+    info = getattr(item, "_fixtureinfo", None)
+    ours = [defs[-1] for defs in (info.name2fixturedefs.values() if info else ())
+            if defs and defs[-1].scope in SHARED_SCOPES
+            and getattr(defs[-1].func, "__module__", "").startswith("tests")]
+    if not ours:
+        return None
+    widest = min(ours, key=lambda fixture: SHARED_SCOPES.index(fixture.scope))
+    if widest.scope in ("session", "package"):
+        return widest.argname                        # one run for the whole session: its users, wherever they are
+    return item.nodeid.split("::")[0]                # module or class scope: the module's tests together
+
+
 @pytest.fixture(autouse=True)
 def _fresh_logging():
     """`trainguard.cli.main` points structlog at the stream of the moment (capsys's, closed afterwards)."""

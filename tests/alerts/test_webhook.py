@@ -1,6 +1,7 @@
 """The webhook: strict validation of Alertmanager's v4 payload, the token, and what reaches the executor."""
 
 import json
+import threading
 
 import pytest
 
@@ -175,3 +176,27 @@ def test_an_empty_token_file_is_an_error(tmp_path):
         load_token(path)
     with pytest.raises(FileNotFoundError):
         load_token(tmp_path / "absent.token")
+
+
+def test_agents_creating_the_token_at_once_all_read_the_one_that_won(tmp_path):
+    # Agents of several nodes start together on a shared run directory (RUN/agent/webhook.token): none may
+    # read a token file another has created but not yet written, and all must end up with the same token.
+    # Threads released by one barrier, over fresh paths, give the race many chances.
+    def create(path, barrier, tokens, errors):
+        barrier.wait()
+        try:
+            tokens.append(load_token(path, create=True))
+        except Exception as error:         # noqa: BLE001 - the test reports what any creator raised
+            errors.append(repr(error))
+
+    for attempt in range(40):
+        path = tmp_path / f"run-{attempt}" / "agent" / "webhook.token"
+        barrier, tokens, errors = threading.Barrier(8), [], []
+        threads = [threading.Thread(target=create, args=(path, barrier, tokens, errors)) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert errors == [] and len(tokens) == 8 and len(set(tokens)) == 1, (attempt, errors)
+        assert (path.stat().st_mode & 0o777) == 0o600 and path.read_bytes().strip() == tokens[0]
+        assert [p.name for p in path.parent.iterdir()] == ["webhook.token"]     # no temporary file left behind

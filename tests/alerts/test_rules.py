@@ -169,8 +169,10 @@ def test_the_alerts_test_command_passes_on_the_checked_in_files():
 
 
 def test_every_metric_the_rules_read_is_exported_by_an_agent_collector():
-    """A renamed metric in agent/ would silence an alert: the names in the rules must be in the agent's code."""
-    sources = "\n".join(p.read_text() for p in (ROOT / "agent").rglob("*.py"))
+    """A renamed metric would silence an alert: the names in the rules must be in the agent's code (its
+    collectors in agent/, the families they share with replay in trainguard/metrics/)."""
+    sources = "\n".join(p.read_text() for folder in (ROOT / "agent", ROOT / "trainguard" / "metrics")
+                         for p in folder.rglob("*.py"))
     exprs = "\n".join(rule.expr for group in rules.groups() for rule in group.rules)
     names = set(re.findall(r"(?<![:\w])((?:trainguard|node|DCGM_FI)_[A-Za-z0-9_]+)(?![:\w])", exprs))
     assert "trainguard_training_loss" in names and "node_disk_reads_completed_total" in names

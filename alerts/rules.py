@@ -39,6 +39,7 @@ RATE = "5m"
 BASELINE = "30m"
 # A baseline needs this many samples before a spike or an explosion can be judged against it.
 BASELINE_MIN_SAMPLES = 10
+STEPPING_LOSS = "trainguard:training_loss:stepping"
 # Per run: nodes of one run report the same step counter, so steps are `max`ed and GPUs `sum`med.
 RUN = "job, run_id"
 NODE = "job, instance"
@@ -113,13 +114,20 @@ def _num(value: float) -> str:
 def training(policy: Policy) -> list[Group]:
     a = policy.alerts
     records = Group("training", "trainguard-training.records", (
+        # The loss while the run steps. A stalled rank's gauge repeats its last loss at every scrape;
+        # let those samples into the baseline and a long stall becomes most of it, its spread falls to
+        # 0, and the steps re-done after a restore from an earlier checkpoint read as a spike. A step
+        # that has not moved for stall_seconds is a stall (TrainingStalled), not training.
+        Record(STEPPING_LOSS,
+               f"trainguard_training_loss\n"
+               f"and changes(trainguard_training_step[{_num(a.stall_seconds)}s]) > 0"),
         Record("trainguard:training_loss:median" + BASELINE,
-               f"quantile_over_time(0.5, trainguard_training_loss[{BASELINE}])"),
+               f"quantile_over_time(0.5, {STEPPING_LOSS}[{BASELINE}])"),
         # A robust spread (interquartile range / 1.349 estimates sigma for normal noise): one spike
         # barely moves it, so the spike stands out against the baseline it is part of.
         Record("trainguard:training_loss:robust_stddev" + BASELINE,
-               f"(quantile_over_time(0.75, trainguard_training_loss[{BASELINE}])\n"
-               f" - quantile_over_time(0.25, trainguard_training_loss[{BASELINE}])) / 1.349"),
+               f"(quantile_over_time(0.75, {STEPPING_LOSS}[{BASELINE}])\n"
+               f" - quantile_over_time(0.25, {STEPPING_LOSS}[{BASELINE}])) / 1.349"),
         Record("trainguard:training_grad_norm:median" + BASELINE,
                f"quantile_over_time(0.5, trainguard_training_grad_norm[{BASELINE}])"),
         # tokens_trained and tokens_loaded are the trainer's running totals, gauges that a rollback
@@ -143,7 +151,7 @@ def training(policy: Policy) -> list[Group]:
               f"> trainguard:training_loss:median{BASELINE}\n"
               f"  + {_num(a.loss_spike_sigma)} * trainguard:training_loss:robust_stddev{BASELINE}\n"
               f"  + 0.001 * abs(trainguard:training_loss:median{BASELINE})\n"
-              f"and count_over_time(trainguard_training_loss[{BASELINE}]) >= {BASELINE_MIN_SAMPLES}",
+              f"and count_over_time({STEPPING_LOSS}[{BASELINE}]) >= {BASELINE_MIN_SAMPLES}",
               "critical", "Loss spike on {{ $labels.instance }}: {{ $value | printf \"%.4g\" }}",
               f"The loss is more than {_num(a.loss_spike_sigma)} robust standard deviations above its "
               f"{BASELINE} median. The run is rolled back to its last stable checkpoint, the data window "

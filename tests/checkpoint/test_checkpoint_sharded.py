@@ -40,7 +40,7 @@ def _flip_byte(path: Path) -> None:
 
 
 def _hashed(output: str, mode: str) -> dict[int, set[str]]:
-    found = re.findall(rf"RESTORED {mode} step=2 rank=(\d) hashed=(\[.*\])", output)
+    found = re.findall(rf"RESTORED {mode} step=2 rank=(\d) hashed=(\[[^\]\n]*\])", output)   # not greedy: a rank's line may run on into another's
     return {int(rank): set(json.loads(names)) for rank, names in found}
 
 

@@ -25,6 +25,7 @@ COMMANDS = {
     "preflight": ("trainguard.preflight.cli", "check a node before a long run"),
     "goodput": ("trainguard.goodput_cli", "goodput and badput of a run, by cause"),
     "incidents": ("trainguard.incidents_cli", "culprit verdicts of hangs, with their evidence"),
+    "cordon": ("trainguard.cordon_cli", "keep a node out of the job by hand (a signed cordon)"),
     "uncordon": ("trainguard.uncordon_cli", "let a node kept out of the job join it again"),
     "convert": ("trainguard.formats.cli", "TensorBoard, trainer_state.json, Megatron or torchtitan logs as TLS"),
 }

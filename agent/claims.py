@@ -124,20 +124,9 @@ class Claims:
         return json.dumps(record).encode()
 
     def _create(self, path: Path, request_id: str, generation: int, now: float) -> bool:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        try:
-            os.write(fd, self._body(request_id, generation, now))
-            os.fsync(fd)
-        except OSError:
-            os.close(fd)
-            os.unlink(path)        # a claim nobody can read would only be skipped: leave none
-            raise
-        os.close(fd)
-        return True
+        # Whole or not at all: a claim another agent read half written would look forged to it, and it
+        # would go on to the next generation and act too.
+        return rundir.create_whole(path, self._body(request_id, generation, now), 0o644)
 
     def _read(self, path: Path) -> Any:
         for _ in range(READ_ATTEMPTS):

@@ -34,7 +34,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainguard import actions
+from trainguard import actions, rundir
 from trainguard import log as tglog
 from trainguard.decide.ledger import FIRING, RESOLVED_STATUS, Notice
 from trainguard.tls import format_timestamp
@@ -170,23 +170,9 @@ def load_token(path: str | os.PathLike, create: bool = False) -> bytes:
     """The bearer token in `path` (surrounding blanks stripped); with `create`, a fresh one written 0600."""
     path = Path(path)
     if create and not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Written whole under a private name, then linked into place: agents of several nodes start together
-        # on a shared run directory, and a token file created first and written after could be read empty.
-        # link() fails where the token exists, so exactly one creator wins and every other reads its token.
-        temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "w") as handle:
-                handle.write(secrets.token_urlsafe(32) + "\n")
-                handle.flush()
-                os.fsync(handle.fileno())
-            try:
-                os.link(temp, path)
-            except FileExistsError:
-                pass
-        finally:
-            temp.unlink(missing_ok=True)
+        # Agents of several nodes start together on a shared run directory: one creates the token, every
+        # other reads that one, and none reads it empty.
+        rundir.create_whole(path, (secrets.token_urlsafe(32) + "\n").encode(), 0o600)
     mode = path.stat().st_mode & 0o777
     if mode & 0o077:
         # Whoever reads the token can stop or restore the run, as whoever reads the checkpoint key can sign one.

@@ -311,6 +311,27 @@ def append_ack(run_dir: PathLike, request_id: str, action: str, step: int) -> No
 
 # ------------------------------------------------------------------- RUN/control/ranks/rank-<r>.json
 
+
+def create_whole(path: Path, data: bytes, mode: int) -> bool:
+    """Create `path` holding `data`, or return False when it exists; no reader ever sees it empty or half
+    written. Written and fsynced under a private name, then linked into place: link() fails where the file
+    exists, so of several creators (agents of several nodes on a shared run directory) exactly one wins."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(8).hex()}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.link(temp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        temp.unlink(missing_ok=True)
+
 @dataclass(frozen=True)
 class RankInfo:
     rank: int

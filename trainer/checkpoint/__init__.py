@@ -2,9 +2,11 @@
 
     from trainguard.trainer.checkpoint import CheckpointManager, verify
 
-Layout: `manifest` (pure: manifest, signature, reasons), `keys` (the signing key), `store` (files on
-disk: hashing writer, atomic publish, verified reads), `state` (what goes in which file, copy off the
-device), `manager` (save / retention / restore). User guide: docs/checkpoints.md.
+Layout: `manager` (CheckpointManager: save, verify, keep, restore, composed of `saving`, `status`,
+`retention`, `restore`, `directory`, `group`, `events`), `manifest` (pure: manifest, signature, reasons),
+`keys` (the signing key), `store` (files on disk: hashing writer, atomic publish, the one verification),
+`sharded` / `sharded_load` (DCP shards written hashed / read verified and resharded), `state` (what goes
+in which file, copy off the device), `compress`. User guide: docs/checkpoints.md.
 """
 
 from __future__ import annotations

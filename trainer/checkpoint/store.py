@@ -381,7 +381,7 @@ def _detail(exc: CheckpointError, path: Path) -> str:
 
 def _load_checked(path: Path, manifest: dict, into: dict | None, map_location: Any, agree: Any,
                   process_group: Any) -> dict:
-    from trainguard.trainer.checkpoint import compress, sharded, state as state_mod
+    from trainguard.trainer.checkpoint import compress, sharded, sharded_load, state as state_mod
 
     entries = mf.entries(manifest)
     layout = mf.layout(manifest)
@@ -395,10 +395,10 @@ def _load_checked(path: Path, manifest: dict, into: dict | None, map_location: A
         if meta_entry is None:
             raise CheckpointError(f"{sharded.METADATA} is not in the manifest", code=mf.MISSING_FILE, path=path)
         stats[meta_entry.name], kept = _hash_checked(path / meta_entry.name, meta_entry, keep=True)
-        metadata = sharded.read_metadata_bytes(kept or b"")   # refused here, with its reason, before DCP sees it
+        metadata = sharded_load.read_metadata_bytes(kept or b"")   # refused here, with its reason, before DCP sees it
         # Only the files this rank's load reads are hashed (a whole load: every shard); DCP can open no
-        # other (`sharded.SafeReader` refuses a file whose stat was not taken here).
-        reads = sharded.files_read(into, metadata)
+        # other (`sharded_load.SafeReader` refuses a file whose stat was not taken here).
+        reads = sharded_load.files_read(into, metadata)
         for entry in entries:
             if entry.name not in (state_mod.EXTRA_FILE, sharded.METADATA) and (reads is None or entry.name in reads):
                 stats[entry.name], _ = _hash_checked(path / entry.name, entry, keep=False)
@@ -413,11 +413,11 @@ def _load_checked(path: Path, manifest: dict, into: dict | None, map_location: A
     extensions = compress.reader_registry()
     try:
         if into is None:
-            tensors = sharded.load_full(path, metadata, stats, int_key_paths=layout.get("int_key_paths", []),
-                                        extensions=extensions)
+            tensors = sharded_load.load_full(path, metadata, stats, int_key_paths=layout.get("int_key_paths", []),
+                                             extensions=extensions)
         else:
-            sharded.load_into(path, into, metadata, stats, process_group=process_group,
-                              distributed=process_group is not None, extensions=extensions)
+            sharded_load.load_into(path, into, metadata, stats, process_group=process_group,
+                                   distributed=process_group is not None, extensions=extensions)
             tensors = into
     except OSError as exc:
         raise CheckpointError(f"could not read it ({exc})", code="load_failed", path=path) from None

@@ -6,8 +6,8 @@
     status.json          the last save's outcome (`status.py`)
     .tmp-*, .trash-*     a save or a deletion in progress (`store.py`)
 
-`CheckpointDirs` lists the step directories newest first and verifies one through `store.verify_dir` (the
-one verification); the other components (saving, retention, restore) see the directory only through it.
+`CheckpointDirs` lists the step directories newest first and verifies one through `verification.verify_dir`
+(the one verification); the other components (saving, retention, restore) see the directory only through it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from trainguard import rundir
-from trainguard.trainer.checkpoint import keys, store
+from trainguard.trainer.checkpoint import keys, verification
 from trainguard.trainer.checkpoint import manifest as mf
 from trainguard.trainer.checkpoint.manifest import CheckpointError, VerifyResult
 
@@ -54,19 +54,19 @@ class CheckpointDirs:
             return None
 
     def verify(self, path: Path, *, deep: bool) -> VerifyResult:
-        return store.verify_dir(path, self._key, self.key_id, deep=deep)
+        return verification.verify_dir(path, self._key, self.key_id, deep=deep)
 
     def verify_and_load(self, path: Path, **how: Any) -> tuple[VerifyResult, dict | None]:
-        """`verify` in full, keeping the state it loaded (`store.verify_and_load`: into=, map_location=,
+        """`verify` in full, keeping the state it loaded (`verification.verify_and_load`: into=, map_location=,
         agree=, process_group=)."""
-        return store.verify_and_load(path, self._key, self.key_id, deep=True, **how)
+        return verification.verify_and_load(path, self._key, self.key_id, deep=True, **how)
 
     def foreign(self) -> list[tuple[Path, str]]:
         """(path, key id) of every checkpoint whose manifest names another signing key than ours."""
         found = []
         for _, path in self.newest_first():
             try:
-                manifest = store.read_manifest(path)
+                manifest = verification.read_manifest(path)
             except CheckpointError:
                 continue
             if manifest["key_id"] != self.key_id:

@@ -10,7 +10,7 @@ It composes the parts, each a module with one job:
     status.py     what became of each save: the log, the event, RUN/checkpoints/status.json, failures in a row
     retention.py  keep the newest that verify (and the newest stable one); move aside, never delete, the rest
     restore.py    the newest checkpoint that verifies, and its state (resharded into `into` when given)
-    directory.py  RUN/checkpoints/: the step directories and the one verification (store.verify_dir)
+    directory.py  RUN/checkpoints/: the step directories, each verified (verification.verify_dir)
     group.py      the ranks a distributed manager saves and loads with (its own gloo group)
 
 With `distributed=True` every rank calls `save` and writes its own shards (FSDP2 DTensors, or its share of

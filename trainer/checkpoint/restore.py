@@ -7,7 +7,7 @@
 
 Candidates are taken newest first. Rank 0 names each one that passes the cheap check (signature, step,
 sizes); every rank then verifies in full what its load reads (every hash, a weights_only load, resharded
-into `into` when given: `store.verify_and_load`), and the ranks agree before any of them loads. One that
+into `into` when given: `verification.verify_and_load`), and the ranks agree before any of them loads. One that
 fails is skipped with its reason (`checkpoint_invalid`) and the next older is tried. Exports (lossy) are
 never chosen.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from trainguard.trainer.checkpoint import manifest as mf
-from trainguard.trainer.checkpoint import store
+from trainguard.trainer.checkpoint import verification
 from trainguard.trainer.checkpoint.directory import CheckpointDirs
 from trainguard.trainer.checkpoint.events import Events
 from trainguard.trainer.checkpoint.group import RankGroup
@@ -63,7 +63,7 @@ class Restorer:
 
     def latest_verified(self, *, stable_only: bool = False) -> Checkpoint | None:
         """The newest checkpoint that verifies in full (signature, every hash, a weights_only load of its
-        content: `store.verify_dir`); each one skipped is logged (and emitted as `checkpoint_invalid`)
+        content: `verification.verify_dir`); each one skipped is logged (and emitted as `checkpoint_invalid`)
         with its reason. Exports (lossy) are never chosen."""
         with self._lock:
             for _, path in self.dirs.newest_first():
@@ -150,7 +150,7 @@ def info_of(step: int, path: Path, result: VerifyResult) -> CheckpointInfo:
     manifest = result.manifest
     if manifest is None:
         try:
-            manifest = store.read_manifest(path)  # unverified, only to show what it claims
+            manifest = verification.read_manifest(path)  # unverified, only to show what it claims
         except CheckpointError:
             manifest = None
     return CheckpointInfo(step, path, manifest.get("stable") if manifest else None, size,

@@ -71,7 +71,7 @@ class _WrittenStream(io.RawIOBase):
             self._raw.flush()
             from trainguard.trainer.checkpoint import store
 
-            self.hashing = store._pool().submit(hash_written, self._path)
+            self.hashing = store.hash_pool().submit(hash_written, self._path)
         return self._raw.fileno()
 
     def entry(self) -> FileEntry:

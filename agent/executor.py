@@ -374,23 +374,32 @@ class Executor:
                 if not claim.done:
                     self._watch_claim(verdict, claim, now)
                 return {**tls.event("action", timestamp=now, **result), "node": self.node}
-            result["appended"] = rundir.append_request(self.run_dir, request)
-            if verdict.action == actions.RESTORE:
-                result.update(restore.end_local_ranks(self.run_dir, self.host, started_before=n.starts_at,
-                                                    grace_seconds=self.grace, trust=self._trust()))
-                for refusal in result["refused"]:
-                    self.refused[refusal["reason"]] = self.refused.get(refusal["reason"], 0) + 1
-                if "paged" in result:
-                    self.refused["no_restarts_left"] = self.refused.get("no_restarts_left", 0) + 1
-            result["outcome"] = "paged" if "paged" in result else "issued"
-            if claim is not None:
-                self.claims.done(request["id"], claim, self.clock())
+            held = None if claim is None else self.claims.hold(request["id"], claim)   # renewed while acting
+            try:
+                self._carry_out(verdict, request, result)
+            finally:
+                if held is not None and result.get("outcome") is None:
+                    held.stop()                   # not carried out: a retry, or a takeover, does it
+            if held is not None:
+                held.done(self.clock())
         except OSError as exc:
             result.update(outcome="failed", error=f"{type(exc).__name__}: {exc}", errno=exc.errno)
             self.log.error("action failed", action=verdict.action, alertname=n.alertname, error=result["error"])
         self.executed[verdict.action] = self.executed.get(verdict.action, 0) + 1
         self.log.warning("action issued", **{k: v for k, v in result.items() if k != "issued_at"})
         return {**tls.event("action", timestamp=now, **result), "node": self.node}
+
+    def _carry_out(self, verdict: Verdict, request: dict, result: dict) -> None:
+        """The control request, and for a restore the ending of this node's proven ranks; sets `outcome`."""
+        result["appended"] = rundir.append_request(self.run_dir, request)
+        if verdict.action == actions.RESTORE:
+            result.update(restore.end_local_ranks(self.run_dir, self.host, started_before=verdict.notice.starts_at,
+                                                grace_seconds=self.grace, trust=self._trust()))
+            for refusal in result["refused"]:
+                self.refused[refusal["reason"]] = self.refused.get(refusal["reason"], 0) + 1
+            if "paged" in result:
+                self.refused["no_restarts_left"] = self.refused.get("no_restarts_left", 0) + 1
+        result["outcome"] = "paged" if "paged" in result else "issued"
 
     def _claim(self, verdict: Verdict, request_id: str, now: float) -> claims.Claim | None:
         """Who carries out a job-level verdict (agent/claims.py: a signed claim in RUN/control/claims/);
@@ -426,31 +435,56 @@ class Executor:
 
     # ----------------------------------------------------------------------------------- recovery
     def recover(self) -> int:
-        """Rebuild the ledger from the record; redo an action decided but not recorded as done (a crash)."""
+        """Rebuild the ledger from the record; redo an action decided but not recorded as done (a crash);
+        watch again the claims of other agents this agent recorded as ``claimed`` and saw no end of
+        (the watching lived in the process that ended)."""
         events = self.records.events()
         done = {e.get("id") for e in events if e.get("type") == "action" and e.get("outcome") != "failed"}
-        pending = []
+        claimed = {e.get("id") for e in events if e.get("type") == "action" and e.get("outcome") == "claimed"}
+        carried_out = {e.get("id") for e in events if e.get("type") == "action" and e.get("outcome") != "claimed"}
+        pending, decided = [], {}
         for event in events:
             if event.get("type") != "alert":
                 continue
             self.ledger.remember(event)
-            if event.get("request_id") and event["request_id"] not in done:
-                pending.append(event)
+            if event.get("request_id"):
+                decided[event["request_id"]] = event
+                if event["request_id"] not in done:
+                    pending.append(event)
         for event in pending:
             if event["request_id"] in done:
                 continue
             self.log.warning("redoing an action decided before a restart", action=event.get("action"),
                              alertname=event.get("alertname"), id=event["request_id"])
-            notice = Notice(alertname=event.get("alertname", ""), status="firing", action=event.get("requested"),
-                            key=event["key"], starts_at=event.get("starts_at"), source=event.get("source", ""))
-            verdict = Verdict(notice, event["outcome"], event["action"], event.get("reason", ""),
-                              float(event.get("decided_at") or 0.0))
-            try:
-                self.records.append([self._execute(verdict, self.clock())])
-            except OSError as exc:     # a full disk at start: the next start (or record) redoes it
-                self.log.error("could not record a redone action", error=str(exc), id=event["request_id"])
+            self._redo(self._verdict_of(event))
             done.add(event["request_id"])       # one redo per request, however often it was decided
+        for request in sorted(claimed - carried_out):
+            if request in decided:
+                self._watch_again(self._verdict_of(decided[request]))
         return len(pending)
+
+    @staticmethod
+    def _verdict_of(event: dict) -> Verdict:
+        """The verdict an ``alert`` record of this log holds (as decided before a restart)."""
+        notice = Notice(alertname=event.get("alertname", ""), status="firing", action=event.get("requested"),
+                        key=event["key"], starts_at=event.get("starts_at"), source=event.get("source", ""),
+                        labels=dict(event.get("labels") or {}))
+        return Verdict(notice, event["outcome"], event["action"], event.get("reason", ""),
+                       float(event.get("decided_at") or 0.0))
+
+    def _redo(self, verdict: Verdict) -> None:
+        try:
+            self.records.append([self._execute(verdict, self.clock())])
+        except OSError as exc:     # a full disk at start: the next start (or record) redoes it
+            self.log.error("could not record a redone action", error=str(exc), id=request_id(verdict))
+
+    def _watch_again(self, verdict: Verdict) -> None:
+        """A claim another agent held when this one last ran: look at it now (done: nothing to do; still
+        renewed: watch it; neither for the timeout: take it over, agent/claims.py)."""
+        self.log.info("watching again a job-level claim recorded before a restart", id=request_id(verdict))
+        timer = threading.Timer(0.0, self._claim_check, (verdict,))
+        timer.daemon = True
+        timer.start()
 
     # ------------------------------------------------------------------------------------ metrics
     def families(self) -> list:

@@ -55,6 +55,7 @@ from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, Ver
 
 DEFAULT_GRACE_SECONDS = 0.0     # SIGKILL at once: see agent/restore.py
 RETRY_SECONDS = 5.0             # an embedded decision that could not be recorded is tried again this often
+REDO_WAIT_SECONDS = 30.0        # a restore to redo at start waits this long for the agent's Investigator
 
 
 class ActionNotDone(OSError):
@@ -187,7 +188,7 @@ class Executor:
                  restore_grace_seconds: float = DEFAULT_GRACE_SECONDS, clock: Callable[[], float] = time.time,
                  entry_points: tuple[str, ...] = (), launchers: tuple[str, ...] = (),
                  claim_secret: bytes | None = None, claim_timeout_seconds: float = claims.DEFAULT_TIMEOUT_SECONDS,
-                 checkpoint_key_file: str | os.PathLike | None = None):
+                 checkpoint_key_file: str | os.PathLike | None = None, awaits_investigator: bool = False):
         self.run_dir = Path(run_dir)
         self.checkpoint_key_file = checkpoint_key_file   # signs cordons (agent/culprit.py, trainguard/cordon.py)
         self.entry_points, self.launchers = entry_points, launchers   # beyond the bundled ones (restore.Trust)
@@ -207,9 +208,14 @@ class Executor:
         self._retry: list[Notice] = []            # embedded notices waiting for a retry
         self._investigations: list[threading.Thread] = []   # restores gathering evidence (tests join them)
         self._retry_timer: threading.Timer | None = None
-        # agent/culprit.py Investigator, set by the agent (webhook.install): an Alertmanager restore then
-        # gathers the incident's evidence before ranks are ended, as the embedded watchdog's does.
-        self.investigator: Callable[..., Notice | None] | None = None
+        # agent/culprit.py Investigator, set by the agent (agent/app.py build_investigator): an Alertmanager
+        # restore then gathers the incident's evidence before ranks are ended, as the embedded watchdog's
+        # does. `awaits_investigator`: the agent installs one right after building this executor, so a
+        # restore `recover` redoes waits for it (`_awaiting_evidence`) instead of ending ranks unseen.
+        self._awaits_investigator = awaits_investigator
+        self._awaiting_evidence: list[Verdict] = []
+        self._redone: set[str] = set()            # request ids redone after a restart (marked in their record)
+        self._investigator: Callable[..., Notice | None] | None = None
         self.recover()
 
     @classmethod
@@ -219,7 +225,20 @@ class Executor:
         return cls(config.run_dir, config.node, ledger, restore_grace_seconds=settings.restore_grace_seconds,
                    entry_points=settings.restore_entry_points, launchers=settings.restore_launchers,
                    claim_secret=claim_secret, claim_timeout_seconds=settings.claim_timeout_seconds,
-                   checkpoint_key_file=settings.checkpoint_key_file)
+                   checkpoint_key_file=settings.checkpoint_key_file, awaits_investigator=True)
+
+    @property
+    def investigator(self) -> Callable[..., Notice | None] | None:
+        return self._investigator
+
+    @investigator.setter
+    def investigator(self, investigator: Callable[..., Notice | None] | None) -> None:
+        """Installed by the agent; restores waiting to be redone (a crash before they were done) go on now,
+        their evidence gathered again first."""
+        self._investigator = investigator
+        waiting, self._awaiting_evidence = self._awaiting_evidence, []
+        for verdict in waiting:
+            self._redo_restore(verdict)
 
     # ------------------------------------------------------------------------------------- submit
     def submit(self, notices: list[Notice]) -> list[Verdict]:
@@ -260,12 +279,23 @@ class Executor:
 
     # ------------------------------------------------------------- restore: evidence before ending
     def _needs_evidence(self, verdict: Verdict) -> bool:
-        """An Alertmanager restore while this node has live ranks: the embedded watchdog's gathered the
-        evidence before it was submitted; this one must gather it here, before anything is ended. (With no
-        live rank here there is nothing to take stacks of and nothing to end: it is carried out at once.)"""
-        return (verdict.action == actions.RESTORE and verdict.notice.source != "embedded"
-                and self.investigator is not None and not verdict.dry_run
-                and bool(restore.local_ranks(restore.read_ranks(self.run_dir)[0], self.host)))
+        """An Alertmanager restore while this node has live ranks it would end: the embedded watchdog's
+        gathered the evidence before it was submitted; this one must gather it here, before anything is
+        ended. (With no such rank here there is nothing to take stacks of and nothing to end: it is carried
+        out at once.)"""
+        return self._may_need_evidence(verdict) and self.investigator is not None and bool(self._live(verdict))
+
+    @staticmethod
+    def _may_need_evidence(verdict: Verdict) -> bool:
+        return verdict.action == actions.RESTORE and verdict.notice.source != "embedded" and not verdict.dry_run
+
+    def _live(self, verdict: Verdict) -> list:
+        """This node's live ranks the restore would end: those started before the alert began (a rank the
+        elastic launcher restarted since, after a crash of this agent, is spared, and no evidence of it is
+        taken: it is not the hang's)."""
+        started_before = verdict.notice.starts_at
+        return [info for info, _ in restore.local_ranks(restore.read_ranks(self.run_dir)[0], self.host)
+                if started_before is None or info.started_at < started_before]
 
     def _restore_after_evidence(self, verdict: Verdict) -> None:
         """Gather the incident's evidence, then carry out the restore, on a thread of its own: the webhook
@@ -280,9 +310,10 @@ class Executor:
 
     def _investigate_and_restore(self, verdict: Verdict) -> None:
         assert self.investigator is not None
-        live = [info for info, _ in restore.local_ranks(restore.read_ranks(self.run_dir)[0], self.host)]
+        live = self._live(verdict)
         self.log.warning("restore: gathering evidence before ending ranks", alertname=verdict.notice.alertname,
-                         id=request_id(verdict), ranks=[info.rank for info in live])
+                         id=request_id(verdict), ranks=[info.rank for info in live],
+                         redone_after_restart=request_id(verdict) in self._redone)
         after = self.investigator(verdict.notice, live, fallback=lambda notice: self._finish(verdict, notice))
         self._finish(verdict, after)
 
@@ -365,6 +396,8 @@ class Executor:
                                  reason=verdict.reason, issued_at=now)
         result: dict[str, Any] = {"id": request["id"], "action": verdict.action, "alertname": n.alertname,
                                   "reason": verdict.reason, "key": n.key, "source": n.source, "issued_at": now}
+        if request["id"] in self._redone:
+            result["redone_after_restart"] = True
         try:
             claim = self._claim(verdict, request["id"], now)
             if claim is not None and not claim.mine:
@@ -456,7 +489,14 @@ class Executor:
                 continue
             self.log.warning("redoing an action decided before a restart", action=event.get("action"),
                              alertname=event.get("alertname"), id=event["request_id"])
-            self._redo(self._verdict_of(event))
+            self._redone.add(event["request_id"])
+            verdict = self._verdict_of(event)
+            if self._awaits_investigator and self.investigator is None and self._may_need_evidence(verdict):
+                self._await_investigator(verdict)
+            elif self._may_need_evidence(verdict):
+                self._redo_restore(verdict)
+            else:
+                self._redo(verdict)
             done.add(event["request_id"])       # one redo per request, however often it was decided
         for request in sorted(claimed - carried_out):
             if request in decided:
@@ -477,6 +517,33 @@ class Executor:
             self.records.append([self._execute(verdict, self.clock())])
         except OSError as exc:     # a full disk at start: the next start (or record) redoes it
             self.log.error("could not record a redone action", error=str(exc), id=request_id(verdict))
+
+    def _redo_restore(self, verdict: Verdict) -> None:
+        """A restore decided before a restart: its evidence is gathered again from the ranks it would end
+        (the first life's gathering may be cut short, and nothing of it names this restore), then it is
+        carried out (its record says ``redone_after_restart``)."""
+        if self._needs_evidence(verdict):
+            self._restore_after_evidence(verdict)
+            return
+        with self._lock:
+            self._redo(verdict)
+
+    def _await_investigator(self, verdict: Verdict) -> None:
+        """Until the agent installs its Investigator (at once, agent/app.py); past REDO_WAIT_SECONDS without
+        one, the restore is carried out without evidence rather than never."""
+        self._awaiting_evidence.append(verdict)
+
+        def give_up() -> None:
+            if verdict in self._awaiting_evidence:
+                self._awaiting_evidence.remove(verdict)
+                self.log.error("no investigator to gather a redone restore's evidence; restoring without it",
+                               id=request_id(verdict), waited_seconds=REDO_WAIT_SECONDS)
+                with self._lock:
+                    self._redo(verdict)
+
+        timer = threading.Timer(REDO_WAIT_SECONDS, give_up)
+        timer.daemon = True
+        timer.start()
 
     def _watch_again(self, verdict: Verdict) -> None:
         """A claim another agent held when this one last ran: look at it now (done: nothing to do; still

@@ -105,6 +105,8 @@ class Claims:
                 continue
             assert isinstance(record, dict)
             found = self._found(record, generation)
+            if found.mine and not found.done and self.path(request_id, generation + 1).exists():
+                continue     # this agent's, from before a restart, and taken over since: the next one decides
             if found.mine or found.done or self._at_work(request_id, found, now):
                 return found
             self._say("warning", "a job-level action's claimant neither renewed nor finished it in time",

@@ -214,3 +214,24 @@ def wait_until(check, what, timeout=20.0):
     while not check():
         assert time.time() < deadline, f"no {what} within {timeout}s"
         time.sleep(0.05)
+
+
+def test_an_agent_restarted_after_claiming_acts_once_unless_its_claim_was_taken_over_meanwhile(tmp_path):
+    notice = job_alert()
+    other = Notice(alertname="JobStalledEverywhere", status="firing", action=actions.RESTORE, key="fp-job@2",
+                   source="alertmanager", labels={"alertname": "JobStalledEverywhere", "job": "trainguard"})
+    first = Executor(tmp_path, "n1", Ledger(), claim_secret=TOKEN)
+    verdicts = first.ledger.decide_all([notice, other], now=time.time())
+    first.records.append([first._alert_record(v, time.time()) for v in verdicts])   # decided, then ...
+    for v in verdicts:
+        assert first.claims.take(request_id(v), time.time()).mine                   # claimed, and died
+    # n2 took the second one over while n1 was down (n1's claim neither renewed nor done for the timeout)
+    n2 = claims.Claims(tmp_path, "n2", TOKEN, timeout_seconds=1.0)
+    n2.take(request_id(verdicts[1]), time.time())
+    taken = n2.take(request_id(verdicts[1]), time.time() + 2)
+    assert taken.mine and taken.generation == 1
+    n2.hold(request_id(verdicts[1]), taken).done(time.time())
+    Executor(tmp_path, "n1", Ledger(), claim_secret=TOKEN)                          # n1's next start
+    assert outcomes(tmp_path, "n1") == ["issued", "claimed"]
+    assert [r["id"] for r in rundir.read_requests(tmp_path)] == [request_id(verdicts[0])]   # n2 ran no trainer here
+    assert json.loads(rundir.claim_path(tmp_path, request_id(verdicts[0])).read_text())["done_at"]

@@ -30,9 +30,10 @@ the webhook token every agent of the route holds, created with O_EXCL in ``RUN/c
 agent that created it acts; the others record the action as ``claimed`` by that node, so a job-level
 ``restore`` ends one node's ranks (torch's elastic rendezvous then restarts every node's workers) rather
 than every node's at once. A claim that does not prove itself is ignored (logged once, counted in
-``trainguard_claims_refused_total{reason}``), and a claimant that has not recorded the action done within
-``webhook.claim_timeout_seconds`` is taken over by exactly one other agent. An agent that crashed after
-claiming finds its own claim and acts on recovery.
+``trainguard_claims_refused_total{reason}``); the claimant renews its claim while it acts, and a claim
+neither done nor renewed for ``webhook.claim_timeout_seconds`` is taken over by exactly one other agent. An
+agent that crashed after claiming finds its own claim and acts on recovery; one that had recorded
+``claimed`` watches that claim again. A restore redone on recovery gathers its evidence again first.
 """
 
 from __future__ import annotations

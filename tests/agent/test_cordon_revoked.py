@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests.agent import test_cordon_signed
 from trainguard import cli, cordon, rundir, signed
 from trainguard.agent import evict
 from trainguard.node import node_name
@@ -23,13 +24,7 @@ from trainguard.trainer.checkpoint import keys
 from trainguard.trainer.cordon_key import checker, write_cordon
 
 
-@pytest.fixture
-def key_file(tmp_path, monkeypatch):
-    """The run's checkpoint key, where trainer, launcher, agent and CLI all look for it (outside RUN/)."""
-    path = tmp_path / "keys" / "checkpoint.key"
-    monkeypatch.setenv(keys.ENV_VAR, str(path))
-    keys.load_key(path, create=True)
-    return path
+key_file = test_cordon_signed.key_file     # the run's key, outside RUN/, where every reader looks for it
 
 
 @pytest.fixture

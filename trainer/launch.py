@@ -68,16 +68,27 @@ def cordon_refusal(run_dir: Path, key_file: str | None = None) -> str | None:
         count = cordon.record_ignored(run_dir, found, key_path)
     except OSError as exc:
         count, why = 0, f"{why}; the event could not be recorded: {exc}"
-    hint = (f"it was revoked: remove the copy with `trainguard uncordon {run_dir} {node_name()}`"
-            if found.refused == cordon.REVOKED else
-            f"if it is genuine, it was signed with another key (--key-file); remove it with "
-            f"`trainguard uncordon {run_dir} {node_name()}`")
+    hint = _ignored_hint(run_dir, found.refused)
     message = (f"trainguard train: WARNING: {why}: the cordon is NOT honoured and node {node_name()} joins the "
                f"job (ignored {count} time(s)); {hint}")
     print(message, file=sys.stderr, flush=True)
     log.get("launch").warning("cordon not honoured; joining", host=node_name(), reason=found.refused,
                               path=str(found.path), ignored_total=count)
     return None
+
+
+def _ignored_hint(run_dir: Path, reason: str | None) -> str:
+    """What a human does about a cordon that was not honoured, by why (trainguard/cordon.py)."""
+    from trainguard import cordon
+
+    uncordon = f"`trainguard uncordon {run_dir} {node_name()}`"
+    if reason == cordon.REVOKED:
+        return f"it was revoked: remove the copy with {uncordon}"
+    if reason == cordon.EXPIRED:
+        return f"if the node must stay out, cordon it again (`trainguard cordon`); remove the old one with {uncordon}"
+    if reason == cordon.REVOCATIONS_UNREADABLE:
+        return "no cordon is honoured until the revocation list proves itself (docs/incidents.md)"
+    return f"if it is genuine, it was signed with another key (--key-file); remove it with {uncordon}"
 
 
 def write_launcher_file(run_dir: Path, nodes: Nodes) -> Path:

@@ -208,8 +208,9 @@ def revoke(checker: CordonKey, run_dir: str | os.PathLike, found: Cordon, by: st
     now = time.time() if now is None else now
     path = checker.revocations
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+    lock = os.open(path.with_name(path.name + ".lock"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         entries, problem = _read_revocations(path, checker.key)
         if problem is not None:
             raise ValueError(problem)
@@ -218,6 +219,8 @@ def revoke(checker: CordonKey, run_dir: str | os.PathLike, found: Cordon, by: st
                      "expires_at": found.record.get("expires_at"), "run_dir": str(Path(run_dir).resolve())})
         _write_private(path, json.dumps(signed.sign(checker.key, REVOCATIONS_PURPOSE, {"revoked": kept}),
                                         indent=1) + "\n")
+    finally:
+        os.close(lock)             # and with it the lock
     return path
 
 

@@ -95,6 +95,7 @@ def action_time(log) -> float:
     return float(record["event"]["issued_at"]) + 0.001
 
 
+@pytest.mark.slow
 def test_a_restore_redone_after_the_agent_crashed_gathers_the_evidence_again(tmp_path, ranks):
     """The agent decided a restore (recorded, fsynced) and died before its evidence and the restore were
     done. Its next start redoes the restore: the evidence is gathered again from the ranks it ends, before

@@ -15,24 +15,10 @@ pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, get_scheduler  # noqa: E402
 
 from examples.hf_trainer import LENGTH, VOCAB, RandomTokens  # noqa: E402
+from tests.integrations.injected import EXPLOSION, ScaleGradient  # noqa: E402
 from tests.library.test_plain_loop import GUARD  # noqa: E402
 from tests.trainer.helpers import events, records, step_records, write_policy  # noqa: E402
 from trainguard.protect.hf import ProtectCallback  # noqa: E402
-
-EXPLOSION = 1e3   # the gradient of an injected step, times this; its loss stays as it is
-
-
-class ScaleGradient(torch.autograd.Function):
-    """The identity forward; the gradient times `factor` backward: a gradient explosion the loss hides."""
-
-    @staticmethod
-    def forward(ctx, loss, factor):
-        ctx.factor = factor
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
 
 
 def build(run, steps: int, policy, *, explode=(), nan=(), accumulation=1, schedule="constant", warmup=0,

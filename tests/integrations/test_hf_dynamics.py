@@ -119,3 +119,26 @@ def test_a_skipped_step_does_not_advance_the_lr_schedule(tmp_path):
     assert [r["metrics"]["learning_rate"] for r in step_records(run)] == pytest.approx(applied, rel=1e-12)
     assert trainer.lr_scheduler.last_epoch == steps - len(skipped)
     assert math.isclose(trainer.optimizer.param_groups[0]["lr"], plain[steps - len(skipped)], rel_tol=1e-12)
+
+
+def test_pre_clip_norms_divide_out_an_fp16_loss_scale():
+    """accelerate's optimizer holds the GradScaler of an fp16 run: the hooks saw scaled gradients, the
+    Trainer unscales them before it clips; the guard's norm is the unscaled one (two accumulated backwards)."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from trainguard.protect.hf import PreClipNorms, grad_scale
+
+    Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    optimizer = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), device_placement=False,
+                                     scaler=scaler)
+    norms = PreClipNorms(model.parameters())
+    for _ in range(2):
+        scaler.scale(model(torch.randn(4, 8)).square().mean()).backward()
+    ours = norms.take(grad_scale(optimizer))
+    scaler.unscale_(optimizer.optimizer)
+    assert ours.item() == pytest.approx(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item(), rel=1e-6)
+    assert grad_scale(optimizer.optimizer) is None and norms.take().item() == 0.0   # taken: cleared

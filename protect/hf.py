@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.state import GradientState
 from transformers import TrainerCallback
 
 from trainguard.protect import hf_checkpoints
@@ -92,7 +93,8 @@ class ProtectCallback(TrainerCallback):
         self._apply_lr_scale(self.protector.state.lr_scale)
         self._hook = model.register_forward_hook(self._collect, with_kwargs=True)
         if args.max_grad_norm and args.max_grad_norm > 0:   # the Trainer clips before on_pre_optimizer_step
-            self._norms = PreClipNorms(model.parameters())
+            accumulation = GradientState()                   # accelerate's shared state, the Trainer's flag
+            self._norms = PreClipNorms(model.parameters(), lambda: accumulation.sync_gradients)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._hook is not None:
@@ -195,38 +197,60 @@ class ProtectCallback(TrainerCallback):
 
 class PreClipNorms:
     """The gradient norm before clipping, read without touching the loop: a post-accumulate-grad hook on
-    each parameter records the norm of its `.grad` each time backward has accumulated into it, so after
-    the step's last micro-batch each record is that of the final (accumulated, not yet clipped) gradient;
-    a parameter that had no gradient this step has none. `take` combines them as `clip_grad_norm_` does
-    (the 2-norm of the per-parameter 2-norms) and clears them for the next step. The records stay on the
-    device: no host sync.
+    each parameter records the norm of its `.grad` once backward has accumulated the step's last
+    micro-batch into it (`is_final()`: the Trainer's accelerate flag `sync_gradients`, set before each
+    micro-batch), so each record is the norm of that final, not yet clipped, gradient; earlier
+    micro-batches cost nothing. `take` combines the records as `clip_grad_norm_` does (the 2-norm of the
+    per-parameter 2-norms) and clears them for the next step. Everything stays on the device: no host sync.
+
+    A parameter the last micro-batch did not reach (its gradient came from earlier ones) has no record; its
+    gradient, final since then, has been scaled by the clip's one coefficient, which the recorded ones
+    give back (their norm now over their norm recorded), so its pre-clip norm is exact too.
 
     One process sees the gradients the optimizer uses. Under DDP a hook sees its rank's local gradient
     (DDP averages the gradients after the hooks ran); the guard then gets the ranks' mean of their local
     norms, which is at least the averaged gradient's norm: an explosion on any rank is seen."""
 
-    def __init__(self, parameters):
-        params = [p for p in parameters if p.requires_grad]
-        self.norms: list[torch.Tensor | None] = [None] * len(params)
-        self.handles = [p.register_post_accumulate_grad_hook(self._recorder(i)) for i, p in enumerate(params)]
+    def __init__(self, parameters, is_final=lambda: True):
+        self.params = [p for p in parameters if p.requires_grad]
+        self.is_final = is_final
+        self.norms: list[torch.Tensor | None] = [None] * len(self.params)
+        self.handles = [p.register_post_accumulate_grad_hook(self._recorder(i)) for i, p in enumerate(self.params)]
 
     def _recorder(self, index: int):
         def record(param: torch.Tensor) -> None:
-            self.norms[index] = torch.linalg.vector_norm(param.grad.detach())
+            if self.is_final():
+                self.norms[index] = torch.linalg.vector_norm(param.grad.detach())
         return record
 
     def take(self, scale: torch.Tensor | float | None = None) -> torch.Tensor:
         """The total norm of this step's gradients, divided by `scale` (a loss scaler's: the hooks saw the
         scaled gradients; the Trainer unscales them before it clips)."""
-        norms, self.norms = [n for n in self.norms if n is not None], [None] * len(self.norms)
-        if not norms:
-            return torch.tensor(0.0)
-        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+        norms, self.norms = self.norms, [None] * len(self.params)
+        recorded = [n for n in norms if n is not None]
+        unrecorded = [p.grad for p, n in zip(self.params, norms) if n is None and p.grad is not None]
+        if not recorded:
+            total = torch.nn.utils.get_total_norm(unrecorded) if unrecorded else torch.tensor(0.0)
+            return total if scale is None else total / scale
+        total = norm_of_norms(recorded)
+        if unrecorded:
+            total = torch.linalg.vector_norm(torch.stack([total, self._unclipped(norms, unrecorded, total)]))
         return total if scale is None else total / scale
+
+    def _unclipped(self, norms, unrecorded, recorded_total: torch.Tensor) -> torch.Tensor:
+        """The norm the unrecorded gradients had before the clip scaled them all by one coefficient."""
+        now = torch.nn.utils.get_total_norm([p.grad for p, n in zip(self.params, norms) if n is not None])
+        coefficient = torch.where(recorded_total > 0, now / recorded_total, torch.ones_like(now))
+        return torch.nn.utils.get_total_norm(unrecorded).to(now.device) / coefficient
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def norm_of_norms(norms: list[torch.Tensor]) -> torch.Tensor:
+    """`clip_grad_norm_`'s total: the 2-norm of the per-tensor 2-norms (on the first one's device)."""
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
 
 def grad_scale(optimizer) -> torch.Tensor | None:

@@ -141,4 +141,23 @@ def test_pre_clip_norms_divide_out_an_fp16_loss_scale():
     ours = norms.take(grad_scale(optimizer))
     scaler.unscale_(optimizer.optimizer)
     assert ours.item() == pytest.approx(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item(), rel=1e-6)
-    assert grad_scale(optimizer.optimizer) is None and norms.take().item() == 0.0   # taken: cleared
+    assert grad_scale(optimizer.optimizer) is None and norms.norms == [None] * 4   # taken: cleared
+
+
+def test_pre_clip_norms_of_a_parameter_the_last_micro_batch_did_not_reach():
+    """Only the last micro-batch is recorded; a parameter whose gradient came from an earlier one alone has
+    no record, and its pre-clip norm comes back from the clip's coefficient: the total is still exact."""
+    from trainguard.protect.hf import PreClipNorms
+
+    torch.manual_seed(0)
+    shared, first_only = torch.nn.Linear(8, 1), torch.nn.Linear(8, 1)
+    final = []
+    norms = PreClipNorms([*shared.parameters(), *first_only.parameters()], lambda: final[-1])
+    for last, branch in ((False, first_only), (True, None)):
+        final.append(last)
+        x = torch.randn(4, 8) * 10
+        loss = shared(x).square().mean() + (branch(x).square().mean() if branch is not None else 0)
+        loss.backward()
+    assert all(n is None for n in norms.norms[2:]) and all(n is not None for n in norms.norms[:2])
+    total = torch.nn.utils.clip_grad_norm_([*shared.parameters(), *first_only.parameters()], 1.0)
+    assert total.item() > 10 and norms.take().item() == pytest.approx(total.item(), rel=1e-6)

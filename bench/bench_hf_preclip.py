@@ -44,36 +44,38 @@ class RandomTokens(torch.utils.data.IterableDataset):
 
 
 class StepTimes(TrainerCallback):
+    """Each optimizer step's wall time and this process's CPU time (one torch thread: the step's own)."""
+
     def __init__(self):
-        self.times: list[float] = []
-        self.began = 0.0
+        self.times: list[tuple[float, float]] = []
+        self.began = (0.0, 0.0)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.began = time.perf_counter()
+        self.began = (time.perf_counter(), time.process_time())
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.times.append(time.perf_counter() - self.began)
+        self.times.append((time.perf_counter() - self.began[0], time.process_time() - self.began[1]))
 
 
 class TimedNorms(PreClipNorms):
-    """PreClipNorms with the time spent inside its hooks and `take` added up."""
+    """PreClipNorms with the wall and CPU time spent inside its hooks and `take` added up."""
 
-    spent = 0.0
+    wall = cpu = 0.0
+
+    @classmethod
+    def timed(cls, call, *args):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        result = call(*args)
+        cls.wall += time.perf_counter() - wall
+        cls.cpu += time.thread_time() - cpu
+        return result
 
     def _recorder(self, index: int):
         record = super()._recorder(index)
-
-        def timed(param):
-            began = time.perf_counter()
-            record(param)
-            TimedNorms.spent += time.perf_counter() - began
-        return timed
+        return lambda param: TimedNorms.timed(record, param)
 
     def take(self, scale=None):
-        began = time.perf_counter()
-        total = super().take(scale)
-        TimedNorms.spent += time.perf_counter() - began
-        return total
+        return TimedNorms.timed(super().take, scale)
 
 
 class Norms(TrainerCallback):
@@ -83,7 +85,7 @@ class Norms(TrainerCallback):
         self.norms: TimedNorms | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.norms = TimedNorms(model.parameters())
+        self.norms = TimedNorms.for_trainer(model)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.norms.take()
@@ -123,23 +125,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         for _ in range(options.rounds):
             plain += run_round(options, False, out)[0]
-            TimedNorms.spent = 0.0
             times, tensors = run_round(options, True, out)
             hooked += times
-    # the hooks' own time: the last round's, spread over its steps (warm-up steps included)
-    per_step_hooks = TimedNorms.spent / (options.warmup + options.steps)
-    base, with_hooks = statistics.median(plain), statistics.median(hooked)
+    steps = options.rounds * (options.warmup + options.steps)     # the hooks ran in warm-up steps too
+    inside = (TimedNorms.wall / steps, TimedNorms.cpu / steps)
+    base = [statistics.median(t[i] for t in plain) for i in (0, 1)]
+    with_hooks = [statistics.median(t[i] for t in hooked) for i in (0, 1)]
     print(f"GPT-2 {options.layers} layers x {options.width} wide ({tensors} parameter tensors), batch "
           f"{options.batch} x {LENGTH} tokens, gradient accumulation 2, max_grad_norm 1.0; "
           f"{options.rounds} rounds x {options.steps} steps of each, alternating; torch threads 1; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}\n")
-    print("| per optimizer step (median) | wall |")
-    print("|---|---:|")
-    print(f"| plain Trainer step | {base * 1e3:.2f} ms |")
-    print(f"| Trainer step with the pre-clip norm hooks | {with_hooks * 1e3:.2f} ms |")
-    print(f"| ratio hooks / plain | {with_hooks / base:.3f} |")
-    print(f"| inside the hooks and take(), measured directly | {per_step_hooks * 1e6:.0f} µs "
-          f"({per_step_hooks / base:.2%}) |")
+    print("| per optimizer step (median) | wall | CPU |")
+    print("|---|---:|---:|")
+    print(f"| plain Trainer step | {base[0] * 1e3:.2f} ms | {base[1] * 1e3:.2f} ms |")
+    print(f"| Trainer step with the pre-clip norm hooks | {with_hooks[0] * 1e3:.2f} ms | "
+          f"{with_hooks[1] * 1e3:.2f} ms |")
+    print(f"| ratio hooks / plain | {with_hooks[0] / base[0]:.3f} | {with_hooks[1] / base[1]:.3f} |")
+    print(f"| inside the hooks and take(), measured directly | {inside[0] * 1e6:.0f} µs ({inside[0] / base[0]:.2%})"
+          f" | {inside[1] * 1e6:.0f} µs ({inside[1] / base[1]:.2%}) |")
 
 
 if __name__ == "__main__":

@@ -93,8 +93,7 @@ class ProtectCallback(TrainerCallback):
         self._apply_lr_scale(self.protector.state.lr_scale)
         self._hook = model.register_forward_hook(self._collect, with_kwargs=True)
         if args.max_grad_norm and args.max_grad_norm > 0:   # the Trainer clips before on_pre_optimizer_step
-            accumulation = GradientState()                   # accelerate's shared state, the Trainer's flag
-            self._norms = PreClipNorms(model.parameters(), lambda: accumulation.sync_gradients)
+            self._norms = PreClipNorms.for_trainer(model)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._hook is not None:
@@ -216,6 +215,12 @@ class PreClipNorms:
         self.is_final = is_final
         self.norms: list[torch.Tensor | None] = [None] * len(self.params)
         self.handles = [p.register_post_accumulate_grad_hook(self._recorder(i)) for i, p in enumerate(self.params)]
+
+    @classmethod
+    def for_trainer(cls, model) -> PreClipNorms:
+        """On the Trainer's model, its last micro-batch told by accelerate's shared `GradientState`."""
+        accumulation = GradientState()
+        return cls(model.parameters(), lambda: accumulation.sync_gradients)
 
     def _recorder(self, index: int):
         def record(param: torch.Tensor) -> None:

@@ -25,14 +25,12 @@ records of unregistered files are read again only when the listing or the regist
 from __future__ import annotations
 
 import os
-import re
 import socket
 from typing import Iterable
 
 from trainguard import tls
 from trainguard.rundir import RankFiles
 
-RANK_LOG = re.compile(r"^rank-(\d+)\.jsonl$")
 PEEK_BYTES = 64 << 10      # the first record of a rank file is read this far at most
 PEEK_CHUNK = 4 << 10       # ... a block at a time (a first record is a few hundred bytes)
 FINGERPRINT_MASK = (1 << 64) - 1
@@ -68,16 +66,17 @@ class NodeFiles:
         selected: dict[str, str] = {}
         unregistered: list[tuple[str, str]] = []     # usually none: the trainer registers every rank
         count = fingerprint = 0
-        for entry in entries:
+        elsewhere = self.rank_files.registered_elsewhere
+        for entry in entries:        # a thousand nodes' files: kept to a few operations each
+            name = entry.name
             count += 1
-            fingerprint = (fingerprint + hash((entry.name, entry.inode()))) & FINGERPRINT_MASK
-            match = RANK_LOG.match(entry.name)
-            rank = int(match.group(1)) if match else None
+            fingerprint += hash(name) ^ entry.inode()
+            rank = _rank_of(name)
             if rank in here:
-                selected[entry.name] = entry.path
-            elif rank is None or not self.rank_files.registered_elsewhere(rank):
-                unregistered.append((entry.name, entry.path))
-        listed = (count, fingerprint, (self.rank_files.generation, self._first_lines))
+                selected[name] = entry.path
+            elif rank is None or not elsewhere(rank):
+                unregistered.append((name, entry.path))
+        listed = (count, fingerprint & FINGERPRINT_MASK, (self.rank_files.generation, self._first_lines))
         if listed == self._listed:
             return self._selected      # the same files and registrations: the same choice, no file opened
         pending = {}
@@ -89,6 +88,15 @@ class NodeFiles:
                 selected[name] = path
         self._listed, self._selected, self._pending = listed, selected, pending
         return selected
+
+
+def _rank_of(name: str) -> int | None:
+    """3 for rank-3.jsonl, None for a name that is no rank log (no regular expression: this runs for
+    every file listed)."""
+    digits = name[5:-6]
+    if name.startswith("rank-") and name.endswith(".jsonl") and digits.isascii() and digits.isdigit():
+        return int(digits)
+    return None
 
 
 def _node_of_first_record(path: str):

@@ -12,6 +12,11 @@
 
     .venv/bin/python bench/bench_fleet.py --simulate 8 [--seconds 90] [--scrape-interval 5s]
 
+3. `--nccl-logs`: the nccl collector of one node on 1 and 1,000 nodes' torchrun logs in a shared RUN/logs
+   (it follows every node's today: docs/scale.md, "What else an agent lists"):
+
+    .venv/bin/python bench/bench_fleet.py --nccl-logs [--nodes 1000] [--updates 20]
+
 Each case runs in a fresh process (so RSS is its own): a TrainingCollector for node-0000 catches up on
 the synthetic run directory (tests/fleet/synthetic.py, in /dev/shm when there is one; written, then left
 past the follower's 2 s racy window, as a running cluster's is), then each round its node's 8 ranks
@@ -86,6 +91,41 @@ def run_case(nodes: int, updates: int, every_node: bool) -> dict:
                              + (["--every-node"] if every_node else []),
                              check=True, capture_output=True, text=True).stdout
     return {"nodes": nodes, "follows": "every node" if every_node else "own node", **json.loads(out)}
+
+
+def write_torchrun_logs(run_dir: Path, nodes: int) -> None:
+    """RUN/logs as torchrun's --log-dir leaves it on a shared run directory: a directory per node's launcher
+    (<run id>_<random>/attempt_0/<local rank>/stdout.log, stderr.log), none naming its host."""
+    for node in range(nodes):
+        for local in range(RANKS):
+            folder = run_dir / "logs" / f"job_{node:04d}x1y2" / "attempt_0" / str(local)
+            folder.mkdir(parents=True)
+            (folder / "stdout.log").write_bytes(b"step 1\n")
+            (folder / "stderr.log").write_bytes(b"%s:1:1 [0] NCCL INFO comm 0x1 rank 0 nranks 8 - Init COMPLETE\n"
+                                                % node_name(node).encode())
+
+
+def nccl_case(run_dir: Path, updates: int) -> dict:
+    """In this process: the nccl collector of node-0000 on that RUN/logs, `updates` updates."""
+    from trainguard.agent.collector import Context
+    from trainguard.agent.collectors.nccl import NCCLCollector
+
+    collector = NCCLCollector(Context(run_dir=run_dir, node=node_name(0)))
+    first = timed_update(collector)
+    times = [timed_update(collector) for _ in range(updates)]
+    return {"followers": len(collector.logs.followers), "files_followed": collector.logs.files,
+            "first_cpu_s": first, "update_cpu_ms": 1000 * statistics.median(times),
+            "rss_mib": memory_bytes() / 2**20}
+
+
+def run_nccl_case(nodes: int, updates: int) -> dict:
+    with fast_dir(Path("/tmp")) as base:
+        run_dir = base / f"run-{nodes}"
+        write_torchrun_logs(run_dir, nodes)
+        time.sleep(2.5)
+        out = subprocess.run([sys.executable, __file__, "--nccl-child", str(run_dir), "--updates", str(updates)],
+                             check=True, capture_output=True, text=True).stdout
+    return {"nodes": nodes, **json.loads(out)}
 
 
 def prom_value(url: str, expr: str) -> float:
@@ -170,9 +210,20 @@ def main() -> None:
     parser.add_argument("--scrape-interval", default="5s")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--every-node", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--nccl-logs", action="store_true",
+                        help="the nccl collector on 1 and --nodes nodes' torchrun logs in RUN/logs")
+    parser.add_argument("--nccl-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(one_case(args.child, args.updates, args.every_node)))
+        return
+    if args.nccl_child:
+        print(json.dumps(nccl_case(args.nccl_child, args.updates)))
+        return
+    if args.nccl_logs:
+        for row in (run_nccl_case(n, args.updates) for n in (1, args.nodes)):
+            print(json.dumps(row))
+        print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         return
     if args.simulate:
         figures = simulate(args.simulate, args.seconds, args.scrape_interval)

@@ -16,7 +16,7 @@
     RUN/control/claims/<request id>        which agent carries out a job-level action (agent/claims.py, signed)
     RUN/control/claims/<id>.takeover-<g>-<tag>   a claim taken over from a claimant that did not finish
     RUN/tls/node-<host>-launcher.jsonl     the launcher's events (a cordon it did not honour)
-    RUN/control/ranks/rank-<r>.json        each rank's registration (`write_rank_file`, `read_ranks`)
+    RUN/control/ranks/rank-<r>.json        each rank's registration (`write_rank_file`, `read_ranks`; an agent: `RankFiles`)
     RUN/control/cordon/<host>              a node kept out of the job, when signed (trainguard/cordon.py)
     RUN/control/launchers/<host>.json      each node's elastic launcher (trainer/launch.py)
     RUN/control/dump/<incident>.json       a Flight Recorder dump request (trainer/flight_recorder.py)

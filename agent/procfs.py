@@ -286,6 +286,10 @@ class RankPids:
         self._infos: list | None = None      # the RankFiles list the mapping was made from
         self._pids: dict[int, int] = {}
 
+    def shared(self) -> bool:
+        """Another host registered ranks in this run directory (as of the last `get`)."""
+        return self._files is not None and self._files.others_registered()
+
     def get(self) -> dict[int, int]:
         if self._files is None:
             return self._pids

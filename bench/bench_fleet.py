@@ -12,8 +12,9 @@
 
     .venv/bin/python bench/bench_fleet.py --simulate 8 [--seconds 90] [--scrape-interval 5s]
 
-3. `--nccl-logs`: the nccl collector of one node on 1 and 1,000 nodes' torchrun logs in a shared RUN/logs
-   (it follows every node's today: docs/scale.md, "What else an agent lists"):
+3. `--nccl-logs`: the nccl collector of one node on 1 and 1,000 nodes' torchrun logs in a shared RUN/logs,
+   every rank registered, node 0's ranks real processes writing into theirs (docs/scale.md, "What else
+   an agent lists"):
 
     .venv/bin/python bench/bench_fleet.py --nccl-logs [--nodes 1000] [--updates 20]
 
@@ -93,9 +94,11 @@ def run_case(nodes: int, updates: int, every_node: bool) -> dict:
     return {"nodes": nodes, "follows": "every node" if every_node else "own node", **json.loads(out)}
 
 
-def write_torchrun_logs(run_dir: Path, nodes: int) -> None:
+def write_torchrun_logs(run_dir: Path, nodes: int) -> list[subprocess.Popen]:
     """RUN/logs as torchrun's --log-dir leaves it on a shared run directory: a directory per node's launcher
-    (<run id>_<random>/attempt_0/<local rank>/stdout.log, stderr.log), none naming its host."""
+    (<run id>_<random>/attempt_0/<local rank>/stdout.log, stderr.log), none naming its host; every rank
+    registered. Node 0's ranks are real processes writing into their files (returned: end them)."""
+    ranks = []
     for node in range(nodes):
         for local in range(RANKS):
             folder = run_dir / "logs" / f"job_{node:04d}x1y2" / "attempt_0" / str(local)
@@ -103,6 +106,19 @@ def write_torchrun_logs(run_dir: Path, nodes: int) -> None:
             (folder / "stdout.log").write_bytes(b"step 1\n")
             (folder / "stderr.log").write_bytes(b"%s:1:1 [0] NCCL INFO comm 0x1 rank 0 nranks 8 - Init COMPLETE\n"
                                                 % node_name(node).encode())
+            pid = 10_000_000 + node * RANKS + local
+            if node == 0:
+                with open(folder / "stdout.log", "ab") as out, open(folder / "stderr.log", "ab") as err:
+                    ranks.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                                  stdout=out, stderr=err))
+                pid = ranks[-1].pid
+            register_rank_pid(run_dir, node * RANKS + local, node_name(node), pid)
+    return ranks
+
+
+def register_rank_pid(run_dir: Path, rank: int, host: str, pid: int) -> None:
+    from trainguard import rundir
+    rundir.write_rank_file(run_dir, rank, {"rank": rank, "pid": pid, "host": host, "started_at": time.time()})
 
 
 def nccl_case(run_dir: Path, updates: int) -> dict:
@@ -121,10 +137,15 @@ def nccl_case(run_dir: Path, updates: int) -> dict:
 def run_nccl_case(nodes: int, updates: int) -> dict:
     with fast_dir(Path("/tmp")) as base:
         run_dir = base / f"run-{nodes}"
-        write_torchrun_logs(run_dir, nodes)
-        time.sleep(2.5)
-        out = subprocess.run([sys.executable, __file__, "--nccl-child", str(run_dir), "--updates", str(updates)],
-                             check=True, capture_output=True, text=True).stdout
+        ranks = write_torchrun_logs(run_dir, nodes)
+        try:
+            time.sleep(2.5)
+            out = subprocess.run([sys.executable, __file__, "--nccl-child", str(run_dir), "--updates", str(updates)],
+                                 check=True, capture_output=True, text=True).stdout
+        finally:
+            for rank in ranks:
+                rank.kill()
+                rank.wait()
     return {"nodes": nodes, **json.loads(out)}
 
 

@@ -464,6 +464,10 @@ class RankFiles:
         """What the last `read` found, without looking again (a caller that just read)."""
         return self._infos
 
+    def others_registered(self) -> bool:
+        """Some other host registered a rank here (the run directory is shared)."""
+        return any(self._elsewhere)
+
     def registered_elsewhere(self, rank: int) -> bool:
         """Rank `rank` registered on another host (as of the last `read`)."""
         return 0 <= rank and rank >> 3 < len(self._elsewhere) and bool(self._elsewhere[rank >> 3] & (1 << (rank & 7)))

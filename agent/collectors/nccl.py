@@ -209,15 +209,23 @@ class RankOutputs:
         pids = self.rank_pids.get()
         if not self.rank_pids.shared():
             return None
-        for pid in pids.values():
-            for fd in (1, 2):
-                try:
-                    target = os.readlink(self.procfs / str(pid) / "fd" / str(fd))
-                except OSError:
-                    continue        # gone, or another user's: its directory is looked for again next time
-                if os.path.isabs(target) and os.path.isfile(target):
-                    self.seen.add(os.path.dirname(target))
+        self.seen |= output_directories(self.procfs, pids.values())
         return self.seen
+
+
+def output_directories(procfs: Path, pids) -> set[str]:
+    """The directories the processes `pids` write their stdout and stderr into (/proc/<pid>/fd/1 and 2,
+    when they name files); a process gone, or another user's, names none."""
+    found = set()
+    for pid in pids:
+        for fd in (1, 2):
+            try:
+                target = os.readlink(procfs / str(pid) / "fd" / str(fd))
+            except OSError:
+                continue
+            if os.path.isabs(target) and os.path.isfile(target):
+                found.add(os.path.dirname(target))
+    return found
 
 
 class RankEnvironments:

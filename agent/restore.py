@@ -41,7 +41,7 @@ from pathlib import Path
 import psutil
 
 from trainguard import log as tglog
-from trainguard.rundir import RankInfo, read_ranks   # the reading end of RUN/control/ranks (trainguard/rundir.py)
+from trainguard.rundir import RankInfo, read_ranks  # noqa: F401  (read_ranks: agent/culprit.py asks for it here)
 from trainguard.rundir import RankFiles  # noqa: F401  (moved to trainguard/rundir.py; this name still works)
 
 BUNDLED_ENTRY_POINT = "trainguard.trainer.train"

@@ -115,12 +115,12 @@ class Budget:
         self._totals: dict[str, int] = {}
 
     def used(self, directory: str | os.PathLike) -> int:
-        return self._totals.get(str(directory), 0)
+        return self._totals.get(os.path.abspath(directory), 0)
 
     def take(self, directory: Path, name: str, size: int) -> int:
         """Charge `size` bytes for `name`; returns what the name held before (for `give_back`).
         :class:`IncidentError` when it would take this writer past its share."""
-        key, cost = str(directory), max(size, BLOCK_BYTES)
+        key, cost = os.path.abspath(directory), max(size, BLOCK_BYTES)
         with self._lock:
             files = self._written.pop(key, None)
             if files is None:
@@ -138,7 +138,7 @@ class Budget:
 
     def give_back(self, directory: Path, name: str, before: int) -> None:
         """The write of `name` failed: its charge is undone (`before`: what `take` returned)."""
-        key = str(directory)
+        key = os.path.abspath(directory)
         with self._lock:
             files = self._written.get(key)
             if files is None or name not in files:

@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import yaml
-
 from trainguard import paths
 
 
@@ -533,6 +531,8 @@ def load(path: str | Path | None = None) -> Policy:
 def read_yaml(path: str | Path, what: str) -> Any:
     """A YAML file decoded, or ValueError naming the file and what is wrong (missing, unreadable, not
     UTF-8, not YAML, nested too deeply): the policy and the agent config read their files through this."""
+    import yaml   # the built-in policy (no file) is most commands' policy: they start without YAML
+
     source = str(path)
     try:
         return yaml.safe_load(paths.regular_file(path, what).read_bytes().decode("utf-8"))
@@ -551,5 +551,7 @@ def read_yaml(path: str | Path, what: str) -> Any:
 
 
 def dump(policy: Policy) -> str:
+    import yaml
+
     text: str = yaml.safe_dump(policy.to_dict(), sort_keys=False)
     return text

@@ -29,9 +29,6 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import yaml
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:       # annotations only: the series module (the metric families) is for --rules alone
@@ -78,6 +75,8 @@ def rule_files(directory: str | Path) -> list[Path]:
 
 
 def _load(path: Path) -> dict | None:
+    import yaml   # only a replay with --rules reads them: the others start without YAML
+
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:

@@ -32,20 +32,21 @@ COMMANDS = {
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command by name and help line; the arguments of `only`, whose module is imported for them.
+    Without `only` (`trainguard --help`, a mistyped command) no command module is imported: the list of
+    commands is all argparse shows, and it needs none of them."""
     parser = argparse.ArgumentParser(
         prog="trainguard", description="Observability and self-protection for large-model pretraining.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
-        if only is None or name == only:
+        if name == only:
             try:
                 module = importlib.import_module(module_name)
             except ModuleNotFoundError as exc:
-                if only is not None and exc.name and module_name.startswith(exc.name):
+                if exc.name and module_name.startswith(exc.name):
                     raise SystemExit(f"trainguard {name}: not available in this build ({exc.name})") from None
-                if only is not None:
-                    raise
-                continue
+                raise
             module.add_arguments(command)
             command.set_defaults(_run=module.run)
     return parser

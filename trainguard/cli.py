@@ -31,14 +31,16 @@ COMMANDS = {
 }
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    """Every command by name and help line; the arguments of `only`, whose module is imported for them.
-    Without `only` (`trainguard --help`, a mistyped command) no command module is imported: the list of
-    commands is all argparse shows, and it needs none of them."""
+def build_parser(only: str | None = None, others: bool = True) -> argparse.ArgumentParser:
+    """Every command by name and help line (`others=False`: `only` alone); the arguments of `only`, whose
+    module is imported for them. Without `only` (`trainguard --help`, a mistyped command) no command module
+    is imported: the list of commands is all argparse shows, and it needs none of them."""
     parser = argparse.ArgumentParser(
         prog="trainguard", description="Observability and self-protection for large-model pretraining.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
+        if not others and name != only:
+            continue
         command = sub.add_parser(name, help=help_text, description=help_text)
         if name == only:
             try:
@@ -55,7 +57,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(only=chosen if chosen in COMMANDS else None)
+    only = chosen if chosen in COMMANDS else None
+    # With the command first argparse hands everything after it to the command's parser: the others'
+    # entries (a parser each, ~5 ms of argparse and gettext) would serve only the list of commands.
+    parser = build_parser(only=only, others=only is None or argv[0] != only)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

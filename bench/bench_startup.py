@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_startup.py                 # best of 7
     .venv/bin/python bench/bench_startup.py --repeat 15
+    .venv/bin/python bench/bench_startup.py --instructions --only replay status   # + valgrind's count
 
 A command on a tiny input is nearly all start-up (the interpreter, its imports, the parser), so this is what
 a user waits for on `trainguard status RUN` and what `trainguard replay RUN` pays before its first record.
@@ -21,6 +22,10 @@ run, the floors:
 
 and each command as a ratio of both. `modules` is the length of sys.modules when the command returns
 (a second, untimed run through a wrapper that calls trainguard.cli.main).
+
+`--instructions` adds the instructions each run executes, counted by valgrind (cachegrind, `I refs`):
+the same on a busy machine as on a quiet one, where times are not (a run under valgrind takes ~50x as
+long, so `--only` picks the commands).
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ import argparse
 import compileall
 import json
 import os
+import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from trainguard import tls
 
@@ -99,6 +107,16 @@ def timed(argv: list[str], repeat: int) -> tuple[float, float]:
     return best_wall, best_cpu
 
 
+def instructions(argv: list[str]) -> int:
+    """Instructions executed by `argv` as valgrind's cachegrind counts them (`I refs`)."""
+    done = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+                           *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    match = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
+    if match is None:
+        raise SystemExit(f"valgrind counted nothing for {' '.join(argv)}:\n{done.stderr[-2000:]}")
+    return int(match.group(1).replace(",", ""))
+
+
 def modules_loaded(args: list[str], folder: Path) -> int:
     count = folder / "modules"
     subprocess.run([sys.executable, "-c", COUNT_MODULES, str(count), *args],
@@ -114,29 +132,49 @@ def precompile() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=7, help="runs per command; the best is kept")
+    parser.add_argument("--only", nargs="+", metavar="WORD", help="only the commands whose name holds a WORD")
+    parser.add_argument("--instructions", action="store_true", help="also count instructions with valgrind")
     args = parser.parse_args()
+    if args.instructions and shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (Debian package 'valgrind')")
     precompile()
     floors = {PASS: [sys.executable, "-c", "pass"], FLOOR: [sys.executable, "-c", "import numpy, msgspec"]}
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
         folder = Path(tmp)
         inputs = write_inputs(folder)
         inputs["out"].mkdir()
-        rows = {name: (*timed(argv, args.repeat), None) for name, argv in floors.items()}
-        for name, argv in commands(inputs).items():
-            rows[name] = (*timed([*entry_point(), *argv], args.repeat), modules_loaded(argv, folder))
+        chosen = {name: [*entry_point(), *argv] for name, argv in commands(inputs).items()
+                  if not args.only or any(word in name for word in args.only)}
+        rows = {}
+        for name, argv in {**floors, **chosen}.items():
+            wall, cpu = timed(argv, args.repeat)
+            modules = modules_loaded(argv[len(entry_point()):], folder) if name in chosen else None
+            rows[name] = Row(wall, cpu, modules, instructions(argv) if args.instructions else None)
     print_table(rows, args.repeat)
 
 
-def print_table(rows: dict[str, tuple[float, float, int | None]], repeat: int) -> None:
-    """Ratios of wall to wall and CPU to CPU: on a busy machine the CPU ratio is the steadier one."""
-    (pass_wall, pass_cpu, _), (floor_wall, floor_cpu, _) = rows[PASS], rows[FLOOR]
+class Row(NamedTuple):
+    wall: float
+    cpu: float
+    modules: int | None         # None for the floors
+    instructions: int | None    # None without --instructions
+
+
+def print_table(rows: dict[str, Row], repeat: int) -> None:
+    """Ratios of wall to wall, CPU to CPU (steadier on a busy machine) and instructions to instructions."""
+    base, floor = rows[PASS], rows[FLOOR]
     print(f"start-up, best of {repeat} (after compileall), Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
           f"load {os.getloadavg()[0]:.1f}")
+    counted = floor.instructions is not None
     print(f"{'command':34} {'wall s':>7} {'cpu s':>7} {'modules':>8}  {'wall x pass':>11} {'x floor':>7}  "
-          f"{'cpu x pass':>10} {'x floor':>7}")
-    for name, (wall, cpu, modules) in rows.items():
-        print(f"{name:34} {wall:7.3f} {cpu:7.3f} {modules if modules is not None else '':>8}  "
-              f"{wall / pass_wall:11.2f} {wall / floor_wall:7.2f}  {cpu / pass_cpu:10.2f} {cpu / floor_cpu:7.2f}")
+          f"{'cpu x pass':>10} {'x floor':>7}" + (f"  {'instructions':>14} {'x floor':>7}" if counted else ""))
+    for name, row in rows.items():
+        line = (f"{name:34} {row.wall:7.3f} {row.cpu:7.3f} {row.modules if row.modules is not None else '':>8}  "
+                f"{row.wall / base.wall:11.2f} {row.wall / floor.wall:7.2f}  "
+                f"{row.cpu / base.cpu:10.2f} {row.cpu / floor.cpu:7.2f}")
+        if counted and row.instructions is not None and floor.instructions:
+            line += f"  {row.instructions:14,} {row.instructions / floor.instructions:7.2f}"
+        print(line)
 
 
 if __name__ == "__main__":

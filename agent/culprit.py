@@ -99,7 +99,7 @@ class Investigator:
             return incident_id, (self.claims.hold(key, claims.Claim(self.host, 0, time.time(), False, True))
                                  if leader else None)
         found = self.claims.take(incident_claim(key), time.time(), {"incident": incidents.new_id("hang")})
-        incident_id = incidents.check_id(str(found.fields.get("incident")))
+        incident_id = incidents.check_id(str(found.fields.get("incident") or ""))   # signed: ours
         return incident_id, self.claims.hold(incident_claim(key), found) if found.mine else None
 
     def verdict(self, key: str, incident_id: str, hold: claims.Hold | None, notice: Notice) -> dict | None:

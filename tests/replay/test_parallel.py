@@ -296,3 +296,124 @@ def test_replica_checks_in_a_run_directory_replay_alike(tmp_path, monkeypatch):
              "event": {"type": replica.CHECK_EVENT, "step": step, **replica.check_fields(check)}}))
     found = json.loads(both_ways([run], monkeypatch))
     assert ("rollback", 20, "replica_mismatch") in [(a["action"], a["step"], a["reason"]) for a in found["actions"]]
+
+
+# ------------------------------------------------------------------------ the counting, against the Picker
+
+def _record_line(draw, rank: int, step: int, when: float) -> bytes:
+    """One record the way a rank or an agent writes it, with the unusual things a block may hold."""
+    record: dict = {"timestamp": draw(st.sampled_from([when, tls.format_timestamp(when)]))}
+    if draw(st.integers(0, 9)):
+        record["rank"] = draw(st.sampled_from([rank] * 8 + [0, rank + 1, None]))
+    if draw(st.integers(0, 9)):
+        record["step"] = step
+    shape = draw(st.sampled_from(["both"] * 6 + ["loss", "grad", "neither", "none"]))
+    if shape != "none":
+        record["metrics"] = {k: v for k, v in (("loss", 3.0), ("grad_norm", 0.8)) if shape in ("both", k[:4])}
+    gpus = draw(st.sampled_from(["count"] * 4 + ["zero", "listed", "empty", "absent"]))
+    if gpus != "absent":
+        record["system"] = {"gpu_count": 8 if gpus == "count" else 0}
+        record["hardware"] = {"gpus": [{"gpu": 0}] if gpus == "listed" else []}
+    if not draw(st.integers(0, 19)):
+        record["event"] = {"type": draw(st.sampled_from(["skip_step", "alert", "checkpoint_saved"]))}
+    return tls.encode(record)
+
+
+@st.composite
+def blocks(draw):
+    rank, start = draw(st.integers(1, 5)), T0 + draw(st.integers(0, 100))
+    count = draw(st.integers(1, 40))
+    usual = draw(st.booleans())           # half the blocks as a rank writes them: the passes in C count them
+    lines = []
+    for i in range(count):
+        when = start + i * 0.25 - (0.5 if draw(st.integers(0, 15)) == 0 else 0.0)
+        if usual:
+            lines.append(tls.encode({"timestamp": tls.format_timestamp(when), "rank": rank, "step": i + 1,
+                                     "metrics": {"loss": 3.0, "grad_norm": 0.8}, "system": {"gpu_count": 8}}))
+        else:
+            lines.append(_record_line(draw, rank, i + 1, when))
+    return b"".join(lines)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=blocks(), with_gpus=st.booleans(), before=st.integers(0, 50))
+def test_a_block_of_other_ranks_is_counted_as_the_picker_counts_it(data, with_gpus, before):
+    """parallel._summed (the passes in C, the loop for any other block) against picking.Picker.take over the
+    same records: the counts, the times, the last step, the GPU places; or None (the Picker's to take)."""
+    from trainguard.replay import source
+    from trainguard.replay.picking import Picker
+
+    summed = parallel._summed(source._typed.decode_lines(data), 0, with_gpus)
+    records = source._typed.decode_lines(data)
+    entries, _, last_step = source.entries_of(records, None, 1, 0, before)
+    picker = Picker(0, track=True)
+    picked = picker.take(entries)
+    if summed is None:
+        return
+    assert (summed.records, summed.copies, summed.partial) == (picker.records, picker.duplicates, picker.partial)
+    assert len(picked) == 0 and not picker.recorded
+    assert (summed.first, summed.latest) == (picker.first, picker.last)
+    assert (before if summed.last_step is None else summed.last_step) == last_step
+    assert summed.flagged == parallel._names_marked(records)
+    if with_gpus:
+        assert [p + 1 for p in summed.gpu_positions] == picker.tracked.gpu_ordinals
+        assert list(summed.gpu_counts) == picker.tracked.gpu_counts
+        if len(summed.gpu_positions):
+            assert summed.times.tolist() == [entry[0] for entry in entries]
+
+
+def test_the_usual_block_is_counted_in_c():
+    """A rank's block as the trainer writes it takes the passes in C (not the loop): the path that counts 63
+    of 64 ranks' records, with and without the GPU places."""
+    from trainguard.replay import source
+
+    data = b"".join(tls.encode({"timestamp": tls.format_timestamp(T0 + i), "rank": 3, "step": i,
+                                "metrics": {"loss": 3.0, "grad_norm": 0.8}, "system": {"gpu_count": 8}})
+                    for i in range(1, 50))
+    for with_gpus in (False, True):
+        summed = parallel._summed_in_c(source._typed.decode_lines(data), 0, with_gpus)
+        assert summed is not parallel._UNUSUAL and summed.copies == 49 and summed.last_step == 49
+        assert len(summed.gpu_positions) == (49 if with_gpus else 0)
+
+
+# ------------------------------------------------------------------------------- the stall pass
+
+@settings(max_examples=200, deadline=None)
+@given(records=st.lists(st.tuples(st.floats(0, 600, allow_nan=False), st.one_of(st.none(), st.integers(0, 30)),
+                                  st.sampled_from([0] * 12 + [parallel.ENDED, parallel.STARTED])),
+                        max_size=80),
+       stall_seconds=st.sampled_from([5.0, 30.0, 60.0]), step_first=st.booleans())
+def test_the_stall_screen_keeps_what_the_tracker_decides_on(records, stall_seconds, step_first):
+    """parallel._may_matter drops records in merged order; the tracker (decide/stall) over what it keeps
+    finds the very stalls it finds over all of them."""
+    import numpy as np
+
+    from trainguard.decide import stall
+
+    times = np.array([r[0] for r in records], np.float64)
+    steps = np.array([0 if r[1] is None else r[1] for r in records], np.int64)
+    kinds = np.array([(parallel.HAS_STEP if r[1] is not None else 0) | r[2] for r in records], np.int8)
+    entries = [(t, s, bool(k & parallel.ENDED), bool(k & parallel.STARTED)) for t, (_, s, _), k
+               in zip(times.tolist(), records, kinds.tolist())]
+    kept = parallel._may_matter(times, steps, kinds, stall_seconds) if records else np.zeros(0, bool)
+    assert stall.replay([e for e, keep in zip(entries, kept) if keep], stall_seconds) == \
+        stall.replay(entries, stall_seconds)
+
+
+def test_the_stall_pass_on_every_cpu_decides_as_the_one_process_stream(tmp_path):
+    """parallel.stall_records (columns read by two workers, merged by the latest time, screened) against
+    timeline._stall_entries (every record, heapq.merge, one process): the same stalls, for a run whose
+    ranks hang, restart (run_start) and end (run_end) in different files, with clocks that step back."""
+    from trainguard.decide import stall
+
+    run = build_run(tmp_path / "run", seed=11, ranks=3, nodes=2, hang=True, steps=600)
+    log = run / "tls" / "rank-1.jsonl"
+    log.write_bytes(log.read_bytes() + b"".join(tls.encode(r) for r in (
+        {"timestamp": T0 + 700.0, "rank": 1, "event": {"type": "run_end"}},
+        {"timestamp": T0 + 900.0, "rank": 1, "step": 3, "event": {"type": "run_start", "resumed_from": 2}},
+        {"timestamp": T0 + 1000.0, "rank": 1, "step": 4, "metrics": {"loss": 1.0, "grad_norm": 1.0}},
+        {"timestamp": T0 + 1100.0, "rank": 1, "hardware": {"gpu_util": 0.0}})))     # stalled since step 4
+    files = sorted((run / "tls").iterdir())
+    reference = stall.replay(timeline._stall_entries(files, False), 60.0)
+    found = stall.replay(parallel.stall_records(files, 60.0, chunk_bytes=16_000, workers=2), 60.0)
+    assert found == reference and len(reference) >= 2

@@ -52,7 +52,9 @@ class Metrics(msgspec.Struct, kw_only=True, gc=False):
 
 
 class Hardware(msgspec.Struct, kw_only=True, gc=False):
-    gpus: Union[list[Any], None] = None          # only counted: GPUs seen, when gpu_count is absent
+    # Only counted (GPUs seen, when gpu_count is absent): each left undecoded (Raw, any JSON value, as Any
+    # takes), not made into the dicts of a node log's 8 GPUs' readings.
+    gpus: Union[list[msgspec.Raw], None] = None
 
 
 class System(msgspec.Struct, kw_only=True, gc=False):

@@ -386,10 +386,9 @@ class _Unresolved:
     in merged order: time, file, ordinal), until every file is read."""
 
     blocks: list = field(default_factory=list)       # (block, positions in it) in decision order
-    times: list = field(default_factory=list)
-    files: list = field(default_factory=list)
-    ordinals: list = field(default_factory=list)
-    best: list = field(default_factory=list)         # [(time, file, ordinal, count)] per step, filled later
+    # per held stretch: the steps' times and files, and the best candidate so far for each (time, file,
+    # ordinal, count of the latest record before it that says a count), filled in as the files come
+    held: list = field(default_factory=list)
     _arrays: tuple | None = None
 
     def __bool__(self) -> bool:
@@ -399,11 +398,8 @@ class _Unresolved:
         """The held steps' times and files, and the best candidates so far as arrays (made once: every
         step is held before the first file that is not the lead rank's comes in)."""
         if self._arrays is None:
-            best = {"time": np.array([b[0] for b in self.best], np.float64),
-                    "file": np.array([b[1] for b in self.best], np.int64),
-                    "ordinal": np.array([b[2] for b in self.best], np.int64),
-                    "count": np.array([b[3] for b in self.best], np.int64)}
-            self._arrays = (np.array(self.times, np.float64), np.array(self.files, np.int64), best)
+            times, files, *best = (np.concatenate(column) for column in zip(*self.held))
+            self._arrays = (times, files, dict(zip(("time", "file", "ordinal", "count"), best)))
         return self._arrays
 
 
@@ -529,19 +525,25 @@ class _Run:
 
     def _hold(self, block: Block, needing: np.ndarray, latest, index: int, ordinals, gpu_latest, gpu_ordinals,
               gpu_counts) -> None:
+        """Hold the steps of `block` that need the merged GPU count, each with the best candidate known: the
+        latest record before it in its own piece that says a count, else the lead files' latest."""
         positions = np.flatnonzero(needing)
         self.unresolved.blocks.append((block, positions))
-        for position in positions:
-            ordinal = int(ordinals[position])
-            before = np.searchsorted(gpu_ordinals, ordinal) - 1        # the file's own, earlier in the piece
-            if before >= 0:
-                best = (float(gpu_latest[before]), index, int(gpu_ordinals[before]), int(gpu_counts[before]))
-            else:
-                best = self.lead_latest or (-np.inf, -1, -1, 0)
-            self.unresolved.times.append(float(latest[position]))
-            self.unresolved.files.append(index)
-            self.unresolved.ordinals.append(ordinal)
-            self.unresolved.best.append(best)
+        held = ordinals[positions]
+        before = np.searchsorted(gpu_ordinals, held) - 1       # the file's own, earlier in the piece
+        own = before >= 0
+        at = np.maximum(before, 0)
+        fallback = self.lead_latest or (-np.inf, -1, -1, 0)
+
+        def candidate(column: np.ndarray, otherwise, dtype) -> np.ndarray:
+            return np.where(own, column[at], otherwise).astype(dtype) if len(column) else \
+                np.full(len(held), otherwise, dtype)
+
+        self.unresolved.held.append((np.asarray(latest)[positions].astype(np.float64), np.full(len(held), index, np.int64),
+                                     candidate(gpu_latest, fallback[0], np.float64),
+                                     np.where(own, index, fallback[1]).astype(np.int64),
+                                     candidate(gpu_ordinals, fallback[2], np.int64),
+                                     candidate(gpu_counts, fallback[3], np.int64)))
 
     def _gpus_of(self, piece: Piece, state: _File) -> None:
         """A file's GPU counts as candidates for the held steps: its latest one before each in merged order."""

@@ -323,11 +323,14 @@ def _record_line(draw, rank: int, step: int, when: float) -> bytes:
 def blocks(draw):
     rank, start = draw(st.integers(1, 5)), T0 + draw(st.integers(0, 100))
     count = draw(st.integers(1, 40))
-    usual = draw(st.booleans())           # half the blocks as a rank writes them: the passes in C count them
+    # as a rank writes them (the passes in C count them), the same with one record of another kind (where
+    # the passes must give the block up), or any records
+    kind = draw(st.sampled_from(["usual", "one odd", "any"]))
+    odd = draw(st.integers(0, count - 1))
     lines = []
     for i in range(count):
         when = start + i * 0.25 - (0.5 if draw(st.integers(0, 15)) == 0 else 0.0)
-        if usual:
+        if kind == "usual" or kind == "one odd" and i != odd:
             lines.append(tls.encode({"timestamp": tls.format_timestamp(when), "rank": rank, "step": i + 1,
                                      "metrics": {"loss": 3.0, "grad_norm": 0.8}, "system": {"gpu_count": 8}}))
         else:

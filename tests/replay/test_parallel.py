@@ -319,22 +319,35 @@ def _record_line(draw, rank: int, step: int, when: float) -> bytes:
     return tls.encode(record)
 
 
+ODDITIES = {       # one record of a rank's block changed in one way
+    "the lead rank": lambda r: r.update(rank=0), "another rank": lambda r: r.update(rank=r["rank"] + 1),
+    "no rank": lambda r: r.pop("rank"), "no step": lambda r: r.pop("step"), "an event": lambda r: r.update(
+        event={"type": "alert"}), "loss only": lambda r: r["metrics"].pop("grad_norm"),
+    "no metrics": lambda r: r.pop("metrics"), "Unix seconds": lambda r: r.update(timestamp=T0),
+    "no GPU count": lambda r: r.pop("system"), "GPUs listed": lambda r: r.update(system={"gpu_count": 0},
+                                                                                hardware={"gpus": [{}]}),
+}
+
+
 @st.composite
 def blocks(draw):
-    rank, start = draw(st.integers(1, 5)), T0 + draw(st.integers(0, 100))
+    rank, start = draw(st.integers(0, 5)), T0 + draw(st.integers(0, 100))
     count = draw(st.integers(1, 40))
     # as a rank writes them (the passes in C count them), the same with one record of another kind (where
     # the passes must give the block up), or any records
     kind = draw(st.sampled_from(["usual", "one odd", "any"]))
-    odd = draw(st.integers(0, count - 1))
+    odd, oddity = draw(st.integers(0, count - 1)), draw(st.sampled_from(sorted(ODDITIES)))
     lines = []
     for i in range(count):
         when = start + i * 0.25 - (0.5 if draw(st.integers(0, 15)) == 0 else 0.0)
-        if kind == "usual" or kind == "one odd" and i != odd:
-            lines.append(tls.encode({"timestamp": tls.format_timestamp(when), "rank": rank, "step": i + 1,
-                                     "metrics": {"loss": 3.0, "grad_norm": 0.8}, "system": {"gpu_count": 8}}))
-        else:
+        if kind == "any":
             lines.append(_record_line(draw, rank, i + 1, when))
+            continue
+        record = {"timestamp": tls.format_timestamp(when), "rank": rank, "step": i + 1,
+                  "metrics": {"loss": 3.0, "grad_norm": 0.8}, "system": {"gpu_count": 8}}
+        if kind == "one odd" and i == odd:
+            ODDITIES[oddity](record)
+        lines.append(tls.encode(record))
     return b"".join(lines)
 
 

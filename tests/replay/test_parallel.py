@@ -323,6 +323,7 @@ ODDITIES = {       # one record of a rank's block changed in one way
     "the lead rank": lambda r: r.update(rank=0), "another rank": lambda r: r.update(rank=r["rank"] + 1),
     "no rank": lambda r: r.pop("rank"), "no step": lambda r: r.pop("step"), "an event": lambda r: r.update(
         event={"type": "alert"}), "loss only": lambda r: r["metrics"].pop("grad_norm"),
+    "grad_norm only": lambda r: r["metrics"].pop("loss"),
     "no metrics": lambda r: r.pop("metrics"), "Unix seconds": lambda r: r.update(timestamp=T0),
     "no GPU count": lambda r: r.pop("system"), "GPUs listed": lambda r: r.update(system={"gpu_count": 0},
                                                                                 hardware={"gpus": [{}]}),

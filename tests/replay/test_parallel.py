@@ -337,7 +337,8 @@ def blocks(draw):
     # as a rank writes them (the passes in C count them), the same with one record of another kind (where
     # the passes must give the block up), or any records
     kind = draw(st.sampled_from(["usual", "one odd", "any"]))
-    odd, oddity = draw(st.integers(0, count - 1)), draw(st.sampled_from(sorted(ODDITIES)))
+    odd = draw(st.one_of(st.just(count - 1), st.integers(0, count - 1)))      # the last one: the block's last step
+    oddity = draw(st.sampled_from(sorted(ODDITIES)))
     lines = []
     for i in range(count):
         when = start + i * 0.25 - (0.5 if draw(st.integers(0, 15)) == 0 else 0.0)

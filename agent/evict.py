@@ -48,13 +48,12 @@ def cordon(run_dir: str | os.PathLike, host: str, *, incident: str | None, reaso
     if key is None:
         raise CannotCordon(f"cannot cordon {host}: no checkpoint key to sign it with ({where}; set "
                            f"webhook.checkpoint_key_file to the trainer's key)")
-    return cordon_key.write_cordon(run_dir, host, key, incident=incident, reason=reason, by=by)
+    return cordon_key.write_cordon(run_dir, host, key, key_file, incident=incident, reason=reason, by=by)
 
 
 def cordons(run_dir: str | os.PathLike, key_file: str | os.PathLike | None = None) -> dict[str, cordon_mod.Cordon]:
-    """host -> its cordon, checked against the agent's key (honoured, or why not)."""
-    key, _ = cordon_key.signing_key(key_file)
-    return cordon_mod.read_all(run_dir, key)
+    """host -> its cordon, checked against the agent's key and its revocations (honoured, or why not)."""
+    return cordon_mod.read_all(run_dir, cordon_key.checker(key_file))
 
 
 def cordoned(run_dir: str | os.PathLike, key_file: str | os.PathLike | None = None) -> dict[str, dict]:

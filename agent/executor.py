@@ -30,9 +30,10 @@ the webhook token every agent of the route holds, created with O_EXCL in ``RUN/c
 agent that created it acts; the others record the action as ``claimed`` by that node, so a job-level
 ``restore`` ends one node's ranks (torch's elastic rendezvous then restarts every node's workers) rather
 than every node's at once. A claim that does not prove itself is ignored (logged once, counted in
-``trainguard_claims_refused_total{reason}``), and a claimant that has not recorded the action done within
-``webhook.claim_timeout_seconds`` is taken over by exactly one other agent. An agent that crashed after
-claiming finds its own claim and acts on recovery.
+``trainguard_claims_refused_total{reason}``); the claimant renews its claim while it acts, and a claim
+neither done nor renewed for ``webhook.claim_timeout_seconds`` is taken over by exactly one other agent. An
+agent that crashed after claiming finds its own claim and acts on recovery; one that had recorded
+``claimed`` watches that claim again. A restore redone on recovery gathers its evidence again first.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, Ver
 
 DEFAULT_GRACE_SECONDS = 0.0     # SIGKILL at once: see agent/restore.py
 RETRY_SECONDS = 5.0             # an embedded decision that could not be recorded is tried again this often
+REDO_WAIT_SECONDS = 30.0        # a restore to redo at start waits this long for the agent's Investigator
 
 
 class ActionNotDone(OSError):
@@ -187,7 +189,7 @@ class Executor:
                  restore_grace_seconds: float = DEFAULT_GRACE_SECONDS, clock: Callable[[], float] = time.time,
                  entry_points: tuple[str, ...] = (), launchers: tuple[str, ...] = (),
                  claim_secret: bytes | None = None, claim_timeout_seconds: float = claims.DEFAULT_TIMEOUT_SECONDS,
-                 checkpoint_key_file: str | os.PathLike | None = None):
+                 checkpoint_key_file: str | os.PathLike | None = None, awaits_investigator: bool = False):
         self.run_dir = Path(run_dir)
         self.checkpoint_key_file = checkpoint_key_file   # signs cordons (agent/culprit.py, trainguard/cordon.py)
         self.entry_points, self.launchers = entry_points, launchers   # beyond the bundled ones (restore.Trust)
@@ -207,9 +209,14 @@ class Executor:
         self._retry: list[Notice] = []            # embedded notices waiting for a retry
         self._investigations: list[threading.Thread] = []   # restores gathering evidence (tests join them)
         self._retry_timer: threading.Timer | None = None
-        # agent/culprit.py Investigator, set by the agent (webhook.install): an Alertmanager restore then
-        # gathers the incident's evidence before ranks are ended, as the embedded watchdog's does.
-        self.investigator: Callable[..., Notice | None] | None = None
+        # agent/culprit.py Investigator, set by the agent (agent/app.py build_investigator): an Alertmanager
+        # restore then gathers the incident's evidence before ranks are ended, as the embedded watchdog's
+        # does. `awaits_investigator`: the agent installs one right after building this executor, so a
+        # restore `recover` redoes waits for it (`_awaiting_evidence`) instead of ending ranks unseen.
+        self._awaits_investigator = awaits_investigator
+        self._awaiting_evidence: list[Verdict] = []
+        self._redone: set[str] = set()            # request ids redone after a restart (marked in their record)
+        self._investigator: Callable[..., Notice | None] | None = None
         self.recover()
 
     @classmethod
@@ -219,7 +226,20 @@ class Executor:
         return cls(config.run_dir, config.node, ledger, restore_grace_seconds=settings.restore_grace_seconds,
                    entry_points=settings.restore_entry_points, launchers=settings.restore_launchers,
                    claim_secret=claim_secret, claim_timeout_seconds=settings.claim_timeout_seconds,
-                   checkpoint_key_file=settings.checkpoint_key_file)
+                   checkpoint_key_file=settings.checkpoint_key_file, awaits_investigator=True)
+
+    @property
+    def investigator(self) -> Callable[..., Notice | None] | None:
+        return self._investigator
+
+    @investigator.setter
+    def investigator(self, investigator: Callable[..., Notice | None] | None) -> None:
+        """Installed by the agent; restores waiting to be redone (a crash before they were done) go on now,
+        their evidence gathered again first."""
+        self._investigator = investigator
+        waiting, self._awaiting_evidence = self._awaiting_evidence, []
+        for verdict in waiting:
+            self._redo_restore(verdict)
 
     # ------------------------------------------------------------------------------------- submit
     def submit(self, notices: list[Notice]) -> list[Verdict]:
@@ -260,12 +280,23 @@ class Executor:
 
     # ------------------------------------------------------------- restore: evidence before ending
     def _needs_evidence(self, verdict: Verdict) -> bool:
-        """An Alertmanager restore while this node has live ranks: the embedded watchdog's gathered the
-        evidence before it was submitted; this one must gather it here, before anything is ended. (With no
-        live rank here there is nothing to take stacks of and nothing to end: it is carried out at once.)"""
-        return (verdict.action == actions.RESTORE and verdict.notice.source != "embedded"
-                and self.investigator is not None and not verdict.dry_run
-                and bool(restore.local_ranks(restore.read_ranks(self.run_dir)[0], self.host)))
+        """An Alertmanager restore while this node has live ranks it would end: the embedded watchdog's
+        gathered the evidence before it was submitted; this one must gather it here, before anything is
+        ended. (With no such rank here there is nothing to take stacks of and nothing to end: it is carried
+        out at once.)"""
+        return self._may_need_evidence(verdict) and self.investigator is not None and bool(self._live(verdict))
+
+    @staticmethod
+    def _may_need_evidence(verdict: Verdict) -> bool:
+        return verdict.action == actions.RESTORE and verdict.notice.source != "embedded" and not verdict.dry_run
+
+    def _live(self, verdict: Verdict) -> list:
+        """This node's live ranks the restore would end: those started before the alert began (a rank the
+        elastic launcher restarted since, after a crash of this agent, is spared, and no evidence of it is
+        taken: it is not the hang's)."""
+        started_before = verdict.notice.starts_at
+        return [info for info, _ in restore.local_ranks(restore.read_ranks(self.run_dir)[0], self.host)
+                if started_before is None or info.started_at < started_before]
 
     def _restore_after_evidence(self, verdict: Verdict) -> None:
         """Gather the incident's evidence, then carry out the restore, on a thread of its own: the webhook
@@ -280,9 +311,10 @@ class Executor:
 
     def _investigate_and_restore(self, verdict: Verdict) -> None:
         assert self.investigator is not None
-        live = [info for info, _ in restore.local_ranks(restore.read_ranks(self.run_dir)[0], self.host)]
+        live = self._live(verdict)
         self.log.warning("restore: gathering evidence before ending ranks", alertname=verdict.notice.alertname,
-                         id=request_id(verdict), ranks=[info.rank for info in live])
+                         id=request_id(verdict), ranks=[info.rank for info in live],
+                         redone_after_restart=request_id(verdict) in self._redone)
         after = self.investigator(verdict.notice, live, fallback=lambda notice: self._finish(verdict, notice))
         self._finish(verdict, after)
 
@@ -365,6 +397,8 @@ class Executor:
                                  reason=verdict.reason, issued_at=now)
         result: dict[str, Any] = {"id": request["id"], "action": verdict.action, "alertname": n.alertname,
                                   "reason": verdict.reason, "key": n.key, "source": n.source, "issued_at": now}
+        if request["id"] in self._redone:
+            result["redone_after_restart"] = True
         try:
             claim = self._claim(verdict, request["id"], now)
             if claim is not None and not claim.mine:
@@ -374,23 +408,32 @@ class Executor:
                 if not claim.done:
                     self._watch_claim(verdict, claim, now)
                 return {**tls.event("action", timestamp=now, **result), "node": self.node}
-            result["appended"] = rundir.append_request(self.run_dir, request)
-            if verdict.action == actions.RESTORE:
-                result.update(restore.end_local_ranks(self.run_dir, self.host, started_before=n.starts_at,
-                                                    grace_seconds=self.grace, trust=self._trust()))
-                for refusal in result["refused"]:
-                    self.refused[refusal["reason"]] = self.refused.get(refusal["reason"], 0) + 1
-                if "paged" in result:
-                    self.refused["no_restarts_left"] = self.refused.get("no_restarts_left", 0) + 1
-            result["outcome"] = "paged" if "paged" in result else "issued"
-            if claim is not None:
-                self.claims.done(request["id"], claim, self.clock())
+            held = None if claim is None else self.claims.hold(request["id"], claim)   # renewed while acting
+            try:
+                self._carry_out(verdict, request, result)
+            finally:
+                if held is not None and result.get("outcome") is None:
+                    held.stop()                   # not carried out: a retry, or a takeover, does it
+            if held is not None:
+                held.done(self.clock())
         except OSError as exc:
             result.update(outcome="failed", error=f"{type(exc).__name__}: {exc}", errno=exc.errno)
             self.log.error("action failed", action=verdict.action, alertname=n.alertname, error=result["error"])
         self.executed[verdict.action] = self.executed.get(verdict.action, 0) + 1
         self.log.warning("action issued", **{k: v for k, v in result.items() if k != "issued_at"})
         return {**tls.event("action", timestamp=now, **result), "node": self.node}
+
+    def _carry_out(self, verdict: Verdict, request: dict, result: dict) -> None:
+        """The control request, and for a restore the ending of this node's proven ranks; sets `outcome`."""
+        result["appended"] = rundir.append_request(self.run_dir, request)
+        if verdict.action == actions.RESTORE:
+            result.update(restore.end_local_ranks(self.run_dir, self.host, started_before=verdict.notice.starts_at,
+                                                grace_seconds=self.grace, trust=self._trust()))
+            for refusal in result["refused"]:
+                self.refused[refusal["reason"]] = self.refused.get(refusal["reason"], 0) + 1
+            if "paged" in result:
+                self.refused["no_restarts_left"] = self.refused.get("no_restarts_left", 0) + 1
+        result["outcome"] = "paged" if "paged" in result else "issued"
 
     def _claim(self, verdict: Verdict, request_id: str, now: float) -> claims.Claim | None:
         """Who carries out a job-level verdict (agent/claims.py: a signed claim in RUN/control/claims/);
@@ -426,31 +469,90 @@ class Executor:
 
     # ----------------------------------------------------------------------------------- recovery
     def recover(self) -> int:
-        """Rebuild the ledger from the record; redo an action decided but not recorded as done (a crash)."""
+        """Rebuild the ledger from the record; redo an action decided but not recorded as done (a crash);
+        watch again the claims of other agents this agent recorded as ``claimed`` and saw no end of
+        (the watching lived in the process that ended)."""
         events = self.records.events()
         done = {e.get("id") for e in events if e.get("type") == "action" and e.get("outcome") != "failed"}
-        pending = []
+        claimed = {e.get("id") for e in events if e.get("type") == "action" and e.get("outcome") == "claimed"}
+        carried_out = {e.get("id") for e in events if e.get("type") == "action" and e.get("outcome") != "claimed"}
+        pending, decided = [], {}
         for event in events:
             if event.get("type") != "alert":
                 continue
             self.ledger.remember(event)
-            if event.get("request_id") and event["request_id"] not in done:
-                pending.append(event)
+            if event.get("request_id"):
+                decided[event["request_id"]] = event
+                if event["request_id"] not in done:
+                    pending.append(event)
         for event in pending:
             if event["request_id"] in done:
                 continue
             self.log.warning("redoing an action decided before a restart", action=event.get("action"),
                              alertname=event.get("alertname"), id=event["request_id"])
-            notice = Notice(alertname=event.get("alertname", ""), status="firing", action=event.get("requested"),
-                            key=event["key"], starts_at=event.get("starts_at"), source=event.get("source", ""))
-            verdict = Verdict(notice, event["outcome"], event["action"], event.get("reason", ""),
-                              float(event.get("decided_at") or 0.0))
-            try:
-                self.records.append([self._execute(verdict, self.clock())])
-            except OSError as exc:     # a full disk at start: the next start (or record) redoes it
-                self.log.error("could not record a redone action", error=str(exc), id=event["request_id"])
+            self._redone.add(event["request_id"])
+            verdict = self._verdict_of(event)
+            if self._awaits_investigator and self.investigator is None and self._may_need_evidence(verdict):
+                self._await_investigator(verdict)
+            elif self._may_need_evidence(verdict):
+                self._redo_restore(verdict)
+            else:
+                self._redo(verdict)
             done.add(event["request_id"])       # one redo per request, however often it was decided
+        for request in sorted(claimed - carried_out):
+            if request in decided:
+                self._watch_again(self._verdict_of(decided[request]))
         return len(pending)
+
+    @staticmethod
+    def _verdict_of(event: dict) -> Verdict:
+        """The verdict an ``alert`` record of this log holds (as decided before a restart)."""
+        notice = Notice(alertname=event.get("alertname", ""), status="firing", action=event.get("requested"),
+                        key=event["key"], starts_at=event.get("starts_at"), source=event.get("source", ""),
+                        labels=dict(event.get("labels") or {}))
+        return Verdict(notice, event["outcome"], event["action"], event.get("reason", ""),
+                       float(event.get("decided_at") or 0.0))
+
+    def _redo(self, verdict: Verdict) -> None:
+        try:
+            self.records.append([self._execute(verdict, self.clock())])
+        except OSError as exc:     # a full disk at start: the next start (or record) redoes it
+            self.log.error("could not record a redone action", error=str(exc), id=request_id(verdict))
+
+    def _redo_restore(self, verdict: Verdict) -> None:
+        """A restore decided before a restart: its evidence is gathered again from the ranks it would end
+        (the first life's gathering may be cut short, and nothing of it names this restore), then it is
+        carried out (its record says ``redone_after_restart``)."""
+        if self._needs_evidence(verdict):
+            self._restore_after_evidence(verdict)
+            return
+        with self._lock:
+            self._redo(verdict)
+
+    def _await_investigator(self, verdict: Verdict) -> None:
+        """Until the agent installs its Investigator (at once, agent/app.py); past REDO_WAIT_SECONDS without
+        one, the restore is carried out without evidence rather than never."""
+        self._awaiting_evidence.append(verdict)
+
+        def give_up() -> None:
+            if verdict in self._awaiting_evidence:
+                self._awaiting_evidence.remove(verdict)
+                self.log.error("no investigator to gather a redone restore's evidence; restoring without it",
+                               id=request_id(verdict), waited_seconds=REDO_WAIT_SECONDS)
+                with self._lock:
+                    self._redo(verdict)
+
+        timer = threading.Timer(REDO_WAIT_SECONDS, give_up)
+        timer.daemon = True
+        timer.start()
+
+    def _watch_again(self, verdict: Verdict) -> None:
+        """A claim another agent held when this one last ran: look at it now (done: nothing to do; still
+        renewed: watch it; neither for the timeout: take it over, agent/claims.py)."""
+        self.log.info("watching again a job-level claim recorded before a restart", id=request_id(verdict))
+        timer = threading.Timer(0.0, self._claim_check, (verdict,))
+        timer.daemon = True
+        timer.start()
 
     # ------------------------------------------------------------------------------------ metrics
     def families(self) -> list:

@@ -49,12 +49,14 @@ def parse_nnodes(text: str) -> tuple[int, int]:
 
 def cordon_refusal(run_dir: Path, key_file: str | None = None) -> str | None:
     """Why this node must not join (an honoured cordon: RUN/control/cordon/<node>, signed with the run's
-    checkpoint key), or None. A cordon that is not honoured (unsigned, forged, copied) is ignored loudly:
+    checkpoint key, not revoked by `trainguard uncordon`, not expired), or None. A cordon that is not
+    honoured (unsigned, forged, copied, revoked, expired) is ignored loudly:
     stderr, a ``cordon_ignored`` TLS event (trainguard/cordon.py), and the node joins."""
     from trainguard import cordon
-    from trainguard.trainer.cordon_key import signing_key
+    from trainguard.trainer.cordon_key import checker
 
-    key, key_path = signing_key(key_file)
+    key = checker(key_file)
+    key_path = key.where
     found = cordon.read_one(run_dir, node_name(), key)
     if found is None:
         return None
@@ -66,13 +68,27 @@ def cordon_refusal(run_dir: Path, key_file: str | None = None) -> str | None:
         count = cordon.record_ignored(run_dir, found, key_path)
     except OSError as exc:
         count, why = 0, f"{why}; the event could not be recorded: {exc}"
+    hint = _ignored_hint(run_dir, found.refused)
     message = (f"trainguard train: WARNING: {why}: the cordon is NOT honoured and node {node_name()} joins the "
-               f"job (ignored {count} time(s)). If it is genuine, it was signed with another key (--key-file); "
-               f"remove it with `trainguard uncordon {run_dir} {node_name()}`")
+               f"job (ignored {count} time(s)); {hint}")
     print(message, file=sys.stderr, flush=True)
     log.get("launch").warning("cordon not honoured; joining", host=node_name(), reason=found.refused,
                               path=str(found.path), ignored_total=count)
     return None
+
+
+def _ignored_hint(run_dir: Path, reason: str | None) -> str:
+    """What a human does about a cordon that was not honoured, by why (trainguard/cordon.py)."""
+    from trainguard import cordon
+
+    uncordon = f"`trainguard uncordon {run_dir} {node_name()}`"
+    if reason == cordon.REVOKED:
+        return f"it was revoked: remove the copy with {uncordon}"
+    if reason == cordon.EXPIRED:
+        return f"if the node must stay out, cordon it again (`trainguard cordon`); remove the old one with {uncordon}"
+    if reason == cordon.REVOCATIONS_UNREADABLE:
+        return "no cordon is honoured until the revocation list proves itself (docs/incidents.md)"
+    return f"if it is genuine, it was signed with another key (--key-file); remove it with {uncordon}"
 
 
 def write_launcher_file(run_dir: Path, nodes: Nodes) -> Path:

@@ -216,7 +216,7 @@ class ReplicaChecks:
             self.log.error("could not sign the cordon file: no checkpoint key", host=host, error=where)
             return
         try:
-            cordon_key.write_cordon(self.run_dir, host, key, **reason)
+            cordon_key.write_cordon(self.run_dir, host, key, self.key_file, **reason)
         except OSError as exc:
             self.log.error("could not write the cordon file", host=host, error=str(exc))
             return

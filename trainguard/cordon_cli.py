@@ -31,16 +31,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         paths.run_dir(args.run_dir)
         cordon.check_host(args.host)
-        from trainguard.trainer.cordon_key import signing_key, write_cordon   # a command may reach the trainer's key
+        from trainguard.trainer.cordon_key import checker, write_cordon   # a command may reach the trainer's key
 
-        key, where = signing_key(args.key_file)
+        signer = checker(args.key_file)
+        key, where = signer.key, signer.where
         if key is None:
             raise ValueError(f"cannot sign the cordon: {where}")
-        existing = cordon.read_one(args.run_dir, args.host, key)
+        existing = cordon.read_one(args.run_dir, args.host, signer)
         if existing is not None and existing.honoured:
             print(f"{args.host} is already cordoned: {existing.record.get('reason', '')}")
             return EXIT_OK
-        path = write_cordon(args.run_dir, args.host, key, reason=args.reason, by=f"human:{getpass.getuser()}")
+        path = write_cordon(args.run_dir, args.host, key, args.key_file, reason=args.reason,
+                            by=f"human:{getpass.getuser()}")
     except (FileNotFoundError, ValueError, OSError) as exc:
         print(f"trainguard cordon: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("words", nargs="+", metavar="[show|replay] RUN [ID]",
                         help="RUN to list; show RUN ID; replay RUN [ID]")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--key-file", default=None,
+                        help="the run's checkpoint key the cordons are checked with (default: where "
+                             "`trainguard train` looks for it)")
 
 
 def parse_words(words: list[str]) -> tuple[str, Path, str | None]:
@@ -53,9 +56,13 @@ def run(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         print(f"trainguard incidents: {run_dir}: no such run directory", file=sys.stderr)
         return EXIT_USAGE
+    key = cordon_checker(getattr(args, "key_file", None))
+    if isinstance(key, str):
+        print(f"trainguard incidents: {key}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         if command == "list":
-            return list_incidents(run_dir, args.json)
+            return list_incidents(run_dir, args.json, key)
         if command == "show":
             return show(run_dir, incident_id, args.json)
         return replay(run_dir, incident_id, args.json)
@@ -64,7 +71,17 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
 
-def list_incidents(run_dir: Path, as_json: bool) -> int:
+def cordon_checker(key_file: str | None):
+    """The key cordons are checked with (trainguard/cordon.py CordonKey), or why a --key-file cannot be used."""
+    from trainguard.trainer.cordon_key import checker   # a command may reach the trainer's key
+
+    key = checker(key_file)
+    if key_file is not None and key.key is None:
+        return f"--key-file {key_file}: {key.where}"
+    return key
+
+
+def list_incidents(run_dir: Path, as_json: bool, key=None) -> int:
     rows, problems = [], []
     for incident_id, verdict, problem in incidents.scan(run_dir):
         if problem:
@@ -83,22 +100,24 @@ def list_incidents(run_dir: Path, as_json: bool) -> int:
                 continue
             print(f"{row['id']:34} {row['kind']:5} {_culprit(row):18} {row['confidence']:5.2f}  {row.get('action')}")
     if not as_json:
-        print_cordons(run_dir)
+        print_cordons(run_dir, key if key is not None else cordon_checker(None))
     for problem in problems:
         print(f"trainguard incidents: {problem}", file=sys.stderr)
     return EXIT_DIFFERS if problems else EXIT_OK
 
 
-def print_cordons(run_dir: Path) -> None:
-    """The run's cordon files, each checked with this user's checkpoint key (trainguard/cordon.py)."""
+def print_cordons(run_dir: Path, key) -> None:
+    """The run's cordon files, each checked with the checkpoint key and its revocations (trainguard/cordon.py)."""
     from trainguard import cordon
-    from trainguard.trainer.cordon_key import signing_key   # a command may reach the trainer's key
 
-    key, where = signing_key()
+    where = key.where
     for host, found in sorted(cordon.read_all(run_dir, key).items()):
         if found.honoured:
             print(f"cordoned   {host}: kept out of the job (incident {found.record.get('incident')}, "
                   f"{found.record.get('reason')}); `trainguard uncordon {run_dir} {host}` lets it join")
+        elif found.refused == cordon.REVOKED:
+            print(f"REVOKED: cordon of {host}: {found.why_refused()}; its launcher joins the job; "
+                  f"`trainguard uncordon {run_dir} {host}` removes the copy")
         else:
             print(f"NOT honoured: cordon of {host}: {found.why_refused()} (checked with {where}); "
                   f"its launcher joins the job anyway")

@@ -93,3 +93,42 @@ def test_an_alertmanager_restore_gathers_an_incident_before_ending_the_ranks(tmp
 def action_time(log) -> float:
     [record] = [r for r in read_jsonl(log) if r["event"]["type"] == "action"]
     return float(record["event"]["issued_at"]) + 0.001
+
+
+@pytest.mark.slow
+def test_a_restore_redone_after_the_agent_crashed_gathers_the_evidence_again(tmp_path, ranks):
+    """The agent decided a restore (recorded, fsynced) and died before its evidence and the restore were
+    done. Its next start redoes the restore: the evidence is gathered again from the ranks it ends, before
+    it ends them. Before: `recover()` ended the ranks at once, at start, with no evidence gathered."""
+    from trainguard import policy as policy_mod
+    from trainguard.agent.config import AgentConfig
+    from trainguard.agent.culprit import Investigator
+    from trainguard.agent.executor import Executor, WebhookSettings
+    from trainguard.decide.ledger import Ledger, Notice
+
+    run = tmp_path / "run"
+    hung = ranks.start(run, 2)
+    (run / "policy.yaml").write_text("restore: {evidence_seconds: 1}\n")
+    config = AgentConfig(run_dir=run, node="n1", webhook={"restore_entry_points": [STANDIN]})
+    policy, settings = policy_mod.load(run / "policy.yaml"), WebhookSettings.from_config(config)
+    stalled = Notice(alertname="TrainingStalled", status="firing", action="restore", key="fp-stall@1",
+                     starts_at=time.time() + 5, source="alertmanager",
+                     labels={"alertname": "TrainingStalled", "instance": f"{HOST}:9400"})
+    first = Executor(run, "n1", Ledger())
+    [decided] = first.ledger.decide_all([stalled], now=time.time())
+    first.records.append([first._alert_record(decided, time.time())])   # the agent died right after this
+    again = Executor.for_agent(config, policy, settings)                   # its next start, as agent/app.py
+    assert all(alive(rank["pid"]) for rank in hung)                       # before: ended here, unseen
+    again.investigator = Investigator(run, HOST, policy.restore, record=again.records.append,
+                                      submit=again.submit, entry_points=again.entry_points,
+                                      launchers=again.launchers, key_file=again.checkpoint_key_file)
+    log = run / "tls" / "node-n1-actions.jsonl"
+    action = wait_for(lambda: next((r["event"] for r in read_jsonl(log) if r["event"]["type"] == "action"),
+                                   None), what="redone restore")
+    assert sorted(e["rank"] for e in action["ended"]) == [0, 1] and action["redone_after_restart"] is True
+    [incident] = [p for p in (run / "incidents").iterdir() if not p.name.startswith(".")]
+    assert json.loads((incident / "incident.json").read_text())["kind"] == "hang"
+    node = json.loads((incident / f"node-{HOST}.json").read_text())
+    assert sorted(int(rank) for rank in node["ranks"]) == [0, 1]
+    assert all((incident / f"rank-{rank}.stack.txt").read_text().strip() for rank in (0, 1))
+    assert max(p.stat().st_mtime for p in incident.iterdir()) <= action_time(log)

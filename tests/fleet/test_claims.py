@@ -7,9 +7,13 @@ could pre-create it and no agent acted (a job-level restore of a hung job never 
 
 from __future__ import annotations
 
+import fcntl
 import json
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +142,96 @@ def test_claim_and_key_settings_reach_the_executor(tmp_path):
         "claim_timeout_seconds": 5, "checkpoint_key_file": "~/k"}))
     executor = Executor.for_agent(AgentConfig(run_dir=tmp_path, node="n1"), Policy(), settings, claim_secret=TOKEN)
     assert executor.claims.timeout == 5.0 and str(executor.checkpoint_key_file).endswith("/k")
+
+
+# ------------------------------------------------------------------- a slow claimant, a restarted agent
+
+def test_a_claimant_slower_than_the_timeout_renews_its_claim_and_is_not_taken_over(tmp_path):
+    """n1 claims, then its action blocks for 3.5 timeouts: the trainer's control file is held under its
+    lock (a slow reader, a slow NFS server). n1 renews its claim meanwhile, so n2, which watches the claim,
+    never takes it over. Before: n2 took over after 1 s and carried the action out too (for a job-level
+    restore: two nodes' ranks ended for one alert)."""
+    notice = job_alert()
+    claimant = Executor(tmp_path, "n1", Ledger(), claim_secret=TOKEN, claim_timeout_seconds=1.0)
+    watcher = Executor(tmp_path, "n2", Ledger(), claim_secret=TOKEN, claim_timeout_seconds=1.0)
+    control = rundir.requests_path(tmp_path)
+    control.parent.mkdir(parents=True, exist_ok=True)
+    with open(control, "a+b") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)        # the claimant's append waits for this lock
+        acting = threading.Thread(target=claimant.submit, args=([notice],))
+        acting.start()
+        wait_until(lambda: rundir.claim_path(tmp_path, the_id(notice)).exists(), "n1's claim")
+        watcher.submit([notice])                        # claimed by n1: n2 watches it
+        time.sleep(3.5)
+        fcntl.flock(held.fileno(), fcntl.LOCK_UN)
+    acting.join(10)
+    time.sleep(1.5)                                     # n2 looks again once more after n1 finished
+    assert outcomes(tmp_path, "n1") == ["issued"] and outcomes(tmp_path, "n2") == ["claimed"]
+    assert watcher.claims.taken_over == 0
+    assert [p.name for p in rundir.claims_dir(tmp_path).iterdir()] == [the_id(notice)]
+    record = json.loads(rundir.claim_path(tmp_path, the_id(notice)).read_text())
+    assert record["done_at"] and record["renewals"] >= 3
+    assert signed.check(TOKEN, claims.PURPOSE, record, {"request_id": the_id(notice), "generation": 0}) is None
+
+
+# The first agent of the restart test: records `claimed` (n0's claim, fresh) and exits, as a crash would.
+FIRST_LIFE = """
+import sys, os
+from trainguard.agent.executor import Executor
+from trainguard.decide.ledger import Ledger
+from tests.fleet.test_claims import TOKEN, job_alert
+Executor(sys.argv[1], "n1", Ledger(), claim_secret=TOKEN, claim_timeout_seconds=1.0).submit([job_alert()])
+os._exit(0)
+"""
+
+
+def test_an_agent_restarted_after_recording_claimed_watches_the_claim_again_and_takes_it_over(tmp_path):
+    notice = job_alert()
+    assert claims.Claims(tmp_path, "n0", TOKEN).take(the_id(notice), time.time()).mine   # n0 then dies
+    subprocess.run([sys.executable, "-c", FIRST_LIFE, str(tmp_path)], check=True, timeout=120,
+                   cwd=Path(__file__).parents[2])
+    assert outcomes(tmp_path, "n1") == ["claimed"]       # n1's first life watched n0's claim, then ended
+    again = Executor(tmp_path, "n1", Ledger(), claim_secret=TOKEN, claim_timeout_seconds=1.0)
+    wait_until(lambda: again.claims.taken_over == 1, "the takeover by the restarted agent")
+    wait_until(lambda: outcomes(tmp_path, "n1") == ["claimed", "issued"], "the action's record")
+    assert [r["action"] for r in rundir.read_requests(tmp_path)] == [actions.COST_WARN]
+
+
+def test_an_agent_restarted_after_its_claimant_finished_does_not_act(tmp_path):
+    notice = job_alert()
+    subprocess.run([sys.executable, "-c", FIRST_LIFE.replace('"n1"', '"n2"'), str(tmp_path)], check=True,
+                   timeout=120, cwd=Path(__file__).parents[2])         # n2 claims, acts, is done
+    first = Executor(tmp_path, "n1", Ledger(), claim_secret=TOKEN, claim_timeout_seconds=1.0)
+    first.submit([notice])
+    restarted = Executor(tmp_path, "n1", Ledger(), claim_secret=TOKEN, claim_timeout_seconds=1.0)
+    time.sleep(1.5)
+    assert restarted.claims.taken_over == 0 and first.claims.taken_over == 0
+    assert outcomes(tmp_path, "n1") == ["claimed"] and len(rundir.read_requests(tmp_path)) == 1
+
+
+def wait_until(check, what, timeout=20.0):
+    deadline = time.time() + timeout
+    while not check():
+        assert time.time() < deadline, f"no {what} within {timeout}s"
+        time.sleep(0.05)
+
+
+def test_an_agent_restarted_after_claiming_acts_once_unless_its_claim_was_taken_over_meanwhile(tmp_path):
+    notice = job_alert()
+    other = Notice(alertname="JobStalledEverywhere", status="firing", action=actions.RESTORE, key="fp-job@2",
+                   source="alertmanager", labels={"alertname": "JobStalledEverywhere", "job": "trainguard"})
+    first = Executor(tmp_path, "n1", Ledger(), claim_secret=TOKEN)
+    verdicts = first.ledger.decide_all([notice, other], now=time.time())
+    first.records.append([first._alert_record(v, time.time()) for v in verdicts])   # decided, then ...
+    for v in verdicts:
+        assert first.claims.take(request_id(v), time.time()).mine                   # claimed, and died
+    # n2 took the second one over while n1 was down (n1's claim neither renewed nor done for the timeout)
+    n2 = claims.Claims(tmp_path, "n2", TOKEN, timeout_seconds=1.0)
+    n2.take(request_id(verdicts[1]), time.time())
+    taken = n2.take(request_id(verdicts[1]), time.time() + 2)
+    assert taken.mine and taken.generation == 1
+    n2.hold(request_id(verdicts[1]), taken).done(time.time())
+    Executor(tmp_path, "n1", Ledger(), claim_secret=TOKEN)                          # n1's next start
+    assert outcomes(tmp_path, "n1") == ["issued", "claimed"]
+    assert [r["id"] for r in rundir.read_requests(tmp_path)] == [request_id(verdicts[0])]   # n2 ran no trainer here
+    assert json.loads(rundir.claim_path(tmp_path, request_id(verdicts[0])).read_text())["done_at"]

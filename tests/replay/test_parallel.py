@@ -341,7 +341,7 @@ def blocks(draw):
     oddity = draw(st.sampled_from(sorted(ODDITIES)))
     lines = []
     for i in range(count):
-        when = start + i * 0.25 - (0.5 if draw(st.integers(0, 15)) == 0 else 0.0)
+        when = start + i * 0.25 - (5.0 if draw(st.integers(0, 7)) == 0 else 0.0)    # a clock stepped back
         if kind == "any":
             lines.append(_record_line(draw, rank, i + 1, when))
             continue

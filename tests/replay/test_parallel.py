@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from trainguard import tls
@@ -339,6 +339,7 @@ def blocks(draw):
     kind = draw(st.sampled_from(["usual", "one odd", "any"]))
     odd = draw(st.one_of(st.just(count - 1), st.integers(0, count - 1)))      # the last one: the block's last step
     oddity = draw(st.sampled_from(sorted(ODDITIES)))
+    gpus = draw(st.sampled_from([8, 0]))          # a GPU run's records say the count, a CPU run's 0
     lines = []
     for i in range(count):
         when = start + i * 0.25 - (5.0 if draw(st.integers(0, 7)) == 0 else 0.0)    # a clock stepped back
@@ -346,7 +347,7 @@ def blocks(draw):
             lines.append(_record_line(draw, rank, i + 1, when))
             continue
         record = {"timestamp": tls.format_timestamp(when), "rank": rank, "step": i + 1,
-                  "metrics": {"loss": 3.0, "grad_norm": 0.8}, "system": {"gpu_count": 8}}
+                  "metrics": {"loss": 3.0, "grad_norm": 0.8}, "system": {"gpu_count": gpus}}
         if kind == "one odd" and i == odd:
             ODDITIES[oddity](record)
         lines.append(tls.encode(record))
@@ -380,6 +381,34 @@ def test_a_block_of_other_ranks_is_counted_as_the_picker_counts_it(data, with_gp
             assert summed.times.tolist() == [entry[0] for entry in entries]
 
 
+@pytest.mark.parametrize("with_gpus", [False, True])
+def test_a_piece_counted_without_the_picker_is_the_picked_piece(tmp_path, monkeypatch, with_gpus):
+    """read_piece of another rank's log, its blocks counted (parallel._summed) against the same piece taken
+    by the Picker throughout (the file named a lead file): the same Piece, GPU places and all."""
+    monkeypatch.setattr(parallel, "DECODE_BYTES", 3_000)          # many blocks, usual and not
+    rng = random.Random(3)
+    path = tmp_path / "rank-2.jsonl"
+    write_lines(path, rank_records(2, 300, rng, world=4, own_gpus=True, start=T0, faults=True, hang_at=None,
+                                   clock_back=False), rng, bad=0.02)
+    size = path.stat().st_size
+    start = size // 3 + 1           # a piece from the middle of the file: numbered from UNKNOWN_STEP
+    start = path.read_bytes().index(b"\n", start) + 1
+    ways = []
+    in_c = parallel._summed_in_c
+    monkeypatch.setattr(parallel, "_summed_in_c", lambda *a: ways.append(found := in_c(*a)) or found)
+    counted = parallel.read_piece(str(path), 1, start, size, 0, LAYERS, with_gpus)
+    assert parallel._UNUSUAL in ways and len(ways) > ways.count(parallel._UNUSUAL) > 0      # both ways taken
+    picked = parallel.read_piece(str(path), 1, start, size, 0, LAYERS, with_gpus, lead_files=(1,))
+    for name in ("step_ordinals", "step_latest", "gpu_ordinals", "gpu_latest", "gpu_counts"):
+        assert getattr(counted, name).tolist() == getattr(picked, name).tolist(), name
+    assert (counted.records, counted.marked, counted.recorded_ordinals) == (picked.records, picked.marked, picked.recorded_ordinals)
+    one, other = counted.chunk.picker, picked.chunk.picker
+    assert (one.records, one.duplicates, one.partial, one.first, one.last) == \
+        (other.records, other.duplicates, other.partial, other.first, other.last)
+    assert counted.chunk.last_step == picked.chunk.last_step
+    assert (len(counted.gpu_ordinals) > 100) if with_gpus else not len(counted.gpu_ordinals)
+
+
 def test_the_usual_block_is_counted_in_c():
     """A rank's block as the trainer writes it takes the passes in C (not the loop): the path that counts 63
     of 64 ranks' records, with and without the GPU places."""
@@ -397,6 +426,9 @@ def test_the_usual_block_is_counted_in_c():
 # ------------------------------------------------------------------------------- the stall pass
 
 @settings(max_examples=200, deadline=None)
+# a run_end with a step does not move the tracker's step: the progress after it is progress
+@example(records=[(0.0, 1, 0), (1.0, 10, parallel.ENDED), (2.0, 5, 0), (3.0, None, parallel.STARTED), (6.0, None, 0)],
+         stall_seconds=5.0, step_first=False)
 @given(records=st.lists(st.tuples(st.floats(0, 600, allow_nan=False), st.one_of(st.none(), st.integers(0, 30)),
                                   st.sampled_from([0] * 12 + [parallel.ENDED, parallel.STARTED])),
                         max_size=80),

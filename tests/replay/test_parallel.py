@@ -36,7 +36,7 @@ POLICY = Policy(cost=CostPolicy(budget_per_1k_steps=1.2, tiers=CostTiers(warn=0.
 
 
 def rank_records(rank: int, steps: int, rng: random.Random, *, world: int, own_gpus: bool, start: float,
-                 faults: bool, hang_at: int | None, clock_back: bool = False, gap: bool = False):
+                 faults: bool, hang_at: int | None, clock_back: bool = False, gap: bool = False, samples: int = 0):
     """One rank's trainer records (the shape trainer/telemetry.py writes), with faults and events."""
     when, clock = start, 5000.0
     step = 0
@@ -70,6 +70,9 @@ def rank_records(rank: int, steps: int, rng: random.Random, *, world: int, own_g
             del record["step"]                    # the seed form: the step after the file's last
         if faults and rng.random() < 0.02:
             del record["metrics"]["grad_norm"]    # a partial step
+        if samples and rank == 0 and i % samples == 0:    # the lead rank's own sample: a count, no step
+            yield {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "run_id": "r", "rank": 0,
+                   "system": {"gpu_count": 1 + (i // samples) % 3}}
         yield record
         if faults and i % 37 == 11:
             yield {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "run_id": "r", "rank": rank,
@@ -117,14 +120,15 @@ def write_lines(path: Path, records, rng: random.Random, *, bad: float) -> None:
 def build_run(root: Path, seed: int, *, ranks: int = 3, nodes: int = 1, steps: int = 300, rotate: int = 0,
               compress: str = ".gz", own_gpus: bool = True, faults: bool = True, bad: float = 0.01,
               hang: bool = False, start: float = T0, control: bool = True, clock_back: bool = False,
-              gap: bool = True) -> Path:
+              gap: bool = True, samples: int = 0) -> Path:
     rng = random.Random(seed)
     folder = root / "tls"
     folder.mkdir(parents=True)
     hang_at = steps // 3 if hang else None
     for rank in range(ranks):
         records = list(rank_records(rank, steps, rng, world=ranks, own_gpus=own_gpus, start=start,
-                                    faults=faults, hang_at=hang_at, clock_back=clock_back, gap=gap))
+                                    faults=faults, hang_at=hang_at, clock_back=clock_back, gap=gap,
+                                    samples=samples))
         parts = [records]
         if rank == 0 and rotate:               # rotated parts, oldest first: rank-0.jsonl.N<suffix>, .., live
             size = len(records) // (rotate + 1)
@@ -176,6 +180,7 @@ CASES = {
     "a hang the stall watchdog sees": dict(hang=True, nodes=2),
     "a rank whose clock steps back a minute, in a CPU run": dict(own_gpus=False, clock_back=True, ranks=2,
                                                                   steps=500),
+    "lead steps billed from the lead rank's own samples, in a CPU run": dict(own_gpus=False, samples=7, rotate=1),
     "many ranks, healthy": dict(ranks=8, nodes=2, faults=False, bad=0.0, gap=False),
     "every lead step says its GPUs (the other ranks' records only counted)": dict(gap=False, ranks=4, rotate=1),
     "malformed lines everywhere": dict(bad=0.2),

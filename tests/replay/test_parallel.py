@@ -472,3 +472,20 @@ def test_the_stall_pass_on_every_cpu_decides_as_the_one_process_stream(tmp_path)
     reference = stall.replay(timeline._stall_entries(files, False), 60.0)
     found = stall.replay(parallel.stall_records(files, 60.0, chunk_bytes=16_000, workers=2), 60.0)
     assert found == reference and len(reference) >= 2
+
+
+def test_the_stall_pass_takes_the_merged_order_where_a_clock_steps_back(tmp_path):
+    """A record earlier than one before it in its file waits behind it in the merged order: after the step
+    at +70 s, the sample stamped +66 s (the clock stepped back) is no stall, as the tracker over the merged
+    stream decides (sorted by their own times, the sample would come first, 66 s after the last step)."""
+    from trainguard.decide import stall
+
+    step = {"rank": 0, "metrics": {"loss": 1.0, "grad_norm": 1.0}}
+    (tmp_path / "rank-0.jsonl").write_bytes(b"".join(tls.encode(r) for r in (
+        *({"timestamp": T0 + i, "step": i + 1, **step} for i in range(5)), {"timestamp": T0 + 70, "step": 6, **step},
+        {"timestamp": T0 + 66, "rank": 0, "hardware": {"gpu_util": 1.0}})))
+    (tmp_path / "node-a.jsonl").write_bytes(tls.encode({"timestamp": T0 + 80, "node": "a", "step": 6,
+                                                       "metrics": {"loss": 1.0}}))
+    files = sorted(tmp_path.iterdir())
+    assert stall.replay(timeline._stall_entries(files, False), 60.0) == []
+    assert stall.replay(parallel.stall_records(files, 60.0, workers=1), 60.0) == []

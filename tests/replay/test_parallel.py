@@ -359,7 +359,16 @@ def blocks(draw):
     return b"".join(lines)
 
 
-@settings(max_examples=150, deadline=None)
+def _cpu_run_block(*extra: dict) -> bytes:
+    """Records of a CPU run's rank 3 (gpu_count 0), then `extra` ones."""
+    usual = [{"timestamp": T0 + i, "rank": 3, "step": i, "metrics": {"loss": 3.0, "grad_norm": 0.8},
+              "system": {"gpu_count": 0}} for i in range(1, 4)]
+    return b"".join(map(tls.encode, usual + list(extra)))
+
+
+@settings(max_examples=300, deadline=None)
+@example(data=_cpu_run_block({"timestamp": T0 + 5, "rank": 3, "step": 5, "metrics": {"loss": 3.0, "grad_norm": 0.8},
+                              "hardware": {"gpus": [{"gpu": 0}]}}), with_gpus=True, before=0)    # one lists its GPUs
 @given(data=blocks(), with_gpus=st.booleans(), before=st.integers(0, 50))
 def test_a_block_of_other_ranks_is_counted_as_the_picker_counts_it(data, with_gpus, before):
     """parallel._summed (the passes in C, the loop for any other block) against picking.Picker.take over the

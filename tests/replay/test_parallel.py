@@ -441,7 +441,7 @@ def test_the_usual_block_is_counted_in_c():
 
 @settings(max_examples=200, deadline=None)
 # a run_end with a step does not move the tracker's step: the progress after it is progress
-@example(records=[(0.0, 1, 0), (1.0, 10, parallel.ENDED), (2.0, 5, 0), (3.0, None, parallel.STARTED), (6.0, None, 0)],
+@example(records=[(0.0, 1, 0), (1.0, 10, parallel.ENDED), (2.0, 5, 0), (3.0, None, parallel.STARTED), (6.5, None, 0)],
          stall_seconds=5.0, step_first=False)
 @given(records=st.lists(st.tuples(st.floats(0, 600, allow_nan=False), st.one_of(st.none(), st.integers(0, 30)),
                                   st.sampled_from([0] * 12 + [parallel.ENDED, parallel.STARTED])),

@@ -752,9 +752,10 @@ def stall_records(files: list, stall_seconds: float, *, chunk_bytes: int | None 
     parts = [part for pieces in per_file for part in pieces]
     if not parts:
         return []
-    running, times, steps, kinds = (np.concatenate(column) for column in zip(*parts))
-    order = np.argsort(running, kind="stable")
-    times, steps, kinds = times[order], steps[order], kinds[order]
+    del per_file
+    order = np.argsort(np.concatenate([part[0] for part in parts]), kind="stable")
+    times, steps, kinds = (np.concatenate([part[column] for part in parts])[order] for column in (1, 2, 3))
+    del parts, order        # what is held from here on: the sorted columns (17 bytes a record)
     kept = np.flatnonzero(_may_matter(times, steps, kinds, stall_seconds))
     return [(float(times[i]), int(steps[i]) if kinds[i] & HAS_STEP else None, bool(kinds[i] & ENDED),
              bool(kinds[i] & STARTED)) for i in kept]

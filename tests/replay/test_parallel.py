@@ -498,3 +498,13 @@ def test_the_stall_pass_takes_the_merged_order_where_a_clock_steps_back(tmp_path
     files = sorted(tmp_path.iterdir())
     assert stall.replay(timeline._stall_entries(files, False), 60.0) == []
     assert stall.replay(parallel.stall_records(files, 60.0, workers=1), 60.0) == []
+
+
+def test_a_node_record_read_leniently_keeps_its_gpus(tmp_path):
+    """hardware.gpus is left undecoded (msgspec.Raw) when bytes are typed; a line only the lenient reader
+    takes (a step written as a string) keeps its GPUs as the dicts they are, and is a record, not malformed,
+    on every path (--rules reads every line that way)."""
+    log = tmp_path / "node-a.jsonl"
+    log.write_bytes(b'{"timestamp": 1710512538.0, "node": "a", "step": "5", "hardware": {"gpus": [{"gpu": 0}, {"gpu": 1}]}}\n')
+    found = timeline.replay_logs([log]).to_json()
+    assert (found["records"], found["malformed"]) == (1, 0)

@@ -209,9 +209,18 @@ def line_blocks(handle) -> Iterator[bytes]:
         pending = [rest] if rest else []
 
 
+class _HardwareOfDict(Hardware, kw_only=True, gc=False):
+    gpus: Union[list[Any], None] = None         # a dict's readings cannot be made Raw: kept as they are
+
+
+_RecordOfDict = msgspec.defstruct("Record", [("hardware", Union[_HardwareOfDict, None], None)], bases=(Record,),
+                                  kw_only=True, gc=False)
+
+
 def _to_typed(record: dict) -> Record:
-    """The lenient reader's dict as the typed record (raises msgspec.ValidationError naming the field)."""
-    return msgspec.convert(record, Record)
+    """The lenient reader's dict as the typed record (raises msgspec.ValidationError naming the field): a
+    Record whose `hardware.gpus` is the list itself (what Raw stands for when decoding bytes)."""
+    return msgspec.convert(record, _RecordOfDict)
 
 
 def _refused(line: tls.Line, problems: Problems) -> None:

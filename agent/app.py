@@ -141,7 +141,8 @@ def build_investigator(config: AgentConfig, agent: Agent, executor: Executor,
     investigator = Investigator(config.run_dir, node_name(), policy.restore, agent=agent,
                                 record=executor.records.append, submit=executor.submit,
                                 entry_points=executor.entry_points, launchers=executor.launchers,
-                                key_file=executor.checkpoint_key_file)
+                                key_file=executor.checkpoint_key_file,
+                                claim_secret=executor.claims.secret)   # signs who leads an incident
     executor.investigator = investigator
     agent.add_metrics_source(investigator.families)
     return investigator

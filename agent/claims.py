@@ -25,7 +25,13 @@ request id and generation:
 - **An agent restarted after recording ``claimed``** watches that claim again (agent/executor.py
   ``recover``); one restarted after claiming finds its own claim (``mine``) and acts.
 
-    {"request_id", "generation", "node", "claimed_at", "renewals", "renewed_at", ["done_at"], "signature"}
+    {"request_id", "generation", "node", "pid", "started_at", "claimed_at", "renewals", "renewed_at",
+     ["done_at"], [the caller's fields, e.g. "incident"], "signature"}
+
+- **A claim names its claimant**: the host (``node``), the agent's pid and the agent process's start time,
+  so an agent that finds its own host's claim knows whether an earlier life of it made it. The rule over
+  a found claim (lead, follow, take over) is trainguard/decide/leader.py; a stall's incident is led the
+  same way (agent/culprit.py), with the incident id among the claim's fields.
 """
 
 from __future__ import annotations
@@ -34,17 +40,32 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
+
 from trainguard import rundir, signed
+from trainguard.decide import leader
 
 PURPOSE = "claim/1"
 DEFAULT_TIMEOUT_SECONDS = 60.0
 MAX_GENERATIONS = 16      # forged or abandoned claims skipped per request before acting regardless
 READ_ATTEMPTS = 20        # a claim created but not written yet (its creator between open and write)
 RENEWALS_PER_TIMEOUT = 4  # a claimant at work rewrites its claim this often per timeout
+# The record's own fields; any other signed field is the caller's (Claim.fields).
+RECORD_FIELDS = frozenset({"request_id", "generation", "node", "pid", "started_at", "claimed_at", "renewals",
+                           "renewed_at", "done_at", signed.SIGNATURE, signed.KEY_ID})
+
+
+def this_agent(host: str) -> leader.Claimant:
+    """This process as a claimant: its host, pid and start time (as psutil reads it; pids are reused)."""
+    try:
+        started = psutil.Process().create_time()
+    except psutil.Error:
+        started = None
+    return leader.Claimant(host, os.getpid(), started)
 
 
 @dataclass(frozen=True)
@@ -56,6 +77,8 @@ class Claim:
     mine: bool            # this agent is that one (it made the claim now, or before a restart)
     renewals: int = 0     # how often its claimant renewed it while at work
     request_id: str = ""
+    fields: dict = field(default_factory=dict, compare=False)   # the caller's (agent/culprit.py: "incident")
+    restarted: bool = False   # mine, made by an earlier life of this host's agent
 
 
 class Claims:
@@ -65,6 +88,7 @@ class Claims:
         self.run_dir, self.node, self.secret = Path(run_dir), node, secret
         self.timeout = timeout_seconds
         self.log, self.sleep = log, sleep
+        self.me = this_agent(node)
         self.refused: dict[str, int] = {reason: 0 for reason in signed.REASONS}
         self.taken_over = 0
         self._reported: set[tuple[str, str]] = set()     # (file, reason): each forged file logged once
@@ -80,23 +104,24 @@ class Claims:
         return rundir.takeover_claim_path(self.run_dir, request_id, generation, tag)
 
     # ------------------------------------------------------------------------------------- claim
-    def take(self, request_id: str, now: float) -> Claim:
-        """The claim that decides who acts on `request_id`, made by this agent where none stands.
+    def take(self, request_id: str, now: float, fields: dict | None = None) -> Claim:
+        """The claim that decides who acts on `request_id`, made by this agent where none stands (with the
+        caller's `fields`, signed with it; a claim found carries its maker's).
 
         Standing: a valid claim that is done, or that its claimant renewed within the timeout as this
         agent saw it. A valid claim neither done nor renewed for the timeout, or any claim that does not
         prove itself, does not stand: the next generation is tried.
         """
         if self.secret is None:      # nothing to sign with: never let an unprovable file stop the action
-            return Claim(self.node, 0, now, False, True, 0, request_id)
+            return Claim(self.node, 0, now, False, True, 0, request_id, dict(fields or {}))
         for generation in range(MAX_GENERATIONS):
             path = self.path(request_id, generation)
-            if self._create(path, request_id, generation, now):
+            if self._create(path, request_id, generation, now, fields or {}):
                 if generation > 0:
                     self.taken_over += 1
                     self._say("warning", "took over a job-level action its claimant did not carry out",
                               id=request_id, generation=generation)
-                return Claim(self.node, generation, now, False, True, 0, request_id)
+                return Claim(self.node, generation, now, False, True, 0, request_id, dict(fields or {}))
             record = self._read(path)
             reason = signed.check(self.secret, PURPOSE, record,
                                   {"request_id": request_id, "generation": generation})
@@ -105,9 +130,16 @@ class Claims:
                 continue
             assert isinstance(record, dict)
             found = self._found(record, generation)
-            if found.mine and not found.done and self.path(request_id, generation + 1).exists():
+            rule = leader.standing(
+                mine=found.mine, done=found.done,
+                renewed=not (found.mine or found.done) and self._at_work(request_id, found, now),
+                taken_over_since=found.mine and not found.done and self.path(request_id, generation + 1).exists())
+            if rule == leader.NEXT:
                 continue     # this agent's, from before a restart, and taken over since: the next one decides
-            if found.mine or found.done or self._at_work(request_id, found, now):
+            if rule in (leader.LEAD, leader.FOLLOW):
+                if found.restarted and not found.done:
+                    self._say("warning", "an earlier life of this agent made this claim: leading it again",
+                              id=request_id, generation=generation, pid=record.get("pid"))
                 return found
             self._say("warning", "a job-level action's claimant neither renewed nor finished it in time",
                       id=request_id, claimant=found.node, generation=generation, claimed_at=found.claimed_at,
@@ -127,10 +159,15 @@ class Claims:
 
     def _found(self, record: dict, generation: int) -> Claim:
         renewals = record.get("renewals")
+        mine = record.get("node") == self.node
+        pid, started = record.get("pid"), record.get("started_at")
+        claimant = leader.Claimant(str(record.get("node")), pid if isinstance(pid, int) else None,
+                                   float(started) if isinstance(started, (int, float)) else None)
         return Claim(str(record.get("node")), generation, float(record.get("claimed_at") or 0.0),
-                     record.get("done_at") is not None, record.get("node") == self.node,
+                     record.get("done_at") is not None, mine,
                      renewals if isinstance(renewals, int) and not isinstance(renewals, bool) else 0,
-                     str(record.get("request_id")))
+                     str(record.get("request_id")), {k: v for k, v in record.items() if k not in RECORD_FIELDS},
+                     mine and leader.restarted(claimant, self.me))
 
     def _at_work(self, request_id: str, found: Claim, now: float) -> bool:
         """Its claimant renewed it within the timeout, as this agent saw it. A claim seen for the first time
@@ -140,13 +177,13 @@ class Claims:
         if seen is None or seen[0] != found.renewals:
             self._seen[key] = (found.renewals, now)
             return True
-        return now - seen[1] < self.timeout
+        return leader.renewed_within(seen[1], now, self.timeout)
 
     def _rewrite(self, request_id: str, claim: Claim, **fields: Any) -> None:
         """Replace this agent's claim atomically (a reader sees the old record or the new, whole)."""
         path = self.path(request_id, claim.generation)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(self._body(request_id, claim.generation, claim.claimed_at, **fields))
+        tmp.write_bytes(self._body(request_id, claim.generation, claim.claimed_at, **{**claim.fields, **fields}))
         os.replace(tmp, path)
 
     # ---------------------------------------------------------------------------------- the files
@@ -154,13 +191,13 @@ class Claims:
         assert self.secret is not None
         record = signed.sign(self.secret, PURPOSE, {"request_id": request_id, "generation": generation,
                                                     "node": self.node, "claimed_at": claimed_at, "renewals": 0,
-                                                    **extra})
+                                                    **extra, "pid": self.me.pid, "started_at": self.me.started_at})
         return json.dumps(record).encode()
 
-    def _create(self, path: Path, request_id: str, generation: int, now: float) -> bool:
+    def _create(self, path: Path, request_id: str, generation: int, now: float, fields: dict) -> bool:
         # Whole or not at all: a claim another agent read half written would look forged to it, and it
         # would go on to the next generation and act too.
-        return rundir.create_whole(path, self._body(request_id, generation, now), 0o644)
+        return rundir.create_whole(path, self._body(request_id, generation, now, **fields), 0o644)
 
     def _read(self, path: Path) -> Any:
         for _ in range(READ_ATTEMPTS):

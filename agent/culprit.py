@@ -3,13 +3,21 @@
 Every node's agent decides the stall on its own (agent/actions_embedded.py) and all of them meet in one
 incident, in the run directory they share:
 
-1. **Claim.** The incident of a stall is keyed by the run's last step and launcher attempt
-   (``RUN/incidents/.claims/<key>``, created exclusively): the first agent names the incident, the others
-   find its id there. The claimer decides the verdict.
+1. **Claim.** The incident of a stall is keyed by the run's last step and launcher attempt: the first
+   agent claims ``incident-<key>`` as a job-level claim (agent/claims.py: ``RUN/control/claims/``, signed
+   with the job's claim secret, naming its claimant: host, agent pid and start time) with the incident's
+   id in it; the others find the id there. The claimant leads: it decides the verdict, and renews its
+   claim while it gathers and decides (every ``lead_timeout / 4``).
 2. **Evidence.** Each agent writes its node's evidence (agent/evidence.py) before anything is ended.
-3. **Verdict.** The claimer waits for every node's evidence (or the policy's ``evidence_seconds``),
+3. **Verdict.** The leader waits for every node's evidence (or the policy's ``evidence_seconds``),
    decides (trainguard/decide/culprit.py: the culprit; ``eviction``: keep it out or restore), writes
    ``incident.json``, a ``culprit`` TLS event, and the culprit node's cordon when it is kept out.
+   **A leader that dies first does not leave the incident without a verdict:** restarted, its agent finds
+   its own claim and leads again; otherwise, once the claim is neither renewed nor done for
+   ``lead_timeout`` (the policy's ``evidence_seconds``) as a waiting agent sees it, exactly one waiting
+   agent takes it over (the next generation's claim, trainguard/decide/leader.py) and decides from the
+   evidence on disk. A forged or copied claim is no claim: it neither stops the verdict nor points the
+   agents at another incident.
 4. **Act.** Every agent reads the verdict: with an eviction, the culprit's agent ends its launcher
    (proven, agent/evict.py) and the others end nothing (their ranks fail as their peers go, and their
    launchers re-form the job); otherwise the usual restore ends each node's ranks.
@@ -29,14 +37,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from trainguard import rundir
 from trainguard import incidents
 from trainguard import log as tglog
-from trainguard.agent import evict, evidence, restore
+from trainguard.agent import claims, evict, evidence, restore
 from trainguard.agent.actions_embedded import last_step
 from trainguard.decide import culprit as verdicts
 from trainguard.decide.ledger import Notice
 from trainguard.policy import RestorePolicy
 from trainguard import tls
 
-CLAIMS = ".claims"
+CLAIMS = ".claims"    # without a claim secret: RUN/incidents/.claims/<key>, unsigned (nothing to prove it with)
+MIN_LEAD_TIMEOUT = 1.0
 FALLBACK_RESTORE_SECONDS = 60.0   # ranks of a healthy node still alive this long after an eviction: restore
 
 
@@ -47,12 +56,17 @@ class Investigator:
                  record: Callable[[list[dict]], object] | None = None,
                  submit: Callable[[list[Notice]], object] | None = None,
                  entry_points: tuple[str, ...] = (), launchers: tuple[str, ...] = (),
-                 key_file: str | Path | None = None):
+                 key_file: str | Path | None = None, claim_secret: bytes | None = None,
+                 lead_timeout: float | None = None):
         self.run_dir, self.host, self.policy = Path(run_dir), host, policy
         self.key_file = key_file          # the run's checkpoint key: signs cordons (trainguard/cordon.py)
         self.entry_points, self.launchers = entry_points, launchers   # what the restore trusts, as the executor
         self.agent, self.record, self.submit = agent, record, submit
         self.log = tglog.get("agent.culprit", node=host)
+        # Who leads an incident: a signed job-level claim, taken over when its claimant stops renewing it
+        # for as long as gathering evidence may take (the job's webhook token signs it, as the executor's).
+        self.claims = claims.Claims(self.run_dir, host, claim_secret, log=self.log, timeout_seconds=max(
+            MIN_LEAD_TIMEOUT, policy.evidence_seconds if lead_timeout is None else lead_timeout))
         self.verdicts: dict[tuple[str, str], int] = {}    # (node, kind) -> count, for the metric
 
     def __call__(self, notice: Notice, live: list, fallback: Callable[[Notice], object] | None = None) -> Notice | None:
@@ -65,18 +79,57 @@ class Investigator:
             return notice
 
     def investigate(self, notice: Notice, live: list, fallback: Callable[[Notice], object] | None = None) -> Notice | None:
-        incident_id, leader = claim(self.run_dir, stall_key(self.run_dir))
-        self.log.warning("stall: gathering evidence", incident=incident_id, leader=leader)
+        key = stall_key(self.run_dir)
+        incident_id, hold = self.lead(key)
+        self.log.warning("stall: gathering evidence", incident=incident_id, leader=hold is not None)
         summary = evidence.gather(self.run_dir, incident_id, self.host, live, self.agent,
                                   wait_seconds=self.policy.evidence_seconds)
         self.log.info("evidence written", incident=incident_id, **summary)
-        if leader:
-            self.decide(incident_id, notice)
-        decided = wait_for_verdict(self.run_dir, incident_id, 2 * self.policy.evidence_seconds + 15)
+        decided = self.verdict(key, incident_id, hold, notice)
         if decided is None:
             self.log.error("no verdict in time; restoring in place", incident=incident_id)
             return notice
         return self.act(decided, notice, live, fallback)
+
+    # ----------------------------------------------------------------------------------- leading
+    def lead(self, key: str) -> tuple[str, claims.Hold | None]:
+        """(the incident id of the stall `key`, this agent's renewed claim when it leads, else None)."""
+        if self.claims.secret is None:
+            incident_id, leader = claim(self.run_dir, key)
+            return incident_id, (self.claims.hold(key, claims.Claim(self.host, 0, time.time(), False, True))
+                                 if leader else None)
+        found = self.claims.take(incident_claim(key), time.time(), {"incident": incidents.new_id("hang")})
+        incident_id = incidents.check_id(str(found.fields.get("incident") or ""))   # signed: ours
+        return incident_id, self.claims.hold(incident_claim(key), found) if found.mine else None
+
+    def verdict(self, key: str, incident_id: str, hold: claims.Hold | None, notice: Notice) -> dict | None:
+        """The incident's verdict: decided here while this agent leads, else the leader's, read once written.
+        A waiting agent takes over a leader proven gone (agent/claims.py: not renewed for the timeout)."""
+        deadline = time.monotonic() + 2 * self.policy.evidence_seconds + 15 + self.claims.timeout
+        while hold is None:
+            decided = read_verdict(self.run_dir, incident_id)
+            if decided is not None or time.monotonic() >= deadline:
+                return decided
+            hold = self._take_over(key, incident_id)
+            if hold is None:
+                time.sleep(0.2)
+        try:
+            decided = read_verdict(self.run_dir, incident_id) or self.decide(incident_id, notice)
+        except BaseException:
+            hold.stop()          # not renewed from now on: another agent takes over after the timeout
+            raise
+        hold.done(time.time())
+        return decided
+
+    def _take_over(self, key: str, incident_id: str) -> claims.Hold | None:
+        if self.claims.secret is None:
+            return None          # an unsigned claim proves nothing, so neither does its silence
+        found = self.claims.take(incident_claim(key), time.time(), {"incident": incident_id})
+        if not found.mine or found.fields.get("incident") != incident_id:
+            return None
+        self.log.warning("leading an incident whose leader is gone", incident=incident_id,
+                         generation=found.generation)
+        return self.claims.hold(incident_claim(key), found)
 
     # ---------------------------------------------------------------------------------- deciding
     def decide(self, incident_id: str, notice: Notice) -> dict:
@@ -183,8 +236,14 @@ def _restart_count(info: restore.RankInfo) -> int:
         return 0
 
 
+def incident_claim(key: str) -> str:
+    """The job-level claim's request id of the stall `key`'s incident (agent/claims.py)."""
+    return f"incident-{key}"
+
+
 def claim(run_dir: Path, key: str) -> tuple[str, bool]:
-    """(incident id, whether this agent made it) for the stall `key`."""
+    """(incident id, whether this agent made it) for the stall `key`, where there is no claim secret to
+    sign with: an unsigned exclusive file, as before the claims were signed."""
     directory = incidents.incidents_dir(run_dir) / CLAIMS
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / key
@@ -237,12 +296,8 @@ def wait_for_nodes(run_dir: Path, incident_id: str, hosts: set[str], seconds: fl
         time.sleep(0.2)
 
 
-def wait_for_verdict(run_dir: Path, incident_id: str, seconds: float) -> dict | None:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            return incidents.read(run_dir, incident_id)
-        except incidents.IncidentError:
-            if time.monotonic() >= deadline:
-                return None
-        time.sleep(0.2)
+def read_verdict(run_dir: Path, incident_id: str) -> dict | None:
+    try:
+        return incidents.read(run_dir, incident_id)
+    except incidents.IncidentError:
+        return None

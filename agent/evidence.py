@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from trainguard import rundir
 from trainguard import incidents
-from trainguard.agent.collectors.nccl import classify
+from trainguard.agent.collectors.nccl import classify, output_directories
 from trainguard.trainer import flight_recorder
 
 PY_SPY_TIMEOUT = 20.0
@@ -112,7 +113,7 @@ def node_signals(run_dir: Path, host: str, live: list, agent=None) -> dict:
         ranks[str(info.rank)] = {"pid": info.pid, "last_step": step, "last_step_at": at,
                                  "started_at": info.started_at, "last_record_at": _mtime(run_dir, info.rank)}
     return {"node": host, "taken_at": time.time(), "ranks": ranks, **hardware(agent),
-            "nccl_lines": nccl_lines(run_dir)}
+            "nccl_lines": nccl_lines(run_dir, host, live)}
 
 
 def hardware(agent) -> dict:
@@ -136,10 +137,14 @@ def hardware(agent) -> dict:
     return out
 
 
-def nccl_lines(run_dir: Path) -> list[dict]:
-    """NCCL WARN / watchdog / backend-error lines at the end of the ranks' logs (RUN/logs), with their rank."""
+def nccl_lines(run_dir: Path, host: str | None = None, live: list = ()) -> list[dict]:
+    """NCCL WARN / watchdog / backend-error lines at the end of the ranks' logs (RUN/logs), with their rank.
+
+    On a run directory other nodes share, only the logs this node's ranks (`live`) write into, as the nccl
+    collector follows them (agent/collectors/nccl.py `RankOutputs`): every node's would be read by every
+    agent at an incident, and land in this node's evidence."""
     found = []
-    for path in sorted(Path(run_dir).glob("logs/**/*.log")):
+    for path in _rank_logs(Path(run_dir), host, live):
         try:
             with open(path, "rb") as handle:
                 handle.seek(max(0, handle.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
@@ -155,6 +160,30 @@ def nccl_lines(run_dir: Path) -> list[dict]:
             found.append({"rank": rank, "kind": kind, "file": str(path.relative_to(run_dir)),
                           "line": line.decode(errors="replace")[:500]})
     return found[-MAX_LOG_LINES:]
+
+
+def _rank_logs(run_dir: Path, host: str | None, live: list) -> list[Path]:
+    logs = run_dir / "logs"
+    if host is None or not _shared(run_dir, host):
+        return sorted(logs.glob("**/*.log"))
+    root = os.path.realpath(logs)
+    found = []
+    for directory in output_directories(Path("/proc"), [info.pid for info in live]):
+        if not directory.startswith(root + os.sep):
+            continue        # a rank writing elsewhere (a terminal, a scheduler's file): not RUN/logs
+        inside = logs / os.path.relpath(directory, root)     # named under RUN as given (file names relative to it)
+        try:
+            found += [inside / name for name in os.listdir(directory) if name.endswith(".log")]
+        except OSError:
+            continue
+    return sorted(found)
+
+
+def _shared(run_dir: Path, host: str) -> bool:
+    """Another host registered ranks in this run directory."""
+    registrations = rundir.RankFiles(run_dir, {host, socket.gethostname()})
+    registrations.read()
+    return registrations.others_registered()
 
 
 def _mtime(run_dir: Path, rank: int) -> float | None:

@@ -7,86 +7,123 @@ rank-<r>.jsonl: a thousand nodes of eight ranks are eight thousand files. An age
    trainer/control.py); a rank registered on this host is ours, one registered elsewhere is not.
 2. A rank file with no registration (not written yet, or a log from elsewhere) is judged by the `node` of
    its first record; a record that names no node (single-node logs, converted logs) counts as ours, so a
-   run on one machine reads everything, as it always did.
+   run on one machine reads everything, as it always did. A file with no complete first line yet is
+   nobody's until it has one (asked again each poll).
 
 "This node" is the agent's node name and the machine's host name (the trainer registers the host name;
-an operator may name the node otherwise with --node). The verdicts are cached: the selection is made
-again only when the listing or the registrations change, so a poll costs the same at 1 and 1,000 nodes.
-A rank that moves to another node after an elastic restart changes hands with its registration; the
-records it wrote before carry the old node, and the collector skips those (`is_ours`).
+an operator may name the node otherwise with --node). A rank that moves to another node after an elastic
+restart changes hands with its registration; the records it wrote before carry the old node, and the
+collector skips those (`is_ours`).
+
+Nothing is kept of the other nodes' files, so memory stays flat as the cluster grows: the follower hands
+the listing over one entry at a time (agent/tail.py), a registered rank is decided from RankFiles' bits,
+and of the listing only a fingerprint is kept (the count and a sum of the names' and inodes' hashes). A
+listing with the same fingerprint and the same registrations selects the same files, so the first
+records of unregistered files are read again only when the listing or the registrations change.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import socket
-
-from trainguard.agent.restore import RankFiles
+from typing import Iterable
 
 from trainguard import tls
+from trainguard.rundir import RankFiles
 
-RANK_LOG = re.compile(r"^rank-(\d+)\.jsonl$")
 PEEK_BYTES = 64 << 10      # the first record of a rank file is read this far at most
+PEEK_CHUNK = 4 << 10       # ... a block at a time (a first record is a few hundred bytes)
+FINGERPRINT_MASK = (1 << 64) - 1
+PENDING = object()          # a file with no complete first line yet
 
 
 class NodeFiles:
-    """A `Follower.select`: the listing's rank files that belong to this node."""
+    """A `Follower.select`: of the matching entries of RUN/tls, the rank files that belong to this node."""
 
     def __init__(self, run_dir: str | os.PathLike, node: str, host: str | None = None):
         self.ours = frozenset({node, host or socket.gethostname()})
-        self.rank_files = RankFiles(run_dir, self.ours)    # keeps only this node's registrations
-        self._seen: tuple | None = None   # the (listing, registrations) objects selected from (held: no id reuse)
+        self.rank_files = RankFiles(run_dir, self.ours)    # this node's registrations, a bit for the others'
+        self._listed: tuple | None = None      # (count, fingerprint, version) of the listing selected from
         self._selected: dict[str, str] = {}
-        self._first_node: dict[tuple[str, int], str | None] = {}   # (name, inode) -> node of its first record
-        self._undecided = False   # a file with no complete first line yet: decide again next poll
+        self._pending: dict[str, str] = {}     # name -> path: unregistered, no complete first line yet
+        self._first_lines = 0                  # pending files that got their first line (a new version)
 
     def is_ours(self, node) -> bool:
         """A record's `node`: none named, or this node's."""
         return node is None or node in self.ours
 
-    def __call__(self, listing: dict[str, str]) -> dict[str, str]:
-        registered = self.rank_files.read()        # the same list object until RUN/control/ranks changes
-        seen = self._seen
-        if seen is None or seen[0] is not listing or seen[1] is not registered or self._undecided:
-            here = {info.rank for info in registered}
-            self._undecided = False
-            self._selected = {name: path for name, path in listing.items() if self._owned(name, path, here)}
-            self._seen = (listing, registered)
-        return self._selected
+    def version(self) -> tuple[int, int]:
+        """Asked by the follower each poll: when it changes, the directory is listed and selected again
+        (a rank was registered or moved, or a file nobody registered has its first record now)."""
+        self.rank_files.read()
+        if any(_first_line(path) is not None for path in self._pending.values()):
+            self._pending = {}
+            self._first_lines += 1
+        return self.rank_files.generation, self._first_lines
 
-    def _owned(self, name: str, path: str, here: set[int]) -> bool:
-        match = RANK_LOG.match(name)
-        if match and int(match.group(1)) in here:
-            return True
-        if match and self.rank_files.registered_elsewhere(int(match.group(1))):
-            return False
-        return self.is_ours(self._node_of_first_record(name, path))
+    def __call__(self, entries: Iterable[os.DirEntry]) -> dict[str, str]:
+        here = {info.rank for info in self.rank_files.known()}    # read by `version`, just before
+        selected: dict[str, str] = {}
+        unregistered: list[tuple[str, str]] = []     # usually none: the trainer registers every rank
+        count = fingerprint = 0
+        elsewhere = self.rank_files.registered_elsewhere
+        for entry in entries:        # a thousand nodes' files: kept to a few operations each
+            name = entry.name
+            count += 1
+            fingerprint += hash(name) ^ entry.inode()
+            rank = _rank_of(name)
+            if rank in here:
+                selected[name] = entry.path
+            elif rank is None or not elsewhere(rank):
+                unregistered.append((name, entry.path))
+        listed = (count, fingerprint & FINGERPRINT_MASK, (self.rank_files.generation, self._first_lines))
+        if listed == self._listed:
+            return self._selected      # the same files and registrations: the same choice, no file opened
+        pending = {}
+        for name, path in unregistered:
+            node = _node_of_first_record(path)
+            if node is PENDING:
+                pending[name] = path
+            elif self.is_ours(node):
+                selected[name] = path
+        self._listed, self._selected, self._pending = listed, selected, pending
+        return selected
 
-    def _node_of_first_record(self, name: str, path: str) -> str | None:
-        try:
-            inode = os.stat(path).st_ino
-        except OSError:
-            return None
-        key = (name, inode)
-        if key not in self._first_node:
-            line = _first_line(path)
-            if line is None:              # empty so far: ours for now (nothing to read), asked again
-                self._undecided = True
-                return None
-            try:
-                node = tls.decode(line, path, 1).get("node")
-            except tls.TLSError:
-                node = None               # the collector reads it and reports the malformed line
-            self._first_node[key] = node if isinstance(node, str) else None
-        return self._first_node[key]
+
+def _rank_of(name: str) -> int | None:
+    """3 for rank-3.jsonl, None for a name that is no rank log (no regular expression: this runs for
+    every file listed)."""
+    digits = name[5:-6]
+    if name.startswith("rank-") and name.endswith(".jsonl") and digits.isascii() and digits.isdigit():
+        return int(digits)
+    return None
+
+
+def _node_of_first_record(path: str):
+    """The `node` of the file's first record (None: it names none), or PENDING."""
+    line = _first_line(path)
+    if line is None:
+        return PENDING
+    try:
+        node = tls.decode(line, path, 1).get("node")
+    except tls.TLSError:
+        return None               # the collector reads it and reports the malformed line
+    return node if isinstance(node, str) else None
 
 
 def _first_line(path: str) -> bytes | None:
+    """The file's first line, when it is complete (within PEEK_BYTES)."""
+    head = b""
     try:
         with open(path, "rb") as handle:
-            head = handle.read(PEEK_BYTES)
+            while len(head) < PEEK_BYTES:
+                block = handle.read(PEEK_CHUNK)
+                end = block.find(b"\n")
+                if end >= 0:
+                    return head + block[:end]
+                if not block:
+                    return None
+                head += block
     except OSError:
         return None
-    end = head.find(b"\n")
-    return head[:end] if end >= 0 else None
+    return head      # no newline in PEEK_BYTES: judged by what is there (a malformed line: ours, reported)

@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainguard import rundir
 from trainguard.metrics.node import DiskStats   # read here, rendered there
 
 
@@ -273,7 +274,7 @@ class RankPids:
 
     The trainer writes its host name; the agent's node name may be configured otherwise, so either matches.
     A rank file of another host (a shared run directory) is not ours. Collectors ask every update, so the
-    files are read again only when they change (restore.RankFiles). The mapping returned is shared: read
+    files are read again only when they change (rundir.RankFiles). The mapping returned is shared: read
     it, do not change it.
     """
 
@@ -281,11 +282,13 @@ class RankPids:
         self.ours = {node, socket.gethostname()}
         self._files = None
         if run_dir is not None:
-            from .restore import RankFiles     # psutil and logging only when a run directory is watched
-
-            self._files = RankFiles(run_dir, self.ours)
+            self._files = rundir.RankFiles(run_dir, self.ours)
         self._infos: list | None = None      # the RankFiles list the mapping was made from
         self._pids: dict[int, int] = {}
+
+    def shared(self) -> bool:
+        """Another host registered ranks in this run directory (as of the last `get`)."""
+        return self._files is not None and self._files.others_registered()
 
     def get(self) -> dict[int, int]:
         if self._files is None:

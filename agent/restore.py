@@ -35,18 +35,14 @@ from __future__ import annotations
 
 import os
 import threading
-from array import array
-from bisect import bisect_left
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import psutil
 
 from trainguard import log as tglog
-from trainguard import rundir
 from trainguard.rundir import RankInfo, read_ranks   # the reading end of RUN/control/ranks (trainguard/rundir.py)
+from trainguard.rundir import RankFiles  # noqa: F401  (moved to trainguard/rundir.py; this name still works)
 
 BUNDLED_ENTRY_POINT = "trainguard.trainer.train"
 BUNDLED_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
@@ -66,113 +62,6 @@ REFUSALS = {
     "launcher_mismatch": "the launcher is not the one the rank registered",
     "no_restarts_left": "the launcher has no restarts left (a human is paged instead)",
 }
-
-
-class RankFiles:
-    """This host's registrations in RUN/control/ranks, read again only when the directory changes.
-
-    Collectors and the watchdog ask often, and on a shared run directory the folder holds every node's
-    ranks (8,000 files at 1,000 nodes). Only this host's `RankInfo`s are kept (`read()`); of any other
-    registration only its rank number and the fingerprint of its file (name, inode, mtime, size), 16 bytes,
-    so memory stays flat as the cluster grows and a change reads only the files that are new or changed,
-    not all of them again (one stat per file instead of a read and a parse). `registered_elsewhere(rank)`
-    tells the node-file selection that a rank runs on another host now.
-
-    A rank replaces its file atomically (trainer/control.py), which changes the directory's mtime. Two
-    changes within the filesystem's timestamp granularity could share one mtime, so a directory changed
-    less than RACY_SECONDS before it was read is read again next time (git's "racily clean" rule).
-    `read()` returns the same list object until the files change: read it, do not change it.
-    """
-
-    RACY_SECONDS = 2.0
-
-    def __init__(self, run_dir: str | Path, hosts: Iterable[str]):
-        self.run_dir = Path(run_dir)
-        self.hosts = frozenset(hosts)
-        self._directory = str(rundir.ranks_dir(self.run_dir))
-        self._version: tuple[int, int] | None = None     # (inode, mtime_ns) of the directory when read
-        self._infos: list[RankInfo] = []
-        self._ours: dict[int, RankInfo] = {}             # fingerprint -> this host's registration
-        self._elsewhere = _Registrations()               # everybody else's, as fingerprints and ranks
-        self.problems: list[str] = []                     # the unreadable files of the last refresh
-
-    def read(self) -> list[RankInfo]:
-        try:
-            st = os.stat(self._directory)
-        except OSError:
-            self._version, self._infos, self._ours, self._elsewhere = None, [], {}, _Registrations()
-            return self._infos
-        version = (st.st_ino, st.st_mtime_ns)
-        if version != self._version:
-            self._refresh()
-            settled = time.time() - st.st_mtime > self.RACY_SECONDS
-            self._version = version if settled else None
-        return self._infos
-
-    def registered_elsewhere(self, rank: int) -> bool:
-        """Rank `rank` registered on another host (as of the last `read`)."""
-        return self._elsewhere.has_rank(rank)
-
-    def _refresh(self) -> None:
-        ours: dict[int, RankInfo] = {}
-        elsewhere: list[tuple[int, int]] = []
-        self.problems = []
-        for path, fingerprint in _fingerprints(self._directory):
-            info = self._ours.get(fingerprint)
-            rank = self._elsewhere.rank_of(fingerprint) if info is None else None
-            if info is None and rank is None:
-                try:
-                    info = rundir.read_rank_file(path)
-                except FileNotFoundError:
-                    continue    # replaced between the listing and the read: the launcher is restarting it
-                except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                    self.problems.append(f"{path}: {type(exc).__name__}: {exc}")
-                    continue
-                if info.host not in self.hosts:
-                    rank, info = info.rank, None
-            if info is not None:
-                ours[fingerprint] = info
-            else:
-                elsewhere.append((fingerprint, rank))
-        self._ours, self._elsewhere = ours, _Registrations(elsewhere)
-        self._infos = sorted(ours.values(), key=lambda info: info.rank)
-
-
-def _fingerprints(directory: str) -> Iterator[tuple[Path, int]]:
-    """Each rank file of the directory, with a hash of what identifies its version (a replace or a
-    rewrite changes it)."""
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return
-    for entry in entries:
-        if not (entry.name.startswith("rank-") and entry.name.endswith(".json")):
-            continue
-        try:
-            st = entry.stat()
-        except OSError:
-            continue
-        yield Path(entry.path), hash((entry.name, st.st_ino, st.st_mtime_ns, st.st_size))
-
-
-class _Registrations:
-    """Other hosts' registrations as two packed arrays (fingerprint -> rank): 16 bytes each."""
-
-    def __init__(self, pairs: list[tuple[int, int]] = ()):
-        pairs = sorted(pairs)
-        self._fingerprints = array("q", (f for f, _ in pairs))
-        self._ranks_of = array("q", (r for _, r in pairs))
-        self._ranks = array("q", sorted(self._ranks_of))
-
-    def rank_of(self, fingerprint: int) -> int | None:
-        at = bisect_left(self._fingerprints, fingerprint)
-        if at < len(self._fingerprints) and self._fingerprints[at] == fingerprint:
-            return self._ranks_of[at]
-        return None
-
-    def has_rank(self, rank: int) -> bool:
-        at = bisect_left(self._ranks, rank)
-        return at < len(self._ranks) and self._ranks[at] == rank
 
 
 def live_process(info: RankInfo) -> psutil.Process | None:

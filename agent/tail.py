@@ -8,7 +8,11 @@
   it changed (its mtime), or every `rescan_seconds`, so a directory shared by a thousand nodes costs one
   stat per poll, not a listing of eight thousand names.
 - `select` (optional) narrows the listing to the files this follower reads (the training collector's
-  `NodeFiles`: this node's ranks only); a file left out keeps its position and is not read.
+  `NodeFiles`: this node's ranks only). It is handed the matching directory entries one at a time while
+  the directory is listed and returns the ones to read, so nothing is held of the others (on a shared run
+  directory, the other nodes' thousands of files). A file left out keeps its position and is not read.
+  `select.version()`, when it has one, is asked each poll: a new value lists the directory again (its
+  choice may have changed: the ranks were registered again).
 - Restarts: `state()` is a JSON-able position per file (inode, offset, line number, a checksum of the
   first bytes); `restore()` it, and reading resumes exactly where it stopped. Persist it together with
   whatever was derived from the lines (one atomic file), and no line is counted twice or lost.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import time
 import zlib
 from dataclasses import dataclass
@@ -63,11 +68,14 @@ class Follower:
             raise ValueError("max_read_bytes must be at least max_line_bytes")
         self.directory = Path(directory)
         self.pattern = pattern
-        self.select = select              # callable(listing: dict[name, path]) -> the subset to read
+        self.select = select              # callable(matching entries) -> {name: path} of those to read
         self.rescan_seconds, self.clock = rescan_seconds, clock
-        self._listing: dict[str, str] = {}
+        self._match = re.compile(fnmatch.translate(pattern)).match
+        self._listing: dict[str, str] = {}  # the files to read: every matching one, or those `select` kept
+        self._present: set[str] = set()     # followed names the last listing held (left out or not)
         self._listed: tuple | None = None   # (inode, mtime_ns) of the directory when listed
         self._listed_at: float | None = None
+        self._select_version = None
         self.max_read_bytes, self.max_line_bytes = max_read_bytes, max_line_bytes
         self.positions: dict[str, Position] = {}
         self.events: list[str] = []      # "rotated rank-0.jsonl", "truncated ..." since last read; for logs
@@ -89,37 +97,48 @@ class Follower:
         Reads at most `max_read_bytes` per file; `more` is then True, and another poll reads on.
         """
         self.more = False
-        listing = self._matching()
-        for name in sorted(set(self.positions) - set(listing)):
+        listing = self._files_to_read()
+        for name in sorted(set(self.positions) - set(listing) - self._present):
             # Renamed away with no successor yet: finish the old file, then forget it.
             yield from self._drain_moved(name)
             del self.positions[name]
-        current = listing if self.select is None else self.select(listing)
-        for name, path in sorted(current.items()):
+        for name, path in sorted(listing.items()):
             yield from self._poll_file(name, path)
 
-    def _matching(self) -> dict[str, str]:
-        """The matching files, the same dict object until the directory changes (selectors cache on it)."""
+    def _files_to_read(self) -> dict[str, str]:
+        """The files to read, listed again only when the directory or the selection changed (or is stale)."""
         try:
             st = os.stat(self.directory)
         except OSError:
-            self._listing, self._listed = {}, None
+            self._listing, self._present, self._listed = {}, set(), None
             return self._listing
         version, now = (st.st_ino, st.st_mtime_ns), self.clock()
+        select_version = getattr(self.select, "version", None)
+        select_version = select_version() if select_version is not None else None
         stale = self._listed_at is None or now - self._listed_at >= self.rescan_seconds
-        if version != self._listed or stale:
+        if version != self._listed or stale or select_version != self._select_version:
             self._listing = self._scan()
             settled = time.time() - st.st_mtime > self.RACY_SECONDS
-            self._listed, self._listed_at = (version if settled else None), now
+            self._listed, self._listed_at, self._select_version = (version if settled else None), now, select_version
         return self._listing
 
     def _scan(self) -> dict[str, str]:
-        # Paths as strings: Path objects cost more than the syscalls here.
+        """The matching files ({name: path}, paths as strings: Path objects cost more than the syscalls
+        here), or those of them `select` keeps; streamed, so the directory's listing is never held."""
+        self._present = set()
         try:
             with os.scandir(self.directory) as entries:
-                return {e.name: e.path for e in entries if fnmatch.fnmatchcase(e.name, self.pattern) and e.is_file()}
+                matching = self._matching(entries)
+                return {e.name: e.path for e in matching} if self.select is None else self.select(matching)
         except FileNotFoundError:
             return {}
+
+    def _matching(self, entries) -> Iterator[os.DirEntry]:
+        for entry in entries:
+            if self._match(entry.name) and entry.is_file():
+                if entry.name in self.positions:
+                    self._present.add(entry.name)
+                yield entry
 
     def _poll_file(self, name: str, path: str) -> Iterator[Chunk]:
         try:
@@ -147,23 +166,27 @@ class Follower:
     def _drain_moved(self, name: str) -> Iterator[Chunk]:
         """Read the rest of the file `name` was before it was renamed, found beside it by its inode."""
         pos = self.positions[name]
+        path = self._path_of_inode(pos)
+        while path is not None:   # to its end, a bounded read at a time
+            before = pos.offset
+            chunks = self._read(path, pos)
+            if not chunks and pos.offset == before:   # None (not the same file) or nothing left
+                return
+            yield from chunks
+
+    def _path_of_inode(self, pos: Position) -> str | None:
+        """Where the file `pos` follows is now, looked for in the directory (streamed: not held)."""
         try:
             with os.scandir(self.directory) as scan:
-                entries = list(scan)
+                for entry in scan:
+                    try:
+                        if entry.inode() == pos.inode and entry.is_file() and entry.stat().st_dev == pos.device:
+                            return entry.path
+                    except OSError:
+                        continue
         except OSError:
-            return
-        for entry in entries:
-            try:
-                if entry.inode() != pos.inode or entry.stat().st_dev != pos.device or not entry.is_file():
-                    continue
-            except OSError:
-                continue
-            while True:   # to its end, a bounded read at a time
-                before = pos.offset
-                chunks = self._read(entry.path, pos)
-                if not chunks and pos.offset == before:   # None (not the same file) or nothing left
-                    return
-                yield from chunks
+            return None
+        return None
 
     def _read(self, path: str, pos: Position) -> list[Chunk] | None:
         """Complete lines from `pos` on (one open, positioned reads); None if the file's first bytes changed."""

@@ -12,16 +12,26 @@
 
     .venv/bin/python bench/bench_fleet.py --simulate 8 [--seconds 90] [--scrape-interval 5s]
 
+3. `--nccl-logs`: the nccl collector of one node on 1 and 1,000 nodes' torchrun logs in a shared RUN/logs,
+   every rank registered, node 0's ranks real processes writing into theirs (docs/scale.md, "What else
+   an agent lists"):
+
+    .venv/bin/python bench/bench_fleet.py --nccl-logs [--nodes 1000] [--updates 20]
+
 Each case runs in a fresh process (so RSS is its own): a TrainingCollector for node-0000 catches up on
-the synthetic run directory (tests/fleet/synthetic.py, in /dev/shm when there is one), then each round
-its node's 8 ranks append one step and the collector updates. Measured: CPU time per update
-(time.process_time, the median of the rounds) and the process's RSS after the rounds (VmRSS).
+the synthetic run directory (tests/fleet/synthetic.py, in /dev/shm when there is one; written, then left
+past the follower's 2 s racy window, as a running cluster's is), then each round its node's 8 ranks
+append one step and the collector updates; then, for a third as many rounds, another node's file appears
+in RUN/tls first (a node log rotated), so the update lists the directory again. Measured: CPU time per
+update (time.process_time, the median of the rounds, and of the rounds after a change of RUN/tls), the
+catch-up's, and the process's RSS after the rounds (VmRSS) and at its peak (VmHWM).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -36,11 +46,18 @@ from tests.fleet.synthetic import append_steps, fast_dir, node_name, write_fleet
 RANKS = 8
 
 
-def rss_bytes() -> int:
+def memory_bytes(field: str = "VmRSS") -> int:
+    """VmRSS (resident now) or VmHWM (the peak) of this process."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def timed_update(agent) -> float:
+    started = time.process_time()
+    agent.update()
+    return time.process_time() - started
 
 
 def one_case(run_dir: Path, updates: int, every_node: bool) -> dict:
@@ -51,27 +68,85 @@ def one_case(run_dir: Path, updates: int, every_node: bool) -> dict:
     agent = TrainingCollector(Context(run_dir=run_dir, node=node_name(0), options={"save_every_seconds": 5.0}))
     if every_node:
         agent.follower.select = None          # the agent before issue 21: every rank file in RUN/tls
-    started = time.process_time()
-    agent.update()
-    catch_up = time.process_time() - started
-    times = []
+    catch_up = timed_update(agent)
+    times, after_change = [], []
     for round_ in range(updates):
         append_steps(run_dir, range(RANKS), node_name(0), step=1000 + round_)
-        started = time.process_time()
-        agent.update()
-        times.append(time.process_time() - started)
+        times.append(timed_update(agent))
+    for round_ in range(max(1, updates // 3)):
+        (run_dir / "tls" / f"node-{node_name(1)}.jsonl.{round_ + 1}.gz").write_bytes(b"")   # a rotation elsewhere
+        append_steps(run_dir, range(RANKS), node_name(0), step=2000 + round_)
+        after_change.append(timed_update(agent))
     return {"catch_up_cpu_s": catch_up, "update_cpu_ms": 1000 * statistics.median(times),
-            "rss_mib": rss_bytes() / 2**20, "files_followed": len(agent.follower.positions)}
+            "relist_cpu_ms": 1000 * statistics.median(after_change),
+            "rss_mib": memory_bytes() / 2**20, "peak_rss_mib": memory_bytes("VmHWM") / 2**20,
+            "files_followed": len(agent.follower.positions)}
 
 
 def run_case(nodes: int, updates: int, every_node: bool) -> dict:
     with fast_dir(Path("/tmp")) as base:
         run_dir = base / f"run-{nodes}"
         write_fleet(run_dir, nodes=nodes, ranks_per_node=RANKS, steps=2)
+        time.sleep(2.5)    # past the racy window of the last file written (a running cluster's RUN/tls is settled)
         out = subprocess.run([sys.executable, __file__, "--child", str(run_dir), "--updates", str(updates)]
                              + (["--every-node"] if every_node else []),
                              check=True, capture_output=True, text=True).stdout
     return {"nodes": nodes, "follows": "every node" if every_node else "own node", **json.loads(out)}
+
+
+def write_torchrun_logs(run_dir: Path, nodes: int) -> list[subprocess.Popen]:
+    """RUN/logs as torchrun's --log-dir leaves it on a shared run directory: a directory per node's launcher
+    (<run id>_<random>/attempt_0/<local rank>/stdout.log, stderr.log), none naming its host; every rank
+    registered. Node 0's ranks are real processes writing into their files (returned: end them)."""
+    ranks = []
+    for node in range(nodes):
+        for local in range(RANKS):
+            folder = run_dir / "logs" / f"job_{node:04d}x1y2" / "attempt_0" / str(local)
+            folder.mkdir(parents=True)
+            (folder / "stdout.log").write_bytes(b"step 1\n")
+            (folder / "stderr.log").write_bytes(b"%s:1:1 [0] NCCL INFO comm 0x1 rank 0 nranks 8 - Init COMPLETE\n"
+                                                % node_name(node).encode())
+            pid = 10_000_000 + node * RANKS + local
+            if node == 0:
+                with open(folder / "stdout.log", "ab") as out, open(folder / "stderr.log", "ab") as err:
+                    ranks.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                                  stdout=out, stderr=err))
+                pid = ranks[-1].pid
+            register_rank_pid(run_dir, node * RANKS + local, node_name(node), pid)
+    return ranks
+
+
+def register_rank_pid(run_dir: Path, rank: int, host: str, pid: int) -> None:
+    from trainguard import rundir
+    rundir.write_rank_file(run_dir, rank, {"rank": rank, "pid": pid, "host": host, "started_at": time.time()})
+
+
+def nccl_case(run_dir: Path, updates: int) -> dict:
+    """In this process: the nccl collector of node-0000 on that RUN/logs, `updates` updates."""
+    from trainguard.agent.collector import Context
+    from trainguard.agent.collectors.nccl import NCCLCollector
+
+    collector = NCCLCollector(Context(run_dir=run_dir, node=node_name(0)))
+    first = timed_update(collector)
+    times = [timed_update(collector) for _ in range(updates)]
+    return {"followers": len(collector.logs.followers), "files_followed": collector.logs.files,
+            "first_cpu_s": first, "update_cpu_ms": 1000 * statistics.median(times),
+            "rss_mib": memory_bytes() / 2**20}
+
+
+def run_nccl_case(nodes: int, updates: int) -> dict:
+    with fast_dir(Path("/tmp")) as base:
+        run_dir = base / f"run-{nodes}"
+        ranks = write_torchrun_logs(run_dir, nodes)
+        try:
+            time.sleep(2.5)
+            out = subprocess.run([sys.executable, __file__, "--nccl-child", str(run_dir), "--updates", str(updates)],
+                                 check=True, capture_output=True, text=True).stdout
+        finally:
+            for rank in ranks:
+                rank.kill()
+                rank.wait()
+    return {"nodes": nodes, **json.loads(out)}
 
 
 def prom_value(url: str, expr: str) -> float:
@@ -156,19 +231,33 @@ def main() -> None:
     parser.add_argument("--scrape-interval", default="5s")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--every-node", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--nccl-logs", action="store_true",
+                        help="the nccl collector on 1 and --nodes nodes' torchrun logs in RUN/logs")
+    parser.add_argument("--nccl-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(one_case(args.child, args.updates, args.every_node)))
+        return
+    if args.nccl_child:
+        print(json.dumps(nccl_case(args.nccl_child, args.updates)))
+        return
+    if args.nccl_logs:
+        for row in (run_nccl_case(n, args.updates) for n in (1, args.nodes)):
+            print(json.dumps(row))
+        print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         return
     if args.simulate:
         figures = simulate(args.simulate, args.seconds, args.scrape_interval)
         print(json.dumps(figures, indent=1))
         return
     rows = [run_case(n, args.updates, every) for n in (1, args.nodes) for every in (False, True)]
-    print(f"{'nodes':>6} {'follows':>11} {'files':>6} {'update CPU ms':>14} {'catch-up CPU s':>15} {'RSS MiB':>8}")
+    print(f"{'nodes':>6} {'follows':>11} {'files':>6} {'update CPU ms':>14} {'after RUN/tls changed':>22} "
+          f"{'catch-up CPU s':>15} {'RSS MiB':>8} {'peak MiB':>9}")
     for row in rows:
         print(f"{row['nodes']:>6} {row['follows']:>11} {row['files_followed']:>6} {row['update_cpu_ms']:>14.2f} "
-              f"{row['catch_up_cpu_s']:>15.2f} {row['rss_mib']:>8.1f}")
+              f"{row['relist_cpu_ms']:>22.2f} {row['catch_up_cpu_s']:>15.2f} {row['rss_mib']:>8.1f} "
+              f"{row['peak_rss_mib']:>9.1f}")
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     own = {row["nodes"]: row for row in rows if row["follows"] == "own node"}
     print(f"own node: update CPU {args.nodes} nodes / 1 node = "
           f"{own[args.nodes]['update_cpu_ms'] / own[1]['update_cpu_ms']:.2f}x, RSS "

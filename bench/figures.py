@@ -212,3 +212,9 @@ def sdc(out: str) -> list[Figure]:
     if not figures:
         raise KeyError("no model rows in bench_sdc.py's table")
     return figures
+
+
+def hf_preclip(out: str) -> list[Figure]:
+    plain, hooked = row(out, "plain Trainer step"), row(out, "Trainer step with the pre-clip norm hooks")
+    return [Figure("HF Trainer step with the pre-clip norm hooks (CPU time)", hooked[2], "plain Trainer step",
+                   plain[2], number(hooked[2]) / number(plain[2]))]

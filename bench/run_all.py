@@ -36,7 +36,7 @@ from typing import Callable
 
 from figures import (Figure, agent, checkpoint, collectors, diagnose, fault_to_action, loop, preflight,
                      recovery, replay, replay_rundir, report, telemetry)
-from figures import sdc
+from figures import hf_preclip, sdc
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -79,6 +79,8 @@ BENCHES: dict[str, Spec] = {
     "dynamics": Spec("Training dynamics", [], ["--steps", "20", "--seeds", "1", "--variants", "cosine", "breathing"],
                      lambda stdout: []),
 }
+BENCHES["hf_preclip"] = Spec("Pre-clip gradient norm (Transformers callback)", [],
+                             ["--rounds", "2", "--steps", "20"], hf_preclip)
 BENCHES["sdc"] = Spec("Replica check (silent data corruption)", [], ["--configs", "tiny", "--rounds", "4"], sdc)
 
 

@@ -66,6 +66,8 @@ def build(run_dir: str, steps: int, faults: dict[int, float], policy: str | None
     args = TrainingArguments(output_dir=f"{run_dir}/hf", max_steps=steps, per_device_train_batch_size=4,
                              learning_rate=1e-3, lr_scheduler_type="constant", logging_steps=5,
                              save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+                             # unclipped so the injected faults are exact; with clipping on the guard still
+                             # sees the pre-clip norm (tests/integrations/test_hf_dynamics.py)
                              dataloader_num_workers=0, max_grad_norm=0.0)
     callback = ProtectCallback(run_dir, policy=policy, checkpoint_every=checkpoint_every)
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(), callbacks=[callback])

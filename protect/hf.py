@@ -9,9 +9,15 @@ Where it hooks into the Trainer's step (transformers >= 4.47, which calls `on_pr
 
 - a forward hook on the model collects each training micro-batch's loss (the model's own `loss` output)
   and its token count, so no Trainer subclass is needed;
-- `on_pre_optimizer_step` (after backward and the Trainer's clipping): `Protector.check`; a skip clears
-  every gradient, so the optimizer step that follows changes nothing (torch optimizers pass over a
-  parameter whose `grad` is None);
+- the gradient norm the guard sees is the one BEFORE the Trainer's clipping (`max_grad_norm`, 1.0 by
+  default), so an explosion is seen while the Trainer clips it: with clipping on, a post-accumulate-grad
+  hook on each parameter records the norm of its gradient once its accumulation is final
+  (`PreClipNorms`); without clipping the gradients at `on_pre_optimizer_step` are the unclipped ones;
+- `on_pre_optimizer_step` (after backward and the Trainer's clipping): `Protector.check` on the loss and
+  the pre-clip norm; a skip clears every gradient, so the optimizer step that follows changes nothing
+  (torch optimizers pass over a parameter whose `grad` is None), and holds the LR schedule
+  (`HeldSchedule`): the Trainer steps its scheduler after that `optimizer.step()`, the callback puts the
+  scheduler's state and the optimizer's LRs back at `on_step_end`, so a skipped step does not advance it;
 - `on_step_end` (the Trainer has counted the step): `Protector.after_step`; a rollback moves the Trainer's
   `global_step` back to the restored step, a stop (the guard's, or the agent's `cost_stop`) sets
   `control.should_training_stop`;
@@ -22,8 +28,7 @@ The Protector's checkpoints (model, optimizer, LR scheduler, random generators, 
 written to `RUN/checkpoints/`, hashed and signed, and `train()` resumes from the newest verified one. The
 Trainer's own `checkpoint-N` folders (`save_strategy`) are signed as they are written (`on_save`,
 trainguard.protect.hf_checkpoints); `hf_checkpoints.latest_verified(output_dir)` picks the newest that
-verifies, for `resume_from_checkpoint`. The gradient norm the guard sees is the one after the
-Trainer's clipping (`max_grad_norm`): set `max_grad_norm=0` to let the guard see explosions unclipped.
+verifies, for `resume_from_checkpoint`.
 """
 
 from __future__ import annotations
@@ -33,10 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from accelerate.state import GradientState
 from transformers import TrainerCallback
 
 from trainguard.protect import hf_checkpoints
 from trainguard.protect.callbacks import Callbacks
+from trainguard.protect.held_schedule import HeldSchedule
 from trainguard.protect.protector import Protector
 from trainguard.protect.state import RNGState
 from trainguard.trainer.telemetry import StepTimer
@@ -58,6 +65,9 @@ class ProtectCallback(TrainerCallback):
         self._losses: list[torch.Tensor] = []
         self._tokens = self._samples = 0
         self._hook = None
+        self._norms: PreClipNorms | None = None
+        self._held: HeldSchedule | None = None
+        self._rate: float | None = None
         self._scheduler = None
         self._base_lrs: list[float] = []
 
@@ -82,10 +92,14 @@ class ProtectCallback(TrainerCallback):
         state.global_step = self.protector.state.step
         self._apply_lr_scale(self.protector.state.lr_scale)
         self._hook = model.register_forward_hook(self._collect, with_kwargs=True)
+        if args.max_grad_norm and args.max_grad_norm > 0:   # the Trainer clips before on_pre_optimizer_step
+            self._norms = PreClipNorms.for_trainer(model)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._hook is not None:
             self._hook.remove()
+        if self._norms is not None:
+            self._norms.remove()
         if self.protector is None:
             return
         if self.exit_code is None:
@@ -109,27 +123,38 @@ class ProtectCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         self.timer.start()
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.protector is None or self.exit_code is not None:
             return
         self.timer.mark("forward_backward")
         loss = torch.stack(self._losses).mean() if self._losses else torch.tensor(float("nan"))
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
-        self.verdict = self.protector.check(state.global_step + 1, loss, norm)
+        self._rate = optimizer.param_groups[0]["lr"] if optimizer is not None else None   # this step's LR
+        self.verdict = self.protector.check(state.global_step + 1, loss, self._grad_norm(model, optimizer))
         if self.verdict.skip:
             for param in model.parameters():
                 param.grad = None
+            if self._scheduler is not None:
+                self._held = HeldSchedule.take([self._scheduler])
+
+    def _grad_norm(self, model, optimizer) -> torch.Tensor:
+        """The step's gradient norm before the Trainer's clipping: the hooks' record when the Trainer
+        clips, else the gradients as they are (on the device: `check` reads it in its one sync)."""
+        if self._norms is not None:
+            return self._norms.take(grad_scale(optimizer))
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
 
     def on_step_end(self, args, state, control, **kwargs):
         verdict, self.verdict = self.verdict, None
         if verdict is None:
             return
+        if self._held is not None:       # the Trainer stepped its scheduler after the skipped step
+            self._held.put_back()
+            self._held = None
         tokens, samples = self._tokens, self._samples
         self._losses, self._tokens, self._samples = [], 0, 0
-        rate = self._scheduler.get_last_lr()[0] if self._scheduler is not None else None
         outcome = self.protector.after_step(verdict, tokens=tokens, samples=samples, timings=self.timer.stop(),
-                                            learning_rate=rate)
+                                            learning_rate=self._rate)
         if outcome.restored_step is not None:
             state.global_step = outcome.restored_step
         if outcome.stop:
@@ -167,3 +192,77 @@ class ProtectCallback(TrainerCallback):
         for group, old, new in zip(self._scheduler.optimizer.param_groups, before, self._scheduler.base_lrs):
             if old:
                 group["lr"] *= new / old
+
+
+class PreClipNorms:
+    """The gradient norm before clipping, read without touching the loop: a post-accumulate-grad hook on
+    each parameter records the norm of its `.grad` once backward has accumulated the step's last
+    micro-batch into it (`is_final()`: the Trainer's accelerate flag `sync_gradients`, set before each
+    micro-batch), so each record is the norm of that final, not yet clipped, gradient; earlier
+    micro-batches cost nothing. `take` combines the records as `clip_grad_norm_` does (the 2-norm of the
+    per-parameter 2-norms) and clears them for the next step. Everything stays on the device: no host sync.
+
+    A parameter the last micro-batch did not reach (its gradient came from earlier ones) has no record; its
+    gradient, final since then, has been scaled by the clip's one coefficient, which the recorded ones
+    give back (their norm now over their norm recorded), so its pre-clip norm is exact too.
+
+    One process sees the gradients the optimizer uses. Under DDP a hook sees its rank's local gradient
+    (DDP averages the gradients after the hooks ran); the guard then gets the ranks' mean of their local
+    norms, which is at least the averaged gradient's norm: an explosion on any rank is seen."""
+
+    def __init__(self, parameters, is_final=lambda: True):
+        self.params = [p for p in parameters if p.requires_grad]
+        self.is_final = is_final
+        self.norms: list[torch.Tensor | None] = [None] * len(self.params)
+        self.handles = [p.register_post_accumulate_grad_hook(self._recorder(i)) for i, p in enumerate(self.params)]
+
+    @classmethod
+    def for_trainer(cls, model) -> PreClipNorms:
+        """On the Trainer's model, its last micro-batch told by accelerate's shared `GradientState`."""
+        accumulation = GradientState()
+        return cls(model.parameters(), lambda: accumulation.sync_gradients)
+
+    def _recorder(self, index: int):
+        def record(param: torch.Tensor) -> None:
+            if self.is_final():
+                self.norms[index] = torch.linalg.vector_norm(param.grad.detach())
+        return record
+
+    def take(self, scale: torch.Tensor | float | None = None) -> torch.Tensor:
+        """The total norm of this step's gradients, divided by `scale` (a loss scaler's: the hooks saw the
+        scaled gradients; the Trainer unscales them before it clips)."""
+        norms, self.norms = self.norms, [None] * len(self.params)
+        recorded = [n for n in norms if n is not None]
+        unrecorded = [p.grad for p, n in zip(self.params, norms) if n is None and p.grad is not None]
+        if not recorded:
+            total = torch.nn.utils.get_total_norm(unrecorded) if unrecorded else torch.tensor(0.0)
+            return total if scale is None else total / scale
+        total = norm_of_norms(recorded)
+        if unrecorded:
+            total = torch.linalg.vector_norm(torch.stack([total, self._unclipped(norms, unrecorded, total)]))
+        return total if scale is None else total / scale
+
+    def _unclipped(self, norms, unrecorded, recorded_total: torch.Tensor) -> torch.Tensor:
+        """The norm the unrecorded gradients had before the clip scaled them all by one coefficient."""
+        now = torch.nn.utils.get_total_norm([p.grad for p, n in zip(self.params, norms) if n is not None])
+        coefficient = torch.where(recorded_total > 0, now / recorded_total, torch.ones_like(now))
+        return torch.nn.utils.get_total_norm(unrecorded).to(now.device) / coefficient
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def norm_of_norms(norms: list[torch.Tensor]) -> torch.Tensor:
+    """`clip_grad_norm_`'s total: the 2-norm of the per-tensor 2-norms (on the first one's device)."""
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+
+
+def grad_scale(optimizer) -> torch.Tensor | None:
+    """The loss scale of an fp16 run (accelerate's optimizer holds the GradScaler), as a device tensor;
+    None when the gradients are not scaled. The scale the backward used: the scaler updates it only in
+    `optimizer.step()`, after the callback has read it."""
+    scaler = getattr(optimizer, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return scaler._get_scale_async()          # get_scale() would read it to the host: a sync per step

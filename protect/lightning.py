@@ -6,11 +6,15 @@
 Where it hooks into Lightning's automatic optimization:
 
 - `on_before_backward` collects each micro-batch's loss (the tensor `training_step` returned);
-- `on_before_optimizer_step` (Lightning calls it after the closure ran forward and backward, before
-  `optimizer.step`): `Protector.check`; a skip clears every gradient, so the step changes nothing (torch
-  optimizers pass over a parameter whose `grad` is None);
-- `on_train_batch_end` after a step: `Protector.after_step`; a stop (the guard's, or the agent's
-  `cost_stop`) sets `trainer.should_stop`.
+- `on_before_optimizer_step` (Lightning calls it after the closure ran forward and backward, and before
+  it clips the gradients: `Precision._after_closure` calls this hook, then `_clip_gradients`; the AMP
+  plugin unscales the gradients before that, so the guard's norm is the true one before clipping):
+  `Protector.check`; a skip clears every gradient, so the step changes nothing (torch optimizers pass over
+  a parameter whose `grad` is None), and holds the step-interval LR schedulers (`HeldSchedule`);
+- `on_train_batch_end` after a step (Lightning has stepped its step-interval schedulers just before,
+  `_TrainingEpochLoop.advance`): a skipped step's schedulers are put back, so a skip does not advance
+  the LR schedule; then `Protector.after_step`; a stop (the guard's, or the agent's `cost_stop`) sets
+  `trainer.should_stop`.
 
 The step count is the Protector's (`protector.state.step`), not Lightning's `global_step`: a rollback
 moves the Protector's back (its TLS records and checkpoints follow it) while Lightning's counter of
@@ -34,6 +38,7 @@ except ImportError:                      # the standalone package
     from pytorch_lightning import Callback
 
 from trainguard.protect.callbacks import Callbacks
+from trainguard.protect.held_schedule import HeldSchedule
 from trainguard.protect.protector import Protector
 from trainguard.protect.state import RNGState
 from trainguard.trainer.telemetry import StepTimer
@@ -56,6 +61,8 @@ class ProtectCallback(Callback):
         self.timer = StepTimer()
         self._losses: list[torch.Tensor] = []
         self._tokens = self._samples = 0
+        self._held: HeldSchedule | None = None
+        self._rate: float | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         states = {"model": pl_module, "optim": trainer.optimizers[0], "rng": RNGState()}
@@ -87,12 +94,14 @@ class ProtectCallback(Callback):
             return
         self.timer.mark("forward_backward")
         loss = torch.stack(self._losses).mean() if self._losses else torch.tensor(float("nan"))
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]   # not clipped yet
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
+        self._rate = optimizer.param_groups[0]["lr"]                                 # this step's LR
         self.verdict = self.protector.check(self.protector.state.step + 1, loss, norm)
         if self.verdict.skip:
             for param in pl_module.parameters():
                 param.grad = None
+            self._held = HeldSchedule.take(step_schedulers(trainer))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         tokens, samples = self.tokens_of(batch)
@@ -100,15 +109,24 @@ class ProtectCallback(Callback):
         verdict, self.verdict = self.verdict, None
         if verdict is None:              # a micro-batch of an accumulation: no optimizer step yet
             return
+        if self._held is not None:       # Lightning stepped its schedulers after the skipped step
+            self._held.put_back()
+            self._held = None
         tokens, samples = self._tokens, self._samples
         self._losses, self._tokens, self._samples = [], 0, 0
-        rate = trainer.optimizers[0].param_groups[0]["lr"]
         outcome = self.protector.after_step(verdict, tokens=tokens, samples=samples, timings=self.timer.stop(),
-                                            learning_rate=rate)
+                                            learning_rate=self._rate)
         if outcome.stop:
             self.exit_code = outcome.exit_code
         if outcome.stop or self.steps and self.protector.state.step >= self.steps:
             trainer.should_stop = True
+
+
+def step_schedulers(trainer) -> list:
+    """The LR schedulers Lightning steps after each optimizer step (interval "step"; ReduceLROnPlateau
+    steps on a metric, after this callback's hook, and is left alone)."""
+    return [config.scheduler for config in trainer.lr_scheduler_configs
+            if config.interval == "step" and not config.reduce_on_plateau]
 
 
 def first_tensor_size(batch) -> tuple[int, int]:

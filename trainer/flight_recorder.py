@@ -43,7 +43,7 @@ def request_dump(run_dir: str | os.PathLike, incident_id: str) -> Path:
     directory = requests_dir(run_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{incidents.check_id(incident_id)}.json"
-    tmp = directory / f".{incident_id}.{os.getpid()}.tmp"
+    tmp = directory / f".{incident_id}.{os.getpid()}.{threading.get_ident()}.tmp"   # one per thread too
     tmp.write_text(json.dumps({"incident": incident_id, "requested_at": time.time()}))
     os.replace(tmp, path)
     return path

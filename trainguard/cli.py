@@ -31,21 +31,24 @@ COMMANDS = {
 }
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+def build_parser(only: str | None = None, others: bool = True) -> argparse.ArgumentParser:
+    """Every command by name and help line (`others=False`: `only` alone); the arguments of `only`, whose
+    module is imported for them. Without `only` (`trainguard --help`, a mistyped command) no command module
+    is imported: the list of commands is all argparse shows, and it needs none of them."""
     parser = argparse.ArgumentParser(
         prog="trainguard", description="Observability and self-protection for large-model pretraining.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
+        if not others and name != only:
+            continue
         command = sub.add_parser(name, help=help_text, description=help_text)
-        if only is None or name == only:
+        if name == only:
             try:
                 module = importlib.import_module(module_name)
             except ModuleNotFoundError as exc:
-                if only is not None and exc.name and module_name.startswith(exc.name):
+                if exc.name and module_name.startswith(exc.name):
                     raise SystemExit(f"trainguard {name}: not available in this build ({exc.name})") from None
-                if only is not None:
-                    raise
-                continue
+                raise
             module.add_arguments(command)
             command.set_defaults(_run=module.run)
     return parser
@@ -54,7 +57,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(only=chosen if chosen in COMMANDS else None)
+    only = chosen if chosen in COMMANDS else None
+    # With the command first argparse hands everything after it to the command's parser: the others'
+    # entries (a parser each, ~5 ms of argparse and gettext) would serve only the list of commands.
+    parser = build_parser(only=only, others=only is None or argv[0] != only)
     args = parser.parse_args(argv)
     if not getattr(args, "_run", None):
         parser.print_help()

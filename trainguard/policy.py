@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-import yaml
-
 from trainguard import paths
 
 
@@ -36,6 +34,8 @@ class PolicyError(ValueError):
 
 @dataclass(frozen=True)
 class CostTiers:
+    """Cost tiers: the overrun of cost per 1000 steps over the budget at which each cost action is taken."""
+
     warn: float = 0.30
     throttle: float = 0.60
     stop: float = 1.00
@@ -43,6 +43,8 @@ class CostTiers:
 
 @dataclass(frozen=True)
 class CostPolicy:
+    """The cost meter: price, budget and the window it judges the spend over (trainguard/decide/cost.py)."""
+
     price_per_gpu_hour: float = 2.0
     budget_per_1k_steps: float = 120.0
     tiers: CostTiers = field(default_factory=CostTiers)
@@ -57,6 +59,8 @@ class CostPolicy:
 
 @dataclass(frozen=True)
 class GuardPolicy:
+    """The gradient-health guard's thresholds and its escalation (trainguard/decide/guard.py)."""
+
     # Loss spike, as OLMo-core's stability monitor: above mean + sigma * std of the last `window`
     # losses, once `min_steps` have been seen.
     spike_sigma: float = 6.0
@@ -223,6 +227,8 @@ class LayerResponsePolicy:
 
 @dataclass(frozen=True)
 class DynamicsPolicy:
+    """Training dynamics: the LR schedules' statistics and phases, adaptive clipping, the layer response."""
+
     stability: StabilityPolicy = field(default_factory=StabilityPolicy)
     plateau: PlateauPolicy = field(default_factory=PlateauPolicy)
     breathing: BreathingPolicy = field(default_factory=BreathingPolicy)
@@ -252,6 +258,8 @@ EVICT_STRAGGLERS_CHOICES = ("off",)
 
 @dataclass(frozen=True)
 class Policy:
+    """Every threshold, by section; `load` reads a YAML file over these defaults."""
+
     cost: CostPolicy = field(default_factory=CostPolicy)
     guard: GuardPolicy = field(default_factory=GuardPolicy)
     alerts: AlertPolicy = field(default_factory=AlertPolicy)
@@ -320,7 +328,8 @@ FRACTION = between(0, 1)
 SHARE = between(0, 1, low_open=True)          # a ratio where 0 would switch the check off
 WINDOW = at_least(1, 10**6)                   # steps held in memory: bounded
 DURATION = "duration"                          # a Prometheus duration: 30s, 2m, 1h30m
-_DURATION = re.compile(r"^(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$")
+# re.match compiles it at the first duration checked (and caches it): the built-in policy checks none
+_DURATION = r"^(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$"
 
 # Every numeric and duration key: its range (or DURATION). One row per key; see the module docstring.
 RULES: dict[str, Range | Choice | str] = {
@@ -458,7 +467,7 @@ CROSS_CHECKS = (_tiers_in_order, _rollback_fits_window, _spike_needs_its_window,
 
 def parse_duration(value: str) -> float:
     """Seconds of a Prometheus duration (``30s``, ``2m``, ``1h30m``); ValueError if it is not one."""
-    match = _DURATION.match(value.strip()) if isinstance(value, str) else None
+    match = re.match(_DURATION, value.strip()) if isinstance(value, str) else None
     if not match or not value.strip():
         raise ValueError(f"not a duration (like 30s, 2m, 1h30m): {value!r}")
     y, w, d, h, m, sec, ms = (int(g or 0) for g in match.groups())
@@ -533,6 +542,8 @@ def load(path: str | Path | None = None) -> Policy:
 def read_yaml(path: str | Path, what: str) -> Any:
     """A YAML file decoded, or ValueError naming the file and what is wrong (missing, unreadable, not
     UTF-8, not YAML, nested too deeply): the policy and the agent config read their files through this."""
+    import yaml   # the built-in policy (no file) is most commands' policy: they start without YAML
+
     source = str(path)
     try:
         return yaml.safe_load(paths.regular_file(path, what).read_bytes().decode("utf-8"))
@@ -551,5 +562,7 @@ def read_yaml(path: str | Path, what: str) -> Any:
 
 
 def dump(policy: Policy) -> str:
+    import yaml
+
     text: str = yaml.safe_dump(policy.to_dict(), sort_keys=False)
     return text

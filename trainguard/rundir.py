@@ -16,7 +16,7 @@
     RUN/control/claims/<request id>        which agent carries out a job-level action (agent/claims.py, signed)
     RUN/control/claims/<id>.takeover-<g>-<tag>   a claim taken over from a claimant that did not finish
     RUN/tls/node-<host>-launcher.jsonl     the launcher's events (a cordon it did not honour)
-    RUN/control/ranks/rank-<r>.json        each rank's registration (`write_rank_file`, `read_ranks`)
+    RUN/control/ranks/rank-<r>.json        each rank's registration (`write_rank_file`, `read_ranks`; an agent: `RankFiles`)
     RUN/control/cordon/<host>              a node kept out of the job, when signed (trainguard/cordon.py)
     RUN/control/launchers/<host>.json      each node's elastic launcher (trainer/launch.py)
     RUN/control/dump/<incident>.json       a Flight Recorder dump request (trainer/flight_recorder.py)
@@ -34,8 +34,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 PathLike = str | os.PathLike
@@ -361,9 +362,16 @@ def rank_file_paths(run_dir: PathLike) -> list[Path]:
     return sorted(ranks_dir(run_dir).glob("rank-*.json"))
 
 
-def read_rank_file(path: Path) -> RankInfo:
+def read_rank_file(path: PathLike) -> RankInfo:
     """One registration; ValueError, KeyError or TypeError when a field is missing or malformed."""
-    data = json.loads(path.read_text())
+    return replace(read_registration(str(path)), path=Path(path))
+
+
+def read_registration(path: str) -> RankInfo:
+    """`read_rank_file` with `path` kept as the string it is (`RankFiles` reads every node's files, and a
+    Path interns each file name: the interpreter's table of interned strings would grow with the cluster)."""
+    with open(path, "rb") as handle:
+        data = json.loads(handle.read())
     return RankInfo(int(data["rank"]), int(data["pid"]), str(data["host"]), float(data["started_at"]), path,
                     create_time=_optional(data, "create_time", float),
                     uid=_optional(data, "uid", int),
@@ -387,3 +395,142 @@ def read_ranks(run_dir: PathLike) -> tuple[list[RankInfo], list[str]]:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             problems.append(f"{path}: {type(exc).__name__}: {exc}")
     return found, problems
+
+
+# ----------------------------------------------------- RUN/control/ranks, as an agent follows it
+
+RANK_FILE_NAME = re.compile(r"rank-(\d+)\.json")
+MAX_RANK = 1 << 21      # the bitmap of other hosts' ranks is at most 256 KiB; a larger number is a problem
+
+
+class RankFiles:
+    """This host's registrations in RUN/control/ranks, read again only when the directory changes.
+
+    Collectors and the watchdog ask often, and on a shared run directory the folder holds every node's
+    ranks (8,000 files at 1,000 nodes). What is kept does not grow with the cluster:
+
+    - this host's `RankInfo`s (`read()`), each with the stat of its file, to see it replaced;
+    - of every other host's registration one bit, its rank's (`registered_elsewhere`: the node-file
+      selection leaves that rank's log alone): 1 KiB at 1,000 nodes of 8 ranks;
+    - the directory's mtime when it was last read. A changed registration is a new inode (an atomic
+      replace, trainer/control.py) or a rewrite, and either sets the file's ctime, which no tool can set
+      back; so a file whose ctime is older than that mtime (less RACY_SECONDS, for the filesystem's
+      timestamp granularity and the writers' clocks) is as it was at the last read, and only the new and
+      changed files are read again (the others cost one stat each, not a read and a parse). A directory
+      that is itself replaced (another inode) is read whole.
+
+    Two changes within the filesystem's timestamp granularity could share one mtime, so a directory changed
+    less than RACY_SECONDS before it was read is read again next time (git's "racily clean" rule).
+    `read()` returns the same list object until the files change: read it, do not change it. `generation`
+    counts the changes of what this answers (this host's registrations, or another host's set of ranks).
+    """
+
+    RACY_SECONDS = 2.0
+
+    def __init__(self, run_dir: PathLike, hosts):
+        self.run_dir = Path(run_dir)
+        self.hosts = frozenset(hosts)
+        self._directory = str(ranks_dir(self.run_dir))
+        self._version: tuple[int, int] | None = None    # (inode, mtime_ns) of the directory when read
+        self._read_at: tuple[int, int] | None = None    # (inode, mtime_ns) at the last refresh, settled or not
+        self._infos: list[RankInfo] = []
+        self._ours: dict[str, tuple[tuple, RankInfo]] = {}     # file name -> (its stat, this host's registration)
+        self._unreadable: dict[str, tuple[tuple, str]] = {}    # file name -> (its stat, why): not read again
+        self._elsewhere = bytearray()                           # bit r: rank r is registered on another host
+        self.generation = 0
+
+    @property
+    def problems(self) -> list[str]:
+        """The unreadable files, as of the last refresh (file and field named)."""
+        return [why for _, why in sorted(self._unreadable.values(), key=lambda item: item[1])]
+
+    def read(self) -> list[RankInfo]:
+        try:
+            st = os.stat(self._directory)
+        except OSError:
+            if self._read_at is not None:
+                self._forget()
+            return self._infos
+        version = (st.st_ino, st.st_mtime_ns)
+        if version != self._version:
+            previous = self._read_at
+            since = previous[1] - int(self.RACY_SECONDS * 1e9) if previous and previous[0] == st.st_ino else None
+            self._refresh(since)
+            settled = time.time() - st.st_mtime > self.RACY_SECONDS
+            self._version, self._read_at = (version if settled else None), version
+        return self._infos
+
+    def known(self) -> list[RankInfo]:
+        """What the last `read` found, without looking again (a caller that just read)."""
+        return self._infos
+
+    def others_registered(self) -> bool:
+        """Some other host registered a rank here (the run directory is shared)."""
+        return any(self._elsewhere)
+
+    def registered_elsewhere(self, rank: int) -> bool:
+        """Rank `rank` registered on another host (as of the last `read`)."""
+        return 0 <= rank and rank >> 3 < len(self._elsewhere) and bool(self._elsewhere[rank >> 3] & (1 << (rank & 7)))
+
+    def _forget(self) -> None:
+        self._version = self._read_at = None
+        self._ours, self._unreadable, self._infos = {}, {}, []
+        self._elsewhere = bytearray()
+        self.generation += 1
+
+    def _refresh(self, since: int | None) -> None:
+        """List the directory; read the files that are new or changed since `since` (ns; None: all)."""
+        ours: dict[str, tuple[tuple, RankInfo]] = {}
+        unreadable: dict[str, tuple[tuple, str]] = {}
+        elsewhere = bytearray()
+        try:
+            scan = os.scandir(self._directory)
+        except OSError:
+            return
+        with scan:                  # streamed: the listing itself is never held
+            for entry in scan:
+                match = RANK_FILE_NAME.fullmatch(entry.name)
+                if match is None:
+                    continue
+                try:
+                    st = entry.stat()
+                except OSError:
+                    continue        # replaced between the listing and the stat: the next change lists it
+                mark = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                name, rank = entry.name, int(match.group(1))
+                known = self._ours.get(name) or self._unreadable.get(name)
+                if known is not None and known[0] == mark:
+                    (ours if isinstance(known[1], RankInfo) else unreadable)[name] = known
+                elif known is None and since is not None and st.st_ctime_ns < since and rank < MAX_RANK:
+                    _set_bit(elsewhere, rank)     # as it was at the last read: another host's
+                else:
+                    self._read_one(entry.path, name, rank, mark, ours, unreadable, elsewhere)
+        if ours != self._ours or elsewhere != self._elsewhere:
+            self.generation += 1
+        self._ours, self._unreadable, self._elsewhere = ours, unreadable, elsewhere
+        self._infos = sorted((info for _, info in ours.values()), key=lambda info: info.rank)
+
+    def _read_one(self, path: str, name: str, rank: int, mark: tuple, ours: dict, unreadable: dict,
+                  elsewhere: bytearray) -> None:
+        try:
+            info = read_registration(path)
+        except FileNotFoundError:
+            return          # replaced between the listing and the read: the launcher is restarting it
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            unreadable[name] = (mark, f"{path}: {type(exc).__name__}: {exc}")
+            return
+        except OSError as exc:
+            unreadable[name] = (mark, f"{path}: {exc.strerror or exc}")
+            return
+        if info.host in self.hosts:
+            ours[name] = (mark, replace(info, path=Path(path)))
+        elif rank < MAX_RANK:
+            _set_bit(elsewhere, rank)
+        else:
+            unreadable[name] = (mark, f"{path}: rank {rank} is past {MAX_RANK - 1}, the largest followed")
+
+
+def _set_bit(bits: bytearray, index: int) -> None:
+    if index >> 3 >= len(bits):
+        bits.extend(bytes((index >> 3) + 1 - len(bits)))
+    bits[index >> 3] |= 1 << (index & 7)

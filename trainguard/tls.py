@@ -12,7 +12,7 @@ numbers, unknown keys are kept as they are.
 
 from __future__ import annotations
 
-import gzip
+import functools
 import io
 import json
 import math
@@ -54,7 +54,13 @@ _BYTE_UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
 }
 _TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "min": 60.0, "h": 3600.0}
-_QUANTITY = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([A-Za-zµ%]*)(/s)?\s*$")
+
+
+@functools.cache
+def _quantity() -> re.Pattern[str]:
+    """Compiled at the first quantity written as text (a command that reads none does not compile it), then
+    kept: the lenient decoder calls this per field."""
+    return re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([A-Za-zµ%]*)(/s)?\s*$")
 
 
 class TLSError(ValueError):
@@ -84,7 +90,7 @@ def parse_quantity(value: Any, field: str) -> float:
     lowered = value.strip().lower()
     if lowered in ("nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"):
         return float(lowered.replace("infinity", "inf"))
-    match = _QUANTITY.match(value)
+    match = _quantity().match(value)
     if not match:
         raise TLSError(f"expected a number or a number with a unit, got {value!r}", field=field)
     number, unit, per_second = float(match.group(1)), match.group(2), match.group(3)
@@ -230,6 +236,8 @@ def open_log(path: str | os.PathLike[str]) -> IO[bytes]:
     """Open a TLS file for reading, plain, gzip or zstd by its suffix."""
     path = str(path)
     if path.endswith(".gz"):
+        import gzip
+
         return cast(IO[bytes], gzip.open(path, "rb"))
     if path.endswith(".zst"):
         import zstandard
@@ -292,7 +300,8 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
     return OSError, EOFError, zlib.error, zstandard.ZstdError
 
 
-_LOG_NAME = re.compile(r"^(?P<kind>rank|node)-(?P<name>.+?)\.jsonl(?:\.(?P<n>\d+))?(?:\.gz|\.zst)?$")
+# A log's name in RUN/tls/; re.match compiles it at the first run directory read (and caches it).
+_LOG_NAME = r"^(?P<kind>rank|node)-(?P<name>.+?)\.jsonl(?:\.(?P<n>\d+))?(?:\.gz|\.zst)?$"
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,7 +320,7 @@ def run_logs(tls_dir: str | os.PathLike[str]) -> list[LogFile]:
     root = Path(tls_dir)
     found = []
     for path in root.iterdir() if root.is_dir() else ():
-        match = _LOG_NAME.match(path.name)
+        match = re.match(_LOG_NAME, path.name)
         if match and path.is_file():
             found.append(LogFile(match.group("kind"), match.group("name"), int(match.group("n") or 0), path))
     return sorted(found, key=lambda log: (log.kind, log.name, -log.rotation if log.rotation else 0))

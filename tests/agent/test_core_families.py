@@ -66,8 +66,8 @@ def settle(path) -> None:
 
 def test_rank_files_are_read_again_only_when_the_directory_changes(tmp_path, monkeypatch):
     reads = []
-    real = rundir.read_rank_file
-    monkeypatch.setattr(rundir, "read_rank_file", lambda path: reads.append(path.name) or real(path))
+    real = rundir.read_registration
+    monkeypatch.setattr(rundir, "read_registration", lambda path: reads.append(os.path.basename(path)) or real(path))
     files = restore.RankFiles(tmp_path, {"node-a"})
     assert files.read() == [] and reads == []              # no control/ranks yet: nothing to read
     write_rank_file(tmp_path, 0, pid=4242, host="node-a")

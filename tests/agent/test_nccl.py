@@ -178,3 +178,30 @@ def test_rank_environment_info(tmp_path):
 def test_no_run_dir_no_environment(tmp_path):
     names = {name for name, _ in values(collector(None).update().families)}
     assert "trainguard_nccl_env_info" not in names and "trainguard_nccl_events_total" in names
+
+
+def test_a_shared_run_directory_follows_only_the_logs_this_nodes_ranks_write(tmp_path):
+    """RUN/logs of a run other nodes share holds every node's launcher directory, none naming its host:
+    the collector follows the directories its own ranks write into (/proc/<pid>/fd/1 and 2), not the others'."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    ours, theirs = (run / "logs" / f"job_{node}" / "attempt_0" / "0" for node in ("a1b2", "c3d4"))
+    for directory in (ours, theirs):
+        directory.mkdir(parents=True)
+    with open(ours / "stdout.log", "ab") as out, open(ours / "stderr.log", "ab") as err:
+        rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=out, stderr=err)
+    try:
+        write_rank_file(run, 0, pid=rank.pid, host="node-a")
+        write_rank_file(run, 8, pid=4242, host="node-b")          # another node's rank: the directory is shared
+        nccl = NCCLCollector(Context(run_dir=run, node="node-a", options={"rescan_seconds": 0}))
+        nccl.update()
+        for directory in (ours, theirs):
+            shutil.copy(LOGS / "rank-1.log", directory / "stderr.log")
+        sample = nccl.update()
+        assert counts(sample) == expect(init=2, warn=1, watchdog_stuck=1, error=1)      # one node's lines
+        assert [os.path.realpath(d) for d, _ in nccl.logs.followers] == [os.path.realpath(ours)]
+    finally:
+        rank.kill()
+        rank.wait()

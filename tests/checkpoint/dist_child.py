@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.trainer import parallel
-from trainguard.trainer.checkpoint import CheckpointManager, store
+from trainguard.trainer.checkpoint import CheckpointManager, verification
 from trainguard.trainer.config import ModelConfig
 from trainguard.trainer.model import GPT
 from trainguard.trainer.step import GradNorms
@@ -57,15 +57,15 @@ def moments(model, optim) -> dict:
 
 
 def hashed_files() -> list[str]:
-    """Names of the files `store` hashes from here on (appended as they are)."""
+    """Names of the files `verification` hashes from here on (appended as they are)."""
     seen: list[str] = []
-    real = store._hash_checked
+    real = verification._hash_checked
 
     def recording(path, entry, keep):
         seen.append(path.name)
         return real(path, entry, keep)
 
-    store._hash_checked = recording
+    verification._hash_checked = recording
     return seen
 
 

@@ -108,3 +108,80 @@ def test_no_layer_no_rollback_no_cut_and_multipliers_survive_a_restart():
     restarted = LayerResponse(LayerResponsePolicy())
     restarted.load_state_dict(response.state_dict())
     assert restarted.multipliers == {"embed": 0.5}
+
+
+def zclip_adaptive_reference(norms, *, warmup: int, alpha: float, z_thresh: float) -> list[float]:
+    """ZClip's zscore mode with clip_option "adaptive_scaling", as its paper and reference zclip.py define
+    it (no max_grad_norm), written out step by step: the norm each step is clipped to (None: not clipped)."""
+    buffer, mean, var, out = [], None, None, []
+    for norm in norms:
+        if mean is None:
+            buffer.append(norm)
+            if len(buffer) == warmup:
+                mean = sum(buffer) / len(buffer)
+                var = sum((x - mean) ** 2 for x in buffer) / len(buffer)
+            out.append(None)
+            continue
+        std = var ** 0.5
+        z = (norm - mean) / (std + 1e-6)
+        clip_to = mean + (z_thresh * std) / (z / z_thresh) if z > z_thresh else None
+        learned = clip_to if clip_to is not None else norm
+        mean = alpha * mean + (1 - alpha) * learned
+        var = alpha * var + (1 - alpha) * (learned - mean) ** 2
+        out.append(clip_to)
+    return out
+
+
+def test_zscore_adaptive_scaling_is_zclips_rule_step_for_step():
+    rng = np.random.default_rng(0)
+    norms = list(np.abs(rng.normal(1.0, 0.1, 200)))
+    for at, factor in ((60, 30.0), (61, 5.0), (120, 3.0), (150, 300.0)):
+        norms[at] *= factor
+    policy = ClippingPolicy(warmup_steps=25, ema_alpha=0.97, z_thresh=2.5)
+    clip = ZScoreClip(policy, fixed=1e9, adaptive_scaling=True)
+    expected = zclip_adaptive_reference(norms, warmup=25, alpha=0.97, z_thresh=2.5)
+    results = [clip.observe(norm) for norm in norms]
+    for norm, want, got in zip(norms, expected, results):
+        if want is None:
+            assert not got.clipped
+        else:
+            assert got.threshold == pytest.approx(want, rel=1e-12) and got.coef == pytest.approx(want / (norm + 1e-6))
+    assert sum(r.clipped for r in results) >= 4
+
+
+def test_zscore_adaptive_scaling_clips_a_larger_outlier_harder_and_is_continuous():
+    policy = ClippingPolicy(warmup_steps=3, ema_alpha=0.9, z_thresh=2.0)
+    clip = ZScoreClip(policy, fixed=10.0, adaptive_scaling=True)
+    for norm in (1.0, 1.1, 0.9):
+        clip.observe(norm)
+    mean, std = clip.mean, math.sqrt(clip.var)
+    ceiling = clip.threshold()
+    assert ceiling == pytest.approx(mean + 2.0 * std)
+    assert clip.threshold_for(1.05) == ceiling                       # not an outlier: the ceiling, not clipped
+    at_the_edge = mean + 2.0 * (std + 1e-6)
+    assert clip.threshold_for(at_the_edge + 1e-9) == pytest.approx(ceiling, rel=1e-6)
+    small, large = clip.threshold_for(2.0), clip.threshold_for(100.0)
+    assert mean < large < small < ceiling                            # the larger outlier, the lower threshold
+    z = (100.0 - mean) / (std + 1e-6)
+    assert large == pytest.approx(mean + 2.0 * std / (z / 2.0))
+    result = clip.observe(100.0)
+    assert result.threshold == large and clip.mean == pytest.approx(0.9 * mean + 0.1 * large)   # learned
+    plain = ZScoreClip(policy, fixed=10.0)
+    for norm in (1.0, 1.1, 0.9):
+        plain.observe(norm)
+    assert plain.threshold_for(100.0) == plain.threshold() == pytest.approx(ceiling)    # off: unchanged
+
+
+def test_zscore_adaptive_scaling_is_capped_round_trips_and_ignores_non_finite():
+    policy = ClippingPolicy(warmup_steps=2, ema_alpha=0.9, z_thresh=2.0, max_norm=0.5)
+    clip = ZScoreClip(policy, fixed=1.0, adaptive_scaling=True)
+    clip.observe(1.0)
+    clip.observe(2.0)
+    assert clip.threshold_for(50.0) == 0.5 and clip.threshold() == 0.5
+    before = clip.state_dict()
+    assert clip.observe(float("nan")).coef == 1.0 and clip.observe(float("inf")).coef == 1.0
+    assert clip.state_dict() == before
+    twin = ZScoreClip(policy, fixed=1.0, adaptive_scaling=True)
+    twin.load_state_dict(clip.state_dict())
+    assert twin.threshold_for(7.0) == clip.threshold_for(7.0)
+    assert not clipping.make("zscore", policy, fixed=1.0).adaptive_scaling    # not from the policy (docstring)

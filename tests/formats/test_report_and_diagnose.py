@@ -1,5 +1,5 @@
 """`trainguard report` and `trainguard diagnose` read another tool's logs in a run folder directly, as
-replay does (trainguard.formats.other_logs): no `trainguard convert` first."""
+replay does (trainguard.formats.discover): no `trainguard convert` first."""
 
 import json
 import subprocess

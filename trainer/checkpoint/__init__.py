@@ -2,9 +2,11 @@
 
     from trainguard.trainer.checkpoint import CheckpointManager, verify
 
-Layout: `manifest` (pure: manifest, signature, reasons), `keys` (the signing key), `store` (files on
-disk: hashing writer, atomic publish, verified reads), `state` (what goes in which file, copy off the
-device), `manager` (save / retention / restore). User guide: docs/checkpoints.md.
+Layout: `manager` (CheckpointManager: save, verify, keep, restore, composed of `saving`, `status`,
+`retention`, `restore`, `directory`, `group`, `events`), `manifest` (pure: manifest, signature, reasons),
+`keys` (the signing key), `store` (files on disk: hashing writer, atomic publish), `verification` (the one
+verification), `sharded` / `sharded_load` (DCP shards written hashed / read verified and resharded),
+`state` (what goes in which file, copy off the device), `compress`. User guide: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from trainguard.trainer.checkpoint import keys, store
+from trainguard.trainer.checkpoint import keys, verification
 from trainguard.trainer.checkpoint.manager import (Checkpoint, CheckpointInfo, CheckpointManager, SaveHandle,
                                                    info_of)
 from trainguard.trainer.checkpoint.manifest import CheckpointError, VerifyResult
@@ -28,4 +30,4 @@ def verify(path: str | os.PathLike, *, key_file: str | os.PathLike | None = None
     Never creates a key: without the key that signed it, a checkpoint cannot be verified.
     """
     key = keys.load_key(keys.resolve_key_path(key_file), create=False)
-    return store.verify_dir(Path(path), key, keys.key_id(key), deep=deep)
+    return verification.verify_dir(Path(path), key, keys.key_id(key), deep=deep)

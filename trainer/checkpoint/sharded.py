@@ -1,17 +1,14 @@
-"""Sharded checkpoints through torch.distributed.checkpoint (DCP), with trainguard's guarantees kept.
+"""Writing sharded checkpoints through torch.distributed.checkpoint (DCP), with trainguard's guarantees kept.
 
-Writing: every rank writes its own shard files through DCP's ``FileSystemWriter``; the file system under
-it hashes each file once DCP has written and fsynced it, reading it back from the page cache in the thread
-that wrote it (`HashingFileSystem`), so a rank knows the SHA-256 and size of every file it wrote. The
+Every rank writes its own shard files through DCP's ``FileSystemWriter``; the file system under it hashes
+each file once DCP has written and fsynced it, reading it back from the page cache in the thread that
+wrote it (`HashingFileSystem`), so a rank knows the SHA-256 and size of every file it wrote. The
 coordinator's ``.metadata`` is hashed the same way. (Hashing DCP's many small writes as they passed cost
-more: docs/checkpoints.md, "Hashing beside the writer".) The caller
-(the manager) gathers those entries to rank 0, which signs the manifest and renames the directory.
+more: docs/checkpoints.md, "Hashing beside the writer".) The caller (`saving.Saver`) gathers those
+entries to rank 0, which signs the manifest and renames the directory.
 
-Reading: nothing here trusts a byte that was not verified first. `SafeReader` unpickles ``.metadata``
-with an allowlist (DCP itself uses a bare ``pickle.load``), opens each shard only if its size and times
-are still those that were hashed, and the planners load non-tensor items with ``weights_only=True``
-(DCP's default planner uses ``weights_only=False``). Tensor items are loaded by DCP with
-``weights_only=True`` already.
+Also here, for both directions: DCP's errors turned into their real cause (`dcp_errors`). Reading the
+shards back, verified and resharded, is `sharded_load.py`.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import pickle
 import threading
 import warnings
 from contextlib import contextmanager
@@ -36,10 +32,11 @@ warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled|unav
 SHARD_SUFFIX = ".distcp"
 
 
-def _dcp():
-    import torch.distributed.checkpoint as dcp
+def dcp():
+    """torch.distributed.checkpoint, imported when first used (the package loads without torch)."""
+    import torch.distributed.checkpoint as checkpoint
 
-    return dcp
+    return checkpoint
 
 
 # ------------------------------------------------------------------------------------------- writing
@@ -74,7 +71,7 @@ class _WrittenStream(io.RawIOBase):
             self._raw.flush()
             from trainguard.trainer.checkpoint import store
 
-            self.hashing = store._pool().submit(hash_written, self._path)
+            self.hashing = store.hash_pool().submit(hash_written, self._path)
         return self._raw.fileno()
 
     def entry(self) -> FileEntry:
@@ -175,8 +172,8 @@ def save(folder: Path, state: dict, *, process_group: Any = None, distributed: b
     """DCP-save `state` into `folder` (every rank of `process_group` when `distributed`); the entries of
     the files this rank wrote (the coordinator's include ``.metadata``)."""
     writer = make_writer(folder, thread_count=thread_count, extensions=extensions)
-    with _dcp_errors(writer):
-        _dcp().save(state, storage_writer=writer, process_group=process_group, no_dist=not distributed)
+    with dcp_errors(writer):
+        dcp().save(state, storage_writer=writer, process_group=process_group, no_dist=not distributed)
     return written_entries(writer)
 
 
@@ -186,8 +183,8 @@ def async_save(folder: Path, state: dict, *, process_group: Any, distributed: bo
     to the next — and its upload thread): (future, writer). The entries are in `written_entries(writer)`
     once the future is done."""
     writer = make_writer(folder, extensions=extensions)
-    with _dcp_errors(writer):
-        response = _dcp().async_save(state, storage_writer=writer, process_group=process_group,
+    with dcp_errors(writer):
+        response = dcp().async_save(state, storage_writer=writer, process_group=process_group,
                                      no_dist=not distributed, async_stager=stager)
     future = getattr(response, "upload_completion", response)
     return future, writer
@@ -228,7 +225,7 @@ def _layout_of(obj: Any) -> Any:
 
 
 @contextmanager
-def _dcp_errors(writer: Any = None) -> Iterator[None]:
+def dcp_errors(writer: Any = None) -> Iterator[None]:
     """DCP raises CheckpointException (a BaseException, not an Exception) wrapping each rank's error:
     turn it into the real cause — the first OSError a writer saw (ENOSPC), our own CheckpointError from
     inside a reader or planner, or a CheckpointError naming DCP's message."""
@@ -268,161 +265,6 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-# ------------------------------------------------------------------------------------------- reading
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata` is a pickle; only the classes that describe a checkpoint may appear in it."""
-
-    _MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem"}
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        if module in self._MODULES and not name.startswith("__"):
-            found = getattr(__import__(module, fromlist=[name]), name, None)
-            if isinstance(found, type) or name == "_MEM_FORMAT_ENCODING":
-                return found
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        if (module, name) in (("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                              ("pathlib", "PurePosixPath")):
-            return getattr(__import__(module, fromlist=[name]), name)
-        raise pickle.UnpicklingError(f"{METADATA}: global '{module}.{name}' is not allowed in checkpoint metadata")
-
-
-def read_metadata_bytes(data: bytes) -> Any:
-    """The DCP metadata from verified bytes; CheckpointError("unsafe_content") for anything else."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as exc:
-        raise CheckpointError(f"{METADATA}: refused ({exc})", code="unsafe_content") from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{METADATA}: not DCP metadata", code="unsafe_content")
-    return metadata
-
-
-def _reader_class():
-    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class VerifiedFileSystem(FileSystem):
-        """Opens a shard only if the opened descriptor is still the file that was hashed (same inode,
-        size, mtime and ctime: a rename over it or a write into it since shows)."""
-
-        def __init__(self, verified: dict[str, os.stat_result]):
-            super().__init__()
-            self.verified = verified
-
-        @contextmanager
-        def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
-            with super().create_stream(path, mode) as stream:
-                _still_as_verified(Path(path), os.fstat(stream.fileno()), self.verified.get(Path(path).name))
-                yield stream
-
-    class SafeReader(FileSystemReader):
-        """Reads only what was verified: `.metadata` as parsed from the verified bytes with an allowlist
-        (`read_metadata_bytes`), each shard through `VerifiedFileSystem`."""
-
-        def __init__(self, folder: Path, metadata: Any, verified: dict[str, os.stat_result],
-                     extension_registry: Any = None):
-            super().__init__(folder, _extension_registry=extension_registry)
-            self.fs = VerifiedFileSystem(verified)
-            self._metadata = metadata
-
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = self._metadata
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader
-
-
-def _still_as_verified(path: Path, now: os.stat_result, seen: os.stat_result | None) -> None:
-    if seen is None:
-        raise CheckpointError(f"{path.name} is read by the checkpoint but was not verified (not in its "
-                              "manifest, or not in this rank's load plan)", code="missing_file", path=path)
-    if (now.st_size, now.st_mtime_ns, now.st_ctime_ns, now.st_ino) != (seen.st_size, seen.st_mtime_ns,
-                                                                       seen.st_ctime_ns, seen.st_ino):
-        raise CheckpointError(f"{path.name} changed after it was verified", code="hash_mismatch", path=path)
-
-
-def _load_bytes_safely(value: io.BytesIO) -> Any:
-    import torch
-
-    try:
-        return torch.load(value, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = next((line for line in str(exc).splitlines() if "GLOBAL" in line or "Unsupported" in line),
-                     type(exc).__name__)
-        raise CheckpointError(f"torch.load(weights_only=True) refused an item ({first.strip()})",
-                              code="unsafe_content") from None
-
-
-def _planners():
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-
-    class SafeLoadPlanner(DefaultLoadPlanner):
-        """DCP's planner, loading non-tensor items with weights_only=True."""
-
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            loaded = _load_bytes_safely(value)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = loaded
-
-    class SafeFullPlanner(_EmptyStateDictLoadPlanner):
-        """Rebuilds the whole state from the metadata (no target needed), non-tensors weights_only."""
-
-        load_bytes = SafeLoadPlanner.load_bytes
-
-    return SafeLoadPlanner, SafeFullPlanner
-
-
-def files_read(target: dict | None, metadata: Any) -> set[str] | None:
-    """The shard files a load into `target` reads (DCP's own planning of this rank's reads, done ahead on a
-    planner of its own, which leaves `target` as it is), or None for a whole load (every file)."""
-    if target is None:
-        return None
-    safe, _ = _planners()
-    planner = safe()
-    with _dcp_errors():
-        planner.set_up_planner(target, metadata, False)
-        plan = planner.create_local_plan()
-    return {metadata.storage_data[item.storage_index].relative_path for item in plan.items}
-
-
-def load_into(folder: Path, target: dict, metadata: Any, verified: dict[str, os.stat_result], *,
-              process_group: Any = None, distributed: bool = False, extensions: Any = None) -> None:
-    """DCP-load into `target` in place, resharding to its layout (DTensors of any world size)."""
-    safe, _ = _planners()
-    reader = _reader_class()(folder, metadata, verified, extensions)
-    with _dcp_errors():
-        _dcp().load(target, storage_reader=reader, planner=safe(), process_group=process_group,
-                    no_dist=not distributed)
-
-
-def load_full(folder: Path, metadata: Any, verified: dict[str, os.stat_result], *,
-              int_key_paths: list[list[str]] = (), extensions: Any = None) -> dict:
-    """The whole saved state as plain tensors, in this process (no collective): any world size can read
-    it. Dicts whose keys were ints when saved (an optimizer's `state`) get int keys back."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    _, full = _planners()
-    reader = _reader_class()(folder, metadata, verified, extensions)
-    state: dict = {}
-    with _dcp_errors():
-        _load_state_dict(state, storage_reader=reader, planner=full(), no_dist=True)
-    for path in int_key_paths:
-        _restore_int_keys(state, path)
-    return state
-
-
 def int_key_paths(state: Any, path: tuple = ()) -> list[list[str]]:
     """Paths of the dicts in `state` whose keys are all ints: DCP turns such keys into strings. Empty
     dicts are listed too, since DCP's flattening drops them (an SGD optimizer without momentum has an
@@ -437,18 +279,3 @@ def int_key_paths(state: Any, path: tuple = ()) -> list[list[str]]:
         for index, value in enumerate(state):
             found.extend(int_key_paths(value, (*path, index)))
     return found
-
-
-def _restore_int_keys(state: Any, path: list[str]) -> None:
-    holder = state
-    for part in path[:-1]:
-        holder = holder[int(part)] if isinstance(holder, list) else holder.setdefault(part, {})
-        if not isinstance(holder, (dict, list)):
-            return
-    last = path[-1] if path else None
-    if last is None:
-        return
-    if isinstance(holder, list):
-        holder[int(last)] = {int(k): v for k, v in holder[int(last)].items()}
-    elif isinstance(holder, dict) and isinstance(holder.setdefault(last, {}), dict):
-        holder[last] = {int(k): v for k, v in holder[last].items()}

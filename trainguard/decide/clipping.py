@@ -10,9 +10,15 @@
   ``ema_alpha``), started from the plain mean and variance of the first ``warmup_steps`` norms; the
   threshold is mean + ``z_thresh`` x std, so a norm whose z-score is over ``z_thresh`` is clipped to it.
   As ZClip does, the EMAs then take the *clipped* norm, so a spike cannot drag the threshold up.
-  ZClip's `adaptive_scaling` option (a lower threshold the larger the outlier) needs the step's own norm
-  on the host before clipping; here the threshold is fixed before the step, so this is its
-  `mean + z_thresh x std` threshold.
+  With ``adaptive_scaling`` (ZClip's default `clip_option`, its reference zclip.py): the step's z-score
+  z = (norm - mean) / (std + 1e-6); a norm with z > ``z_thresh`` is clipped to mean + z_thresh x std /
+  (z / z_thresh), a lower threshold the larger the outlier (down towards the mean; at z = z_thresh it is
+  mean + z_thresh x std, so the rule is continuous), and the EMAs learn that clipped value. That
+  threshold depends on the step's own norm: `threshold_for(norm)` gives it; `threshold()` (known before
+  the step) is only its ceiling, mean + z_thresh x std. A loop clipping to `threshold()` before it reads
+  the norm does not apply adaptive scaling, so nothing builds one from the policy (`make`); a loop that
+  clips on the device with the formula (or reads the norm first) constructs it with
+  `ZScoreClip(..., adaptive_scaling=True)` and reports `observe(norm)`.
 - ``percentile`` (AutoClip, Seetharaman et al. 2020, arXiv 2007.14469): the ``percentile``-th percentile
   of the last ``history`` norms (AutoClip keeps the whole history; a window bounds memory and checkpoint).
 
@@ -33,6 +39,7 @@ from trainguard.policy import ClippingPolicy
 
 RULES = ("fixed", "zscore", "percentile")
 TORCH_EPS = 1e-6      # torch.nn.utils.clip_grads_with_norm_ divides by norm + 1e-6
+ZCLIP_EPS = 1e-6      # ZClip's z-score divides by std + 1e-6
 
 
 class Clipped(NamedTuple):
@@ -63,8 +70,12 @@ class FixedClip:
     def threshold(self) -> float:
         return self.fixed
 
+    def threshold_for(self, grad_norm: float) -> float:
+        """The threshold this step's norm is clipped to (for most rules the one known before the step)."""
+        return self.threshold()
+
     def observe(self, grad_norm: float) -> Clipped:
-        threshold = self.threshold()
+        threshold = self.threshold_for(grad_norm)
         clipped = Clipped(threshold, coefficient(threshold, grad_norm))
         if math.isfinite(grad_norm):
             self._learn(grad_norm, threshold)
@@ -83,9 +94,9 @@ class FixedClip:
 class ZScoreClip(FixedClip):
     rule = "zscore"
 
-    def __init__(self, policy: ClippingPolicy, fixed: float):
+    def __init__(self, policy: ClippingPolicy, fixed: float, *, adaptive_scaling: bool = False):
         super().__init__(fixed)
-        self.policy = policy
+        self.policy, self.adaptive_scaling = policy, adaptive_scaling
         self.first: list[float] = []        # norms before the EMAs start
         self.mean: float | None = None
         self.var = 0.0
@@ -94,6 +105,16 @@ class ZScoreClip(FixedClip):
         if self.mean is None:
             return self.fixed
         return _capped(self.mean + self.policy.z_thresh * math.sqrt(self.var), self.policy.max_norm)
+
+    def threshold_for(self, grad_norm: float) -> float:
+        """ZClip's adaptive scaling: an outlier (z > z_thresh) is clipped the harder the larger it is."""
+        if self.mean is None or not self.adaptive_scaling:
+            return self.threshold()
+        z_thresh, std = self.policy.z_thresh, math.sqrt(self.var)
+        z = (grad_norm - self.mean) / (std + ZCLIP_EPS)
+        if not z > z_thresh:
+            return self.threshold()
+        return _capped(self.mean + z_thresh * std / (z / z_thresh), self.policy.max_norm)
 
     def _learn(self, grad_norm: float, threshold: float) -> None:
         p = self.policy

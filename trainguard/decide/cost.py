@@ -37,6 +37,8 @@ def cost_per_1k_steps(seconds: Number, gpus: Any, price_per_gpu_hour: float, ste
 
 @dataclass
 class CostState:
+    """What the cost meter knows now: spend, recent cost per 1000 steps, overrun and tier."""
+
     cost_usd: float = 0.0              # spent since the meter started (all time, rollbacks included)
     cost_per_1k_steps: float = 0.0     # over the recent window
     overrun_ratio: float = 0.0         # cost_per_1k_steps / budget - 1; 0.3 means 30% over budget

@@ -8,6 +8,8 @@ from typing import Any
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """What the guard, the cost meter or the ledger decided at one step: an action (or none) and why."""
+
     action: str | None          # an action from trainguard.actions, "stop", or None for "carry on"
     reason: str = ""
     step: int | None = None

@@ -70,6 +70,8 @@ class Notice:
 
 @dataclass(frozen=True)
 class Verdict:
+    """The ledger's answer to one notice: its outcome, the action that executes (if any) and why."""
+
     notice: Notice
     outcome: str
     action: str | None             # what executes (ACT, ESCALATED); None otherwise, or PAGE
@@ -104,6 +106,8 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Limits:
+    """The ledger's cooldown and hourly limits (from the policy's alerts and guard sections)."""
+
     cooldown_seconds: float = 120.0
     max_rollbacks_per_hour: int = 3
     max_restores_per_hour: int = 3

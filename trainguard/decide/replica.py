@@ -60,6 +60,8 @@ class ReplicaCheck:
 
 @dataclass(frozen=True)
 class Verdict:
+    """A replica check's finding: which ranks hold wrong weights or gradients, how sure, what to do."""
+
     kind: str                     # "replica_mismatch" | "arbitration"
     step: int
     what: str                     # "weights" | "gradients"
@@ -75,6 +77,8 @@ class Verdict:
 
 @dataclass(frozen=True)
 class ReplicaPolicy:
+    """How long a node named in one mismatch is remembered: a second one within it cordons the node."""
+
     cordon_window_seconds: float = 86400.0
 
 

@@ -70,6 +70,8 @@ class StepSignals(NamedTuple):
 
 @dataclass(frozen=True)
 class PhaseChange:
+    """A schedule entering a phase at a step: the `lr_phase` event the trainer writes."""
+
     step: int
     schedule: str
     phase: str

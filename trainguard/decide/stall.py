@@ -28,6 +28,8 @@ ENDED_EVENTS = ("run_end", "stop")
 
 @dataclass(frozen=True)
 class RankProgress:
+    """One rank's progress as the stall check sees it: its newest step and when it got there."""
+
     rank: int
     step: int | None               # the newest step the rank has reached (None: none since it started)
     advanced_at: float | None      # when it reached it (the same clock as `now`)
@@ -36,6 +38,8 @@ class RankProgress:
 
 @dataclass(frozen=True)
 class Stall:
+    """A stall found: the restore it asks for, why, and since when the ranks made no progress."""
+
     action: str                    # always actions.RESTORE
     reason: str
     key: str                       # one per stall: the same stall is not acted on twice

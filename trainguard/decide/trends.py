@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from statistics import median
 from typing import Any
 
 from trainguard.policy import PlateauPolicy, StabilityPolicy
@@ -66,6 +65,8 @@ class LossPlateau:
 
     def improvement(self) -> float | None:
         """(median of the first half - median of the second) / |first|; None until the window is full."""
+        from statistics import median   # only the phase schedule measures a plateau: most commands never import statistics
+
         window = self.policy.window
         if len(self.losses) < window or window < 2:
             return None

@@ -14,9 +14,9 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainguard import paths, rundir
-from trainguard import formats
-from trainguard.tls import TLSError, iter_lines, run_logs
+from trainguard import paths
+from trainguard.formats import discover
+from trainguard.tls import TLSError, iter_lines
 
 NAN = math.nan
 ERRORS_KEPT = 50
@@ -145,14 +145,12 @@ def _note_error(run: RunData, error: TLSError) -> None:
 
 
 def load_run(run_dir: str | Path) -> RunData:
-    """Read RUN/tls/*.jsonl (or a tls directory itself); FileNotFoundError when there is no such directory."""
+    """Read the logs `run_dir` stands for (trainguard.formats.discover: RUN/tls/*.jsonl, a tls directory
+    itself, or other tools' logs); FileNotFoundError when there is no such directory."""
     root = paths.run_dir(run_dir)
-    tls_dir = rundir.tls_dir(root) if rundir.tls_dir(root).is_dir() else root
     run = RunData(run_dir=str(root))
-    logs = [(log.path, log.kind, log.name) for log in run_logs(tls_dir)]
-    if not logs:     # another tool's logs (trainguard.formats): one run, as rank 0's steps
-        logs = [(path, "rank", "0") for path in formats.other_logs(tls_dir)]
-    for path, kind, name in logs:
+    for log in discover.run_logs(root):      # TLS logs, else other tools' (one run, as rank 0's steps)
+        path, kind, name = log.path, log.kind, log.name
         run.files.append(str(path))
         for line in iter_lines(path):
             if line.error:
@@ -162,6 +160,6 @@ def load_run(run_dir: str | Path) -> RunData:
             record = line.record
             if kind == "node":
                 add_node_record(run, name, record)
-            elif name.isdigit():
-                add_rank_record(run, record.get("rank", int(name)), record)
+            elif name.isdigit() or kind == discover.FILE:
+                add_rank_record(run, record.get("rank", int(name) if name.isdigit() else 0), record)
     return run

@@ -4,14 +4,13 @@ Megatron-LM training log lines and torchtitan's metric lines. User guide: docs/r
 `detect(path)` names a file's format by its content (never its name); `read(path, tag_map)` yields its
 records as TLS dicts and `Unmapped` problems (a line, event or entry that could not be mapped, with file
 and position: reported, never dropped silently). `trainguard.replay.source` opens every input through
-`detect`, so `replay`, `report` and `diagnose` read these formats beside TLS; `trainguard convert` writes
-them out as TLS.
+`detect`, so `replay`, `report` and `diagnose` read these formats beside TLS, and all three find them in a
+folder through `trainguard.formats.discover`; `trainguard convert` writes them out as TLS.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from dataclasses import dataclass
 from typing import Iterator, Union
 
@@ -36,20 +35,6 @@ class Unmapped:
 
 
 Item = Union[dict, Unmapped]
-
-
-# The names other tools give their logs in a run's folder (TensorBoard, the HF Trainer, Megatron/torchtitan).
-OTHER_PATTERNS = ("events.out.tfevents.*", "trainer_state.json", "*.log")
-
-
-def other_logs(folder: str | os.PathLike) -> list[Path]:
-    """Other tools' logs in `folder`, by name and then by content (a file that is TLS is not one of them):
-    what replay, report and diagnose read where a run folder holds no TLS logs."""
-    root = Path(folder)
-    if not root.is_dir():
-        return []
-    return sorted({p for pattern in OTHER_PATTERNS for p in root.glob(pattern)
-                   if p.is_file() and detect(p) != TLS})
 
 
 def detect(path: str | os.PathLike) -> str:

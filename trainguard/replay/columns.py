@@ -21,11 +21,9 @@ import io
 import multiprocessing
 import os
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from itertools import chain
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import msgspec
 import numpy as np
@@ -33,6 +31,9 @@ import numpy as np
 from trainguard.decide.batch import Block
 from trainguard.replay import source
 from trainguard.replay.picking import Action, Picked, Picker
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 CHUNK_BYTES = 8 << 20       # ~12,000 trainer records: enough to pay for a hand-off, small enough to stay flat
 IN_FLIGHT = 2               # chunks per worker decoded ahead of the decider
@@ -158,6 +159,10 @@ def pipelined(work, tasks: Iterator[tuple], workers: int) -> Iterator:
         for task in tasks:
             yield work(*task)
         return
+    # The pool's machinery (~25 ms of imports) only where a pool is made: a small log is read in this process.
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
     # fork: the workers need nothing but this module, already imported, and start in milliseconds.
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
         pending: deque[tuple[tuple, Future | None]] = deque()
@@ -178,6 +183,8 @@ def pipelined(work, tasks: Iterator[tuple], workers: int) -> Iterator:
 
 
 def _collect(work, task: tuple, future: Future | None):
+    from concurrent.futures.process import BrokenProcessPool   # imported by pipelined, which made the pool
+
     if future is not None:
         try:
             return future.result()

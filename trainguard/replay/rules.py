@@ -25,13 +25,8 @@ import json
 import math
 import re
 import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import yaml
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:       # annotations only: the series module (the metric families) is for --rules alone
@@ -78,6 +73,8 @@ def rule_files(directory: str | Path) -> list[Path]:
 
 
 def _load(path: Path) -> dict | None:
+    import yaml   # only a replay with --rules reads them: the others start without YAML
+
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
@@ -178,6 +175,8 @@ def promtool() -> str:
 
 
 def run_promtool(test_path: Path, timeout: float = PROMTOOL_TIMEOUT) -> tuple[int, str]:
+    import subprocess   # a replay without --rules starts no process: it does not import the machinery
+
     try:
         done = subprocess.run([promtool(), "test", "rules", str(test_path)], capture_output=True, text=True,
                               timeout=timeout, cwd=test_path.parent)
@@ -263,6 +262,8 @@ def intervals(firing: dict[float, list[dict]], grid: Grid, ticks: int) -> list[F
 def evaluate(table: SeriesTable | None, rules_dir: str | Path, *, keep: str | Path | None = None,
              timeout: float = PROMTOOL_TIMEOUT) -> list[FiredAlert]:
     """Every alert of the rule files in `rules_dir` that fires over `table`, with when it started and ended."""
+    import tempfile   # as subprocess (run_promtool): only a replay with --rules writes a test for promtool
+
     files = rule_files(rules_dir)
     names = alert_names(files)
     if table is None or table.ticks == 0 or not names:

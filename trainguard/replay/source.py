@@ -35,10 +35,10 @@ import msgspec
 import zstandard
 
 from trainguard import formats, tls
+from trainguard.formats import discover
 
 BLOCK_BYTES = 1 << 16          # one block of lines per decode call: ~300 trainer records
 MAX_MALFORMED_KEPT = 1000      # details kept; every malformed line is counted
-LOG_PATTERNS = ("*.jsonl", "*.jsonl.*")   # rank-0.jsonl, node-a.jsonl.3.gz, x.jsonl.zst
 # A folder without TLS logs: the logs of other tools it may hold (trainguard.formats, detected by content).
 
 
@@ -164,18 +164,16 @@ class InputError(ValueError):
 
 
 def expand(paths: Iterable[str | os.PathLike]) -> list[Path]:
-    """Files as given; a directory stands for its TLS logs (RUN/tls/ of a run directory, else its own):
-    the run's rank-/node- logs as `tls.run_logs` lists them, else every *.jsonl* file in it."""
+    """Files as given; a directory stands for its logs as `trainguard.formats.discover.run_logs` finds them
+    (the one discovery `report` and `diagnose` use too)."""
     files: list[Path] = []
     for given in paths:
         path = Path(given)
         if path.is_dir():
-            folder = path / "tls" if (path / "tls").is_dir() else path
-            found = [log.path for log in tls.run_logs(folder)] or sorted(
-                {p for pattern in LOG_PATTERNS for p in folder.glob(pattern) if p.is_file()}) or \
-                formats.other_logs(folder)
+            found = [log.path for log in discover.run_logs(path)]
             if not found:
-                raise InputError(f"{path}: no TLS logs (*.jsonl, *.jsonl.gz, *.jsonl.zst) in {folder}")
+                raise InputError(f"{path}: no TLS logs (*.jsonl, *.jsonl.gz, *.jsonl.zst) or other tools' logs "
+                                 f"in {discover.logs_folder(path)}")
             files.extend(found)
         elif path.is_file():
             files.append(path)

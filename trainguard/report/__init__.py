@@ -10,13 +10,23 @@ import os
 from pathlib import Path
 
 from trainguard import rundir
-from trainguard.report.data import Run, load_run
 
 __all__ = ["Run", "load_run", "render_report", "write_report"]
 
 
+def __getattr__(name: str):
+    """`Run` and `load_run` are the loader's (data.py), imported when asked for: `trainguard status`, also
+    in this package, reads a log's tail without the loader, the policy and the cost meter it brings."""
+    if name in ("Run", "load_run"):
+        from trainguard.report import data
+
+        return getattr(data, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def render_report(run_dir: str | os.PathLike, policy=None, goodput: bool = True) -> str:
     """The HTML report of a run directory, as a string."""
+    from trainguard.report.data import load_run
     from trainguard.report.html import render
 
     return render(load_run(run_dir, policy=policy, goodput=goodput))

@@ -146,6 +146,13 @@ def format_elapsed(seconds: float) -> str:
     return f"{days}d{hours:02d}h"
 
 
+def event_detail(event: dict) -> str:
+    """`key=value, ...` of an event's scalar fields (its type and step are shown on their own)."""
+    shown = [(k, v) for k, v in event.items()
+             if k not in ("type", "step") and v is not None and not isinstance(v, (dict, list))]
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown[:8])
+
+
 # ------------------------------------------------------------------------------------------- charts
 
 class _Frame:

@@ -18,7 +18,7 @@ from typing import Any, Iterable
 from trainguard import actions, paths
 from trainguard import policy as policy_mod
 from trainguard.decide.cost import CostMeter, clock_of
-from trainguard.report.charts import GAP_FACTOR, Span
+from trainguard.report.charts import GAP_FACTOR, Span, event_detail
 from trainguard.report.downsample import MAX_POINTS, Sampled, Series
 from trainguard.report.files import Checkpoint, host_of, log_files, rank_of, read_checkpoints
 from trainguard.tls import iter_lines
@@ -380,13 +380,6 @@ def event_label(kind: str, event: dict, step: int | None) -> str:
     text = " ".join(str(p) for p in parts) + (f" @ step {step}" if step is not None else "")
     restored = event.get("restored_step", event.get("resumed_from"))
     return text + (f" → back to {restored}" if restored is not None else "")
-
-
-def event_detail(event: dict) -> str:
-    """`key=value, ...` of an event's scalar fields (its type and step are shown on their own)."""
-    shown = [(k, v) for k, v in event.items()
-             if k not in ("type", "step") and v is not None and not isinstance(v, (dict, list))]
-    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown[:8])
 
 
 def load_run(run_dir: str | Path, policy=None, max_points: int = MAX_POINTS, goodput: bool = True) -> Run:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainguard import rundir
-from trainguard import formats
+from trainguard.formats import discover
 
 _ROTATED = re.compile(r"^(?P<base>.+\.jsonl)(?:\.(?P<n>\d+))?(?:\.gz|\.zst)?$")
 
@@ -24,21 +24,12 @@ class Checkpoint:
 def log_files(run_dir: Path) -> tuple[list[Path], list[Path]]:
     """(node logs, rank logs) in reading order: a log's rotated parts oldest first, then the live file.
 
-    A folder without TLS logs that holds another tool's (TensorBoard, trainer_state.json, Megatron or
-    torchtitan lines: trainguard.formats) has those as its rank logs, one run as rank 0's steps (the
-    readers turn them into TLS records line by line)."""
-    tls = rundir.tls_dir(run_dir)
-    if not tls.is_dir():
-        return [], formats.other_logs(run_dir)
-
-    def order(path: Path) -> tuple[str, int]:
-        match = _ROTATED.match(path.name)
-        base, n = (match.group("base"), int(match.group("n") or 0)) if match else (path.name, 0)
-        return base, -n if n else 0   # .jsonl.3.gz, .jsonl.2.gz, .jsonl.1.gz, then .jsonl
-
-    files = sorted((p for p in tls.iterdir() if _ROTATED.match(p.name) and p.is_file()), key=order)
-    nodes, ranks = [p for p in files if p.name.startswith("node-")], [p for p in files if p.name.startswith("rank-")]
-    return nodes, ranks if (ranks or nodes) else formats.other_logs(tls)
+    The logs are those `trainguard.formats.discover.run_logs` finds (the one discovery replay and diagnose
+    use): a folder without TLS logs that holds another tool's (TensorBoard, trainer_state.json, a Hugging
+    Face output folder's checkpoints, Megatron or torchtitan lines) has those as its rank logs, one run as
+    rank 0's steps (the readers turn them into TLS records line by line)."""
+    found = discover.run_logs(run_dir)
+    return [log.path for log in found if log.kind == "node"], [log.path for log in found if log.kind != "node"]
 
 
 def rank_of(path: Path) -> int | None:

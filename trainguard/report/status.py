@@ -15,8 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainguard import paths, rundir
-from trainguard.report.charts import format_elapsed, format_value
-from trainguard.report.data import event_detail
+from trainguard.report.charts import event_detail, format_elapsed, format_value
 from trainguard.report.files import log_files, read_checkpoints
 from trainguard.tls import TLSError, decode
 

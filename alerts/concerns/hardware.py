@@ -1,0 +1,35 @@
+"""Hardware: GPU temperature, Xid errors, allocator fragmentation (hardware.rules.yml)."""
+
+from __future__ import annotations
+
+from trainguard.alerts.promql import RATE, Alert, Group, Record, num
+from trainguard.policy import Policy
+
+
+def hardware(policy: Policy) -> list[Group]:
+    a = policy.alerts
+    records = Group("hardware", "trainguard-hardware.records", (
+        Record("trainguard:memory_fragmentation:ratio",
+               "trainguard_training_memory_allocated_bytes\n"
+               "/ (trainguard_training_memory_reserved_bytes > 0)"),
+    ))
+    alerts = Group("hardware", "trainguard-hardware.alerts", (
+        Alert("GPUOverheating", "DCGM_FI_DEV_GPU_TEMP > " + num(a.gpu_temp_c),
+              "warning", "GPU {{ $labels.gpu }} on {{ $labels.instance }} at {{ $value }} °C",
+              f"The GPU is above {num(a.gpu_temp_c)} °C and will throttle its clocks, slowing every rank "
+              "that waits for it. Check airflow, fans and the power limit.",
+              for_=a.for_long),
+        Alert("GPUXidError", f"increase(trainguard_gpu_xid_errors_total[{RATE}]) > 0",
+              "critical", "Xid {{ $labels.xid }} on GPU {{ $labels.gpu }} of {{ $labels.instance }}",
+              "The driver reported an Xid error (NVML events and the kernel log). Some (48, 63, 64, 74, 79, "
+              "94, 95) mean the GPU needs a reset or the node needs draining; see the runbook before "
+              "restarting the run here."),
+        Alert("GPUMemoryFragmented", "trainguard:memory_fragmentation:ratio < " + num(a.fragmentation_min),
+              "warning", "Allocator memory fragmented on {{ $labels.instance }}: "
+              "{{ $value | humanizePercentage }} of reserved memory in use",
+              f"Allocated / reserved device memory is under {num(a.fragmentation_min)}: the caching "
+              "allocator holds blocks it cannot reuse, which ends in out-of-memory errors at a "
+              "batch that used to fit.",
+              for_=a.for_long),
+    ))
+    return [records, alerts]

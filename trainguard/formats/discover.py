@@ -1,0 +1,72 @@
+"""What a folder given to `replay`, `report` or `diagnose` stands for: its logs, found here once for all three.
+
+In order, the first that finds any:
+
+1. **TLS logs** by name (`tls.run_logs`): ``RUN/tls/`` of a run directory, else the folder's own
+   ``rank-*.jsonl*`` / ``node-*.jsonl*``.
+2. **Any other** ``*.jsonl*`` file in that folder (TLS under another name, e.g. what `convert` wrote).
+3. **Other tools' logs, detected by content** (trainguard.formats.detect; a file that is TLS is not one):
+   the folder's own TensorBoard event files, ``trainer_state.json`` and ``*.log`` files; else the layout
+   a Hugging Face Trainer leaves in its ``output_dir``: the newest ``checkpoint-N/trainer_state.json`` (each
+   holds the whole ``log_history`` so far: the older ones would repeat its steps); else TensorBoard event
+   files under ``runs/*/`` (the Trainer's default ``logging_dir``). The Trainer's ``runs/`` events beside a
+   checkpoint's state are the same steps again, so they are read only where there is no state.
+
+Other tools' logs are one run, as rank 0's steps (the readers turn them into TLS records line by line).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from trainguard import formats, rundir, tls
+
+LOG_PATTERNS = ("*.jsonl", "*.jsonl.*")   # rank-0.jsonl, node-a.jsonl.3.gz, x.jsonl.zst
+OTHER_PATTERNS = ("events.out.tfevents.*", "trainer_state.json", "*.log")
+HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+HF_STATE = "trainer_state.json"
+TENSORBOARD_RUNS = "runs/*/events.out.tfevents.*"
+FILE = "file"       # the kind of a *.jsonl file without a rank-/node- name
+
+
+def logs_folder(folder: str | os.PathLike) -> Path:
+    """Where a folder keeps its logs: ``RUN/tls/`` of a run directory, else the folder itself."""
+    root = Path(folder)
+    return rundir.tls_dir(root) if rundir.tls_dir(root).is_dir() else root
+
+
+def run_logs(folder: str | os.PathLike) -> list[tls.LogFile]:
+    """The logs `folder` stands for, in reading order (see the module's doc); empty when it holds none."""
+    where = logs_folder(folder)
+    return tls.run_logs(where) or _jsonl_files(where) or [tls.LogFile("rank", "0", 0, path)
+                                                          for path in other_logs(where)]
+
+
+def other_logs(folder: str | os.PathLike) -> list[Path]:
+    """Other tools' logs in `folder`: its own, else a Hugging Face output folder's (the module's doc)."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    return (_detected(p for pattern in OTHER_PATTERNS for p in root.glob(pattern))
+            or _newest_checkpoint_state(root) or _detected(root.glob(TENSORBOARD_RUNS)))
+
+
+def _jsonl_files(folder: Path) -> list[tls.LogFile]:
+    found = sorted({p for pattern in LOG_PATTERNS for p in folder.glob(pattern) if p.is_file()})
+    return [tls.LogFile(FILE, path.name, 0, path) for path in found]
+
+
+def _newest_checkpoint_state(root: Path) -> list[Path]:
+    steps = sorted((int(match.group(1)), path) for path in root.iterdir()
+                   if (match := HF_CHECKPOINT.match(path.name)) and path.is_dir())
+    for _, checkpoint in reversed(steps):
+        state = _detected([checkpoint / HF_STATE])
+        if state:
+            return state
+    return []
+
+
+def _detected(paths) -> list[Path]:
+    return sorted({p for p in paths if p.is_file() and formats.detect(p) != formats.TLS})

@@ -150,6 +150,23 @@ def replay(out: str) -> list[Figure]:
     return figures
 
 
+def replay_rundir(out: str) -> list[Figure]:
+    """bench_replay_rundir.py --json: `trainguard replay RUN` end to end and in process, each shape, against
+    the msgspec floor on every CPU measured in the same run (the target: 1,000,000 records/s end to end)."""
+    results = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("[")))
+    figures = []
+    for result in results:
+        by_what = {r["what"]: r["records"] / r["seconds"] for r in result["rows"]}
+        floor_name = next(what for what in by_what if what.startswith("msgspec floor, ") and "CPUs" in what)
+        floor = by_what[floor_name]
+        for what, targeted in (("trainguard replay RUN (subprocess)", True), ("replay_logs([RUN]) in this process", False)):
+            rate = by_what[what]
+            figures.append(Figure(f"{what}, {result['shape']} shape (records/s)", f"{rate:,.0f}", floor_name,
+                                  f"{floor:,.0f}", floor / rate, ">= 1,000,000 records/s" if targeted else "",
+                                  rate >= 1_000_000 if targeted else None))
+    return figures
+
+
 def report(out: str) -> list[Figure]:
     tb = row(out, "peer: TensorBoard")
     figures = []

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from figures import (Figure, agent, checkpoint, collectors, diagnose, fault_to_action, loop, preflight,
-                     recovery, replay, report, telemetry)
+                     recovery, replay, replay_rundir, report, telemetry)
 from figures import hf_preclip, sdc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +66,12 @@ BENCHES: dict[str, Spec] = {
     "recovery": Spec("Crash recovery", [], ["--runs", "1"], recovery),
     "replay": Spec("Replay", ["--json"], ["--records", "100000", "--decide-records", "50000", "--repeat", "1",
                                           "--json"], replay),
+    # the short form: 64 ranks x 4,000 steps (256,000 records) a shape; the published 1M-record figures are
+    # its default size (docs/replay.md, "Speed")
+    "replay_rundir": Spec("Replay of a run directory", ["--steps", "4000", "--shape", "cuda,cpu,hang", "--repeat", "1",
+                                                        "--json"],
+                          ["--ranks", "16", "--steps", "1000", "--shape", "cuda,hang", "--repeat", "1", "--json"],
+                          replay_rundir),
     "report": Spec("Report (`trainguard report`)", [], ["--steps", "20000", "--repeat", "1"], report),
     "telemetry": Spec("Trainer telemetry", [], ["--steps", "500", "--rounds", "1"], telemetry),
     "fault_to_action": Spec("Fault to action", [], ["--scenarios", "cost"], fault_to_action),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from trainguard import tls
@@ -36,7 +36,7 @@ POLICY = Policy(cost=CostPolicy(budget_per_1k_steps=1.2, tiers=CostTiers(warn=0.
 
 
 def rank_records(rank: int, steps: int, rng: random.Random, *, world: int, own_gpus: bool, start: float,
-                 faults: bool, hang_at: int | None, clock_back: bool = False, gap: bool = False):
+                 faults: bool, hang_at: int | None, clock_back: bool = False, gap: bool = False, samples: int = 0):
     """One rank's trainer records (the shape trainer/telemetry.py writes), with faults and events."""
     when, clock = start, 5000.0
     step = 0
@@ -70,6 +70,9 @@ def rank_records(rank: int, steps: int, rng: random.Random, *, world: int, own_g
             del record["step"]                    # the seed form: the step after the file's last
         if faults and rng.random() < 0.02:
             del record["metrics"]["grad_norm"]    # a partial step
+        if samples and rank == 0 and i % samples == 0:    # the lead rank's own sample: a count, no step
+            yield {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "run_id": "r", "rank": 0,
+                   "system": {"gpu_count": 1 + (i // samples) % 3}}
         yield record
         if faults and i % 37 == 11:
             yield {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "run_id": "r", "rank": rank,
@@ -117,14 +120,15 @@ def write_lines(path: Path, records, rng: random.Random, *, bad: float) -> None:
 def build_run(root: Path, seed: int, *, ranks: int = 3, nodes: int = 1, steps: int = 300, rotate: int = 0,
               compress: str = ".gz", own_gpus: bool = True, faults: bool = True, bad: float = 0.01,
               hang: bool = False, start: float = T0, control: bool = True, clock_back: bool = False,
-              gap: bool = True) -> Path:
+              gap: bool = True, samples: int = 0) -> Path:
     rng = random.Random(seed)
     folder = root / "tls"
     folder.mkdir(parents=True)
     hang_at = steps // 3 if hang else None
     for rank in range(ranks):
         records = list(rank_records(rank, steps, rng, world=ranks, own_gpus=own_gpus, start=start,
-                                    faults=faults, hang_at=hang_at, clock_back=clock_back, gap=gap))
+                                    faults=faults, hang_at=hang_at, clock_back=clock_back, gap=gap,
+                                    samples=samples))
         parts = [records]
         if rank == 0 and rotate:               # rotated parts, oldest first: rank-0.jsonl.N<suffix>, .., live
             size = len(records) // (rotate + 1)
@@ -176,6 +180,7 @@ CASES = {
     "a hang the stall watchdog sees": dict(hang=True, nodes=2),
     "a rank whose clock steps back a minute, in a CPU run": dict(own_gpus=False, clock_back=True, ranks=2,
                                                                   steps=500),
+    "lead steps billed from the lead rank's own samples, in a CPU run": dict(own_gpus=False, samples=7, rotate=1),
     "many ranks, healthy": dict(ranks=8, nodes=2, faults=False, bad=0.0, gap=False),
     "every lead step says its GPUs (the other ranks' records only counted)": dict(gap=False, ranks=4, rotate=1),
     "malformed lines everywhere": dict(bad=0.2),
@@ -296,3 +301,210 @@ def test_replica_checks_in_a_run_directory_replay_alike(tmp_path, monkeypatch):
              "event": {"type": replica.CHECK_EVENT, "step": step, **replica.check_fields(check)}}))
     found = json.loads(both_ways([run], monkeypatch))
     assert ("rollback", 20, "replica_mismatch") in [(a["action"], a["step"], a["reason"]) for a in found["actions"]]
+
+
+# ------------------------------------------------------------------------ the counting, against the Picker
+
+def _record_line(draw, rank: int, step: int, when: float) -> bytes:
+    """One record the way a rank or an agent writes it, with the unusual things a block may hold."""
+    record: dict = {"timestamp": draw(st.sampled_from([when, tls.format_timestamp(when)]))}
+    if draw(st.integers(0, 9)):
+        record["rank"] = draw(st.sampled_from([rank] * 8 + [0, rank + 1, None]))
+    if draw(st.integers(0, 9)):
+        record["step"] = step
+    shape = draw(st.sampled_from(["both"] * 6 + ["loss", "grad", "neither", "none"]))
+    if shape != "none":
+        record["metrics"] = {k: v for k, v in (("loss", 3.0), ("grad_norm", 0.8)) if shape in ("both", k[:4])}
+    gpus = draw(st.sampled_from(["count"] * 4 + ["zero", "listed", "empty", "absent"]))
+    if gpus != "absent":
+        record["system"] = {"gpu_count": 8 if gpus == "count" else 0}
+        record["hardware"] = {"gpus": [{"gpu": 0}] if gpus == "listed" else []}
+    if not draw(st.integers(0, 19)):
+        record["event"] = {"type": draw(st.sampled_from(["skip_step", "alert", "checkpoint_saved"]))}
+    return tls.encode(record)
+
+
+ODDITIES = {       # one record of a rank's block changed in one way
+    "the lead rank": lambda r: r.update(rank=0), "another rank": lambda r: r.update(rank=r["rank"] + 1),
+    "no rank": lambda r: r.pop("rank"), "no step": lambda r: r.pop("step"), "an event": lambda r: r.update(
+        event={"type": "alert"}), "loss only": lambda r: r["metrics"].pop("grad_norm"),
+    "grad_norm only": lambda r: r["metrics"].pop("loss"),
+    "no metrics": lambda r: r.pop("metrics"), "Unix seconds": lambda r: r.update(timestamp=T0),
+    "no GPU count": lambda r: r.pop("system"), "GPUs listed": lambda r: r.update(system={"gpu_count": 0},
+                                                                                hardware={"gpus": [{}]}),
+}
+
+
+@st.composite
+def blocks(draw):
+    rank, start = draw(st.integers(0, 5)), T0 + draw(st.integers(0, 100))
+    count = draw(st.integers(1, 40))
+    # as a rank writes them (the passes in C count them), the same with one record of another kind (where
+    # the passes must give the block up), or any records
+    kind = draw(st.sampled_from(["usual", "one odd", "any"]))
+    odd = draw(st.one_of(st.just(count - 1), st.integers(0, count - 1)))      # the last one: the block's last step
+    oddity = draw(st.sampled_from(sorted(ODDITIES)))
+    gpus = draw(st.sampled_from([8, 0]))          # a GPU run's records say the count, a CPU run's 0
+    lines = []
+    for i in range(count):
+        when = start + i * 0.25 - (5.0 if draw(st.integers(0, 7)) == 0 else 0.0)    # a clock stepped back
+        if kind == "any":
+            lines.append(_record_line(draw, rank, i + 1, when))
+            continue
+        record = {"timestamp": tls.format_timestamp(when), "rank": rank, "step": i + 1,
+                  "metrics": {"loss": 3.0, "grad_norm": 0.8}, "system": {"gpu_count": gpus}}
+        if kind == "one odd" and i == odd:
+            ODDITIES[oddity](record)
+        lines.append(tls.encode(record))
+    return b"".join(lines)
+
+
+def _cpu_run_block(*extra: dict) -> bytes:
+    """Records of a CPU run's rank 3 (gpu_count 0), then `extra` ones."""
+    usual = [{"timestamp": T0 + i, "rank": 3, "step": i, "metrics": {"loss": 3.0, "grad_norm": 0.8},
+              "system": {"gpu_count": 0}} for i in range(1, 4)]
+    return b"".join(map(tls.encode, usual + list(extra)))
+
+
+@settings(max_examples=300, deadline=None)
+@example(data=_cpu_run_block({"timestamp": T0 + 5, "rank": 3, "step": 5, "metrics": {"loss": 3.0, "grad_norm": 0.8},
+                              "hardware": {"gpus": [{"gpu": 0}]}}), with_gpus=True, before=0)    # one lists its GPUs
+@given(data=blocks(), with_gpus=st.booleans(), before=st.integers(0, 50))
+def test_a_block_of_other_ranks_is_counted_as_the_picker_counts_it(data, with_gpus, before):
+    """parallel._summed (the passes in C, the loop for any other block) against picking.Picker.take over the
+    same records: the counts, the times, the last step, the GPU places; or None (the Picker's to take)."""
+    from trainguard.replay import source
+    from trainguard.replay.picking import Picker
+
+    summed = parallel._summed(source._typed.decode_lines(data), 0, with_gpus)
+    records = source._typed.decode_lines(data)
+    entries, _, last_step = source.entries_of(records, None, 1, 0, before)
+    picker = Picker(0, track=True)
+    picked = picker.take(entries)
+    if summed is None:
+        return
+    assert (summed.records, summed.copies, summed.partial) == (picker.records, picker.duplicates, picker.partial)
+    assert len(picked) == 0 and not picker.recorded
+    assert (summed.first, summed.latest) == (picker.first, picker.last)
+    assert (before if summed.last_step is None else summed.last_step) == last_step
+    assert summed.flagged == parallel._names_marked(records)
+    if with_gpus:
+        assert [p + 1 for p in summed.gpu_positions] == picker.tracked.gpu_ordinals
+        assert list(summed.gpu_counts) == picker.tracked.gpu_counts
+        if len(summed.gpu_positions):
+            assert summed.times.tolist() == [entry[0] for entry in entries]
+
+
+@pytest.mark.parametrize("with_gpus", [False, True])
+def test_a_piece_counted_without_the_picker_is_the_picked_piece(tmp_path, monkeypatch, with_gpus):
+    """read_piece of another rank's log, its blocks counted (parallel._summed) against the same piece taken
+    by the Picker throughout (the file named a lead file): the same Piece, GPU places and all."""
+    monkeypatch.setattr(parallel, "DECODE_BYTES", 3_000)          # many blocks, usual and not
+    rng = random.Random(3)
+    path = tmp_path / "rank-2.jsonl"
+    write_lines(path, rank_records(2, 300, rng, world=4, own_gpus=True, start=T0, faults=True, hang_at=None,
+                                   clock_back=False), rng, bad=0.02)
+    size = path.stat().st_size
+    start = size // 3 + 1           # a piece from the middle of the file: numbered from UNKNOWN_STEP
+    start = path.read_bytes().index(b"\n", start) + 1
+    ways = []
+    in_c = parallel._summed_in_c
+    monkeypatch.setattr(parallel, "_summed_in_c", lambda *a: ways.append(found := in_c(*a)) or found)
+    counted = parallel.read_piece(str(path), 1, start, size, 0, LAYERS, with_gpus)
+    assert parallel._UNUSUAL in ways and len(ways) > ways.count(parallel._UNUSUAL) > 0      # both ways taken
+    picked = parallel.read_piece(str(path), 1, start, size, 0, LAYERS, with_gpus, lead_files=(1,))
+    for name in ("step_ordinals", "step_latest", "gpu_ordinals", "gpu_latest", "gpu_counts"):
+        assert getattr(counted, name).tolist() == getattr(picked, name).tolist(), name
+    assert (counted.records, counted.marked, counted.recorded_ordinals) == (picked.records, picked.marked, picked.recorded_ordinals)
+    one, other = counted.chunk.picker, picked.chunk.picker
+    assert (one.records, one.duplicates, one.partial, one.first, one.last) == \
+        (other.records, other.duplicates, other.partial, other.first, other.last)
+    assert counted.chunk.last_step == picked.chunk.last_step
+    assert (len(counted.gpu_ordinals) > 100) if with_gpus else not len(counted.gpu_ordinals)
+
+
+def test_the_usual_block_is_counted_in_c():
+    """A rank's block as the trainer writes it takes the passes in C (not the loop): the path that counts 63
+    of 64 ranks' records, with and without the GPU places."""
+    from trainguard.replay import source
+
+    data = b"".join(tls.encode({"timestamp": tls.format_timestamp(T0 + i), "rank": 3, "step": i,
+                                "metrics": {"loss": 3.0, "grad_norm": 0.8}, "system": {"gpu_count": 8}})
+                    for i in range(1, 50))
+    for with_gpus in (False, True):
+        summed = parallel._summed_in_c(source._typed.decode_lines(data), 0, with_gpus)
+        assert summed is not parallel._UNUSUAL and summed.copies == 49 and summed.last_step == 49
+        assert len(summed.gpu_positions) == (49 if with_gpus else 0)
+
+
+# ------------------------------------------------------------------------------- the stall pass
+
+@settings(max_examples=200, deadline=None)
+# a run_end with a step does not move the tracker's step: the progress after it is progress
+@example(records=[(0.0, 1, 0), (1.0, 10, parallel.ENDED), (2.0, 5, 0), (3.0, None, parallel.STARTED), (6.5, None, 0)],
+         stall_seconds=5.0, step_first=False)
+@given(records=st.lists(st.tuples(st.floats(0, 600, allow_nan=False), st.one_of(st.none(), st.integers(0, 30)),
+                                  st.sampled_from([0] * 12 + [parallel.ENDED, parallel.STARTED])),
+                        max_size=80),
+       stall_seconds=st.sampled_from([5.0, 30.0, 60.0]), step_first=st.booleans())
+def test_the_stall_screen_keeps_what_the_tracker_decides_on(records, stall_seconds, step_first):
+    """parallel._may_matter drops records in merged order; the tracker (decide/stall) over what it keeps
+    finds the very stalls it finds over all of them."""
+    import numpy as np
+
+    from trainguard.decide import stall
+
+    times = np.array([r[0] for r in records], np.float64)
+    steps = np.array([0 if r[1] is None else r[1] for r in records], np.int64)
+    kinds = np.array([(parallel.HAS_STEP if r[1] is not None else 0) | r[2] for r in records], np.int8)
+    entries = [(t, s, bool(k & parallel.ENDED), bool(k & parallel.STARTED)) for t, (_, s, _), k
+               in zip(times.tolist(), records, kinds.tolist())]
+    kept = parallel._may_matter(times, steps, kinds, stall_seconds) if records else np.zeros(0, bool)
+    assert stall.replay([e for e, keep in zip(entries, kept) if keep], stall_seconds) == \
+        stall.replay(entries, stall_seconds)
+
+
+def test_the_stall_pass_on_every_cpu_decides_as_the_one_process_stream(tmp_path):
+    """parallel.stall_records (columns read by two workers, merged by the latest time, screened) against
+    timeline._stall_entries (every record, heapq.merge, one process): the same stalls, for a run whose
+    ranks hang, restart (run_start) and end (run_end) in different files, with clocks that step back."""
+    from trainguard.decide import stall
+
+    run = build_run(tmp_path / "run", seed=11, ranks=3, nodes=2, hang=True, steps=600)
+    log = run / "tls" / "rank-1.jsonl"
+    log.write_bytes(log.read_bytes() + b"".join(tls.encode(r) for r in (
+        {"timestamp": T0 + 700.0, "rank": 1, "event": {"type": "run_end"}},
+        {"timestamp": T0 + 900.0, "rank": 1, "step": 3, "event": {"type": "run_start", "resumed_from": 2}},
+        {"timestamp": T0 + 1000.0, "rank": 1, "step": 4, "metrics": {"loss": 1.0, "grad_norm": 1.0}},
+        {"timestamp": T0 + 1100.0, "rank": 1, "hardware": {"gpu_util": 0.0}})))     # stalled since step 4
+    files = sorted((run / "tls").iterdir())
+    reference = stall.replay(timeline._stall_entries(files, False), 60.0)
+    found = stall.replay(parallel.stall_records(files, 60.0, chunk_bytes=16_000, workers=2), 60.0)
+    assert found == reference and len(reference) >= 2
+
+
+def test_the_stall_pass_takes_the_merged_order_where_a_clock_steps_back(tmp_path):
+    """A record earlier than one before it in its file waits behind it in the merged order: after the step
+    at +70 s, the sample stamped +66 s (the clock stepped back) is no stall, as the tracker over the merged
+    stream decides (sorted by their own times, the sample would come first, 66 s after the last step)."""
+    from trainguard.decide import stall
+
+    step = {"rank": 0, "metrics": {"loss": 1.0, "grad_norm": 1.0}}
+    (tmp_path / "rank-0.jsonl").write_bytes(b"".join(tls.encode(r) for r in (
+        *({"timestamp": T0 + i, "step": i + 1, **step} for i in range(5)), {"timestamp": T0 + 70, "step": 6, **step},
+        {"timestamp": T0 + 66, "rank": 0, "hardware": {"gpu_util": 1.0}})))
+    (tmp_path / "node-a.jsonl").write_bytes(tls.encode({"timestamp": T0 + 80, "node": "a", "step": 6,
+                                                       "metrics": {"loss": 1.0}}))
+    files = sorted(tmp_path.iterdir())
+    assert stall.replay(timeline._stall_entries(files, False), 60.0) == []
+    assert stall.replay(parallel.stall_records(files, 60.0, workers=1), 60.0) == []
+
+
+def test_a_node_record_read_leniently_keeps_its_gpus(tmp_path):
+    """hardware.gpus is left undecoded (msgspec.Raw) when bytes are typed; a line only the lenient reader
+    takes (a step written as a string) keeps its GPUs as the dicts they are, and is a record, not malformed,
+    on every path (--rules reads every line that way)."""
+    log = tmp_path / "node-a.jsonl"
+    log.write_bytes(b'{"timestamp": 1710512538.0, "node": "a", "step": "5", "hardware": {"gpus": [{"gpu": 0}, {"gpu": 1}]}}\n')
+    found = timeline.replay_logs([log]).to_json()
+    assert (found["records"], found["malformed"]) == (1, 0)

@@ -33,17 +33,19 @@ from __future__ import annotations
 
 import functools
 import gc
-import io
 import operator
 import os
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
+import zstandard
 
 from trainguard.decide import replica as decide_replica
+from trainguard.decide import stall as decide_stall
 from trainguard.decide.batch import Block
 from trainguard.replay import columns, source
 from trainguard.replay.picking import Picked, Picker
@@ -58,9 +60,14 @@ class NotExact(Exception):
 def fits(stream) -> bool:
     """Whether `stream` goes this way: a source.Stream of typed records that is not one plain file
     (columns.py's), unless the environment asks for the one-process path."""
-    if os.environ.get(ONE_PROCESS_ENV, "") not in ("", "0") or not isinstance(stream, source.Stream):
+    if one_process_asked() or not isinstance(stream, source.Stream):
         return False
     return not stream.full and bool(stream.files) and not columns.fits(stream)
+
+
+def one_process_asked() -> bool:
+    """Whether the environment asks for the one-process path (ONE_PROCESS_ENV), the reference."""
+    return os.environ.get(ONE_PROCESS_ENV, "") not in ("", "0")
 
 
 # ----------------------------------------------------------------------------------------- a worker
@@ -103,6 +110,12 @@ def read_piece(path: str, index: int, start: int, end: int | None, lead, layer_n
             gc.enable()
 
 
+# A span is decoded DECODE_BYTES at a time (its records counted, then freed, before the next): the records
+# of a few hundred lines stay in the CPU's caches while they are made, read and freed, where those of a
+# whole 8 MiB span (~12,000 records, ~8 MB of objects) do not (bench/bench_replay_rundir.py --decode-bytes).
+DECODE_BYTES = 1 << 16
+
+
 def _blocks_of(path: str, start: int, end: int | None, problems: source.Problems,
                fast) -> Iterator[tuple[list, Callable[[bool], list]]]:
     """The piece's decoded blocks, each with a function that, told whether the block names a marked event,
@@ -116,43 +129,52 @@ def _blocks_of(path: str, start: int, end: int | None, problems: source.Problems
     with open(path, "rb") as handle:
         handle.seek(start)
         data = handle.read(end - start)
-    whole = _whole(data, fast)          # the usual case: the span at once, one call
-    if whole is not None:
-        yield whole, functools.partial(_marked_in, data)
-        return
-    offset = 0
-    for block in source.line_blocks(io.BytesIO(data)):
-        def line_of(at: int = offset) -> int:
-            return data.count(b"\n", 0, at) + 1
-
-        found = problems.count
-        records = source.decode_block(block, line_of, path, problems, fast)
-        troubled = problems.count != found
-
-        def marked(flagged: bool, block: bytes = block, line_of=line_of, troubled: bool = troubled) -> list:
-            return list(source._marked(block, MARKS, line_of())) if flagged or troubled else []
-
-        yield records, marked
-        offset += len(block)
+    view = memoryview(data)
+    for begin, stop in _line_spans(data, DECODE_BYTES):
+        records = _typed(view[begin:stop], fast)       # the usual case: no copy, one call
+        troubled = records is None
+        if troubled:            # some line is refused: block by block, isolating it (and counting lines)
+            found = problems.count
+            records = source.decode_block(data[begin:stop], functools.partial(_line_at, data, begin), path,
+                                          problems, fast)
+            troubled = problems.count != found
+        yield records, functools.partial(_marked_between, data, begin, stop, troubled)
 
 
-def _none(flagged: bool) -> list:
-    return []
+def _line_spans(data: bytes, size: int) -> Iterator[tuple[int, int]]:
+    """(begin, end) of stretches of whole lines of about `size` bytes (a longer line: alone, whole)."""
+    begin, total = 0, len(data)
+    while begin < total:
+        stop = data.rfind(b"\n", begin, begin + size) + 1 if begin + size < total else total
+        if stop <= begin:
+            stop = data.find(b"\n", begin + size) + 1 or total
+        yield begin, stop
+        begin = stop
 
 
-def _whole(data: bytes, fast) -> list | None:
-    """Every line of the span typed in one call (the fast decoder, then the plain one), or None when some
-    line is refused (then `_blocks_of` goes block by block, isolating it)."""
+def _typed(view: memoryview, fast) -> list | None:
+    """Every line of the stretch typed in one call (the fast decoder, then the plain one), or None when some
+    line is refused."""
     for decoder in (source._typed,) if fast is None else (fast, source._typed):
         try:
-            return decoder.decode_lines(data)
+            return decoder.decode_lines(view)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             pass
     return None
 
 
-def _marked_in(data: bytes, flagged: bool) -> list:
-    return list(source._marked(data, MARKS, 1)) if flagged else []
+def _line_at(data: bytes, at: int) -> int:
+    return data.count(b"\n", 0, at) + 1
+
+
+def _marked_between(data: bytes, begin: int, stop: int, troubled: bool, flagged: bool) -> list:
+    if not (flagged or troubled):
+        return []
+    return list(source._marked(data[begin:stop], MARKS, _line_at(data, begin)))
+
+
+def _none(flagged: bool) -> list:
+    return []
 
 
 def _names_marked(records: list) -> bool:
@@ -174,10 +196,10 @@ def _decode(path: str, index: int, start: int, end: int | None, lead, layer_name
         for records, marked_lines in _blocks_of(path, start, end, problems, fast):
             summed = _summed(records, lead, with_gpus) if summing and records else None
             if summed is not None:      # no step, decision or GPU count of the lead rank's: counts only
-                last_step = _add(picker, summed, last_step)
-                times.append(np.full(len(records), summed[5]))
+                last_step = _add(picker, summed, last_step, ordinal)
+                times.append(np.full(len(records), summed.latest) if summed.times is None else summed.times)
                 ordinal += len(records)
-                flagged = summed[6]
+                flagged = summed.flagged
             else:
                 entries, ordinal, last_step = source.entries_of(records, None, 0, ordinal, last_step)
                 picked.extend(picker.take(entries))
@@ -204,14 +226,87 @@ def _decode(path: str, index: int, start: int, end: int | None, lead, layer_name
                  start, marked)
 
 
-def _summed(records: list, lead, with_gpus: bool) -> tuple | None:
-    """A block's counts when nothing in it is the lead rank's (Picker.take's, without the Picker): (records,
-    training records that are copies, partial ones, the last step, the first time, the latest time, whether it
-    names a marked event); None when the block needs the Picker (a lead-rank step or event, a step-less
-    training record, times of two kinds; with `with_gpus`, a record that says a GPU count: its place is
-    wanted).
+class Summed(NamedTuple):
+    """A block of records nothing in which is the lead rank's: what Picker.take would count of it."""
 
-    One plain loop: most records of a run directory are other ranks' copies, and this is their cost."""
+    records: int
+    copies: int                     # training records (both loss and grad_norm): other ranks' copies
+    partial: int                    # training records with one of the two
+    last_step: int | None           # the step of the block's last record that has one
+    first: float                    # the first record's time, and the latest
+    latest: float
+    flagged: bool                   # some record names a marked event (MARKS)
+    gpu_positions: Sequence[int] = ()   # with_gpus: the records that say a GPU count (from 0), their counts,
+    gpu_counts: Sequence[int] = ()      # and every record's time (None when no record says one)
+    times: np.ndarray | None = None
+
+
+_rank, _event, _metrics, _step = (operator.attrgetter(name) for name in ("rank", "event", "metrics", "step"))
+_timestamp, _system, _hardware = (operator.attrgetter(name) for name in ("timestamp", "system", "hardware"))
+_loss, _grad_norm, _gpu_count, _gpus = (operator.attrgetter(name) for name in ("loss", "grad_norm", "gpu_count", "gpus"))
+
+
+def _summed(records: list, lead, with_gpus: bool) -> Summed | None:
+    """A block's counts when nothing in it is the lead rank's (Picker.take's, without the Picker); None when
+    the block needs the Picker (a lead-rank step or event, a step-less training record, times of two
+    kinds; with `with_gpus`, a record that says a GPU count in a block `_summed_in_c` does not take).
+
+    Most records of a run directory are other ranks' copies, and this is their cost: the usual block (one
+    rank not the lead's, every record a training step with a step and both numbers, no event) is counted by
+    passes in C (`_summed_in_c`), any other by one plain loop (`_summed_by_loop`), the reference."""
+    found = _summed_in_c(records, lead, with_gpus)
+    return _summed_by_loop(records, lead, with_gpus) if found is _UNUSUAL else found
+
+
+_UNUSUAL = object()     # not the usual block: counted by the loop
+
+
+def _summed_in_c(records: list, lead, with_gpus: bool):
+    n = len(records)
+    ranks = list(map(_rank, records))
+    if ranks[0] == lead or ranks.count(ranks[0]) != n:
+        return _UNUSUAL
+    events = list(map(_event, records))
+    metrics = list(map(_metrics, records))
+    steps = list(map(_step, records))
+    if events.count(None) != n or None in metrics or None in steps:
+        return _UNUSUAL
+    if None in map(_loss, metrics) or None in map(_grad_norm, metrics):
+        return _UNUSUAL
+    stamps = list(map(_timestamp, records))
+    try:
+        latest = max(stamps)
+    except TypeError:       # Unix seconds and RFC 3339 in one block: the Picker's way
+        return None
+    gpus = _gpus_said(records, n) if with_gpus else ((), ())
+    if gpus is None:
+        return _UNUSUAL
+    times = _seconds_of(stamps) if len(gpus[0]) else None
+    return Summed(n, n, 0, steps[-1], _seconds(stamps[0]), _seconds(latest), False, *gpus, times)
+
+
+def _gpus_said(records: list, n: int) -> tuple | None:
+    """(positions, counts) of the records that say a GPU count (Picker.take's rule) when every record says
+    it by `system.gpu_count` or none says one at all; None otherwise (the loop's to count)."""
+    systems = list(map(_system, records))
+    counts = list(map(_gpu_count, filter(None, systems)))
+    said = len(counts) - counts.count(None) - counts.count(0)
+    if said == n:
+        return range(n), counts
+    if said:
+        return None
+    listed = list(map(_gpus, filter(None, map(_hardware, records))))
+    return ((), ()) if listed.count(None) + listed.count([]) == len(listed) else None
+
+
+def _seconds_of(stamps: list) -> np.ndarray:
+    """Times as Unix seconds (one kind in the block: `_summed_in_c` found their max)."""
+    if stamps[0].__class__ is float:
+        return np.array(stamps, np.float64)
+    return np.fromiter(map(datetime.timestamp, stamps), np.float64, len(stamps))
+
+
+def _summed_by_loop(records: list, lead, with_gpus: bool) -> Summed | None:
     copies = partial = 0
     last_step = None
     flagged = False
@@ -237,26 +332,26 @@ def _summed(records: list, lead, with_gpus: bool) -> tuple | None:
         latest = max(map(_timestamp, records))
     except TypeError:
         return None
-    return len(records), copies, partial, last_step, _seconds(records[0].timestamp), _seconds(latest), flagged
-
-
-_timestamp = operator.attrgetter("timestamp")
+    return Summed(len(records), copies, partial, last_step, _seconds(records[0].timestamp), _seconds(latest), flagged)
 
 
 def _seconds(when) -> float:
     return when if when.__class__ is float else when.timestamp()
 
 
-def _add(picker: Picker, summed: tuple, last_step: int) -> int:
-    """Count a summed block into the piece's picker; returns the file's last step after it."""
-    records, copies, partial, step, first, latest, _ = summed
+def _add(picker: Picker, summed: Summed, last_step: int, ordinal: int) -> int:
+    """Count a summed block into the piece's picker (its records from `ordinal` + 1 on); returns the file's
+    last step after it."""
     if picker.first is None:
-        picker.first = picker.last = first
-    picker.last = max(picker.last, latest)
-    picker.records += records
-    picker.duplicates += copies
-    picker.partial += partial
-    return last_step if step is None else step
+        picker.first = picker.last = summed.first
+    picker.last = max(picker.last, summed.latest)
+    picker.records += summed.records
+    picker.duplicates += summed.copies
+    picker.partial += summed.partial
+    if len(summed.gpu_positions):
+        picker.tracked.gpu_ordinals.extend(np.add(summed.gpu_positions, ordinal + 1).tolist())
+        picker.tracked.gpu_counts.extend(summed.gpu_counts)
+    return last_step if summed.last_step is None else summed.last_step
 
 
 # ------------------------------------------------------------------------------------- putting together
@@ -291,10 +386,9 @@ class _Unresolved:
     in merged order: time, file, ordinal), until every file is read."""
 
     blocks: list = field(default_factory=list)       # (block, positions in it) in decision order
-    times: list = field(default_factory=list)
-    files: list = field(default_factory=list)
-    ordinals: list = field(default_factory=list)
-    best: list = field(default_factory=list)         # [(time, file, ordinal, count)] per step, filled later
+    # per held stretch: the steps' times and files, and the best candidate so far for each (time, file,
+    # ordinal, count of the latest record before it that says a count), filled in as the files come
+    held: list = field(default_factory=list)
     _arrays: tuple | None = None
 
     def __bool__(self) -> bool:
@@ -304,11 +398,8 @@ class _Unresolved:
         """The held steps' times and files, and the best candidates so far as arrays (made once: every
         step is held before the first file that is not the lead rank's comes in)."""
         if self._arrays is None:
-            best = {"time": np.array([b[0] for b in self.best], np.float64),
-                    "file": np.array([b[1] for b in self.best], np.int64),
-                    "ordinal": np.array([b[2] for b in self.best], np.int64),
-                    "count": np.array([b[3] for b in self.best], np.int64)}
-            self._arrays = (np.array(self.times, np.float64), np.array(self.files, np.int64), best)
+            times, files, *best = (np.concatenate(column) for column in zip(*self.held))
+            self._arrays = (times, files, dict(zip(("time", "file", "ordinal", "count"), best)))
         return self._arrays
 
 
@@ -330,18 +421,18 @@ class _Run:
 
     # ------------------------------------------------------------------------------------ the tasks
     def tasks(self, heads: list, lead) -> Iterator[tuple]:
-        order = self.lead_files + [i for i in range(len(self.files)) if i not in self.lead_files]
+        """The lead rank's files first, in merged order (the GPU counts and the duplicates follow them), then
+        the others, the most work first (any order would do: the pieces of each file stay in file order),
+        so that the two workers end together on the small ones."""
+        others = [i for i in range(len(self.files)) if i not in self.lead_files]
+        order = self.lead_files + by_work([self.files[i].path for i in others], others)
         handed = 0
         for index in order:
             if index not in self.lead_files and self.lead_tasks is None:
                 self.lead_tasks = handed
             path = self.files[index].path
             layers = heads[index][1]       # no record at all: read all the same (its malformed lines)
-            if path.endswith(columns.COMPRESSED):
-                spans: Iterator = iter([(0, None)])
-            else:
-                spans = columns._spans(path, self.chunk_bytes)
-            for start, end in spans:
+            for start, end in spans_of(path, self.chunk_bytes):
                 # GPU places are needed from the other files only if a lead step said none of its own;
                 # until the lead files are all in, that is not known.
                 with_gpus = index in self.lead_files or not self.lead_done or bool(self.unresolved)
@@ -434,19 +525,25 @@ class _Run:
 
     def _hold(self, block: Block, needing: np.ndarray, latest, index: int, ordinals, gpu_latest, gpu_ordinals,
               gpu_counts) -> None:
+        """Hold the steps of `block` that need the merged GPU count, each with the best candidate known: the
+        latest record before it in its own piece that says a count, else the lead files' latest."""
         positions = np.flatnonzero(needing)
         self.unresolved.blocks.append((block, positions))
-        for position in positions:
-            ordinal = int(ordinals[position])
-            before = np.searchsorted(gpu_ordinals, ordinal) - 1        # the file's own, earlier in the piece
-            if before >= 0:
-                best = (float(gpu_latest[before]), index, int(gpu_ordinals[before]), int(gpu_counts[before]))
-            else:
-                best = self.lead_latest or (-np.inf, -1, -1, 0)
-            self.unresolved.times.append(float(latest[position]))
-            self.unresolved.files.append(index)
-            self.unresolved.ordinals.append(ordinal)
-            self.unresolved.best.append(best)
+        held = ordinals[positions]
+        before = np.searchsorted(gpu_ordinals, held) - 1       # the file's own, earlier in the piece
+        own = before >= 0
+        at = np.maximum(before, 0)
+        fallback = self.lead_latest or (-np.inf, -1, -1, 0)
+
+        def candidate(column: np.ndarray, otherwise, dtype) -> np.ndarray:
+            return np.where(own, column[at], otherwise).astype(dtype) if len(column) else \
+                np.full(len(held), otherwise, dtype)
+
+        self.unresolved.held.append((np.asarray(latest)[positions].astype(np.float64), np.full(len(held), index, np.int64),
+                                     candidate(gpu_latest, fallback[0], np.float64),
+                                     np.where(own, index, fallback[1]).astype(np.int64),
+                                     candidate(gpu_ordinals, fallback[2], np.int64),
+                                     candidate(gpu_counts, fallback[3], np.int64)))
 
     def _gpus_of(self, piece: Piece, state: _File) -> None:
         """A file's GPU counts as candidates for the held steps: its latest one before each in merged order."""
@@ -479,6 +576,39 @@ class _Run:
         self.totals.recorded = [item[3] for item in self.recorded]
         firsts = [state.first for state in self.files if state.first is not None]
         self.totals.first = min(firsts) if firsts else None
+
+
+def spans_of(path: str, chunk_bytes: int) -> Iterator[tuple[int, int | None]]:
+    """A file's pieces: a compressed one whole ((0, None)); a plain one cut at line ends into pieces of
+    even size, none over about `chunk_bytes` (9.9 MB: two of 4.95, not 8 MiB and 1.9: the workers'
+    shares stay even)."""
+    if path.endswith(columns.COMPRESSED):
+        return iter([(0, None)])
+    size = os.path.getsize(path)
+    pieces = max(1, -(-size // chunk_bytes))
+    return columns._spans(path, -(-size // pieces) if size else chunk_bytes)
+
+
+def by_work(paths: list[str], indices: list[int]) -> list[int]:
+    """`indices` (of `paths`), the most bytes to decode first: a compressed file counts what it holds."""
+    return [index for _, index in sorted(zip(map(_bytes_to_decode, paths), indices), key=lambda pair: -pair[0])]
+
+
+def _bytes_to_decode(path: str) -> int:
+    """The bytes a file decodes to: its size, or what a compressed one says it holds (gzip's trailer, the
+    zstd frame's content size), else 8 times its size. Only an order of work: nothing depends on it."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as handle:
+            if path.endswith(".gz") and size >= 18:
+                handle.seek(size - 4)
+                return max(size, int.from_bytes(handle.read(4), "little"))
+            if path.endswith(".zst"):
+                found = zstandard.frame_content_size(handle.read(18))
+                return found if found > 0 else 8 * size
+    except (OSError, zstandard.ZstdError):
+        pass
+    return size if not path.endswith(columns.COMPRESSED) else 8 * size
 
 
 def _tail(block: Block, start: int) -> Block:
@@ -523,4 +653,140 @@ def _layers(records: list) -> tuple | None:
                  if r.metrics is not None and r.metrics.grad_norm_by_layer), None)
 
 
-__all__ = ["NotExact", "ONE_PROCESS_ENV", "fits", "replay"]
+# ------------------------------------------------------------------------------------- the stall pass
+
+# What the stall watchdog's tracker (trainguard.decide.stall.StallTracker.observe) reads of a record,
+# as bits: a step record's step (it has metrics), an event that ends the run, one that starts it.
+HAS_STEP, ENDED, STARTED = 1, 2, 4
+
+
+@dataclass
+class StallPiece:
+    """A stretch of one file as the stall watchdog reads it: each record's time, step and kind (bits)."""
+
+    index: int
+    times: np.ndarray
+    steps: np.ndarray           # 0 where the record has no step record's step (kinds & HAS_STEP unset)
+    kinds: np.ndarray
+    failed: bool                # the file could not be read here: it ends before this stretch (as in `take`)
+
+
+def read_stall_piece(path: str, index: int, start: int, end: int | None, layer_names) -> StallPiece:
+    """The records of path[start:end] (end None: a compressed file, whole) as columns (in a worker)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    columns_of: list[tuple] = []
+    failed = False
+    try:
+        fast = source.layers_decoder(layer_names) if layer_names and end is not None else None
+        for records, _ in _blocks_of(path, start, end, source.Problems(), fast):
+            if records:
+                columns_of.append(_stall_columns(records))
+    except OSError:
+        failed = True
+    finally:
+        if enabled:
+            gc.enable()
+    if not columns_of:
+        return StallPiece(index, np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int8), failed)
+    times, steps, kinds = (np.concatenate(part) for part in zip(*columns_of))
+    return StallPiece(index, times, steps, kinds, failed)
+
+
+def _stall_columns(records: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(times, steps, kinds) of a block: passes in C for the usual block (every record a step record, no
+    event), one loop for any other. The step is the one written (a step-less training record has none:
+    entries_of numbers it for the guard, not for the watchdog, which reads the record as logged)."""
+    n = len(records)
+    stamps = list(map(_timestamp, records))
+    floats = list(map(type, stamps)).count(float)
+    if floats in (0, n):
+        times = _seconds_of(stamps)
+    else:
+        times = np.fromiter(map(_seconds, stamps), np.float64, n)
+    steps = list(map(_step, records))
+    if None not in steps and None not in map(_metrics, records) and not any(map(_event, records)):
+        return times, np.array(steps, np.int64), np.full(n, HAS_STEP, np.int8)
+    kinds = np.zeros(n, np.int8)
+    written = np.zeros(n, np.int64)
+    for i, record in enumerate(records):
+        if record.metrics is not None and record.step is not None:
+            kinds[i], written[i] = HAS_STEP, record.step
+        event = record.event
+        if event is not None:
+            kinds[i] |= (ENDED if event.type in decide_stall.ENDED_EVENTS else 0) | (STARTED if event.type == "run_start" else 0)
+    return times, written, kinds
+
+
+def stall_records(files: list, stall_seconds: float, *, chunk_bytes: int | None = None,
+                  workers: int | None = None) -> list[tuple]:
+    """The (timestamp, step, ended, started) records of `files` the stall watchdog's tracker must see, in
+    the merged stream's order, read on every CPU: the same verdicts as the tracker over every record
+    (timeline.stall_notices' reference, one process), from a few of them.
+
+    Each file is read as columns (`read_stall_piece`); a record's place in merged order is (its file's
+    latest time up to it, the file, its ordinal): the files' columns, in file order, sorted stably by that
+    latest time. Held meanwhile: 25 bytes a record (this pass runs only where the lead rank's steps leave
+    room for a stall). Raises NotExact for what the columns cannot hold (a step past 64 bits)."""
+    chunk_bytes = chunk_bytes or columns.CHUNK_BYTES
+    heads = [source.first_block(path) for path in files]
+    paths = list(map(str, files))
+    tasks = [(paths[index], index, start, end, _layers(heads[index]) if heads[index] else None)
+             for index in by_work(paths, list(range(len(paths)))) for start, end in spans_of(paths[index], chunk_bytes)]
+    size = sum(os.path.getsize(path) for path in files)
+    count = 1 if size <= 2 * chunk_bytes else (columns.available_cpus() if workers is None else workers)
+    per_file: list[list] = [[] for _ in files]
+    latest = [-np.inf] * len(files)
+    failed = [False] * len(files)
+    try:
+        for piece in columns.pipelined(read_stall_piece, iter(tasks), count):
+            index = piece.index
+            failed[index] = failed[index] or piece.failed
+            if failed[index] or not len(piece.times):
+                continue
+            running = np.maximum(np.maximum.accumulate(piece.times), latest[index])
+            latest[index] = float(running[-1])
+            per_file[index].append((running, piece.times, piece.steps, piece.kinds))
+    except OverflowError as exc:
+        raise NotExact(f"a step the stall columns cannot hold ({exc})") from None
+    parts = [part for pieces in per_file for part in pieces]
+    if not parts:
+        return []
+    del per_file
+    order = np.argsort(np.concatenate([part[0] for part in parts]), kind="stable")
+    times, steps, kinds = (np.concatenate([part[column] for part in parts])[order] for column in (1, 2, 3))
+    del parts, order        # what is held from here on: the sorted columns (17 bytes a record)
+    kept = np.flatnonzero(_may_matter(times, steps, kinds, stall_seconds))
+    return [(float(times[i]), int(steps[i]) if kinds[i] & HAS_STEP else None, bool(kinds[i] & ENDED),
+             bool(kinds[i] & STARTED)) for i in kept]
+
+
+def _may_matter(times: np.ndarray, steps: np.ndarray, kinds: np.ndarray, stall_seconds: float) -> np.ndarray:
+    """The records (in merged order) that can change the tracker or be a stall; the rest it passes over
+    without either, so the tracker decides the same from these alone (StallTracker.observe):
+
+    - every event that ends or starts a run (they change its state);
+    - progress: a step record's step beyond the latest since the last run start (ended records do not move it);
+    - a record at least `stall_seconds` after the latest progress before it (the only ones it can fire on).
+    The rest (the other ranks' copies of a step, samples while steps advance) change nothing."""
+    n = len(times)
+    events = (kinds & (ENDED | STARTED)) != 0
+    moving = ((kinds & HAS_STEP) != 0) & ((kinds & ENDED) == 0)          # steps that can move the tracker
+    floor = np.iinfo(np.int64).min
+    values = np.where(moving, steps, floor)
+    before = np.full(n, floor)                   # the tracker's step before each record (floor: none)
+    starts = np.flatnonzero(kinds & STARTED)     # a run start forgets the step, its own counts after it
+    bounds = [0, *starts.tolist(), n]
+    for begin, end in zip(bounds[:-1], bounds[1:]):
+        if end > begin:
+            seen = np.maximum.accumulate(values[begin:end])
+            before[begin + 1:end] = seen[:-1]
+    progress = moving & (values > before)
+    last = np.where(progress, np.arange(n), -1)
+    last = np.maximum.accumulate(last)           # the latest progress at or before each record
+    previous = np.concatenate(([-1], last[:-1]))
+    late = (previous >= 0) & (times - times[np.maximum(previous, 0)] > stall_seconds)
+    return events | progress | late
+
+
+__all__ = ["NotExact", "ONE_PROCESS_ENV", "fits", "replay", "stall_records"]

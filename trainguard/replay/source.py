@@ -52,7 +52,9 @@ class Metrics(msgspec.Struct, kw_only=True, gc=False):
 
 
 class Hardware(msgspec.Struct, kw_only=True, gc=False):
-    gpus: Union[list[Any], None] = None          # only counted: GPUs seen, when gpu_count is absent
+    # Only counted (GPUs seen, when gpu_count is absent): each left undecoded (Raw, any JSON value, as Any
+    # takes), not made into the dicts of a node log's 8 GPUs' readings.
+    gpus: Union[list[msgspec.Raw], None] = None
 
 
 class System(msgspec.Struct, kw_only=True, gc=False):
@@ -205,9 +207,18 @@ def line_blocks(handle) -> Iterator[bytes]:
         pending = [rest] if rest else []
 
 
+class _HardwareOfDict(Hardware, kw_only=True, gc=False):
+    gpus: Union[list[Any], None] = None         # a dict's readings cannot be made Raw: kept as they are
+
+
+_RecordOfDict = msgspec.defstruct("Record", [("hardware", Union[_HardwareOfDict, None], None)], bases=(Record,),
+                                  kw_only=True, gc=False)
+
+
 def _to_typed(record: dict) -> Record:
-    """The lenient reader's dict as the typed record (raises msgspec.ValidationError naming the field)."""
-    return msgspec.convert(record, Record)
+    """The lenient reader's dict as the typed record (raises msgspec.ValidationError naming the field): a
+    Record whose `hardware.gpus` is the list itself (what Raw stands for when decoding bytes)."""
+    return msgspec.convert(record, _RecordOfDict)
 
 
 def _refused(line: tls.Line, problems: Problems) -> None:
@@ -368,9 +379,15 @@ def head_names(path: str | os.PathLike, mark: bytes, lines: int) -> bool:
     that passes over the files a head-of-log reader (replay.dynamics) would find nothing in."""
     try:
         with tls.open_log(Path(path)) as handle:
-            return any(mark in handle.readline() for _ in range(lines))
+            head = b""          # read a block at a time (not a line: a call per line costs more than the read)
+            while head.count(b"\n") < lines:
+                block = handle.read(BLOCK_BYTES)
+                if not block:
+                    break
+                head += block
     except _UNREADABLE:
-        return True      # unreadable: the reader says so itself
+        return True      # unreadable: the reader says so itself (True only sends the file to it)
+    return any(mark in line for line in head.split(b"\n", lines)[:lines])
 
 
 SCAN_BYTES = 8 << 20

@@ -75,7 +75,7 @@ class StallWatchdog:
         self._stop = StopSignal()
         self._thread: threading.Thread | None = None
         self._last_key: str | None = None     # one notice per stall, not one per check
-        self._rank_files = rundir.RankFiles(self.run_dir, {self.host})
+        self._rank_files = restore.host_rank_files(self.run_dir, self.host)   # shared with the actions
         self.log = tglog.get("agent.stall_watchdog")
 
     def progress(self) -> list[tuple[stall.RankProgress, object]]:

@@ -97,12 +97,10 @@ def proven_launchers(run_dir: str | os.PathLike, host: str,
     rank's start time, uid, entry point, run directory, and the launcher it registered), and why each
     other rank's launcher was refused."""
     trust = trust or restore.Trust.for_run(run_dir)
-    infos, problems = restore.read_ranks(run_dir)
+    infos, problems = restore.host_ranks(run_dir, host)      # this node's ranks only
     found: dict[int, psutil.Process] = {}
     refused = list(problems)
     for info in infos:
-        if info.host != host:
-            continue
         try:
             proof = restore.prove_rank(info, trust)
         except restore.Refused as refusal:

@@ -295,7 +295,7 @@ class Executor:
         elastic launcher restarted since, after a crash of this agent, is spared, and no evidence of it is
         taken: it is not the hang's)."""
         started_before = verdict.notice.starts_at
-        return [info for info, _ in restore.local_ranks(restore.read_ranks(self.run_dir)[0], self.host)
+        return [info for info, _ in restore.local_ranks(restore.host_ranks(self.run_dir, self.host)[0], self.host)
                 if started_before is None or info.started_at < started_before]
 
     def _restore_after_evidence(self, verdict: Verdict) -> None:

@@ -41,7 +41,7 @@ from pathlib import Path
 import psutil
 
 from trainguard import log as tglog
-from trainguard.rundir import RankInfo, read_ranks   # the reading end of RUN/control/ranks (trainguard/rundir.py)
+from trainguard.rundir import RankInfo, read_ranks  # noqa: F401  (read_ranks: agent/culprit.py asks for it here)
 from trainguard.rundir import RankFiles  # noqa: F401  (moved to trainguard/rundir.py; this name still works)
 
 BUNDLED_ENTRY_POINT = "trainguard.trainer.train"
@@ -80,6 +80,50 @@ def local_ranks(infos: list[RankInfo], host: str) -> list[tuple[RankInfo, psutil
     """This host's ranks (of the rank files `infos`) whose processes are alive."""
     return [(info, process) for info in infos if info.host == host
             for process in [live_process(info)] if process is not None]
+
+
+# ----------------------------------------------------------------------- this host's registrations
+
+class SharedRankFiles(RankFiles):
+    """A `RankFiles` that several threads of one agent read: the stall watchdog every few seconds
+    (agent/actions_embedded.py), the actions (restore, eviction) when they run."""
+
+    def __init__(self, run_dir: str | Path, hosts):
+        super().__init__(run_dir, hosts)
+        self._lock = threading.Lock()
+
+    def read(self) -> list[RankInfo]:
+        with self._lock:
+            return super().read()
+
+
+_SHARED: dict[tuple[str, str], SharedRankFiles] = {}
+_SHARED_LOCK = threading.Lock()
+MAX_SHARED = 8          # (run directory, host) pairs a process follows: one in an agent, more in tests
+
+
+def host_rank_files(run_dir: str | Path, host: str) -> SharedRankFiles:
+    """This process's one reader of `host`'s registrations in `run_dir`."""
+    key = (os.path.abspath(run_dir), host)
+    with _SHARED_LOCK:
+        files = _SHARED.pop(key, None) or SharedRankFiles(run_dir, {host})
+        _SHARED[key] = files                      # the newest last; the oldest past MAX_SHARED forgotten
+        while len(_SHARED) > MAX_SHARED:
+            del _SHARED[next(iter(_SHARED))]
+    return files
+
+
+def host_ranks(run_dir: str | Path, host: str) -> tuple[list[RankInfo], list[str]]:
+    """`host`'s registrations and the unreadable files: `read_ranks` for what needs this node's ranks only.
+
+    The host is inside each file, so a process reads every registration once; after that only the new
+    and changed ones (rundir.RankFiles). The stall watchdog reads the same reader every few seconds, so
+    by the time an action runs it is current: the action opens at most this node's changed files, not
+    8,000 at 1,000 nodes. What it returns is what `read_ranks` gives filtered to `host`, as of the last
+    change of RUN/control/ranks (each action still proves every process before signalling it)."""
+    files = host_rank_files(run_dir, host)
+    infos = files.read()
+    return list(infos), files.problems
 
 
 # ------------------------------------------------------------------------------------------ the proof
@@ -286,7 +330,7 @@ def end_local_ranks(run_dir: str | Path, host: str, started_before: float | None
     """
     log = tglog.get("agent.restore", host=host)
     trust = trust or Trust.for_run(run_dir)
-    infos, problems = read_ranks(run_dir)
+    infos, problems = host_ranks(run_dir, host)     # this node's ranks only: other nodes' are theirs to end
     skipped, refused, proven = [], [], []
     for info in infos:
         why = _reason_to_spare(info, host, started_before)

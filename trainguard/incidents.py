@@ -14,9 +14,19 @@ Why it is written this way:
 - The run directory is shared by every node, and each node adds its own evidence to the same incident,
   so every file is written on its own, atomically (a temporary name, fsync, rename): a reader sees a
   whole file or none, never half of one, and two nodes never write the same name.
-- Evidence is bounded: each file is cut at ``MAX_FILE_BYTES`` (saying so at the cut) and an incident
-  refuses evidence past ``MAX_INCIDENT_BYTES``, so a stack dump of a thousand threads cannot fill the
-  disk of the run it is meant to help.
+- Evidence is bounded, and no bound is shared by the nodes (so none is used up by the first ones, and
+  a write lists nothing: a thousand nodes write ~17,000 files into one incident). Each bound protects
+  one thing:
+
+  - ``MAX_FILE_BYTES`` per file (cut, saying so at the cut): the readers, which take a file whole into
+    memory (the verdict, ``trainguard incidents``), from a stack dump of a thousand threads;
+  - ``MAX_WRITER_BYTES`` per writer and incident (a node's agent, a rank's Flight Recorder dump), counted
+    in the writer's memory (:class:`Budget`), refused past it: one runaway writer takes no more than
+    what a whole incident could hold before, whatever the others wrote;
+  - the filesystem's free space, asked of the OS on each write (``os.statvfs``): evidence that would
+    leave less than ``MIN_FREE_BYTES`` (or ``MIN_FREE_FRACTION`` of the filesystem, the larger) free is
+    refused, so evidence never fills the disk of the run it is meant to help (its checkpoints and
+    logs), however many nodes, writers, incidents or agent restarts there are.
 - Anyone who can write the run directory can write a file here, so reading is strict: an
   ``incident.json`` that does not match the layout is an :class:`IncidentError` naming the file and
   the field, never a crash of ``trainguard incidents`` and never trusted by whoever acts on it.
@@ -39,7 +49,10 @@ from trainguard import rundir
 
 KINDS = ("hang", "slow", "crash", "sdc")
 MAX_FILE_BYTES = 4 * 2**20
-MAX_INCIDENT_BYTES = 64 * 2**20
+MAX_WRITER_BYTES = 64 * 2**20      # one writer's share of one incident (all of one incident before issue 21)
+MIN_FREE_BYTES = 2**30              # evidence leaves the run at least this much of its filesystem free,
+MIN_FREE_FRACTION = 0.02            # or this share of it, the larger
+BLOCK_BYTES = 4096                  # a file is charged at least a block: a writer's file count is bounded too
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _EVIDENCE = re.compile(r"^(rank-\d+\.(stack\.txt|fr\.json)|node-[A-Za-z0-9._-]{1,253}\.json|[a-z0-9_-]{1,64}\.(json|txt))$")
 TRUNCATED = b"\n... [trainguard: cut at %d bytes]\n"
@@ -83,12 +96,96 @@ def check_id(incident_id: str) -> str:
     return incident_id
 
 
+class Budget:
+    """One writer's account of the evidence it wrote, per incident, kept in its own memory.
+
+    A node's agent is one writer (its ranks' stacks, its signals), each rank is one (its Flight Recorder
+    dump): a process has one (:func:`writer`). Counting here instead of listing the incident's folder
+    keeps a write's cost flat however many nodes wrote beside it. A file written again under the same
+    name is charged once (its new size). The newest `keep` incidents are remembered; a writer that comes
+    back to an older one, or restarts, starts its account again (the free-space bound still holds).
+    """
+
+    def __init__(self, max_bytes: int = MAX_WRITER_BYTES, keep: int = 16):
+        import threading      # here, not at import: most users of this module never write evidence
+
+        self.max_bytes, self.keep = max_bytes, keep
+        self._lock = threading.Lock()     # a rank's dump thread and an agent's investigations write at once
+        self._written: dict[str, dict[str, int]] = {}     # incident folder -> {file name: bytes charged}
+        self._totals: dict[str, int] = {}
+
+    def used(self, directory: str | os.PathLike) -> int:
+        return self._totals.get(os.path.abspath(directory), 0)
+
+    def take(self, directory: Path, name: str, size: int) -> int:
+        """Charge `size` bytes for `name`; returns what the name held before (for `give_back`).
+        :class:`IncidentError` when it would take this writer past its share."""
+        key, cost = os.path.abspath(directory), max(size, BLOCK_BYTES)
+        with self._lock:
+            files = self._written.pop(key, None)
+            if files is None:
+                files = {}
+                self._totals[key] = 0
+            self._written[key] = files                  # the newest last
+            self._forget_past_keep()
+            before = files.get(name, 0)
+            total = self._totals[key] - before + cost
+            if total > self.max_bytes:
+                raise IncidentError(f"{directory}: evidence past this writer's {self.max_bytes} bytes refused "
+                                    f"({name}, {size} bytes; {self._totals[key]} already written)")
+            files[name], self._totals[key] = cost, total
+            return before
+
+    def give_back(self, directory: Path, name: str, before: int) -> None:
+        """The write of `name` failed: its charge is undone (`before`: what `take` returned)."""
+        key = os.path.abspath(directory)
+        with self._lock:
+            files = self._written.get(key)
+            if files is None or name not in files:
+                return
+            self._totals[key] += before - files[name]
+            if before:
+                files[name] = before
+            else:
+                del files[name]
+
+    def _forget_past_keep(self) -> None:
+        while len(self._written) > self.keep:
+            oldest = next(iter(self._written))
+            del self._written[oldest], self._totals[oldest]
+
+
+_writer: Budget | None = None
+
+
+def writer() -> Budget:
+    """This process's account (one node's agent, or one rank)."""
+    global _writer
+    if _writer is None:
+        _writer = Budget()
+    return _writer
+
+
+def check_room(directory: Path, name: str, size: int) -> None:
+    """:class:`IncidentError` when writing `size` bytes would leave the filesystem less free than the
+    run's reserve (one ``statvfs``: no listing; with many writers at once, the reserve is crossed by at
+    most one file per writer). Quotas are not seen here: the OS's EDQUOT or ENOSPC comes as ``OSError``."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    reserve = max(MIN_FREE_BYTES, int(st.f_blocks * st.f_frsize * MIN_FREE_FRACTION))
+    if free - size < reserve:
+        raise IncidentError(f"{directory}: evidence refused ({name}, {size} bytes): {free} bytes free on its "
+                            f"filesystem, and evidence leaves at least {reserve} to the run")
+
+
 def write_file(run_dir: str | os.PathLike, incident_id: str, name: str, content: bytes | str,
-               *, max_bytes: int = MAX_FILE_BYTES) -> Path:
+               *, max_bytes: int = MAX_FILE_BYTES, budget: Budget | None = None) -> Path:
     """One evidence file (or ``incident.json``), atomically; cut at `max_bytes`. Returns its path.
 
-    Raises :class:`IncidentError` for a bad id or name, or when the incident is already at its size
-    bound, and ``OSError`` (ENOSPC named by the OS) when the disk is full — callers log it and go on.
+    Charged to `budget` (default: this process's, :func:`writer`). Raises :class:`IncidentError` for a
+    bad id or name, past the writer's share or the disk's reserve, and ``OSError`` (ENOSPC, EDQUOT named
+    by the OS) when the disk or quota is full — callers log it and go on. Its cost does not depend on
+    what else the incident holds: a mkdir, a statvfs, the write.
     """
     check_id(incident_id)
     if name != "incident.json" and not _EVIDENCE.match(name):
@@ -98,9 +195,17 @@ def write_file(run_dir: str | os.PathLike, incident_id: str, name: str, content:
         data = data[:max_bytes] + TRUNCATED % max_bytes
     directory = incidents_dir(run_dir) / incident_id
     directory.mkdir(parents=True, exist_ok=True)
-    used = sum(p.stat().st_size for p in directory.iterdir() if p.is_file() and p.name != name)
-    if used + len(data) > MAX_INCIDENT_BYTES:
-        raise IncidentError(f"{directory}: evidence past {MAX_INCIDENT_BYTES} bytes refused ({name})")
+    budget = budget or writer()
+    before = budget.take(directory, name, len(data))
+    try:
+        check_room(directory, name, len(data))
+        return _write_atomically(directory, name, data)
+    except BaseException:
+        budget.give_back(directory, name, before)
+        raise
+
+
+def _write_atomically(directory: Path, name: str, data: bytes) -> Path:
     path = directory / name
     tmp = directory / f".{name}.{os.getpid()}.{secrets.token_hex(3)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

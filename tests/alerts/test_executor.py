@@ -115,8 +115,8 @@ def test_restore_ends_this_hosts_proven_ranks_that_were_running_when_the_alert_b
     executor.submit([restore_notice(starts_at=alert_began)])
     action = actions_log(tmp_path)[-1]
     assert sorted(e["rank"] for e in action["ended"]) == [0, 1]
-    assert {s["rank"]: s["why"] for s in action["skipped"]} == {2: "started after the alert began",
-                                                                3: "on host other-node"}
+    # another host's rank is not this node's to end, nor listed (at 1,000 nodes: 7,992 entries an action)
+    assert {s["rank"]: s["why"] for s in action["skipped"]} == {2: "started after the alert began"}
     assert action["refused"] == [] and action["outcome"] == "issued"
     for rank in hung[:2]:
         wait_dead(rank["pid"])

@@ -508,3 +508,22 @@ def test_a_node_record_read_leniently_keeps_its_gpus(tmp_path):
     log.write_bytes(b'{"timestamp": 1710512538.0, "node": "a", "step": "5", "hardware": {"gpus": [{"gpu": 0}, {"gpu": 1}]}}\n')
     found = timeline.replay_logs([log]).to_json()
     assert (found["records"], found["malformed"]) == (1, 0)
+
+
+def test_a_run_larger_than_the_stall_columns_bound_streams_its_stall_pass(tmp_path, monkeypatch):
+    """Past STALL_COLUMNS_MAX_RECORDS the stall pass is the streaming reference (memory flat however large
+    the run directory), and the document is the same."""
+    monkeypatch.setattr(columns, "CHUNK_BYTES", 16_000)
+    monkeypatch.setattr(columns, "available_cpus", lambda: 2)
+    run = build_run(tmp_path / "run", seed=5, hang=True, nodes=2)
+    reference = both_ways([run], monkeypatch)
+    columns_read = []
+    original = parallel.stall_records
+    monkeypatch.setattr(parallel, "stall_records", lambda *a, **k: columns_read.append(1) or original(*a, **k))
+    monkeypatch.setattr(timeline, "STALL_COLUMNS_MAX_RECORDS", 10)
+    assert document([run], one_process=False, monkeypatch=monkeypatch) == reference
+    assert not columns_read
+    monkeypatch.setattr(timeline, "STALL_COLUMNS_MAX_RECORDS", 10**9)
+    assert document([run], one_process=False, monkeypatch=monkeypatch) == reference
+    assert columns_read
+    assert any(a["source"] == "stall" for a in json.loads(reference)["actions"])

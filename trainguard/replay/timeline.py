@@ -273,6 +273,12 @@ def _control_requests(given: list[Path]) -> list[dict]:
     return [request for root in given for request in rundir.read_requests(rundir.run_dir_of(root))]
 
 
+# The parallel stall pass holds ~25 bytes a record while it sorts (parallel.stall_records); beyond this
+# many records (~200 MB held) the streaming reference runs instead, which holds one record per file:
+# slower, but memory stays flat however large the run directory.
+STALL_COLUMNS_MAX_RECORDS = 8_000_000
+
+
 def stall_notices(stream: source.Stream, outcome: engine.Outcome, policy: Policy) -> list[tgledger.Notice]:
     """The agent's stall watchdog over the recorded logs: its `restore` notices, in the log's time.
 
@@ -280,13 +286,14 @@ def stall_notices(stream: source.Stream, outcome: engine.Outcome, policy: Policy
     are not records to it), in the merged stream's order (a node log that keeps writing while no step
     advances is what a hang looks like). The engine's screen of the lead rank's steps says first whether
     a stall is possible at all, so a healthy log is read once. Where one is, the files are read again on
-    every CPU (parallel.stall_records); the one-process reference (and `--rules`, which reads every line
-    leniently) streams them through the tracker in one process (`_stall_entries`)."""
+    every CPU (parallel.stall_records), up to STALL_COLUMNS_MAX_RECORDS; the one-process reference (and
+    `--rules`, which reads every line leniently, and larger runs) streams them through the tracker in one
+    process (`_stall_entries`)."""
     stall_seconds = policy.alerts.stall_seconds
     if not outcome.may_have_stalled(stall_seconds):
         return []
     entries = None
-    if not stream.full and not parallel.one_process_asked():
+    if not stream.full and not parallel.one_process_asked() and outcome.records <= STALL_COLUMNS_MAX_RECORDS:
         try:
             entries = parallel.stall_records(stream.files, stall_seconds)
         except parallel.NotExact:

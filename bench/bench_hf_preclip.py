@@ -23,24 +23,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging as hf_logging
 
-from trainguard.protect.hf import PreClipNorms
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # examples/ (the integration tests' data)
 
-VOCAB, LENGTH = 64, 16
-
-
-class RandomTokens(torch.utils.data.IterableDataset):
-    def __iter__(self):
-        generator = torch.Generator().manual_seed(0)
-        while True:
-            ids = torch.randint(0, VOCAB, (LENGTH,), generator=generator)
-            yield {"input_ids": ids, "labels": ids}
+from examples.hf_trainer import LENGTH, VOCAB, RandomTokens  # noqa: E402
+from trainguard.protect.hf import PreClipNorms  # noqa: E402
 
 
 class StepTimes(TrainerCallback):

@@ -1,7 +1,7 @@
 """A run directory replays on every CPU (trainguard.replay.parallel) to the very JSON of the merged stream.
 
 The merged stream (one process, `TRAINGUARD_REPLAY_ONE_PROCESS=1`) is the reference: every document here
-is `trainguard replay --json`'s, made both ways and compared as text. The run directories are built to
+is `trainguard replay --json`'s, made both ways and compared as text. The run directories (run_dirs.py) are built to
 hold what the merged order decides (parallel.py's docstring): rank logs beside node logs that say other GPU
 counts at other times, lead steps that say no GPU count of their own (a CPU run), rotated and compressed
 parts of the lead rank's log, malformed and step-less lines, files whose times go back, equal times
@@ -12,9 +12,7 @@ hang (the stall watchdog), and several runs' directories at once. Where only the
 
 from __future__ import annotations
 
-import gzip
 import json
-import math
 import os
 import random
 import subprocess
@@ -22,154 +20,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import zstandard
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from tests.replay.run_dirs import LAYERS, T0, both_ways, build_run, document, rank_records, write_lines
 from trainguard import tls
-from trainguard.policy import CostPolicy, CostTiers, Policy
-from trainguard.replay import columns, engine, parallel, timeline
-
-T0 = 1_710_512_538.0
-LAYERS = ("embed", "h.0", "h.1", "ln_f")
-POLICY = Policy(cost=CostPolicy(budget_per_1k_steps=1.2, tiers=CostTiers(warn=0.3, throttle=0.6, stop=1.0)))
-
-
-def rank_records(rank: int, steps: int, rng: random.Random, *, world: int, own_gpus: bool, start: float,
-                 faults: bool, hang_at: int | None, clock_back: bool = False, gap: bool = False, samples: int = 0):
-    """One rank's trainer records (the shape trainer/telemetry.py writes), with faults and events."""
-    when, clock = start, 5000.0
-    step = 0
-    for i in range(steps):
-        step += 1
-        when += 0.5                               # every rank at the same times: ties across files
-        if hang_at is not None and i == hang_at:
-            when += 400.0                         # no step for minutes: a hang, then the run goes on
-        if faults and i == steps // 2:
-            step -= 7                             # a rollback: the steps go back
-        if faults and rng.random() < 0.02:
-            when -= 2.0                           # the wall clock stepped back
-        if clock_back and rank == 1 and i == steps // 2:
-            when -= 60.0                          # ... by a minute: this rank's next records wait in the merge
-        loss = 3.0 + rng.gauss(0, 0.02)
-        if faults and rng.random() < 0.03:
-            loss = rng.choice([math.nan, 80.0])
-        grad = 400.0 if faults and rng.random() < 0.01 else 0.8 + rng.random() * 0.1
-        system = {"world_size": world, "monotonic_seconds": clock + i * 0.5}
-        if own_gpus and (i > 3 or rank != 0 or not gap):     # gap: the first lead steps say none
-            system["gpu_count"] = world
-        if clock_back and rank == 1:          # told apart in the bill: before and after its clock stepped back
-            system["gpu_count"] = 50 if i < steps // 2 else 70
-        record = {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "run_id": "r", "node": f"n{rank // 2}",
-                  "rank": rank, "step": step,
-                  "metrics": {"loss": loss, "grad_norm": grad, "learning_rate": 3e-4,
-                              "grad_norm_by_layer": {name: 0.1 + rng.random() * 0.05 for name in LAYERS},
-                              "step_time_seconds": 0.5, "tokens_per_second": 1000.0},
-                  "hardware": {"mem_allocated_bytes": 10_000}, "system": system}
-        if faults and rng.random() < 0.03:
-            del record["step"]                    # the seed form: the step after the file's last
-        if faults and rng.random() < 0.02:
-            del record["metrics"]["grad_norm"]    # a partial step
-        if samples and rank == 0 and i % samples == 0:    # the lead rank's own sample: a count, no step
-            yield {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "run_id": "r", "rank": 0,
-                   "system": {"gpu_count": 1 + (i // samples) % 3}}
-        yield record
-        if faults and i % 37 == 11:
-            yield {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "run_id": "r", "rank": rank,
-                   "step": step, "event": {"type": "skip_step", "reason": "loss_spike"}}
-
-
-def node_records(node: str, steps: int, rng: random.Random, *, gpus: int, start: float, faults: bool):
-    """An agent's joined node log: the latest step's metrics (no rank), the GPUs it sees, its alerts."""
-    when = start - 1.0 + (0.25 if faults else 0.0)    # healthy: at the times of every third step
-    for i in range(steps // 3):
-        when += 1.5
-        record = {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "node": node, "run_id": "r",
-                  "step": 3 * i + 1, "metrics": {"loss": 3.0, "grad_norm": 0.8},
-                  "hardware": {"gpus": [{"index": g, "temp_c": 50} for g in range(gpus)]}}
-        if faults and rng.random() < 0.1:
-            record["system"] = {"gpu_count": gpus * 2}
-        yield record
-        if faults and i % 23 == 4:
-            yield {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "node": node,
-                   "event": {"type": "alert", "alertname": "TrainingStalled", "status": "firing",
-                             "source": "embedded", "outcome": "act", "action": "restore", "key": f"k{i}"}}
-            yield {"schema": tls.SCHEMA_ID, "timestamp": round(when, 3), "node": node,
-                   "event": {"type": "action", "action": "restore", "id": f"restore-{i}", "issued_at": when,
-                             "alertname": "TrainingStalled", "ended": [{"rank": 0}]}}
-
-
-def write_lines(path: Path, records, rng: random.Random, *, bad: float) -> None:
-    lines = []
-    for record in records:
-        lines.append(tls.encode(record))
-        if bad and rng.random() < bad:
-            lines.append(rng.choice([b"{not json\n", b'{"timestamp": "yesterday", "step": 1}\n',
-                                     b'{"timestamp": 1710512540.0, "metrics": {"grad_norm_by_layer": {"a": "x"}}}\n',
-                                     # malformed for replay's decisions, an alert all the same for the recorded pass
-                                     b'{"timestamp": 1710512541.0, "metrics": {"grad_norm_by_layer": {"a": "x"}}, '
-                                     b'"event": {"type": "alert", "alertname": "Odd", "status": "firing"}}\n']))
-    data = b"".join(lines)
-    if path.name.endswith(".gz"):
-        data = gzip.compress(data)
-    elif path.name.endswith(".zst"):
-        data = zstandard.ZstdCompressor().compress(data)
-    path.write_bytes(data)
-
-
-def build_run(root: Path, seed: int, *, ranks: int = 3, nodes: int = 1, steps: int = 300, rotate: int = 0,
-              compress: str = ".gz", own_gpus: bool = True, faults: bool = True, bad: float = 0.01,
-              hang: bool = False, start: float = T0, control: bool = True, clock_back: bool = False,
-              gap: bool = True, samples: int = 0) -> Path:
-    rng = random.Random(seed)
-    folder = root / "tls"
-    folder.mkdir(parents=True)
-    hang_at = steps // 3 if hang else None
-    for rank in range(ranks):
-        records = list(rank_records(rank, steps, rng, world=ranks, own_gpus=own_gpus, start=start,
-                                    faults=faults, hang_at=hang_at, clock_back=clock_back, gap=gap,
-                                    samples=samples))
-        parts = [records]
-        if rank == 0 and rotate:               # rotated parts, oldest first: rank-0.jsonl.N<suffix>, .., live
-            size = len(records) // (rotate + 1)
-            parts = [records[i * size:(i + 1) * size] for i in range(rotate)] + [records[rotate * size:]]
-        for number, part in zip(range(len(parts) - 1, -1, -1), parts):
-            name = f"rank-{rank}.jsonl" + (f".{number}{compress}" if number else "")
-            write_lines(folder / name, part, rng, bad=bad)
-    for node in range(nodes):
-        write_lines(folder / f"node-n{node}.jsonl",
-                    node_records(f"n{node}", steps, rng, gpus=4 + node, start=start, faults=faults), rng, bad=bad)
-    if control:
-        (root / "control").mkdir()
-        (root / "control" / "actions.jsonl").write_text(
-            json.dumps({"id": "restore-4", "action": "restore", "issued_at": start + 9.0,
-                        "alertname": "TrainingStalled"}) + "\n")
-    return root
-
-
-def document(inputs, *, one_process: bool, monkeypatch) -> str:
-    if one_process:
-        monkeypatch.setenv(parallel.ONE_PROCESS_ENV, "1")
-    else:
-        monkeypatch.delenv(parallel.ONE_PROCESS_ENV, raising=False)
-    try:
-        return json.dumps(timeline.replay_logs(inputs, POLICY).to_json(), indent=1)
-    finally:
-        monkeypatch.delenv(parallel.ONE_PROCESS_ENV, raising=False)
-
-
-def both_ways(inputs, monkeypatch, *, side_by_side: bool = True) -> str:
-    """The document both ways, equal as text; `side_by_side`: the run must not be handed to the merged stream."""
-    reference = document(inputs, one_process=True, monkeypatch=monkeypatch)
-    handed_over = []
-    original = engine._replay_entries
-    monkeypatch.setattr(engine, "_replay_entries", lambda *a: handed_over.append(1) or original(*a))
-    found = document(inputs, one_process=False, monkeypatch=monkeypatch)
-    monkeypatch.setattr(engine, "_replay_entries", original)
-    assert found == reference
-    assert bool(handed_over) is not side_by_side
-    return found
-
+from trainguard.replay import columns, parallel, timeline
 
 CASES = {
     "ranks and a node log": dict(),
@@ -437,69 +293,6 @@ def test_the_usual_block_is_counted_in_c():
         assert len(summed.gpu_positions) == (49 if with_gpus else 0)
 
 
-# ------------------------------------------------------------------------------- the stall pass
-
-@settings(max_examples=200, deadline=None)
-# a run_end with a step does not move the tracker's step: the progress after it is progress
-@example(records=[(0.0, 1, 0), (1.0, 10, parallel.ENDED), (2.0, 5, 0), (3.0, None, parallel.STARTED), (6.5, None, 0)],
-         stall_seconds=5.0, step_first=False)
-@given(records=st.lists(st.tuples(st.floats(0, 600, allow_nan=False), st.one_of(st.none(), st.integers(0, 30)),
-                                  st.sampled_from([0] * 12 + [parallel.ENDED, parallel.STARTED])),
-                        max_size=80),
-       stall_seconds=st.sampled_from([5.0, 30.0, 60.0]), step_first=st.booleans())
-def test_the_stall_screen_keeps_what_the_tracker_decides_on(records, stall_seconds, step_first):
-    """parallel._may_matter drops records in merged order; the tracker (decide/stall) over what it keeps
-    finds the very stalls it finds over all of them."""
-    import numpy as np
-
-    from trainguard.decide import stall
-
-    times = np.array([r[0] for r in records], np.float64)
-    steps = np.array([0 if r[1] is None else r[1] for r in records], np.int64)
-    kinds = np.array([(parallel.HAS_STEP if r[1] is not None else 0) | r[2] for r in records], np.int8)
-    entries = [(t, s, bool(k & parallel.ENDED), bool(k & parallel.STARTED)) for t, (_, s, _), k
-               in zip(times.tolist(), records, kinds.tolist())]
-    kept = parallel._may_matter(times, steps, kinds, stall_seconds) if records else np.zeros(0, bool)
-    assert stall.replay([e for e, keep in zip(entries, kept) if keep], stall_seconds) == \
-        stall.replay(entries, stall_seconds)
-
-
-def test_the_stall_pass_on_every_cpu_decides_as_the_one_process_stream(tmp_path):
-    """parallel.stall_records (columns read by two workers, merged by the latest time, screened) against
-    timeline._stall_entries (every record, heapq.merge, one process): the same stalls, for a run whose
-    ranks hang, restart (run_start) and end (run_end) in different files, with clocks that step back."""
-    from trainguard.decide import stall
-
-    run = build_run(tmp_path / "run", seed=11, ranks=3, nodes=2, hang=True, steps=600)
-    log = run / "tls" / "rank-1.jsonl"
-    log.write_bytes(log.read_bytes() + b"".join(tls.encode(r) for r in (
-        {"timestamp": T0 + 700.0, "rank": 1, "event": {"type": "run_end"}},
-        {"timestamp": T0 + 900.0, "rank": 1, "step": 3, "event": {"type": "run_start", "resumed_from": 2}},
-        {"timestamp": T0 + 1000.0, "rank": 1, "step": 4, "metrics": {"loss": 1.0, "grad_norm": 1.0}},
-        {"timestamp": T0 + 1100.0, "rank": 1, "hardware": {"gpu_util": 0.0}})))     # stalled since step 4
-    files = sorted((run / "tls").iterdir())
-    reference = stall.replay(timeline._stall_entries(files, False), 60.0)
-    found = stall.replay(parallel.stall_records(files, 60.0, chunk_bytes=16_000, workers=2), 60.0)
-    assert found == reference and len(reference) >= 2
-
-
-def test_the_stall_pass_takes_the_merged_order_where_a_clock_steps_back(tmp_path):
-    """A record earlier than one before it in its file waits behind it in the merged order: after the step
-    at +70 s, the sample stamped +66 s (the clock stepped back) is no stall, as the tracker over the merged
-    stream decides (sorted by their own times, the sample would come first, 66 s after the last step)."""
-    from trainguard.decide import stall
-
-    step = {"rank": 0, "metrics": {"loss": 1.0, "grad_norm": 1.0}}
-    (tmp_path / "rank-0.jsonl").write_bytes(b"".join(tls.encode(r) for r in (
-        *({"timestamp": T0 + i, "step": i + 1, **step} for i in range(5)), {"timestamp": T0 + 70, "step": 6, **step},
-        {"timestamp": T0 + 66, "rank": 0, "hardware": {"gpu_util": 1.0}})))
-    (tmp_path / "node-a.jsonl").write_bytes(tls.encode({"timestamp": T0 + 80, "node": "a", "step": 6,
-                                                       "metrics": {"loss": 1.0}}))
-    files = sorted(tmp_path.iterdir())
-    assert stall.replay(timeline._stall_entries(files, False), 60.0) == []
-    assert stall.replay(parallel.stall_records(files, 60.0, workers=1), 60.0) == []
-
-
 def test_a_node_record_read_leniently_keeps_its_gpus(tmp_path):
     """hardware.gpus is left undecoded (msgspec.Raw) when bytes are typed; a line only the lenient reader
     takes (a step written as a string) keeps its GPUs as the dicts they are, and is a record, not malformed,
@@ -508,22 +301,3 @@ def test_a_node_record_read_leniently_keeps_its_gpus(tmp_path):
     log.write_bytes(b'{"timestamp": 1710512538.0, "node": "a", "step": "5", "hardware": {"gpus": [{"gpu": 0}, {"gpu": 1}]}}\n')
     found = timeline.replay_logs([log]).to_json()
     assert (found["records"], found["malformed"]) == (1, 0)
-
-
-def test_a_run_larger_than_the_stall_columns_bound_streams_its_stall_pass(tmp_path, monkeypatch):
-    """Past STALL_COLUMNS_MAX_RECORDS the stall pass is the streaming reference (memory flat however large
-    the run directory), and the document is the same."""
-    monkeypatch.setattr(columns, "CHUNK_BYTES", 16_000)
-    monkeypatch.setattr(columns, "available_cpus", lambda: 2)
-    run = build_run(tmp_path / "run", seed=5, hang=True, nodes=2)
-    reference = both_ways([run], monkeypatch)
-    columns_read = []
-    original = parallel.stall_records
-    monkeypatch.setattr(parallel, "stall_records", lambda *a, **k: columns_read.append(1) or original(*a, **k))
-    monkeypatch.setattr(timeline, "STALL_COLUMNS_MAX_RECORDS", 10)
-    assert document([run], one_process=False, monkeypatch=monkeypatch) == reference
-    assert not columns_read
-    monkeypatch.setattr(timeline, "STALL_COLUMNS_MAX_RECORDS", 10**9)
-    assert document([run], one_process=False, monkeypatch=monkeypatch) == reference
-    assert columns_read
-    assert any(a["source"] == "stall" for a in json.loads(reference)["actions"])

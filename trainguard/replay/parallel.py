@@ -45,7 +45,6 @@ import numpy as np
 import zstandard
 
 from trainguard.decide import replica as decide_replica
-from trainguard.decide import stall as decide_stall
 from trainguard.decide.batch import Block
 from trainguard.replay import columns, source
 from trainguard.replay.picking import Picked, Picker
@@ -116,7 +115,7 @@ def read_piece(path: str, index: int, start: int, end: int | None, lead, layer_n
 DECODE_BYTES = 1 << 16
 
 
-def _blocks_of(path: str, start: int, end: int | None, problems: source.Problems,
+def blocks_of(path: str, start: int, end: int | None, problems: source.Problems,
                fast) -> Iterator[tuple[list, Callable[[bool], list]]]:
     """The piece's decoded blocks, each with a function that, told whether the block names a marked event,
     gives its marked lines ((line within the piece, raw line): searched for only in a block with such an
@@ -193,7 +192,7 @@ def _decode(path: str, index: int, start: int, end: int | None, lead, layer_name
     error = None
     summing = index not in lead_files
     try:
-        for records, marked_lines in _blocks_of(path, start, end, problems, fast):
+        for records, marked_lines in blocks_of(path, start, end, problems, fast):
             summed = _summed(records, lead, with_gpus) if summing and records else None
             if summed is not None:      # no step, decision or GPU count of the lead rank's: counts only
                 last_step = _add(picker, summed, last_step, ordinal)
@@ -244,6 +243,7 @@ class Summed(NamedTuple):
 _rank, _event, _metrics, _step = (operator.attrgetter(name) for name in ("rank", "event", "metrics", "step"))
 _timestamp, _system, _hardware = (operator.attrgetter(name) for name in ("timestamp", "system", "hardware"))
 _loss, _grad_norm, _gpu_count, _gpus = (operator.attrgetter(name) for name in ("loss", "grad_norm", "gpu_count", "gpus"))
+_seconds = source.unix_seconds
 
 
 def _summed(records: list, lead, with_gpus: bool) -> Summed | None:
@@ -281,7 +281,7 @@ def _summed_in_c(records: list, lead, with_gpus: bool):
     gpus = _gpus_said(records, n) if with_gpus else ((), ())
     if gpus is None:
         return _UNUSUAL
-    times = _seconds_of(stamps) if len(gpus[0]) else None
+    times = seconds_of(stamps) if len(gpus[0]) else None
     return Summed(n, n, 0, steps[-1], _seconds(stamps[0]), _seconds(latest), False, *gpus, times)
 
 
@@ -299,7 +299,7 @@ def _gpus_said(records: list, n: int) -> tuple | None:
     return ((), ()) if listed.count(None) + listed.count([]) == len(listed) else None
 
 
-def _seconds_of(stamps: list) -> np.ndarray:
+def seconds_of(stamps: list) -> np.ndarray:
     """Times as Unix seconds (one kind in the block: `_summed_in_c` found their max)."""
     if stamps[0].__class__ is float:
         return np.array(stamps, np.float64)
@@ -333,10 +333,6 @@ def _summed_by_loop(records: list, lead, with_gpus: bool) -> Summed | None:
     except TypeError:
         return None
     return Summed(len(records), copies, partial, last_step, _seconds(records[0].timestamp), _seconds(latest), flagged)
-
-
-def _seconds(when) -> float:
-    return when if when.__class__ is float else when.timestamp()
 
 
 def _add(picker: Picker, summed: Summed, last_step: int, ordinal: int) -> int:
@@ -638,7 +634,7 @@ def replay(stream: source.Stream, totals: Picker, decide, *, chunk_bytes: int | 
     run = _Run(stream, totals, decide, chunk_bytes or columns.CHUNK_BYTES,
                columns.available_cpus() if workers is None else workers)
     run.lead_files = [i for i, found in enumerate(heads) if found and found[0].rank == lead]
-    described = [(None, None) if not found else (found[0].rank, _layers(found)) for found in heads]
+    described = [(None, None) if not found else (found[0].rank, layer_names_of(found)) for found in heads]
     size = sum(os.path.getsize(path) for path in stream.files)
     count = 1 if size <= 2 * run.chunk_bytes else run.workers
     for piece in columns.pipelined(read_piece, run.tasks(described, lead), count):
@@ -648,145 +644,10 @@ def replay(stream: source.Stream, totals: Picker, decide, *, chunk_bytes: int | 
     return run.event_lines
 
 
-def _layers(records: list) -> tuple | None:
+def layer_names_of(records: list) -> tuple | None:
     return next((tuple(r.metrics.grad_norm_by_layer) for r in records
                  if r.metrics is not None and r.metrics.grad_norm_by_layer), None)
 
 
-# ------------------------------------------------------------------------------------- the stall pass
-
-# What the stall watchdog's tracker (trainguard.decide.stall.StallTracker.observe) reads of a record,
-# as bits: a step record's step (it has metrics), an event that ends the run, one that starts it.
-HAS_STEP, ENDED, STARTED = 1, 2, 4
-
-
-@dataclass
-class StallPiece:
-    """A stretch of one file as the stall watchdog reads it: each record's time, step and kind (bits)."""
-
-    index: int
-    times: np.ndarray
-    steps: np.ndarray           # 0 where the record has no step record's step (kinds & HAS_STEP unset)
-    kinds: np.ndarray
-    failed: bool                # the file could not be read here: it ends before this stretch (as in `take`)
-
-
-def read_stall_piece(path: str, index: int, start: int, end: int | None, layer_names) -> StallPiece:
-    """The records of path[start:end] (end None: a compressed file, whole) as columns (in a worker)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    columns_of: list[tuple] = []
-    failed = False
-    try:
-        fast = source.layers_decoder(layer_names) if layer_names and end is not None else None
-        for records, _ in _blocks_of(path, start, end, source.Problems(), fast):
-            if records:
-                columns_of.append(_stall_columns(records))
-    except OSError:
-        failed = True
-    finally:
-        if enabled:
-            gc.enable()
-    if not columns_of:
-        return StallPiece(index, np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int8), failed)
-    times, steps, kinds = (np.concatenate(part) for part in zip(*columns_of))
-    return StallPiece(index, times, steps, kinds, failed)
-
-
-def _stall_columns(records: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(times, steps, kinds) of a block: passes in C for the usual block (every record a step record, no
-    event), one loop for any other. The step is the one written (a step-less training record has none:
-    entries_of numbers it for the guard, not for the watchdog, which reads the record as logged)."""
-    n = len(records)
-    stamps = list(map(_timestamp, records))
-    floats = list(map(type, stamps)).count(float)
-    if floats in (0, n):
-        times = _seconds_of(stamps)
-    else:
-        times = np.fromiter(map(_seconds, stamps), np.float64, n)
-    steps = list(map(_step, records))
-    if None not in steps and None not in map(_metrics, records) and not any(map(_event, records)):
-        return times, np.array(steps, np.int64), np.full(n, HAS_STEP, np.int8)
-    kinds = np.zeros(n, np.int8)
-    written = np.zeros(n, np.int64)
-    for i, record in enumerate(records):
-        if record.metrics is not None and record.step is not None:
-            kinds[i], written[i] = HAS_STEP, record.step
-        event = record.event
-        if event is not None:
-            kinds[i] |= (ENDED if event.type in decide_stall.ENDED_EVENTS else 0) | (STARTED if event.type == "run_start" else 0)
-    return times, written, kinds
-
-
-def stall_records(files: list, stall_seconds: float, *, chunk_bytes: int | None = None,
-                  workers: int | None = None) -> list[tuple]:
-    """The (timestamp, step, ended, started) records of `files` the stall watchdog's tracker must see, in
-    the merged stream's order, read on every CPU: the same verdicts as the tracker over every record
-    (timeline.stall_notices' reference, one process), from a few of them.
-
-    Each file is read as columns (`read_stall_piece`); a record's place in merged order is (its file's
-    latest time up to it, the file, its ordinal): the files' columns, in file order, sorted stably by that
-    latest time. Held meanwhile: 25 bytes a record (this pass runs only where the lead rank's steps leave
-    room for a stall). Raises NotExact for what the columns cannot hold (a step past 64 bits)."""
-    chunk_bytes = chunk_bytes or columns.CHUNK_BYTES
-    heads = [source.first_block(path) for path in files]
-    paths = list(map(str, files))
-    tasks = [(paths[index], index, start, end, _layers(heads[index]) if heads[index] else None)
-             for index in by_work(paths, list(range(len(paths)))) for start, end in spans_of(paths[index], chunk_bytes)]
-    size = sum(os.path.getsize(path) for path in files)
-    count = 1 if size <= 2 * chunk_bytes else (columns.available_cpus() if workers is None else workers)
-    per_file: list[list] = [[] for _ in files]
-    latest = [-np.inf] * len(files)
-    failed = [False] * len(files)
-    try:
-        for piece in columns.pipelined(read_stall_piece, iter(tasks), count):
-            index = piece.index
-            failed[index] = failed[index] or piece.failed
-            if failed[index] or not len(piece.times):
-                continue
-            running = np.maximum(np.maximum.accumulate(piece.times), latest[index])
-            latest[index] = float(running[-1])
-            per_file[index].append((running, piece.times, piece.steps, piece.kinds))
-    except OverflowError as exc:
-        raise NotExact(f"a step the stall columns cannot hold ({exc})") from None
-    parts = [part for pieces in per_file for part in pieces]
-    if not parts:
-        return []
-    del per_file
-    order = np.argsort(np.concatenate([part[0] for part in parts]), kind="stable")
-    times, steps, kinds = (np.concatenate([part[column] for part in parts])[order] for column in (1, 2, 3))
-    del parts, order        # what is held from here on: the sorted columns (17 bytes a record)
-    kept = np.flatnonzero(_may_matter(times, steps, kinds, stall_seconds))
-    return [(float(times[i]), int(steps[i]) if kinds[i] & HAS_STEP else None, bool(kinds[i] & ENDED),
-             bool(kinds[i] & STARTED)) for i in kept]
-
-
-def _may_matter(times: np.ndarray, steps: np.ndarray, kinds: np.ndarray, stall_seconds: float) -> np.ndarray:
-    """The records (in merged order) that can change the tracker or be a stall; the rest it passes over
-    without either, so the tracker decides the same from these alone (StallTracker.observe):
-
-    - every event that ends or starts a run (they change its state);
-    - progress: a step record's step beyond the latest since the last run start (ended records do not move it);
-    - a record at least `stall_seconds` after the latest progress before it (the only ones it can fire on).
-    The rest (the other ranks' copies of a step, samples while steps advance) change nothing."""
-    n = len(times)
-    events = (kinds & (ENDED | STARTED)) != 0
-    moving = ((kinds & HAS_STEP) != 0) & ((kinds & ENDED) == 0)          # steps that can move the tracker
-    floor = np.iinfo(np.int64).min
-    values = np.where(moving, steps, floor)
-    before = np.full(n, floor)                   # the tracker's step before each record (floor: none)
-    starts = np.flatnonzero(kinds & STARTED)     # a run start forgets the step, its own counts after it
-    bounds = [0, *starts.tolist(), n]
-    for begin, end in zip(bounds[:-1], bounds[1:]):
-        if end > begin:
-            seen = np.maximum.accumulate(values[begin:end])
-            before[begin + 1:end] = seen[:-1]
-    progress = moving & (values > before)
-    last = np.where(progress, np.arange(n), -1)
-    last = np.maximum.accumulate(last)           # the latest progress at or before each record
-    previous = np.concatenate(([-1], last[:-1]))
-    late = (previous >= 0) & (times - times[np.maximum(previous, 0)] > stall_seconds)
-    return events | progress | late
-
-
-__all__ = ["NotExact", "ONE_PROCESS_ENV", "fits", "replay", "stall_records"]
+__all__ = ["NotExact", "ONE_PROCESS_ENV", "blocks_of", "fits", "layer_names_of", "one_process_asked", "replay",
+           "seconds_of"]

@@ -87,6 +87,11 @@ class Record(msgspec.Struct, kw_only=True, gc=False):
 _typed = msgspec.json.Decoder(Record)
 
 
+def unix_seconds(when: float | datetime) -> float:
+    """A record's `timestamp` as Unix seconds (typed records hold a float or an aware datetime)."""
+    return when if when.__class__ is float else when.timestamp()
+
+
 @functools.lru_cache(maxsize=8)
 def layer_struct(names: tuple[str, ...]) -> type:
     """A struct for `grad_norm_by_layer` holding exactly these layer groups, each a number.

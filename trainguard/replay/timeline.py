@@ -13,11 +13,10 @@ joins the first, and rate limits escalate. `actions` lists what executes; `ledge
 
 from __future__ import annotations
 
-import heapq
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable
 
 from trainguard import actions, rundir, tls
 from trainguard.decide import schedules, stall
@@ -25,7 +24,7 @@ from trainguard.decide import ledger as tgledger
 from trainguard.decide.embedded import ALERT_OF, cost_notice   # the agent's own notices
 from trainguard.decide.cost import CostMeter
 from trainguard.policy import Policy
-from trainguard.replay import dynamics, engine, expect, parallel, replica, rules, source
+from trainguard.replay import dynamics, engine, expect, replica, rules, source, stall_pass
 
 DEFAULT_SCRAPE_INTERVAL = 15.0
 # What the live run did, beyond the lead rank's own decisions: only lines naming these are decoded, so
@@ -273,60 +272,23 @@ def _control_requests(given: list[Path]) -> list[dict]:
     return [request for root in given for request in rundir.read_requests(rundir.run_dir_of(root))]
 
 
-# The parallel stall pass holds ~25 bytes a record while it sorts (parallel.stall_records); beyond this
-# many records (~200 MB held) the streaming reference runs instead, which holds one record per file:
-# slower, but memory stays flat however large the run directory.
-STALL_COLUMNS_MAX_RECORDS = 8_000_000
-
-
 def stall_notices(stream: source.Stream, outcome: engine.Outcome, policy: Policy) -> list[tgledger.Notice]:
     """The agent's stall watchdog over the recorded logs: its `restore` notices, in the log's time.
 
     The rule is trainguard.decide.stall's, over the records replay read (the lines it counts malformed
     are not records to it), in the merged stream's order (a node log that keeps writing while no step
     advances is what a hang looks like). The engine's screen of the lead rank's steps says first whether
-    a stall is possible at all, so a healthy log is read once. Where one is, the files are read again on
-    every CPU (parallel.stall_records), up to STALL_COLUMNS_MAX_RECORDS; the one-process reference (and
-    `--rules`, which reads every line leniently, and larger runs) streams them through the tracker in one
-    process (`_stall_entries`)."""
+    a stall is possible at all, so a healthy log is read once; where one is, `stall_pass` reads the files
+    again (on every CPU, or streamed: the same stalls)."""
     stall_seconds = policy.alerts.stall_seconds
     if not outcome.may_have_stalled(stall_seconds):
         return []
-    entries = None
-    if not stream.full and not parallel.one_process_asked() and outcome.records <= STALL_COLUMNS_MAX_RECORDS:
-        try:
-            entries = parallel.stall_records(stream.files, stall_seconds)
-        except parallel.NotExact:
-            entries = None
-    if entries is None:
-        entries = _stall_entries(stream.files, stream.full)
+    entries = stall_pass.entries(stream, stall_seconds, outcome.records)
     return [tgledger.Notice(alertname=ALERT_OF[actions.RESTORE], status=tgledger.FIRING,
                             action=actions.RESTORE, key=f"stall@{found.since:.3f}",
                             starts_at=found.since + stall_seconds, source="embedded", reason="stall",
                             step=found.step)
             for found in stall.replay(entries, stall_seconds)]
-
-
-def _stall_entries(files: list[Path], full: bool) -> Iterator[tuple]:
-    """(timestamp, step, ended, started) of every record of `files`, in the merged stream's order: each
-    file's records merged by (time, file, ordinal), as source.Stream merges them. Streams: one record per
-    file is held."""
-    merged = heapq.merge(*(_file_stall_entries(path, index, full) for index, path in enumerate(files)))
-    return ((when, step, ended, started) for when, _, _, step, ended, started in merged)
-
-
-def _file_stall_entries(path: Path, index: int, full: bool) -> Iterator[tuple]:
-    """What the tracker reads of each record of one file: its time, the step written where it is a step
-    record (with metrics; a step-less one has none), whether its event ends or starts a run."""
-    ordinal = 0
-    for records, _ in (source._full_chunks if full else source._typed_chunks)(Path(path), source.Problems()):
-        for record in records:
-            ordinal += 1
-            when, event = record.timestamp, record.event
-            kind = None if event is None else event.type
-            yield (when if when.__class__ is float else when.timestamp(), index, ordinal,
-                   record.step if record.metrics is not None else None, kind in stall.ENDED_EVENTS,
-                   kind == "run_start")
 
 
 def _decided_by(notice: tgledger.Notice) -> str:

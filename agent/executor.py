@@ -51,6 +51,8 @@ from prometheus_client.core import CounterMetricFamily
 from trainguard import actions, rundir, tls
 from trainguard import log as tglog
 from trainguard.agent import claims, restore
+from trainguard.trainer import cordon_key
+from trainguard.trainer.checkpoint import keys
 from trainguard.node import node_name
 from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, Verdict, job_level
 
@@ -425,7 +427,7 @@ class Executor:
 
     def _carry_out(self, verdict: Verdict, request: dict, result: dict) -> None:
         """The control request, and for a restore the ending of this node's proven ranks; sets `outcome`."""
-        result["appended"] = rundir.append_request(self.run_dir, request)
+        result["appended"] = rundir.append_request(self.run_dir, self._signed(request))
         if verdict.action == actions.RESTORE:
             result.update(restore.end_local_ranks(self.run_dir, self.host, started_before=verdict.notice.starts_at,
                                                 grace_seconds=self.grace, trust=self._trust()))
@@ -434,6 +436,15 @@ class Executor:
             if "paged" in result:
                 self.refused["no_restarts_left"] = self.refused.get("no_restarts_left", 0) + 1
         result["outcome"] = "paged" if "paged" in result else "issued"
+
+    def _signed(self, request: dict) -> dict:
+        """The request signed with the run's checkpoint key (trainer/control.py refuses any other); created
+        where the trainer would create it, as a cordon's signer does. No key: not done (named)."""
+        key, where = cordon_key.signing_key(self.checkpoint_key_file, create=True)
+        if key is None:
+            raise ActionNotDone(f"cannot sign the control request {request['id']}: no checkpoint key ({where}; "
+                                f"set webhook.checkpoint_key_file to the trainer's key)")
+        return rundir.sign_request(key, request, self.run_dir, by=f"agent:{self.node}", key_id=keys.key_id(key))
 
     def _claim(self, verdict: Verdict, request_id: str, now: float) -> claims.Claim | None:
         """Who carries out a job-level verdict (agent/claims.py: a signed claim in RUN/control/claims/);

@@ -47,6 +47,7 @@ from trainguard.protect.callbacks import Callbacks, load_states, scale_optimizer
 from trainguard.protect.checkpoints import RankCheckpoints
 from trainguard.protect.state import TrainState
 from trainguard.protect.sync import HealthSync
+from trainguard.trainer import cordon_key
 from trainguard.trainer.control import ACTIONS_BY_CODE, ControlChannel, write_rank_file
 from trainguard.trainer.telemetry import StepTelemetry
 
@@ -124,7 +125,10 @@ class Protector:
         self.meter = CostMeter(self.policy.cost)
         self.states = {**states, GUARD_KEY: self.guard, COST_KEY: self.meter, STATE_KEY: self.state}
         self.sync = HealthSync(world_size, rank, self.device)
-        self.control = ControlChannel(self.run_dir, rank, self.log)
+        # Requests are signed with the run's checkpoint key (trainer/control.py): a line anyone appended is refused.
+        control_key, key_where = cordon_key.signing_key(key_file or None, create=True)
+        self.control = ControlChannel(self.run_dir, rank, self.log, key=control_key, key_where=key_where,
+                                      on_event=self.event)
         self.checkpoints = RankCheckpoints(
             self.run_dir, rank=rank, world_size=world_size, on_event=self.telemetry.event, key_file=key_file,
             keep_last=keep_last, async_save=async_checkpoint, on_error=checkpoint_on_error,

@@ -5,13 +5,14 @@
     RUN/tls/node-<node>-actions.jsonl      the agent's decisions and actions (agent/executor.py)
     RUN/checkpoints/step_<N>/              verified checkpoints (trainer/checkpoint/)
     RUN/checkpoints/status.json            the last save's outcome (trainer/checkpoint/manager.py writes it)
-    RUN/policy.yaml                        the run's policy, when no --policy is given (trainguard/policy.py)
+    RUN/policy.yaml                        the policy the run trains with, signed by rank 0 (trainguard/runpolicy.py)
+    RUN/policy.sig.json                    its signature: which bytes, which run, which key (trainguard/runpolicy.py)
     RUN/preflight.json                     `trainguard preflight`'s result (preflight/result.py)
     RUN/report.html                        `trainguard report` (trainguard/report/)
     RUN/agent/offsets-<node>.json          the training collector's offsets and state (agent/collectors/training.py)
     RUN/agent/webhook.token                the webhook's bearer token, when none is configured (agent/executor.py)
     RUN/incidents/<id>/                    incidents and their evidence (trainguard/incidents.py)
-    RUN/control/actions.jsonl              requests: the agent writes (`append_request`), rank 0 reads (`Requests`)
+    RUN/control/actions.jsonl              requests, signed: the agent writes (`sign_request`, `append_request`), rank 0 reads (`Requests`, `check_request`)
     RUN/control/acked.jsonl                request ids the trainer handled (`append_ack`, `read_acked`)
     RUN/control/claims/<request id>        which agent carries out a job-level action (agent/claims.py, signed)
     RUN/control/claims/<id>.takeover-<g>-<tag>   a claim taken over from a claimant that did not finish
@@ -38,6 +39,8 @@ import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from trainguard import signed
 
 PathLike = str | os.PathLike
 CHECKPOINT_STATUS_FILE = "status.json"
@@ -73,10 +76,8 @@ def policy_path(run_dir: PathLike) -> Path:
     return Path(run_dir) / "policy.yaml"
 
 
-def run_policy(run_dir: PathLike) -> Path | None:
-    """RUN/policy.yaml when the run has one (else the caller's default policy applies)."""
-    path = policy_path(run_dir)
-    return path if path.exists() else None
+def policy_signature_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "policy.sig.json"
 
 
 def preflight_path(run_dir: PathLike) -> Path:
@@ -188,11 +189,33 @@ def read_checkpoint_status(run_dir: PathLike) -> dict | None:
 
 # ----------------------------------------------------------------- RUN/control/actions.jsonl (requests)
 
+REQUEST_PURPOSE = "control-request/1"
+
+
 def request(action: str, request_id: str, *, alertname: str = "", reason: str = "",
             issued_at: float | None = None) -> dict:
-    """One control request, as the agent writes it and the trainer reads it."""
+    """One control request, as the agent writes it (signed: `sign_request`) and the trainer reads it."""
     return {"id": request_id, "action": action, "alertname": alertname, "reason": reason,
             "issued_at": time.time() if issued_at is None else issued_at}
+
+
+def run_name(run_dir: PathLike) -> str:
+    """The name a signed request or policy is bound to: the run directory's own name (the same on every node
+    that mounts the shared run directory, wherever it is mounted)."""
+    return Path(os.path.abspath(run_dir)).name
+
+
+def sign_request(key: bytes, entry: dict, run_dir: PathLike, *, by: str, key_id: str | None = None) -> dict:
+    """`entry` signed with the run's key (trainguard/signed.py, purpose ``control-request/1``), bound to this
+    run's name and saying who issued it (``agent:<node>``, ``human:<user>``): only a key holder can make the
+    trainer act; a signed request copied from a run of another name is refused."""
+    return signed.sign(key, REQUEST_PURPOSE, {**entry, "run": run_name(run_dir), "by": by}, key_id=key_id)
+
+
+def check_request(key: bytes | None, entry: object, run_dir: PathLike) -> str | None:
+    """None when `entry` is a request signed with `key` for this run; else why it is refused
+    (trainguard/signed.py's reasons)."""
+    return signed.check(key, REQUEST_PURPOSE, entry, {"run": run_name(run_dir)})
 
 
 def append_request(run_dir: PathLike, entry: dict) -> bool:
@@ -276,16 +299,20 @@ class Requests:
         raise LookupError(f"{self.path}:{lineno}: no such line")
 
 
-def read_requests(run_dir: PathLike) -> list[dict]:
-    """Every readable request of the run (a torn or malformed line is skipped, as the trainer skips it)."""
+def read_requests(run_dir: PathLike, key: bytes | None = None, *, signed_only: bool = False) -> list[dict]:
+    """Every readable request of the run (a torn or malformed line is skipped, as the trainer skips it).
+    With `signed_only`, only those signed with `key` for this run: the ones the trainer acts on."""
     requests = []
     for _, raw in Requests(run_dir).new_lines():
         try:
             entry = json.loads(raw)
         except ValueError:
             continue
-        if isinstance(entry, dict) and entry.get("action"):
-            requests.append(entry)
+        if not (isinstance(entry, dict) and entry.get("action")):
+            continue
+        if signed_only and check_request(key, entry, run_dir) is not None:
+            continue
+        requests.append(entry)
     return requests
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from tests.alerts.helpers import read_jsonl
 from tests.alerts.ranks import STANDIN, Ranks, alive, rewrite
+from tests import signing
 from trainguard import actions
 from trainguard import rundir
 from trainguard.agent.executor import EventLog, Executor, request_id
@@ -62,14 +63,16 @@ def test_a_decision_is_on_disk_before_its_action_and_names_the_alert(tmp_path):
     assert action_event["type"] == "action" and action_event["alertname"] == "LossSpike"
     assert action_event["outcome"] == "issued" and action_event["appended"] is True
     [request] = requests(tmp_path)
-    assert request == {"id": request_id(verdict), "action": "rollback", "alertname": "LossSpike",
-                       "reason": "LossSpike", "issued_at": request["issued_at"]}
+    assert {k: v for k, v in request.items() if k not in ("signature", "key_id")} == {
+        "id": request_id(verdict), "action": "rollback", "alertname": "LossSpike", "reason": "LossSpike",
+        "issued_at": request["issued_at"], "run": tmp_path.name, "by": "agent:n1"}
+    assert rundir.check_request(signing.key(), request, tmp_path) is None     # signed: the trainer acts on it
 
 
 def test_the_trainer_control_channel_reads_what_the_executor_writes(tmp_path):
     Executor(tmp_path, "n1", Ledger()).submit(
         [notice("CostBudgetWarn", actions.COST_WARN, "c1"), notice("CostBudgetThrottle", actions.COST_THROTTLE, "c2")])
-    channel = ControlChannel(tmp_path, rank=0)
+    channel = ControlChannel(tmp_path, rank=0, key=signing.key())
     codes = [channel.poll()[0] for _ in range(3)]
     assert codes == [2, 3, 0]     # cost_warn, cost_throttle, then nothing
 

@@ -42,6 +42,7 @@ from trainguard.agent.actions_embedded import last_step
 from trainguard.decide import culprit as verdicts
 from trainguard.decide.ledger import Notice
 from trainguard.policy import RestorePolicy
+from trainguard.trainer import cordon_key
 from trainguard import tls
 
 CLAIMS = ".claims"    # without a claim secret: RUN/incidents/.claims/<key>, unsigned (nothing to prove it with)
@@ -68,6 +69,7 @@ class Investigator:
         self.claims = claims.Claims(self.run_dir, host, claim_secret, log=self.log, timeout_seconds=max(
             MIN_LEAD_TIMEOUT, policy.evidence_seconds if lead_timeout is None else lead_timeout))
         self.verdicts: dict[tuple[str, str], int] = {}    # (node, kind) -> count, for the metric
+        self.evidence_refused: dict[str, int] = {}         # evidence files ignored by the verdict, by reason
 
     def __call__(self, notice: Notice, live: list, fallback: Callable[[Notice], object] | None = None) -> Notice | None:
         """`fallback(notice)` restores this node's ranks if they outlive the culprit's eviction (default:
@@ -83,7 +85,7 @@ class Investigator:
         incident_id, hold = self.lead(key)
         self.log.warning("stall: gathering evidence", incident=incident_id, leader=hold is not None)
         summary = evidence.gather(self.run_dir, incident_id, self.host, live, self.agent,
-                                  wait_seconds=self.policy.evidence_seconds)
+                                  wait_seconds=self.policy.evidence_seconds, key_file=self.key_file)
         self.log.info("evidence written", incident=incident_id, **summary)
         decided = self.verdict(key, incident_id, hold, notice)
         if decided is None:
@@ -135,14 +137,18 @@ class Investigator:
     def decide(self, incident_id: str, notice: Notice) -> dict:
         hosts = job_hosts(self.run_dir, self.key_file)
         wait_for_nodes(self.run_dir, incident_id, hosts, self.policy.evidence_seconds + 5)
-        ranks, nodes = evidence.load(self.run_dir, incident_id)
-        verdict = verdicts.decide(ranks, nodes)
+        loaded = evidence.load(self.run_dir, incident_id, cordon_key.signing_key(self.key_file)[0])
+        for ignored in loaded.refused:      # a file that does not prove who gathered it decides nothing
+            self.evidence_refused[ignored["reason"]] = self.evidence_refused.get(ignored["reason"], 0) + 1
+            self.log.error("evidence ignored: " + ignored["why"], incident=incident_id, reason=ignored["reason"])
+        verdict = verdicts.decide(loaded.ranks, loaded.nodes)
         action, why = verdicts.eviction(verdict, job(self.run_dir, hosts, self.key_file), self.policy.evict,
                                         self.policy.max_evictions_per_hour)
         incident = incidents.Incident(
             id=incident_id, kind="hang", detected_at=time.time(), detected_by=f"agent:{self.host}",
             culprit=verdict.culprit, confidence=verdict.confidence, reasons=verdict.reasons + [why],
-            action=action, extra={"stall": notice.reason, "nodes": sorted(hosts)})
+            action=action, extra={"stall": notice.reason, "nodes": sorted(hosts),
+                                   **({"evidence_ignored": loaded.refused} if loaded.refused else {})})
         incidents.write_incident(self.run_dir, incident)
         if action == verdicts.EVICT:
             try:
@@ -215,7 +221,13 @@ class Investigator:
                 cordoned.add_metric([host], 1)
             else:
                 refused.add_metric([host, str(found.refused)], 1)
-        return [counts, cordoned, refused]
+        ignored = CounterMetricFamily("trainguard_evidence_refused", "Incident evidence files the verdict ignored "
+                                      "because they do not prove which agent gathered them (unsigned, signed "
+                                      "with another key, for another host or incident, or a rank file its node's "
+                                      "signed evidence does not vouch for).", labels=["reason"])
+        for reason, count in sorted(self.evidence_refused.items()):
+            ignored.add_metric([reason], count)
+        return [counts, cordoned, refused, ignored]
 
 
 # ------------------------------------------------------------------------------- shared run directory

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
             return list_incidents(run_dir, args.json, key)
         if command == "show":
             return show(run_dir, incident_id, args.json)
-        return replay(run_dir, incident_id, args.json)
+        return replay(run_dir, incident_id, args.json, key.key)
     except incidents.IncidentError as exc:
         print(f"trainguard incidents: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -144,8 +144,10 @@ def show(run_dir: Path, incident_id: str, as_json: bool) -> int:
     return EXIT_OK
 
 
-def replay(run_dir: Path, incident_id: str | None, as_json: bool) -> int:
-    """Decide every incident (or one) again from its stored evidence and compare with the verdict."""
+def replay(run_dir: Path, incident_id: str | None, as_json: bool, key: bytes | None = None) -> int:
+    """Decide every incident (or one) again from its stored evidence and compare with the verdict. The same
+    evidence the live verdict may use: signed node files (checked with `key`) and the rank files they vouch
+    for; the rest is named (`ignored`), never decided on."""
     from trainguard.agent import evidence
     from trainguard.decide import culprit
 
@@ -153,16 +155,19 @@ def replay(run_dir: Path, incident_id: str | None, as_json: bool) -> int:
     results = []
     for one in ids:
         stored = incidents.read(run_dir, one)
-        again = culprit.decide(*evidence.load(run_dir, one))
+        loaded = evidence.load(run_dir, one, key)
+        again = culprit.decide(*loaded)
         same = (again.culprit or None) == (stored.get("culprit") or None) and \
             abs(again.confidence - stored["confidence"]) < 1e-9
         results.append({"id": one, "same": same, "stored": stored.get("culprit"), "replayed": again.culprit,
-                        "confidence": again.confidence})
+                        "confidence": again.confidence, "ignored": loaded.refused})
     if as_json:
         print(json.dumps(results, indent=1, sort_keys=True))
     else:
         for r in results:
             print(f"{r['id']:34} {'same' if r['same'] else 'DIFFERS'}  stored {r['stored']}  replayed {r['replayed']}")
+            for ignored in r["ignored"]:
+                print(f"  ignored: {ignored['why']}")
     return EXIT_OK if all(r["same"] for r in results) else EXIT_DIFFERS
 
 

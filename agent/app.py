@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
-from trainguard import rundir
 from trainguard.agent import actions_embedded
 from trainguard.agent.config import AgentConfig, ConfigError
 from trainguard.agent.culprit import Investigator
@@ -79,7 +78,11 @@ class App:
 
 def build(config: AgentConfig) -> App:
     """Every part, wired. `CannotListen` when the address is taken; SystemExit(2) on a bad webhook setting."""
-    agent = Agent(config)
+    try:
+        agent = Agent(config)      # chooses the policy: its own, or the run's signed one (agent/runner.py)
+    except policy_mod.PolicyError as exc:
+        tglog.get("agent", node=config.node).error(f"bad configuration: {exc}")
+        raise SystemExit(2) from None
     host, port = config.listen_address
     try:
         server = AgentServer(agent, host, port, max_body_bytes=config.http.max_body_bytes,
@@ -112,8 +115,8 @@ def build_actions(config: AgentConfig, agent: Agent, server: AgentServer) -> Act
         return None
     try:
         settings = WebhookSettings.from_config(config)
-        policy = policy_mod.load(config.policy or rundir.run_policy(config.run_dir))
-    except (ConfigError, policy_mod.PolicyError) as exc:
+        policy = agent.policy_choice.policy     # its own config, or the run's signed policy (agent/runner.py)
+    except ConfigError as exc:
         log.error(f"bad configuration: {exc}")
         raise SystemExit(2) from None
     try:

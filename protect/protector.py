@@ -38,7 +38,7 @@ import torch
 
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
-from trainguard import rundir, tls
+from trainguard import rundir, runpolicy, tls
 from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SKIP_STEP, STOP
 from trainguard.decide.cost import CostMeter, clock_of
 from trainguard.decide.decision import CARRY_ON, Decision
@@ -48,6 +48,7 @@ from trainguard.protect.checkpoints import RankCheckpoints
 from trainguard.protect.state import TrainState
 from trainguard.protect.sync import HealthSync
 from trainguard.trainer import cordon_key
+from trainguard.trainer.checkpoint import keys
 from trainguard.trainer.control import ACTIONS_BY_CODE, ControlChannel, write_rank_file
 from trainguard.trainer.telemetry import StepTelemetry
 
@@ -114,6 +115,7 @@ class Protector:
         self.run_id = run_id or self.run_dir.name
         self.log = log or tglog.get("protect", rank=rank, run_id=self.run_id)
         self.policy = policy if isinstance(policy, policy_mod.Policy) else policy_mod.load(policy or None)
+        self.policy_given = None if isinstance(policy, policy_mod.Policy) else (policy or None)
         self.state = state or TrainState()
         self.callbacks = callbacks or Callbacks()
         self.layer_names = list(layer_names)
@@ -129,6 +131,7 @@ class Protector:
         control_key, key_where = cordon_key.signing_key(key_file or None, create=True)
         self.control = ControlChannel(self.run_dir, rank, self.log, key=control_key, key_where=key_where,
                                       on_event=self.event)
+        self.key = control_key
         self.checkpoints = RankCheckpoints(
             self.run_dir, rank=rank, world_size=world_size, on_event=self.telemetry.event, key_file=key_file,
             keep_last=keep_last, async_save=async_checkpoint, on_error=checkpoint_on_error,
@@ -140,10 +143,23 @@ class Protector:
         """Describe this rank for the agent's `restore`, refuse a run the guard stopped, resume from the
         newest verified checkpoint if there is one."""
         write_rank_file(self.run_dir, self.rank, world_size=self.world, **rank_info)
+        self._sign_policy()
         if (refused := self.stopped_marker()) is not None:
             self.log.error("this run was stopped by the guard; not starting again", **refused)
             return Begun(None, refused)
         return Begun(self.restore(rollback=False))
+
+    def _sign_policy(self) -> None:
+        """Rank 0 writes the policy this run trains with into RUN/policy.yaml, signed (trainguard/runpolicy.py):
+        the agent and `trainguard replay RUN` use that file only when its signature checks."""
+        if self.rank != 0 or self.key is None:
+            return
+        try:
+            runpolicy.write(self.run_dir, self.policy, self.key, key_id=keys.key_id(self.key),
+                            by=f"trainer:{self.run_id}", given=self.policy_given)
+        except (OSError, ValueError) as exc:
+            self.log.warning("the run's policy could not be written and signed; readers use their defaults",
+                             error=str(exc))
 
     def finish(self) -> None:
         """The loop ran to its end: a last checkpoint (unless this step has one), `run_end`, durable."""

@@ -68,9 +68,12 @@ class TrainingCollector(Collector):
 
     # ---------------------------------------------------------------------------------- persistence
 
-    def _cost_meter(self, policy_path) -> CostMeter:
-        path = policy_path or rundir.run_policy(self.run_dir)
-        return CostMeter(tgpolicy.load(path).cost)
+    def _cost_meter(self, policy) -> CostMeter:
+        """The collector's own ``policy`` option (a file), else the agent's policy (never RUN/policy.yaml
+        unchecked: agent/runner.py `choose_policy`)."""
+        if isinstance(policy, tgpolicy.Policy):
+            return CostMeter(policy.cost)
+        return CostMeter(tgpolicy.load(policy).cost)
 
     def _restore(self) -> bool:
         try:

@@ -85,9 +85,9 @@ def choose_policy(inputs: list[str], given: str | None, key_file: str | None) ->
                                 "several run directories given: pass --policy")
     if not os.path.lexists(rundir.policy_path(runs[0])):
         return runpolicy.choose(runs[0], None, None)
-    from trainguard.trainer import cordon_key   # a command may reach the trainer's key
+    from trainguard.cordon_cli import run_key
 
-    key, where = cordon_key.signing_key(key_file)
+    key, where = run_key(key_file)
     if key is None and key_file is not None:
         raise OSError(f"--key-file {key_file}: {where}")
     return runpolicy.choose(runs[0], None, key, where)

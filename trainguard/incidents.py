@@ -234,11 +234,24 @@ def _write_atomically(directory: Path, name: str, data: bytes) -> Path:
     return path
 
 
-def write_incident(run_dir: str | os.PathLike, incident: Incident) -> Path:
-    """The verdict, ``incident.json`` (replaced whole if the incident is decided again)."""
-    validate(incident.to_json(), f"incident {incident.id}")
-    body = json.dumps(incident.to_json(), indent=1, sort_keys=True, allow_nan=False)
+VERDICT_PURPOSE = "incident-verdict/1"
+
+
+def write_incident(run_dir: str | os.PathLike, incident: Incident, key: bytes | None = None,
+                   key_id: str | None = None) -> Path:
+    """The verdict, ``incident.json`` (replaced whole if the incident is decided again); signed with the run's
+    checkpoint key when `key` is given (the agent's verdict: other agents act on it only when it checks)."""
+    data = validate(incident.to_json(), f"incident {incident.id}")
+    if key is not None:
+        data = signed.sign(key, VERDICT_PURPOSE, json.loads(json.dumps(data)), key_id=key_id)
+    body = json.dumps(data, indent=1, sort_keys=True, allow_nan=False)
     return write_file(run_dir, incident.id, "incident.json", body + "\n")
+
+
+def check_verdict(key: bytes | None, incident_id: str, verdict: Any) -> str | None:
+    """None when `verdict` (read from `incident_id`'s incident.json) was signed with `key` for that incident;
+    else why not. Only a verdict that checks is acted on (agent/culprit.py); `trainguard incidents` shows it."""
+    return signed.check(key, VERDICT_PURPOSE, verdict, {"id": incident_id})
 
 
 def write_json(run_dir: str | os.PathLike, incident_id: str, name: str, data: Any) -> Path:

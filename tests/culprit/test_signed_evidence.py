@@ -107,3 +107,22 @@ def test_the_agent_signs_what_it_gathers_and_the_verdict_reads_it_back(tmp_path,
     assert record["node"] == "n1" and record["incident"] == incident_id and record["key_id"] == keys.key_id(key)
     loaded = evidence.load(run, incident_id, key)
     assert [n.node for n in loaded.nodes] == ["n1"] and loaded.refused == []
+
+
+def test_a_verdict_that_does_not_prove_itself_ends_no_launcher(tmp_path, key):
+    """The incident id is readable under RUN/control/dump/ before any verdict exists: a stranger's
+    incident.json naming a node with action evict was read by every waiting agent and acted on."""
+    run = tmp_path / "run"
+    rundir.write_rank_file(run, 0, {"rank": 0, "pid": 4_000_000, "host": "n1", "started_at": time.time()})
+    incident_id = incidents.new_id("hang")
+    incidents.write_incident(run, incidents.Incident(id=incident_id, kind="hang", detected_at=time.time(),
+                                                     detected_by="agent:n1", culprit={"rank": 1, "node": "n2"},
+                                                     confidence=1.0, reasons=["forged"], action="evict"))
+    waiting = Investigator(run, "n2", RestorePolicy(evidence_seconds=1.0))
+    assert waiting.read_verdict(incident_id) is None              # not acted on: n2's launcher is not ended
+    assert waiting.verdicts_refused == {incident_id: signed.UNSIGNED}
+
+    genuine(run, incident_id, "n1", 0, key)
+    decided = Investigator(run, "n1", RestorePolicy(evidence_seconds=1.0)).decide(incident_id, stall())
+    assert decided["reasons"] != ["forged"]                        # the leader decides over it, signed
+    assert waiting.read_verdict(incident_id)["reasons"] == decided["reasons"]   # now acted on: it checks

@@ -38,7 +38,7 @@ import torch
 
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
-from trainguard import rundir, runpolicy, tls
+from trainguard import rundir, runpolicy, signed, tls
 from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SKIP_STEP, STOP
 from trainguard.decide.cost import CostMeter, clock_of
 from trainguard.decide.decision import CARRY_ON, Decision
@@ -53,6 +53,7 @@ from trainguard.trainer.control import ACTIONS_BY_CODE, ControlChannel, write_ra
 from trainguard.trainer.telemetry import StepTelemetry
 
 EXIT_OK, EXIT_STOPPED = 0, 3
+STOPPED_PURPOSE = "run-stopped/1"     # RUN/control/stopped.json, signed by rank 0 with the run's checkpoint key
 # The checkpoint keys the Protector adds to the loop's `states`.
 GUARD_KEY, COST_KEY, STATE_KEY = "guard", "cost", "trainer"
 # What a rollback leaves as it is: the data position (the window that led to trouble is skipped, not read
@@ -357,9 +358,12 @@ class Protector:
                    "to resume from the last verified checkpoint")
         if self.rank == 0:
             self.stop_path.parent.mkdir(parents=True, exist_ok=True)
-            self.stop_path.write_text(json.dumps({"step": step, "reason": decision.reason,
-                                                  "detail": decision.detail, "time": time.time(),
-                                                  "message": message}, default=str))
+            marker = json.loads(json.dumps({"step": step, "reason": decision.reason, "detail": decision.detail,
+                                             "time": time.time(), "message": message}, default=str))
+            if self.key is not None:      # only a signed marker keeps workers from starting (stopped_marker)
+                marker = signed.sign(self.key, STOPPED_PURPOSE, {**marker, "run": rundir.run_name(self.run_dir)},
+                                     key_id=keys.key_id(self.key))
+            self.stop_path.write_text(json.dumps(marker))
         self.log.error(message)
         if self.callbacks.stop is not None:
             self.callbacks.stop(decision.reason)
@@ -367,10 +371,21 @@ class Protector:
         return Outcome(EXIT_STOPPED, decision.reason)
 
     def stopped_marker(self) -> dict | None:
+        """The guard's stop marker when rank 0 of this run signed it; a marker anyone else wrote keeps no
+        worker from starting (it is named, and recorded as a ``stop_marker_refused`` event)."""
         try:
-            return json.loads(self.stop_path.read_text())
+            marker = json.loads(self.stop_path.read_bytes()[:1 << 20])
         except FileNotFoundError:
             return None
+        except (OSError, ValueError):
+            marker = None
+        reason = signed.check(self.key, STOPPED_PURPOSE, marker, {"run": rundir.run_name(self.run_dir)})
+        if reason is None:
+            return marker
+        why = signed.refusal_message(reason, f"the stop marker {self.stop_path}")
+        self.log.error(f"{why}: not honoured, the run starts", reason=reason)
+        self.event("stop_marker_refused", reason=reason, path=str(self.stop_path), why=why)
+        return None
 
     # ---------------------------------------------------------------------------- control requests
     def _on_request(self, code: int, lineno: int) -> Outcome:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from tests.trainer.helpers import events, final_losses, step_records, train, write_policy
@@ -79,3 +81,14 @@ def test_rollback_limit_stops_the_run_and_a_restart_refuses(tmp_path):
     assert (run / "control" / "stopped.json").exists()
     assert train(run, *flags) == 3                      # restarted workers do not loop
     assert len(events(run, "run_start")) == 1
+
+
+def test_a_stop_marker_anyone_wrote_stops_nothing(tmp_path):
+    """Issue 29: RUN/control/stopped.json keeps every restarted worker from starting; a stranger's copy (or one
+    of another run) did the same. Only the marker rank 0 signed is honoured; another is named and recorded."""
+    run = tmp_path / "run"
+    (run / "control").mkdir(parents=True)
+    (run / "control" / "stopped.json").write_text(json.dumps({"step": 1, "reason": "rollback_limit"}))
+    assert train(run, "--steps", "3") == 0
+    (refused,) = events(run, "stop_marker_refused")
+    assert refused["reason"] == "unsigned" and events(run, "run_end")[-1]["reason"] == "completed"

@@ -191,9 +191,15 @@ def choose_policy(config: AgentConfig):
 
     if config.policy is not None or config.run_dir is None:
         return runpolicy.choose(config.run_dir, config.policy, None)
-    key_file = (config.webhook or {}).get("checkpoint_key_file")
-    key, where = cordon_key.signing_key(key_file if isinstance(key_file, str) and key_file.strip() else None)
+    key, where = cordon_key.signing_key(checkpoint_key_file(config))
     return runpolicy.choose(config.run_dir, None, key, where)
+
+
+def checkpoint_key_file(config: AgentConfig) -> str | None:
+    """``webhook.checkpoint_key_file`` as given (checked by agent/executor.py WebhookSettings), else None:
+    the trainer's default place."""
+    key_file = (config.webhook or {}).get("checkpoint_key_file")
+    return key_file if isinstance(key_file, str) and key_file.strip() else None
 
 
 class Agent:
@@ -224,7 +230,8 @@ class Agent:
             settings = self.config.collector(name)
             ctx = Context(procfs=self.config.procfs, sysfs=self.config.sysfs, devfs=self.config.devfs,
                           run_dir=self.config.run_dir, node=self.config.node, options=dict(settings.options),
-                          policy=self.policy_choice.policy, on_decision=self._dispatch_decision)
+                          policy=self.policy_choice.policy, on_decision=self._dispatch_decision,
+                          checkpoint_key_file=checkpoint_key_file(self.config))
             runners[name] = CollectorRunner(cls, ctx, self.config.interval_of(name, cls.interval),
                                             self.config.timeout_of(name, cls.timeout))
         return runners

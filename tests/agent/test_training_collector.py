@@ -275,3 +275,21 @@ def test_checkpoints_are_listed_again_only_when_the_folder_changes_or_at_the_res
     assert lister.newest()[1] == 20 and len(listings) == 2
     now[0] += 30
     assert lister.newest()[1] == 30 and len(listings) == 3          # ... is found at the rescan
+
+
+def test_saved_state_that_does_not_prove_itself_is_not_resumed_from(run_dir):
+    """RUN/agent/offsets-<node>.json holds the cost meter's state: a forged one (the spend of a run ten times
+    over, tiers already fired) decided the agent's cost tiers after its restart. It is signed now."""
+    with tls.Writer(run_dir / "tls" / "rank-0.jsonl") as writer:
+        writer.write(step_record(1, 0, loss=1.25))
+    first = collector(run_dir)
+    first.update()
+    first.close()
+    saved = json.loads(rundir.offsets_path(run_dir, "node-a").read_text())
+    assert collector(run_dir).restored                                    # its own, signed: resumed
+    forged = {k: v for k, v in saved.items() if k not in ("signature", "key_id")}
+    forged["cost"] = {**forged["cost"], "cost_usd": 1e9, "fired": ["cost_warn"]}
+    rundir.offsets_path(run_dir, "node-a").write_text(json.dumps(forged))
+    assert not collector(run_dir).restored                                # unsigned: followed from the start
+    rundir.offsets_path(run_dir, "node-a").write_text(json.dumps({**saved, "cost": forged["cost"]}))
+    assert not collector(run_dir).restored                                # changed since signed

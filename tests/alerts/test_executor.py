@@ -191,7 +191,25 @@ def test_verdicts_and_actions_are_counted_for_metrics(tmp_path):
 
 
 def test_event_log_fsyncs_whole_records(tmp_path):
-    log = EventLog(tmp_path / "x.jsonl")
+    log = EventLog(tmp_path / "x.jsonl", b"k" * 32, "n1")
     log.append([{"timestamp": 1.0, "event": {"type": "alert", "key": "k"}}])
     log.append([])
     assert [e["key"] for e in log.events()] == ["k"]
+
+
+def test_a_decision_appended_to_the_actions_log_by_anyone_else_is_not_redone(tmp_path):
+    """Issue 29: recover() redoes what the log says was decided and not done. A stranger's line there (a
+    cost_stop "decided before a restart") was carried out at the agent's next start, signed by the agent."""
+    Executor(tmp_path, "n1", Ledger()).submit([notice("CostBudgetWarn", actions.COST_WARN, "c1")])
+    forged = {"timestamp": 1.0, "node": "n1", "event": {
+        "type": "alert", "alertname": "CostBudgetStop", "status": "firing", "outcome": "act", "action": "cost_stop",
+        "requested": "cost_stop", "key": "embedded:cost_stop", "source": "embedded", "reason": "over budget",
+        "request_id": "cost-cost_stop", "decided_at": 1.0}}
+    with open(tmp_path / "tls" / "node-n1-actions.jsonl", "a") as handle:
+        handle.write(json.dumps(forged) + "\n")
+    restarted = Executor(tmp_path, "n1", Ledger())
+    assert [r["action"] for r in requests(tmp_path)] == ["cost_warn"]          # no cost_stop issued
+    assert restarted.records.refused == {"unsigned": 1}
+    families = {f.name: f for f in restarted.families()}
+    assert [(s.labels, s.value) for s in families["trainguard_action_records_refused"].samples] == \
+        [({"reason": "unsigned"}, 1.0)]

@@ -92,3 +92,29 @@ def test_a_stop_marker_anyone_wrote_stops_nothing(tmp_path):
     assert train(run, "--steps", "3") == 0
     (refused,) = events(run, "stop_marker_refused")
     assert refused["reason"] == "unsigned" and events(run, "run_end")[-1]["reason"] == "completed"
+
+
+def test_a_worker_refuses_a_config_changed_after_the_launcher_wrote_it(tmp_path):
+    """Issue 29: every rank re-reads RUN/config.yaml at each restart; whoever could write it chose what the
+    run trained with (the steps, the LR, the policy file). Workers now get the launcher's digest of it."""
+    import argparse
+    import hashlib
+    import subprocess
+    import sys
+
+    from trainguard.trainer import cli
+
+    run = tmp_path / "run"
+    assert train(run, "--steps", "1") == 0
+    config = run / "config.yaml"
+    digest = hashlib.sha256(config.read_bytes()).hexdigest()
+    parser = argparse.ArgumentParser()
+    cli.add_config_arguments(parser)
+    as_written = cli.build_config(parser.parse_args(["--run-dir", str(run), "--config", str(config)]))
+    assert cli.config_digest(as_written) == digest                 # what a worker reads back checks
+    config.write_text(config.read_text().replace("steps: 1\n", "steps: 2\n"))
+    assert "steps: 2\n" in config.read_text()
+    worker = [sys.executable, "-m", "trainguard.trainer.train", "--run-dir", str(run), "--config", str(config),
+              "--config-sha256", digest]
+    refused = subprocess.run(worker, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "changed after the launcher wrote it" in refused.stderr, refused.stderr

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         if command == "list":
             return list_incidents(run_dir, args.json, key)
         if command == "show":
-            return show(run_dir, incident_id, args.json)
+            return show(run_dir, incident_id, args.json, key.key)
         return replay(run_dir, incident_id, args.json, key.key)
     except incidents.IncidentError as exc:
         print(f"trainguard incidents: {exc}", file=sys.stderr)
@@ -123,19 +123,28 @@ def print_cordons(run_dir: Path, key) -> None:
                   f"its launcher joins the job anyway")
 
 
-def show(run_dir: Path, incident_id: str, as_json: bool) -> int:
+def show(run_dir: Path, incident_id: str, as_json: bool, key: bytes | None = None) -> int:
+    from trainguard import signed
+
     verdict = incidents.read(run_dir, incident_id)
     files = incidents.evidence(run_dir, incident_id)
+    refused = incidents.check_verdict(key, incident_id, verdict)
     if as_json:
-        print(json.dumps({**verdict, "evidence": [p.name for p in files]}, indent=1, sort_keys=True))
+        print(json.dumps({**verdict, "evidence": [p.name for p in files], "verdict_refused": refused},
+                         indent=1, sort_keys=True))
         return EXIT_OK
     print(f"incident {verdict['id']}  ({verdict['kind']}, detected by {verdict['detected_by']})")
+    if refused is not None:     # no agent acts on it (agent/culprit.py): say so before what it claims
+        print(f"NOT genuine: {signed.refusal_message(refused, 'this verdict')}; no agent acts on it")
     print(f"culprit:    {_culprit(verdict)}   confidence {verdict['confidence']:.2f}")
     print(f"action:     {verdict.get('action')}")
     print("reasons:")
     for reason in verdict["reasons"]:
         print(textwrap.fill(reason, 110, initial_indent="  - ", subsequent_indent="    "))
     print("evidence:   " + ", ".join(f"{p.name} ({p.stat().st_size} B)" for p in files))
+    for ignored in verdict.get("evidence_ignored") or ():
+        if isinstance(ignored, dict):
+            print(f"ignored:    {ignored.get('why')}")
     culprit_rank, healthy_rank = _pair(verdict, files)
     if culprit_rank is not None or healthy_rank is not None:
         print()

@@ -126,3 +126,23 @@ def test_a_verdict_that_does_not_prove_itself_ends_no_launcher(tmp_path, key):
     decided = Investigator(run, "n1", RestorePolicy(evidence_seconds=1.0)).decide(incident_id, stall())
     assert decided["reasons"] != ["forged"]                        # the leader decides over it, signed
     assert waiting.read_verdict(incident_id)["reasons"] == decided["reasons"]   # now acted on: it checks
+
+
+def test_incidents_show_says_a_verdict_is_not_genuine_and_names_ignored_evidence(tmp_path, key, capsys):
+    from trainguard.cli import main
+
+    run = tmp_path / "run"
+    incident_id = incidents.new_id("hang")
+    incidents.write_incident(run, incidents.Incident(id=incident_id, kind="hang", detected_at=time.time(),
+                                                     detected_by="agent:n1", culprit={"rank": 1, "node": "n2"},
+                                                     confidence=1.0, reasons=["forged"], action="evict"))
+    assert main(["incidents", "show", str(run), incident_id]) == 0
+    assert "NOT genuine: this verdict is not signed; no agent acts on it" in capsys.readouterr().out
+
+    rundir.write_rank_file(run, 0, {"rank": 0, "pid": 4_000_000, "host": "n1", "started_at": time.time()})
+    genuine(run, incident_id, "n1", 0, key)
+    forged_xid(run, incident_id, "n2", 1)
+    Investigator(run, "n1", RestorePolicy(evidence_seconds=1.0)).decide(incident_id, stall())
+    assert main(["incidents", "show", str(run), incident_id]) == 0
+    shown = capsys.readouterr().out
+    assert "NOT genuine" not in shown and "ignored:    evidence node-n2.json is not signed" in shown

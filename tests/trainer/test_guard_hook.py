@@ -83,15 +83,20 @@ def test_rollback_limit_stops_the_run_and_a_restart_refuses(tmp_path):
     assert len(events(run, "run_start")) == 1
 
 
-def test_a_stop_marker_anyone_wrote_stops_nothing(tmp_path):
+def test_a_stop_marker_anyone_wrote_stops_nothing(tmp_path, capsys):
     """Issue 29: RUN/control/stopped.json keeps every restarted worker from starting; a stranger's copy (or one
     of another run) did the same. Only the marker rank 0 signed is honoured; another is named and recorded."""
+    from trainguard.cli import main
+
     run = tmp_path / "run"
     (run / "control").mkdir(parents=True)
     (run / "control" / "stopped.json").write_text(json.dumps({"step": 1, "reason": "rollback_limit"}))
     assert train(run, "--steps", "3") == 0
     (refused,) = events(run, "stop_marker_refused")
     assert refused["reason"] == "unsigned" and events(run, "run_end")[-1]["reason"] == "completed"
+    capsys.readouterr()
+    main(["status", str(run)])
+    assert "stop marker NOT honoured (unsigned): the run started anyway" in capsys.readouterr().out
 
 
 def test_a_worker_refuses_a_config_changed_after_the_launcher_wrote_it(tmp_path):

@@ -2,16 +2,16 @@
 
     RUN/tls/rank-<r>.jsonl                 the trainer's TLS log per rank
     RUN/tls/node-<node>.jsonl              the agent's node log
-    RUN/tls/node-<node>-actions.jsonl      the agent's decisions and actions (agent/executor.py)
+    RUN/tls/node-<node>-actions.jsonl      the agent's decisions and actions, each record signed (agent/executor.py)
     RUN/checkpoints/step_<N>/              verified checkpoints (trainer/checkpoint/)
     RUN/checkpoints/status.json            the last save's outcome (trainer/checkpoint/manager.py writes it)
     RUN/policy.yaml                        the policy the run trains with, signed by rank 0 (trainguard/runpolicy.py)
     RUN/policy.sig.json                    its signature: which bytes, which run, which key (trainguard/runpolicy.py)
     RUN/preflight.json                     `trainguard preflight`'s result (preflight/result.py)
     RUN/report.html                        `trainguard report` (trainguard/report/)
-    RUN/agent/offsets-<node>.json          the training collector's offsets and state (agent/collectors/training.py)
+    RUN/agent/offsets-<node>.json          the training collector's offsets and state, signed (agent/collectors/training.py)
     RUN/agent/webhook.token                the webhook's bearer token, when none is configured (agent/executor.py)
-    RUN/incidents/<id>/                    incidents and their evidence (trainguard/incidents.py)
+    RUN/incidents/<id>/                    incidents and their evidence, signed by the agents (trainguard/incidents.py)
     RUN/control/actions.jsonl              requests, signed: the agent writes (`sign_request`, `append_request`), rank 0 reads (`Requests`, `check_request`)
     RUN/control/acked.jsonl                request ids the trainer handled (`append_ack`, `read_acked`)
     RUN/control/claims/<request id>        which agent carries out a job-level action (agent/claims.py, signed)
@@ -22,9 +22,11 @@
     RUN/control/launchers/<host>.json      each node's elastic launcher (trainer/launch.py)
     RUN/control/dump/<incident>.json       a Flight Recorder dump request (trainer/flight_recorder.py)
     RUN/control/faults-fired.jsonl         injected faults that already fired (trainer/faults.py)
-    RUN/control/stopped.json               the run stopped for good (protect/protector.py)
+    RUN/control/stopped.json               the run stopped for good, signed by rank 0 (protect/protector.py)
+    RUN/config.yaml                        what every worker trains with (trainer/cli.py; its digest on their command line)
 
-The layout is the on-disk contract of /work/shared/design.md ("Run directory"); every module asks here for a
+Who writes and reads each, how a reader knows it is genuine, and what a forged one does: docs/reliability.md,
+"Every file under RUN". The layout is the on-disk contract of /work/shared/design.md ("Run directory"); every module asks here for a
 path instead of spelling it. Files whose content another module owns (claims, cordons, launchers, dumps)
 get their path here and their content there. No torch, no psutil: the core, the agent and the trainer all
 import this module.

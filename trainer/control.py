@@ -51,7 +51,7 @@ class ControlChannel:
         self.pending: deque[tuple[int, dict]] = deque()
         self.verified: dict[int, dict] = {}       # line -> the signed request read there (rank 0 acts on these)
         self.refused: dict[str, int] = {}         # refused requests by reason
-        self.acked = rundir.read_acked(run_dir) if rank == 0 else set()
+        self.acked = rundir.read_acked(run_dir, key) if rank == 0 else set()
 
     def poll(self) -> tuple[int, int]:
         """(code, line number) of the next request to act on, or (0, 0). Rank 0 only; one stat a step."""
@@ -119,7 +119,7 @@ class ControlChannel:
         if self.rank != 0:
             return
         self.acked.add(str(request["id"]))
-        rundir.append_ack(self.run_dir, str(request["id"]), request["action"], step)
+        rundir.append_ack(self.run_dir, str(request["id"]), request["action"], step, self.key)
 
     def _warn(self, message: str, **fields) -> None:
         if self.log is not None:

@@ -320,21 +320,37 @@ def read_requests(run_dir: PathLike, key: bytes | None = None, *, signed_only: b
 
 # ------------------------------------------------------------------------- RUN/control/acked.jsonl
 
-def read_acked(run_dir: PathLike) -> set[str]:
-    """The ids of the requests the trainer already handled."""
+ACK_PURPOSE = "control-ack/1"
+
+
+def read_acked(run_dir: PathLike, key: bytes | None = None) -> set[str]:
+    """The ids of the requests the trainer already handled: the acknowledgements rank 0 signed with `key` for
+    this run (one anyone else appended would keep a genuine request with that id from being acted on; a
+    garbage line is skipped, never a crash at start)."""
     try:
-        text = acked_path(run_dir).read_text()
+        text = acked_path(run_dir).read_bytes()
     except FileNotFoundError:
         return set()
-    return {json.loads(line)["id"] for line in text.splitlines() if line.strip()}
+    acked = set()
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if signed.check(key, ACK_PURPOSE, entry, {"run": run_name(run_dir)}) is None:
+            acked.add(str(entry.get("id")))
+    return acked
 
 
-def append_ack(run_dir: PathLike, request_id: str, action: str, step: int) -> None:
-    """Remember that a request was handled (one O_APPEND write), so a restarted run does not handle it again."""
-    line = json.dumps({"id": request_id, "action": action, "step": step, "time": time.time()})
+def append_ack(run_dir: PathLike, request_id: str, action: str, step: int, key: bytes | None = None) -> None:
+    """Remember that a request was handled (one O_APPEND write, signed with `key`), so a restarted run does not
+    handle it again."""
+    entry = {"id": request_id, "action": action, "step": step, "time": time.time(), "run": run_name(run_dir)}
+    if key is not None:
+        entry = signed.sign(key, ACK_PURPOSE, entry)
     fd = os.open(acked_path(run_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, (line + "\n").encode())
+        os.write(fd, (json.dumps(entry) + "\n").encode())
     finally:
         os.close(fd)
 

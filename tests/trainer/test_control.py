@@ -165,3 +165,18 @@ def test_forged_changed_and_copied_requests_are_refused(tmp_path):
     assert [f["id"] for _, f in warnings] == ["f1", "c1", "o1"]
     assert ControlChannel(run, rank=0, key=None).poll() == (0, 0)      # no key: nothing can be checked, none acted on
     assert rundir.read_requests(run, signing.key(), signed_only=True) == []
+
+
+def test_a_forged_acknowledgement_suppresses_nothing_and_a_garbage_one_crashes_nothing(tmp_path):
+    """RUN/control/acked.jsonl keeps a restarted run from acting twice. A stranger's line there named the
+    agent's (predictable) request id `cost-cost_stop` as handled, so the genuine request was never acted on;
+    a garbage line crashed rank 0 at start. Acknowledgements are signed by rank 0 now."""
+    key = signing.key()
+    path = rundir.acked_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text('{"id": "cost-cost_stop", "action": "cost_stop", "step": 1}\nnot json\n{"no": "id"}\n')
+    signing.append(tmp_path, "cost_stop", "cost-cost_stop")
+    channel = ControlChannel(tmp_path, rank=0, key=key)
+    assert channel.poll() == (4, 1)                                      # acted on
+    channel.ack(channel.request_at(1), step=3)
+    assert ControlChannel(tmp_path, rank=0, key=key).poll() == (0, 0)     # its own signed ack: not twice

@@ -116,7 +116,6 @@ class Protector:
         self.run_id = run_id or self.run_dir.name
         self.log = log or tglog.get("protect", rank=rank, run_id=self.run_id)
         self.policy = policy if isinstance(policy, policy_mod.Policy) else policy_mod.load(policy or None)
-        self.policy_given = None if isinstance(policy, policy_mod.Policy) else (policy or None)
         self.state = state or TrainState()
         self.callbacks = callbacks or Callbacks()
         self.layer_names = list(layer_names)
@@ -157,7 +156,7 @@ class Protector:
             return
         try:
             runpolicy.write(self.run_dir, self.policy, self.key, key_id=keys.key_id(self.key),
-                            by=f"trainer:{self.run_id}", given=self.policy_given)
+                            by=f"trainer:{self.run_id}")
         except (OSError, ValueError) as exc:
             self.log.warning("the run's policy could not be written and signed; readers use their defaults",
                              error=str(exc))

@@ -37,16 +37,17 @@ class Choice:
         return f"{self.path if self.path is not None else 'defaults'} ({self.why})"
 
 
-def write(run_dir: str | os.PathLike, policy: policy_mod.Policy, key: bytes, *, key_id: str | None, by: str,
-          given: str | os.PathLike | None = None) -> Path:
-    """RUN/policy.yaml holding `policy` and RUN/policy.sig.json signing it. The file given as the run's policy
-    when it is RUN/policy.yaml itself (the user's own text, comments kept) is signed as it is; otherwise the
-    policy's YAML is written there."""
+def write(run_dir: str | os.PathLike, policy: policy_mod.Policy, key: bytes, *, key_id: str | None, by: str) -> Path:
+    """RUN/policy.yaml holding `policy` (its YAML, as `policy.dump` writes it) and RUN/policy.sig.json signing
+    those bytes. Never the bytes found there signed as they are: anyone could have changed them since the
+    trainer read its policy."""
     path = rundir.policy_path(run_dir)
-    if given is not None and Path(given).resolve() == path.resolve():
-        data = _read(path)
-    else:
-        data = policy_mod.dump(policy).encode()
+    data = policy_mod.dump(policy).encode()
+    try:
+        same = _read(path) == data
+    except (OSError, ValueError):
+        same = False
+    if not same:
         _replace(path, data)
     record = signed.sign(key, PURPOSE, {"sha256": _digest(data), "run": rundir.run_name(run_dir), "by": by},
                          key_id=key_id)

@@ -127,12 +127,26 @@ def test_a_strangers_rollback_and_stop_are_refused_counted_and_shown(tmp_path, c
     from trainguard.cli import main
 
     run = tmp_path / "run"
-    stranger_appends(run, {"id": "x1", "action": "rollback", "alertname": "LossSpike", "reason": "drill"},
-                     {"id": "x2", "action": "cost_stop", "alertname": "CostBudgetStop", "reason": "budget spent"})
-    assert train(run, "--steps", "12", "--checkpoint-every", "5") == 0
+
+    def appended_during_the_run():
+        path = run / "tls" / "rank-0.jsonl"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if path.exists() and '"step":7,"metrics"' in path.read_text():
+                stranger_appends(run, {"id": "x1", "action": "rollback", "alertname": "LossSpike", "reason": "drill"},
+                                 {"id": "x2", "action": "cost_stop", "alertname": "CostBudgetStop",
+                                  "reason": "budget spent"})
+                return
+            time.sleep(0.005)
+
+    stranger = threading.Thread(target=appended_during_the_run)
+    stranger.start()
+    assert train(run, "--steps", "30", "--checkpoint-every", "5") == 0
+    stranger.join()
+    assert rundir.requests_path(run).exists()                      # the lines were there while it trained
 
     assert events(run, "rollback") == [] and events(run, "action") == []
-    assert events(run, "run_end")[-1]["reason"] == "completed" and step_records(run)[-1]["step"] == 12
+    assert events(run, "run_end")[-1]["reason"] == "completed" and step_records(run)[-1]["step"] == 30
     refused = events(run, "control_refused")
     assert [(e["id"], e["action"], e["reason"], e["line"]) for e in refused] == [
         ("x1", "rollback", "unsigned", 1), ("x2", "cost_stop", "unsigned", 2)]

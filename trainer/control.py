@@ -106,13 +106,15 @@ class ControlChannel:
         is rank 0's, through the all-reduce): a line changed since is named, never trusted for its ids."""
         if lineno in self.verified:
             return self.verified[lineno]
-        request = self.requests.at(lineno)
+        try:
+            request = self.requests.at(lineno)
+        except (OSError, ValueError, LookupError):    # gone or garbage since: rank 0's action stands regardless
+            request = None
         reason = rundir.check_request(self.key, request, self.run_dir)
         if reason is None:
             return request
         self._warn("control request changed since rank 0 checked it", where=f"{self.path}:{lineno}", reason=reason)
-        return {"id": f"line-{lineno}", "action": ACTIONS_BY_CODE.get(0, ""), "alertname": "",
-                "reason": f"line {lineno} refused: {reason}"}
+        return {"id": f"line-{lineno}", "alertname": "", "reason": f"line {lineno} refused: {reason}"}
 
     def ack(self, request: dict, step: int) -> None:
         """Remember that the request was handled (rank 0), so a restart does not handle it again."""

@@ -194,3 +194,13 @@ def test_a_forged_acknowledgement_suppresses_nothing_and_a_garbage_one_crashes_n
     assert channel.poll() == (4, 1)                                      # acted on
     channel.ack(channel.request_at(1), step=3)
     assert ControlChannel(tmp_path, rank=0, key=key).poll() == (0, 0)     # its own signed ack: not twice
+
+
+def test_another_rank_reads_a_line_changed_since_rank_0_checked_it_without_trusting_or_crashing(tmp_path):
+    key = signing.key()
+    signing.append(tmp_path, "cost_warn", "w1", alertname="CostBudgetWarn")
+    other = ControlChannel(tmp_path, rank=1, key=key)
+    assert other.request_at(1)["id"] == "w1"                         # the signed line, checked by this rank too
+    rundir.requests_path(tmp_path).write_text('{"id": "evil", "action": "cost_warn"}\nnot json\n')
+    assert other.request_at(1)["id"] == "line-1"                     # changed since: its ids are not trusted
+    assert other.request_at(2)["id"] == "line-2"                     # garbage: named, no crash

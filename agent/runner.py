@@ -190,6 +190,7 @@ class Agent:
         self._log = tglog.get("agent", node=config.node)
         self._sources: list[Callable[[], Iterable[Metric]]] = []
         self._decision_handlers: list[Callable] = []
+        self._health_sources: dict[str, Callable[[], dict]] = {}
         self._duplicates_logged: set[str] = set()   # family names seen twice (dropped), logged once each
         self.runners = self._build_runners(dict(REGISTRY if registry is None else registry))
         self._collector_labels = {name: DURATION.labels(name) for name in self.runners}   # {collector="..."}
@@ -249,6 +250,10 @@ class Agent:
         """Add families computed on each scrape from state the caller already holds (cheap, non-blocking)."""
         self._sources.append(source)
 
+    def add_health_source(self, name: str, source: Callable[[], dict]) -> None:
+        """Add a section `name` to /healthz, computed on each request (cheap, non-blocking)."""
+        self._health_sources[name] = source
+
     def add_decision_handler(self, handler: Callable) -> None:
         """Called with each decision the agent's own state machines make (e.g. the cost meter's cost_warn)."""
         self._decision_handlers.append(handler)
@@ -273,7 +278,8 @@ class Agent:
         return {"status": "ok", "node": self.config.node, "version": trainguard.__version__,
                 "uptime_seconds": round(time.time() - self.started_at, 3),
                 "collectors": {view.name: view.to_dict() for view in views},
-                "unavailable": dict(getattr(loaded, "UNAVAILABLE", {}))}
+                "unavailable": dict(getattr(loaded, "UNAVAILABLE", {})),
+                **{name: source() for name, source in self._health_sources.items()}}
 
     # ----------------------------------------------------------------------------------- exposition
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from trainguard import actions
 from trainguard.alerts import rules
 
-DEFAULT_AGENT = "127.0.0.1:9400"
+DEFAULT_AGENT = "127.0.0.1:9655"
 DEFAULT_TOKEN_FILE = "/etc/trainguard/webhook.token"
 WEBHOOK_PATH = "/api/v1/alerts"
 HUMAN = "human"

@@ -55,7 +55,7 @@ def test_systemd_unit_command_parses_and_the_unit_verifies(tmp_path):
     example = ROOT / "agent" / "configs" / "agent.yaml"
     args = [w.replace("/etc/trainguard/agent.yaml", str(example)) for w in words[2:]]
     config = cli.build_config(parse_agent_args(args), KNOWN)
-    assert config.run_dir == Path("/data/runs/current") and config.listen == "127.0.0.1:9400"
+    assert config.run_dir == Path("/data/runs/current") and config.listen == "127.0.0.1:9655"
     if not shutil.which("systemd-analyze"):
         pytest.skip("systemd-analyze is not installed")
     local = tmp_path / "trainguard-agent.service"

@@ -130,7 +130,7 @@ def test_the_unit_tests_catch_a_changed_threshold(tmp_path):
 def test_alertmanager_routes_actions_to_the_agents_and_everything_to_a_human(tmp_path):
     amtool = require_binary("amtool")
     config = tmp_path / "alertmanager.yml"
-    config.write_text(alertmanager.render(["10.0.0.1:9400", "10.0.0.2:9400"], token_file="/etc/tg/token"))
+    config.write_text(alertmanager.render(["10.0.0.1:9655", "10.0.0.2:9655"], token_file="/etc/tg/token"))
     check = subprocess.run([amtool, "check-config", str(config)], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
 
@@ -140,19 +140,19 @@ def test_alertmanager_routes_actions_to_the_agents_and_everything_to_a_human(tmp
         assert result.returncode == 0, result.stdout + result.stderr
         return sorted(result.stdout.strip().split(","))
 
-    first, second = (alertmanager.receiver_name(a) for a in ("10.0.0.1:9400", "10.0.0.2:9400"))
-    assert receivers("alertname=LossSpike", "action=rollback", "instance=10.0.0.2:9400") == sorted([first, "human"])
+    first, second = (alertmanager.receiver_name(a) for a in ("10.0.0.1:9655", "10.0.0.2:9655"))
+    assert receivers("alertname=LossSpike", "action=rollback", "instance=10.0.0.2:9655") == sorted([first, "human"])
     assert receivers("alertname=CostBudgetStop", "action=cost_stop") == sorted([first, "human"])
-    assert receivers("alertname=TrainingStalled", "action=restore", "instance=10.0.0.2:9400") == sorted(
+    assert receivers("alertname=TrainingStalled", "action=restore", "instance=10.0.0.2:9655") == sorted(
         [second, "human"])
-    assert receivers("alertname=TrainingStalled", "action=restore", "instance=10.0.0.9:9400") == ["human"]
+    assert receivers("alertname=TrainingStalled", "action=restore", "instance=10.0.0.9:9655") == ["human"]
     assert receivers("alertname=GPUOverheating") == ["human"]
 
 
 def test_the_webhook_receivers_carry_the_bearer_token_file():
-    config = alertmanager.config(["127.0.0.1:9400"], token_file="/run/secrets/tg")
+    config = alertmanager.config(["127.0.0.1:9655"], token_file="/run/secrets/tg")
     hook = config["receivers"][1]["webhook_configs"][0]
-    assert hook["url"] == "http://127.0.0.1:9400/api/v1/alerts"
+    assert hook["url"] == "http://127.0.0.1:9655/api/v1/alerts"
     assert hook["http_config"]["authorization"] == {"type": "Bearer", "credentials_file": "/run/secrets/tg"}
     assert hook["send_resolved"] is True
     run_wide = config["route"]["routes"][0]

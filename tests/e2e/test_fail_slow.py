@@ -74,7 +74,7 @@ def test_the_agent_scores_the_slow_rank_and_the_alert_names_rank_and_node(slow_r
     promtool = require_binary("promtool")
     rules.write(tmp_path / "rules")
     worst = min(scores["1"]["value"] for scores in slow)
-    series = [{"series": f'trainguard_rank_straggler_score{{job="trainguard",instance="n1:9400",run_id="run",'
+    series = [{"series": f'trainguard_rank_straggler_score{{job="trainguard",instance="n1:9655",run_id="run",'
                          f'rank="{rank}",node="{host}"}}', "values": " ".join([str(value)] * 6)}
               for rank, value in (("0", 1.0), ("1", worst))]
     test = {"rule_files": [str(tmp_path / "rules" / "training.rules.yml")], "evaluation_interval": "1m",

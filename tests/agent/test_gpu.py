@@ -17,7 +17,7 @@ from trainguard.agent.config import ConfigError
 from trainguard.trainer.control import write_rank_file
 
 H100 = {"UUID": "GPU-1c8e2f0a-6b4d-4f51-9a57-3e0c8d2b7f14", "device": "nvidia0", "gpu": "0",
-        "hostname": "node-a", "model_name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:18:00.0"}
+        "Hostname": "node-a", "model_name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:18:00.0"}
 
 
 class Clock:
@@ -38,7 +38,7 @@ def make(tmp_path: Path, nvml, run_dir: Path | None = None, **options) -> GPUCol
 
 
 def gpu_labels(index: int, uuid: str, bus: str) -> dict:
-    return {"UUID": uuid, "device": f"nvidia{index}", "gpu": str(index), "hostname": "node-a",
+    return {"UUID": uuid, "device": f"nvidia{index}", "gpu": str(index), "Hostname": "node-a",
             "model_name": "NVIDIA H100 80GB HBM3", "pci_bus_id": bus}
 
 
@@ -212,8 +212,8 @@ def test_options_are_checked(tmp_path):
 
 def test_dcgm_label_style_is_dcgm_exporters(tmp_path):
     v = values(make(tmp_path, FakeNVML("h100x8"), labels="dcgm").update().families)
-    labels = {**H100, "Hostname": "node-a", "modelName": H100["model_name"]}
-    del labels["hostname"], labels["model_name"]
+    labels = {**H100, "modelName": H100["model_name"]}
+    del labels["model_name"]
     assert series("DCGM_FI_DEV_GPU_UTIL", **labels) in v
 
 

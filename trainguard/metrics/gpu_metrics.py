@@ -99,8 +99,9 @@ THROTTLE_REASONS = (
 )
 
 LABEL_STYLES = {
-    # dcgm-exporter's GPU labels, but snake_case model/host names so `promtool check metrics` passes
-    "trainguard": ("gpu", "UUID", "pci_bus_id", "device", "model_name", "hostname"),
+    # dcgm-exporter's GPU labels (Hostname as it spells it, so one dashboard serves both), but a snake_case
+    # model name: `promtool check metrics` rejects camelCase label names (modelName), not Hostname
+    "trainguard": ("gpu", "UUID", "pci_bus_id", "device", "model_name", "Hostname"),
     # exactly dcgm-exporter's GPU template, for dashboards that group by modelName or Hostname
     "dcgm": ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname"),
 }

@@ -25,6 +25,8 @@ from trainguard import log as tglog
 from trainguard import policy as policy_mod
 from trainguard import rundir
 from trainguard.agent import actions_embedded, procfs
+from trainguard.agent import coexist as coexist_mod
+from trainguard.agent.coexist import Coexistence
 from trainguard.agent.config import AgentConfig, ConfigError
 from trainguard.agent.culprit import Investigator
 from trainguard.agent.discovery import Discovery
@@ -59,6 +61,7 @@ class App:
     actions: Actions | None = None
     log: object = field(default=None, repr=False)
     discovery: Discovery | None = None       # --runs-root: the run followed changes as runs come and go
+    coexist: Coexistence | None = None       # peer exporters whose families /metrics leaves out
 
     def run(self, stop: threading.Event | None = None) -> int:
         """Serve until SIGTERM/SIGINT (or `stop` is set); returns the exit status."""
@@ -73,6 +76,8 @@ class App:
         next_look = time.monotonic()
         while not stop.wait(self.agent.check_interval):
             self.agent.check()   # logs a collector that has just hung
+            if self.coexist is not None:
+                self.coexist.refresh()
             if self.discovery is not None and time.monotonic() >= next_look:
                 next_look = time.monotonic() + self.config.discovery.interval
                 self.follow(self.discovery.poll())
@@ -92,7 +97,7 @@ class App:
         self._stop_run_parts()
         self.server.remove_route("POST", PATH)
         self.config = replace(self.config, run_dir=run_dir)
-        self.agent = build_agent(self.config, self.discovery)
+        self.agent = build_agent(self.config, self.discovery, self.coexist)
         self.server.agent = self.agent
         self.nodelog = build_nodelog(self.config, self.agent)
         try:
@@ -117,7 +122,9 @@ def build(config: AgentConfig) -> App:
     if config.runs_root is not None:
         discovery = Discovery(config.runs_root, config.node, end_grace_seconds=config.discovery.end_grace_seconds)
         config = replace(config, run_dir=discovery.poll())
-    agent = build_agent(config, discovery)
+    coexist = Coexistence(config.coexist, coexist_mod.peers(dict(config.coexist_addresses)))
+    coexist.refresh()          # before the first scrape: a peer found now is never exported twice
+    agent = build_agent(config, discovery, coexist)
     host, port = config.listen_address
     try:
         server = AgentServer(agent, host, port, max_body_bytes=config.http.max_body_bytes,
@@ -128,15 +135,19 @@ def build(config: AgentConfig) -> App:
     try:
         return App(config, agent, server, nodelog=build_nodelog(config, agent),
                    actions=build_actions(config, agent, server), log=tglog.get("agent", node=config.node),
-                   discovery=discovery)
+                   discovery=discovery, coexist=coexist)
     except BaseException:
         server.stop()
         raise
 
 
-def build_agent(config: AgentConfig, discovery: Discovery | None = None) -> Agent:
+def build_agent(config: AgentConfig, discovery: Discovery | None = None,
+                coexist: Coexistence | None = None) -> Agent:
     """The collectors of `config`'s run, and what /metrics and /healthz say about its ranks and discovery."""
-    agent = Agent(config)
+    agent = Agent(config, coexist=coexist)
+    if coexist is not None:
+        agent.add_metrics_source(coexist.families)
+        agent.add_health_source("coexist", coexist.status)
     if config.run_dir is not None:
         build_pod_ranks(config, agent)
     if discovery is not None:

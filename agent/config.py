@@ -17,6 +17,7 @@
     runs_root: /data/runs        # instead of run_dir: follow the runs of this node as they come (agent/discovery.py)
     discovery: {interval: 10, end_grace_seconds: 120}
     coexist: auto                # auto | off | on: leave out what dcgm-exporter and node_exporter export here
+    # or: coexist: {mode: auto, dcgm_exporter: 127.0.0.1:9400, node_exporter: 127.0.0.1:9100}  (agent/coexist.py)
 
 An unknown key or a value of the wrong type is an error naming the file and the key.
 """
@@ -87,6 +88,7 @@ class AgentConfig:
     runs_root: Path | None = None
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     coexist: str = "auto"
+    coexist_addresses: Mapping[str, str] = field(default_factory=dict)   # dcgm_exporter, node_exporter: HOST:PORT
 
     @property
     def listen_address(self) -> tuple[str, int]:
@@ -251,7 +253,15 @@ def from_mapping(values: Mapping, known_collectors: set[str] | None = None) -> A
         if values.get(key) is not None:
             changes[key] = _path(values[key], key)
     changes["discovery"] = _discovery(_mapping(values.get("discovery"), "discovery"))
-    if "coexist" in values:
+    if isinstance(values.get("coexist"), Mapping):
+        section = values["coexist"]
+        _check_keys(section, ("mode", "dcgm_exporter", "node_exporter"), "coexist")
+        changes["coexist"] = _coexist(section.get("mode", "auto"), "coexist.mode")
+        for key in ("dcgm_exporter", "node_exporter"):
+            if key in section:
+                parse_listen(section[key], f"coexist.{key}")
+        changes["coexist_addresses"] = {k: section[k] for k in ("dcgm_exporter", "node_exporter") if k in section}
+    elif "coexist" in values:
         changes["coexist"] = _coexist(values["coexist"], "coexist")
     if "node" in values:
         if not isinstance(values["node"], str) or not values["node"]:

@@ -22,6 +22,7 @@ from prometheus_client.process_collector import ProcessCollector
 import trainguard
 from trainguard import log as tglog
 from trainguard.agent.collector import REGISTRY, Collector, CollectorDisabled, Context, Sample
+from trainguard.agent.coexist import Coexistence
 from trainguard.agent.config import AgentConfig
 from trainguard.metrics.families import Labels, Spec
 from trainguard.agent.stop_signal import StopSignal
@@ -184,8 +185,10 @@ class CollectorRunner:
 class Agent:
     """The enabled collectors, their runners, and the private registry /metrics serves."""
 
-    def __init__(self, config: AgentConfig, registry: Mapping[str, type[Collector]] | None = None):
+    def __init__(self, config: AgentConfig, registry: Mapping[str, type[Collector]] | None = None,
+                 coexist: Coexistence | None = None):
         self.config = config
+        self.coexist = coexist or Coexistence("off")      # the families a peer exporter serves are left out
         self.started_at = time.time()
         self._log = tglog.get("agent", node=config.node)
         self._sources: list[Callable[[], Iterable[Metric]]] = []
@@ -288,6 +291,8 @@ class Agent:
         views = self.check()
         seen: set[str] = set()
         for origin, family in self._all_families(views):
+            if self.coexist.left_out_family(family):
+                continue
             if family.name in seen:
                 if family.name not in self._duplicates_logged:
                     self._duplicates_logged.add(family.name)

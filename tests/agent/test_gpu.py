@@ -105,7 +105,7 @@ def test_throttle_reasons_decoded_per_reason(tmp_path):
     gpu5 = gpu_labels(5, "GPU-7b2d9f4e-5c18-4a6e-8f3b-d41e6c0a9f69", "00000000:AB:00.0")
     nvml.advance(2)
     v = values(collector.update().families)
-    assert v[series("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", **gpu5)] == 0x4 | 0x20
+    assert v[series("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", **gpu5)] == 0x4 | 0x20
     active = {reason for (name, labels), value in v.items()
               if name == "trainguard_gpu_clock_throttle_active" and value == 1 and dict(labels)["gpu"] == "5"
               for reason in [dict(labels)["reason"]]}

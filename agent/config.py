@@ -229,6 +229,8 @@ def _discovery(values: Mapping) -> DiscoveryConfig:
 
 
 def _coexist(value: Any, where: str) -> str:
+    if isinstance(value, bool):      # YAML 1.1 reads an unquoted on/off as a boolean
+        return "on" if value else "off"
     if value not in COEXIST:
         raise ConfigError(f"{where}: expected one of {', '.join(COEXIST)}, got {value!r}")
     return value

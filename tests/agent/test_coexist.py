@@ -97,6 +97,7 @@ def test_on_leaves_out_every_dcgm_and_node_family_off_none():
 
 def test_the_config_takes_a_mode_or_a_mapping_with_addresses():
     assert from_mapping({"coexist": "on"}).coexist == "on"
+    assert from_mapping(yaml.safe_load("coexist: on")).coexist == "on"       # YAML 1.1 reads a boolean
     config = from_mapping({"coexist": {"mode": "auto", "node_exporter": "10.0.0.5:9100"}})
     assert config.coexist == "auto" and config.coexist_addresses == {"node_exporter": "10.0.0.5:9100"}
     for bad, key in (("sometimes", "coexist"), ({"mode": "auto", "dcgm": "x:1"}, "coexist.dcgm"),

@@ -232,3 +232,54 @@ def test_a_host_another_agent_claimed_or_a_node_with_a_log_is_no_unplaced_rank(t
     matcher = procfs.PidNamespaces(run, NODE, procfs=proc, grace_seconds=0)
     assert rundir.RankFiles(run, {NODE}, adopt=matcher.adopt).read() == []
     assert matcher.unplaced() == {"ghost": 1}
+
+
+@needs_namespaces
+def test_the_daemonsets_agent_follows_a_job_whose_ranks_live_in_a_pod(tmp_path, pods):
+    """The DaemonSet's own config and arguments (deploy/kubernetes/daemonset.yaml, with this machine's /proc
+    and /sys for /host/...), a runs root with one job whose rank is in a pod: the agent follows that job and
+    maps the pod's rank to its node, on /healthz and /metrics."""
+    import urllib.request
+
+    import yaml
+
+    from tests.servers import free_port, wait_for
+
+    documents = {d["kind"]: d for d in yaml.safe_load_all((Path(ROOT) / "deploy" / "kubernetes" /
+                                                            "daemonset.yaml").read_text())}
+    config_text = documents["ConfigMap"]["data"]["agent.yaml"].replace("/host/", "/")
+    config_text = config_text.replace("0.0.0.0:9655", f"127.0.0.1:{free_port()}")
+    (tmp_path / "agent.yaml").write_text(config_text)
+    port = yaml.safe_load(config_text)["listen"].rsplit(":", 1)[1]
+    args = [a.replace("/etc/trainguard/agent.yaml", str(tmp_path / "agent.yaml"))
+             .replace("/data/runs", str(tmp_path / "runs")).replace("$(NODE_NAME)", NODE)
+            for a in documents["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]["args"]]
+    run = tmp_path / "runs" / "job-7"
+    run.mkdir(parents=True)
+    (tmp_path / "token").write_text("t" * 32)
+    os.chmod(tmp_path / "token", 0o600)
+    config_text = (tmp_path / "agent.yaml").read_text().replace("/var/run/trainguard/token/token", str(tmp_path / "token"))
+    (tmp_path / "agent.yaml").write_text(config_text)
+    code = ("import sys, time; from trainguard.trainer.control import write_rank_file; "
+            "write_rank_file(sys.argv[1], 0); time.sleep(300)")
+    pods("pod-job-7", [sys.executable, "-c", code, str(run)])
+    wait_for(lambda: rundir.rank_file(run, 0).exists(), timeout=60, message="the pod's rank registered")
+    agent = subprocess.Popen([str(Path(sys.executable).with_name("trainguard")), *args],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        def health():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+                    return json.loads(response.read())
+            except OSError:
+                return None
+        wait_for(lambda: (health() or {}).get("ranks", {}).get("pod_hosts") == ["pod-job-7"], timeout=90,
+                 message="the agent following job-7 and mapping its pod's rank")
+        assert health()["discovery"]["following"] == str(run)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            metrics = response.read().decode()
+        assert "trainguard_discovery_following_run 1.0" in metrics and "trainguard_ranks_pod_hosts 1.0" in metrics
+        assert "trainguard_ranks_unplaced 0.0" in metrics
+    finally:
+        agent.terminate()
+        agent.wait(30)

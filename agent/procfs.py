@@ -328,6 +328,8 @@ def read_ppid(procfs: Path | str, pid: int) -> int | None:
 
 TICKS = os.sysconf("SC_CLK_TCK")
 MAX_UNPLACED = 64          # host names followed for the "ranks of no known node" warning; more are counted
+MIN_REBUILD_SECONDS = 1.0  # between two walks of /proc for the PID-namespace index
+MAX_CLOCK_SKEW_SECONDS = 5.0
 
 
 def boot_time(procfs: Path | str) -> float:
@@ -354,8 +356,8 @@ class PidNamespaces:
     environment (HOSTNAME, which the kubelet sets); failing that the rank is kept with `ns_candidates`
     > 1 and `prove_rank` refuses it: never a guess before a signal.
 
-    What is kept is this node's: the index of its processes in nested namespaces (rebuilt when a
-    registration is newer than it), the pod host names it claimed, and at most MAX_UNPLACED host names of
+    What is kept is this node's: the index of its processes in nested namespaces (rebuilt, at most once a
+    second, when a registration names a process that started after it was built), the pod host names it claimed, and at most MAX_UNPLACED host names of
     registrations nobody has claimed yet. A pod host name matched here is claimed in RUN/agent/hosts/
     (`rundir.host_claim`), so that every agent can tell a rank of another node from a rank of no known node:
     a registration whose host is no node's (no node log, no claim) `grace_seconds` after it started is
@@ -383,7 +385,10 @@ class PidNamespaces:
             return None
         with self._lock:
             matches = self._matches(info)
-            if not matches and (self._built_at < info.started_at + 1.0 or time.time() - self._built_at > 30):
+            if not matches and self._may_be_missing(info.create_time):
+                wait = self._built_at + MIN_REBUILD_SECONDS - time.time()
+                if wait > 0:
+                    time.sleep(wait)         # at most one /proc walk a second, however many registrations
                 self._build()
                 matches = self._matches(info)
             if not matches:
@@ -399,6 +404,13 @@ class PidNamespaces:
         return replace(info, pid=pid, host=self.node, ns_pid=info.pid, ns_host=info.host,
                        ns_candidates=len(matches),
                        launcher_pid=launcher if info.launcher_pid is not None else None)
+
+    def _may_be_missing(self, create_time: float) -> bool:
+        """The index may lack a process started at `create_time`: it started after the index was built
+        (less a second: the tick and the clocks' rounding), and not in the future past MAX_CLOCK_SKEW (a
+        skewed node's or a forged registration would make every read walk /proc again). A process
+        started before the index was built is in it, or is not on this node: that miss is an answer."""
+        return self._built_at - 1.0 < create_time <= time.time() + MAX_CLOCK_SKEW_SECONDS
 
     def _matches(self, info: rundir.RankInfo) -> list[int]:
         ticks = (info.create_time - self._boot) * TICKS if self._index else 0

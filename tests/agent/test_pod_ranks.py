@@ -283,3 +283,22 @@ def test_the_daemonsets_agent_follows_a_job_whose_ranks_live_in_a_pod(tmp_path, 
     finally:
         agent.terminate()
         agent.wait(30)
+
+
+def test_a_burst_of_other_nodes_registrations_walks_proc_once_and_a_future_one_never(tmp_path, monkeypatch):
+    """Bounded work at scale: 500 registrations of other nodes' ranks, started before the agent looked,
+    cost one walk of /proc; one claiming a start in the future (a skewed clock, a forgery) costs none."""
+    run = tmp_path / "run"
+    proc = fake_proc(tmp_path / "proc", {})
+    now = time.time()
+    for rank in range(500):
+        registration(run, rank=rank, host=f"gpu-{rank // 8}", create_time=now - 60, started_at=now - 59)
+    matcher = procfs.PidNamespaces(run, NODE, procfs=proc)
+    walks = []
+    build = matcher._build
+    monkeypatch.setattr(matcher, "_build", lambda: (walks.append(1), build()))
+    assert rundir.RankFiles(run, {NODE}, adopt=matcher.adopt).read() == []
+    assert len(walks) == 1
+    registration(run, rank=500, host="forged", create_time=now + 3600, started_at=now)
+    assert rundir.RankFiles(run, {NODE}, adopt=matcher.adopt).read() == []
+    assert len(walks) == 1

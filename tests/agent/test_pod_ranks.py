@@ -260,8 +260,11 @@ def test_the_daemonsets_agent_follows_a_job_whose_ranks_live_in_a_pod(tmp_path, 
     os.chmod(tmp_path / "token", 0o600)
     config_text = (tmp_path / "agent.yaml").read_text().replace("/var/run/trainguard/token/token", str(tmp_path / "token"))
     (tmp_path / "agent.yaml").write_text(config_text)
-    code = ("import sys, time; from trainguard.trainer.control import write_rank_file; "
-            "write_rank_file(sys.argv[1], 0); time.sleep(300)")
+    code = ("import json, os, socket, sys, time; from trainguard.trainer.control import write_rank_file; "
+            "write_rank_file(sys.argv[1], 0); os.makedirs(sys.argv[1] + '/tls', exist_ok=True); "
+            "open(sys.argv[1] + '/tls/rank-0.jsonl', 'a').write(json.dumps({'schema': 'tls/1', 'timestamp': "
+            "time.time(), 'node': socket.gethostname(), 'rank': 0, 'step': 5, 'metrics': {'loss': 1.5}}) + '\\n'); "
+            "time.sleep(300)")
     pods("pod-job-7", [sys.executable, "-c", code, str(run)])
     wait_for(lambda: rundir.rank_file(run, 0).exists(), timeout=60, message="the pod's rank registered")
     agent = subprocess.Popen([str(Path(sys.executable).with_name("trainguard")), *args],
@@ -280,6 +283,10 @@ def test_the_daemonsets_agent_follows_a_job_whose_ranks_live_in_a_pod(tmp_path, 
             metrics = response.read().decode()
         assert "trainguard_discovery_following_run 1.0" in metrics and "trainguard_ranks_pod_hosts 1.0" in metrics
         assert "trainguard_ranks_unplaced 0.0" in metrics
+        # the pod's rank log (its records name the pod) is this node's: the training collector follows it
+        wait_for(lambda: 'trainguard_training_step{rank="0"' in urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode().replace('run_id="job-7",', ""),
+            timeout=60, message="the pod's steps on /metrics")
     finally:
         agent.terminate()
         agent.wait(30)

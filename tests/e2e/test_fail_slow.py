@@ -92,7 +92,7 @@ def test_the_agent_scores_the_slow_rank_and_the_alert_names_rank_and_node(slow_r
 def _annotations(host: str, score: float) -> dict:
     [rule] = [a for a in rules.alerts() if a.name == "TrainingStraggler"]
     rendered = rule.to_dict()["annotations"]
-    return {**rendered, "summary": f"Rank 1 on {host} is a straggler: {score:.2f} of the fastest rank's speed"}
+    return {**rendered, "summary": f"Rank 1 of run run on {host} is a straggler: {score:.2f} of the fastest rank's speed"}
 
 
 def test_nothing_is_evicted_by_default(slow_run):

@@ -41,10 +41,11 @@ class Pod:
     and, in its own mount namespace, an /etc/hosts that resolves that name (a pod's, as the kubelet writes it:
     torchrun's rendezvous connects to its own host name)."""
 
-    def __init__(self, host: str, command: list[str], scratch: Path):
+    def __init__(self, host: str, command: list[str], scratch: Path, mounts: dict | None = None):
         hosts = scratch / f"hosts-{host}"
         hosts.write_text(f"127.0.0.1 localhost\n127.0.1.1 {host}\n")
-        script = f"hostname {host} && mount --bind {hosts} /etc/hosts && exec \"$@\""
+        binds = "".join(f" && mount --bind {source} {target}" for source, target in (mounts or {}).items())
+        script = f"hostname {host} && mount --bind {hosts} /etc/hosts{binds} && exec \"$@\""
         self.process = subprocess.Popen(
             ["unshare", "--pid", "--fork", "--mount-proc", "--uts", "sh", "-c", script, "sh", *command],
             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -62,8 +63,8 @@ class Pod:
 def pods(tmp_path):
     started: list[Pod] = []
 
-    def start(host, command):
-        started.append(Pod(host, command, tmp_path))
+    def start(host, command, mounts=None):
+        started.append(Pod(host, command, tmp_path, mounts))
         return started[-1]
     yield start
     for pod in started:
@@ -130,6 +131,27 @@ def test_a_rank_in_a_pod_is_this_nodes_proven_and_ended_exactly(tmp_path, pods):
     finally:
         bystander.kill()
         bystander.wait()
+
+
+@needs_namespaces
+def test_a_pod_that_mounts_the_run_directory_elsewhere_still_proves_its_rank(tmp_path, pods):
+    """The pod names its run directory where its pod mounts it (/…/pod-view, empty on the node); the agent
+    compares it through the rank's own root (/proc/<pid>/root), by inode, with the run it follows."""
+    run, view = tmp_path / "run", tmp_path / "pod-view"
+    run.mkdir()
+    view.mkdir()
+    pods("pod-m", [*TORCHRUN, "--standalone", "--nproc-per-node=1", "--max-restarts=1", "--monitor-interval=0.5",
+                   STANDIN, "--run-dir", str(view)], mounts={run: view})
+    wait_for(rundir.rank_file(run, 0))
+    assert not any(view.iterdir())                      # on the node, the pod's path is an empty directory
+    [info] = rundir.RankFiles(run, {NODE}, adopt=procfs.PidNamespaces(run, NODE).adopt).read()
+    proof = restore.prove_rank(info, restore.Trust.for_run(run, entry_points=(STANDIN,)))
+    assert proof.process.pid == info.pid
+    with pytest.raises(restore.Refused) as refusal:     # another run directory is still another run
+        other = tmp_path / "other"
+        other.mkdir()
+        restore.prove_rank(info, restore.Trust.for_run(other, entry_points=(STANDIN,)))
+    assert refusal.value.reason == "other_run"
 
 
 @needs_namespaces

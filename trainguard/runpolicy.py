@@ -58,8 +58,9 @@ def write(run_dir: str | os.PathLike, policy: policy_mod.Policy, key: bytes, *, 
 def choose(run_dir: str | os.PathLike | None, given: str | os.PathLike | None, key: bytes | None,
            key_where: str = "") -> Choice:
     """`given` (the reader's own config or flag) when there is one; else the run's signed policy when it
-    checks with `key`; else the defaults, saying why. PolicyError for a given or signed policy that is not
-    a valid policy."""
+    checks with `key`; else the defaults, saying why. PolicyError for a given policy that is not a valid
+    policy (the run's, signed but invalid, is named in the why and not used: a run followed never stops
+    the agent)."""
     if given is not None:
         return Choice(policy_mod.load(given), Path(given), "given")
     if run_dir is None:
@@ -80,10 +81,9 @@ def choose(run_dir: str | os.PathLike | None, given: str | os.PathLike | None, k
     import yaml   # safe to parse now: these bytes are the ones a key holder signed
 
     try:
-        parsed = yaml.safe_load(data.decode("utf-8"))
-    except (UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise policy_mod.PolicyError(f"{path}: signed, but not a valid policy file: {exc}") from None
-    policy = policy_mod.from_mapping(parsed, str(path))
+        policy = policy_mod.from_mapping(yaml.safe_load(data.decode("utf-8")), str(path))
+    except (UnicodeDecodeError, yaml.YAMLError, policy_mod.PolicyError) as exc:
+        return Choice(policy_mod.Policy(), None, f"{path} not used: signed, but not a valid policy: {exc}")
     return Choice(policy, path, f"the run's policy, signed by {record.get('by')} (key {record.get(signed.KEY_ID)})")
 
 

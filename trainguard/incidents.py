@@ -257,6 +257,10 @@ def validate(data: Any, where: str) -> dict:
         rank = culprit.get("rank")
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
             raise IncidentError(f"{where}: field 'culprit.rank' must be a rank number or null")
+        listed = culprit.get("ranks")
+        if listed is not None and (not isinstance(listed, list) or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in listed)):
+            raise IncidentError(f"{where}: field 'culprit.ranks' must be a list of rank numbers")
         if culprit.get("node") is not None and not isinstance(culprit["node"], str):
             raise IncidentError(f"{where}: field 'culprit.node' must be a host name or null")
     if not all(isinstance(reason, str) for reason in data["reasons"]):

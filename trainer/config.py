@@ -20,10 +20,12 @@ from typing import Any
 
 import yaml
 
+from trainguard.exits import BadInput
+
 PRESETS_DIR = Path(__file__).with_name("configs")
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput):
     pass
 
 

@@ -3,7 +3,7 @@
     0   success: the command did what was asked and found nothing wrong
     1   an answer that means "found something", as each command documents it (`replay --expect`: a
         mismatch; `checkpoint verify`: a checkpoint failed; `convert`: unmapped entries; `incidents
-        replay`: a verdict differs; `preflight`: a check failed; `diagnose`: a problem found)
+        replay`: a verdict differs; `preflight`: a check failed; `goodput`: malformed lines)
     2   bad input or usage: a message on stderr naming the file, line or field; never a traceback
     70  a crash: an exception the command did not expect (EX_SOFTWARE in BSD's sysexits.h). One line on
         stderr; the traceback only with TRAINGUARD_DEBUG=1 in the environment

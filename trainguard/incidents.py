@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from trainguard import rundir
+from trainguard.exits import BadInput
 
 KINDS = ("hang", "slow", "crash", "sdc")
 MAX_FILE_BYTES = 4 * 2**20
@@ -58,7 +59,7 @@ _EVIDENCE = re.compile(r"^(rank-\d+\.(stack\.txt|fr\.json)|node-[A-Za-z0-9._-]{1
 TRUNCATED = b"\n... [trainguard: cut at %d bytes]\n"
 
 
-class IncidentError(ValueError):
+class IncidentError(BadInput):
     """An incident directory or file that does not match the layout; the message names file and field."""
 
 

@@ -59,9 +59,9 @@ def safe_streams() -> Iterator[None]:
     """stdout and stderr escaped for the block (nested entries wrap once); put back afterwards."""
     saved = sys.stdout, sys.stderr
     if not isinstance(sys.stdout, SafeStream):
-        sys.stdout = SafeStream(sys.stdout)  # type: ignore[assignment]
+        sys.stdout = SafeStream(sys.stdout)
     if not isinstance(sys.stderr, SafeStream):
-        sys.stderr = SafeStream(sys.stderr)  # type: ignore[assignment]
+        sys.stderr = SafeStream(sys.stderr)
     try:
         yield
     finally:

@@ -26,6 +26,8 @@ from typing import IO, Any, Callable, Iterable, Iterator, cast
 
 import msgspec
 
+from trainguard.exits import BadInput
+
 SCHEMA_ID = "tls/1"
 SCHEMA_PATH = Path(__file__).with_name("schema") / "tls-v1.schema.json"
 
@@ -63,7 +65,7 @@ def _quantity() -> re.Pattern[str]:
     return re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([A-Za-zµ%]*)(/s)?\s*$")
 
 
-class TLSError(ValueError):
+class TLSError(BadInput):
     """A record that cannot be read. ``str()`` names source, line and field when known."""
 
     def __init__(self, message: str, source: str | None = None, line: int | None = None,

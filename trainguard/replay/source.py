@@ -35,6 +35,7 @@ import msgspec
 import zstandard
 
 from trainguard import formats, tls
+from trainguard.exits import BadInput
 from trainguard.formats import discover
 
 BLOCK_BYTES = 1 << 16          # one block of lines per decode call: ~300 trainer records
@@ -167,7 +168,7 @@ class Problems:
 
 # ------------------------------------------------------------------------------------------- inputs
 
-class InputError(ValueError):
+class InputError(BadInput):
     pass
 
 

@@ -54,6 +54,19 @@ class SafeStream:
         return getattr(self._stream, name)
 
 
+def unwrapped(stream: Any) -> Any:
+    """The stream under a `SafeStream`, for the two writers of their own control sequences: the trainer's
+    progress bar (a carriage return; it prints numbers only) and the log's console renderer (colours; its
+    string values go through `escape_values` first)."""
+    return stream._stream if isinstance(stream, SafeStream) else stream
+
+
+def escape_values(logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """A structlog processor: every string value escaped (nested values are rendered with repr(), which
+    escapes non-printable characters itself)."""
+    return {key: escape(value) if isinstance(value, str) else value for key, value in event_dict.items()}
+
+
 @contextlib.contextmanager
 def safe_streams() -> Iterator[None]:
     """stdout and stderr escaped for the block (nested entries wrap once); put back afterwards."""

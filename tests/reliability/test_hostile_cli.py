@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -248,3 +249,30 @@ def test_status_json_is_valid_json_with_a_nan_loss(tmp_path, capsys):
     code, out, _ = cli(capsys, "status", str(tmp_path), "--json")
     data = json.loads(out, parse_constant=lambda name: pytest.fail(f"bare {name} in status --json"))
     assert code == 0 and data["metrics"]["loss"] == "Infinity"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_and_log_colours_still_reach_a_terminal_and_logged_values_are_escaped(monkeypatch):
+    from trainguard import log
+    from trainguard.trainer.progress import Progress
+
+    screen = _Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    monkeypatch.delenv("TRAINGUARD_LOG_JSON", raising=False)
+    try:
+        with terminal.safe_streams():
+            log.configure()
+            log.get("test").warning("alert", alertname="LossNaN" + CLEAR)
+            bar = Progress(total=10, log_every=1, log=None)
+            bar.update(10, 1.0, 1e-3, 1000.0)
+            bar.close()
+    finally:
+        log.configure(json=True, stream=sys.__stderr__)
+    text = screen.getvalue()
+    assert "\r[" in text and "step 10/10" in text              # the bar's own carriage return
+    assert "\x1b[" in text                                     # the renderer's own colours
+    assert "LossNaN\\u001b[2J" in text and "\x1b[2J" not in text and "\x1bc" not in text

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
-from typing import Any, Iterator, TextIO
+from typing import Any, Iterator, Mapping, MutableMapping, TextIO
 
 # C0 controls but tab and newline (ESC, CR, BEL, backspace, ...), DEL, the C1 controls (0x80-0x9f:
 # a single U+009B is a CSI on many terminals), the bidirectional marks, embeddings, overrides and isolates,
@@ -61,7 +61,7 @@ def unwrapped(stream: Any) -> Any:
     return stream._stream if isinstance(stream, SafeStream) else stream
 
 
-def escape_values(logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+def escape_values(logger: Any, method: str, event_dict: MutableMapping[str, Any]) -> Mapping[str, Any]:
     """A structlog processor: every string value escaped (nested values are rendered with repr(), which
     escapes non-printable characters itself)."""
     return {key: escape(value) if isinstance(value, str) else value for key, value in event_dict.items()}

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from trainguard import rundir
+from trainguard.exits import int_at_least
 from trainguard.trainer import config as cfg
 from trainguard.trainer.faults import FaultError, parse as parse_fault
 
@@ -77,9 +78,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
-    parser.add_argument("--nproc", type=_at_least(1), default=1, metavar="K",
+    parser.add_argument("--nproc", type=int_at_least(1), default=1, metavar="K",
                         help="local ranks, launched through torch's elastic launcher (gloo on CPU, nccl on GPU)")
-    parser.add_argument("--max-restarts", type=_at_least(0), default=None, metavar="R",
+    parser.add_argument("--max-restarts", type=int_at_least(0), default=None, metavar="R",
                         help="restarts of failed or killed workers by the elastic launcher (default with --nproc "
                              "over 1: the policy's alerts.max_restores_per_hour, room for the agent's restores; "
                              "else 0)")
@@ -87,20 +88,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the run directory holds checkpoints signed with another key: set them aside "
                              "under checkpoints/invalid/ and train from scratch (without it, training refuses)")
     add_node_arguments(parser)
-
-
-def _at_least(low: int):
-    """An argparse type: an integer of at least `low` (argparse names the flag and exits 2 otherwise)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
-        return value
-    parse.__name__ = "integer"
-    return parse
 
 
 def _faults_outside_the_world(config: cfg.TrainConfig, nproc: int, nodes) -> str | None:

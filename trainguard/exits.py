@@ -20,6 +20,7 @@ none uses 70.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import sys
@@ -38,6 +39,21 @@ DEBUG_ENV = "TRAINGUARD_DEBUG"
 class BadInput(ValueError):
     """Input refused, with a message that names the file, line or field: exit status 2 wherever it is
     raised under a command. The readers' own errors (TLSError, PolicyError, ...) derive from it."""
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `low`; below it argparse names the flag and exits 2
+    (`--nproc 0` trained anyway; `status --tail-kib 0` read nothing, doubled, forever)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    parse.__name__ = "integer"
+    return parse
 
 
 def command_name(argv: Sequence[str]) -> str:

@@ -276,3 +276,22 @@ def test_the_progress_bar_and_log_colours_still_reach_a_terminal_and_logged_valu
     assert "\r[" in text and "step 10/10" in text              # the bar's own carriage return
     assert "\x1b[" in text                                     # the renderer's own colours
     assert "LossNaN\\u001b[2J" in text and "\x1b[2J" not in text and "\x1bc" not in text
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--tail-kib", "0"], "argument --tail-kib: must be at least 1, got 0"),     # before: read 0 bytes, forever
+    (["--tail-kib", "-5"], "argument --tail-kib: must be at least 1, got -5"),   # before: OSError traceback
+    (["--events", "-1"], "argument --events: must be at least 0, got -1"),
+])
+def test_status_refuses_window_sizes_that_cannot_work(tmp_path, capsys, flags, named):
+    hostile_run(tmp_path)
+    code, _, err = cli(capsys, "status", str(tmp_path), *flags)
+    assert code == 2 and named in err
+
+
+def test_report_into_a_directory_is_refused_and_leaves_nothing(tmp_path, capsys):
+    hostile_run(tmp_path / "run")
+    (tmp_path / "out").mkdir()
+    code, _, err = cli(capsys, "report", str(tmp_path / "run"), "-o", str(tmp_path / "out"))
+    assert code == 2 and "is a directory" in err
+    assert list((tmp_path / "out").iterdir()) == [] and not list(tmp_path.glob(".*.tmp"))

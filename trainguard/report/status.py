@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainguard import paths, rundir
+from trainguard.exits import int_at_least
 from trainguard.report.charts import event_detail, format_elapsed, format_value
 from trainguard.report.files import log_files, read_checkpoints
 from trainguard.tls import TLSError, decode
@@ -252,8 +253,9 @@ def finite_json(value):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
-    parser.add_argument("--events", type=int, default=8, metavar="N", help="recent events to show (default 8)")
-    parser.add_argument("--tail-kib", type=int, default=TAIL_KIB, metavar="KIB",
+    parser.add_argument("--events", type=int_at_least(0), default=8, metavar="N",
+                        help="recent events to show (default 8)")
+    parser.add_argument("--tail-kib", type=int_at_least(1), default=TAIL_KIB, metavar="KIB",
                         help=f"how much of each log's end to read (default {TAIL_KIB})")
     parser.add_argument("--json", action="store_true", help="print the status as JSON")
 

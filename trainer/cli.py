@@ -10,6 +10,7 @@ checked, and written to ``RUN/config.yaml``; every rank then reads that one file
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 from pathlib import Path
@@ -158,6 +159,9 @@ def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
         except FaultError as exc:
             raise cfg.ConfigError(str(exc)) from None
     _absolute_paths(config)
+    if config.data.path and not os.path.isdir(config.data.path) and not glob.glob(config.data.path):
+        # looked at here, before any rank starts (each would fail alone, as a crash, after the launch)
+        raise cfg.ConfigError(f"data.path: {config.data.path!r} matches no directory or .bin files")
     if config.run.key_file and Path(config.run.key_file).expanduser().exists():
         _regular_file(Path(config.run.key_file).expanduser(), "checkpoint key file")  # a missing one is created
     if config.run.policy:

@@ -195,6 +195,7 @@ def test_incidents_escape_verdict_text(tmp_path, capsys):
     (["--set", "model.n_layer=-1"], "model.n_layer: must be at least 1"),
     (["--nproc", "2", "--inject", "slowrank@3:2"], "rank 2 is outside the job's world of 2 rank(s)"),
     (["--inject", "hang@3:1"], "rank 1 is outside the job's world of 1 rank(s)"),
+    (["--data", "/nonexistent/shards/*.bin"], "matches no directory or .bin files"),   # before: a crash in the rank
 ])
 def test_train_refuses_arguments_that_cannot_work_before_writing_anything(tmp_path, capsys, flags, named):
     run = tmp_path / "run"

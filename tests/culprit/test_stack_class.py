@@ -104,3 +104,21 @@ def test_the_rank_in_its_hook_is_named_not_the_network():
     assert verdict.confidence == culprit.STACKS_ONLY
     assert not any("all ranks in the same collective" in reason for reason in verdict.reasons)
     assert "rank 1 (n2) stacks: elsewhere" in verdict.reasons
+
+
+def test_local_variables_printed_under_a_frame_are_not_frames():
+    """`py-spy dump --locals` prints each frame's arguments and locals, indented, below it."""
+    with_locals = HEADER.format(pid=4247) + '''Thread 4247 (idle): "MainThread"
+    Event.wait (threading.py:629)
+        Arguments:
+            self: <threading.Event at 0x7f3a2c1b2d10>
+            timeout: None
+    main.<locals>.log_activation_stats (train_hf.py:43)
+        Arguments:
+            module: <GPT2Block at 0x7f3a2c1b2e00>
+    DistributedDataParallel.forward (torch/nn/parallel/distributed.py:1694)
+'''
+    assert culprit.stack_class(with_locals) == culprit.ELSEWHERE
+    waiting = with_locals.replace("main.<locals>.log_activation_stats (train_hf.py:43)",
+                                  "barrier (torch/distributed/distributed_c10d.py:4620)")
+    assert culprit.stack_class(waiting) == culprit.IN_COLLECTIVE

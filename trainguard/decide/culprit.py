@@ -40,6 +40,8 @@ PLUMBING_FRAME = re.compile(r"\((?:<frozen [^>]*>|(?:\S*/)?python3\.\d+/(?!site-
                             r"(?:threading|queue|selectors|socket|contextlib|functools|runpy|subprocess|"
                             r"multiprocessing/\S+|concurrent/\S+|asyncio/\S+)\.py|"
                             r"(?:\S*/)?torch/nn/modules/module\.py|(?:\S*/)?torch/utils/hooks\.py):")
+# A frame line, "    function (file:line)" (not the local variables `py-spy dump --locals` adds below it).
+FRAME_LINE = re.compile(r"^\s+\S.* \(.+:\d+\)\s*$")
 # The main thread of a rank, as py-spy names it.
 MAIN_THREAD = re.compile(r'^Thread \S+ \([^)]*\): "MainThread"', re.MULTILINE)
 
@@ -186,7 +188,7 @@ def stack_class(stack: str | None) -> str:
     body = stack[main.end():] if main else stack
     following = re.search(r"^(?:Thread |Process )", body, re.MULTILINE)
     frames = [line for line in (body[:following.start()] if following else body).splitlines()
-              if line[:1].isspace() and line.strip()]
+              if FRAME_LINE.match(line)]
     if not frames:
         return UNKNOWN
     innermost = next((f for f in frames if not PLUMBING_FRAME.search(f)), frames[0])

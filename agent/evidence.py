@@ -251,10 +251,9 @@ def load(run_dir: Path, incident_id: str, key: bytes | None) -> Loaded:
             out.refused.append({"file": path.name, "reason": reason,
                                 "why": signed.refusal_message(reason, f"evidence {path.name}")})
             continue
-        out.nodes.append(NodeSignals(host, tuple(data.get("xids") or ()), tuple(data.get("gpus_lost") or ()),
-                                     tuple(data.get("nccl_lines") or ())))
+        out.nodes.append(NodeSignals(host, *node_signal_fields(data)))
         files = data.get(incidents.FILES) if isinstance(data.get(incidents.FILES), dict) else {}
-        for rank in sorted(int(r) for r in (data.get("ranks") or {})):
+        for rank in node_ranks(data):
             fr = _vouched(directory / f"rank-{rank}.fr.json", files, out.refused)
             stack = _vouched(directory / f"rank-{rank}.stack.txt", files, out.refused)
             fr = _parse(fr)
@@ -288,6 +287,34 @@ def _parse(data: bytes | None):
         return None if data is None else json.loads(data)
     except ValueError:
         return None
+
+
+MAX_RANK = 2**31 - 1     # torch's ranks are int32
+
+
+def node_ranks(data: dict) -> list[int]:
+    """The ranks a node file lists (``"ranks": {"0": {...}}``, or a list), each an integer 0..MAX_RANK;
+    anything else there is left out: a node file is written by whoever can write the run directory, and a
+    bad entry must cost the verdict that rank's evidence, never the verdict (a `ranks` of 5, ["x"] or
+    {"1e400": ...} was a traceback in the agent's live verdict and in `trainguard incidents replay`)."""
+    listed = data.get("ranks")
+    found = set()
+    for item in listed if isinstance(listed, (dict, list)) else ():
+        text = str(item).strip()
+        if text.isascii() and text.isdigit() and len(text) <= 10 and int(text) <= MAX_RANK:
+            found.add(int(text))
+    return sorted(found)
+
+
+def node_signal_fields(data: dict) -> tuple[tuple, tuple, tuple]:
+    """(xids, gpus_lost, nccl_lines) of a node file, each a tuple of entries of the right shape only:
+    XIDs and NCCL lines objects, lost GPUs numbers or strings (others are left out, as in `node_ranks`)."""
+    def entries(key: str, kinds: tuple[type, ...]) -> tuple:
+        value = data.get(key)
+        if not isinstance(value, list):
+            return ()
+        return tuple(v for v in value if isinstance(v, kinds) and not isinstance(v, bool))
+    return entries("xids", (dict,)), entries("gpus_lost", (int, str)), entries("nccl_lines", (dict,))
 
 
 def _json(path: Path):

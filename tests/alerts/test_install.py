@@ -53,17 +53,21 @@ def test_install_serves_the_webhook_with_a_generated_private_token(tmp_path, ser
     assert {"trainguard_webhook_requests", "trainguard_alert_verdicts", "trainguard_actions_executed"} <= names
 
 
-def test_dry_run_from_the_config_executes_nothing(tmp_path, served):
+@pytest.mark.parametrize("setting", [{"shadow": True}, {"dry_run": True}])   # dry_run: the older name
+def test_shadow_from_the_config_executes_nothing(tmp_path, served, setting):
     token_file = tmp_path / "token"
     token_file.write_text("t0k3n\n")
     token_file.chmod(0o600)
-    server, _ = served(token_file=str(token_file), dry_run=True, embedded=False)
+    server, agent = served(token_file=str(token_file), embedded=False, **setting)
     status, answer = request(server.url + "/api/v1/alerts", json.dumps(payload(alert())).encode(),
                              {"Content-Type": "application/json", "Authorization": "Bearer t0k3n"})
-    assert status == 200 and answer["verdicts"][0]["dry_run"] is True
+    assert status == 200 and answer["verdicts"][0]["shadow"] is True
     assert not (tmp_path / "control" / "actions.jsonl").exists()
-    [event] = [r["event"] for r in read_jsonl(tmp_path / "tls" / "node-n1-actions.jsonl")]
-    assert event["dry_run"] is True and event["action"] == "rollback"
+    alert_event, shadowed = [r["event"] for r in read_jsonl(tmp_path / "tls" / "node-n1-actions.jsonl")]
+    assert alert_event["shadow"] is True and alert_event["action"] == "rollback"
+    assert shadowed["type"] == "shadow_action" and shadowed["action"] == "rollback"
+    [family] = [f for f in agent.families() if f.name == "trainguard_actions_shadowed"]
+    assert [(s.labels["action"], s.value) for s in family.samples] == [("rollback", 1.0)]
 
 
 def test_a_bad_webhook_setting_stops_the_agent_naming_the_key(tmp_path, served, capsys):

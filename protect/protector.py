@@ -349,7 +349,8 @@ class Protector:
     def _on_decision(self, decision: Decision) -> Outcome:
         self.state.trouble_since_checkpoint = True      # shadowed or not: the step was bad
         event = {k: v for k, v in decision.as_event().items() if k not in ("type", "step")}
-        return self._carry_out(str(decision.action), "guard", decision.reason, event,
+        evidence = {k: v for k, v in event.items() if k != "reason"}
+        return self._carry_out(str(decision.action), "guard", decision.reason, evidence,
                                lambda: self._guard_action(decision, event))
 
     def _guard_action(self, decision: Decision, event: dict) -> Outcome:

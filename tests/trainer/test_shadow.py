@@ -4,10 +4,16 @@ none is carried out: no step skipped, no rollback, no stop, training goes on unc
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
+import pytest
 import yaml
 
 from tests.trainer.helpers import events, step_records, train, write_policy
 from tests.trainer.test_guard_hook import GUARD
+from trainguard import tls
+from trainguard.actions import SHADOW_ACTION, shadow_event
 from trainguard.metrics.training import families
 from trainguard.metrics.training_state import TrainingState
 from trainguard.report import data as report_data
@@ -37,6 +43,9 @@ def test_train_shadow_records_the_guards_actions_and_carries_out_none(tmp_path):
     assert first["source"] == "guard" and first["would_have"] is True
     assert first["loss"] > first["threshold"]                                # the evidence it decided on
     assert events(run, "run_start")[0]["actions_mode"] == "shadow"
+    for line in (run / "tls" / "rank-0.jsonl").read_text().splitlines():
+        if SHADOW_ACTION in line:
+            jsonschema.validate(json.loads(line), tls.load_schema())
 
     # ... and nothing of it happened
     assert not events(run, "skip_step") and not events(run, "rollback") and not events(run, "stop")
@@ -76,3 +85,10 @@ def test_shadow_from_the_policy_records_one_stop_and_trains_on(tmp_path):
     assert not events(run, "stop") and not (run / "control" / "stopped.json").exists()
     assert [r["step"] for r in step_records(run)] == list(range(1, 25))
     assert events(run, "run_end")[-1]["reason"] == "completed"
+
+
+def test_the_schema_holds_a_shadow_action_to_would_have():
+    record = tls.event(SHADOW_ACTION, step=3, timestamp=1.0, **shadow_event("rollback", "repeated_nan", "guard"))
+    jsonschema.validate(record, tls.load_schema())
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**record, "event": {**record["event"], "would_have": False}}, tls.load_schema())

@@ -392,6 +392,10 @@ def load_run(run_dir: str | Path, policy=None, max_points: int = MAX_POINTS, goo
     run = Run(run_dir=root, policy=policy or policy_mod.load(None))
     loader = _Loader(run, max_points, goodput)
     node_files, rank_files = log_files(root)
+    if not node_files and not rank_files:
+        # a report of nothing ("rank None", no steps) would read as a run that did nothing
+        raise FileNotFoundError(f"{root}: no logs to report (no tls/rank-N.jsonl or tls/node-HOST.jsonl, and "
+                                f"no TensorBoard, trainer_state.json, Megatron or torchtitan log)")
     ranks = sorted({r for r in map(rank_of, rank_files) if r is not None})
     run.primary_rank = ranks[0] if ranks else None
     for path in node_files:

@@ -97,6 +97,10 @@ class Begun:
     refused: dict | None = None         # the stop marker's content when the run must not start again
 
 
+THROTTLE_UNAVAILABLE = ("the loop keeps no micro-batch in TrainState and has no cut_micro_batch callback "
+                        "(docs/integrations.md: not available for the Transformers and Lightning Trainers)")
+
+
 class Protector:
     def __init__(self, run_dir: str | os.PathLike, *, states: dict[str, Any], rank: int = 0,
                  world_size: int = 1, device: str | torch.device = "cpu", state: TrainState | None = None,
@@ -376,11 +380,18 @@ class Protector:
 
     def _throttle(self, ids: dict) -> None:
         """Cut the micro-batch by 25% (the loop keeps its batch per optimizer step, so the tokens per step
-        stay the same) and hand the device's cached memory back."""
+        stay the same) and hand the device's cached memory back. A loop that keeps no micro-batch in the
+        state and gave no `cut_micro_batch` (the Transformers and Lightning Trainers build their DataLoader
+        once) cannot be throttled: the event says so, and nothing is claimed to have changed."""
         before = self.state.micro_batch
-        self.state.micro_batch = max(1, (before * 3) // 4) if before else 0   # 0: the loop keeps none here
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        if not before and self.callbacks.cut_micro_batch is None:
+            self.event("action", action=COST_THROTTLE, micro_batch="unchanged", not_applied=THROTTLE_UNAVAILABLE,
+                       **ids)
+            self.log.warning("cost throttle not applied: this loop's micro-batch cannot be cut", **ids)
+            return
+        self.state.micro_batch = max(1, (before * 3) // 4) if before else 0   # 0: the loop keeps none here
         cut = self.callbacks.cut_micro_batch
         fields = cut(self.state.micro_batch) or {} if cut else {}
         self.event("action", action=COST_THROTTLE, micro_batch_before=before,

@@ -54,3 +54,21 @@ def test_lightning_skips_a_nan_rolls_back_spikes_and_obeys_cost_stop(tmp_path):
     assert callback.exit_code is None
     assert events(run, "checkpoint_restored")[-1]["step"] == ack["step"]
     assert [r["step"] for r in step_records(run)][-2:] == [ack["step"] + 1, ack["step"] + 2]
+
+
+@pytest.mark.parametrize("steps, warned", [(0, True), (3, False)])
+def test_lightning_max_steps_without_steps_on_the_callback_warns(steps, warned, tmp_path):
+    import warnings
+
+    from examples.lightning_module import TinyLM, pl
+    from trainguard.protect.lightning import ProtectCallback
+
+    callback = ProtectCallback(str(tmp_path / "run"), steps=steps)
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path / "lightning"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyLM({}, lambda: callback.protector.state.step + 1), batches(3))
+    ours = [w for w in caught if "ProtectCallback(steps=3)" in str(w.message)]
+    assert len(ours) == (1 if warned else 0)

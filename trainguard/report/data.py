@@ -461,7 +461,8 @@ def _add_goodput(run: Run, records: list[dict]) -> None:
     from trainguard.goodput_cli import read_incidents
 
     try:
-        run.goodput = goodput.compute(records, incidents=read_incidents(run.run_dir, run.errors))
+        config = goodput.GoodputConfig(stall_seconds=run.policy.alerts.stall_seconds)
+        run.goodput = goodput.compute(records, config, incidents=read_incidents(run.run_dir, run.errors))
     except Exception as exc:  # the report still renders without this section, and says why
         run.goodput_error = f"goodput could not be computed ({type(exc).__name__}: {exc})"
 

@@ -109,9 +109,11 @@ class Protector:
                  layer_names: list[str] = (), run_id: str | None = None, checkpoint_every: int = 0,
                  checkpoint_every_seconds: float = 0.0, keep_last: int = 3, key_file: str = "",
                  async_checkpoint: bool = False, checkpoint_on_error: str = "warn",
-                 stable_val_factor: float = 1.5, log: Any = None, sharded_checkpoints: bool = False):
+                 stable_val_factor: float = 1.5, log: Any = None, sharded_checkpoints: bool = False,
+                 checkpoint_compress: str = "none"):
         """`sharded_checkpoints`: every rank saves (and loads in place) its own shards of the `model` and
-        `optim` states (FSDP2: their state dicts hold DTensors); otherwise rank 0 saves the whole state."""
+        `optim` states (FSDP2: their state dicts hold DTensors); otherwise rank 0 saves the whole state.
+        `checkpoint_compress`: "none" or "lossless" (bit-exact byte planes + zstd, trainer/checkpoint/compress.py)."""
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
         self.device = torch.device(device)
         self.run_id = run_id or self.run_dir.name
@@ -132,7 +134,7 @@ class Protector:
         self.checkpoints = RankCheckpoints(
             self.run_dir, rank=rank, world_size=world_size, on_event=self.telemetry.event, key_file=key_file,
             keep_last=keep_last, async_save=async_checkpoint, on_error=checkpoint_on_error,
-            distributed=sharded_checkpoints)
+            distributed=sharded_checkpoints, compress=checkpoint_compress)
         self.stop_path = rundir.stopped_path(self.run_dir)
 
     # ------------------------------------------------------------------------------------ start, end

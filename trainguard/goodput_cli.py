@@ -20,6 +20,7 @@ from pathlib import Path
 from trainguard import rundir
 from trainguard import paths, tls
 from trainguard import policy as policy_mod
+from trainguard.progress import Progress
 from trainguard.goodput import CAUSES, Goodput, GoodputConfig, Incident, compute
 
 EXIT_OK, EXIT_MALFORMED, EXIT_USAGE = 0, 1, 2
@@ -97,12 +98,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainguard goodput: {exc}", file=sys.stderr)
         return EXIT_USAGE
     records, malformed = [], []
-    for line in tls.iter_lines(path):
-        if line.error is not None:
-            malformed.append(str(line.error))
-            print(line.error, file=sys.stderr)
-        else:
-            records.append(line.record)
+    with Progress("goodput") as shown:
+        shown.step(0, path.name)
+        for line in shown.counted(tls.iter_lines(path)):
+            if line.error is not None:
+                malformed.append(str(line.error))
+                print(line.error, file=sys.stderr)
+            else:
+                records.append(line.record)
     if not records:
         print(f"trainguard goodput: {path}: no records", file=sys.stderr)
         return EXIT_USAGE

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from trainguard import formats
+from trainguard.progress import Progress
 
 EXIT_OK, EXIT_UNMAPPED, EXIT_USAGE = 0, 1, 2
 SHOWN = 20
@@ -35,8 +36,9 @@ def run(args: argparse.Namespace) -> int:
         return usage(f"{args.input}: not a TensorBoard event file, trainer_state.json, Megatron or torchtitan log "
                      "(it reads as TLS already, or is none of them)")
     temporary = args.output.with_name(args.output.name + ".partial")
-    with open(temporary, "wb") as out:
-        written, problems = formats.write_tls(args.input, out, mapping)
+    with open(temporary, "wb") as out, Progress("convert") as shown:
+        shown.step(0, args.input.name)
+        written, problems = formats.write_tls(args.input, out, mapping, progress=shown)
     os.replace(temporary, args.output)
     print(f"trainguard convert: {args.input} ({kind}) -> {args.output}: {written} records")
     for problem in problems[:SHOWN]:

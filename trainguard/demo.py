@@ -156,7 +156,12 @@ def run_local_demo(run_dir: Path, steps: int) -> int:
 def finish(run_dir: Path, code: int) -> int:
     from trainguard.report.cli import write_report
 
-    report = write_report(run_dir, rundir.report_path(run_dir))
+    try:
+        report = write_report(run_dir, rundir.report_path(run_dir))
+    except FileNotFoundError as exc:         # training died before it wrote a record: say so, no traceback
+        say(f"no report: {exc}")
+        say(f"training exited with code {code}; see the messages above")
+        return code or 1
     print_story(run_dir)
     say(f"TLS logs          {run_dir / 'tls'}")
     say(f"checkpoints       {run_dir / 'checkpoints'}   (trainguard checkpoint list {run_dir})")

@@ -73,3 +73,13 @@ def test_each_long_command_shows_progress_on_stderr_and_keeps_stdout_as_it_was(c
     monkeypatch.setenv(progress.ENV, "0")
     assert main(argv) in (0, 1)
     assert f"{command}:" not in capsys.readouterr().err
+
+
+def test_a_file_name_from_the_run_directory_cannot_act_on_the_terminal(monkeypatch):
+    from trainguard import terminal
+
+    screen = Terminal()
+    with progress.Progress("report", stream=terminal.SafeStream(screen), delay=0, interval=0, enabled=True) as shown:
+        shown.file("RUN/tls/rank-0\x1b[2J.jsonl", 0, 1)
+    assert "\x1b" not in screen.getvalue() and "rank-0\\u001b[2J.jsonl" in screen.getvalue()
+    assert screen.getvalue().startswith("\r")             # its own carriage return does reach the terminal

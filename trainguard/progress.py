@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import IO, Iterable, Iterator, TypeVar
 
+from trainguard import terminal
+
 T = TypeVar("T")
 ENV = "TRAINGUARD_PROGRESS"
 CHECK_EVERY = 4096           # items between two looks at the clock
@@ -42,7 +44,9 @@ class Progress:
     def __init__(self, what: str, total: int | None = None, unit: str = "files", *, stream: IO[str] | None = None,
                  delay: float = 1.0, interval: float = 0.2, enabled: bool | None = None):
         self.what, self.total, self.unit = what, total, unit
-        self.stream = stream or sys.stderr
+        # its own carriage returns must reach the terminal, so it writes under trainguard.terminal's escaping
+        # stream and escapes what it shows from the run directory (file names) itself
+        self.stream = terminal.unwrapped(stream or sys.stderr)
         self.enabled = wanted(self.stream) if enabled is None else enabled
         self.delay, self.interval = delay, interval
         self.began = time.monotonic()
@@ -79,7 +83,7 @@ class Progress:
     def line(self) -> str:
         parts = [f"{self.what}:"]
         if self.note:
-            parts.append(self.note)
+            parts.append(terminal.escape(self.note))
         if self.total:
             parts.append(f"({self.done} of {self.total} {self.unit}, {100 * self.done // self.total}%)")
         if self.items:

@@ -15,7 +15,6 @@ Every file is written on its own, atomically and size-bounded (trainguard/incide
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import re
 import shutil
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from trainguard import rundir
 from trainguard import incidents
+from trainguard import safe_read
 from trainguard.agent.collectors.nccl import classify, output_directories
 from trainguard.trainer import flight_recorder
 
@@ -146,9 +146,10 @@ def nccl_lines(run_dir: Path, host: str | None = None, live: list = ()) -> list[
     found = []
     for path in _rank_logs(Path(run_dir), host, live):
         try:
-            with open(path, "rb") as handle:
-                handle.seek(max(0, handle.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
-                lines = handle.read().splitlines()
+            with safe_read.open_file(path, what="rank output") as handle:
+                size = handle.seek(0, os.SEEK_END)
+                handle.seek(max(0, size - LOG_TAIL_BYTES))
+                lines = handle.read(LOG_TAIL_BYTES).splitlines()
         except OSError:
             continue
         for line in lines:
@@ -217,14 +218,14 @@ def load(run_dir: Path, incident_id: str):
 
 def _json(path: Path):
     try:
-        return json.loads(path.read_bytes()[:incidents.MAX_FILE_BYTES])
+        return safe_read.read_json(path, incidents.MAX_FILE_BYTES, "evidence file")
     except (OSError, ValueError):
         return None
 
 
 def _text(path: Path) -> str | None:
     try:
-        text = path.read_text(errors="replace")
+        text = safe_read.read_text(path, incidents.MAX_FILE_BYTES, "stack dump", errors="replace")
     except OSError:
         return None
     return None if text.startswith("# no stacks:") else text

@@ -38,7 +38,7 @@ import torch
 
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
-from trainguard import rundir, tls
+from trainguard import rundir, safe_read, tls
 from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SKIP_STEP, STOP
 from trainguard.decide.cost import CostMeter, clock_of
 from trainguard.decide.decision import CARRY_ON, Decision
@@ -348,7 +348,7 @@ class Protector:
 
     def stopped_marker(self) -> dict | None:
         try:
-            return json.loads(self.stop_path.read_text())
+            return safe_read.read_json(self.stop_path, safe_read.CONTROL_BYTES, "stop marker")
         except FileNotFoundError:
             return None
 
@@ -423,7 +423,7 @@ class Protector:
 def _first_timestamp(path) -> float | None:
     """When this run began, from the first record of its TLS file (the file outlives restarts)."""
     try:
-        with open(path, "rb") as handle:
-            return tls.decode(handle.readline())["timestamp"]
+        with safe_read.open_file(path, what="log file") as handle:
+            return tls.decode(handle.readline(safe_read.MAX_LINE_BYTES))["timestamp"]
     except (OSError, tls.TLSError):
         return None

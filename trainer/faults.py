@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainguard import rundir
+from trainguard import rundir, safe_read
 
 KINDS = ("nan", "spike", "gradexplode", "hang", "crash", "slowio", "corrupt-checkpoint",
          "slowrank", "bitflip", "gradflip", "commhang")
@@ -103,7 +103,7 @@ class FaultInjector:
 
     def _read_fired(self) -> set[str]:
         try:
-            lines = self.fired_path.read_text().splitlines()
+            lines = safe_read.read_text(self.fired_path, safe_read.LEDGER_BYTES, "control log").splitlines()
         except FileNotFoundError:
             return set()
         return {json.loads(line)["fault"] for line in lines if line.strip()}

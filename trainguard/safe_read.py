@@ -181,8 +181,8 @@ def load_yaml(text: str, source: str = "<yaml>") -> Any:
             else:
                 self.expanded += 1
             if self.expanded > MAX_YAML_NODES:
-                raise yaml.YAMLError(f"{source}: expands to more than {MAX_YAML_NODES} nodes through its "
-                                     f"aliases (an alias bomb?)")
+                raise yaml.YAMLError(f"it expands to more than {MAX_YAML_NODES} nodes through its aliases "
+                                     f"(an alias bomb?)")
             return super().compose_node(parent, index)
 
     Loader.sizes = {}
@@ -200,10 +200,10 @@ def _nodes(node, sizes: dict[int, int], source: str, depth: int = 0) -> int:
     known = sizes.get(id(node))
     if known is not None:
         if known < 0:
-            raise yaml.YAMLError(f"{source}: an alias refers to a node that contains it (recursive)")
+            raise yaml.YAMLError("an alias refers to a node that contains it (recursive)")
         return known
     if depth > 1000:
-        raise yaml.YAMLError(f"{source}: nested too deeply")
+        raise yaml.YAMLError("nested too deeply")
     sizes[id(node)] = -1            # being counted: an alias met below it is recursive
     if isinstance(node, yaml.SequenceNode):
         total = 1 + sum(_nodes(child, sizes, source, depth + 1) for child in node.value)

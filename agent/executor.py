@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client.core import CounterMetricFamily
 
-from trainguard import actions, rundir, tls
+from trainguard import actions, rundir, safe_read, tls
 from trainguard import log as tglog
 from trainguard.agent import claims, restore
 from trainguard.node import node_name
@@ -152,7 +152,7 @@ class EventLog:
         data = b"".join(tls.encode(record) for record in records)
         if not data:
             return
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = safe_read.open_rw_fd(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "actions log")
         try:
             size = os.fstat(fd).st_size
             try:

@@ -119,7 +119,7 @@ class FaultInjector:
         """Record the firing durably first: the fault may end this process a moment later."""
         self.fired_path.parent.mkdir(parents=True, exist_ok=True)
         line = json.dumps({"fault": fault.key, "step": step, "rank": self.rank, "time": time.time()})
-        fd = os.open(self.fired_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = safe_read.open_rw_fd(self.fired_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "control log")
         try:
             os.write(fd, (line + "\n").encode())
             os.fsync(fd)

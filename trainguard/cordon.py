@@ -276,7 +276,7 @@ def record_ignored(run_dir: str | os.PathLike, found: Cordon, key_path: str) -> 
                           key_file=key_path, key_id=found.record.get(signed.KEY_ID), ignored_total=count,
                           why=found.why_refused()), "node": found.host}
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = safe_read.open_rw_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "launcher log")
     try:
         os.write(fd, tls.encode(record))
     finally:

@@ -343,7 +343,7 @@ def read_acked(run_dir: PathLike) -> set[str]:
 def append_ack(run_dir: PathLike, request_id: str, action: str, step: int) -> None:
     """Remember that a request was handled (one O_APPEND write), so a restarted run does not handle it again."""
     line = json.dumps({"id": request_id, "action": action, "step": step, "time": time.time()})
-    fd = os.open(acked_path(run_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = safe_read.open_rw_fd(acked_path(run_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT, "control log")
     try:
         os.write(fd, (line + "\n").encode())
     finally:

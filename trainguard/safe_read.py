@@ -106,10 +106,11 @@ def open_file(path: PathLike, limit: int | None = None, what: str = "file", buff
     return cast(IO[bytes], os.fdopen(fd, "rb", buffering=buffering))
 
 
-def open_append(path: PathLike, what: str = "file", mode: int = 0o644) -> IO[bytes]:
-    """A run-directory file opened to read and append ("a+b"), created when missing: a regular file, or
-    RunFileError (a FIFO opened read-write does not block, but reading it would, for ever)."""
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, mode)
+def open_rw_fd(path: PathLike, flags: int, what: str = "file", mode: int = 0o644) -> int:
+    """A run-directory file opened read-write with `flags` (O_RDWR, O_APPEND, O_CREAT, ...): a regular file,
+    or RunFileError. A FIFO opened read-write does not block, but reading it would, for ever, and a writer
+    blocks once its 64 KiB are full: a log writer or a status file must not end up in either."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY, mode)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -118,6 +119,12 @@ def open_append(path: PathLike, what: str = "file", mode: int = 0o644) -> IO[byt
     except BaseException:
         os.close(fd)
         raise
+    return fd
+
+
+def open_append(path: PathLike, what: str = "file", mode: int = 0o644) -> IO[bytes]:
+    """A run-directory file opened to read and append ("a+b"), created when missing (see `open_rw_fd`)."""
+    fd = open_rw_fd(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, what, mode)
     return cast(IO[bytes], os.fdopen(fd, "a+b"))
 
 
@@ -223,12 +230,14 @@ class _Bounded(io.RawIOBase):
 
     def __init__(self, inner: IO[bytes], path: PathLike, limit: int):
         self.inner, self.path, self.limit, self.given = inner, path, limit, 0
+        # read1: what one decompression step gives, so the lines before a cut-off end are still handed on
+        self._read = getattr(inner, "read1", inner.read)
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        data = self.inner.read(len(buffer))
+        data = self._read(len(buffer))
         n = len(data)
         self.given += n
         if self.given > self.limit:
@@ -267,7 +276,7 @@ def open_log(path: PathLike) -> IO[bytes]:
         raise
     if name.endswith(".gz"):
         inner = _ClosingBoth(inner, raw)
-    return io.BufferedReader(_Bounded(inner, path, decompressed_limit(size)), buffer_size=1 * MiB)
+    return io.BufferedReader(_Bounded(inner, path, decompressed_limit(size)), buffer_size=64 * KiB)
 
 
 class _ClosingBoth:
@@ -278,6 +287,9 @@ class _ClosingBoth:
 
     def read(self, n: int = -1) -> bytes:
         return self.inner.read(n)
+
+    def read1(self, n: int = -1) -> bytes:
+        return self.inner.read1(n)
 
     def close(self) -> None:
         try:

@@ -377,7 +377,9 @@ class Writer:
     def __init__(self, path: str | os.PathLike[str], on_drop: Callable[[str], None] | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        from trainguard import safe_read     # a FIFO in the log's place would block the writer: refused
+
+        self._fd = safe_read.open_rw_fd(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, "log file")
         self.dropped = 0
         self._failing = False
         self.on_drop = on_drop or _log_drop

@@ -479,7 +479,11 @@ def _shown(value: Any) -> str:
     without copying it, and repr would write out every repetition)."""
     import reprlib
 
-    return reprlib.repr(value)
+    shown = reprlib.Repr()
+    shown.maxlevel, shown.maxstring, shown.maxother = 2, 60, 60
+    shown.maxlist = shown.maxtuple = shown.maxdict = shown.maxset = 4
+    text = shown.repr(value)
+    return text if len(text) <= 200 else text[:200] + "…"
 
 
 def _check_value(name: str, default: Any, value: Any) -> Any:

@@ -56,9 +56,10 @@ class RunFileError(OSError):
     """A run-directory file refused: not a regular file, larger than its kind may be, a line too long, a
     compressed file that expands too far, YAML that expands too far. The message names file and reason."""
 
-    def __init__(self, path: PathLike, reason: str):
-        super().__init__(f"{os.fspath(path)}: {reason}")
-        self.path, self.reason = os.fspath(path), reason
+    def __init__(self, path: PathLike | int, reason: str):
+        where = str(path) if isinstance(path, int) else os.fsdecode(path)    # int: a descriptor's "name"
+        super().__init__(f"{where}: {reason}")
+        self.path, self.reason = where, reason
 
     def __str__(self) -> str:
         return str(self.args[0])

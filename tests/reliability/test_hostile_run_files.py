@@ -307,3 +307,28 @@ def test_a_garbage_manifest_is_not_the_latest_checkpoint_for_status_or_the_agent
     (garbage / "manifest.json").write_text(json.dumps({"format": "trainguard-checkpoint/2", "step": 99,
                                                        "signature": {"value": "0" * 64}, "files": {}}))
     assert training._newest_checkpoint(run / "checkpoints")[1] == 2      # its step is not its directory's
+
+
+# ------------------------------------------------------------------ a read-only run directory
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A real read-only filesystem (a tmpfs mounted ro): root writes through a chmod, not through this."""
+    target = tmp_path / "ro"
+    target.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        if os.environ.get("CI") == "true" and os.geteuid() == 0:
+            pytest.fail(f"mount failed as root under CI: {mounted.stderr}")
+        pytest.skip(f"mounting a tmpfs needs root: {mounted.stderr.strip()}")
+    yield target
+    subprocess.run(["umount", str(target)], check=False)
+
+
+def test_a_read_only_run_directory_is_refused_by_the_agent_and_the_trainer(read_only_dir):
+    """Before: the agent started on it and served (recording nothing, acting on nothing)."""
+    agent = trainguard("agent", "--run-dir", read_only_dir, "--listen", "127.0.0.1:0", timeout=60)
+    assert agent.returncode == 2 and "not writable" in agent.stderr + agent.stdout
+    train = trainguard("train", "--run-dir", read_only_dir, "--steps", 1, timeout=60)
+    assert train.returncode == 2 and "not writable" in train.stderr

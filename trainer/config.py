@@ -206,7 +206,7 @@ def set_value(config: TrainConfig, assignment: str, source: str = "--set") -> No
         raise ConfigError(f"{source}: expected SECTION.KEY=VALUE, got {assignment!r}")
     section, _, name = key.strip().partition(".")
     try:
-        value = safe_read.load_yaml(raw, source) if raw.strip() else ""
+        value = safe_read.load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     apply_values(config, {section: {name: value}}, "", source)

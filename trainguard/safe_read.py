@@ -16,8 +16,8 @@ to it), so each of those is one refusal naming the file and the reason, never a 
   (at least `MIN_DECOMPRESSED`), and `lines`: its lines, none longer than `MAX_LINE_BYTES`.
 - `load_yaml`: YAML text whose aliases may not expand past `MAX_YAML_NODES` nodes.
 
-`RunFileError` is an OSError (every command already reports an OSError as bad input, exit 2) whose message
-names the file and the reason. A missing file stays FileNotFoundError: callers treat "not there" apart.
+`RunFileError` is an OSError and a BadInput (exit 2 under any command) whose message names the file and
+the reason. A missing file stays FileNotFoundError: callers treat "not there" apart.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import os
 import stat
 from collections.abc import Iterator
 from typing import IO, Any, cast
+
+from trainguard.exits import BadInput
 
 PathLike = str | os.PathLike
 
@@ -52,9 +54,11 @@ MAX_YAML_NODES = 100_000       # nodes a YAML document may expand to through its
 COMPRESSED = (".gz", ".zst")
 
 
-class RunFileError(OSError):
+class RunFileError(OSError, BadInput):
     """A run-directory file refused: not a regular file, larger than its kind may be, a line too long, a
-    compressed file that expands too far, YAML that expands too far. The message names file and reason."""
+    compressed file that expands too far. The message names file and reason. An OSError (readers that
+    skip an unreadable file skip it) and BadInput (a command that meets it exits 2, trainguard/exits.py),
+    as io.UnsupportedOperation is both an OSError and a ValueError."""
 
     def __init__(self, path: PathLike | int, reason: str):
         where = str(path) if isinstance(path, int) else os.fsdecode(path)    # int: a descriptor's "name"

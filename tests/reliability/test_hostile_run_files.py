@@ -284,8 +284,12 @@ def test_the_policy_checker_shows_a_bounded_value_in_its_error():
 
 
 def test_replay_with_an_alias_bomb_policy_exits_2_at_once(tmp_path):
+    """The bomb inside a key the checker knows: its message wrote the whole value out (9**9 leaves)."""
+    levels = ["&a [x, x, x, x, x, x, x, x, x]"] + [f"&{n} [{', '.join('*' + p for _ in range(9))}]"
+                                                    for p, n in zip("abcdefgh", "bcdefghi")]
     bomb = tmp_path / "policy.yaml"
-    bomb.write_text(BOMB + "cost: {price_per_gpu_hour: *i}\n")
+    bomb.write_text("cost: {price_per_gpu_hour: [" + ", ".join(levels) + "]}\n")
+    assert bomb.stat().st_size < 1024
     log = tmp_path / "rank-0.jsonl"
     log.write_text(_steps(3))
     done = trainguard("replay", log, "--policy", bomb, timeout=60)
@@ -328,7 +332,11 @@ def read_only_dir(tmp_path):
 
 def test_a_read_only_run_directory_is_refused_by_the_agent_and_the_trainer(read_only_dir):
     """Before: the agent started on it and served (recording nothing, acting on nothing)."""
-    agent = trainguard("agent", "--run-dir", read_only_dir, "--listen", "127.0.0.1:0", timeout=60)
+    token = read_only_dir.parent / "webhook.token"       # configured outside RUN: the agent would start
+    token.write_text("a-token-of-the-agents-own-32-bytes-or-so\n")
+    token.chmod(0o600)
+    agent = trainguard("agent", "--run-dir", read_only_dir, "--listen", "127.0.0.1:0",
+                       "--webhook-token-file", token, timeout=60)
     assert agent.returncode == 2 and "not writable" in agent.stderr + agent.stdout
     train = trainguard("train", "--run-dir", read_only_dir, "--steps", 1, timeout=60)
     assert train.returncode == 2 and "not writable" in train.stderr

@@ -34,6 +34,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("trainguard/incidents.py", "_fsync_dir", "os.open"): "a directory, opened to fsync it",
     ("agent/collectors/xid.py", "KmsgSource.__init__", "os.open"): "/dev/kmsg (O_NONBLOCK on purpose)",
     ("agent/procfs.py", "read_small", "os.open"): "/proc files",
+    ("agent/restore.py", "_open_for_writing", "open"): "/proc/<pid>/fdinfo/<fd>",
     ("agent/procfs.py", "_sys_read", "read_text"): "/sys files",
     ("agent/versions.py", "torch_cuda_version", "read_text"): "an installed package's version.py",
     ("agent/versions.py", "driver_version", "read_text"): "/sys/module/nvidia/version",

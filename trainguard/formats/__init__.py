@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Iterator, Union
 
+from trainguard import safe_read
+
 TLS, TENSORBOARD, HF_STATE, MEGATRON, TORCHTITAN = "tls", "tensorboard", "hf_trainer_state", "megatron", "torchtitan"
 HEAD_BYTES = 1 << 16
 
@@ -40,7 +42,7 @@ Item = Union[dict, Unmapped]
 def detect(path: str | os.PathLike) -> str:
     """The format of a file by its first bytes: TLS unless it is recognisably one of the others."""
     try:
-        with open(path, "rb") as handle:
+        with safe_read.open_file(path, what="log file") as handle:
             head = handle.read(HEAD_BYTES)
     except OSError:
         return TLS

@@ -9,11 +9,10 @@ step (seconds), so wall-clock rules have nothing to read. An entry that is none 
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterator
 
-from trainguard import tls
+from trainguard import safe_read, tls
 from trainguard.formats import Item, Unmapped
 
 TRAINING = {"loss": "loss", "grad_norm": "grad_norm", "learning_rate": "learning_rate", "epoch": "epoch"}
@@ -33,7 +32,7 @@ def _one_record_per_line(text: bytes) -> bool:
 def read(path: str | os.PathLike) -> Iterator[Item]:
     source = str(path)
     try:
-        state = json.loads(open(path, "rb").read())
+        state = safe_read.read_json(path, safe_read.JSON_DOCUMENT_BYTES, "trainer_state.json")
         history = state["log_history"]
     except (ValueError, KeyError, TypeError) as exc:
         yield Unmapped(source, 0, f"not a trainer_state.json: {exc}", "file")

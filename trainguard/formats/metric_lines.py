@@ -10,13 +10,14 @@ other line (arguments, timers, memory reports) is passed over. megatron.py and t
 
 from __future__ import annotations
 
+import io
 import os
 import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Callable, Iterator
 
-from trainguard import tls
+from trainguard import safe_read, tls
 from trainguard.formats import Item, Unmapped
 
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"   # the `time` group's first 19 characters
@@ -46,8 +47,10 @@ class LineFormat:
 
 def read(fmt: LineFormat, path: str | os.PathLike) -> Iterator[Item]:
     source = str(path)
-    with open(path, "r", encoding="utf-8", errors="replace") as handle:
-        for lineno, raw in enumerate(handle, 1):
+    with io.TextIOWrapper(safe_read.open_file(path, what="log file"), encoding="utf-8", errors="replace") as handle:
+        for lineno, raw in enumerate(iter(lambda: handle.readline(safe_read.MAX_LINE_BYTES), ""), 1):
+            if len(raw) >= safe_read.MAX_LINE_BYTES and not raw.endswith("\n"):
+                raise safe_read.line_too_long(path, lineno)
             line = fmt.clean(raw.rstrip("\n"))
             if not fmt.is_record(line):
                 continue

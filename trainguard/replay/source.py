@@ -34,7 +34,7 @@ from typing import Annotated, Any, Callable, Iterable, Iterator, Union
 import msgspec
 import zstandard
 
-from trainguard import formats, tls
+from trainguard import formats, safe_read, tls
 from trainguard.decide import replica as decide_replica
 from trainguard.exits import BadInput
 from trainguard.formats import discover
@@ -212,8 +212,11 @@ def line_blocks(handle) -> Iterator[bytes]:
     """Whole lines, about BLOCK_BYTES at a time; the last block may end without a newline.
 
     A line longer than a block is gathered as a list of pieces and joined once, so a 50 MB line costs
-    linear time (adding each piece to the last would copy it again every time: quadratic)."""
+    linear time (adding each piece to the last would copy it again every time: quadratic); a line longer
+    than safe_read.MAX_LINE_BYTES is a RunFileError before more of it is held (the callers read the file
+    again line by line, which names the line)."""
     pending: list[bytes] = []
+    held = 0
     while True:
         chunk = handle.read(BLOCK_BYTES)
         if not chunk:
@@ -223,10 +226,15 @@ def line_blocks(handle) -> Iterator[bytes]:
         cut = chunk.rfind(b"\n") + 1
         if cut == 0:
             pending.append(chunk)
+            held += len(chunk)
+            if held > safe_read.MAX_LINE_BYTES:
+                raise safe_read.RunFileError(getattr(handle, "name", "<log>"),
+                                             f"a line longer than {safe_read.MAX_LINE_BYTES} bytes")
             continue
         head, rest = (chunk[:cut], chunk[cut:]) if cut < len(chunk) else (chunk, b"")
         yield b"".join((*pending, head)) if pending else head
         pending = [rest] if rest else []
+        held = len(rest)
 
 
 class _HardwareOfDict(Hardware, kw_only=True, gc=False):
@@ -404,8 +412,8 @@ def head_names(path: str | os.PathLike, mark: bytes, lines: int) -> bool:
             head = b""          # read a block at a time (not a line: a call per line costs more than the read)
             while head.count(b"\n") < lines:
                 block = handle.read(BLOCK_BYTES)
-                if not block:
-                    break
+                if not block or len(head) > safe_read.MAX_LINE_BYTES:
+                    break       # no more, or a line past the bound: the file's own pass refuses it
                 head += block
     except _UNREADABLE:
         return True      # unreadable: the reader says so itself (True only sends the file to it)
@@ -430,6 +438,8 @@ def lines_naming(path: str | os.PathLike, marks: tuple[bytes, ...]) -> Iterator[
                 block = pending + data
                 cut = len(block) if not data else block.rfind(b"\n") + 1
                 if cut == 0 and data:
+                    if len(block) > safe_read.MAX_LINE_BYTES:
+                        return      # a line past the bound: the file's own pass refuses it, naming it
                     pending = block
                     continue
                 yield from _marked(block[:cut], marks, number)

@@ -195,12 +195,12 @@ class EventLog:
         """Every event recorded so far that proves this agent recorded it (a malformed line, e.g. torn by a
         crash, is skipped; one that is not signed with the key for this node is skipped and counted)."""
         try:
-            handle = open(self.path, "rb")
+            handle = safe_read.open_file(self.path, safe_read.LEDGER_BYTES, "actions log")
         except FileNotFoundError:
             return []
         found = []
         with handle:
-            for raw in handle:
+            for raw in safe_read.lines(handle, self.path):
                 try:
                     stored = json.loads(raw)
                 except ValueError:

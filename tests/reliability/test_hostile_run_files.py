@@ -128,8 +128,8 @@ def test_the_agents_evidence_reads_do_not_block_on_fifos(incident_run):
     (directory / "rank-1.stack.txt").symlink_to("/dev/zero")
     done = python("from pathlib import Path\nfrom trainguard.agent import evidence\n"
                   f"d = Path({str(directory)!r})\n"
-                  "print(evidence._json(d / 'rank-0.fr.json'), evidence._text(d / 'rank-0.stack.txt'), "
-                  "evidence._text(d / 'rank-1.stack.txt'))", timeout=60)
+                  "print(evidence._json(d / 'rank-0.fr.json'), evidence._bytes(d / 'rank-0.stack.txt'), "
+                  "evidence._bytes(d / 'rank-1.stack.txt'))", timeout=60)
     assert done.returncode == 0 and done.stdout.split() == ["None", "None", "None"], done.stderr
 
 

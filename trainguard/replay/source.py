@@ -40,6 +40,8 @@ from trainguard.formats import discover
 BLOCK_BYTES = 1 << 16          # one block of lines per decode call: ~300 trainer records
 MAX_MALFORMED_KEPT = 1000      # details kept; every malformed line is counted
 # A folder without TLS logs: the logs of other tools it may hold (trainguard.formats, detected by content).
+# A record whose timestamp is its step (a trainer_state.json, converted): the first line of such a file says so.
+CLOCKLESS_MARK = b'"' + formats.CLOCK_KEY.encode() + b'":"' + formats.NO_CLOCK.encode() + b'"'
 
 
 # ----------------------------------------------------------------------------------------- records
@@ -453,6 +455,8 @@ class Stream:
     def __init__(self, paths: Iterable[str | os.PathLike], *, full: bool = False):
         self.problems = Problems()
         self._scratch = None
+        self.notes: list[str] = []              # what other tools' logs held that was passed over on purpose
+        self.without_clock: list[Path] = []     # inputs whose records' times are steps (formats.NO_CLOCK)
         self.files = self._as_tls(expand(paths))
         self.problems.order = {str(path): index for index, path in enumerate(self.files)}
         self.full = full
@@ -469,17 +473,26 @@ class Stream:
         stream, and read from there on; what could not be mapped is a malformed entry of the original file."""
         converted = []
         for index, path in enumerate(files):
-            if formats.detect(path) == formats.TLS:
+            kind = formats.detect(path)
+            if kind == formats.TLS:
+                if head_names(path, CLOCKLESS_MARK, 1):      # what `trainguard convert` wrote of one
+                    self.without_clock.append(path)
                 converted.append(path)
                 continue
             if self._scratch is None:
                 import tempfile
                 self._scratch = tempfile.TemporaryDirectory(prefix="trainguard-replay-")
             target = Path(self._scratch.name) / f"{index}-{path.name}.jsonl"
+            notes = formats.Notes()
             with open(target, "wb") as out:
-                _, unmapped = formats.write_tls(path, out)
+                written, unmapped = formats.write_tls(path, out, notes=notes)
             for problem in unmapped:
                 self.problems.add(problem.file, problem.position, f"{problem.where}: {problem.error}")
+            self.notes += notes.lines(str(path))
+            if not written:
+                self.notes.append(f"{path}: read as a {kind} log, and no record in it")
+            if notes.clock == formats.NO_CLOCK:
+                self.without_clock.append(path)
             converted.append(target)
         return converted
 

@@ -1,6 +1,7 @@
 """`trainguard convert IN -o OUT.jsonl`: a TensorBoard event file, a Hugging Face trainer_state.json, a
 Megatron-LM or a torchtitan log as TLS. What could not be mapped is listed (file and position) and makes
-the exit status 1; unreadable input is status 2."""
+the exit status 1; what was passed over on purpose is said once per kind with its count (status 0);
+unreadable input, or input with no record in it, is status 2."""
 
 from __future__ import annotations
 
@@ -30,15 +31,29 @@ def run(args: argparse.Namespace) -> int:
         return usage(str(exc))
     if not args.input.is_file():
         return usage(f"{args.input}: no such file")
+    if args.output.is_dir():
+        return usage(f"{args.output}: a directory; -o names the TLS file to write")
+    if args.output.exists() and args.output.resolve() == args.input.resolve():
+        return usage(f"{args.output}: the input itself; write the TLS beside it")
     kind = formats.detect(args.input)
     if kind == formats.TLS:
         return usage(f"{args.input}: not a TensorBoard event file, trainer_state.json, Megatron or torchtitan log "
                      "(it reads as TLS already, or is none of them)")
     temporary = args.output.with_name(args.output.name + ".partial")
+    notes = formats.Notes()
     with open(temporary, "wb") as out:
-        written, problems = formats.write_tls(args.input, out, mapping)
+        written, problems = formats.write_tls(args.input, out, mapping, notes)
+    if not written:
+        temporary.unlink()
+        for problem in problems[:SHOWN]:
+            print(f"  not mapped: {problem}", file=sys.stderr)
+        return usage(f"{args.input}: read as a {kind} log, and no record in it ({len(problems)} not mapped)")
     os.replace(temporary, args.output)
-    print(f"trainguard convert: {args.input} ({kind}) -> {args.output}: {written} records")
+    clock = " (no wall clock: each record's timestamp is its step, marked \"clock\": \"none\")" \
+        if notes.clock == formats.NO_CLOCK else ""
+    print(f"trainguard convert: {args.input} ({kind}) -> {args.output}: {written} records{clock}")
+    for line in notes.lines(str(args.input)):
+        print(f"  {line}", file=sys.stderr)
     for problem in problems[:SHOWN]:
         print(f"  not mapped: {problem}", file=sys.stderr)
     if len(problems) > SHOWN:

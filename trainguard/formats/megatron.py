@@ -18,8 +18,10 @@ What a line does not say is read as Megatron means it:
   `skipped_iterations` equals its `iterations`.
 - DeepSpeed prints `grad norm: 0.000` and `loss scale: -1.0` as placeholders (it keeps them itself): not read.
 - DeepSpeed's `OVERFLOW! Rank 0 Skipping step` (or `Overflow detected. Skipping step`) lines before an
-  iteration line are skipped steps of that iteration; the grad norm printed for an iteration whose every step
-  was skipped is the last applied step's (stale), not read.
+  iteration line are skipped steps of that iteration (`skipped_iterations`; DeepSpeed's Megatron prints 0
+  there); the grad norm printed for an iteration whose every step was skipped is the last applied step's
+  (stale): the record holds `grad_norm` inf, what the scaler found (a finite loss beside a non-finite
+  gradient norm is the scaler's overflow to the guard).
 - `validation loss at iteration N | lm loss value: ... |` is an `evaluation` event (`val_loss`).
 
 Time: a line's own timestamp; else the last timestamp the log printed before its first iteration (DeepSpeed's
@@ -60,6 +62,7 @@ FIELDS = {
     "loss scale": ("loss_scale", 1.0),
     "number of skipped iterations": ("skipped_iterations", 1.0),
     "number of nan iterations": ("nan_iterations", 1.0),
+    "num zeros": ("grad_num_zeros", 1.0),
 }
 INTEGERS = frozenset({"tokens_trained", "consumed_samples", "global_batch_size", "skipped_iterations",
                       "nan_iterations"})
@@ -135,7 +138,7 @@ def read(path: str | os.PathLike, notes: Notes | None = None) -> Iterator[Item]:
             del metrics["grad_norm"]                  # DeepSpeed's placeholder
             _count(placeholders, lineno)
         if overflows and metrics.get("skipped_iterations", 0) >= (iterations or 1) and "grad_norm" in metrics:
-            del metrics["grad_norm"]                  # every step skipped: the norm printed is the last applied one
+            metrics["grad_norm"] = math.inf           # the overflow; the norm printed is the last applied step's
             _count(stale_norms, lineno)
         overflows = 0
         if not ({"loss", "grad_norm", "skipped_iterations"} & metrics.keys()):
@@ -150,8 +153,8 @@ def read(path: str | os.PathLike, notes: Notes | None = None) -> Iterator[Item]:
         notes.skip("DeepSpeed placeholder grad norms (`grad norm: 0.000` beside `loss scale: -1.0`)",
                    placeholders[1], count=placeholders[0])
     if stale_norms[0]:
-        notes.skip("grad norms of iterations the loss scaler skipped entirely (the last applied step's)",
-                   stale_norms[1], count=stale_norms[0])
+        notes.skip("stale grad norms printed for iterations DeepSpeed's loss scaler skipped (read as inf: the "
+                   "overflow)", stale_norms[1], count=stale_norms[0])
     notes.clock = clock.kind
 
 

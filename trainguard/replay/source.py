@@ -457,7 +457,8 @@ class Stream:
         self._scratch = None
         self.notes: list[str] = []              # what other tools' logs held that was passed over on purpose
         self.without_clock: list[Path] = []     # inputs whose records' times are steps (formats.NO_CLOCK)
-        self.files = self._as_tls(expand(paths))
+        self.sources = expand(paths)             # the inputs as found (what a user names); `files` is what is read
+        self.files = self._as_tls(self.sources)
         self.problems.order = {str(path): index for index, path in enumerate(self.files)}
         self.full = full
         self.lead_rank: int | None = None

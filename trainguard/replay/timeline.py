@@ -163,7 +163,7 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
 
         exporters = Exporters(stream, meter, scrape_interval)
     outcome = engine.replay(stream, policy, observer=exporters, meter=meter)
-    result = Result(stream.files, outcome, stream.problems, lead_rank=stream.lead_rank,
+    result = Result(stream.sources, outcome, stream.problems, lead_rank=stream.lead_rank,
                     scrape_interval=scrape_interval)
     if exporters is not None:
         table = exporters.finish(outcome.last_timestamp, hold) if outcome.records else None

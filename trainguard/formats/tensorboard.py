@@ -35,7 +35,7 @@ from trainguard.formats import Item, Notes, Unmapped, step_of
 MAGIC = b"brain.Event:"
 HEADER, FOOTER = 12, 4
 MAX_RECORD = 64 << 20           # a summary event this large is no event (a length bit flipped, a hostile file)
-RESYNC_BYTES = 64 << 20         # how far past a broken length a next whole record is looked for
+RESYNC_BYTES = 1 << 20          # how far past a broken length a next whole record is looked for (~3 s)
 LATEST_TIME = 1e10              # 2286: a wall time past it (or not finite, or not positive) is no time
 MAX_TAGS = 200
 DEFAULT_MAP = {
@@ -59,8 +59,8 @@ def looks_like_text(block: bytes) -> bool:
 # ------------------------------------------------------------------------------------------ framing
 
 def _crc_function():
-    """CRC-32C: a C implementation where one is installed (google-crc32c, crc32c), else a table in Python
-    (about 4 MB/s: a few seconds for a large Trainer's event file)."""
+    """CRC-32C: a C implementation where one is installed (google-crc32c, crc32c); else a table in Python for
+    a small record (~5 MB/s: an event is ~100 bytes) and numpy lanes for a large one (~30 MB/s)."""
     try:
         import google_crc32c
         return lambda data: google_crc32c.value(bytes(data))
@@ -71,19 +71,62 @@ def _crc_function():
         return crc32c.crc32c
     except ImportError:
         pass
+    return lambda data: (_crc_register(data) if len(data) < LANES_FROM else _crc_lanes(data)) ^ 0xFFFFFFFF
+
+
+LANES_FROM = 1 << 16
+
+
+def _table() -> tuple[int, ...]:
     table = []
     for index in range(256):
         crc = index
         for _ in range(8):
             crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
         table.append(crc)
+    return tuple(table)
 
-    def crc32c(data, table=tuple(table)) -> int:
-        crc = 0xFFFFFFFF
-        for byte in data:
-            crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-        return crc ^ 0xFFFFFFFF
-    return crc32c
+
+TABLE = _table()
+
+
+def _crc_register(data, crc: int = 0xFFFFFFFF, table=TABLE) -> int:
+    """The CRC-32C register after `data` (from `crc`), a byte at a time."""
+    for byte in data:
+        crc = table[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc
+
+
+def _crc_lanes(data) -> int:
+    """The same register, the data cut into ~sqrt(n) lanes run side by side as numpy columns, then put
+    together in order: the register is linear, so a lane's is shifted over the next lane's bytes (the shift
+    is the image of each of the 32 bits after a lane's length of zero bytes, applied a byte at a time)."""
+    import numpy as np
+
+    table = np.array(TABLE, dtype=np.uint32)
+    lanes = max(1, int(len(data) ** 0.5))
+    length = len(data) // lanes
+    columns = np.frombuffer(data, dtype=np.uint8, count=lanes * length).reshape(lanes, length).T.copy()
+    state = np.zeros(lanes, dtype=np.uint32)
+    state[0] = 0xFFFFFFFF
+    for column in columns:
+        state = table[(state ^ column) & 0xFF] ^ (state >> 8)
+    bits = np.uint32(1) << np.arange(32, dtype=np.uint32)
+    for _ in range(length):
+        bits = table[bits & 0xFF] ^ (bits >> 8)
+    images = [int(bit) for bit in bits]
+    shift = []
+    for byte in range(4):
+        part = [0] * 256
+        for value in range(1, 256):
+            low = value & -value
+            part[value] = part[value ^ low] ^ images[8 * byte + low.bit_length() - 1]
+        shift.append(part)
+    t0, t1, t2, t3 = shift
+    register = 0
+    for lane in state.tolist():
+        register = t0[register & 0xFF] ^ t1[(register >> 8) & 0xFF] ^ t2[(register >> 16) & 0xFF] ^ t3[register >> 24] ^ lane
+    return _crc_register(memoryview(data)[lanes * length:], register)
 
 
 _crc = None

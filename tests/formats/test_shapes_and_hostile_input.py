@@ -81,6 +81,24 @@ def test_several_ranks_in_one_file_are_one_run_and_the_copies_are_counted(tmp_pa
     assert count == 6 and first == 2 and "rank 7's are read" in what
 
 
+def test_a_folder_of_rank_files_replays_each_step_once(tmp_path, capsys):
+    for rank in range(3):
+        (tmp_path / f"log_rank{rank}.txt").write_text(
+            "".join(f"[default{rank}]: {iteration(step, 9.0 if step == 30 else 2.5)}\n" for step in range(1, 41)))
+    capsys.readouterr()
+    assert cli.main(["replay", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["files"]) == 3 and report["records"] == 120 and report["malformed"] == 0
+    assert (report["steps"], report["duplicate_steps"]) == (40, 80)
+
+
+def test_a_tls_file_with_a_torn_first_line_quoting_megatron_stays_tls(tmp_path):
+    log = tmp_path / "rank-0.jsonl"
+    quoted = json.dumps({"timestamp": 1.7e9, "step": 1, "event": {"type": "note", "text": iteration(1)}})
+    log.write_text('{"timestamp": 1.7e9, "ste\n' + quoted + "\n")
+    assert formats.detect(log) == formats.TLS
+
+
 def test_a_step_past_int64_is_named_not_a_traceback(tmp_path, capsys):
     log = tmp_path / "train.log"
     log.write_text(iteration(1) + "\n" + iteration(10**30) + "\n")

@@ -109,13 +109,16 @@ def _scanned(handle, head: bytes) -> str:
 
 
 def _first_line_is_a_record(head: bytes) -> bool:
+    """One of the first lines is a JSON object (the first may be torn: a process killed mid-write)."""
     import json
 
-    first = head.lstrip().split(b"\n", 1)[0]
-    try:
-        return isinstance(json.loads(first), dict)
-    except (ValueError, RecursionError):
-        return False
+    for line in head.lstrip().split(b"\n", 3)[:3]:
+        try:
+            if isinstance(json.loads(line), dict):
+                return True
+        except (ValueError, RecursionError):
+            continue
+    return False
 
 
 def _readers() -> dict:

@@ -315,3 +315,11 @@ def test_an_event_of_200k_tags_is_read_with_bounded_bookkeeping(tmp_path):
 
 def test_the_readers_say_what_they_are():
     assert megatron.looks_like_text(iteration(1).encode()) and not torchtitan.looks_like_text(iteration(1).encode())
+
+
+def test_a_compact_trainer_state_is_one_not_a_tls_line(tmp_path):
+    state = tmp_path / "trainer_state.json"
+    state.write_text(json.dumps({"global_step": 2, "log_history": [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]}))
+    assert formats.detect(state) == formats.HF_STATE
+    records, problems, _ = items(state)
+    assert [r["metrics"]["loss"] for r in records] == [2.0, 1.5] and problems == []

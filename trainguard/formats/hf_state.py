@@ -42,9 +42,10 @@ def looks_like(head: bytes) -> bool:
 
 
 def _one_record_per_line(text: bytes) -> bool:
-    """TLS: the first line is a whole JSON object. trainer_state.json is indented: its first line is `{`."""
+    """TLS: the first line is a whole JSON object with a `timestamp`. trainer_state.json is indented (its
+    first line is `{`), or one object without a timestamp."""
     first = text.split(b"\n", 1)[0].strip()
-    return first != b"{" and first.endswith(b"}")
+    return first != b"{" and first.endswith(b"}") and b'"timestamp"' in first
 
 
 def read(path: str | os.PathLike, notes: Notes | None = None) -> Iterator[Item]:

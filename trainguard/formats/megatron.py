@@ -63,6 +63,7 @@ FIELDS = {
     "number of skipped iterations": ("skipped_iterations", 1.0),
     "number of nan iterations": ("nan_iterations", 1.0),
     "num zeros": ("grad_num_zeros", 1.0),
+    "params norm": ("param_norm", 1.0),
 }
 INTEGERS = frozenset({"tokens_trained", "consumed_samples", "global_batch_size", "skipped_iterations",
                       "nan_iterations"})

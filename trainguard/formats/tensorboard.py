@@ -8,8 +8,8 @@ Scalar summaries become TLS step metrics by tag: `DEFAULT_MAP` holds the tags of
 one step are one record, timed by the first wall time among them. The Trainer's `eval/*` scalars are an
 `evaluation` event (`eval/loss` as `val_loss`, as hf_state.py maps `eval_loss`), its closing `train/train_*`
 and `train/total_flos` a `run_summary` event; a step that logged only `train/epoch` adds it to that event.
-Text summaries (the Trainer's `args/text_summary`) and the file-version header are not data: passed over,
-counted in the notes. A scalar with a tag the map does not name, and a non-scalar event (histograms,
+Text summaries (the Trainer's `args/text_summary`), hyperparameter summaries and the file-version header
+are not data: passed over, counted in the notes. A scalar with a tag the map does not name, and a non-scalar event (histograms,
 images, graphs), is `Unmapped` once per tag (its first event and how many there were).
 
 A corrupt file is named, never shortened in silence: a record whose data checksum fails is `Unmapped` at its
@@ -277,6 +277,8 @@ def _take(value, step: _Step, mapping: dict, unmapped: dict, notes: Notes, index
     if scalar is None:
         if plugin == "text" or value.HasField("tensor") and value.tensor.dtype == 7:
             notes.skip("text summaries (e.g. the Trainer's args/text_summary)", index, "event")
+        elif plugin == "hparams":
+            notes.skip("hyperparameter summaries (add_hparams)", index, "event")
         else:
             _count(unmapped, f"tag {tag!r} (not a scalar)", index)
         return

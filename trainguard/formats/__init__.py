@@ -52,16 +52,12 @@ class Notes:
     """What a reader passed over on purpose, once per kind with its count, and what its records' time is."""
     clock: str = "wall"                                       # "wall" | "elapsed" | NO_CLOCK
     skipped: dict[str, list] = field(default_factory=dict)   # what -> [count, first position, unit]
-    limit: int = 200                                          # distinct kinds kept (a 200k-tag event)
+    limit: int = 200                                          # distinct kinds kept, then one for the rest
 
     def skip(self, what: str, position: int, unit: str = "line", count: int = 1) -> None:
-        entry = self.skipped.get(what)
-        if entry is None:
-            if len(self.skipped) >= self.limit:
-                what, entry = "other kinds (past the first 200)", self.skipped.get("other kinds (past the first 200)")
-            if entry is None:
-                entry = self.skipped[what] = [0, position, unit]
-        entry[0] += count
+        if what not in self.skipped and len(self.skipped) >= self.limit:
+            what = f"other kinds (past the first {self.limit})"
+        self.skipped.setdefault(what, [0, position, unit])[0] += count
 
     def lines(self, source: str) -> list[str]:
         """One sentence per kind: `FILE: skipped N <what> (first at <unit> P)`."""

@@ -443,6 +443,18 @@ def _all(block: bytes, mark: bytes) -> Iterator[int]:
         at = block.find(mark, at + len(mark))
 
 
+def _says_no_clock(path: Path) -> bool:
+    """Whether a TLS file's first line carries CLOCKLESS_MARK. `trainguard convert` writes plain files; the
+    trainer's and the agent's logs (rotated ones compressed) never carry it: one 4 KiB read, no decompression."""
+    if path.suffix in (".gz", ".zst"):
+        return False
+    try:
+        with open(path, "rb") as handle:
+            return CLOCKLESS_MARK in handle.read(4096).split(b"\n", 1)[0]
+    except OSError:
+        return False
+
+
 # ---------------------------------------------------------------------------------------- stream
 
 class Stream:
@@ -476,7 +488,7 @@ class Stream:
         for index, path in enumerate(files):
             kind = formats.detect(path)
             if kind == formats.TLS:
-                if head_names(path, CLOCKLESS_MARK, 1):      # what `trainguard convert` wrote of one
+                if _says_no_clock(path):      # what `trainguard convert` wrote of one
                     self.without_clock.append(path)
                 converted.append(path)
                 continue

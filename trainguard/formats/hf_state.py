@@ -100,9 +100,10 @@ def _records_of(entry, last_step: int | None, notes: Notes, index: int) -> list[
     if not isinstance(entry, dict):
         raise ValueError(f"an entry that is a {type(entry).__name__}, not an object")
     numbers = _numbers(entry, notes, index)
-    if "step" not in entry and any(key.startswith("predict_") for key in numbers):
-        at = last_step if last_step is not None else 0
-        return [tls.event("prediction", step=last_step, timestamp=float(at),
+    if any(key.startswith("predict_") for key in numbers):
+        step = step_of(entry["step"]) if "step" in entry else last_step
+        at = step if step is not None else 0
+        return [tls.event("prediction", step=step, timestamp=float(at),
                           **{key[len("predict_"):]: v for key, v in numbers.items() if key.startswith("predict_")})]
     step = step_of(entry.get("step"))
     if step is None:

@@ -208,8 +208,10 @@ class _Step:
         self.evaluation: dict[str, float] = {}
         self.summary: dict[str, float] = {}
 
-    def records(self) -> list[dict]:
+    def records(self, notes: Notes, index: int) -> list[dict]:
         epoch_only = self.metrics.keys() <= {"epoch"}
+        if self.metrics and epoch_only and not (self.evaluation or self.summary):
+            notes.skip("steps that logged only the epoch", index, "event")
         out = []
         if self.metrics and not epoch_only:
             out.append(tls.make_record(step=self.step, timestamp=self.when, metrics=self.metrics))
@@ -259,12 +261,12 @@ def read(path: str | os.PathLike, notes: Notes | None = None, tag_map: dict[str,
             continue
         if current is None or current.step != step:
             if current is not None:
-                yield from current.records()
+                yield from current.records(notes, index)
             current = _Step(step, when)
         for value in event.summary.value:
             _take(value, current, mapping, unmapped, notes, index)
     if current is not None:
-        yield from current.records()
+        yield from current.records(notes, index)
     for what, (first, count) in unmapped.items():
         yield Unmapped(source, first, f"{what}: {count} event(s) not mapped to a TLS field "
                                       "(trainguard convert --map TAG=FIELD)", "event")

@@ -323,3 +323,24 @@ def test_a_compact_trainer_state_is_one_not_a_tls_line(tmp_path):
     assert formats.detect(state) == formats.HF_STATE
     records, problems, _ = items(state)
     assert [r["metrics"]["loss"] for r in records] == [2.0, 1.5] and problems == []
+
+
+def test_the_batched_checks_agree_with_the_one_record_path(tmp_path):
+    """`_framed` checks thousands of records as numpy arrays; `_single` one at a time: the same verdicts."""
+    import mmap
+
+    events = tmp_path / "events.out.tfevents.1.host"
+    event_file(events, [event(step, loss=1.0, **({"big": 2.0} if step % 7 else {})) for step in range(1, 9000)])
+    data = bytearray(events.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    events.write_bytes(bytes(data))
+    batched = list(tensorboard.records(events))
+    one_by_one, offset, index, size = [], 0, 0, len(data)
+    with open(events, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        while offset < size:
+            found, offset, stop = tensorboard._single(mapped, size, offset, index)
+            one_by_one.append(found)
+            index += 1
+            if stop:
+                break
+    assert batched == one_by_one and sum(isinstance(body, str) for _, _, body in batched) == 1

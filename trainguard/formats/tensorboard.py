@@ -34,6 +34,7 @@ from trainguard.formats import Item, Notes, Unmapped, step_of
 
 MAGIC = b"brain.Event:"
 HEADER, FOOTER = 12, 4
+BATCH, BATCH_BODY = 4096, 4096   # records checked at once; bodies up to this many bytes checked as one array
 MAX_RECORD = 64 << 20           # a summary event this large is no event (a length bit flipped, a hostile file)
 RESYNC_BYTES = 1 << 20          # how far past a broken length a next whole record is looked for (~3 s)
 LATEST_TIME = 1e10              # 2286: a wall time past it (or not finite, or not positive) is no time
@@ -151,36 +152,110 @@ def records(path: str | os.PathLike) -> Iterator[tuple[int, int, bytes | str]]:
 
 
 def _framed(data, size: int) -> Iterator[tuple[int, int, bytes | str]]:
+    """Records in file order. Whole batches are checked at once (`_batch`, numpy) while every checksum holds;
+    the first record that is not whole and sound is read alone (`_single`), which names what is wrong."""
     offset = index = 0
     while offset < size:
-        header = data[offset:offset + HEADER]
-        if len(header) < HEADER:
-            yield index, offset, f"the file ends {len(header)} bytes into a record's header (cut mid-record)"
-            return
-        length, length_crc = struct.unpack("<QI", header)
-        if masked_crc(header[:8]) != length_crc:
-            found = _next_record(data, size, offset + 1)
-            if found is None:
-                yield index, offset, ("a record length whose checksum fails, and no whole record within "
-                                      f"{RESYNC_BYTES:,} bytes after it: the rest of the file is not read")
-                return
-            yield index, offset, f"a record length whose checksum fails: {found - offset:,} bytes skipped to the next whole record"
-            offset, index = found, index + 1
-            continue
-        end = offset + HEADER + length + FOOTER
-        if length > MAX_RECORD:
-            yield index, offset, f"a record of {length:,} bytes, past any summary event ({MAX_RECORD:,}): the rest of the file is not read"
-            return
-        if end > size:
-            yield index, offset, f"the file ends inside a record of {length:,} bytes (cut mid-record)"
-            return
-        body = data[offset + HEADER:offset + HEADER + length]
-        (body_crc,) = struct.unpack("<I", data[end - FOOTER:end])
-        if masked_crc(body) != body_crc:
-            yield index, offset, "a record whose data checksum fails (corrupt): skipped"
+        frames = _frames_from(data, size, offset)
+        verdicts = _batch(data, frames) if frames else []
+        for (start, length), (header_ok, body_ok) in zip(frames, verdicts):
+            if not header_ok:
+                break                       # the length read may be wrong: `_single` resynchronises
+            end = start + HEADER + length + FOOTER
+            yield (index, start, data[start + HEADER:end - FOOTER] if body_ok
+                   else "a record whose data checksum fails (corrupt): skipped")
+            offset, index = end, index + 1
         else:
-            yield index, offset, body
-        offset, index = end, index + 1
+            if frames:
+                continue
+        found, offset, stop = _single(data, size, offset, index)
+        if found is not None:
+            yield found
+            index += 1
+        if stop:
+            return
+
+
+def _frames_from(data, size: int, offset: int) -> list[tuple[int, int]]:
+    """(offset, length) of up to BATCH records from `offset` whose lengths fit the file (not yet checked)."""
+    frames = []
+    while len(frames) < BATCH and offset + HEADER <= size:
+        (length,) = struct.unpack_from("<Q", data, offset)
+        end = offset + HEADER + length + FOOTER
+        if length > MAX_RECORD or end > size:
+            break
+        frames.append((offset, length))
+        offset = end
+    return frames
+
+
+def _batch(data, frames: list[tuple[int, int]]) -> list[tuple[bool, bool]]:
+    """(length checksum holds, data checksum holds) of each frame: the headers as one numpy array, the bodies
+    grouped by length (a Trainer's events come in a few lengths), a large body on its own."""
+    import numpy as np
+
+    buffer = np.frombuffer(data, dtype=np.uint8)
+    starts = np.fromiter((start for start, _ in frames), dtype=np.int64, count=len(frames))
+    lengths = np.fromiter((length for _, length in frames), dtype=np.int64, count=len(frames))
+    header_ok = _masked_rows(buffer[starts[:, None] + np.arange(8)]) == _stored(buffer, starts + 8)
+    body_ok = np.zeros(len(frames), dtype=bool)
+    ends = starts + HEADER + lengths
+    stored = _stored(buffer, ends)
+    for length in np.unique(lengths):
+        chosen = np.nonzero(lengths == length)[0]
+        if length <= BATCH_BODY:
+            rows = buffer[(starts[chosen] + HEADER)[:, None] + np.arange(int(length))]
+            body_ok[chosen] = _masked_rows(rows) == stored[chosen]
+        else:
+            for at in chosen:
+                body_ok[at] = masked_crc(data[int(starts[at]) + HEADER:int(ends[at])]) == int(stored[at])
+    return list(zip(header_ok.tolist(), body_ok.tolist()))
+
+
+def _masked_rows(rows):
+    """The masked CRC-32C of each row of a 2-D uint8 array, a column (one byte of every row) at a time."""
+    import numpy as np
+
+    table = np.array(TABLE, dtype=np.uint32)
+    crc = np.full(rows.shape[0], 0xFFFFFFFF, dtype=np.uint32)
+    for column in rows.T:
+        crc = table[(crc ^ column) & 0xFF] ^ (crc >> 8)
+    crc ^= np.uint32(0xFFFFFFFF)
+    return ((crc >> 15) | (crc << 17)) + np.uint32(0xA282EAD8)
+
+
+def _stored(buffer, at):
+    """The little-endian uint32 checksums stored at each offset of `at`."""
+    import numpy as np
+
+    raw = buffer[at[:, None] + np.arange(4)].astype(np.uint32)
+    return raw[:, 0] | raw[:, 1] << 8 | raw[:, 2] << 16 | raw[:, 3] << 24
+
+
+def _single(data, size: int, offset: int, index: int) -> tuple[tuple | None, int, bool]:
+    """One record at `offset`, checked alone: (what to yield or None, the next offset, whether to stop)."""
+    header = data[offset:offset + HEADER]
+    if len(header) < HEADER:
+        return (index, offset, f"the file ends {len(header)} bytes into a record's header (cut mid-record)"), size, True
+    length, length_crc = struct.unpack("<QI", header)
+    if masked_crc(header[:8]) != length_crc:
+        found = _next_record(data, size, offset + 1)
+        if found is None:
+            return (index, offset, "a record length whose checksum fails, and no whole record within "
+                                   f"{RESYNC_BYTES:,} bytes after it: the rest of the file is not read"), size, True
+        return (index, offset, f"a record length whose checksum fails: {found - offset:,} bytes skipped to the "
+                               "next whole record"), found, False
+    end = offset + HEADER + length + FOOTER
+    if length > MAX_RECORD:
+        return (index, offset, f"a record of {length:,} bytes, past any summary event ({MAX_RECORD:,}): the rest "
+                               "of the file is not read"), size, True
+    if end > size:
+        return (index, offset, f"the file ends inside a record of {length:,} bytes (cut mid-record)"), size, True
+    body = data[offset + HEADER:end - FOOTER]
+    (body_crc,) = struct.unpack("<I", data[end - FOOTER:end])
+    if masked_crc(body) != body_crc:
+        return (index, offset, "a record whose data checksum fails (corrupt): skipped"), end, False
+    return (index, offset, body), end, False
 
 
 def _next_record(data, size: int, start: int) -> int | None:

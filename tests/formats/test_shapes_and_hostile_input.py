@@ -344,3 +344,31 @@ def test_the_batched_checks_agree_with_the_one_record_path(tmp_path):
             if stop:
                 break
     assert batched == one_by_one and sum(isinstance(body, str) for _, _, body in batched) == 1
+
+
+def test_megatrons_own_tensorboard_tags(tmp_path):
+    """megatron/training/training.py training_log and evaluate_and_print_results, as Megatron writes them."""
+    writer_module = pytest.importorskip("torch.utils.tensorboard")
+    writer = writer_module.SummaryWriter(str(tmp_path))
+    for iteration in (10, 20):
+        samples = iteration * 512
+        for tag, value in (("learning-rate", 3e-4), ("batch-size", 512.0), ("lm loss", 2.5), ("loss-scale", 1.0),
+                           ("grad-norm", 0.4), ("num-zeros", 0.0), ("params-norm", 250.0), ("iteration-time", 0.9)):
+            writer.add_scalar(tag, value, iteration)
+            writer.add_scalar(tag + " vs samples", value, samples)
+    writer.add_scalar("lm loss validation", 2.7, 20)
+    writer.add_scalar("lm loss validation ppl", 14.9, 20)
+    writer.close()
+    (events,) = tmp_path.glob("events.out.tfevents.*")
+    records, problems, notes = items(events)
+    assert problems == []
+    steps = [r for r in records if "event" not in r]
+    assert [r["step"] for r in steps] == [10, 20]                    # not the samples' 5120, 10240
+    assert steps[0]["metrics"] == pytest.approx({"learning_rate": 3e-4, "global_batch_size": 512.0, "loss": 2.5,
+                                                 "loss_scale": 1.0, "grad_norm": 0.4, "grad_num_zeros": 0.0,
+                                                 "param_norm": 250.0, "step_time_seconds": 0.9})
+    (evaluation,) = [r for r in records if "event" in r]
+    assert evaluation["step"] == 20 and evaluation["event"] == pytest.approx(
+        {"type": "evaluation", "val_loss": 2.7, "val_ppl": 14.9})
+    ((what, (count, _, _)),) = notes.skipped.items()
+    assert "vs samples" in what and count == 16

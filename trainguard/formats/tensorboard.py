@@ -3,8 +3,9 @@ checksums checked, each record an `Event` protobuf (TensorBoard's own message de
 package, `pip install tensorboard`).
 
 Scalar summaries become TLS step metrics by tag: `DEFAULT_MAP` holds the tags of the Hugging Face Trainer
-(`train/loss`, `train/epoch`, ...), Megatron-LM (`lm loss`, `grad-norm`, `learning-rate`) and plain
-`loss`/`grad_norm`/`lr`; `--map TAG=FIELD` (trainguard convert) adds or overrides one. Consecutive events of
+(`train/loss`, `train/epoch`, ...), Megatron-LM (`lm loss`, `grad-norm`, `learning-rate`, `iteration-time`,
+`loss-scale`, `batch-size`, `params-norm`, `num-zeros`; `lm loss validation` an `evaluation` event; its
+` vs samples` / ` vs tokens` copies, whose step is not the iteration, passed over) and plain `loss`/`grad_norm`/`lr`; `--map TAG=FIELD` (trainguard convert) adds or overrides one. Consecutive events of
 one step are one record, timed by the first wall time among them. The Trainer's `eval/*` scalars are an
 `evaluation` event (`eval/loss` as `val_loss`, as hf_state.py maps `eval_loss`), its closing `train/train_*`
 and `train/total_flos` a `run_summary` event; a step that logged only `train/epoch` adds it to that event.
@@ -44,8 +45,15 @@ DEFAULT_MAP = {
     "grad_norm": "grad_norm", "train/grad_norm": "grad_norm", "grad-norm": "grad_norm",
     "lr": "learning_rate", "learning_rate": "learning_rate", "train/learning_rate": "learning_rate",
     "learning-rate": "learning_rate", "train/epoch": "epoch", "epoch": "epoch",
+    # Megatron-LM's training_log (iteration-time: seconds per iteration)
+    "iteration-time": "step_time_seconds", "loss-scale": "loss_scale", "batch-size": "global_batch_size",
+    "params-norm": "param_norm", "num-zeros": "grad_num_zeros",
 }
 EVAL_PREFIX, SUMMARY_TAGS = "eval/", ("train/train_", "train/total_flos")
+VALIDATION_TAGS = {"lm loss validation": "loss", "lm loss validation ppl": "val_ppl"}     # Megatron's evaluate_and_print
+OTHER_AXIS = (" vs samples", " vs tokens")      # Megatron's copies of a scalar against consumed samples or tokens
+OTHER_AXIS_NOTE = ("Megatron's copies of scalars against samples or tokens (` vs samples`, ` vs tokens`: their "
+                   "step is not the iteration)")
 DT_FLOAT, DT_DOUBLE, DT_INT32, DT_INT64, DT_HALF = 1, 2, 3, 9, 19
 
 
@@ -334,6 +342,9 @@ def read(path: str | os.PathLike, notes: Notes | None = None, tag_map: dict[str,
             what = f"step {event.step}" if step is None else f"wall time {when!r}"
             yield Unmapped(source, index, f"{what}: not a step and a time", "event")
             continue
+        if event.summary.value and all(value.tag.endswith(OTHER_AXIS) for value in event.summary.value):
+            notes.skip(OTHER_AXIS_NOTE, index, "event", count=len(event.summary.value))
+            continue                    # its step is samples or tokens: it does not end the iteration's group
         if current is None or current.step != step:
             if current is not None:
                 yield from current.records(notes, index)
@@ -362,6 +373,10 @@ def _take(value, step: _Step, mapping: dict, unmapped: dict, notes: Notes, index
     field = mapping.get(tag)
     if field is not None:
         step.metrics.setdefault(field, scalar)
+    elif tag in VALIDATION_TAGS:
+        step.evaluation.setdefault(VALIDATION_TAGS[tag], scalar)
+    elif tag.endswith(OTHER_AXIS):
+        notes.skip(OTHER_AXIS_NOTE, index, "event")
     elif tag.startswith(EVAL_PREFIX) and len(step.evaluation) < MAX_TAGS:
         step.evaluation.setdefault(tag[len(EVAL_PREFIX):], scalar)
     elif tag.startswith(SUMMARY_TAGS) and len(step.summary) < MAX_TAGS:

@@ -146,6 +146,8 @@ def _evaluations(entry: dict, numbers: dict, step: int) -> list[dict]:
         values = {key[len(prefix):]: value for key, value in numbers.items()
                   if key.startswith(prefix) and (dataset is not None or not _another_dataset(key, datasets))}
         values["val_loss"] = values.pop("loss")
+        if "epoch" in numbers:
+            values["epoch"] = numbers["epoch"]
         named = {"dataset": dataset} if dataset is not None else {}
         events.append(tls.event("evaluation", step=step, timestamp=float(step), **named, **values))
     return events

@@ -31,24 +31,25 @@ def run(args: argparse.Namespace) -> int:
         return usage(str(exc))
     if not args.input.is_file():
         return usage(f"{args.input}: no such file")
-    if args.output.is_dir():
-        return usage(f"{args.output}: a directory; -o names the TLS file to write")
-    if args.output.exists() and args.output.resolve() == args.input.resolve():
-        return usage(f"{args.output}: the input itself; write the TLS beside it")
     kind = formats.detect(args.input)
     if kind == formats.TLS:
         return usage(f"{args.input}: not a TensorBoard event file, trainer_state.json, Megatron or torchtitan log "
                      "(it reads as TLS already, or is none of them)")
+    if (refusal := output_refusal(args.input, args.output)) is not None:
+        return usage(refusal)
     temporary = args.output.with_name(args.output.name + ".partial")
     notes = formats.Notes()
-    with open(temporary, "wb") as out:
-        written, problems = formats.write_tls(args.input, out, mapping, notes)
+    try:
+        with open(temporary, "wb") as out:
+            written, problems = formats.write_tls(args.input, out, mapping, notes)
+        if written:
+            os.replace(temporary, args.output)
+    finally:
+        temporary.unlink(missing_ok=True)      # a full disk, an interrupt or nothing read leaves no .partial
     if not written:
-        temporary.unlink()
         for problem in problems[:SHOWN]:
             print(f"  not mapped: {problem}", file=sys.stderr)
         return usage(f"{args.input}: read as a {kind} log, and no record in it ({len(problems)} not mapped)")
-    os.replace(temporary, args.output)
     clock = " (no wall clock: each record's timestamp is its step, marked \"clock\": \"none\")" \
         if notes.clock == formats.NO_CLOCK else ""
     print(f"trainguard convert: {args.input} ({kind}) -> {args.output}: {written} records{clock}")
@@ -59,6 +60,23 @@ def run(args: argparse.Namespace) -> int:
     if len(problems) > SHOWN:
         print(f"  ... and {len(problems) - SHOWN} more", file=sys.stderr)
     return EXIT_UNMAPPED if problems else EXIT_OK
+
+
+def output_refusal(source: Path, output: Path) -> str | None:
+    """Why `-o OUTPUT` cannot be written, or None. The output replaces its path when done, so the input
+    itself, by any name (a symlink, a hard link: the same inode), would be destroyed (issue 29)."""
+    if output.is_dir():
+        return f"-o {output}: is a directory; name the .jsonl file to write"
+    if not output.parent.is_dir():
+        return f"-o {output}: no such directory {output.parent}"
+    if output.exists() or output.is_symlink():
+        try:
+            same = os.path.samefile(source, output)
+        except OSError:       # a dangling symlink: it is replaced, nothing of the input is at it
+            same = False
+        if same:
+            return f"-o {output}: is the input {source} itself; converting would destroy it"
+    return None
 
 
 def usage(message: str) -> int:

@@ -54,3 +54,41 @@ def test_lightning_skips_a_nan_rolls_back_spikes_and_obeys_cost_stop(tmp_path):
     assert callback.exit_code is None
     assert events(run, "checkpoint_restored")[-1]["step"] == ack["step"]
     assert [r["step"] for r in step_records(run)][-2:] == [ack["step"] + 1, ack["step"] + 2]
+
+
+@pytest.mark.parametrize("steps, warned", [(0, True), (3, False)])
+def test_lightning_max_steps_without_steps_on_the_callback_warns(steps, warned, tmp_path):
+    import warnings
+
+    from examples.lightning_module import TinyLM, pl
+    from trainguard.protect.lightning import ProtectCallback
+
+    callback = ProtectCallback(str(tmp_path / "run"), steps=steps)
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path / "lightning"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyLM({}, lambda: callback.protector.state.step + 1), batches(3))
+    ours = [w for w in caught if "ProtectCallback(steps=3)" in str(w.message)]
+    assert len(ours) == (1 if warned else 0)
+
+
+def test_lightning_in_shadow_records_the_actions_and_trains_on_unchanged(tmp_path):
+    """The Lightning callback in shadow (the policy's actions.mode): the spikes' skips and rollback and the
+    agent's cost_stop are shadow_action events; every step steps and the fit runs to its end."""
+    run = tmp_path / "run"
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(json.dumps({"guard": GUARD, "actions": {"mode": "shadow"}}))   # JSON is YAML
+    trainer, module, callback = build(str(run), 30, faults_of(["spike@14"]), str(policy))
+    agent = request_when_step_written(run, 18, "cost_stop")
+    trainer.fit(module, batches(30))
+    agent.join()
+
+    assert callback.exit_code is None
+    shadowed = [(e["step"], e["action"], e["source"]) for e in events(run, "shadow_action")]
+    assert shadowed[:3] == [(14, "skip_step", "guard"), (15, "skip_step", "guard"), (16, "rollback", "guard")]
+    assert [e["action"] for e in events(run, "shadow_action") if e["source"] == "control"] == ["cost_stop"]
+    assert not events(run, "skip_step") and not events(run, "rollback") and not events(run, "action")
+    assert [r["step"] for r in step_records(run)] == list(range(1, 31))
+    assert not (run / "cost_summary.json").exists()

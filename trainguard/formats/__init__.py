@@ -141,13 +141,15 @@ def read(path: str | os.PathLike, tag_map: dict[str, str] | None = None,
 
 
 def write_tls(path: str | os.PathLike, out, tag_map: dict[str, str] | None = None,
-              notes: Notes | None = None) -> tuple[int, list[Unmapped]]:
+              notes: Notes | None = None, progress=None) -> tuple[int, list[Unmapped]]:
     """Every record of a non-TLS file as TLS lines on the binary stream `out`; returns the number written
-    and the problems (each also a reason the file is not fully represented)."""
+    and the problems (each also a reason the file is not fully represented). `progress`: a
+    trainguard.progress.Progress that counts the records."""
     from trainguard import tls
 
     written, problems = 0, []
-    for item in read(path, tag_map, notes):
+    items = read(path, tag_map, notes)
+    for item in progress.counted(items) if progress is not None else items:
         if isinstance(item, Unmapped):
             problems.append(item)
         else:

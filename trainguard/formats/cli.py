@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from trainguard import formats
+from trainguard.progress import Progress
 
 EXIT_OK, EXIT_UNMAPPED, EXIT_USAGE = 0, 1, 2
 SHOWN = 20
@@ -40,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
     temporary = args.output.with_name(args.output.name + ".partial")
     notes = formats.Notes()
     try:
-        with open(temporary, "wb") as out:
-            written, problems = formats.write_tls(args.input, out, mapping, notes)
+        with open(temporary, "wb") as out, Progress("convert") as shown:
+            shown.step(0, args.input.name)
+            written, problems = formats.write_tls(args.input, out, mapping, notes, progress=shown)
         if written:
             os.replace(temporary, args.output)
     finally:

@@ -42,6 +42,8 @@ from trainguard.formats import discover
 BLOCK_BYTES = 1 << 16          # one block of lines per decode call: ~300 trainer records
 MAX_MALFORMED_KEPT = 1000      # details kept; every malformed line is counted
 # A folder without TLS logs: the logs of other tools it may hold (trainguard.formats, detected by content).
+# A record whose timestamp is its step (a trainer_state.json, converted): the first line of such a file says so.
+CLOCKLESS_MARK = b'"' + formats.CLOCK_KEY.encode() + b'":"' + formats.NO_CLOCK.encode() + b'"'
 
 
 # ----------------------------------------------------------------------------------------- records
@@ -468,6 +470,18 @@ def _all(block: bytes, mark: bytes) -> Iterator[int]:
         at = block.find(mark, at + len(mark))
 
 
+def _says_no_clock(path: Path) -> bool:
+    """Whether a TLS file's first line carries CLOCKLESS_MARK. `trainguard convert` writes plain files; the
+    trainer's and the agent's logs (rotated ones compressed) never carry it: one 4 KiB read, no decompression."""
+    if path.suffix in (".gz", ".zst"):
+        return False
+    try:
+        with open(path, "rb") as handle:
+            return CLOCKLESS_MARK in handle.read(4096).split(b"\n", 1)[0]
+    except OSError:
+        return False
+
+
 # ---------------------------------------------------------------------------------------- stream
 
 class Stream:
@@ -480,7 +494,10 @@ class Stream:
     def __init__(self, paths: Iterable[str | os.PathLike], *, full: bool = False):
         self.problems = Problems()
         self._scratch = None
-        self.files = self._as_tls(expand(paths))
+        self.notes: list[str] = []              # what other tools' logs held that was passed over on purpose
+        self.without_clock: list[Path] = []     # inputs whose records' times are steps (formats.NO_CLOCK)
+        self.sources = expand(paths)             # the inputs as found (what a user names); `files` is what is read
+        self.files = self._as_tls(self.sources)
         self.problems.order = {str(path): index for index, path in enumerate(self.files)}
         self.full = full
         self.lead_rank: int | None = None
@@ -496,17 +513,26 @@ class Stream:
         stream, and read from there on; what could not be mapped is a malformed entry of the original file."""
         converted = []
         for index, path in enumerate(files):
-            if formats.detect(path) == formats.TLS:
+            kind = formats.detect(path)
+            if kind == formats.TLS:
+                if _says_no_clock(path):      # what `trainguard convert` wrote of one
+                    self.without_clock.append(path)
                 converted.append(path)
                 continue
             if self._scratch is None:
                 import tempfile
                 self._scratch = tempfile.TemporaryDirectory(prefix="trainguard-replay-")
             target = Path(self._scratch.name) / f"{index}-{path.name}.jsonl"
+            notes = formats.Notes()
             with open(target, "wb") as out:
-                _, unmapped = formats.write_tls(path, out)
+                written, unmapped = formats.write_tls(path, out, notes=notes)
             for problem in unmapped:
                 self.problems.add(problem.file, problem.position, f"{problem.where}: {problem.error}")
+            self.notes += notes.lines(str(path))
+            if not written:
+                self.notes.append(f"{path}: read as a {kind} log, and no record in it")
+            if notes.clock == formats.NO_CLOCK:
+                self.without_clock.append(path)
             converted.append(target)
         return converted
 

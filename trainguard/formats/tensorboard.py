@@ -30,7 +30,7 @@ import os
 import struct
 from typing import Iterator
 
-from trainguard import tls
+from trainguard import safe_read, tls
 from trainguard.formats import Item, Notes, Unmapped, step_of
 
 MAGIC = b"brain.Event:"
@@ -151,7 +151,7 @@ def masked_crc(data) -> int:
 
 def records(path: str | os.PathLike) -> Iterator[tuple[int, int, bytes | str]]:
     """(index, byte offset, data) of each whole record whose checksums hold, or (index, offset, problem)."""
-    with open(path, "rb") as handle:
+    with safe_read.open_file(path, what="event file") as handle:
         size = os.fstat(handle.fileno()).st_size
         if size == 0:
             return

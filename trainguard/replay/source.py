@@ -476,7 +476,7 @@ def _says_no_clock(path: Path) -> bool:
     if path.suffix in (".gz", ".zst"):
         return False
     try:
-        with open(path, "rb") as handle:
+        with safe_read.open_file(path, what="log file") as handle:
             return CLOCKLESS_MARK in handle.read(4096).split(b"\n", 1)[0]
     except OSError:
         return False

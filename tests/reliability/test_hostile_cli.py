@@ -98,17 +98,24 @@ def test_answers_keep_1_and_bad_input_is_2_without_a_traceback(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("ranks", [["x"], 5, {"1e400": {}}, {"-1": {}}, {"99999999999999999999999": {}}])
-def test_odd_node_files_cost_their_ranks_never_the_verdict(tmp_path, capsys, ranks):
-    """The agent's live verdict and `incidents replay` read node files through agent/evidence.load."""
+def test_odd_node_files_cost_their_ranks_never_the_verdict(tmp_path, capsys, monkeypatch, ranks):
+    """The agent's live verdict and `incidents replay` read node files through agent/evidence.load. The odd
+    file is signed (an agent's own bug, not a stranger's file: that one is refused before its ranks are read)."""
+    from tests.culprit.test_recorded import signed_copy
+    from trainguard import incidents
     from trainguard.agent import evidence
     from trainguard.decide import culprit
+    from trainguard.trainer.checkpoint import keys
 
-    run = tmp_path / "run"
-    shutil.copytree(RECORDED, run / "incidents")
+    key_path = tmp_path / "keys" / "checkpoint.key"
+    monkeypatch.setenv(keys.ENV_VAR, str(key_path))
+    key = keys.load_key(key_path, create=True)
+    run = signed_copy("hang-evict", tmp_path, key)
     [incident] = os.listdir(run / "incidents")
     node = run / "incidents" / incident / "node-n2.json"
-    node.write_text(json.dumps({"node": "n2", "ranks": ranks, "xids": [5, "x"], "gpus_lost": 7}))
-    ranks_seen, nodes = evidence.load(run, incident)
+    node.write_text(json.dumps(incidents.sign_node(key, incident, "n2", {"ranks": ranks, "xids": [5, "x"],
+                                                                          "gpus_lost": 7}, {})))
+    ranks_seen, nodes = evidence.load(run, incident, key)
     assert [r.rank for r in ranks_seen] == [0]              # n2's entries were not ranks
     assert culprit.decide(ranks_seen, nodes).confidence >= 0
     code, out, err = cli(capsys, "incidents", "replay", str(run), incident)

@@ -98,12 +98,14 @@ class GuardPolicy:
     warmup_spike_factor: float = 2.0
     # Slow divergence: the mean loss of the last `drift_chunk` healthy steps more than `drift_loss_ratio`
     # above the least such mean of the `drift_chunks` chunks before (once `drift_min_chunks` are held),
-    # while the mean gradient norm is `drift_grad_ratio` above its own least: a rollback at once.
+    # while the mean gradient norm is `drift_grad_ratio` above its own least, and the rise is more than
+    # `drift_steadiness` times the largest move between two chunk means in that span: a rollback at once.
     drift_chunk: int = 32
     drift_chunks: int = 16
     drift_min_chunks: int = 4
     drift_loss_ratio: float = 0.10
     drift_grad_ratio: float = 0.25
+    drift_steadiness: float = 2.0
     # Silent data corruption (trainguard/decide/replica.py): every replica fingerprints its weights and
     # gradients every this many steps (0: never); bench/bench_sdc.py measures the cost of a check.
     replica_check_every: int = 50
@@ -385,6 +387,7 @@ RULES: dict[str, Range | Choice | str] = {
     "guard.drift_min_chunks": at_least(1, 10**6),
     "guard.drift_loss_ratio": above(0),
     "guard.drift_grad_ratio": above(0),
+    "guard.drift_steadiness": above(0),
     "alerts.stall_seconds": above(0, 10**7),
     "alerts.slow_node_factor": above(1, 1000),
     "alerts.startup_grace_seconds": above(0, 10**7),

@@ -324,9 +324,11 @@ class DriftScreen:
                 loss_floor = _sliding_min(rule.loss_means, means[0])
                 grad_floor = _sliding_min(rule.grad_means, means[1])
                 size = np.minimum(np.arange(held, held + len(ends)), rule.loss_means.maxlen or 0)
+                rise = means[0] - loss_floor
                 flagged[ends] = ((size >= rule.min_chunks)
-                                 & (means[0] - loss_floor > rule.loss_ratio * np.abs(loss_floor))
-                                 & (means[1] - grad_floor > rule.grad_ratio * np.abs(grad_floor)))
+                                 & (rise > rule.loss_ratio * np.abs(loss_floor))
+                                 & (means[1] - grad_floor > rule.grad_ratio * np.abs(grad_floor))
+                                 & (rise > rule.steadiness * _largest_moves(rule.loss_means, means[0])))
 
         def learn(healthy: int) -> None:
             done = int(np.searchsorted(ends, healthy))    # chunks completed within the healthy prefix
@@ -360,6 +362,17 @@ def _running_sum(held: float, values: Array) -> float:
     if not len(values):
         return held
     return float(np.cumsum(np.concatenate(([held], values)))[-1])
+
+
+def _largest_moves(held: deque[float], means: Array) -> Array:
+    """Before each of `means`: the largest move between consecutive chunk means over the means held then
+    (the last `held.maxlen`) and into it, as `LossDrift.check` finds it; -inf where there is none."""
+    size = held.maxlen or 0
+    chain = np.concatenate((np.fromiter(held, np.float64, len(held)), means))
+    moves = np.abs(np.diff(chain))                  # moves[j]: from chain[j] to chain[j + 1]
+    padded = np.concatenate((np.full(size, -np.inf), moves))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, size)
+    return windows[len(held):len(held) + len(means)].max(axis=1)     # windows[q]: the moves into chain[q]
 
 
 def _sliding_min(held: deque[float], means: Array) -> Array:

@@ -323,8 +323,10 @@ class LossDrift:
     """A slow divergence: the loss climbing by tens of percent over hundreds of steps, the gradient norm
     rising gently with it, no single step outside any band. Healthy steps are taken in chunks of `chunk`;
     at the step that completes a chunk, its mean loss more than `loss_ratio` above the least chunk mean
-    of the last `chunks` (once `min_chunks` are held), and its mean gradient norm more than `grad_ratio`
-    above theirs, is a drift. A chunk mean trails the loss by half a chunk, so at the defaults it acts
+    of the last `chunks` (once `min_chunks` are held), its mean gradient norm more than `grad_ratio`
+    above theirs, and the rise more than `steadiness` times the largest move from one chunk mean to the
+    next in that span, is a drift: a climb made of small steps, where the run's own wander (a tiny model's
+    loss moves tens of percent over a hundred steps and back) or one sudden step is not. A chunk mean trails the loss by half a chunk, so at the defaults it acts
     while the loss is about 12-16% above its floor, before 20%. A level shift (data mix) has normal
     gradients and is left to the escalation; a healthy run's loss falls, so its floor is its latest.
     It asks for a rollback at once (`rolls_back`) and starts again after one."""
@@ -332,8 +334,10 @@ class LossDrift:
     reason = "loss_drift"
     rolls_back = True
 
-    def __init__(self, chunk: int, chunks: int, min_chunks: int, loss_ratio: float, grad_ratio: float):
+    def __init__(self, chunk: int, chunks: int, min_chunks: int, loss_ratio: float, grad_ratio: float,
+                 steadiness: float):
         self.chunk, self.min_chunks, self.loss_ratio, self.grad_ratio = chunk, min_chunks, loss_ratio, grad_ratio
+        self.steadiness = steadiness
         self.loss_sum = self.grad_sum = 0.0
         self.count = 0
         self.loss_means: deque[float] = deque(maxlen=chunks)
@@ -345,10 +349,16 @@ class LossDrift:
         loss = (self.loss_sum + stats.loss) / self.chunk
         grad = (self.grad_sum + stats.grad_norm) / self.chunk
         loss_floor, grad_floor = min(self.loss_means), min(self.grad_means)
-        if loss - loss_floor > self.loss_ratio * abs(loss_floor) and grad - grad_floor > self.grad_ratio * abs(grad_floor):
-            return {"loss_mean": loss, "loss_floor": loss_floor, "grad_norm_mean": grad, "grad_norm_floor": grad_floor,
-                    "steps": self.chunk}
-        return None
+        rise = loss - loss_floor
+        if not (rise > self.loss_ratio * abs(loss_floor) and grad - grad_floor > self.grad_ratio * abs(grad_floor)):
+            return None
+        largest = abs(loss - self.loss_means[-1])       # the largest move from one chunk to the next
+        for before, after in itertools.pairwise(self.loss_means):
+            largest = max(largest, abs(after - before))
+        if not rise > self.steadiness * largest:
+            return None
+        return {"loss_mean": loss, "loss_floor": loss_floor, "grad_norm_mean": grad, "grad_norm_floor": grad_floor,
+                "steps": self.chunk}
 
     def learn(self, stats: StepStats) -> None:
         self.loss_sum += stats.loss
@@ -389,7 +399,7 @@ def rules(policy: GuardPolicy) -> tuple[Rule, ...]:
         GradClimb(policy.grad_climb_sigma, policy.grad_climb_window, policy.grad_climb_min_steps,
                   policy.grad_climb_steps, policy.grad_climb_lag),
         LossDrift(policy.drift_chunk, policy.drift_chunks, policy.drift_min_chunks, policy.drift_loss_ratio,
-                  policy.drift_grad_ratio),
+                  policy.drift_grad_ratio, policy.drift_steadiness),
     )
 
 

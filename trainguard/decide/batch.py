@@ -169,7 +169,11 @@ def _advance(guard: Guard, fitted: list[tuple[Rule, Any]], rows: Rows, start: in
     cannot clear into every rule, and returns where they end."""
     if guard.stopped:
         return start
-    doubtful = np.zeros(end - start, dtype=bool)
+    # A step that goes back is the guard's to judge (a rollback's rewind, or a restart: `Guard._went_back`).
+    steps = rows.steps[start:end]
+    doubtful = np.empty(end - start, dtype=bool)
+    doubtful[1:] = steps[1:] <= steps[:-1]
+    doubtful[0] = guard.last_step is not None and steps[0] <= guard.last_step
     learners = []
     for rule, screen in fitted:
         flagged, learn = screen(rule, rows, start, end)
@@ -180,6 +184,7 @@ def _advance(guard: Guard, fitted: list[tuple[Rule, Any]], rows: Rows, start: in
         for learn in learners:
             learn(healthy)
         guard.observed += healthy
+        guard.last_step = int(steps[healthy - 1])
     return start + healthy
 
 

@@ -438,6 +438,8 @@ class Guard:
         self.overflows = Run()                  # non-finite gradient norms beside a finite loss, in a row
         self.shift = Run()                      # losses above the band with normal gradients, in a row
         self.recent_spikes: deque[float] = deque(maxlen=self.policy.shift_steps)   # losses of counted spikes
+        self.last_step: int | None = None       # the step of the last step observed
+        self.rewinding = False                  # a rollback was decided: the steps going back are its own
         # What the human should hear that is no action (a level shift accepted), for the caller to log.
         self.notices: list[Detail] = []
 
@@ -452,12 +454,32 @@ class Guard:
         self.observed += 1
         if self.stopped:
             return Decision(STOP, "rollback_limit", stats.step, stats.timestamp)
+        if self.last_step is not None and stats.step <= self.last_step:
+            self._went_back()
+        self.last_step = stats.step
         for rule in self.rules:
             detail = rule.check(stats)
             if detail is not None:
                 return self._escalate(stats, rule, detail)
         self._learn(stats)
         return CARRY_ON
+
+    def _went_back(self) -> None:
+        """The step went back. After a rollback the guard decided, that is the rollback (its memory carries
+        on, as the trainer keeps it). Otherwise the run was restarted from an earlier checkpoint and appended
+        to the same log: the statistics of the steps since that checkpoint are not the resumed run's, so
+        the rules start afresh (the warm-up rule watches while they fill); the rollback budget carries on."""
+        if self.rewinding:
+            self.rewinding = False
+            return
+        fresh = {type(rule): rule for rule in rules(self.policy)}
+        for rule in self.rules:
+            if type(rule) in fresh:
+                rule.load_state_dict(fresh[type(rule)].state_dict())
+        self.bad.clear()
+        self.overflows.clear()
+        self.shift.clear()
+        self.recent_spikes.clear()
 
     def _learn(self, stats: StepStats) -> None:
         for rule in self.rules:
@@ -490,6 +512,7 @@ class Guard:
             return Decision(STOP, "rollback_limit", step, timestamp,
                             {"rollbacks_last_hour": len(self.rollbacks), "last_reason": reason})
         self.rollbacks.append(timestamp)
+        self.rewinding = True
         for each in self.rules:
             if hasattr(each, "rolled_back"):
                 each.rolled_back()

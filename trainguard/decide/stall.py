@@ -75,8 +75,8 @@ class StallTracker:
 
     Feed records in time order (`observe`); a stall is returned once, when first seen. A step beyond the
     newest seen is progress; a ``run_start`` (a new attempt, resuming from a checkpoint's earlier step)
-    starts the count again, and so does a step record that goes back after a silence longer than
-    ``stall_seconds`` (a restart appended to the log by a launcher that writes no ``run_start``). After a ``run_end`` nothing is a stall until the next ``run_start``: logs of
+    starts the count again. Replay marks a restart appended to a log by a launcher that writes no
+    ``run_start`` as one (trainguard/replay/stall_pass.py: a file's step going back after a silence). After a ``run_end`` nothing is a stall until the next ``run_start``: logs of
     several sources interleave, and a node log a second behind still reaches the last step after it.
     """
 
@@ -96,12 +96,6 @@ class StallTracker:
             self.step, self.advanced_at = step, timestamp
             return None
         if self.advanced_at is None or self.ended:
-            return None
-        if step is not None and step < self.step and timestamp - self.advanced_at > self.stall_seconds:
-            # The first record after a silence goes back to an earlier step: the run was restarted from a
-            # checkpoint (a crash, a requeue) and appended to the same log. Nothing kept writing while it
-            # was away, so there was no hang to see; the new attempt counts from here.
-            self.step, self.advanced_at = step, timestamp
             return None
         progress = RankProgress(0, self.step, self.advanced_at, self.advanced_at)
         stall = decide([progress], timestamp, self.stall_seconds, startup_grace_seconds=float("inf"))

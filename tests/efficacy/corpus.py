@@ -269,14 +269,14 @@ def explosion(seed: int, steps: int) -> Case:
 
 
 def slow_divergence(seed: int, steps: int) -> Case:
-    """From `at` (past the loss's fast fall) the loss climbs by 20-60% over 300-800 steps, the gradient
+    """From `at` (past the loss's fast fall) the loss climbs by 30-60% over 300-800 steps, the gradient
     norm rising with it by 1.5-3x: no step leaves any band. Right: a rollback before the loss's trend is
     20% above its floor of the 512 steps before (the latest right step is computed from the noise-free
     trend); later rollbacks and a stop, as the recorded climb goes on, are tolerated."""
     rng = random.Random(seed)
     run = Run(rng, tau=150.0, noise=rng.uniform(0.008, 0.02))
     at, span = rng.randint(max(1000, steps // 3), max(1000, steps // 2)), rng.randint(300, 800)
-    climb, grad_climb = rng.uniform(0.2, 0.6), rng.uniform(1.5, 3.0)
+    climb, grad_climb = rng.uniform(0.3, 0.6), rng.uniform(1.5, 3.0)
     steps = max(steps, at + span + 200)
 
     def ramp(step: int) -> float:

@@ -95,7 +95,7 @@ class GuardPolicy:
     shift_grad_factor: float = 2.0
     # Warm-up: before the spike band has `spike_min_steps` losses, a loss above `warmup_spike_factor` times
     # the highest healthy loss so far is a spike (one real run jumps x3.6 at iteration 3).
-    warmup_spike_factor: float = 2.0
+    warmup_spike_factor: float = 1.8
     # Slow divergence: the mean loss of the last `drift_chunk` healthy steps more than `drift_loss_ratio`
     # above the least such mean of the `drift_chunks` chunks before (once `drift_min_chunks` are held),
     # while the mean gradient norm is `drift_grad_ratio` above its own least, and the rise is more than

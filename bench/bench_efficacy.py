@@ -138,6 +138,19 @@ def report(summary: dict, findings: list[Finding], path: str, seconds: float, sk
     for name, r in summary["rows"].items():
         lines.append(f"| {name} | {r['tp']} | {r['fp']} | {r['fn']} | {fmt(r['precision'])} | {fmt(r['recall'])} | "
                      f"{fmt(r['f1'])} | {fmt(r['delay_median'])} | {fmt(r['delay_max'])} |")
+    lines += ["", "| shape | cases | healthy | right (every right entry found) | with a wrong action | actions taken |",
+              "|---|---|---|---|---|---|"]
+    shapes: dict[str, list[Finding]] = defaultdict(list)
+    for f in findings:
+        shapes[f.shape].append(f)
+    for shape, group in shapes.items():
+        taken: dict[str, int] = defaultdict(int)
+        for f in group:
+            for _, name, _ in f.found:
+                taken[name] += 1
+        lines.append(f"| {shape} | {len(group)} | {'yes' if group[0].healthy else 'no'} | "
+                     f"{sum(1 for f in group if not f.misses and not f.error)} | {sum(1 for f in group if f.wrong)} | "
+                     f"{', '.join(f'{k} {v}' for k, v in sorted(taken.items())) or '-'} |")
     lines += ["", f"fault cases caught (every right entry found): {summary['fault_cases_caught']}/{summary['fault_cases']}"
               f" = {fmt(summary['case_recall'])}; right entries found: {fmt(summary['entry_recall'])}",
               f"rollback/stop/restore on healthy cases: {summary['harmful_on_healthy']}",

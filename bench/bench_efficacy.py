@@ -138,8 +138,8 @@ def report(summary: dict, findings: list[Finding], path: str, seconds: float, sk
     for name, r in summary["rows"].items():
         lines.append(f"| {name} | {r['tp']} | {r['fp']} | {r['fn']} | {fmt(r['precision'])} | {fmt(r['recall'])} | "
                      f"{fmt(r['f1'])} | {fmt(r['delay_median'])} | {fmt(r['delay_max'])} |")
-    lines += ["", "| shape | cases | healthy | right (every right entry found) | with a wrong action | actions taken |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| shape | cases | healthy | right (every right entry found) | with a wrong action | steps to the first "
+              "right action (median, max) | actions taken |", "|---|---|---|---|---|---|---|"]
     shapes: dict[str, list[Finding]] = defaultdict(list)
     for f in findings:
         shapes[f.shape].append(f)
@@ -148,9 +148,12 @@ def report(summary: dict, findings: list[Finding], path: str, seconds: float, sk
         for f in group:
             for _, name, _ in f.found:
                 taken[name] += 1
+        firsts = sorted(min(d for _, _, d in f.hits if d is not None) for f in group
+                        if any(d is not None for _, _, d in f.hits))
+        delay = f"{firsts[len(firsts) // 2]}, {firsts[-1]}" if firsts else "-"
         lines.append(f"| {shape} | {len(group)} | {'yes' if group[0].healthy else 'no'} | "
                      f"{sum(1 for f in group if not f.misses and not f.error)} | {sum(1 for f in group if f.wrong)} | "
-                     f"{', '.join(f'{k} {v}' for k, v in sorted(taken.items())) or '-'} |")
+                     f"{delay} | {', '.join(f'{k} {v}' for k, v in sorted(taken.items())) or '-'} |")
     lines += ["", f"fault cases caught (every right entry found): {summary['fault_cases_caught']}/{summary['fault_cases']}"
               f" = {fmt(summary['case_recall'])}; right entries found: {fmt(summary['entry_recall'])}",
               f"rollback/stop/restore on healthy cases: {summary['harmful_on_healthy']}",

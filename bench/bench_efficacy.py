@@ -138,7 +138,7 @@ def report(summary: dict, findings: list[Finding], path: str, seconds: float, sk
     for name, r in summary["rows"].items():
         lines.append(f"| {name} | {r['tp']} | {r['fp']} | {r['fn']} | {fmt(r['precision'])} | {fmt(r['recall'])} | "
                      f"{fmt(r['f1'])} | {fmt(r['delay_median'])} | {fmt(r['delay_max'])} |")
-    lines += ["", "| shape | cases | healthy | right (every right entry found) | with a wrong action | steps to the first "
+    lines += ["", "| shape | cases | healthy | right (every right entry found, nothing wrong) | with a wrong action | steps to the first "
               "right action (median, max) | actions taken |", "|---|---|---|---|---|---|---|"]
     shapes: dict[str, list[Finding]] = defaultdict(list)
     for f in findings:
@@ -152,7 +152,7 @@ def report(summary: dict, findings: list[Finding], path: str, seconds: float, sk
                         if any(d is not None for _, _, d in f.hits))
         delay = f"{firsts[len(firsts) // 2]}, {firsts[-1]}" if firsts else "-"
         lines.append(f"| {shape} | {len(group)} | {'yes' if group[0].healthy else 'no'} | "
-                     f"{sum(1 for f in group if not f.misses and not f.error)} | {sum(1 for f in group if f.wrong)} | "
+                     f"{sum(1 for f in group if not f.misses and not f.wrong and not f.error)} | {sum(1 for f in group if f.wrong)} | "
                      f"{delay} | {', '.join(f'{k} {v}' for k, v in sorted(taken.items())) or '-'} |")
     lines += ["", f"fault cases caught (every right entry found): {summary['fault_cases_caught']}/{summary['fault_cases']}"
               f" = {fmt(summary['case_recall'])}; right entries found: {fmt(summary['entry_recall'])}",

@@ -18,19 +18,24 @@ from __future__ import annotations
 
 import signal
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
 from trainguard import rundir
-from trainguard.agent import actions_embedded
+from trainguard.agent import actions_embedded, procfs
+from trainguard.agent import coexist as coexist_mod
+from trainguard.agent.coexist import Coexistence
 from trainguard.agent.config import AgentConfig, ConfigError
 from trainguard.agent.culprit import Investigator
+from trainguard.agent.discovery import Discovery
 from trainguard.agent.executor import Executor, WebhookSettings
 from trainguard.agent.nodelog import NodeLog
 from trainguard.agent.runner import Agent
 from trainguard.agent.server import AgentServer
 from trainguard.agent.webhook import PATH, Webhook, load_token
+from trainguard.metrics.families import Spec
 from trainguard.node import node_name
 
 
@@ -55,6 +60,8 @@ class App:
     nodelog: NodeLog | None = None
     actions: Actions | None = None
     log: object = field(default=None, repr=False)
+    discovery: Discovery | None = None       # --runs-root: the run followed changes as runs come and go
+    coexist: Coexistence | None = None       # peer exporters whose families /metrics leaves out
 
     def run(self, stop: threading.Event | None = None) -> int:
         """Serve until SIGTERM/SIGINT (or `stop` is set); returns the exit status."""
@@ -66,20 +73,58 @@ class App:
         self.server.start()
         if self.nodelog:
             self.nodelog.start()
+        next_look = time.monotonic()
         while not stop.wait(self.agent.check_interval):
             self.agent.check()   # logs a collector that has just hung
+            if self.coexist is not None:
+                self.coexist.refresh()
+            if self.discovery is not None and time.monotonic() >= next_look:
+                next_look = time.monotonic() + self.config.discovery.interval
+                self.follow(self.discovery.poll())
         self.log.info("stopping")
         self.server.stop()
+        self._stop_run_parts()
+        self.log.info("stopped")
+        return 0
+
+    def follow(self, run_dir) -> None:
+        """Rebuild what belongs to a run (the collectors' contexts, the node log, the executor and its
+        webhook route) for `run_dir` (None: none); the HTTP server, its port and its scrapers stay."""
+        if run_dir == self.config.run_dir:
+            return
+        self.log.info("run followed changes", run_dir=str(run_dir) if run_dir else None,
+                      was=str(self.config.run_dir) if self.config.run_dir else None)
+        self._stop_run_parts()
+        self.server.remove_route("POST", PATH)
+        self.config = replace(self.config, run_dir=run_dir)
+        self.agent = build_agent(self.config, self.discovery, self.coexist)
+        self.server.agent = self.agent
+        self.nodelog = build_nodelog(self.config, self.agent)
+        try:
+            self.actions = build_actions(self.config, self.agent, self.server)
+        except SystemExit:       # a bad policy in this run: it is logged; the run is watched, not acted on
+            self.actions = None
+        self.agent.start()
+        if self.nodelog:
+            self.nodelog.start()
+
+    def _stop_run_parts(self) -> None:
+        if self.actions and self.actions.watchdog:
+            self.actions.watchdog.stop()
         if self.nodelog:
             self.nodelog.stop()
         self.agent.stop()
-        self.log.info("stopped")
-        return 0
 
 
 def build(config: AgentConfig) -> App:
     """Every part, wired. `CannotListen` when the address is taken; SystemExit(2) on a bad webhook setting."""
-    agent = Agent(config)
+    discovery = None
+    if config.runs_root is not None:
+        discovery = Discovery(config.runs_root, config.node, end_grace_seconds=config.discovery.end_grace_seconds)
+        config = replace(config, run_dir=discovery.poll())
+    coexist = Coexistence(config.coexist, coexist_mod.peers(dict(config.coexist_addresses)))
+    coexist.refresh()          # before the first scrape: a peer found now is never exported twice
+    agent = build_agent(config, discovery, coexist)
     host, port = config.listen_address
     try:
         server = AgentServer(agent, host, port, max_body_bytes=config.http.max_body_bytes,
@@ -89,10 +134,38 @@ def build(config: AgentConfig) -> App:
         raise CannotListen(f"cannot listen on {config.listen}: {exc.strerror or exc}") from None
     try:
         return App(config, agent, server, nodelog=build_nodelog(config, agent),
-                   actions=build_actions(config, agent, server), log=tglog.get("agent", node=config.node))
+                   actions=build_actions(config, agent, server), log=tglog.get("agent", node=config.node),
+                   discovery=discovery, coexist=coexist)
     except BaseException:
         server.stop()
         raise
+
+
+def build_agent(config: AgentConfig, discovery: Discovery | None = None,
+                coexist: Coexistence | None = None) -> Agent:
+    """The collectors of `config`'s run, and what /metrics and /healthz say about its ranks and discovery."""
+    agent = Agent(config, coexist=coexist)
+    if coexist is not None:
+        agent.add_metrics_source(coexist.families)
+        agent.add_health_source("coexist", coexist.status)
+    if config.run_dir is not None:
+        build_pod_ranks(config, agent)
+    if discovery is not None:
+        agent.add_health_source("discovery", discovery.status)
+        agent.add_metrics_source(lambda: [FOLLOWING.value(1 if discovery.current else 0)])
+    return agent
+
+
+FOLLOWING = Spec("gauge", "trainguard_discovery_following_run",
+                 "1 when the agent follows a run found under its runs root (--runs-root), 0 when none runs here.", [])
+
+
+def build_pod_ranks(config: AgentConfig, agent: Agent) -> None:
+    """Ranks in pods matched to this node (agent/procfs.py PidNamespaces), and the ranks of no known node,
+    on /metrics and /healthz ("ranks"); the collectors and restore share the same matcher."""
+    matcher = procfs.pid_namespaces(config.run_dir, config.node)
+    agent.add_metrics_source(matcher.families)
+    agent.add_health_source("ranks", matcher.status)
 
 
 def build_nodelog(config: AgentConfig, agent: Agent) -> NodeLog | None:

@@ -1,6 +1,6 @@
 """`trainguard agent`: the per-node sidecar (collectors, /metrics, /healthz, the node TLS log, the webhook).
 
-    trainguard agent --run-dir /data/runs/gpt --listen 127.0.0.1:9400 --config /etc/trainguard/agent.yaml
+    trainguard agent --run-dir /data/runs/gpt --listen 127.0.0.1:9655 --config /etc/trainguard/agent.yaml
 
 Flags override the config file. SIGTERM or SIGINT stops it cleanly. This module parses; agent/app.py
 builds every part from the config and runs them.
@@ -21,6 +21,11 @@ def _names(value: str) -> tuple[str, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", help="the training run's directory (RUN/tls, RUN/control, RUN/checkpoints)")
+    parser.add_argument("--runs-root", help="instead of --run-dir: the directory the runs appear under, one "
+                        "directory per job; the agent follows this node's run as runs come and go (a DaemonSet)")
+    parser.add_argument("--coexist", choices=("auto", "on", "off"),
+                        help="leave out the DCGM_* and node_* families dcgm-exporter and node_exporter already "
+                             "export on this node (auto: when they answer on their ports; default auto)")
     parser.add_argument("--listen", help=f"HOST:PORT to serve /metrics and /healthz (default {agent_config.DEFAULT_LISTEN})")
     parser.add_argument("--config", help="YAML config file (see agent/configs/agent.yaml)")
     parser.add_argument("--procfs", help="procfs root (default /proc; /host/proc in a container)")
@@ -51,7 +56,7 @@ def build_config(args: argparse.Namespace, known: set[str]) -> agent_config.Agen
                                            f"(known: {', '.join(sorted(known))})")
     return agent_config.with_flags(
         config, listen=args.listen, run_dir=args.run_dir, procfs=args.procfs, sysfs=args.sysfs, devfs=args.devfs,
-        node=args.node, only=args.collectors, disabled=args.disable, interval=args.interval, policy=args.policy,
+        node=args.node, runs_root=args.runs_root, coexist=args.coexist, only=args.collectors, disabled=args.disable, interval=args.interval, policy=args.policy,
         nodelog_max_bytes=args.nodelog_max_bytes, webhook=_webhook_flags(config, args))
 
 
@@ -80,11 +85,17 @@ def run(args: argparse.Namespace) -> int:
     except agent_config.ConfigError as exc:
         log.error(f"bad configuration: {exc}")
         return 2
-    problem = check_run_dir(config.run_dir, create=args.create)
+    problem = check_run_dir(config.run_dir, create=args.create) or check_runs_root(config.runs_root)
     if problem:
         log.error(problem)
         return 2
     return serve(config)
+
+
+def check_runs_root(root) -> str | None:
+    if root is None or Path(root).is_dir():
+        return None
+    return f"--runs-root {root}: no such directory"
 
 
 def check_run_dir(run_dir, create: bool) -> str | None:

@@ -1,6 +1,6 @@
 """The agent's configuration: a YAML file, then command-line flags on top.
 
-    listen: 127.0.0.1:9400
+    listen: 127.0.0.1:9655
     run_dir: /data/runs/gpt-7b
     node: gpu-node-01            # default: the host name
     procfs: /proc                # roots, for fixtures and containers (/host/proc in a DaemonSet)
@@ -14,6 +14,10 @@
       gpu: {enabled: true, interval: 1, timeout: 5}   # other keys: the collector's own options
       ib: {enabled: false}
     webhook: {...}               # read by agent/webhook.py
+    runs_root: /data/runs        # instead of run_dir: follow the runs of this node as they come (agent/discovery.py)
+    discovery: {interval: 10, end_grace_seconds: 120}
+    coexist: auto                # auto | off | on: leave out what dcgm-exporter and node_exporter export here
+    # or: coexist: {mode: auto, dcgm_exporter: 127.0.0.1:9400, node_exporter: 127.0.0.1:9100}  (agent/coexist.py)
 
 An unknown key or a value of the wrong type is an error naming the file and the key.
 """
@@ -28,7 +32,7 @@ from typing import Any, Mapping
 from trainguard.policy import read_yaml
 from trainguard.tls import TLSError, parse_quantity
 
-DEFAULT_LISTEN = "127.0.0.1:9400"
+DEFAULT_LISTEN = "127.0.0.1:9655"   # not 9400: dcgm-exporter's (docs/agent.md, "The port")
 RUNNER_KEYS = ("enabled", "interval", "timeout")   # the rest of a collector's section is its options
 
 
@@ -60,6 +64,12 @@ class HTTPConfig:
 
 
 @dataclass(frozen=True)
+class DiscoveryConfig:
+    interval: float = 10.0             # seconds between looks at the runs root
+    end_grace_seconds: float = 120.0   # a followed run with no live rank here for this long has ended
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     listen: str = DEFAULT_LISTEN
     run_dir: Path | None = None
@@ -75,6 +85,10 @@ class AgentConfig:
     nodelog: NodeLogConfig = field(default_factory=NodeLogConfig)
     http: HTTPConfig = field(default_factory=HTTPConfig)
     webhook: Mapping[str, Any] = field(default_factory=dict)
+    runs_root: Path | None = None
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    coexist: str = "auto"
+    coexist_addresses: Mapping[str, str] = field(default_factory=dict)   # dcgm_exporter, node_exporter: HOST:PORT
 
     @property
     def listen_address(self) -> tuple[str, int]:
@@ -109,7 +123,7 @@ def parse_listen(value: Any, where: str) -> tuple[str, int]:
     host = host.strip("[]")
     if not port.isdigit() or not 0 <= int(port) < 65536:
         raise ConfigError(f"{where}: port must be 0..65535, got {port!r}")
-    if not host:   # ":9400" would mean every interface; the webhook can stop training, so say it outright
+    if not host:   # ":9655" would mean every interface; the webhook can stop training, so say it outright
         raise ConfigError(f"{where}: give the host: 127.0.0.1:{port} for this node only, "
                           f"0.0.0.0:{port} for every interface (the webhook still needs its token)")
     return host, int(port)
@@ -202,7 +216,30 @@ def _path(value: Any, where: str) -> Path:
 
 
 TOP_KEYS = ("listen", "run_dir", "node", "procfs", "sysfs", "devfs", "policy", "interval", "http", "nodelog",
-            "collectors", "webhook")
+            "collectors", "webhook", "runs_root", "discovery", "coexist")
+COEXIST = ("auto", "on", "off")
+
+
+def _discovery(values: Mapping) -> DiscoveryConfig:
+    _check_keys(values, ("interval", "end_grace_seconds"), "discovery")
+    base = DiscoveryConfig()
+    return DiscoveryConfig(interval=_number(values.get("interval", base.interval), "discovery.interval"),
+                           end_grace_seconds=_number(values.get("end_grace_seconds", base.end_grace_seconds),
+                                                     "discovery.end_grace_seconds"))
+
+
+def _coexist(value: Any, where: str) -> str:
+    if isinstance(value, bool):      # YAML 1.1 reads an unquoted on/off as a boolean
+        return "on" if value else "off"
+    if value not in COEXIST:
+        raise ConfigError(f"{where}: expected one of {', '.join(COEXIST)}, got {value!r}")
+    return value
+
+
+def check_run_source(config: AgentConfig, where: str = "") -> AgentConfig:
+    if config.run_dir is not None and config.runs_root is not None:
+        raise ConfigError(f"{where}run_dir and runs_root: give one (a fixed run, or the root the runs appear under)")
+    return config
 
 
 def from_mapping(values: Mapping, known_collectors: set[str] | None = None) -> AgentConfig:
@@ -214,9 +251,20 @@ def from_mapping(values: Mapping, known_collectors: set[str] | None = None) -> A
     if "listen" in values:
         parse_listen(values["listen"], "listen")
         changes["listen"] = values["listen"]
-    for key in ("run_dir", "procfs", "sysfs", "devfs", "policy"):
+    for key in ("run_dir", "procfs", "sysfs", "devfs", "policy", "runs_root"):
         if values.get(key) is not None:
             changes[key] = _path(values[key], key)
+    changes["discovery"] = _discovery(_mapping(values.get("discovery"), "discovery"))
+    if isinstance(values.get("coexist"), Mapping):
+        section = values["coexist"]
+        _check_keys(section, ("mode", "dcgm_exporter", "node_exporter"), "coexist")
+        changes["coexist"] = _coexist(section.get("mode", "auto"), "coexist.mode")
+        for key in ("dcgm_exporter", "node_exporter"):
+            if key in section:
+                parse_listen(section[key], f"coexist.{key}")
+        changes["coexist_addresses"] = {k: section[k] for k in ("dcgm_exporter", "node_exporter") if k in section}
+    elif "coexist" in values:
+        changes["coexist"] = _coexist(values["coexist"], "coexist")
     if "node" in values:
         if not isinstance(values["node"], str) or not values["node"]:
             raise ConfigError(f"node: expected a name, got {values['node']!r}")
@@ -227,7 +275,7 @@ def from_mapping(values: Mapping, known_collectors: set[str] | None = None) -> A
     changes["nodelog"] = _nodelog(_mapping(values.get("nodelog"), "nodelog"))
     changes["collectors"] = _collectors(values.get("collectors"), known_collectors)
     changes["webhook"] = dict(_mapping(values.get("webhook"), "webhook"))
-    return replace(config, **changes)
+    return check_run_source(replace(config, **changes))
 
 
 def load(path: str | Path | None, known_collectors: set[str] | None = None) -> AgentConfig:
@@ -252,10 +300,16 @@ def with_flags(config: AgentConfig, **flags: Any) -> AgentConfig:
         parse_listen(changes["listen"], "--listen")
     if "interval" in changes:
         _number(changes["interval"], "--interval")
-    for key in ("run_dir", "procfs", "sysfs", "devfs", "policy"):
+    for key in ("run_dir", "procfs", "sysfs", "devfs", "policy", "runs_root"):
         if key in changes:
             changes[key] = Path(changes[key])
+    if "coexist" in changes:
+        _coexist(changes["coexist"], "--coexist")
+    if "run_dir" in changes and "runs_root" not in changes:
+        changes["runs_root"] = None          # --run-dir on the command line wins over the file's runs_root
+    if "runs_root" in changes and "run_dir" not in changes:
+        changes["run_dir"] = None
     if "nodelog_max_bytes" in changes:
         size = _size(changes.pop("nodelog_max_bytes"), "--nodelog-max-bytes")
         changes["nodelog"] = replace(changes.get("nodelog", config.nodelog), max_bytes=size)
-    return replace(config, **changes)
+    return check_run_source(replace(config, **changes), "flags: ")

@@ -188,8 +188,9 @@ class Investigator:
         pids = {(info.rank, info.pid) for info in live}
 
         def check() -> None:
-            alive = {(info.rank, info.pid) for info, _ in restore.local_ranks(restore.read_ranks(self.run_dir)[0],
-                                                                              self.host)}
+            alive = {(info.rank, info.pid) for info, _ in restore.local_ranks(restore.host_ranks(self.run_dir,
+                                                                                                 self.host)[0],
+                                                                              self.host)}   # a pod's, by namespace
             act = restore_here or (None if self.submit is None else lambda n: self.submit([n]))
             if pids & alive and act is not None:
                 self.log.warning("ranks outlived the culprit's eviction; restoring them", ranks=sorted(pids & alive))

@@ -29,6 +29,7 @@ import socket
 from typing import Iterable
 
 from trainguard import tls
+from trainguard.agent.procfs import pid_namespaces
 from trainguard.rundir import RankFiles
 
 PEEK_BYTES = 64 << 10      # the first record of a rank file is read this far at most
@@ -42,20 +43,23 @@ class NodeFiles:
 
     def __init__(self, run_dir: str | os.PathLike, node: str, host: str | None = None):
         self.ours = frozenset({node, host or socket.gethostname()})
-        self.rank_files = RankFiles(run_dir, self.ours)    # this node's registrations, a bit for the others'
+        # this node's registrations (a pod's too, by PID namespace: agent/procfs.py), a bit for the others'
+        self.rank_files = RankFiles(run_dir, self.ours, adopt=pid_namespaces(run_dir, node).adopt)
+        self._pod_hosts: frozenset[str] = frozenset()   # host names of this node's pods' ranks: their records'
         self._listed: tuple | None = None      # (count, fingerprint, version) of the listing selected from
         self._selected: dict[str, str] = {}
         self._pending: dict[str, str] = {}     # name -> path: unregistered, no complete first line yet
         self._first_lines = 0                  # pending files that got their first line (a new version)
 
     def is_ours(self, node) -> bool:
-        """A record's `node`: none named, or this node's."""
-        return node is None or node in self.ours
+        """A record's `node`: none named, this node's, or one of its pods' (a rank in a pod names its pod)."""
+        return node is None or node in self.ours or node in self._pod_hosts
 
     def version(self) -> tuple[int, int]:
         """Asked by the follower each poll: when it changes, the directory is listed and selected again
         (a rank was registered or moved, or a file nobody registered has its first record now)."""
-        self.rank_files.read()
+        infos = self.rank_files.read()
+        self._pod_hosts = frozenset(info.ns_host for info in infos if info.ns_host)
         if any(_first_line(path) is not None for path in self._pending.values()):
             self._pending = {}
             self._first_lines += 1

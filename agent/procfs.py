@@ -7,13 +7,18 @@ kernel writes. Units are left as the kernel gives them; the collectors convert, 
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
-from dataclasses import dataclass, field
+import threading
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from trainguard import log as tglog
 from trainguard import rundir
+from trainguard.metrics.families import Spec
 from trainguard.metrics.node import DiskStats   # read here, rendered there
 
 
@@ -272,17 +277,18 @@ def read_environ(procfs: Path, pid: int) -> dict[str, str] | None:
 class RankPids:
     """{rank: pid} of the trainer ranks on this node, from RUN/control/ranks/rank-<r>.json (agent/restore.py).
 
-    The trainer writes its host name; the agent's node name may be configured otherwise, so either matches.
-    A rank file of another host (a shared run directory) is not ours. Collectors ask every update, so the
-    files are read again only when they change (rundir.RankFiles). The mapping returned is shared: read
-    it, do not change it.
+    The trainer writes its host name; the agent's node name may be configured otherwise, so either matches,
+    and a rank in a pod (its pod's host name, a pid of its PID namespace) is matched to this node by its
+    process (`PidNamespaces`), its pid then the node's. Any other rank file (a shared run directory) is not
+    ours. Collectors ask every update, so the files are read again only when they change
+    (rundir.RankFiles). The mapping returned is shared: read it, do not change it.
     """
 
     def __init__(self, run_dir: Path | None, node: str):
         self.ours = {node, socket.gethostname()}
         self._files = None
         if run_dir is not None:
-            self._files = rundir.RankFiles(run_dir, self.ours)
+            self._files = rundir.RankFiles(run_dir, self.ours, adopt=pid_namespaces(run_dir, node).adopt)
         self._infos: list | None = None      # the RankFiles list the mapping was made from
         self._pids: dict[int, int] = {}
 
@@ -298,3 +304,224 @@ class RankPids:
             self._infos = infos
             self._pids = {info.rank: info.pid for info in infos}     # this node's, in rank order
         return self._pids
+
+
+# ------------------------------------------------------------- ranks in pods: /proc/<pid>/status NSpid
+
+def read_nspid(procfs: Path | str, pid: int) -> list[int] | None:
+    """The pid of process `pid` in each PID namespace from procfs's own to its innermost (NSpid, Linux 4.1+);
+    one number when it lives in procfs's namespace; None when it is gone."""
+    try:
+        raw = read_small(f"{procfs}/{pid}/status", 8192)
+    except OSError:
+        return None
+    for line in raw.split(b"\n"):
+        if line.startswith(b"NSpid:"):
+            return [int(n) for n in line[6:].split()]
+    return [pid]            # a kernel before NSpid: no nested namespaces can be told apart
+
+
+def read_ppid(procfs: Path | str, pid: int) -> int | None:
+    fields = read_pid_stat(procfs, pid)
+    return int(fields[1]) if fields and len(fields) > 1 else None
+
+
+TICKS = os.sysconf("SC_CLK_TCK")
+MAX_UNPLACED = 64          # host names followed for the "ranks of no known node" warning; more are counted
+MIN_REBUILD_SECONDS = 1.0  # between two walks of /proc for the PID-namespace index
+MAX_CLOCK_SKEW_SECONDS = 5.0
+
+
+def boot_time(procfs: Path | str) -> float:
+    for line in read_small(f"{procfs}/stat").split(b"\n"):
+        if line.startswith(b"btime "):
+            return float(line.split()[1])
+    raise ParseError(f"{procfs}/stat", "no btime line")
+
+
+class PidNamespaces:
+    """The ranks of this node that registered from a pod: their own host name, a pid of their own namespace.
+
+    A training pod is the user's: nothing is added to it, no TRAINGUARD_NODE, no downward API. Its ranks
+    register as they do anywhere (trainer/control.py): the pod's host name, `os.getpid()` in the pod's PID
+    namespace, the process's start time and the launcher's pid there. The agent sees the host's processes
+    (hostPID), and for each of them the kernel lists its pid in every nested namespace (NSpid in
+    /proc/<pid>/status) and its start time in clock ticks since boot, which no namespace changes. A
+    registration of another host name is this node's when exactly one process here lives in a nested PID
+    namespace with the registered pid innermost and the registered start time to the tick; its launcher
+    is the ancestor of that process with the registered launcher pid innermost. `adopt` returns it with
+    the node's pids and the node's name (so every reader, the collectors, restore and eviction, works as
+    for a rank on the host itself), the pod's kept in `ns_pid`/`ns_host`. Two processes matching (two
+    pods started the same pid in the same tick) are told apart by the pod's host name in their
+    environment (HOSTNAME, which the kubelet sets); failing that the rank is kept with `ns_candidates`
+    > 1 and `prove_rank` refuses it: never a guess before a signal.
+
+    What is kept is this node's: the index of its processes in nested namespaces (rebuilt, at most once a
+    second, when a registration names a process that started after it was built), the pod host names it claimed, and at most MAX_UNPLACED host names of
+    registrations nobody has claimed yet. A pod host name matched here is claimed in RUN/agent/hosts/
+    (`rundir.host_claim`), so that every agent can tell a rank of another node from a rank of no known node:
+    a registration whose host is no node's (no node log, no claim) `grace_seconds` after it started is
+    reported, loudly (an error log once per host, `trainguard_ranks_unplaced`, /healthz).
+    """
+
+    def __init__(self, run_dir: Path | str, node: str, procfs: Path | str = "/proc", grace_seconds: float = 60.0):
+        self.run_dir, self.node, self.procfs = Path(run_dir), node, str(procfs)
+        self.grace_seconds = grace_seconds
+        self._lock = threading.Lock()
+        self._index: dict[int, list[tuple[int, int]]] = {}    # innermost pid -> [(start ticks, node pid)]
+        self._built_at = 0.0
+        self._boot = 0.0
+        self._claimed: set[str] = set()
+        self._unplaced: dict[str, tuple[float, int]] = {}     # host -> (earliest started_at, ranks)
+        self._unplaced_overflow = 0
+        self._reported: set[str] = set()
+        self._log = tglog.get("agent.ranks", node=node)
+
+    # ---------------------------------------------------------------------------------- matching
+
+    def adopt(self, info: rundir.RankInfo) -> rundir.RankInfo | None:
+        """`info` (another host name's registration) as this node's rank, or None when it is not here."""
+        if info.create_time is None:
+            return None
+        with self._lock:
+            matches = self._matches(info)
+            if not matches and self._may_be_missing(info.create_time):
+                wait = self._built_at + MIN_REBUILD_SECONDS - time.time()
+                if wait > 0:
+                    time.sleep(wait)         # at most one /proc walk a second, however many registrations
+                self._build()
+                matches = self._matches(info)
+            if not matches:
+                self._note_unplaced(info)
+                return None
+            if len(matches) > 1:
+                named = [pid for pid in matches if _environ_host(self.procfs, pid) == info.host]
+                matches = named if len(named) == 1 else matches
+            pid = matches[0]
+            launcher = self._launcher(pid, info.launcher_pid) if info.launcher_pid is not None else None
+            self._claim(info.host)
+            self._unplaced.pop(info.host, None)
+        return replace(info, pid=pid, host=self.node, ns_pid=info.pid, ns_host=info.host,
+                       ns_candidates=len(matches),
+                       launcher_pid=launcher if info.launcher_pid is not None else None)
+
+    def _may_be_missing(self, create_time: float) -> bool:
+        """The index may lack a process started at `create_time`: it started after the index was built
+        (less a second: the tick and the clocks' rounding), and not in the future past MAX_CLOCK_SKEW (a
+        skewed node's or a forged registration would make every read walk /proc again). A process
+        started before the index was built is in it, or is not on this node: that miss is an answer."""
+        return self._built_at - 1.0 < create_time <= time.time() + MAX_CLOCK_SKEW_SECONDS
+
+    def _matches(self, info: rundir.RankInfo) -> list[int]:
+        ticks = (info.create_time - self._boot) * TICKS if self._index else 0
+        return [pid for start, pid in self._index.get(info.pid, ()) if abs(start - ticks) <= 1.01]
+
+    def _build(self) -> None:
+        index: dict[int, list[tuple[int, int]]] = {}
+        self._boot = boot_time(self.procfs)
+        for name in os.listdir(self.procfs):
+            if not name.isdigit():
+                continue
+            pid = int(name)
+            nspid = read_nspid(self.procfs, pid)
+            if not nspid or len(nspid) < 2:
+                continue            # in procfs's own namespace: a rank there registers the node's pid itself
+            start = process_start(self.procfs, pid)
+            if start is not None:
+                index.setdefault(nspid[-1], []).append((start, pid))
+        self._index, self._built_at = index, time.time()
+
+    def _launcher(self, pid: int, ns_launcher: int) -> int:
+        """The node pid of the ancestor whose innermost pid is the registered launcher's; 0 (matches no
+        process, so the proof refuses it) when no ancestor is."""
+        for _ in range(8):
+            parent = read_ppid(self.procfs, pid)
+            if not parent:
+                return 0
+            nspid = read_nspid(self.procfs, parent)
+            if nspid and len(nspid) > 1 and nspid[-1] == ns_launcher:
+                return parent
+            pid = parent
+        return 0
+
+    # ------------------------------------------------------------------------------ placing hosts
+
+    def _claim(self, host: str) -> None:
+        if host in self._claimed:
+            return
+        self._claimed.add(host)
+        path = rundir.host_claim(self.run_dir, host)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"host": host, "node": self.node, "claimed_at": time.time()}))
+            os.replace(tmp, path)
+        except OSError as exc:
+            self._log.warning("cannot claim a pod host name", host=host, error=exc.strerror or str(exc))
+        self._log.info("ranks of a pod matched to this node", pod_host=host)
+
+    def _known(self, host: str) -> bool:
+        return host in self._claimed or rundir.host_claim(self.run_dir, host).exists() or \
+            rundir.node_log(self.run_dir, host).exists()
+
+    def _note_unplaced(self, info: rundir.RankInfo) -> None:
+        if self._known(info.host):
+            return
+        if info.host in self._unplaced:
+            since, ranks = self._unplaced[info.host]
+            self._unplaced[info.host] = (min(since, info.started_at), ranks + 1)
+        elif len(self._unplaced) < MAX_UNPLACED:
+            self._unplaced[info.host] = (info.started_at, 1)
+        else:
+            self._unplaced_overflow += 1
+
+    def unplaced(self, now: float | None = None) -> dict[str, int]:
+        """{host: ranks} of registrations no node has claimed `grace_seconds` after they started."""
+        now = time.time() if now is None else now
+        with self._lock:
+            for host in [h for h in self._unplaced if self._known(h)]:
+                del self._unplaced[host]
+            late = {host: ranks for host, (since, ranks) in self._unplaced.items()
+                    if now - since > self.grace_seconds}
+            for host in sorted(set(late) - self._reported):
+                self._reported.add(host)
+                self._log.error("ranks of no known node: their host is no node's and no agent found their "
+                                "processes (a pod on a node without the agent? the agent without hostPID?)",
+                                host=host, ranks=late[host], run_dir=str(self.run_dir))
+        return late
+
+    def status(self) -> dict:
+        late = self.unplaced()
+        return {"pod_hosts": sorted(self._claimed), "unplaced_hosts": late,
+                "unplaced_not_followed": self._unplaced_overflow}
+
+    def families(self) -> list:
+        late = self.unplaced()
+        return [UNPLACED.value(sum(late.values())), POD_HOSTS.value(len(self._claimed))]
+
+
+UNPLACED = Spec("gauge", "trainguard_ranks_unplaced",
+                "Registered ranks whose host is no known node's (no node log, no agent found their process).", [])
+POD_HOSTS = Spec("gauge", "trainguard_ranks_pod_hosts",
+                 "Pod host names whose ranks this agent matched to its node by PID namespace.", [])
+
+
+def _environ_host(procfs: str, pid: int) -> str | None:
+    env = read_environ(Path(procfs), pid)
+    return None if env is None else env.get("HOSTNAME")
+
+
+_NAMESPACES: dict[tuple[str, str], PidNamespaces] = {}
+_NAMESPACES_LOCK = threading.Lock()
+MAX_NAMESPACES = 8          # (run directory, node) pairs one process follows: one per run in an agent
+
+
+def pid_namespaces(run_dir: Path | str, node: str) -> PidNamespaces:
+    """This process's one matcher of `run_dir`'s pod ranks to `node` (shared by the collectors and restore)."""
+    key = (os.path.abspath(run_dir), node)
+    with _NAMESPACES_LOCK:
+        matcher = _NAMESPACES.pop(key, None) or PidNamespaces(run_dir, node)
+        _NAMESPACES[key] = matcher
+        while len(_NAMESPACES) > MAX_NAMESPACES:
+            del _NAMESPACES[next(iter(_NAMESPACES))]
+    return matcher

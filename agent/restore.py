@@ -41,6 +41,7 @@ from pathlib import Path
 import psutil
 
 from trainguard import log as tglog
+from trainguard.agent.procfs import pid_namespaces
 from trainguard.rundir import RankInfo, read_ranks  # noqa: F401  (read_ranks: agent/culprit.py asks for it here)
 from trainguard.rundir import RankFiles  # noqa: F401  (moved to trainguard/rundir.py; this name still works)
 
@@ -61,6 +62,7 @@ REFUSALS = {
     "no_launcher": "no identifiable launcher among the process's ancestors: nothing would restart it",
     "launcher_mismatch": "the launcher is not the one the rank registered",
     "no_restarts_left": "the launcher has no restarts left (a human is paged instead)",
+    "ambiguous_pod_pid": "several processes of this node match the pod's pid and start time",
 }
 
 
@@ -88,8 +90,8 @@ class SharedRankFiles(RankFiles):
     """A `RankFiles` that several threads of one agent read: the stall watchdog every few seconds
     (agent/actions_embedded.py), the actions (restore, eviction) when they run."""
 
-    def __init__(self, run_dir: str | Path, hosts):
-        super().__init__(run_dir, hosts)
+    def __init__(self, run_dir: str | Path, hosts, adopt=None):
+        super().__init__(run_dir, hosts, adopt)
         self._lock = threading.Lock()
 
     def read(self) -> list[RankInfo]:
@@ -106,7 +108,7 @@ def host_rank_files(run_dir: str | Path, host: str) -> SharedRankFiles:
     """This process's one reader of `host`'s registrations in `run_dir`."""
     key = (os.path.abspath(run_dir), host)
     with _SHARED_LOCK:
-        files = _SHARED.pop(key, None) or SharedRankFiles(run_dir, {host})
+        files = _SHARED.pop(key, None) or SharedRankFiles(run_dir, {host}, pid_namespaces(run_dir, host).adopt)
         _SHARED[key] = files                      # the newest last; the oldest past MAX_SHARED forgotten
         while len(_SHARED) > MAX_SHARED:
             del _SHARED[next(iter(_SHARED))]
@@ -170,6 +172,9 @@ def prove_rank(info: RankInfo, trust: Trust) -> Proof | None:
     Raises `Refused` (with a reason of `REFUSALS`) when a live process does not prove the claim. The
     caller has already checked the host.
     """
+    if info.ns_candidates > 1:
+        raise Refused("ambiguous_pod_pid", f"pid {info.ns_pid} of {info.ns_host}: {info.ns_candidates} "
+                                           "processes here match it, none by its host name")
     try:
         process = psutil.Process(info.pid)
         if process.status() == psutil.STATUS_ZOMBIE:
@@ -189,7 +194,7 @@ def prove_rank(info: RankInfo, trust: Trust) -> Proof | None:
     if entry_point is None:
         raise Refused("not_a_worker", f"command line {' '.join(cmdline)[:200]!r}")
     named = _named_run_dir(cmdline, environ, process)
-    if named != trust.run_dir:
+    if named != trust.run_dir and not _same_dir_seen_from(process, named, trust.run_dir):
         raise Refused("other_run", f"{entry_point} names {named or 'no run directory'}, not {trust.run_dir}")
     launcher = _launcher(process, trust, info)
     return Proof(process, launcher, {"entry_point": entry_point, "launcher_pid": launcher.pid,
@@ -281,6 +286,17 @@ def _named_run_dir(cmdline: list[str], environ: dict, process: psutil.Process) -
         except psutil.Error:
             return None
     return path.resolve()
+
+
+def _same_dir_seen_from(process: psutil.Process, named: Path | None, run_dir: Path) -> bool:
+    """The process's `named` directory, through its own root (/proc/<pid>/root: a pod's mounts), is the run
+    directory: a rank in a pod names its run directory as its pod mounts it, the agent as its own pod does."""
+    if named is None:
+        return False
+    try:
+        return os.path.samefile(f"/proc/{process.pid}/root{named}", run_dir)
+    except OSError:
+        return False
 
 
 def _launcher(process: psutil.Process, trust: Trust, info: RankInfo) -> psutil.Process:

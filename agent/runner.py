@@ -22,6 +22,7 @@ from prometheus_client.process_collector import ProcessCollector
 import trainguard
 from trainguard import log as tglog
 from trainguard.agent.collector import REGISTRY, Collector, CollectorDisabled, Context, Sample
+from trainguard.agent.coexist import Coexistence
 from trainguard.agent.config import AgentConfig
 from trainguard.metrics.families import Labels, Spec
 from trainguard.agent.stop_signal import StopSignal
@@ -184,12 +185,15 @@ class CollectorRunner:
 class Agent:
     """The enabled collectors, their runners, and the private registry /metrics serves."""
 
-    def __init__(self, config: AgentConfig, registry: Mapping[str, type[Collector]] | None = None):
+    def __init__(self, config: AgentConfig, registry: Mapping[str, type[Collector]] | None = None,
+                 coexist: Coexistence | None = None):
         self.config = config
+        self.coexist = coexist or Coexistence("off")      # the families a peer exporter serves are left out
         self.started_at = time.time()
         self._log = tglog.get("agent", node=config.node)
         self._sources: list[Callable[[], Iterable[Metric]]] = []
         self._decision_handlers: list[Callable] = []
+        self._health_sources: dict[str, Callable[[], dict]] = {}
         self._duplicates_logged: set[str] = set()   # family names seen twice (dropped), logged once each
         self.runners = self._build_runners(dict(REGISTRY if registry is None else registry))
         self._collector_labels = {name: DURATION.labels(name) for name in self.runners}   # {collector="..."}
@@ -249,6 +253,10 @@ class Agent:
         """Add families computed on each scrape from state the caller already holds (cheap, non-blocking)."""
         self._sources.append(source)
 
+    def add_health_source(self, name: str, source: Callable[[], dict]) -> None:
+        """Add a section `name` to /healthz, computed on each request (cheap, non-blocking)."""
+        self._health_sources[name] = source
+
     def add_decision_handler(self, handler: Callable) -> None:
         """Called with each decision the agent's own state machines make (e.g. the cost meter's cost_warn)."""
         self._decision_handlers.append(handler)
@@ -273,7 +281,8 @@ class Agent:
         return {"status": "ok", "node": self.config.node, "version": trainguard.__version__,
                 "uptime_seconds": round(time.time() - self.started_at, 3),
                 "collectors": {view.name: view.to_dict() for view in views},
-                "unavailable": dict(getattr(loaded, "UNAVAILABLE", {}))}
+                "unavailable": dict(getattr(loaded, "UNAVAILABLE", {})),
+                **{name: source() for name, source in self._health_sources.items()}}
 
     # ----------------------------------------------------------------------------------- exposition
 
@@ -282,6 +291,8 @@ class Agent:
         views = self.check()
         seen: set[str] = set()
         for origin, family in self._all_families(views):
+            if self.coexist.left_out_family(family):
+                continue
             if family.name in seen:
                 if family.name not in self._duplicates_logged:
                     self._duplicates_logged.add(family.name)

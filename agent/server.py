@@ -130,7 +130,7 @@ def json_response(status: int, payload, headers: Mapping[str, str] | None = None
 class AgentServer:
     """A threaded HTTP server with a route table; `agent` (a runner.Agent) provides /metrics and /healthz."""
 
-    def __init__(self, agent=None, host: str = "127.0.0.1", port: int = 9400, *, max_body_bytes: int = 2**20,
+    def __init__(self, agent=None, host: str = "127.0.0.1", port: int = 9655, *, max_body_bytes: int = 2**20,
                  max_connections: int = 16, read_timeout: float = 10.0, request_timeout: float = 10.0):
         self.agent = agent
         self.max_body_bytes = max_body_bytes
@@ -165,6 +165,10 @@ class AgentServer:
         if key in self._routes:
             raise ValueError(f"route {method} {path} already taken")
         self._routes[key] = handler
+
+    def remove_route(self, method: str, path: str) -> None:
+        """Stop serving `method path` (the parts of a run the agent no longer follows, agent/app.py)."""
+        self._routes.pop((method.upper(), path), None)
 
     def start(self) -> "AgentServer":
         self._thread = threading.Thread(target=self.httpd.serve, name="agent-http", daemon=True)

@@ -17,6 +17,9 @@ from trainguard import actions
 
 RUNBOOK_BASE = "https://github.com/trainguard/trainguard/blob/main/docs/runbooks.md"
 AGENT_JOB = "trainguard"
+# LossNaN, LossSpike, GradNormExplosion: the guard acts within the step and the agent on the alert's `action`;
+# they page nobody (alerts/mixin.py `self_handled_severity` changes it per installation)
+SELF_HANDLED_SEVERITY = "info"
 
 # Windows: rates over RATE, baselines (median, peak) over BASELINE. Counters are left raw by the agent
 # (as node_exporter leaves them) so every ratio of the concerns is a ratio of rates over the same window.

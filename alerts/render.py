@@ -11,6 +11,7 @@ from typing import Callable, Iterable
 
 import yaml
 
+from trainguard.alerts import mixin as mixin_mod
 from trainguard.alerts.promql import Group
 from trainguard.policy import Policy
 
@@ -34,11 +35,15 @@ def dump(data: dict) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=120)
 
 
-def render(policy: Policy, concerns: Iterable[Concern]) -> dict[str, str]:
-    """{file name: YAML text}: every group of `concerns`, in their order, in its file."""
+def render(policy: Policy, concerns: Iterable[Concern], mixin: mixin_mod.Mixin | None = None) -> dict[str, str]:
+    """{file name: YAML text}: every group of `concerns`, in their order, in its file, as `mixin` says
+    (selectors, runbook base, the self-handled alerts' severity; alerts/mixin.py)."""
+    mixin = mixin or mixin_mod.Mixin()
     files: dict[str, list[dict]] = {}
     for group in (g for concern in concerns for g in concern(policy)):
-        files.setdefault(f"{group.file}.rules.yml", []).append(group.to_dict())
+        body = group.to_dict()
+        body["rules"] = [mixin_mod.apply(rule, mixin) for rule in body["rules"]]
+        files.setdefault(f"{group.file}.rules.yml", []).append(body)
     return {name: HEADER + dump({"groups": body}) for name, body in files.items()}
 
 

@@ -62,13 +62,14 @@ def alerts(policy: Policy | None = None) -> list[Alert]:
     return [rule for group in groups(policy) for rule in group.rules if isinstance(rule, Alert)]
 
 
-def render(policy: Policy | None = None, concerns=None) -> dict[str, str]:
-    """{file name: YAML text} of every rule file (of `concerns`; default: both tiers)."""
+def render(policy: Policy | None = None, concerns=None, mixin=None) -> dict[str, str]:
+    """{file name: YAML text} of every rule file (of `concerns`; default: both tiers), as `mixin`
+    (alerts/mixin.py) says."""
     concerns = CONCERNS + FLEET_CONCERNS if concerns is None else concerns
-    return render_mod.render(policy or Policy(), concerns)
+    return render_mod.render(policy or Policy(), concerns, mixin)
 
 
-def write(out_dir: str | Path, policy: Policy | None = None, concerns=None) -> list[Path]:
+def write(out_dir: str | Path, policy: Policy | None = None, concerns=None, mixin=None) -> list[Path]:
     """The rule files of `concerns` (default: the node tier, CONCERNS) written under `out_dir`."""
     concerns = CONCERNS if concerns is None else concerns
-    return render_mod.write(out_dir, render(policy, concerns))
+    return render_mod.write(out_dir, render(policy, concerns, mixin))

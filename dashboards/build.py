@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from trainguard import actions
+from trainguard.alerts.mixin import Mixin
 from trainguard.policy import Policy
 from trainguard.dashboards.grafana import (ORANGE, RED, YELLOW, Annotation, Board, Query, Row, Threshold,
                                            Variable, q, stat, state_timeline, table, timeseries)
@@ -28,12 +29,16 @@ OUT_DIR = Path(__file__).resolve().parent
 RATE = "$__rate_interval"
 
 # Label matchers by dashboard scope. `run_id` and `hostname` default to ".*" (All), so series without
-# the label (dcgm-exporter's, node_exporter's) still match.
+# the label still match. GPU series carry dcgm-exporter's labels (Hostname, gpu, UUID, modelName; the
+# agent's too), so the GPU board draws dcgm-exporter's series or the agent's, whichever the job holds.
 RUN = '{job=~"$job", run_id=~"$run_id"}'
-GPU = '{job=~"$job", hostname=~"$hostname", gpu=~"$gpu"}'
+GPU = '{job=~"$job", Hostname=~"$hostname", gpu=~"$gpu"}'
 AGENT = '{job=~"$job"}'
-# node_* series carry no host name; the agent's info metric maps its instance to the node it runs on.
-ON_HOST = 'and on (instance) trainguard_agent_info{job=~"$job", node=~"$hostname"}'
+# node_* series (node_exporter's beside the agent, `coexist`; else the agent's) carry no node name, and
+# node_exporter's come from another job and port: they are joined by the host part of their instance to
+# the instances of the agents of $job on $hostname.
+HOST_OF_INSTANCE = '"host", "$1", "instance", "(.*):[0-9]+"'
+ON_HOST = f'and on (host) label_replace(trainguard_agent_info{{job=~"$job", node=~"$hostname"}}, {HOST_OF_INSTANCE})'
 
 
 def run(metric: str, **labels: str) -> str:
@@ -47,10 +52,12 @@ def gpu(metric: str) -> str:
 
 
 def node(expr: str) -> str:
-    return f"({expr}) {ON_HOST}"
+    return f"label_replace({expr}, {HOST_OF_INSTANCE}) {ON_HOST}"
 
 
 CUDA_WHY = "needs a CUDA device: a CPU run has no caching allocator"
+PROF_WHY = ("needs DCGM's profiling fields (dcgm-exporter with them in its counters CSV: DCGM_FI_PROF_SM_ACTIVE is "
+            "commented out in the default one); the agent's NVML collector has no such counters")
 XID_WHY = "the agent exports Xid series once a GPU has had an Xid error (dcgm-exporter exports a 0)"
 
 
@@ -66,8 +73,8 @@ def job_var(anchor: str) -> Variable:
 RUN_ID = Variable("run_id", "Run", 'label_values(trainguard_training_step{job=~"$job"}, run_id)')
 HOSTNAME = Variable("hostname", "Host", 'label_values(trainguard_agent_info{job=~"$job"}, node)')
 # On the GPU dashboard hosts come from the GPU series, so it works on dcgm-exporter's data with no agent.
-GPU_HOSTNAME = Variable("hostname", "Host", 'label_values(DCGM_FI_DEV_GPU_UTIL{job=~"$job"}, hostname)')
-GPU_ID = Variable("gpu", "GPU", 'label_values(DCGM_FI_DEV_GPU_UTIL{job=~"$job", hostname=~"$hostname"}, gpu)')
+GPU_HOSTNAME = Variable("hostname", "Host", 'label_values(DCGM_FI_DEV_GPU_UTIL{job=~"$job"}, Hostname)')
+GPU_ID = Variable("gpu", "GPU", 'label_values(DCGM_FI_DEV_GPU_UTIL{job=~"$job", Hostname=~"$hostname"}, gpu)')
 
 
 # ---------------------------------------------------------------------------------------- annotations
@@ -187,7 +194,7 @@ def training(policy: Policy) -> Board:
 def gpu_node(policy: Policy) -> Board:
     a = policy.alerts
     temp = (Threshold(a.gpu_temp_c - 5, YELLOW), Threshold(a.gpu_temp_c, RED))
-    legend = "{{hostname}} GPU {{gpu}}"
+    legend = "{{Hostname}} GPU {{gpu}}"
     items = [
         Row("GPUs"),
         stat("GPUs", q(f"count({gpu('DCGM_FI_DEV_GPU_UTIL')})")),
@@ -203,17 +210,24 @@ def gpu_node(policy: Policy) -> Board:
         timeseries("Framebuffer memory used", q(gpu("DCGM_FI_DEV_FB_USED"), legend), unit="decmbytes", min=0),
         timeseries("Power draw", q(gpu("DCGM_FI_DEV_POWER_USAGE"), legend), unit="watt", min=0),
         timeseries("SM clock", q(f"{gpu('DCGM_FI_DEV_SM_CLOCK')} * 1e6", legend), unit="hertz"),
-        timeseries("Xid errors", q(f"sum by (hostname, gpu, xid) (increase(trainguard_gpu_xid_errors_total{GPU}[{RATE}]))",
-                                   "{{hostname}} GPU {{gpu}} Xid {{xid}}", only_when=XID_WHY),
+        timeseries("SM activity", q(gpu("DCGM_FI_PROF_SM_ACTIVE"), legend, only_when=PROF_WHY), unit="percentunit",
+                   min=0, max=1, description="Share of cycles an SM has at least one warp assigned, averaged over "
+                                             "the SMs: what GPU utilisation (any kernel running) does not say."),
+        timeseries("Tensor core activity", q(gpu("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"), legend, only_when=PROF_WHY),
+                   unit="percentunit", min=0, max=1,
+                   description="Share of cycles the tensor (HMMA) pipe is active: the matrix math a model's MFU "
+                               "is made of."),
+        timeseries("Xid errors", q(f"sum by (Hostname, gpu, xid) (increase(trainguard_gpu_xid_errors_total{GPU}[{RATE}]))",
+                                   "{{Hostname}} GPU {{gpu}} Xid {{xid}}", only_when=XID_WHY),
                    q(gpu("DCGM_FI_DEV_XID_ERRORS"), f"{legend} last Xid", only_when=XID_WHY), unit="none",
                    description="Xid errors by code, and the last code per GPU (see the GPUXidError runbook)."),
         Row("Node"),
-        timeseries("CPU busy", q(node(f'1 - avg by (instance) (rate(node_cpu_seconds_total{{job=~"$job",'
-                                      f' mode="idle"}}[{RATE}]))'), "{{instance}}"),
+        timeseries("CPU busy", q(node(f'1 - avg by (instance) (rate(node_cpu_seconds_total{{mode="idle"}}'
+                                      f'[{RATE}]))'), "{{instance}}"),
                    unit="percentunit", min=0, max=1, width=8),
         timeseries("Memory available", q(node('trainguard_host_memory_available_bytes{job=~"$job"}'), "{{instance}}"),
                    unit="bytes", min=0, width=8),
-        timeseries("Load", q(node('node_load1{job=~"$job"}'), "{{instance}} 1m"), width=8),
+        timeseries("Load", q(node("node_load1"), "{{instance}} 1m"), width=8),
         timeseries("Rank processes up", q(f'sum by (instance) (trainguard_rank_process_up{AGENT})', "{{instance}}"),
                    width=12, min=0, description="Rank processes the agent finds alive (from RUN/control/ranks)."),
         timeseries("Rank resident memory", q(f"trainguard_rank_resident_memory_bytes{AGENT}", "rank {{rank}}"),
@@ -285,11 +299,11 @@ def comms_io(policy: Policy) -> Board:
     a = policy.alerts
     share = lambda part: (f"avg by (run_id) ({run(f'trainguard_training_{part}_seconds')})"
                           f" / avg by (run_id) ({run('trainguard_training_step_time_seconds')} > 0)")
-    await_expr = (f'(rate(node_disk_read_time_seconds_total{{job=~"$job"}}[{RATE}])'
-                  f' + rate(node_disk_write_time_seconds_total{{job=~"$job"}}[{RATE}]))'
-                  f' / (rate(node_disk_reads_completed_total{{job=~"$job"}}[{RATE}])'
-                  f' + rate(node_disk_writes_completed_total{{job=~"$job"}}[{RATE}]) > 0)')
-    ib = lambda name: f'rate(node_infiniband_{name}_total{{job=~"$job"}}[{RATE}])'
+    await_expr = (f'(rate(node_disk_read_time_seconds_total[{RATE}])'
+                  f' + rate(node_disk_write_time_seconds_total[{RATE}]))'
+                  f' / (rate(node_disk_reads_completed_total[{RATE}])'
+                  f' + rate(node_disk_writes_completed_total[{RATE}]) > 0)')
+    ib = lambda name: f'rate(node_infiniband_{name}_total[{RATE}])'
     items = [
         Row("Communication"),
         timeseries("Communication share of step time", q(share("comm"), "{{run_id}}"), unit="percentunit",
@@ -309,14 +323,14 @@ def comms_io(policy: Policy) -> Board:
         timeseries("Disk await", q(node(await_expr), "{{instance}} {{device}}"), unit="s",
                    thresholds=(Threshold(a.disk_await_ms / 1000, RED),), width=8),
         timeseries("Disk throughput",
-                   q(node(f'rate(node_disk_read_bytes_total{{job=~"$job"}}[{RATE}])'), "{{device}} read"),
-                   q(node(f'rate(node_disk_written_bytes_total{{job=~"$job"}}[{RATE}])'), "{{device}} write"),
+                   q(node(f'rate(node_disk_read_bytes_total[{RATE}])'), "{{device}} read"),
+                   q(node(f'rate(node_disk_written_bytes_total[{RATE}])'), "{{device}} write"),
                    unit="Bps", width=8),
         timeseries("Data wait share of step time", q(share("data_wait"), "{{run_id}}"), unit="percentunit",
                    min=0, thresholds=(Threshold(a.data_wait_ratio, RED),), width=8),
-        timeseries("Network", q(node(f'rate(node_network_receive_bytes_total{{job=~"$job", device!="lo"}}[{RATE}])'),
+        timeseries("Network", q(node(f'rate(node_network_receive_bytes_total{{device!="lo"}}[{RATE}])'),
                                 "{{device}} rx"),
-                   q(node(f'rate(node_network_transmit_bytes_total{{job=~"$job", device!="lo"}}[{RATE}])'),
+                   q(node(f'rate(node_network_transmit_bytes_total{{device!="lo"}}[{RATE}])'),
                      "{{device}} tx"), unit="Bps", width=12),
         timeseries("Checkpoint filesystem free", q(f"trainguard_checkpoint_fs_avail_bytes{AGENT}", "{{mountpoint}}"),
                    unit="bytes", min=0, width=12),
@@ -371,22 +385,34 @@ BOARDS = {"training.json": training, "gpu-node.json": gpu_node, "cost-goodput.js
 
 # ------------------------------------------------------------------------------------------- output
 
-def boards(policy: Policy | None = None) -> dict[str, Board]:
-    policy = policy or Policy()
-    return {name: make(policy) for name, make in BOARDS.items()}
+# Every board links to the others (Grafana's tag link: the five share the "trainguard" tag), keeping the
+# time range and the variables they share ($job, $run_id, $hostname).
+LINKS = ({"title": "trainguard", "type": "dashboards", "tags": ["trainguard"], "asDropdown": False,
+          "includeVars": True, "keepTime": True, "targetBlank": False, "icon": "external link", "url": "",
+          "tooltip": ""},)
 
 
-def render(policy: Policy | None = None) -> dict[str, str]:
-    """file name -> JSON text, exactly as checked in."""
+def boards(policy: Policy | None = None, mixin: Mixin | None = None) -> dict[str, Board]:
+    policy, mixin = policy or Policy(), mixin or Mixin()
+    built = {name: make(policy) for name, make in BOARDS.items()}
+    for board in built.values():
+        board.links = LINKS
+        board.variables = [Variable(v.name, v.label, v.query, mixin.datasource) if v.name == "datasource" else v
+                           for v in board.variables]
+    return built
+
+
+def render(policy: Policy | None = None, mixin: Mixin | None = None) -> dict[str, str]:
+    """file name -> JSON text, exactly as checked in (default policy and mixin)."""
     return {name: json.dumps(board.to_json(), indent=2, ensure_ascii=False) + "\n"
-            for name, board in boards(policy).items()}
+            for name, board in boards(policy, mixin).items()}
 
 
-def write(out_dir: str | Path = OUT_DIR, policy: Policy | None = None) -> list[Path]:
+def write(out_dir: str | Path = OUT_DIR, policy: Policy | None = None, mixin: Mixin | None = None) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in render(policy).items():
+    for name, text in render(policy, mixin).items():
         (out / name).write_text(text, encoding="utf-8")
         written.append(out / name)
     return written

@@ -31,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     render = sub.add_parser("render", help="write the dashboards' JSON files")
     render.add_argument("--out", metavar="DIR", help="output directory (default: the package's dashboards/)")
     render.add_argument("--policy", metavar="FILE", help="policy YAML whose thresholds the panels show")
+    render.add_argument("--mixin", metavar="FILE", help="mixin YAML: the default data source (alerts/mixin.py)")
     push = sub.add_parser("push", help="upload the dashboards to Grafana (overwriting by uid)")
     push.add_argument("--url", required=True, help="Grafana's base URL, e.g. https://grafana.example.com")
     push.add_argument("--token-file", required=True, metavar="FILE",
@@ -38,22 +39,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     push.add_argument("--folder", default=DEFAULT_FOLDER, metavar="NAME",
                       help="folder to put them in, created if missing (default: %(default)s)")
     push.add_argument("--policy", metavar="FILE", help="policy YAML whose thresholds the panels show")
+    push.add_argument("--mixin", metavar="FILE", help="mixin YAML: the default data source (alerts/mixin.py)")
     push.add_argument("--timeout", type=float, default=15.0, help="seconds per request (default: %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from trainguard.alerts import mixin as mixin_mod
     from trainguard.dashboards import build
 
     try:
         policy = policy_mod.load(args.policy)
+        mixin = mixin_mod.load(args.mixin)
         if args.dashboards_command == "render":
-            for path in build.write(args.out or build.OUT_DIR, policy):
+            for path in build.write(args.out or build.OUT_DIR, policy, mixin):
                 print(path)
             return 0
-        for line in push(args.url, read_token(args.token_file), args.folder, policy, args.timeout):
+        for line in push(args.url, read_token(args.token_file), args.folder, policy, args.timeout, mixin):
             print(line)
         return 0
-    except (policy_mod.PolicyError, PushError) as exc:
+    except (policy_mod.PolicyError, mixin_mod.MixinError, PushError) as exc:
         print(f"trainguard dashboards {args.dashboards_command}: {exc}", file=sys.stderr)
         return 2
 
@@ -85,7 +89,7 @@ def payload(dashboard: dict, folder: str, message: str = "trainguard dashboards 
     return {"dashboard": body, "folderUid": folder, "overwrite": True, "message": message}
 
 
-def push(url: str, token: str, folder_title: str, policy, timeout: float = 15.0) -> list[str]:
+def push(url: str, token: str, folder_title: str, policy, timeout: float = 15.0, mixin=None) -> list[str]:
     from grafana_client import GrafanaApi
     from grafana_client.client import GrafanaException
 
@@ -95,7 +99,7 @@ def push(url: str, token: str, folder_title: str, policy, timeout: float = 15.0)
     done = []
     try:
         uid = _ensure_folder(api, folder_title)
-        for name, board in build.boards(policy).items():
+        for name, board in build.boards(policy, mixin).items():
             result = api.dashboard.update_dashboard(payload(board.to_json(), uid))
             done.append(f"{name}: {result.get('status', 'ok')} {url.rstrip('/')}{result.get('url', '')}")
     except GrafanaException as exc:

@@ -14,6 +14,7 @@ DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 GRID_WIDTH = 24
 SCHEMA_VERSION = 39
 GREEN, YELLOW, ORANGE, RED = "green", "#EAB839", "orange", "red"
+LEGEND_CALCS = ("mean", "lastNotNull", "max")     # a time series' legend: a table of these, as mixins draw it
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ def _target(query: Query, ref_id: str) -> dict:
 
 def _options(kind: str) -> dict:
     if kind == "timeseries":
-        return {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+        return {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
+                           "calcs": list(LEGEND_CALCS), "sortBy": "Max", "sortDesc": True},
                 "tooltip": {"mode": "multi", "sort": "desc"}}
     if kind == "stat":
         return {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
@@ -129,11 +131,13 @@ class Variable:
     name: str
     label: str
     query: str = ""                    # label_values(...) for a query variable; empty for the datasource
+    default: str = ""                  # the datasource variable's: a data source's name (alerts/mixin.py)
 
     def to_json(self) -> dict:
         if self.name == "datasource":
+            current = {"selected": True, "text": self.default, "value": self.default} if self.default else {}
             return {"name": "datasource", "label": self.label, "type": "datasource", "query": "prometheus",
-                    "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": []}
+                    "current": current, "hide": 0, "refresh": 1, "regex": "", "options": []}
         return {"name": self.name, "label": self.label, "type": "query", "datasource": DATASOURCE,
                 "query": self.query, "definition": self.query, "refresh": 2, "includeAll": True,
                 "multi": True, "allValue": ".*", "current": {}, "hide": 0, "sort": 1, "regex": "",

@@ -9,7 +9,7 @@ A missing binary skips the test, but fails it under ``CI=true``, where the serve
     from tests.servers import require_binary, start_prometheus, start_alertmanager
 
     def test_rules(tmp_path):
-        with start_prometheus(tmp_path, ["127.0.0.1:9400"], rule_files=[rules]) as url:
+        with start_prometheus(tmp_path, ["127.0.0.1:9655"], rule_files=[rules]) as url:
             ...
 """
 
@@ -283,7 +283,7 @@ def start_prometheus(tmp_path: Path, scrape_targets: Sequence[str] | Mapping[str
 
     `extra_config`: top-level keys merged into prometheus.yml (remote_write, global external_labels ...).
 
-    `scrape_targets`: ``["127.0.0.1:9400"]`` (job ``trainguard``) or ``{"job": ["host:port"], ...}``.
+    `scrape_targets`: ``["127.0.0.1:9655"]`` (job ``trainguard``) or ``{"job": ["host:port"], ...}``.
     Use as ``with start_prometheus(...) as url:`` to stop it at the end of the block.
     """
     binary = require_binary("prometheus")

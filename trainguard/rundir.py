@@ -10,6 +10,7 @@
     RUN/report.html                        `trainguard report` (trainguard/report/)
     RUN/agent/offsets-<node>.json          the training collector's offsets and state (agent/collectors/training.py)
     RUN/agent/webhook.token                the webhook's bearer token, when none is configured (agent/executor.py)
+    RUN/agent/hosts/<host>.json            a pod host name an agent found among its node's processes (agent/procfs.py)
     RUN/incidents/<id>/                    incidents and their evidence (trainguard/incidents.py)
     RUN/control/actions.jsonl              requests: the agent writes (`append_request`), rank 0 reads (`Requests`)
     RUN/control/acked.jsonl                request ids the trainer handled (`append_ack`, `read_acked`)
@@ -89,6 +90,13 @@ def report_path(run_dir: PathLike) -> Path:
 
 def agent_dir(run_dir: PathLike) -> Path:
     return Path(run_dir) / "agent"
+
+
+def host_claim(run_dir: PathLike, host: str) -> Path:
+    """RUN/agent/hosts/<host>.json: the node whose agent found `host`'s ranks among its processes (a pod's
+    host name mapped to its node, agent/procfs.py `PidNamespaces`). Only the warning about ranks of no
+    known node reads it: it decides nothing."""
+    return agent_dir(run_dir) / "hosts" / f"{host}.json"
 
 
 def offsets_path(run_dir: PathLike, node: str) -> Path:
@@ -345,6 +353,11 @@ class RankInfo:
     launcher_pid: int | None = None
     launcher_create_time: float | None = None
     restarts_left: int | None = None      # of its launcher (None: not said)
+    # A registration made in another PID namespace (a pod) and matched to this node's processes by the agent
+    # (agent/procfs.py `PidNamespaces`): `pid`, `host` and `launcher_pid` are then the node's, these the pod's.
+    ns_pid: int | None = None
+    ns_host: str | None = None
+    ns_candidates: int = 0                # host processes that matched the pod's pid and start time (>1: ambiguous)
 
 
 def write_rank_file(run_dir: PathLike, rank: int, info: dict) -> Path:
@@ -427,9 +440,12 @@ class RankFiles:
 
     RACY_SECONDS = 2.0
 
-    def __init__(self, run_dir: PathLike, hosts):
+    def __init__(self, run_dir: PathLike, hosts, adopt=None):
         self.run_dir = Path(run_dir)
         self.hosts = frozenset(hosts)
+        # adopt(info) -> RankInfo | None: another host name's registration that is a process of this node
+        # after all (a rank in a pod registers its pod's host name and pid; agent/procfs.py PidNamespaces)
+        self.adopt = adopt
         self._directory = str(ranks_dir(self.run_dir))
         self._version: tuple[int, int] | None = None    # (inode, mtime_ns) of the directory when read
         self._read_at: tuple[int, int] | None = None    # (inode, mtime_ns) at the last refresh, settled or not
@@ -522,8 +538,9 @@ class RankFiles:
         except OSError as exc:
             unreadable[name] = (mark, f"{path}: {exc.strerror or exc}")
             return
-        if info.host in self.hosts:
-            ours[name] = (mark, replace(info, path=Path(path)))
+        adopted = None if info.host in self.hosts or self.adopt is None else self.adopt(info)
+        if info.host in self.hosts or adopted is not None:
+            ours[name] = (mark, replace(adopted or info, path=Path(path)))
         elif rank < MAX_RANK:
             _set_bit(elsewhere, rank)
         else:

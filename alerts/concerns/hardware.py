@@ -25,7 +25,7 @@ def hardware(policy: Policy) -> list[Group]:
               "94, 95) mean the GPU needs a reset or the node needs draining; see the runbook before "
               "restarting the run here."),
         Alert("GPUMemoryFragmented", "trainguard:memory_fragmentation:ratio < " + num(a.fragmentation_min),
-              "warning", "Allocator memory fragmented on {{ $labels.instance }}: "
+              "warning", "Allocator memory fragmented in run {{ $labels.run_id }} on {{ $labels.instance }}: "
               "{{ $value | humanizePercentage }} of reserved memory in use",
               f"Allocated / reserved device memory is under {num(a.fragmentation_min)}: the caching "
               "allocator holds blocks it cannot reuse, which ends in out-of-memory errors at a "

@@ -33,12 +33,12 @@ def io_nccl(policy: Policy) -> list[Group]:
               "checkpoint writes on this disk are slow.",
               for_=a.for_long),
         Alert("DataLoaderStarved", "trainguard:data_wait:ratio > " + num(a.data_wait_ratio),
-              "warning", "Ranks on {{ $labels.instance }} wait for data {{ $value | humanizePercentage }} of the time",
+              "warning", "Ranks of run {{ $labels.run_id }} on {{ $labels.instance }} wait for data {{ $value | humanizePercentage }} of the time",
               f"More than {a.data_wait_ratio:.0%} of step time is spent waiting for the next batch: add "
               "loader workers, prefetch, or move the data to faster storage.",
               for_=a.for_long),
         Alert("CommOverheadHigh", "trainguard:comm_overhead:ratio > " + num(a.comm_overhead_max),
-              "warning", "Communication takes {{ $value | humanizePercentage }} of step time on {{ $labels.instance }}",
+              "warning", "Communication takes {{ $value | humanizePercentage }} of step time in run {{ $labels.run_id }} on {{ $labels.instance }}",
               f"More than {a.comm_overhead_max:.0%} of step time is spent in collectives: a slow link, a "
               "straggler rank, or buckets too small to overlap with compute.",
               for_=a.for_long),

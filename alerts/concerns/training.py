@@ -6,7 +6,7 @@ Rendered into training.rules.yml.
 from __future__ import annotations
 
 from trainguard import actions
-from trainguard.alerts.promql import BASELINE, NODE, RATE, RUN, Alert, Group, Record, num
+from trainguard.alerts.promql import BASELINE, NODE, RATE, RUN, SELF_HANDLED_SEVERITY, Alert, Group, Record, num
 from trainguard.policy import Policy
 
 # A baseline needs this many samples before a spike or an explosion can be judged against it.
@@ -47,7 +47,7 @@ def training(policy: Policy) -> list[Group]:
     alerts = Group("training", "trainguard-training.alerts", (
         Alert("LossNaN", "trainguard_training_loss != trainguard_training_loss\n"
                          "or abs(trainguard_training_loss) == +Inf",
-              "critical", "Training loss is NaN or infinite on {{ $labels.instance }}",
+              SELF_HANDLED_SEVERITY, "Training loss of run {{ $labels.run_id }} is NaN or infinite on {{ $labels.instance }}",
               "The loss has stayed non-finite for " + a.for_short + ". The guard skips a non-finite step "
               "on its own; a loss that stays non-finite means the weights or optimizer state are "
               "already corrupt, so the run is rolled back to its last stable checkpoint.",
@@ -58,7 +58,7 @@ def training(policy: Policy) -> list[Group]:
               f"  + {num(a.loss_spike_sigma)} * trainguard:training_loss:robust_stddev{BASELINE}\n"
               f"  + 0.001 * abs(trainguard:training_loss:median{BASELINE})\n"
               f"and count_over_time({STEPPING_LOSS}[{BASELINE}]) >= {BASELINE_MIN_SAMPLES}",
-              "critical", "Loss spike on {{ $labels.instance }}: {{ $value | printf \"%.4g\" }}",
+              SELF_HANDLED_SEVERITY, "Loss spike in run {{ $labels.run_id }} on {{ $labels.instance }}: {{ $value | printf \"%.4g\" }}",
               f"The loss is more than {num(a.loss_spike_sigma)} robust standard deviations above its "
               f"{BASELINE} median. The run is rolled back to its last stable checkpoint, the data window "
               "is skipped and the learning rate lowered.",
@@ -71,7 +71,7 @@ def training(policy: Policy) -> list[Group]:
               f"trainguard_training_grad_norm < +Inf\n"
               f"> {num(a.grad_explode_factor)} * trainguard:training_grad_norm:median{BASELINE}\n"
               f"and count_over_time(trainguard_training_grad_norm[{BASELINE}]) >= {BASELINE_MIN_SAMPLES}",
-              "critical", "Gradient norm explosion on {{ $labels.instance }}: {{ $value | printf \"%.4g\" }}",
+              SELF_HANDLED_SEVERITY, "Gradient norm explosion in run {{ $labels.run_id }} on {{ $labels.instance }}: {{ $value | printf \"%.4g\" }}",
               f"The global gradient norm is more than {num(a.grad_explode_factor)} times its {BASELINE} "
               "median (an infinite one, a loss-scaler overflow, is not) for " + a.for_short + ": the guard "
               "skips an isolated step on its own, and a heavy-tailed healthy run has those. The run is rolled "
@@ -81,7 +81,7 @@ def training(policy: Policy) -> list[Group]:
               f"min by ({NODE}, run_id) (time() - trainguard_training_last_step_timestamp_seconds)\n"
               f"> {num(a.stall_seconds)}\n"
               f"and on ({NODE}) {RANKS_UP}",
-              "critical", "No training step for over " + num(a.stall_seconds) + "s on {{ $labels.instance }}",
+              "critical", "Run {{ $labels.run_id }}: no training step for over " + num(a.stall_seconds) + "s on {{ $labels.instance }}",
               "The ranks on this node have not finished a step for " + num(a.stall_seconds) + " s and the "
               "run has not ended: a hung collective, a dead rank or a stuck data loader. The agent ends "
               "the node's ranks; torch's elastic launcher starts them again and they resume from the "
@@ -90,7 +90,7 @@ def training(policy: Policy) -> list[Group]:
         Alert("LowEffectiveThroughput",
               f"trainguard:effective_throughput:tokens_per_second\n"
               f"< {num(a.low_throughput_ratio)} * max_over_time(trainguard:effective_throughput:tokens_per_second[{BASELINE}])",
-              "warning", "Effective throughput of {{ $labels.job }} is under "
+              "warning", "Effective throughput of run {{ $labels.run_id }} is under "
               + f"{a.low_throughput_ratio:.0%} of its recent peak",
               "Tokens trained per second (skipped and rolled-back steps excluded) fell under "
               f"{a.low_throughput_ratio:.0%} of the best of the last {BASELINE}. Look at the data loader, "
@@ -98,14 +98,14 @@ def training(policy: Policy) -> list[Group]:
               for_=a.for_long),
         Alert("LowDataUtilization",
               "trainguard:data_utilization:ratio < " + num(a.data_utilization_min),
-              "warning", "Only {{ $value | humanizePercentage }} of loaded tokens are trained",
+              "warning", "Run {{ $labels.run_id }}: only {{ $value | humanizePercentage }} of loaded tokens are trained",
               f"Tokens trained / tokens loaded is under {a.data_utilization_min:.0%} over {RATE}: steps are "
               "skipped or rolled back, or batches are padded. Each lost token was paid for.",
               for_=a.for_long),
         Alert("CheckpointStale",
               "time() - trainguard_checkpoint_last_timestamp_seconds > " + num(a.checkpoint_stale_seconds)
               + f"\nand on ({NODE}) {RANKS_UP}",
-              "warning", "No checkpoint for over {{ $value | humanizeDuration }} on {{ $labels.instance }}",
+              "warning", "Run {{ $labels.run_id }}: no checkpoint for over {{ $value | humanizeDuration }} on {{ $labels.instance }}",
               f"The newest verified checkpoint is older than {num(a.checkpoint_stale_seconds)} s: a "
               "failure now loses that much work. Check the checkpoint directory's disk and the trainer's "
               "checkpoint events.",
@@ -124,7 +124,7 @@ def fail_slow(policy: Policy) -> list[Group]:
     alerts = Group("training", "trainguard-straggler.alerts", (
         Alert("TrainingStraggler",
               f"min by (job, run_id, rank, node) (trainguard_rank_straggler_score) < {num(score_min)}",
-              "warning", "Rank {{ $labels.rank }} on {{ $labels.node }} is a straggler: "
+              "warning", "Rank {{ $labels.rank }} of run {{ $labels.run_id }} on {{ $labels.node }} is a straggler: "
               "{{ $value | printf \"%.2f\" }} of the fastest rank's speed",
               f"The rank's recent compute time (step time less data wait and communication) has stayed more "
               f"than {1 / score_min:.2f} times the fastest rank's (NVRx relative score under {num(score_min)}) "

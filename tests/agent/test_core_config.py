@@ -27,7 +27,7 @@ def write(tmp_path, text: str) -> Path:
 
 def test_the_example_config_loads():
     config = agent_config.load(EXAMPLE, KNOWN)
-    assert config.listen == "127.0.0.1:9400"
+    assert config.listen == "127.0.0.1:9655"
     assert config.nodelog.max_bytes == 64 * 2**20
     assert config.collector("host").options == {"nccl_from_torch": True}
 
@@ -54,7 +54,7 @@ collectors:
 
 
 @pytest.mark.parametrize("text, message", [
-    ("listen: 9400", "listen: expected HOST:PORT, got 9400"),
+    ("listen: 9655", "listen: expected HOST:PORT, got 9655"),
     ("listen: 'a:99999'", "listen: port must be 0..65535"),
     ("collectors: {gpu: {interval: fast}}", "collectors.gpu.interval: expected a number, got 'fast'"),
     ("collectors: {gpu: {interval: 0}}", "collectors.gpu.interval: must be > 0"),
@@ -144,8 +144,8 @@ def _health(url: str):
 def test_an_empty_listen_host_is_refused_rather_than_binding_every_interface():
     from trainguard.agent.config import ConfigError, parse_listen
 
-    with pytest.raises(ConfigError, match="127.0.0.1:9400 for this node only"):
-        parse_listen(":9400", "--listen")
+    with pytest.raises(ConfigError, match="127.0.0.1:9655 for this node only"):
+        parse_listen(":9655", "--listen")
 
 
 def test_a_config_that_is_not_utf8_is_a_named_error_with_exit_2(tmp_path):

@@ -28,7 +28,7 @@ def parse_agent_args(args: list[str]) -> argparse.Namespace:
 def test_daemonset_config_and_args_are_what_the_agent_accepts(tmp_path):
     documents = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "daemonset.yaml").read_text()))
     kinds = {doc["kind"]: doc for doc in documents}
-    assert set(kinds) == {"Namespace", "ServiceAccount", "ConfigMap", "DaemonSet"}
+    assert set(kinds) == {"Namespace", "ServiceAccount", "ConfigMap", "PriorityClass", "DaemonSet"}
     config_file = tmp_path / "agent.yaml"
     config_file.write_text(kinds["ConfigMap"]["data"]["agent.yaml"])
     container = kinds["DaemonSet"]["spec"]["template"]["spec"]["containers"][0]
@@ -40,7 +40,8 @@ def test_daemonset_config_and_args_are_what_the_agent_accepts(tmp_path):
     assert config.listen_address == ("0.0.0.0", container["ports"][0]["containerPort"])
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert {"/host/proc", "/host/sys", "/data/runs"} <= mounts
-    assert str(config.run_dir).startswith("/data/runs/")
+    assert config.runs_root == Path("/data/runs") and config.run_dir is None    # follows the jobs as they come
+    assert config.coexist == "on"
     token_dir = str(Path(config.webhook["token_file"]).parent)
     assert token_dir in mounts
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
@@ -55,10 +56,37 @@ def test_systemd_unit_command_parses_and_the_unit_verifies(tmp_path):
     example = ROOT / "agent" / "configs" / "agent.yaml"
     args = [w.replace("/etc/trainguard/agent.yaml", str(example)) for w in words[2:]]
     config = cli.build_config(parse_agent_args(args), KNOWN)
-    assert config.run_dir == Path("/data/runs/current") and config.listen == "127.0.0.1:9400"
+    assert config.run_dir == Path("/data/runs/current") and config.listen == "127.0.0.1:9655"
     if not shutil.which("systemd-analyze"):
         pytest.skip("systemd-analyze is not installed")
     local = tmp_path / "trainguard-agent.service"
     local.write_text(unit.replace(words[0], str(Path(sys.executable).with_name("trainguard"))))
     result = subprocess.run(["systemd-analyze", "verify", str(local)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+
+
+def test_daemonset_can_do_what_the_agent_needs_and_yields_to_the_run():
+    """py-spy needs SYS_PTRACE; root training containers need a root agent (with few capabilities); NVML
+    needs the nvidia runtime class; the agent's priority is below the training pods', as its comment says."""
+    documents = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "daemonset.yaml").read_text()))
+    kinds = {doc["kind"]: doc for doc in documents}
+    pod = kinds["DaemonSet"]["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    security = container["securityContext"]
+    assert {"SYS_PTRACE", "SYSLOG", "KILL"} <= set(security["capabilities"]["add"])
+    assert security["capabilities"]["drop"] == ["ALL"] and security["allowPrivilegeEscalation"] is False
+    assert security["runAsUser"] == 0
+    assert pod["hostPID"] is True and pod["runtimeClassName"] == "nvidia"
+    priority = kinds["PriorityClass"]
+    assert pod["priorityClassName"] == priority["metadata"]["name"] and priority["value"] < 0
+    assert priority["preemptionPolicy"] == "Never" and not priority["globalDefault"]
+    annotations = kinds["DaemonSet"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(container["ports"][0]["containerPort"]) == "9655"
+
+
+def test_systemd_unit_allows_py_spy_and_run_directories_under_home():
+    unit = (ROOT / "deploy" / "trainguard-agent.service").read_text()
+    settings = dict(line.split("=", 1) for line in unit.splitlines() if "=" in line and not line.startswith("#"))
+    assert "CAP_SYS_PTRACE" in settings["AmbientCapabilities"].split()
+    assert "CAP_SYS_PTRACE" in settings["CapabilityBoundingSet"].split()
+    assert settings.get("ProtectHome", "false") in ("false", "no")

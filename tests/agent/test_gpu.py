@@ -17,7 +17,7 @@ from trainguard.agent.config import ConfigError
 from trainguard.trainer.control import write_rank_file
 
 H100 = {"UUID": "GPU-1c8e2f0a-6b4d-4f51-9a57-3e0c8d2b7f14", "device": "nvidia0", "gpu": "0",
-        "hostname": "node-a", "model_name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:18:00.0"}
+        "Hostname": "node-a", "model_name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:18:00.0"}
 
 
 class Clock:
@@ -38,7 +38,7 @@ def make(tmp_path: Path, nvml, run_dir: Path | None = None, **options) -> GPUCol
 
 
 def gpu_labels(index: int, uuid: str, bus: str) -> dict:
-    return {"UUID": uuid, "device": f"nvidia{index}", "gpu": str(index), "hostname": "node-a",
+    return {"UUID": uuid, "device": f"nvidia{index}", "gpu": str(index), "Hostname": "node-a",
             "model_name": "NVIDIA H100 80GB HBM3", "pci_bus_id": bus}
 
 
@@ -105,7 +105,7 @@ def test_throttle_reasons_decoded_per_reason(tmp_path):
     gpu5 = gpu_labels(5, "GPU-7b2d9f4e-5c18-4a6e-8f3b-d41e6c0a9f69", "00000000:AB:00.0")
     nvml.advance(2)
     v = values(collector.update().families)
-    assert v[series("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", **gpu5)] == 0x4 | 0x20
+    assert v[series("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", **gpu5)] == 0x4 | 0x20
     active = {reason for (name, labels), value in v.items()
               if name == "trainguard_gpu_clock_throttle_active" and value == 1 and dict(labels)["gpu"] == "5"
               for reason in [dict(labels)["reason"]]}
@@ -212,8 +212,8 @@ def test_options_are_checked(tmp_path):
 
 def test_dcgm_label_style_is_dcgm_exporters(tmp_path):
     v = values(make(tmp_path, FakeNVML("h100x8"), labels="dcgm").update().families)
-    labels = {**H100, "Hostname": "node-a", "modelName": H100["model_name"]}
-    del labels["hostname"], labels["model_name"]
+    labels = {**H100, "modelName": H100["model_name"]}
+    del labels["model_name"]
     assert series("DCGM_FI_DEV_GPU_UTIL", **labels) in v
 
 

@@ -15,7 +15,7 @@ from trainguard.agent.collectors.gpu import GPUCollector
 from trainguard.agent.collectors.xid import KmsgSource, XidCounts, parse_kmsg_xid, pci_key_from_bus_id
 
 FIXTURE_KMSG = Path(__file__).resolve().parents[1] / "fixtures" / "dev" / "kmsg"
-GPU0 = {"UUID": "GPU-1c8e2f0a-6b4d-4f51-9a57-3e0c8d2b7f14", "device": "nvidia0", "gpu": "0", "hostname": "node-a",
+GPU0 = {"UUID": "GPU-1c8e2f0a-6b4d-4f51-9a57-3e0c8d2b7f14", "device": "nvidia0", "gpu": "0", "Hostname": "node-a",
         "model_name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:18:00.0"}
 
 
@@ -112,7 +112,7 @@ def test_kmsg_and_nvml_seeing_the_same_xid_count_it_once(tmp_path):
     assert v[series("trainguard_gpu_xid_errors_total", **GPU0, xid="13")] == 1
     # an XID for a PCI address that is none of this node's GPUs keeps its address, nothing else
     assert v[series("trainguard_gpu_xid_errors_total", gpu="", UUID="", pci_bus_id="0000:5d:00", device="",
-                    model_name="", hostname="node-a", xid="48")] == 1
+                    model_name="", Hostname="node-a", xid="48")] == 1
 
 
 def test_kmsg_off_by_option(tmp_path):

@@ -10,7 +10,7 @@ ZERO_TIME = "0001-01-01T00:00:00Z"
 
 def alert(name: str = "LossSpike", action: str | None = "rollback", status: str = "firing",
           fingerprint: str = "a1b2c3d4e5f60718", starts_at: str = STARTS, **labels: str) -> dict:
-    all_labels = {"alertname": name, "severity": "critical", "job": "trainguard", "instance": "127.0.0.1:9400",
+    all_labels = {"alertname": name, "severity": "critical", "job": "trainguard", "instance": "127.0.0.1:9655",
                   **labels}
     if action:
         all_labels["action"] = action

@@ -113,7 +113,7 @@ def test_a_restore_redone_after_the_agent_crashed_gathers_the_evidence_again(tmp
     policy, settings = policy_mod.load(run / "policy.yaml"), WebhookSettings.from_config(config)
     stalled = Notice(alertname="TrainingStalled", status="firing", action="restore", key="fp-stall@1",
                      starts_at=time.time() + 5, source="alertmanager",
-                     labels={"alertname": "TrainingStalled", "instance": f"{HOST}:9400"})
+                     labels={"alertname": "TrainingStalled", "instance": f"{HOST}:9655"})
     first = Executor(run, "n1", Ledger())
     [decided] = first.ledger.decide_all([stalled], now=time.time())
     first.records.append([first._alert_record(decided, time.time())])   # the agent died right after this

@@ -130,7 +130,7 @@ def test_the_unit_tests_catch_a_changed_threshold(tmp_path):
 def test_alertmanager_routes_actions_to_the_agents_and_everything_to_a_human(tmp_path):
     amtool = require_binary("amtool")
     config = tmp_path / "alertmanager.yml"
-    config.write_text(alertmanager.render(["10.0.0.1:9400", "10.0.0.2:9400"], token_file="/etc/tg/token"))
+    config.write_text(alertmanager.render(["10.0.0.1:9655", "10.0.0.2:9655"], token_file="/etc/tg/token"))
     check = subprocess.run([amtool, "check-config", str(config)], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
 
@@ -140,19 +140,22 @@ def test_alertmanager_routes_actions_to_the_agents_and_everything_to_a_human(tmp
         assert result.returncode == 0, result.stdout + result.stderr
         return sorted(result.stdout.strip().split(","))
 
-    first, second = (alertmanager.receiver_name(a) for a in ("10.0.0.1:9400", "10.0.0.2:9400"))
-    assert receivers("alertname=LossSpike", "action=rollback", "instance=10.0.0.2:9400") == sorted([first, "human"])
+    first, second = (alertmanager.receiver_name(a) for a in ("10.0.0.1:9655", "10.0.0.2:9655"))
+    assert receivers("alertname=LossSpike", "action=rollback", "instance=10.0.0.2:9655") == sorted([first, "human"])
+    # the self-handled alerts are severity info: they reach the agent, and page nobody
+    assert receivers("alertname=LossSpike", "severity=info", "action=rollback") == [first]
+    assert receivers("alertname=Whatever", "severity=info") == ["nobody"]
     assert receivers("alertname=CostBudgetStop", "action=cost_stop") == sorted([first, "human"])
-    assert receivers("alertname=TrainingStalled", "action=restore", "instance=10.0.0.2:9400") == sorted(
+    assert receivers("alertname=TrainingStalled", "action=restore", "instance=10.0.0.2:9655") == sorted(
         [second, "human"])
-    assert receivers("alertname=TrainingStalled", "action=restore", "instance=10.0.0.9:9400") == ["human"]
+    assert receivers("alertname=TrainingStalled", "action=restore", "instance=10.0.0.9:9655") == ["human"]
     assert receivers("alertname=GPUOverheating") == ["human"]
 
 
 def test_the_webhook_receivers_carry_the_bearer_token_file():
-    config = alertmanager.config(["127.0.0.1:9400"], token_file="/run/secrets/tg")
-    hook = config["receivers"][1]["webhook_configs"][0]
-    assert hook["url"] == "http://127.0.0.1:9400/api/v1/alerts"
+    config = alertmanager.config(["127.0.0.1:9655"], token_file="/run/secrets/tg")
+    hook = config["receivers"][2]["webhook_configs"][0]
+    assert hook["url"] == "http://127.0.0.1:9655/api/v1/alerts"
     assert hook["http_config"]["authorization"] == {"type": "Bearer", "credentials_file": "/run/secrets/tg"}
     assert hook["send_resolved"] is True
     run_wide = config["route"]["routes"][0]
@@ -181,3 +184,65 @@ def test_every_metric_the_rules_read_is_exported_by_an_agent_collector():
         if name.startswith("node_disk_"):       # io.py builds these from a table: f"node_disk_{name}"
             spelled.add(f'"{name[len("node_disk_"):]}"')
         assert any(s in sources for s in spelled), f"{name} is read by the rules but no collector exports it"
+
+
+def test_render_writes_routes_to_merge_and_merges_them_into_an_existing_configuration(tmp_path):
+    amtool = require_binary("amtool")
+    existing = tmp_path / "existing.yml"
+    existing.write_text(yaml.safe_dump({
+        "route": {"receiver": "ops", "routes": [{"receiver": "pager", "matchers": ['severity="critical"']}]},
+        "receivers": [{"name": "ops"}, {"name": "pager"}]}))
+    out = tmp_path / "out"
+    assert cli.main(["render", "--out", str(out), "--agent", "10.0.0.1:9655", "--merge-into", str(existing)]) == 0
+    part = yaml.safe_load((out / "alertmanager-routes.yml").read_text())
+    assert set(part) == {"route", "receivers"} and "receiver" not in part["route"]     # no root: a fragment
+    merged = yaml.safe_load((out / "alertmanager.yml").read_text())
+    assert merged["route"]["receiver"] == "ops" and merged["route"]["routes"][-1]["receiver"] == "pager"
+    assert {"ops", "pager", alertmanager.receiver_name("10.0.0.1:9655")} <= {r["name"] for r in merged["receivers"]}
+    assert alertmanager.merge(merged, part) == merged           # merging twice adds nothing
+    config = out / "alertmanager.yml"
+    assert subprocess.run([amtool, "check-config", str(config)], capture_output=True).returncode == 0
+    routed = subprocess.run([amtool, "config", "routes", "test", f"--config.file={config}", "alertname=TrainingStalled",
+                             "severity=critical", "action=restore", "instance=10.0.0.1:9655"],
+                            capture_output=True, text=True)
+    assert sorted(routed.stdout.strip().split(",")) == sorted([alertmanager.receiver_name("10.0.0.1:9655"), "pager"])
+
+
+def test_an_agent_without_its_port_is_refused(tmp_path, capsys):
+    for address in ("gpu-node-01", "gpu-node-01:", ":9655", "gpu-node-01:http", "gpu-node-01:70000"):
+        assert cli.main(["render", "--out", str(tmp_path), "--agent", address]) == 2, address
+        assert "expected HOST:PORT" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())          # nothing written
+    assert cli.main(["render", "--out", str(tmp_path), "--agent", "[fd00::1]:9655"]) == 0
+
+
+def test_the_mixin_sets_selectors_runbooks_and_the_self_handled_severity(tmp_path):
+    promtool = require_binary("promtool")
+    mixin_file = tmp_path / "mixin.yaml"
+    mixin_file.write_text("selectors: {trainguard: 'job=\"tg\"', dcgm: 'job=\"dcgm-exporter\"', "
+                          "node: 'job=~\"node-exporter|tg\"'}\n"
+                          "runbook_url_base: https://wiki.example.com/runbooks/\nself_handled_severity: warning\n")
+    out = tmp_path / "out"
+    assert cli.main(["render", "--out", str(out), "--mixin", str(mixin_file)]) == 0
+    alerts = rendered_alerts(out)
+    assert alerts["LossSpike"]["labels"]["severity"] == "warning"
+    assert alerts["GPUOverheating"]["expr"].startswith('DCGM_FI_DEV_GPU_TEMP{job="dcgm-exporter"}')
+    assert 'up{job="tg"} == 0' in alerts["AgentDown"]["expr"]
+    assert alerts["DiskAwaitHigh"]["annotations"]["runbook_url"] == "https://wiki.example.com/runbooks#diskawaithigh"
+    text = "\n".join(rule["expr"] for p in out.glob("*.rules.yml") for group in yaml.safe_load(p.read_text())["groups"]
+                     for rule in group["rules"])
+    assert 'trainguard_training_loss{job="tg"}' in text and 'node_disk_reads_completed_total{job=~"node-exporter|tg"}' in text
+    bare = re.findall(r"(?<![:\w])(?:trainguard|node|DCGM)_[A-Za-z0-9_]+(?![\w:({])", text)
+    assert bare == [], f"series without the selector: {sorted(set(bare))[:5]}"
+    check = subprocess.run([promtool, "check", "rules", *map(str, out.glob("*.rules.yml"))], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_bad_mixin_is_refused_naming_the_key(tmp_path, capsys):
+    mixin_file = tmp_path / "mixin.yaml"
+    for text, key in (("selectors: {gpu: 'job=\"x\"'}\n", "selectors.gpu"), ("severity: info\n", "severity"),
+                      ("selectors: {dcgm: 'job=dcgm'}\n", "selectors.dcgm"),
+                      ("self_handled_severity: page\n", "self_handled_severity")):
+        mixin_file.write_text(text)
+        assert cli.main(["render", "--out", str(tmp_path / "out"), "--mixin", str(mixin_file)]) == 2
+        assert key in capsys.readouterr().err

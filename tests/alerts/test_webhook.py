@@ -40,7 +40,7 @@ def test_a_real_alertmanager_payload_parses():
     assert [(n.alertname, n.status, n.action) for n in notices] == [
         ("LossSpike", "firing", "rollback"), ("GPUOverheating", "firing", None)]
     assert notices[0].key == "a1b2c3d4e5f60718@2024-03-15T14:22:18.123457Z"
-    assert notices[0].labels["instance"] == "127.0.0.1:9400"
+    assert notices[0].labels["instance"] == "127.0.0.1:9655"
 
 
 def test_alertmanager_times_parse_with_nanoseconds_and_offsets():

@@ -19,6 +19,7 @@ from trainguard.dashboards.cli import payload, read_token, PushError
 from trainguard.policy import AlertPolicy, CostPolicy, Policy
 
 DASHBOARDS = Path(build.__file__).resolve().parent
+PROF_CSV = Path("/work/shared/real-logs/names/dcgm-exporter_dcp-metrics-included.csv")
 TRAINGUARD = [sys.executable, "-m", "trainguard.cli"]
 UIDS = {"training.json": "trainguard-training", "gpu-node.json": "trainguard-gpu-node",
         "cost-goodput.json": "trainguard-cost-goodput", "comms-io.json": "trainguard-comms-io",
@@ -155,3 +156,53 @@ def test_push_refuses_unsafe_or_empty_token_files_and_names_an_unreachable_grafa
     done = subprocess.run(TRAINGUARD + ["dashboards", "push", "--url", url, "--token-file", str(token)],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and f"{url}: cannot reach Grafana" in done.stderr
+
+
+def test_legends_are_tables_of_mean_last_and_max(rendered):
+    for name, board in rendered.items():
+        for panel in board["panels"]:
+            if panel["type"] == "timeseries":
+                legend = panel["options"]["legend"]
+                assert legend["displayMode"] == "table", (name, panel["title"])
+                assert legend["calcs"] == ["mean", "lastNotNull", "max"], (name, panel["title"])
+
+
+def test_every_board_links_to_the_others_keeping_time_and_variables(rendered):
+    for name, board in rendered.items():
+        [link] = board["links"]
+        assert link["type"] == "dashboards" and link["tags"] == ["trainguard"], name
+        assert link["includeVars"] and link["keepTime"], name
+        assert "trainguard" in board["tags"], name       # the tag the links follow: all five are reached
+
+
+def test_sm_and_tensor_activity_panels_read_dcgm_profiling_fields(rendered):
+    panels = {p["title"]: p for p in rendered["gpu-node.json"]["panels"]}
+    assert panels["SM activity"]["targets"][0]["expr"].startswith("DCGM_FI_PROF_SM_ACTIVE{")
+    assert panels["Tensor core activity"]["targets"][0]["expr"].startswith("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE{")
+    names = {line.split(",")[0].strip().lstrip("# ") for line in PROF_CSV.read_text().splitlines()
+             if line.strip().lstrip("# ").startswith("DCGM_FI_PROF")} if PROF_CSV.exists() else set()
+    if names:      # dcgm-exporter spells them so (its counters CSV)
+        assert {"DCGM_FI_PROF_SM_ACTIVE", "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"} <= names
+
+
+def test_gpu_panels_use_dcgm_exporters_label_names(rendered):
+    board = rendered["gpu-node.json"]
+    exprs = " ".join(t["expr"] for p in board["panels"] for t in p.get("targets", []))
+    assert 'Hostname=~"$hostname"' in exprs and "hostname=~" not in exprs
+    [host] = [v for v in board["templating"]["list"] if v["name"] == "hostname"]
+    assert host["query"].endswith(", Hostname)")
+
+
+def test_the_mixin_sets_the_default_datasource(tmp_path):
+    mixin_file = tmp_path / "mixin.yaml"
+    mixin_file.write_text("datasource: Thanos\n")
+    done = subprocess.run(TRAINGUARD + ["dashboards", "render", "--out", str(tmp_path / "out"), "--mixin",
+                                        str(mixin_file)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    board = json.loads((tmp_path / "out" / "training.json").read_text())
+    [source] = [v for v in board["templating"]["list"] if v["name"] == "datasource"]
+    assert source["current"]["value"] == "Thanos"
+    mixin_file.write_text("datasource: ''\n")
+    done = subprocess.run(TRAINGUARD + ["dashboards", "render", "--out", str(tmp_path / "out"), "--mixin",
+                                        str(mixin_file)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "datasource" in done.stderr

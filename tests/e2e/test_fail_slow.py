@@ -74,7 +74,7 @@ def test_the_agent_scores_the_slow_rank_and_the_alert_names_rank_and_node(slow_r
     promtool = require_binary("promtool")
     rules.write(tmp_path / "rules")
     worst = min(scores["1"]["value"] for scores in slow)
-    series = [{"series": f'trainguard_rank_straggler_score{{job="trainguard",instance="n1:9400",run_id="run",'
+    series = [{"series": f'trainguard_rank_straggler_score{{job="trainguard",instance="n1:9655",run_id="run",'
                          f'rank="{rank}",node="{host}"}}', "values": " ".join([str(value)] * 6)}
               for rank, value in (("0", 1.0), ("1", worst))]
     test = {"rule_files": [str(tmp_path / "rules" / "training.rules.yml")], "evaluation_interval": "1m",
@@ -92,7 +92,7 @@ def test_the_agent_scores_the_slow_rank_and_the_alert_names_rank_and_node(slow_r
 def _annotations(host: str, score: float) -> dict:
     [rule] = [a for a in rules.alerts() if a.name == "TrainingStraggler"]
     rendered = rule.to_dict()["annotations"]
-    return {**rendered, "summary": f"Rank 1 on {host} is a straggler: {score:.2f} of the fastest rank's speed"}
+    return {**rendered, "summary": f"Rank 1 of run run on {host} is a straggler: {score:.2f} of the fastest rank's speed"}
 
 
 def test_nothing_is_evicted_by_default(slow_run):

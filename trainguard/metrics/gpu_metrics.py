@@ -64,8 +64,9 @@ DCGM_GAUGES = (
     ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "energy_mj", "Total energy consumption since boot (in mJ)."),
     ("DCGM_FI_DEV_SM_CLOCK", "sm_clock_mhz", "SM clock frequency (in MHz)."),
     ("DCGM_FI_DEV_MEM_CLOCK", "mem_clock_mhz", "Memory clock frequency (in MHz)."),
-    ("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "throttle_reasons", "Current clock throttle reasons (bitmask of "
-                                                               "nvmlClocksEventReason*)."),
+    # DCGM 3.3+'s name (DCGM_FI_DEV_CLOCK_THROTTLE_REASONS before): what current dcgm-exporter dashboards read
+    ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "throttle_reasons", "Current clock event reasons (bitmask of "
+                                                             "nvmlClocksEventReason*)."),
     ("DCGM_FI_DEV_PCIE_TX_THROUGHPUT", "pcie_tx_kbps", "PCIe TX throughput (in KB/s), NVML's 20 ms sample."),
     ("DCGM_FI_DEV_PCIE_RX_THROUGHPUT", "pcie_rx_kbps", "PCIe RX throughput (in KB/s), NVML's 20 ms sample."),
     ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "nvlink_bandwidth", "NVLink data throughput, TX+RX over all links, "
@@ -99,8 +100,9 @@ THROTTLE_REASONS = (
 )
 
 LABEL_STYLES = {
-    # dcgm-exporter's GPU labels, but snake_case model/host names so `promtool check metrics` passes
-    "trainguard": ("gpu", "UUID", "pci_bus_id", "device", "model_name", "hostname"),
+    # dcgm-exporter's GPU labels (Hostname as it spells it, so one dashboard serves both), but a snake_case
+    # model name: `promtool check metrics` rejects camelCase label names (modelName), not Hostname
+    "trainguard": ("gpu", "UUID", "pci_bus_id", "device", "model_name", "Hostname"),
     # exactly dcgm-exporter's GPU template, for dashboards that group by modelName or Hostname
     "dcgm": ("gpu", "UUID", "pci_bus_id", "device", "modelName", "Hostname"),
 }
@@ -272,7 +274,7 @@ class _Families:
         self.lost = Spec("gauge", "trainguard_gpu_lost", "1 while NVML reports the GPU lost (fell off the bus, "
                          "driver wedged) or cannot reach it; NVML is re-initialised with backoff.", labels)
         self.throttle = Spec("gauge", "trainguard_gpu_clock_throttle_active", "1 while this clock throttle reason "
-                             "is active (DCGM_FI_DEV_CLOCK_THROTTLE_REASONS decoded).", [*labels, "reason"])
+                             "is active (DCGM_FI_DEV_CLOCKS_EVENT_REASONS decoded).", [*labels, "reason"])
         self.xid_errors = Spec("counter", "trainguard_gpu_xid_errors", "XID errors by code, from NVML events and "
                                "the kernel log (the larger count of the two).", [*labels, "xid"])
         self.xid_available = Spec("gauge", "trainguard_gpu_xid_source_available", "1 if this XID source (nvml "

@@ -313,6 +313,7 @@ class Protector:
         else:   # the optimizers hold the checkpoint's LR, cut by the checkpoint's scale: cut by the rest
             scale_optimizers(self.states, state.lr_scale / float(saved[STATE_KEY].get("lr_scale", 1.0)))
         self.checkpoints.abandon_after(state.step)
+        self.guard.rewinding = True     # the steps going back are this rollback's (whoever asked), not a restart
         self.telemetry.event(ROLLBACK, step=from_step, source=source, restored_step=state.step,
                              checkpoint=str(checkpoint.path), steps_lost=from_step - state.step, **skipped,
                              lr_scale=state.lr_scale, rewarmup_steps=guard.rewarmup_steps, **fields)

@@ -88,11 +88,13 @@ class GuardPolicy:
     # handle. It is skipped, and counts toward a rollback only from the `overflow_burst`-th in a row (the
     # scale cut 2**8 times without a finite step: the scaler is not settling).
     overflow_burst: int = 8
-    # A level shift (a planned data-mix change, an annealing phase): a loss above the spike band while the
-    # gradient norm stays under `shift_grad_factor` times its EMA is skipped without counting toward a
-    # rollback; after `shift_steps` such steps in a row the loss band starts again from the new level.
+    # A level shift (a planned data-mix change, an annealing phase): a loss above the spike band (but under
+    # `shift_loss_factor` times its mean) while the gradient norm stays under `shift_grad_factor` times its
+    # EMA is skipped without counting toward a rollback; after `shift_steps` such steps in a row the loss
+    # band starts again from the new level.
     shift_steps: int = 8
     shift_grad_factor: float = 2.0
+    shift_loss_factor: float = 2.0      # a new level is at most this many times the band's mean loss
     # Warm-up: before the spike band has `spike_min_steps` losses, a loss above `warmup_spike_factor` times
     # the highest healthy loss so far is a spike (one real run jumps x3.6 at iteration 3).
     warmup_spike_factor: float = 1.8
@@ -381,6 +383,7 @@ RULES: dict[str, Range | Choice | str] = {
     "guard.overflow_burst": at_least(1, 10**6),
     "guard.shift_steps": at_least(1, 10**6),
     "guard.shift_grad_factor": above(1),
+    "guard.shift_loss_factor": above(1),
     "guard.warmup_spike_factor": above(1),
     "guard.drift_chunk": at_least(1, 10**6),
     "guard.drift_chunks": at_least(1, 10**6),

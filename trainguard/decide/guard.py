@@ -15,8 +15,8 @@ ask to ``stop`` rather than loop.
 Healthy shapes that look bad step by step are the escalation's to tell apart (docs/trainer.md):
 - a non-finite gradient norm beside a finite loss is the fp16/bf16 loss scaler's overflow: skipped, and
   counted toward a rollback only from the ``overflow_burst``-th in a row;
-- a loss above its band while the gradient norm stays normal may be a level shift (a data-mix change, an
-  annealing phase): skipped without counting, and after ``shift_steps`` such steps in a row the band
+- a loss above its band, but within ``shift_loss_factor`` of its mean, while the gradient norm stays
+  normal may be a level shift (a data-mix change, an annealing phase): skipped without counting, and after ``shift_steps`` such steps in a row the band
   starts again from the new level (`Guard.notices` says so, for the human);
 - a rollback that could not be carried out is taken back (`Guard.rollback_not_done`), so it never counts
   toward the limit that stops the run.
@@ -495,7 +495,7 @@ class Guard:
             run = self.overflows.extend(self.observed, stats.grad_norm)
             if run < policy.overflow_burst:
                 return Decision(SKIP_STEP, reason, step, timestamp, {**detail, "overflow": run})
-        elif isinstance(rule, LossSpike) and self._gradients_normal(stats):
+        elif isinstance(rule, LossSpike) and self._gradients_normal(stats) and self._within_a_shift(stats, rule):
             if self.shift.extend(self.observed, stats.loss) < policy.shift_steps:
                 return Decision(SKIP_STEP, reason, step, timestamp, {**detail, "level_shift": len(self.shift.values)})
             return self._accept_shift(stats, rule)
@@ -529,6 +529,12 @@ class Guard:
         if explosion is None or explosion.ema is None or explosion.good < explosion.min_steps:
             return False
         return math.isfinite(stats.grad_norm) and stats.grad_norm <= self.policy.shift_grad_factor * explosion.ema
+
+    def _within_a_shift(self, stats: StepStats, spike: LossSpike) -> bool:
+        """Whether the loss is at most `shift_loss_factor` times the band's mean: a new data mix moves the
+        loss by tens of percent; a jump beyond is a spike whatever the gradients say."""
+        window = spike.window
+        return bool(len(window)) and abs(stats.loss) <= self.policy.shift_loss_factor * abs(window.total / len(window))
 
     def _accept_shift(self, stats: StepStats, spike: LossSpike) -> Decision:
         """`shift_steps` losses above the band in a row, the gradients normal: the loss has a new level.

@@ -206,13 +206,40 @@ def load(run_dir: Path, incident_id: str):
         if not isinstance(data, dict):
             continue
         host = str(data.get("node") or path.stem[len("node-"):])
-        nodes.append(NodeSignals(host, tuple(data.get("xids") or ()), tuple(data.get("gpus_lost") or ()),
-                                 tuple(data.get("nccl_lines") or ())))
-        for rank in sorted(int(r) for r in (data.get("ranks") or {})):
+        nodes.append(NodeSignals(host, *node_signal_fields(data)))
+        for rank in node_ranks(data):
             fr = _json(directory / f"rank-{rank}.fr.json")
             stack = _text(directory / f"rank-{rank}.stack.txt")
             ranks.append(RankEvidence(rank, host, fr if isinstance(fr, dict) else None, stack))
     return ranks, nodes
+
+
+MAX_RANK = 2**31 - 1     # torch's ranks are int32
+
+
+def node_ranks(data: dict) -> list[int]:
+    """The ranks a node file lists (``"ranks": {"0": {...}}``, or a list), each an integer 0..MAX_RANK;
+    anything else there is left out: a node file is written by whoever can write the run directory, and a
+    bad entry must cost the verdict that rank's evidence, never the verdict (a `ranks` of 5, ["x"] or
+    {"1e400": ...} was a traceback in the agent's live verdict and in `trainguard incidents replay`)."""
+    listed = data.get("ranks")
+    found = set()
+    for item in listed if isinstance(listed, (dict, list)) else ():
+        text = str(item).strip()
+        if text.isascii() and text.isdigit() and len(text) <= 10 and int(text) <= MAX_RANK:
+            found.add(int(text))
+    return sorted(found)
+
+
+def node_signal_fields(data: dict) -> tuple[tuple, tuple, tuple]:
+    """(xids, gpus_lost, nccl_lines) of a node file, each a tuple of entries of the right shape only:
+    XIDs and NCCL lines objects, lost GPUs numbers or strings (others are left out, as in `node_ranks`)."""
+    def entries(key: str, kinds: tuple[type, ...]) -> tuple:
+        value = data.get(key)
+        if not isinstance(value, list):
+            return ()
+        return tuple(v for v in value if isinstance(v, kinds) and not isinstance(v, bool))
+    return entries("xids", (dict,)), entries("gpus_lost", (int, str)), entries("nccl_lines", (dict,))
 
 
 def _json(path: Path):

@@ -83,6 +83,10 @@ def _open(args: argparse.Namespace, collect) -> CheckpointManager:
         paths.run_dir(args.run_dir)
     except FileNotFoundError as exc:  # a typo, a device or a FIFO, named as such
         raise _Exit(EXIT_USAGE, str(exc)) from None
+    to = getattr(args, "to", None)
+    if to is not None and (to.exists() or to.is_symlink()) and not to.is_dir():
+        # a file there would fail half-way into the copy (a traceback, and a crash's exit status)
+        raise _Exit(EXIT_USAGE, f"--to {to}: {paths.what_is(to)}, not a run directory")
     try:
         manager = CheckpointManager(args.run_dir, key_file=args.key_file, on_event=collect,
                                     log=_quiet_log(), inspect_only=True)

@@ -10,11 +10,13 @@ checked, and written to ``RUN/config.yaml``; every rank then reads that one file
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 from pathlib import Path
 
 from trainguard import rundir
+from trainguard.exits import int_at_least
 from trainguard.trainer import config as cfg
 from trainguard.trainer.faults import FaultError, parse as parse_fault
 
@@ -78,9 +80,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
-    parser.add_argument("--nproc", type=int, default=1, metavar="K",
+    parser.add_argument("--nproc", type=int_at_least(1), default=1, metavar="K",
                         help="local ranks, launched through torch's elastic launcher (gloo on CPU, nccl on GPU)")
-    parser.add_argument("--max-restarts", type=int, default=None, metavar="R",
+    parser.add_argument("--max-restarts", type=int_at_least(0), default=None, metavar="R",
                         help="restarts of failed or killed workers by the elastic launcher (default with --nproc "
                              "over 1: the policy's alerts.max_restores_per_hour, room for the agent's restores; "
                              "else 0)")
@@ -88,6 +90,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the run directory holds checkpoints signed with another key: set them aside "
                              "under checkpoints/invalid/ and train from scratch (without it, training refuses)")
     add_node_arguments(parser)
+
+
+def _faults_outside_the_world(config: cfg.TrainConfig, nproc: int, nodes) -> str | None:
+    """A fault aimed at a rank the job can never have would never fire: the run would pass as "recovered"
+    from a fault that was not injected. The most ranks the job can have: nproc on each of its most nodes."""
+    world = nproc * (nodes.max_nodes if nodes is not None else 1)
+    for spec in config.run.inject:
+        fault = parse_fault(spec)
+        if fault.rank is not None and fault.rank >= world:
+            return (f"--inject {spec!r}: rank {fault.rank} is outside the job's world of {world} rank(s) "
+                    f"(--nproc {nproc}" + (f", --nnodes {nodes.min_nodes}:{nodes.max_nodes})" if nodes else ")"))
+    return None
 
 
 def add_node_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,6 +160,9 @@ def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
         except FaultError as exc:
             raise cfg.ConfigError(str(exc)) from None
     _absolute_paths(config)
+    if config.data.path and not os.path.isdir(config.data.path) and not glob.glob(config.data.path):
+        # looked at here, before any rank starts (each would fail alone, as a crash, after the launch)
+        raise cfg.ConfigError(f"data.path: {config.data.path!r} matches no directory or .bin files")
     if config.run.key_file and Path(config.run.key_file).expanduser().exists():
         _regular_file(Path(config.run.key_file).expanduser(), "checkpoint key file")  # a missing one is created
     if config.run.policy:
@@ -246,6 +263,13 @@ def _check_key(config: cfg.TrainConfig) -> str | None:
 
 def _prepare_run_dir(run_dir: Path) -> str | None:
     try:
+        str(run_dir).encode("utf-8")
+    except UnicodeEncodeError:
+        # TLS records are UTF-8 and carry the run id (the directory's name) and checkpoint paths: a name
+        # of bytes that are not UTF-8 would make every such record fail to write, so it is refused here.
+        shown = os.fsencode(run_dir).decode("utf-8", "backslashreplace")
+        return f"--run-dir {shown}: the path is not valid UTF-8 (TLS records name it); rename the directory"
+    try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return f"--run-dir {run_dir}: cannot create it: {exc.strerror or exc}"
@@ -268,8 +292,12 @@ def default_max_restarts(config: cfg.TrainConfig, nproc: int) -> int:
 def run(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
+        nodes = build_nodes(args)
     except cfg.ConfigError as exc:
         print(f"trainguard train: {exc}", file=sys.stderr)
+        return 2
+    if (outside := _faults_outside_the_world(config, args.nproc, nodes)) is not None:
+        print(f"trainguard train: {outside}", file=sys.stderr)
         return 2
     run_dir = args.run_dir.resolve()
     problem = _check_key(config) or _prepare_run_dir(run_dir)
@@ -280,11 +308,6 @@ def run(args: argparse.Namespace) -> int:
         config.run.run_id = run_dir.name
     if (refusal := _check_checkpoint_key(config, run_dir, args.start_over)) is not None:
         print(f"trainguard train: {refusal}", file=sys.stderr)
-        return 2
-    try:
-        nodes = build_nodes(args)
-    except cfg.ConfigError as exc:
-        print(f"trainguard train: {exc}", file=sys.stderr)
         return 2
     try:
         resolved = write_resolved(config, run_dir)

@@ -13,16 +13,19 @@ ranks (and a later look at the run) agree on exactly one configuration.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from trainguard.exits import BadInput
+
 PRESETS_DIR = Path(__file__).with_name("configs")
 
 
-class ConfigError(ValueError):
+class ConfigError(BadInput):
     pass
 
 
@@ -208,9 +211,39 @@ def set_value(config: TrainConfig, assignment: str, source: str = "--set") -> No
     apply_values(config, {section: {name: value}}, "", source)
 
 
+def _finite(value: float, low: float, high: float = math.inf) -> bool:
+    """`low <= value <= high`, and a number (NaN compares false to everything, so `not value < 0` lets it in)."""
+    return math.isfinite(value) and low <= value <= high
+
+
 def validate(config: TrainConfig, source: str = "config") -> TrainConfig:
     m, o, r = config.model, config.optim, config.run
     checks = [
+        # A negative or zero size builds no model (n_layer=-1 made an empty GPT that refused every
+        # checkpoint); a NaN or negative rate reached torch.optim as a traceback on every rank.
+        (m.n_layer >= 1, "model.n_layer", "must be at least 1"),
+        (m.n_head >= 1, "model.n_head", "must be at least 1"),
+        (m.n_embd >= 1, "model.n_embd", "must be at least 1"),
+        (m.block_size >= 1, "model.block_size", "must be at least 1"),
+        (_finite(m.dropout, 0.0, 1.0) and m.dropout < 1.0, "model.dropout", "must be in [0, 1)"),
+        (_finite(o.lr, 0.0) and o.lr > 0, "optim.lr", f"must be a finite number above 0, got {o.lr}"),
+        (_finite(o.min_lr, 0.0), "optim.min_lr", f"must be a finite number, 0 or more, got {o.min_lr}"),
+        (o.warmup_steps >= 0, "optim.warmup_steps", "must not be negative"),
+        (o.decay_steps >= 0, "optim.decay_steps", "must not be negative"),
+        (_finite(o.weight_decay, 0.0), "optim.weight_decay", "must be a finite number, 0 or more"),
+        (_finite(o.beta1, 0.0) and o.beta1 < 1, "optim.beta1", "must be in [0, 1)"),
+        (_finite(o.beta2, 0.0) and o.beta2 < 1, "optim.beta2", "must be in [0, 1)"),
+        (_finite(o.grad_clip, 0.0), "optim.grad_clip", "must be a finite number, 0 or more"),
+        (r.checkpoint_every >= 0, "run.checkpoint_every", "must not be negative (0 saves only at the end)"),
+        (_finite(r.checkpoint_every_seconds, 0.0), "run.checkpoint_every_seconds",
+         "must be a finite number, 0 (off) or more"),
+        (r.keep_last >= 1, "run.keep_last", f"must be at least 1, got {r.keep_last}"),
+        (r.eval_every >= 0, "run.eval_every", "must not be negative (0 is off)"),
+        (r.eval_batches >= 1, "run.eval_batches", "must be at least 1"),
+        (_finite(r.stable_val_factor, 0.0) and r.stable_val_factor > 0, "run.stable_val_factor",
+         "must be a finite number above 0"),
+        (_finite(r.peak_flops, 0.0), "run.peak_flops", "must be a finite number, 0 (the table) or more"),
+        (r.gpu_count >= -1, "run.gpu_count", "must be -1 (the GPUs in use) or more"),
         (m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head ({m.n_head})"),
         (m.vocab_size >= 256, "model.vocab_size", "byte-level data needs at least 256"),
         (o.batch_size >= 1, "optim.batch_size", "must be at least 1"),

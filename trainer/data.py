@@ -26,12 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainguard.exits import BadInput
 from trainguard.trainer.config import DataConfig
 
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-class DataError(ValueError):
+class DataError(BadInput):
     pass
 
 

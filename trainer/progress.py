@@ -7,6 +7,8 @@ import math
 import sys
 import time
 
+from trainguard import terminal
+
 BAR_WIDTH = 24
 REDRAW_SECONDS = 0.1
 
@@ -14,7 +16,9 @@ REDRAW_SECONDS = 0.1
 class Progress:
     def __init__(self, total: int, log_every: int, log, stream=None):
         self.total, self.log_every, self.log = total, max(1, log_every), log
-        self.stream = stream or sys.stderr
+        # the bar's carriage return must reach the terminal as one: past the escaping of run-directory
+        # text (trainguard/terminal.py); the bar prints numbers only
+        self.stream = terminal.unwrapped(stream or sys.stderr)
         self.tty = self.stream.isatty()
         self._drawn = 0.0
 

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from trainguard.exits import guarded
+
 # name -> (module, one-line help)
 COMMANDS = {
     "demo": ("trainguard.demo", "train the tiny model with the agent beside it, inject a fault, write a report"),
@@ -54,6 +56,7 @@ def build_parser(only: str | None = None, others: bool = True) -> argparse.Argum
     return parser
 
 
+@guarded   # exit statuses (0 ok, 1 found, 2 bad input, 70 crash) and escaped output: trainguard/exits.py
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if not a.startswith("-")), None)

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from trainguard import rundir
+from trainguard.exits import BadInput
 
 KINDS = ("hang", "slow", "crash", "sdc")
 MAX_FILE_BYTES = 4 * 2**20
@@ -58,7 +59,7 @@ _EVIDENCE = re.compile(r"^(rank-\d+\.(stack\.txt|fr\.json)|node-[A-Za-z0-9._-]{1
 TRUNCATED = b"\n... [trainguard: cut at %d bytes]\n"
 
 
-class IncidentError(ValueError):
+class IncidentError(BadInput):
     """An incident directory or file that does not match the layout; the message names file and field."""
 
 
@@ -257,6 +258,10 @@ def validate(data: Any, where: str) -> dict:
         rank = culprit.get("rank")
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
             raise IncidentError(f"{where}: field 'culprit.rank' must be a rank number or null")
+        listed = culprit.get("ranks")
+        if listed is not None and (not isinstance(listed, list) or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in listed)):
+            raise IncidentError(f"{where}: field 'culprit.ranks' must be a list of rank numbers")
         if culprit.get("node") is not None and not isinstance(culprit["node"], str):
             raise IncidentError(f"{where}: field 'culprit.node' must be a host name or null")
     if not all(isinstance(reason, str) for reason in data["reasons"]):

@@ -57,17 +57,25 @@ def _apply(settings: _Settings) -> None:
 
     import structlog
 
+    from trainguard import terminal
+
     renderer = (structlog.processors.JSONRenderer() if settings.json
                 else structlog.dev.ConsoleRenderer(colors=settings.colors))
+    # The console renderer writes colours of its own: it gets the terminal itself, and the values it prints
+    # (which may come from the run directory) are escaped before it (trainguard/terminal.py). JSON escapes
+    # every control character by itself.
+    escaping = [] if settings.json else [terminal.escape_values]
+    stream = settings.stream if settings.json else terminal.unwrapped(settings.stream)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            *escaping,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, settings.level_name, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=settings.stream),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )

@@ -26,9 +26,10 @@ from pathlib import Path
 from typing import Any, cast
 
 from trainguard import paths
+from trainguard.exits import BadInput
 
 
-class PolicyError(ValueError):
+class PolicyError(BadInput):
     pass
 
 

@@ -26,6 +26,8 @@ from typing import IO, Any, Callable, Iterable, Iterator, cast
 
 import msgspec
 
+from trainguard.exits import BadInput
+
 SCHEMA_ID = "tls/1"
 SCHEMA_PATH = Path(__file__).with_name("schema") / "tls-v1.schema.json"
 
@@ -63,7 +65,7 @@ def _quantity() -> re.Pattern[str]:
     return re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([A-Za-zµ%]*)(/s)?\s*$")
 
 
-class TLSError(ValueError):
+class TLSError(BadInput):
     """A record that cannot be read. ``str()`` names source, line and field when known."""
 
     def __init__(self, message: str, source: str | None = None, line: int | None = None,
@@ -154,6 +156,9 @@ def format_timestamp(seconds: float) -> str:
     return f"{prefix}.{micros:06d}Z"
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _normalise_section(name: str, section: Any) -> dict[str, Any]:
     if not isinstance(section, dict):
         raise TLSError(f"expected an object, got {type(section).__name__}", field=name)
@@ -188,6 +193,9 @@ def normalise(raw: Any) -> dict[str, Any]:
             raise TLSError(f"expected an integer, got {value!r}", field=key) from None
         if not math.isfinite(number) or number != int(number):
             raise TLSError(f"expected an integer, got {value!r}", field=key)
+        if not INT64_MIN <= int(number) <= INT64_MAX:
+            # every reader keeps steps and ranks in int64 columns (numpy, Prometheus labels as numbers)
+            raise TLSError(f"{value!r} is outside a 64-bit integer", field=key)
         record[key] = int(number)
     for name in SECTIONS:
         if name in raw and raw[name] is not None:

@@ -92,6 +92,7 @@ def assert_sound(record: dict) -> None:
     for key in ("step", "rank"):
         if record.get(key) is not None:
             assert type(record[key]) is int, (key, record[key])
+            assert tls.INT64_MIN <= record[key] <= tls.INT64_MAX, (key, record[key])   # int64 columns
     for section in ("metrics", "hardware", "system"):
         values = record.get(section)
         if values is None:

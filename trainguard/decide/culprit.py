@@ -26,11 +26,22 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-# Frames of a rank waiting for a collective (py-spy prints "function (file:line)"): anything inside the
-# torch.distributed package (all_reduce, barrier, wait, recv, ...), or autograd's backward, where DDP's
-# reducer waits for its gradient all-reduce (the collective is launched from C++, not from Python).
+# A frame where a rank waits for a collective (py-spy prints "function (file:line)"): anything inside the
+# torch.distributed package (all_reduce, barrier, wait, recv, ...), DDP's own code (its buffer broadcast,
+# its join), or autograd's backward, where DDP's reducer waits for its gradient all-reduce (the collective
+# is launched from C++, not from Python). Only the innermost frame that does work counts (`stack_class`):
+# DDP's forward is on the stack of every rank of a DDP model, whatever that rank is doing inside it.
 COLLECTIVE_FRAME = re.compile(r"\((?:\S*/)?torch/distributed/|\((?:\S*/)?torch/nn/parallel/distributed\.py|"
-                              r"^\s*_engine_run_backward \((?:\S*/)?torch/autograd/", re.MULTILINE)
+                              r"^\s*(?:\S+\.)?_engine_run_backward \((?:\S*/)?torch/autograd/")
+# Frames that only pass the call on or wait on behalf of their caller: the Python standard library
+# (threading, queue, selectors, contextlib, runpy: `threading.py:331`, `<frozen runpy>`, .../python3.11/...)
+# and nn.Module's call wrappers. The first frame below them (innermost first) says where the rank is.
+PLUMBING_FRAME = re.compile(r"\((?:<frozen [^>]*>|(?:\S*/)?python3\.\d+/(?!site-packages/|dist-packages/)\S+|"
+                            r"(?:threading|queue|selectors|socket|contextlib|functools|runpy|subprocess|"
+                            r"multiprocessing/\S+|concurrent/\S+|asyncio/\S+)\.py|"
+                            r"(?:\S*/)?torch/nn/modules/module\.py|(?:\S*/)?torch/utils/hooks\.py):")
+# A frame line, "    function (file:line)" (not the local variables `py-spy dump --locals` adds below it).
+FRAME_LINE = re.compile(r"^\s+\S.* \(.+:\d+\)\s*$")
 # The main thread of a rank, as py-spy names it.
 MAIN_THREAD = re.compile(r'^Thread \S+ \([^)]*\): "MainThread"', re.MULTILINE)
 
@@ -165,16 +176,23 @@ def enqueued(fr: dict[str, Any] | None) -> dict[str, int]:
 
 
 def stack_class(stack: str | None) -> str:
-    """Whether a rank's main thread waits in a collective, is elsewhere, or is unknown (no stacks)."""
+    """Whether a rank's main thread waits in a collective, is elsewhere, or is unknown (no stacks).
+
+    Decided by the innermost frame that is not plumbing (py-spy prints the innermost first): a rank
+    sleeping in its own forward hook of a DDP model has DDP's forward further down its stack, but it waits
+    in the hook, not in a collective.
+    """
     if not stack or not stack.strip():
         return UNKNOWN
-    main = MAIN_THREAD.search(stack)
+    main = MAIN_THREAD.search(stack) or re.search(r"^Thread .*$", stack, re.MULTILINE)
     body = stack[main.end():] if main else stack
-    following = re.search(r"^Thread ", body, re.MULTILINE)
-    frames = body[:following.start()] if following else body
-    if not frames.strip():
+    following = re.search(r"^(?:Thread |Process )", body, re.MULTILINE)
+    frames = [line for line in (body[:following.start()] if following else body).splitlines()
+              if FRAME_LINE.match(line)]
+    if not frames:
         return UNKNOWN
-    return IN_COLLECTIVE if COLLECTIVE_FRAME.search(frames) else ELSEWHERE
+    innermost = next((f for f in frames if not PLUMBING_FRAME.search(f)), frames[0])
+    return IN_COLLECTIVE if COLLECTIVE_FRAME.search(innermost) else ELSEWHERE
 
 
 def _hardware(nodes: list[NodeSignals], lagging: list[int], node_of: dict[int, str]) -> Verdict | None:

@@ -103,7 +103,11 @@ def straggler_windows(run: RunData, policy: Policy) -> Finding:
     check, score_min = "straggler_windows", policy.diagnose.straggler_score_min
     board = straggler.StragglerBoard()
     lead = min(run.ranks) if run.ranks else None
-    low: dict[int, list[int]] = {}          # rank -> lead-rank steps at which it scored under the threshold
+    # rank -> its longest stretch of consecutive lead-rank steps scored under the threshold. Consecutive: a
+    # rank that dips under it for a few steps now and then (a busy machine's jitter) did not straggle for
+    # a stretch, however many such steps add up to (issue 29: rank 0 was named beside the injected rank 1).
+    low: dict[int, list[int]] = {}
+    streak: dict[int, list[int]] = {}
     worst: dict[int, straggler.Score] = {}
     rows = _rows_in_time_order(run)
     for rank, i in rows:
@@ -112,11 +116,18 @@ def straggler_windows(run: RunData, policy: Policy) -> Finding:
         board.observe(rank, run.rank_nodes.get(rank, ""), step, {k: cols.values[k][i] for k in _TIMED})
         if rank != lead:
             continue
-        for score in board.scores():
+        scores = board.scores()
+        for score in scores:
             if score.rank not in worst or score.relative < worst[score.rank].relative:
                 worst[score.rank] = score
-            if score.straggling(score_min):
-                low.setdefault(score.rank, []).append(step)
+        straggling = {score.rank for score in scores if score.straggling(score_min)}
+        for other in list(streak):
+            if other not in straggling:
+                del streak[other]
+        for other in straggling:
+            streak.setdefault(other, []).append(step)
+            if len(streak[other]) > len(low.get(other, ())):
+                low[other] = list(streak[other])
     if len(worst) < 2:
         return no_data(LAYER, check, f"step timings of 2 or more ranks with {board.min_steps}+ steps after warm-up")
     evidence = {"lowest_score": {str(r): rounded(s.relative, 3) for r, s in sorted(worst.items())},

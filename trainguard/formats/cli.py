@@ -34,16 +34,39 @@ def run(args: argparse.Namespace) -> int:
     if kind == formats.TLS:
         return usage(f"{args.input}: not a TensorBoard event file, trainer_state.json, Megatron or torchtitan log "
                      "(it reads as TLS already, or is none of them)")
+    if (refusal := output_refusal(args.input, args.output)) is not None:
+        return usage(refusal)
     temporary = args.output.with_name(args.output.name + ".partial")
-    with open(temporary, "wb") as out:
-        written, problems = formats.write_tls(args.input, out, mapping)
-    os.replace(temporary, args.output)
+    try:
+        with open(temporary, "wb") as out:
+            written, problems = formats.write_tls(args.input, out, mapping)
+        os.replace(temporary, args.output)
+    except BaseException:
+        temporary.unlink(missing_ok=True)      # a full disk or an interrupt leaves no .partial behind
+        raise
     print(f"trainguard convert: {args.input} ({kind}) -> {args.output}: {written} records")
     for problem in problems[:SHOWN]:
         print(f"  not mapped: {problem}", file=sys.stderr)
     if len(problems) > SHOWN:
         print(f"  ... and {len(problems) - SHOWN} more", file=sys.stderr)
     return EXIT_UNMAPPED if problems else EXIT_OK
+
+
+def output_refusal(source: Path, output: Path) -> str | None:
+    """Why `-o OUTPUT` cannot be written, or None. The output replaces its path when done, so the input
+    itself, by any name (a symlink, a hard link: the same inode), would be destroyed (issue 29)."""
+    if output.is_dir():
+        return f"-o {output}: is a directory; name the .jsonl file to write"
+    if not output.parent.is_dir():
+        return f"-o {output}: no such directory {output.parent}"
+    if output.exists() or output.is_symlink():
+        try:
+            same = os.path.samefile(source, output)
+        except OSError:       # a dangling symlink: it is replaced, nothing of the input is at it
+            same = False
+        if same:
+            return f"-o {output}: is the input {source} itself; converting would destroy it"
+    return None
 
 
 def usage(message: str) -> int:

@@ -35,6 +35,7 @@ import msgspec
 import zstandard
 
 from trainguard import formats, tls
+from trainguard.exits import BadInput
 from trainguard.formats import discover
 
 BLOCK_BYTES = 1 << 16          # one block of lines per decode call: ~300 trainer records
@@ -69,14 +70,17 @@ class Event(msgspec.Struct, kw_only=True, gc=False):
 
 
 _AwareTime = Annotated[datetime, msgspec.Meta(tz=True)]
+# Steps and ranks become int64 columns: a larger one is refused here, and named by the lenient reader
+# (tls.normalise) as a malformed line, instead of overflowing numpy after the decode (issue 29).
+_Int64 = Annotated[int, msgspec.Meta(ge=tls.INT64_MIN, le=tls.INT64_MAX)]
 
 
 class Record(msgspec.Struct, kw_only=True, gc=False):
     """The fields replay reads; unknown keys are skipped. `timestamp` is Unix seconds once streamed."""
 
     timestamp: Union[float, _AwareTime]
-    step: Union[int, None] = None
-    rank: Union[int, None] = None
+    step: Union[_Int64, None] = None
+    rank: Union[_Int64, None] = None
     node: Union[str, None] = None
     metrics: Union[Metrics, None] = None
     hardware: Union[Hardware, None] = None
@@ -164,7 +168,7 @@ class Problems:
 
 # ------------------------------------------------------------------------------------------- inputs
 
-class InputError(ValueError):
+class InputError(BadInput):
     pass
 
 

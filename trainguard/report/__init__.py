@@ -39,6 +39,10 @@ def write_report(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     html = render_report(run_dir, policy=policy, goodput=goodput)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    partial.write_text(html, encoding="utf-8")
-    os.replace(partial, target)   # a browser reloading the report never sees half a file
+    try:
+        partial.write_text(html, encoding="utf-8")
+        os.replace(partial, target)   # a browser reloading the report never sees half a file
+    except BaseException:
+        partial.unlink(missing_ok=True)   # a full disk or a directory in the way leaves no .tmp behind
+        raise
     return target

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from trainguard import policy as policy_mod
@@ -19,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.output and os.path.isdir(args.output):
+        print(f"trainguard report: -o {args.output}: is a directory; name the .html file to write", file=sys.stderr)
+        return 2
     try:
         policy = policy_mod.load(args.policy)
         path = write_report(args.run_dir, args.output, policy=policy, goodput=not args.no_goodput)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -15,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainguard import paths, rundir
+from trainguard.exits import int_at_least
 from trainguard.report.charts import event_detail, format_elapsed, format_value
 from trainguard.report.files import log_files, read_checkpoints
 from trainguard.tls import TLSError, decode
@@ -236,10 +238,24 @@ def _gpu_line(status: Status) -> str:
     return f"{len(gpus)}  {util}   temp max {peak('gpu_temp_c', '°C')}   mem max {peak('mem_used_bytes', 'bytes')}"
 
 
+def finite_json(value):
+    """`value` with every NaN or infinity as the string Python's json would have written bare ("NaN",
+    "Infinity", "-Infinity"): bare, they are not JSON, and `jq` or any strict reader refuses the whole
+    status; a string keeps what was recorded (a NaN loss is news)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: finite_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(item) for item in value]
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
-    parser.add_argument("--events", type=int, default=8, metavar="N", help="recent events to show (default 8)")
-    parser.add_argument("--tail-kib", type=int, default=TAIL_KIB, metavar="KIB",
+    parser.add_argument("--events", type=int_at_least(0), default=8, metavar="N",
+                        help="recent events to show (default 8)")
+    parser.add_argument("--tail-kib", type=int_at_least(1), default=TAIL_KIB, metavar="KIB",
                         help=f"how much of each log's end to read (default {TAIL_KIB})")
     parser.add_argument("--json", action="store_true", help="print the status as JSON")
 
@@ -255,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
         data["metrics"].pop("_ts", None)
         data.pop("checkpoint_ts", None)
         data["gpus"] = [{k: v for k, v in g.items()} for g in status.gpus]
-        print(json.dumps(data, default=str, allow_nan=True))
+        print(json.dumps(finite_json(data), default=str, allow_nan=False))
     else:
         print(render(status))
     return 0

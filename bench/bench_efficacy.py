@@ -51,13 +51,21 @@ class Finding:
     misses: list[str] = field(default_factory=list)
     wrong: list[tuple[str, str, int | None]] = field(default_factory=list)
     error: str = ""
+    note: str = ""                  # how it was replayed, where not as asked
 
 
 def score_case(case: corpus.Case, folder: Path, policy: Policy, rules: str | None) -> Finding:
     finding = Finding(case.name, case.shape, case.healthy)
     path = case.write(folder)
     try:
-        result = timeline.replay_logs([path], policy, rules_dir=rules, hold=case.hold)
+        try:
+            result = timeline.replay_logs([path], policy, rules_dir=rules, hold=case.hold)
+        except Exception as exc:
+            if rules is None:
+                raise
+            # The rules refuse what has no wall clock (a Trainer state): the embedded path still decides it.
+            result = timeline.replay_logs([path], policy, hold=case.hold)
+            finding.note = f"without --rules ({type(exc).__name__}: {exc})"
     except Exception as exc:        # a reader that refuses a real log: the case is missed, and why is said
         finding.error = f"{type(exc).__name__}: {exc}"
         finding.misses = [f"{e.get('action') or e.get('alertname')} (unreadable)" for e in
@@ -159,9 +167,10 @@ def report(summary: dict, findings: list[Finding], path: str, seconds: float, sk
               f"rollback/stop/restore on healthy cases: {summary['harmful_on_healthy']}",
               f"everything on healthy cases: {summary['actions_on_healthy'] or 'nothing'}", ""]
     for f in findings:
-        if f.misses or f.wrong or f.error:
+        if f.misses or f.wrong or f.error or f.note:
             wrong = ", ".join(f"{name}@{step}" for _, name, step in f.wrong[:6]) + (" ..." if len(f.wrong) > 6 else "")
             lines.append(f"- {f.case} ({f.records} records){': ' + f.error if f.error else ''}"
+                         + (f"; {f.note}" if f.note else "")
                          + (f"; missed {f.misses}" if f.misses else "") + (f"; wrong {wrong}" if f.wrong else ""))
     return "\n".join(lines)
 

@@ -186,6 +186,8 @@ def build_actions(config: AgentConfig, agent: Agent, server: AgentServer) -> Act
     try:
         settings = WebhookSettings.from_config(config)
         policy = policy_mod.load(config.policy or rundir.run_policy(config.run_dir))
+        if settings.shadow:      # --shadow (or webhook.shadow) over the policy's actions.mode
+            policy = policy_mod.in_shadow(policy)
     except (ConfigError, policy_mod.PolicyError) as exc:
         log.error(f"bad configuration: {exc}")
         raise SystemExit(2) from None
@@ -198,7 +200,7 @@ def build_actions(config: AgentConfig, agent: Agent, server: AgentServer) -> Act
     webhook = Webhook(token, executor, min(settings.max_body_bytes, server.max_body_bytes))
     server.add_route("POST", PATH, webhook.route)
     agent.add_metrics_source(lambda: [*webhook.families(), *executor.families()])
-    log.info("webhook ready", path=PATH, token_file=str(settings.token_file), dry_run=settings.dry_run,
+    log.info("webhook ready", path=PATH, token_file=str(settings.token_file), shadow=policy.shadow,
              embedded=settings.embedded)
     actions = Actions(executor, webhook)
     build_investigator(config, agent, executor, policy)   # evidence before any restore, embedded or not
@@ -223,12 +225,14 @@ def build_investigator(config: AgentConfig, agent: Agent, executor: Executor,
 
 def build_embedded(config: AgentConfig, agent: Agent, executor: Executor,
                    policy: policy_mod.Policy) -> actions_embedded.StallWatchdog:
-    """The embedded path: cost tiers into the executor, the stall watchdog (started) and its investigator."""
+    """The embedded path: cost tiers into the executor, the stall watchdog (started) and its investigator
+    (not in shadow: naming a culprit may keep its node out and end its launcher; the restore the watchdog
+    decides is recorded as a `shadow_action` by the executor)."""
     agent.add_decision_handler(actions_embedded.DecisionHandler(executor.submit))
     investigator = executor.investigator or build_investigator(config, agent, executor, policy)
     watchdog = actions_embedded.StallWatchdog(config.run_dir, policy.alerts.stall_seconds, executor.submit,
                                               startup_grace_seconds=policy.alerts.startup_grace_seconds,
-                                              investigate=investigator).start()
+                                              investigate=None if policy.shadow else investigator).start()
     tglog.get("agent.embedded", node=config.node).info(
         "embedded actions on", cost="training collector's meter", stall_seconds=policy.alerts.stall_seconds,
         evict=policy.restore.evict)

@@ -39,8 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodelog-max-bytes", help="rotate the node TLS log past this size (e.g. 64MiB)")
     parser.add_argument("--webhook-token-file", help="bearer token file of POST /api/v1/alerts "
                         "(default RUN/agent/webhook.token, created 0600)")
-    parser.add_argument("--dry-run", action="store_true", default=None,
-                        help="decide and record alert actions, execute none")
+    parser.add_argument("--shadow", "--dry-run", dest="shadow", action="store_true", default=None,
+                        help="shadow mode: decide every action and record it as a shadow_action event, carry out "
+                             "none (the policy's actions.mode: shadow; --dry-run is its older name)")
     parser.add_argument("--create", action="store_true",
                         help="make --run-dir if it does not exist yet (else a missing one is refused: a typo "
                              "would leave the agent watching an empty directory)")
@@ -61,8 +62,8 @@ def build_config(args: argparse.Namespace, known: set[str]) -> agent_config.Agen
 
 
 def _webhook_flags(config: agent_config.AgentConfig, args: argparse.Namespace) -> dict | None:
-    """--webhook-token-file and --dry-run over the config file's `webhook:` section."""
-    flags = {"token_file": args.webhook_token_file, "dry_run": args.dry_run}
+    """--webhook-token-file and --shadow over the config file's `webhook:` section."""
+    flags = {"token_file": args.webhook_token_file, "shadow": args.shadow}
     flags = {key: value for key, value in flags.items() if value is not None}
     return {**config.webhook, **flags} if flags else None
 

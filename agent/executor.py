@@ -71,7 +71,7 @@ class WebhookSettings:
 
     token_file: Path
     default_token_file: Path
-    dry_run: bool = False
+    shadow: bool = False             # every action recorded as a shadow_action, none carried out
     max_body_bytes: int = 2**20
     embedded: bool = True
     restore_grace_seconds: float = DEFAULT_GRACE_SECONDS
@@ -80,7 +80,7 @@ class WebhookSettings:
     claim_timeout_seconds: float = claims.DEFAULT_TIMEOUT_SECONDS   # a job-level claim not done by then is taken over
     checkpoint_key_file: Path | None = None      # the trainer's checkpoint key, to sign cordons (default: its default)
 
-    KEYS = ("token_file", "dry_run", "max_body_bytes", "embedded", "restore_grace_seconds",
+    KEYS = ("token_file", "shadow", "dry_run", "max_body_bytes", "embedded", "restore_grace_seconds",
             "restore_entry_points", "restore_launchers", "claim_timeout_seconds", "checkpoint_key_file")
 
     @classmethod
@@ -95,11 +95,13 @@ class WebhookSettings:
         default = rundir.webhook_token_path(run_dir)
         kwargs: dict[str, Any] = {"token_file": Path(values.get("token_file") or default),
                                   "default_token_file": default}
-        for key in ("dry_run", "embedded"):
+        for key in ("shadow", "dry_run", "embedded"):
             if key in values:
                 if not isinstance(values[key], bool):
                     raise ConfigError(f"webhook.{key}: expected true or false, got {values[key]!r}")
-                kwargs[key] = values[key]
+                # dry_run: the older name of shadow (either one on turns it on)
+                name = "shadow" if key == "dry_run" else key
+                kwargs[name] = kwargs.get(name, False) or values[key]
         if "max_body_bytes" in values:
             kwargs["max_body_bytes"] = _size(values["max_body_bytes"])
         for key, low in (("restore_grace_seconds", 0.0), ("claim_timeout_seconds", 1.0)):
@@ -203,6 +205,7 @@ class Executor:
         self._lock = threading.Lock()
         self.outcomes: dict[str, int] = {}
         self.executed: dict[str, int] = {}
+        self.shadowed: dict[str, int] = {}        # shadow mode: actions decided and recorded, not carried out
         self.refused: dict[str, int] = {}         # restore refusals by reason
         self.failures = 0                         # decisions not done: a write or the action failed
         self._failing: str | None = None          # the failure being reported (logged once until it clears)
@@ -222,7 +225,7 @@ class Executor:
     @classmethod
     def for_agent(cls, config, policy, settings, claim_secret: bytes | None = None) -> "Executor":
         """`claim_secret`: the webhook token, which every agent behind the job's Alertmanager route holds."""
-        ledger = Ledger(Limits.from_policy(policy), dry_run=settings.dry_run)
+        ledger = Ledger(Limits.from_policy(policy), shadow=policy.shadow or settings.shadow)
         return cls(config.run_dir, config.node, ledger, restore_grace_seconds=settings.restore_grace_seconds,
                    entry_points=settings.restore_entry_points, launchers=settings.restore_launchers,
                    claim_secret=claim_secret, claim_timeout_seconds=settings.claim_timeout_seconds,
@@ -263,7 +266,11 @@ class Executor:
 
     def _decide_and_act(self, notices: list[Notice], now: float) -> list[Verdict]:
         verdicts = self.ledger.decide_all(notices, now)
-        self.records.append([self._alert_record(v, now) for v in verdicts])
+        shadowed = [v for v in verdicts if v.would_execute and v.shadow]
+        self.records.append([self._alert_record(v, now) for v in verdicts]
+                            + [self._shadow_record(v, now) for v in shadowed])
+        for verdict in shadowed:
+            self.shadowed[str(verdict.action)] = self.shadowed.get(str(verdict.action), 0) + 1
         for verdict in verdicts:
             self._log_verdict(verdict)
         later = [v for v in verdicts if v.executes and self._needs_evidence(v)]
@@ -288,7 +295,7 @@ class Executor:
 
     @staticmethod
     def _may_need_evidence(verdict: Verdict) -> bool:
-        return verdict.action == actions.RESTORE and verdict.notice.source != "embedded" and not verdict.dry_run
+        return verdict.action == actions.RESTORE and verdict.notice.source != "embedded" and not verdict.shadow
 
     def _live(self, verdict: Verdict) -> list:
         """This node's live ranks the restore would end: those started before the alert began (a rank the
@@ -379,14 +386,29 @@ class Executor:
             event["request_id"] = request_id(verdict)
         return {**tls.event("alert", step=step, timestamp=now, **event), "node": self.node}
 
+    def _shadow_record(self, verdict: Verdict, now: float) -> dict:
+        """Shadow mode: the action this verdict would carry out, with its evidence; nothing is carried out
+        (no control request, no rank ended, no claim taken)."""
+        n = verdict.notice
+        evidence: dict[str, Any] = {"alertname": n.alertname, "id": request_id(verdict), "key": n.key,
+                                    "outcome": verdict.outcome, "requested": n.action}
+        if n.starts_at is not None:
+            evidence["starts_at"] = n.starts_at
+        if n.labels:
+            evidence["labels"] = dict(n.labels)
+        if verdict.detail:
+            evidence["detail"] = dict(verdict.detail)
+        event = actions.shadow_event(str(verdict.action), verdict.reason, n.source, **evidence)
+        return {**tls.event(actions.SHADOW_ACTION, step=n.step, timestamp=now, **event), "node": self.node}
+
     def _log_verdict(self, verdict: Verdict) -> None:
         n = verdict.notice
         fields = dict(alertname=n.alertname, status=n.status, outcome=verdict.outcome, action=verdict.action,
-                      requested=n.action, reason=verdict.reason, key=n.key, source=n.source, dry_run=verdict.dry_run)
+                      requested=n.action, reason=verdict.reason, key=n.key, source=n.source, shadow=verdict.shadow)
         if verdict.action == actions.PAGE:
             self.log.error("escalated to a human: rate limit reached", **fields)
         elif verdict.outcome in (ACT, ESCALATED):
-            self.log.warning("dry run: would act" if verdict.dry_run else "acting on alert", **fields)
+            self.log.warning("shadow: would have acted" if verdict.shadow else "acting on alert", **fields)
         else:
             self.log.info("alert recorded", **fields)
 
@@ -565,6 +587,11 @@ class Executor:
                                        labels=["action"])
         for action, count in sorted(self.executed.items()):
             executed.add_metric([action], count)
+        shadowed = CounterMetricFamily("trainguard_actions_shadowed", "Shadow mode: actions the agent decided "
+                                       "and recorded as shadow_action events, and did not carry out.",
+                                       labels=["action"])
+        for action, count in sorted(self.shadowed.items()):
+            shadowed.add_metric([action], count)
         refused = CounterMetricFamily("trainguard_restore_refused", "Rank processes a restore did not end, by "
                                       "reason (not a proven rank of this run; no_restarts_left: a human paged).",
                                       labels=["reason"])
@@ -583,4 +610,4 @@ class Executor:
                                          "after their claimant did not record them done within "
                                          "webhook.claim_timeout_seconds.")
         taken_over.add_metric([], self.claims.taken_over)
-        return [verdicts, executed, refused, not_done, claims_refused, taken_over]
+        return [verdicts, executed, shadowed, refused, not_done, claims_refused, taken_over]

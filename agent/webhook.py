@@ -16,7 +16,7 @@ Configuration (the agent config's ``webhook:`` section):
 
     webhook:
       token_file: /etc/trainguard/webhook.token   # default RUN/agent/webhook.token, created (0600) if missing
-      dry_run: false          # decide and record, execute nothing
+      shadow: false           # decide and record, execute nothing (alias dry_run; the policy's actions.mode)
       max_body_bytes: 1MiB
       embedded: true          # the agent's own cost meter and stall watchdog act too (actions_embedded.py)
       restore_grace_seconds: 0   # SIGKILL the ranks at once (a hung rank cannot run a SIGTERM handler)
@@ -248,7 +248,7 @@ class Webhook:
             return _json(500, {"error": f"not done, retry: {exc}"})
         return _json(200, {"status": "ok", "verdicts": [
             {"alertname": v.notice.alertname, "status": v.notice.status, "outcome": v.outcome,
-             "action": v.action, "dry_run": v.dry_run} for v in verdicts]})
+             "action": v.action, "shadow": v.shadow} for v in verdicts]})
 
     def _refuse(self, headers: Mapping[str, str], body: bytes) -> tuple[int, str] | None:
         scheme, _, credentials = _header(headers, "Authorization").strip().partition(" ")

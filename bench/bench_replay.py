@@ -3,17 +3,21 @@
     .venv/bin/python bench/bench_replay.py                 # million-step logs, best of 3
     .venv/bin/python bench/bench_replay.py --records 200000 --repeat 5
 
-It writes two healthy logs of `--records` steps with trainguard's own TLS writer, in two record shapes:
+It writes healthy logs of `--records` steps, in three record shapes:
 
   layers   what `trainguard train` writes: envelope, ten training metrics, the gradient norm of each of
            the tiny model's four layer groups (`grad_norm_by_layer`), memory, gpu_count, the monotonic
            clock the cost meter bills by (`system.monotonic_seconds`)
   global   the same without `grad_norm_by_layer` and the monotonic clock (the design's example record,
            and what a trainer that logs only the global norm writes): the guard checks the global norm only
+  node     the seed's joined node form: the seed example's record (RFC 3339 time, no step, loss, grad_norm,
+           learning_rate, unit strings "78%" and "18GB/s") joined with a node's `hardware.gpus` readings
+           for 8 GPUs (unit strings too), about 1 KB a line, as a node's log holds it
 
 and times, for each, each the best of `--repeat` runs, in one process:
 
   peer    json.loads        the same lines through Python's json, one call per line (the usual way)
+          msgspec untyped   msgspec's decoder without a type, the whole file in one call (dicts and lists)
   read    lines only        iterating the file's lines, nothing decoded (the floor)
   decode  one process       trainguard.replay.source.Stream: msgspec typed blocks -> entries
   pick    on every CPU      trainguard.replay.columns.read: chunks decoded and picked by worker processes
@@ -22,7 +26,9 @@ and times, for each, each the best of `--repeat` runs, in one process:
           cost alone        batch.meter_block over the same chunks
   decide  lists             the general path's decider over decoded blocks (picked, made columns, decided)
   total   one process       the general path (what merged or compressed logs take), decode + decide
-  total   replay LOG        engine.replay(Stream(path)): what `trainguard replay LOG` does
+  total   replay LOG        engine.replay(Stream(path)): the decisions of `trainguard replay LOG`
+  cli     replay_logs       timeline.replay_logs([path]): all `trainguard replay LOG` does (the decisions, the
+                            recorded actions, the replica and stall passes, the LR schedule's check)
 
 and states which of them reach the target (500,000 records/s: a million-step log in two seconds).
 """
@@ -34,15 +40,17 @@ import json
 import random
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import msgspec
 from timing import best_of
 from trainguard import tls
 from trainguard.decide import batch
 from trainguard.decide.cost import CostMeter
 from trainguard.decide.guard import Guard
 from trainguard.policy import Policy
-from trainguard.replay import columns, engine, source
+from trainguard.replay import columns, engine, source, timeline
 from trainguard.replay.picking import Picker
 
 TARGET = 500_000
@@ -50,7 +58,7 @@ START = 1_710_512_538.0
 
 
 LAYERS = {"embed": 0.5, "h.0": 0.4, "h.1": 0.4, "ln_f": 0.02}   # the tiny model's layer groups, typical norms
-SHAPES = ("layers", "global")
+SHAPES = ("layers", "global", "node")
 
 
 def write_log(path: Path, records: int, layers: bool, seed: int = 1) -> None:
@@ -73,6 +81,22 @@ def write_log(path: Path, records: int, layers: bool, seed: int = 1) -> None:
                            **({"monotonic_seconds": 86_400.0 + step * 0.25} if layers else {})}})
 
 
+def write_node_log(path: Path, records: int, seed: int = 1) -> None:
+    """The seed's joined node form, one record a second: the seed example's fields (no step: replay numbers
+    the training records) and 8 GPUs' readings under `hardware.gpus`, written as a plain JSON line each."""
+    rng = random.Random(seed)
+    with open(path, "w") as out:
+        for i in range(records):
+            gpus = [{"index": g, "gpu_util": f"{rng.randrange(70, 99)}%", "mem_util": f"{rng.randrange(50, 90)}%",
+                     "gpu_temp_c": rng.randrange(55, 70), "gpu_power_w": rng.randrange(500, 700)} for g in range(8)]
+            out.write(json.dumps({
+                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(START) + i)), "node": "node-0",
+                "metrics": {"loss": round(2.356 + rng.gauss(0, 0.01), 4), "grad_norm": round(0.87 + rng.random() * 0.05, 3),
+                            "learning_rate": 1e-5},
+                "hardware": {"gpu_util": "78%", "mem_util": "62%", "gpus": gpus},
+                "system": {"last_checkpoint": "step_125000", "data_throughput": "18GB/s"}}) + "\n")
+
+
 def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[tuple[str, str, int, float]]:
     """(stage, what, records, seconds) for every measurement."""
     policy = Policy()
@@ -81,6 +105,12 @@ def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[
         with open(path, "rb") as handle:
             for line in handle:
                 json.loads(line)
+
+    untyped = msgspec.json.Decoder()
+
+    def peer_msgspec():
+        with open(path, "rb") as handle:
+            untyped.decode_lines(handle.read())
 
     def read_lines():
         with open(path, "rb") as handle:
@@ -98,6 +128,10 @@ def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[
     def total():
         outcome = engine.replay(source.Stream([path]), policy)
         assert outcome.steps == records and not outcome.actions, "the healthy bench log must decide nothing"
+
+    def cli():
+        result = timeline.replay_logs([path], policy)
+        assert result.outcome.steps == records and not result.actions, "the healthy bench log must decide nothing"
 
     def total_one_process():
         decider = engine._Decider(Guard(policy.guard), CostMeter(policy.cost), [])
@@ -141,6 +175,7 @@ def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[
 
     return [
         ("peer", "json.loads per line", records, best_of(repeat, peer_json)),
+        ("peer", "msgspec untyped, whole file", records, best_of(repeat, peer_msgspec)),
         ("read", "file lines, no decode", records, best_of(repeat, read_lines)),
         ("decode", "one process (msgspec typed)", records, best_of(repeat, decode)),
         ("pick", f"decode + pick on {columns.available_cpus()} CPUs", records, best_of(repeat, pick)),
@@ -150,6 +185,7 @@ def measure(path: Path, records: int, decide_records: int, repeat: int) -> list[
         ("decide", "lists (one-process path)", sum(map(len, blocks)), best_of(repeat, decide_lists)),
         ("total", "one process (merged, .gz)", records, best_of(repeat, total_one_process)),
         ("total", "replay LOG", records, best_of(repeat, total)),
+        ("cli", "replay_logs (trainguard replay)", records, best_of(repeat, cli)),
     ]
 
 
@@ -179,7 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         with tempfile.TemporaryDirectory(prefix="bench-replay-") as folder:
             path = Path(folder) / "rank-0.jsonl"
-            write_log(path, args.records, layers=shape == "layers")
+            if shape == "node":
+                path = path.with_name("node-0.jsonl")
+                write_node_log(path, args.records)
+            else:
+                write_log(path, args.records, layers=shape == "layers")
             print(f"log ({shape}): {args.records:,} records, {path.stat().st_size / 1e6:.0f} MB; "
                   f"best of {args.repeat}; target {TARGET:,} records/s", flush=True)
             rows = measure(path, args.records, min(args.decide_records, args.records), args.repeat)

@@ -140,7 +140,12 @@ def replay(out: str) -> list[Figure]:
         for row_what, what, targeted in (("replay LOG", "trainguard replay LOG", True),
                                          ("columns: guard + cost", "guard + cost alone", True),
                                          # merged or compressed logs: no target stated for them
-                                         ("one process (merged, .gz)", "replay, one-process path", False)):
+                                         ("one process (merged, .gz)", "replay, one-process path", False),
+                                         # every pass of the command (recorded actions, replica, stall)
+                                         ("replay_logs (trainguard replay)", "trainguard replay LOG, all passes",
+                                          False)):
+            if row_what not in by_what:       # bench output from before that row
+                continue
             rate = by_what[row_what]["records"] / by_what[row_what]["seconds"]
             figures.append(Figure(f"{what}, {shape} records (records/s)", f"{rate:,.0f}", "json.loads",
                                   f"{peer['records'] / peer['seconds']:,.0f}",

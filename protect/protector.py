@@ -19,6 +19,12 @@ guard's decision and the agent's request, and saves a checkpoint when one is due
 go through `save` and `restore`: signed, verified checkpoints of the `state_dict` of every object in
 `states`, plus the guard's, the meter's and the `TrainState`.
 
+Shadow mode (`actions.mode: shadow` in the policy, or `shadow=True`): every decision is taken as it would
+be and recorded as a `shadow_action` event with its evidence, and none is carried out. The guard's
+decision is moved to `Verdict.shadowed` in `check`, so no loop can skip a step on it; `_carry_out` is
+the one place an action that `after_step` would take (a guard decision, an agent's request) is carried
+out or shadowed.
+
 What a decision changes in the loop's own numbers it writes into `state` (a `TrainState`): the step, the
 micro-batch, the LR scale, the evaluation pause. What it cannot do itself it asks of the loop through
 `Callbacks`; each has a default (see callbacks.py).
@@ -39,7 +45,8 @@ import torch
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
 from trainguard import rundir, tls
-from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SKIP_STEP, STOP
+from trainguard.actions import (COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SHADOW_ACTION, SKIP_STEP, STOP,
+                                shadow_event)
 from trainguard.decide.cost import CostMeter, clock_of
 from trainguard.decide.decision import CARRY_ON, Decision
 from trainguard.decide.guard import Guard, StepStats
@@ -75,6 +82,7 @@ class Verdict:
     control_code: int = 0       # a control request every rank learned of in this step's sync
     control_line: int = 0
     extra: tuple[float, ...] = ()   # the loop's own values carried in the same sync (`check(extra=...)`)
+    shadowed: Decision | None = None   # shadow mode: the guard's decision, recorded and not carried out
 
     @property
     def skip(self) -> bool:
@@ -108,14 +116,18 @@ class Protector:
                  layer_names: list[str] = (), run_id: str | None = None, checkpoint_every: int = 0,
                  checkpoint_every_seconds: float = 0.0, keep_last: int = 3, key_file: str = "",
                  async_checkpoint: bool = False, checkpoint_on_error: str = "warn",
-                 stable_val_factor: float = 1.5, log: Any = None, sharded_checkpoints: bool = False):
+                 stable_val_factor: float = 1.5, log: Any = None, sharded_checkpoints: bool = False,
+                 shadow: bool | None = None):
         """`sharded_checkpoints`: every rank saves (and loads in place) its own shards of the `model` and
-        `optim` states (FSDP2: their state dicts hold DTensors); otherwise rank 0 saves the whole state."""
+        `optim` states (FSDP2: their state dicts hold DTensors); otherwise rank 0 saves the whole state.
+        `shadow`: True or False over the policy's `actions.mode` (None: the policy decides)."""
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
         self.device = torch.device(device)
         self.run_id = run_id or self.run_dir.name
         self.log = log or tglog.get("protect", rank=rank, run_id=self.run_id)
         self.policy = policy if isinstance(policy, policy_mod.Policy) else policy_mod.load(policy or None)
+        self.shadow = self.policy.shadow if shadow is None else bool(shadow)
+        self._shadow_stopped = False        # a shadowed stop is recorded once (a stopped guard repeats it)
         self.state = state or TrainState()
         self.callbacks = callbacks or Callbacks()
         self.layer_names = list(layer_names)
@@ -175,8 +187,10 @@ class Protector:
         layers = dict(zip(self.layer_names, health.layer_norms[:carried]))
         loss_seen = health.loss if health.nonfinite_ranks == 0 else math.nan
         decision = self.guard.observe(StepStats(step, loss_seen, health.grad_norm, layers, health.timestamp))
-        return Verdict(step, loss_seen, health.grad_norm, layers, health.timestamp, decision or CARRY_ON,
-                       health.control_code, health.control_line, tuple(health.layer_norms[carried:]))
+        shadowed = decision if self.shadow and decision else None      # the step is not skipped in shadow
+        return Verdict(step, loss_seen, health.grad_norm, layers, health.timestamp,
+                       CARRY_ON if shadowed or not decision else decision, health.control_code,
+                       health.control_line, tuple(health.layer_norms[carried:]), shadowed)
 
     def after_step(self, verdict: Verdict, *, tokens: int, samples: int, timings: dict[str, float],
                    learning_rate: float | None = None, **metrics: Any) -> Outcome:
@@ -193,6 +207,8 @@ class Protector:
             timestamp=verdict.timestamp, **metrics)
         self._meter(verdict, record)
         self._tell()
+        if verdict.shadowed is not None:
+            self._on_decision(verdict.shadowed)
         if verdict.skip and (outcome := self._on_decision(verdict.decision)).stop:
             return outcome
         if verdict.control_code and (outcome := self._on_request(verdict.control_code,
@@ -320,10 +336,30 @@ class Protector:
         self.log.warning("rolled back", from_step=from_step, to_step=state.step, lr_scale=state.lr_scale,
                          **skipped)
 
+    # ---------------------------------------------------------------------- carried out or shadowed
+    def _carry_out(self, action: str, source: str, reason: str, evidence: dict, act) -> Outcome:
+        """The one gate of the actions `after_step` takes: `act()` carries `action` out; in shadow mode a
+        `shadow_action` event records it with its evidence instead, and nothing else happens."""
+        if not self.shadow:
+            return act()
+        if action == STOP:
+            if self._shadow_stopped:
+                return Outcome()
+            self._shadow_stopped = True
+        self.event(SHADOW_ACTION, **shadow_event(action, reason, source, **evidence))
+        self.log.warning("shadow: would have acted", action=action, source=source, reason=reason,
+                         step=self.state.step)
+        return Outcome()
+
     # ------------------------------------------------------------------------------ guard decisions
     def _on_decision(self, decision: Decision) -> Outcome:
-        self.state.trouble_since_checkpoint = True
+        self.state.trouble_since_checkpoint = True      # shadowed or not: the step was bad
         event = {k: v for k, v in decision.as_event().items() if k not in ("type", "step")}
+        evidence = {k: v for k, v in event.items() if k != "reason"}
+        return self._carry_out(str(decision.action), "guard", decision.reason, evidence,
+                               lambda: self._guard_action(decision, event))
+
+    def _guard_action(self, decision: Decision, event: dict) -> Outcome:
         if decision.action == SKIP_STEP:
             self.event(SKIP_STEP, **event)
             self.log.warning("step skipped by the guard", step=self.state.step, reason=decision.reason)
@@ -394,6 +430,10 @@ class Protector:
         ids = {"id": str(request.get("id")), "alertname": request.get("alertname") or "",
                "reason": request.get("reason") or ""}
         self.control.ack(request, self.state.step)
+        evidence = {"id": ids["id"], "alertname": ids["alertname"]}
+        return self._carry_out(action, "control", ids["reason"], evidence, lambda: self._request_action(action, ids))
+
+    def _request_action(self, action: str, ids: dict) -> Outcome:
         if action == ROLLBACK:
             self.event("action", action=action, **ids)
             self.restore(rollback=True, source="control", **ids)

@@ -31,7 +31,7 @@ FLAG_KEYS = {
     "micro_batch_size": ("optim", "micro_batch_size"), "lr": ("optim", "lr"),
     "schedule": ("optim", "schedule"), "schedule_preset": ("optim", "schedule_preset"),
     "clip_rule": ("optim", "clip_rule"),
-    "parallel": ("run", "parallel"),
+    "parallel": ("run", "parallel"), "shadow": ("run", "shadow"),
 }
 
 
@@ -58,6 +58,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                              "bitflip, gradflip")
     parser.add_argument("--telemetry", choices=("on", "off"), help="per-step TLS records (default on)")
     parser.add_argument("--policy", metavar="FILE", help="policy YAML (guard thresholds)")
+    parser.add_argument("--shadow", action="store_true", default=None,
+                        help="shadow mode: every action (skip, rollback, stop, the agent's requests) is decided and "
+                             "recorded as a shadow_action event, none is carried out (the policy's actions.mode)")
     parser.add_argument("--data", metavar="DIR|GLOB",
                         help="text directory or uint16 .bin shards (default: Python stdlib source)")
     parser.add_argument("--batch-size", type=int, help="sequences per rank per optimizer step")

@@ -87,6 +87,7 @@ class RunConfig:
     eval_batches: int = 4        # validation batches per check (also the stable-checkpoint check)
     stable_val_factor: float = 1.5   # a checkpoint is stable if val loss <= factor * best so far
     policy: str = ""             # policy YAML (guard thresholds); "" means the defaults
+    shadow: bool = False         # every action decided and recorded, none carried out (over actions.mode)
     inject: list = field(default_factory=list)   # fault injections, "KIND@STEP[:RANK]"
     peak_flops: float = 0.0      # peak FLOP/s per device for MFU; 0 means the table (or a CPU measure)
     gpu_count: int = -1          # system.gpu_count in the records (what cost is billed on); -1: GPUs in use

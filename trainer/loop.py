@@ -70,6 +70,8 @@ class Trainer:
         self.log = log.get("trainer", rank=self.rank, run_id=self.run_id)
         self.device = resolve_device(run.device, info.local_rank)
         policy = policy_mod.load(run.policy or None)
+        if run.shadow:      # --shadow over the policy file's actions.mode
+            policy = policy_mod.in_shadow(policy)
         torch.manual_seed(run.seed)
 
         self.model = GPT(config.model).to(self.device)
@@ -140,7 +142,8 @@ class Trainer:
                              world_size=self.world, rank=self.rank, node=self.telemetry.envelope["node"],
                              run_dir=self.run_dir, emit=self.telemetry.event, log=self.log,
                              policy=ReplicaPolicy(policy.guard.replica_cordon_window_seconds),
-                             key_file=self.key_file)   # signs its cordons (trainguard/cordon.py)
+                             key_file=self.key_file,   # signs its cordons (trainguard/cordon.py)
+                             shadow=policy.shadow)
 
     def replica_check(self, step: int) -> int | None:
         """sdc hook: at check steps, after the step's record; a mismatch rolls every rank back to the newest
@@ -170,7 +173,7 @@ class Trainer:
                              restart_count=self.info.restart_count, world_size=self.world,
                              device=self.device.type, peak_flops=self.telemetry.peak_flops,
                              peak_flops_source=self.peak_source, flops_per_token=self.model.flops_per_token(),
-                             params=self.model.num_params())
+                             params=self.model.num_params(), actions_mode=self.protector.policy.actions.mode)
         self.schedule.start(self.state.step, resumed=begun.resumed_from is not None)
         self.log.info("training", steps=self.cfg.run.steps, start_step=self.state.step, world_size=self.world,
                       device=str(self.device), params=self.model.num_params())

@@ -43,8 +43,12 @@ def incident_id(step: int, when: float) -> str:
 class ReplicaChecks:
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, every: int, world_size: int,
                  rank: int, node: str, run_dir: str | os.PathLike, emit: Callable[..., Any], log: Any,
-                 policy: ReplicaPolicy | None = None, key_file: str | os.PathLike | None = None):
+                 policy: ReplicaPolicy | None = None, key_file: str | os.PathLike | None = None,
+                 shadow: bool = False):
+        """`shadow`: a mismatch is recorded (its events, its incident) and its rollback, stop and cordons
+        are `shadow_action` events, not carried out (the policy's actions.mode)."""
         self.params, self.names = params, names
+        self.shadow = shadow
         self.key_file = key_file      # the run's checkpoint key signs the cordon (trainguard/cordon.py)
         self.every, self.world, self.rank = every, world_size, rank
         self.run_dir, self.emit, self.log = Path(run_dir), emit, log
@@ -151,6 +155,9 @@ class ReplicaChecks:
             self._write_incident(verdict, ident)
             for host in verdict.cordon:
                 self._cordon(host, verdict, ident)
+        if self.shadow:
+            self._shadow(verdict.action or "rollback", verdict, ident)
+            return None
         if verdict.action == "stop":
             return stop({"reason": MISMATCH, "incident": ident, **event})
         self.rollback(verdict, ident, restore)
@@ -204,10 +211,21 @@ class ReplicaChecks:
             for host in verdict.cordon:
                 self._cordon(host, verdict, ident)
 
+    def _shadow(self, action: str, verdict: Verdict, ident: str, **evidence: Any) -> None:
+        from trainguard.actions import SHADOW_ACTION, shadow_event
+
+        self.emit(SHADOW_ACTION, step=verdict.step, **shadow_event(
+            action, MISMATCH, DETECTED_BY, incident=ident, ranks=list(verdict.ranks), what=verdict.what,
+            **evidence))
+        self.log.warning("shadow: would have acted", action=action, incident=ident, **evidence)
+
     def _cordon(self, host: str, verdict: Verdict, ident: str) -> None:
         """RUN/control/cordon/<host>: kept out of the job until `trainguard uncordon` (the reason inside)."""
         from trainguard.trainer import cordon_key
 
+        if self.shadow:
+            self._shadow("cordon", verdict, ident, host=host)
+            return
         reason = {"reason": "replica_mismatch", "detected_by": DETECTED_BY, "incident": ident,
                   "step": verdict.step, "ranks": list(verdict.ranks), "what": verdict.what, "time": time.time(),
                   "why": list(verdict.reasons), "by": f"rank:{self.rank}"}

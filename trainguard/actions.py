@@ -30,3 +30,16 @@ REMOTE_ACTIONS = (ROLLBACK, RESTORE, COST_WARN, COST_THROTTLE, COST_STOP)
 
 def is_action(name: str) -> bool:
     return name in ACTIONS
+
+# Shadow mode (`actions.mode: shadow` in the policy, `--shadow` on `train` and `agent`): every action is
+# decided as it would be, recorded as a SHADOW_ACTION event with its evidence, and never carried out.
+ACT_MODE = "act"
+SHADOW_MODE = "shadow"
+MODES = (ACT_MODE, SHADOW_MODE)
+SHADOW_ACTION = "shadow_action"      # the TLS event type of an action decided and not carried out
+
+
+def shadow_event(action: str, reason: str, source: str, **evidence) -> dict:
+    """The fields of a `shadow_action` event (no `type`): the action that would have been carried out, why,
+    who decided it (guard, control, alertmanager, embedded, replica_check) and the decision's evidence."""
+    return {"action": action, "reason": reason, "source": source, "would_have": True, **evidence}

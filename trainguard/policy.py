@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from trainguard import paths
+from trainguard import actions as actions_mod, paths
 from trainguard.exits import BadInput
 
 
@@ -277,6 +277,15 @@ class RestorePolicy:
     evict_stragglers: str = "off"
 
 
+@dataclass(frozen=True)
+class ActionsPolicy:
+    """How decisions reach the run (docs/trainer.md#shadow-mode): "act" carries them out; "shadow" decides and
+    records each one as a `shadow_action` event with its evidence, and carries out none (no skipped step,
+    no rollback, restore, stop, cordon or ended process), for the trainer, the callbacks and the agent."""
+
+    mode: str = actions_mod.ACT_MODE
+
+
 EVICT_CHOICES = ("auto", "on", "off")
 EVICT_STRAGGLERS_CHOICES = ("off",)
 
@@ -292,6 +301,12 @@ class Policy:
     preflight: PreflightPolicy = field(default_factory=PreflightPolicy)
     restore: RestorePolicy = field(default_factory=RestorePolicy)
     dynamics: DynamicsPolicy = field(default_factory=DynamicsPolicy)
+    actions: ActionsPolicy = field(default_factory=ActionsPolicy)
+
+    @property
+    def shadow(self) -> bool:
+        """Every action decided and recorded, none carried out (`actions.mode: shadow`)."""
+        return self.actions.mode == actions_mod.SHADOW_MODE
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -463,6 +478,7 @@ RULES: dict[str, Range | Choice | str] = {
     "restore.evidence_seconds": above(0, 3600),
 }
 RULES["restore.evict_stragglers"] = Choice(EVICT_STRAGGLERS_CHOICES)
+RULES["actions.mode"] = Choice(actions_mod.MODES)
 RULES.update({   # silent corruption (trainguard/decide/replica.py): 0 turns the replica check off
     "guard.replica_check_every": at_least(0, 10**7),
     "guard.replica_cordon_window_seconds": at_least(0, 10**9),
@@ -603,6 +619,11 @@ def read_yaml(path: str | Path, what: str) -> Any:
         raise ValueError(f"{source}: not valid YAML: {exc}") from None
     except RecursionError:
         raise ValueError(f"{source}: nested too deeply") from None
+
+
+def in_shadow(policy: Policy) -> Policy:
+    """`policy` with every action shadowed (`--shadow` on `train` and `agent`, over the file's mode)."""
+    return dataclasses.replace(policy, actions=ActionsPolicy(mode=actions_mod.SHADOW_MODE))
 
 
 def dump(policy: Policy) -> str:

@@ -25,6 +25,13 @@ def parse_agent_args(args: list[str]) -> argparse.Namespace:
     return parser.parse_args(args)
 
 
+@pytest.mark.parametrize("flag", ["--shadow", "--dry-run"])     # --dry-run: the older name
+def test_shadow_flag_sets_shadow_mode_over_the_config(tmp_path, flag):
+    config = cli.build_config(parse_agent_args(["--run-dir", str(tmp_path), flag]), KNOWN)
+    assert config.webhook["shadow"] is True
+    assert cli.build_config(parse_agent_args(["--run-dir", str(tmp_path)]), KNOWN).webhook.get("shadow") is None
+
+
 def test_daemonset_config_and_args_are_what_the_agent_accepts(tmp_path):
     documents = list(yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "daemonset.yaml").read_text()))
     kinds = {doc["kind"]: doc for doc in documents}

@@ -94,14 +94,22 @@ def test_append_request_skips_an_id_already_there(tmp_path):
     assert [json.loads(line)["id"] for line in path.read_text().splitlines() if line.startswith("{")] == ["a", "b"]
 
 
-def test_dry_run_records_but_executes_nothing(tmp_path, ranks):
+def test_shadow_records_what_it_would_have_done_and_executes_nothing(tmp_path, ranks):
     [rank] = ranks.start(tmp_path)
-    executor = executor_for(tmp_path, ledger=Ledger(dry_run=True))
+    executor = executor_for(tmp_path, ledger=Ledger(shadow=True))
     verdicts = executor.submit([notice(), restore_notice("s")])
     assert [v.action for v in verdicts] == ["rollback", "restore"]
     assert requests(tmp_path) == []
-    assert [e["type"] for e in actions_log(tmp_path)] == ["alert", "alert"]
-    assert all(e["dry_run"] for e in actions_log(tmp_path))
+    log = actions_log(tmp_path)
+    assert [e["type"] for e in log] == ["alert", "alert", "shadow_action", "shadow_action"]
+    assert all(e["shadow"] for e in log if e["type"] == "alert")
+    shadowed = [e for e in log if e["type"] == "shadow_action"]
+    assert [(e["action"], e["source"], e["would_have"]) for e in shadowed] == [
+        ("rollback", "alertmanager", True), ("restore", "alertmanager", True)]
+    assert all(e["alertname"] and e["id"] and e["key"] for e in shadowed)      # its evidence
+    assert executor.executed == {} and executor.shadowed == {"rollback": 1, "restore": 1}
+    [family] = [f for f in executor.families() if f.name == "trainguard_actions_shadowed"]
+    assert {s.labels["action"]: s.value for s in family.samples} == {"restore": 1, "rollback": 1}
     time.sleep(0.2)
     assert alive(rank["pid"])
 

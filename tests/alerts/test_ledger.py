@@ -1,4 +1,4 @@
-"""The ledger: alert -> action, de-duplication, supersession, coalescing, rate limits, dry-run, memory."""
+"""The ledger: alert -> action, de-duplication, supersession, coalescing, rate limits, shadow, memory."""
 
 from trainguard import actions
 from trainguard.decide.decision import Decision
@@ -114,15 +114,16 @@ def test_limits_come_from_the_policy():
     assert limits.cooldown_seconds == Policy().alerts.action_cooldown_seconds
 
 
-def test_dry_run_decides_the_same_but_executes_nothing():
-    live, dry = Ledger(), Ledger(dry_run=True)
+def test_shadow_decides_the_same_but_executes_nothing():
+    live, dry = Ledger(), Ledger(shadow=True)
     notices = [firing(key="a"), firing(key="a"), firing("CostBudgetWarn", actions.COST_WARN, "c")]
     live_verdicts = [live.decide(n, 0.0) for n in notices]
     dry_verdicts = [dry.decide(n, 0.0) for n in notices]
     assert [v.outcome for v in dry_verdicts] == [v.outcome for v in live_verdicts] == [ACT, DUPLICATE, ACT]
     assert [v.action for v in dry_verdicts] == [actions.ROLLBACK, None, actions.COST_WARN]
     assert not any(v.executes for v in dry_verdicts)
-    assert all(v.as_event()["dry_run"] for v in dry_verdicts)
+    assert [v.would_execute for v in dry_verdicts] == [True, False, True]
+    assert all(v.as_event()["shadow"] for v in dry_verdicts)
 
 
 def test_a_restarted_ledger_remembers_what_it_decided():
@@ -137,13 +138,15 @@ def test_a_restarted_ledger_remembers_what_it_decided():
     assert second.decide(firing("CostBudgetWarn", actions.COST_WARN, "w"), 40.0).outcome == SUPERSEDED
 
 
-def test_a_live_ledger_owes_nothing_to_a_dry_run():
-    dry = Ledger(dry_run=True)
-    events = [dry.decide(firing(key="a"), 0.0).as_event()]
+def test_a_live_ledger_owes_nothing_to_a_shadow():
+    dry = Ledger(shadow=True)
+    events = [dry.decide(firing(key="a"), 0.0).as_event(),
+              {**Ledger().decide(firing(key="b"), 0.0).as_event(), "dry_run": True}]   # an older agent's record
     live = Ledger()
     for event in events:
         live.remember(event)
     assert live.decide(firing(key="a"), 5.0).outcome == ACT
+    assert live.decide(firing(key="b"), 500.0).outcome == ACT
 
 
 def test_the_recorded_event_names_the_alert_and_the_decision():

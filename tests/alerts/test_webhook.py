@@ -85,7 +85,7 @@ def test_a_valid_alert_acts_and_is_recorded_before_the_reply(hook, run_dir):
     status, response = post(hook, payload(alert()))
     assert status == 200
     assert response["verdicts"] == [{"alertname": "LossSpike", "status": "firing", "outcome": "act",
-                                     "action": "rollback", "dry_run": False}]
+                                     "action": "rollback", "shadow": False}]
     [request] = control_requests(run_dir)
     assert request["action"] == "rollback" and request["alertname"] == "LossSpike"
     assert set(request) == {"id", "action", "alertname", "reason", "issued_at"}

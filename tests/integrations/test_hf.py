@@ -89,3 +89,25 @@ def test_the_trainers_checkpoint_folders_are_signed_and_verified_before_use(tmp_
     (five / "trainer_state.json").rename(five / "moved.json")
     assert hf_checkpoints.verify_folder(five).code == "missing_file"
     assert hf_checkpoints.latest_verified(tmp_path / "out") is None
+
+
+def test_trainer_in_shadow_records_the_actions_and_trains_on_unchanged(tmp_path):
+    """The callback in shadow (the policy's actions.mode): the spikes' skips and rollback and the agent's
+    cost_stop are shadow_action events; the Trainer steps every step and runs to max_steps."""
+    run = tmp_path / "run"
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(json.dumps({"guard": GUARD, "actions": {"mode": "shadow"}}))   # JSON is YAML
+    trainer, callback = build(str(run), 30, faults_of(["spike@14"]), str(policy))
+    agent = request_when_step_written(run, 18, "cost_stop")
+    trainer.train()
+    agent.join()
+
+    assert callback.exit_code is None and trainer.state.global_step == 30
+    shadowed = [(e["step"], e["action"], e["source"]) for e in events(run, "shadow_action")]
+    assert shadowed[:3] == [(14, "skip_step", "guard"), (15, "skip_step", "guard"), (16, "rollback", "guard")]
+    [cost_stop] = [e for e in events(run, "shadow_action") if e["action"] == "cost_stop"]
+    assert cost_stop["source"] == "control" and cost_stop["alertname"] == "CostBudgetStop"
+    assert not events(run, "skip_step") and not events(run, "rollback") and not events(run, "action")
+    assert [r["step"] for r in step_records(run)] == list(range(1, 31))      # no step moved back
+    assert not (run / "cost_summary.json").exists()
+    assert events(run, "run_end")[-1]["reason"] == "completed"

@@ -54,3 +54,23 @@ def test_lightning_skips_a_nan_rolls_back_spikes_and_obeys_cost_stop(tmp_path):
     assert callback.exit_code is None
     assert events(run, "checkpoint_restored")[-1]["step"] == ack["step"]
     assert [r["step"] for r in step_records(run)][-2:] == [ack["step"] + 1, ack["step"] + 2]
+
+
+def test_lightning_in_shadow_records_the_actions_and_trains_on_unchanged(tmp_path):
+    """The Lightning callback in shadow (the policy's actions.mode): the spikes' skips and rollback and the
+    agent's cost_stop are shadow_action events; every step steps and the fit runs to its end."""
+    run = tmp_path / "run"
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(json.dumps({"guard": GUARD, "actions": {"mode": "shadow"}}))   # JSON is YAML
+    trainer, module, callback = build(str(run), 30, faults_of(["spike@14"]), str(policy))
+    agent = request_when_step_written(run, 18, "cost_stop")
+    trainer.fit(module, batches(30))
+    agent.join()
+
+    assert callback.exit_code is None
+    shadowed = [(e["step"], e["action"], e["source"]) for e in events(run, "shadow_action")]
+    assert shadowed[:3] == [(14, "skip_step", "guard"), (15, "skip_step", "guard"), (16, "rollback", "guard")]
+    assert [e["action"] for e in events(run, "shadow_action") if e["source"] == "control"] == ["cost_stop"]
+    assert not events(run, "skip_step") and not events(run, "rollback") and not events(run, "action")
+    assert [r["step"] for r in step_records(run)] == list(range(1, 31))
+    assert not (run / "cost_summary.json").exists()

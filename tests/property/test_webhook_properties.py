@@ -2,8 +2,8 @@
 correct parse; never an unhandled exception, never an action.
 
 The whole handler (token, size, content type, JSON, payload) is driven with an executor that records
-what reaches it and decides with a dry-run ledger; one test goes over real loopback HTTP to the agent's
-server with the real executor in dry-run and checks that the run's control channel is never written.
+what reaches it and decides with a shadow ledger; one test goes over real loopback HTTP to the agent's
+server with the real executor in shadow and checks that the run's control channel is never written.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ ALERTNAMES = ["LossNaN", "LossSpike", "GradNormExplosion", "TrainingStalled", "C
 
 
 class RecordingExecutor:
-    """Decides with a dry-run ledger (nothing can execute) and keeps every batch it was handed."""
+    """Decides with a shadow ledger (nothing can execute) and keeps every batch it was handed."""
 
     def __init__(self):
-        self.ledger = Ledger(dry_run=True)
+        self.ledger = Ledger(shadow=True)
         self.batches: list[list] = []
 
     def submit(self, notices):
@@ -135,7 +135,7 @@ def handle(body: bytes, headers: dict = HEADERS) -> tuple[int, dict, RecordingEx
         assert [n.key for n in notices] == [n.key for n in parse_payload(json.loads(body))]
         for notice in notices:
             assert_sound(notice)
-        assert not any(v["dry_run"] is False for v in answer["verdicts"])
+        assert not any(v["shadow"] is False for v in answer["verdicts"])
     else:
         assert status in REFUSALS, (status, answer)
         assert executor.batches == [], "a refused request reached the executor"
@@ -216,9 +216,9 @@ def test_without_the_exact_token_and_content_type_nothing_reaches_the_executor(h
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    """The agent's HTTP server with the webhook and the real executor in dry-run, on a loopback port."""
+    """The agent's HTTP server with the webhook and the real executor in shadow, on a loopback port."""
     run_dir = tmp_path_factory.mktemp("webhook-run")
-    executor = Executor(run_dir, "n1", Ledger(dry_run=True))
+    executor = Executor(run_dir, "n1", Ledger(shadow=True))
     server = AgentServer(None, "127.0.0.1", 0, max_body_bytes=64 * 1024)
     server.add_route("POST", PATH, Webhook(TOKEN, executor, max_body_bytes=64 * 1024).route)
     server.start()
@@ -254,5 +254,5 @@ def test_over_http_nothing_is_ever_executed_on_the_run(live, data):
         body = json.dumps(body).encode()
     status = post(server, body)
     assert status == 200 or status in REFUSALS, status
-    assert not (run_dir / "control").exists(), "the dry-run executor wrote a control request"
+    assert not (run_dir / "control").exists(), "the shadow executor wrote a control request"
     assert executor.executed == {}

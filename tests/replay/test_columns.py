@@ -221,3 +221,42 @@ def test_a_worker_killed_midway_loses_nothing(tmp_path, monkeypatch):
     general = outcome_of(log, POLICY, columnar=False)
     monkeypatch.setattr(columns, "_read_chunk", _dies_after_the_second_chunk)
     assert outcome_of(log, POLICY, columnar=True, chunk_bytes=20_000, workers=2) == general
+
+
+def marked_records(count: int):
+    """The trainer's log with the events the passes after the replay read: a restart's run_start, the
+    agent's alerts and actions, and a line that names "alert" only as a value."""
+    for i, record in enumerate(trainer_records(count)):
+        yield record
+        when, step = record["timestamp"], record.get("step")
+        if i % 300 == 10:
+            yield {"timestamp": when, "rank": 0, "step": step, "event": {"type": "run_start", "resumed_from": step}}
+        if i % 250 == 20:
+            yield {"timestamp": when, "node": "node-a", "event": {
+                "type": "alert", "alertname": "LossSpike", "status": "firing", "key": f"k{i}", "outcome": "act",
+                "action": "rollback", "requested": "rollback", "source": "alertmanager", "reason": "LossSpike"}}
+            yield {"timestamp": when, "node": "node-a", "event": {"type": "action", "id": f"r{i}",
+                                                                   "action": "rollback", "outcome": "issued"}}
+        if i % 400 == 30:
+            yield {"timestamp": when, "rank": 0, "step": step, "metrics": {"loss": 3.0, "note": "alert"}}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_passes_after_a_columnar_replay_read_no_file_again(tmp_path, monkeypatch, workers):
+    """The chunks hand over the lines naming a recorded event (source.MARKS): `trainguard replay LOG` reads
+    its one file once, and says exactly what the merged stream (which searches the file again) says."""
+    from trainguard.replay import timeline
+
+    log = write(tmp_path / "rank-0.jsonl", marked_records(1500), bad_every=173)
+    monkeypatch.setattr(columns, "fits", lambda stream: False)
+    merged = timeline.replay_logs([log], POLICY).to_json()
+    assert merged["recorded_alerts"] and {r["action"] for r in merged["recorded_actions"]} >= {"restart", "rollback"}
+    monkeypatch.undo()
+    monkeypatch.setattr(columns, "CHUNK_BYTES", 20_000)
+    monkeypatch.setattr(columns, "available_cpus", lambda: workers)
+
+    def no_second_read(*args, **kwargs):
+        raise AssertionError("a columnar replay read its file again")
+
+    monkeypatch.setattr(source, "lines_naming", no_second_read)
+    assert timeline.replay_logs([log], POLICY).to_json() == merged

@@ -243,7 +243,7 @@ def test_a_block_of_other_ranks_is_counted_as_the_picker_counts_it(data, with_gp
     assert len(picked) == 0 and not picker.recorded
     assert (summed.first, summed.latest) == (picker.first, picker.last)
     assert (before if summed.last_step is None else summed.last_step) == last_step
-    assert summed.flagged == parallel._names_marked(records)
+    assert summed.flagged == source.names_marked(records)
     if with_gpus:
         assert [p + 1 for p in summed.gpu_positions] == picker.tracked.gpu_ordinals
         assert list(summed.gpu_counts) == picker.tracked.gpu_counts

@@ -13,7 +13,8 @@ keeps failing must not loop. The ledger turns that stream into at most one actio
   a clean `cost_stop` (the run is not converging; save it and stop spending), past
   `alerts.max_restores_per_hour` restores a further restore pages a human (ending ranks again will not
   help a node that keeps hanging);
-- dry-run decides exactly as a live ledger, but nothing executes.
+- shadow (`actions.mode: shadow`; once called dry-run) decides exactly as a live ledger, but nothing executes:
+  the executor records each action a verdict would carry out as a `shadow_action` event instead.
 
 Pure: no clock (the caller passes `now`), no files. The agent records every verdict (`Verdict.as_event`)
 before it replies to Alertmanager, and rebuilds the ledger after a restart with `remember()`. A verdict
@@ -35,7 +36,7 @@ from trainguard.policy import Policy
 FIRING, RESOLVED_STATUS = "firing", "resolved"
 
 # Outcomes
-ACT = "act"                    # the action executes (or would, in dry-run)
+ACT = "act"                    # the action executes (or would, in shadow)
 ESCALATED = "escalated"        # over a rate limit: a stronger action executes, or a human is paged
 DUPLICATE = "duplicate"        # seen before (same alert, or a tier that already acted)
 SUPERSEDED = "superseded"      # a stronger cost tier already acted
@@ -77,13 +78,18 @@ class Verdict:
     action: str | None             # what executes (ACT, ESCALATED); None otherwise, or PAGE
     reason: str
     decided_at: float
-    dry_run: bool = False
+    shadow: bool = False
     detail: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def would_execute(self) -> bool:
+        """An action on the run was decided (carried out live, recorded as a `shadow_action` in shadow)."""
+        return self.action in actions.REMOTE_ACTIONS
 
     @property
     def executes(self) -> bool:
         """True when the executor must carry out `action` now."""
-        return self.action in actions.REMOTE_ACTIONS and not self.dry_run
+        return self.would_execute and not self.shadow
 
     def as_event(self) -> dict[str, Any]:
         """The TLS `alert` event that records this verdict (and lets a restarted ledger `remember` it)."""
@@ -95,8 +101,8 @@ class Verdict:
             event["starts_at"] = n.starts_at
         if n.step is not None:
             event["step"] = n.step
-        if self.dry_run:
-            event["dry_run"] = True
+        if self.shadow:
+            event["shadow"] = True
         if self.detail:
             event["detail"] = dict(self.detail)
         if n.labels:
@@ -134,9 +140,9 @@ Snapshot = tuple[set[str], set[str], int, dict[str, deque[float]]]
 
 
 class Ledger:
-    def __init__(self, limits: Limits | None = None, dry_run: bool = False):
+    def __init__(self, limits: Limits | None = None, shadow: bool = False):
         self.limits = limits or Limits()
-        self.dry_run = dry_run
+        self.shadow = shadow
         self.seen: set[str] = set()               # keys of firing notices already decided
         self.open: set[str] = set()               # firing alerts not resolved yet
         self.cost_level = 0                       # COST_ORDER of the strongest tier that acted
@@ -200,7 +206,7 @@ class Ledger:
 
     def _verdict(self, notice: Notice, outcome: str, action: str | None, reason: str, now: float,
                  detail: Mapping[str, Any] | None = None) -> Verdict:
-        return Verdict(notice, outcome, action, reason, now, self.dry_run, detail or {})
+        return Verdict(notice, outcome, action, reason, now, self.shadow, detail or {})
 
     # ------------------------------------------------------------------------------- persistence
     def snapshot(self) -> Snapshot:
@@ -216,8 +222,9 @@ class Ledger:
     def remember(self, event: Mapping[str, Any]) -> None:
         """Fold a recorded verdict (`Verdict.as_event()`) back in, so a restarted agent does not act twice."""
         key, status, outcome = event.get("key"), event.get("status"), event.get("outcome")
-        if not key or event.get("dry_run") and not self.dry_run:
-            return      # a live ledger owes nothing to what a dry run only pretended to do
+        shadowed = event.get("shadow") or event.get("dry_run")      # dry_run: records of older agents
+        if not key or shadowed and not self.shadow:
+            return      # a live ledger owes nothing to what a shadow only pretended to do
         if status == RESOLVED_STATUS:
             self.open.discard(key)
             return

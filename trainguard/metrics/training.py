@@ -46,7 +46,18 @@ def step_families(state: TrainingState, per_rank: bool = True) -> list:
         events += [(_RUN_RANK_TYPE.get(rs.run_id, str(rank), kind), count)
                    for kind, count in sorted({**_WATCHED_AT_ZERO, **rs.events}.items())]
     families = [spec.family(samples[key]) for key, spec in STEP_SPECS.items()]
-    return families + [STEP.family(step), LAST_STEP.family(last), STEPS.family(steps), EVENTS.family(events)]
+    return families + [STEP.family(step), LAST_STEP.family(last), STEPS.family(steps), EVENTS.family(events),
+                       SHADOWED.family(shadowed_actions(state))]
+
+
+def shadowed_actions(state: TrainingState) -> list:
+    """The lead rank's shadow actions (every rank decides the same, so one rank's count is the run's); no
+    series at all until shadow mode has recorded one, so a run that acts for real exports none."""
+    lead = state.lead_rank()
+    if lead is None:
+        return []
+    rs = state.ranks[lead]
+    return [(_RUN_ACTION.get(rs.run_id, action), count) for action, count in sorted(rs.shadowed.items())]
 
 
 def file_families(state: TrainingState) -> list:
@@ -84,6 +95,7 @@ def straggler_families(state: TrainingState, stragglers: StragglerBoard) -> list
 # Families, their names checked once; label sets made once per run and rank.
 _RUN_RANK = LabelCache(["run_id", "rank"])
 _RUN_RANK_TYPE = LabelCache(["run_id", "rank", "type"])
+_RUN_ACTION = LabelCache(["run_id", "action"])
 _RUN = LabelCache(["run_id"])
 _FILE = LabelCache(["file"])
 _RUN_RANK_NODE = LabelCache(["run_id", "rank", "node"])
@@ -95,6 +107,9 @@ LAST_STEP = Spec("gauge", "trainguard_training_last_step_timestamp_seconds",
 STEPS = Spec("counter", "trainguard_training_steps", "Step records read from the rank's TLS log.", ["run_id", "rank"])
 EVENTS = Spec("counter", "trainguard_training_events", "Events in the rank's TLS log, by type (guard decisions, "
               "checkpoints, actions ...).", ["run_id", "rank", "type"])
+SHADOWED = Spec("counter", "trainguard_training_shadow_actions", "Shadow mode: actions the trainer decided (or "
+                "was asked for) and recorded as shadow_action events without carrying them out, by action (the "
+                "lead rank's).", ["run_id", "action"])
 RECORDS = Spec("counter", "trainguard_tls_records", "TLS records read, by file.", ["file"])
 MALFORMED = Spec("counter", "trainguard_tls_malformed_lines",
                  "TLS lines that could not be read (logged with file:line), by file.", ["file"])

@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from trainguard import actions
+
+# What a shadow_action event of a rank can name: the guard's decisions, the agent's requests, the replica
+# check's cordon (a bounded label set; anything else is "other").
+SHADOWED_ACTIONS = (*actions.DECISIONS, "cordon")
 MAX_EVENT_TYPES = 64      # distinct event types kept per rank; any further type is counted as "other"
 
 # TLS metric key -> (metric name, help). Values are the rank's latest step; absent keys export nothing.
@@ -62,6 +67,11 @@ class RankState:
     steps_total: int = 0
     events: dict[str, int] = field(default_factory=dict)
     gpu_count: int | None = None
+    shadowed: dict[str, int] = field(default_factory=dict)    # shadow_action events, by action
+
+    def count_shadowed(self, action: object) -> None:
+        name = action if isinstance(action, str) and action in SHADOWED_ACTIONS else "other"
+        self.shadowed[name] = self.shadowed.get(name, 0) + 1
 
     def count_event(self, kind: str) -> None:
         if kind not in self.events and len(self.events) >= MAX_EVENT_TYPES:
@@ -106,6 +116,8 @@ class TrainingState:
     def _apply_event(self, state: RankState, event: dict, record: dict) -> None:
         kind = event["type"]
         state.count_event(kind)
+        if kind == actions.SHADOW_ACTION:
+            state.count_shadowed(event.get("action"))
         if kind == "checkpoint_saved":
             step = event.get("step", record.get("step"))
             if self.checkpoint_time is None or record["timestamp"] >= self.checkpoint_time:

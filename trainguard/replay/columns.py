@@ -51,6 +51,7 @@ class Chunk:
     lines: int
     last_step: int                  # numbering state where the chunk ended (maybe from UNKNOWN_STEP)
     error: str | None = None        # the file could not be read here: it ends before this chunk
+    marked: list | None = None      # (line within the chunk, raw line) of the lines naming a source.MARKS event
 
 
 def fits(stream) -> bool:
@@ -61,9 +62,11 @@ def fits(stream) -> bool:
 
 
 def read(stream: source.Stream, totals: Picker, *, chunk_bytes: int | None = None,
-         workers: int | None = None) -> Iterator[Block]:
+         workers: int | None = None, event_lines: dict[str, list] | None = None) -> Iterator[Block]:
     """The training steps of `stream`'s one file, a chunk at a time in file order; its malformed lines go
-    to `stream.problems`, each chunk's counts into `totals` (`Picker.absorb`). Opens the stream (it is
+    to `stream.problems`, each chunk's counts into `totals` (`Picker.absorb`), and the lines naming a
+    source.MARKS event ((line number, raw line)) into `event_lines[file]` when given, so the passes after
+    the replay (recorded actions, replica checks) need not read the file again. Opens the stream (it is
     read once), setting lead_rank."""
     stream.claim()
     path = str(stream.files[0])
@@ -71,6 +74,7 @@ def read(stream: source.Stream, totals: Picker, *, chunk_bytes: int | None = Non
     stream.lead_rank = lead
     line_base, step_base, gpus = 0, 0, 0
     chunk_bytes = chunk_bytes or CHUNK_BYTES
+    marked = None if event_lines is None else event_lines.setdefault(path, [])
     for chunk in _chunks(path, (lead, layer_names), chunk_bytes, available_cpus() if workers is None else workers):
         _count_problems(stream.problems, chunk.problems, path, line_base)
         if chunk.error is not None:
@@ -80,6 +84,8 @@ def read(stream: source.Stream, totals: Picker, *, chunk_bytes: int | None = Non
         step_base = _number(chunk, step_base)
         gpus = _carry_gpus(steps.gpus, chunk.picker.gpus, gpus)
         totals.absorb(chunk.picker)
+        if marked is not None and chunk.marked:
+            marked.extend((line_base + number, raw) for number, raw in chunk.marked)
         line_base += chunk.lines
         yield steps
 
@@ -213,6 +219,7 @@ def _decode_and_pick(path: str, start: int, end: int, lead, layer_names: tuple |
     fast = source.layers_decoder(layer_names) if layer_names else None
     last_step = 0 if start == 0 else UNKNOWN_STEP
     lines = 0
+    marked: list = []
     try:
         with open(path, "rb") as handle:
             handle.seek(start)
@@ -220,11 +227,14 @@ def _decode_and_pick(path: str, start: int, end: int, lead, layer_names: tuple |
     except OSError as exc:
         return Chunk(block_of(picked), picker, problems, 0, last_step, f"{type(exc).__name__}: {exc}")
     for block in source.line_blocks(io.BytesIO(data)):
+        found = problems.count
         records = source.decode_block(block, lines + 1, path, problems, fast)
         entries, _, last_step = source.entries_of(records, None, 0, 0, last_step)
         picked.extend(picker.take(entries))
+        if problems.count != found or source.names_marked(records):   # searched only where one may be
+            marked += source._marked(block, source.MARKS, lines + 1)
         lines += block.count(b"\n")
-    return Chunk(block_of(picked, layer_names), picker, problems, lines, last_step)
+    return Chunk(block_of(picked, layer_names), picker, problems, lines, last_step, marked=marked)
 
 
 def block_of(picked: Picked, layer_names: tuple | None = None) -> Block:

@@ -53,7 +53,7 @@ class Outcome:
     recorded: list[Action] = field(default_factory=list)   # decisions the live run wrote in the log
     cost: dict = field(default_factory=dict)
     progress: "Progress" = field(default_factory=lambda: Progress())
-    # each file's lines naming a parallel.MARKS event, found while decoding (None: not looked for)
+    # each file's lines naming a source.MARKS event, found while decoding (columns.py, parallel.py) (None: not looked for)
     event_lines: dict[str, list] | None = None
 
     def may_have_stalled(self, stall_seconds: float) -> bool:
@@ -154,7 +154,8 @@ def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None
     out = Outcome()
     decider = _Decider(Guard(policy.guard), meter, out.actions, out.progress)
     if observer is None and columns.fits(stream):
-        picker = _replay_columns(stream, decider)
+        out.event_lines = {}
+        picker = _replay_columns(stream, decider, out.event_lines)
     elif observer is None and parallel.fits(stream):
         try:
             picker, out.event_lines = _replay_parallel(stream, decider)
@@ -204,9 +205,9 @@ def _replay_parallel(stream, decider: _Decider) -> tuple[Picker, dict[str, list]
     return totals, event_lines
 
 
-def _replay_columns(stream, decider: _Decider) -> Picker:
+def _replay_columns(stream, decider: _Decider, event_lines: dict[str, list]) -> Picker:
     totals = Picker()
-    for chunk in columns.read(stream, totals):
+    for chunk in columns.read(stream, totals, event_lines=event_lines):
         decider.decide(chunk)
     return totals
 

@@ -44,7 +44,6 @@ import msgspec
 import numpy as np
 import zstandard
 
-from trainguard.decide import replica as decide_replica
 from trainguard.decide.batch import Block
 from trainguard.replay import columns, source
 from trainguard.replay.picking import Picked, Picker
@@ -89,11 +88,7 @@ class Piece:
     marked: list                    # (line within the piece, raw line) of the lines naming a mark
 
 
-# The marks of the events replay's recorded pass reads (timeline.recorded_actions), and the replica checks
-# (replica.py): the workers, which hold the bytes, hand over the lines naming them, so the recorded pass
-# reads no file again and the replica pass only the files that hold a check.
-MARKS = (b'"run_start"', b'"alert"', b'"action"', b'"' + decide_replica.CHECK_EVENT.encode() + b'"')
-_MARKED_TYPES = frozenset(mark.strip(b'"').decode() for mark in MARKS)
+MARKS, _MARKED_TYPES = source.MARKS, source.MARKED_TYPES      # the lines the workers hand over (source.py says why)
 
 
 def read_piece(path: str, index: int, start: int, end: int | None, lead, layer_names, with_gpus: bool,
@@ -176,10 +171,6 @@ def _none(flagged: bool) -> list:
     return []
 
 
-def _names_marked(records: list) -> bool:
-    return any(record.event is not None and record.event.type in _MARKED_TYPES for record in records)
-
-
 def _decode(path: str, index: int, start: int, end: int | None, lead, layer_names, with_gpus: bool,
             lead_files: tuple) -> Piece:
     problems, picker, picked = source.Problems(), Picker(lead, track=True), Picked()
@@ -203,7 +194,7 @@ def _decode(path: str, index: int, start: int, end: int | None, lead, layer_name
                 entries, ordinal, last_step = source.entries_of(records, None, 0, ordinal, last_step)
                 picked.extend(picker.take(entries))
                 times.append(np.fromiter((entry[0] for entry in entries), np.float64, len(entries)))
-                flagged = _names_marked(records)
+                flagged = source.names_marked(records)
             marked += marked_lines(flagged)
             flagged_any = flagged_any or flagged
     except OSError as exc:

@@ -35,6 +35,7 @@ import msgspec
 import zstandard
 
 from trainguard import formats, tls
+from trainguard.decide import replica as decide_replica
 from trainguard.exits import BadInput
 from trainguard.formats import discover
 
@@ -164,6 +165,18 @@ class Problems:
         if self._sorted is None:
             self._sorted = [malformed for _, malformed in sorted(self._heap, reverse=True)]
         return self._sorted
+
+
+# The marks of the events replay's recorded pass reads (timeline.recorded_actions), and the replica checks
+# (replica.py): the readers that hold the bytes (parallel.py's workers, columns.py's) hand over the lines
+# naming them, so the recorded pass reads no file again and the replica pass only the files holding a check.
+MARKS = (b'"run_start"', b'"alert"', b'"action"', b'"' + decide_replica.CHECK_EVENT.encode() + b'"')
+MARKED_TYPES = frozenset(mark.strip(b'"').decode() for mark in MARKS)
+
+
+def names_marked(records: list) -> bool:
+    """Whether a record among `records` is an event of a MARKS type (its block's marked lines are wanted)."""
+    return any(record.event is not None and record.event.type in MARKED_TYPES for record in records)
 
 
 # ------------------------------------------------------------------------------------------- inputs

@@ -120,6 +120,8 @@ class Run:
     events: Sampled = field(default_factory=lambda: Sampled(RECENT_EVENTS))
     alerts: Counter = field(default_factory=Counter)
     actions: Counter = field(default_factory=Counter)
+    shadowed: Counter = field(default_factory=Counter)    # shadow mode: actions decided, not carried out
+    shadow_mode: bool = False                             # a run_start said actions_mode: shadow
     faults: list[str] = field(default_factory=list)
     restarts: int = 0
     checkpoints: list[Checkpoint] = field(default_factory=list)
@@ -361,6 +363,10 @@ class _Loader:
             run.alerts[str(event.get("alertname", "?"))] += 1
         if kind == "action" or kind in actions.DECISIONS:
             run.actions[str(event.get("action", kind))] += 1
+        if kind == actions.SHADOW_ACTION:
+            run.shadowed[str(event.get("action"))] += 1
+        if kind == "run_start" and event.get("actions_mode") == actions.SHADOW_MODE:
+            run.shadow_mode = True
         if kind == "fault_injected" and len(run.faults) < ERRORS_KEPT:
             name = str(event.get("fault") or event.get("kind") or "?")
             run.faults.append(name if "@" in name else f"{name}@{step}")

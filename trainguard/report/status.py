@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainguard import paths, rundir
+from trainguard.actions import SHADOW_ACTION, SHADOW_MODE
 from trainguard.exits import int_at_least
 from trainguard.report.charts import event_detail, format_elapsed, format_value
 from trainguard.report.files import log_files, read_checkpoints
@@ -41,6 +42,8 @@ class Status:
     firing: list[str] = field(default_factory=list)
     resolved: list[str] = field(default_factory=list)
     attention: list[str] = field(default_factory=list)    # what a human must look at (pages, refusals)
+    shadowed: dict = field(default_factory=dict)          # shadow_action events in the tail, by action
+    shadow_mode: bool = False                             # a run_start in the tail said actions_mode: shadow
     malformed: int = 0
     errors: list[str] = field(default_factory=list)
     checkpoint_ts: float = field(default=float("-inf"), repr=False)
@@ -152,6 +155,11 @@ def _take_events(status: Status, events: list[tuple[float, dict, str]], recent: 
         if key in seen and ts - seen[key] < 30:
             continue                # the same event from another rank or echoed by the agent
         seen[key] = ts
+        if event["type"] == SHADOW_ACTION:
+            action = str(event.get("action"))
+            status.shadowed[action] = status.shadowed.get(action, 0) + 1
+        if event["type"] == "run_start" and event.get("actions_mode") == SHADOW_MODE:
+            status.shadow_mode = True
         if event["type"] == "alert" and event.get("alertname"):
             alert_state[str(event["alertname"])] = str(event.get("status", "firing"))
         _needs_a_human(status, ts, event)
@@ -215,6 +223,10 @@ def render(status: Status, now: float | None = None) -> str:
     if status.resolved:
         alerts += f"   (resolved: {', '.join(status.resolved)})"
     lines.append("alerts   " + alerts)
+    if status.shadowed or status.shadow_mode:
+        would = ", ".join(f"{action} {count}" for action, count in sorted(status.shadowed.items()))
+        lines.append("shadow   SHADOW mode: " + (f"would have taken {would} (none carried out)" if would
+                                                 else "no action would have been taken"))
     for line in status.attention[-5:]:
         lines.append("ATTENTION " + line)
     if status.malformed:

@@ -63,6 +63,8 @@ def sentences(run: Run) -> list[str]:
     out.append(f"Injected faults: {', '.join(run.faults)}." if run.faults else "No faults were injected.")
     guard = _counted(run.actions, GUARD_ACTIONS)
     out.append(f"Guard and recovery actions: {guard}." if guard else "The guard took no action.")
+    if run.shadowed or run.shadow_mode:
+        out.append(shadow_sentence(run))
     if run.restarts:
         out.append(f"The run restarted {run.restarts} time(s), each resuming from its latest verified checkpoint.")
     out.append(f"Alerts fired: {_counted(run.alerts)}." if run.alerts else "No alerts fired.")
@@ -82,6 +84,14 @@ def sentences(run: Run) -> list[str]:
     if run.malformed:
         out.append(f"{run.malformed} malformed log line(s) could not be read (listed at the end).")
     return out
+
+
+def shadow_sentence(run: Run) -> str:
+    """Shadow mode (docs/trainer.md#shadow-mode): what would have been done, none of it carried out."""
+    if not run.shadowed:
+        return "Shadow mode: no action would have been taken."
+    return (f"Shadow mode: trainguard would have taken {_counted(run.shadowed)}; none was carried out "
+            "(the shadow_action events in the list below say when and why).")
 
 
 def _cost_sentence(run: Run) -> str:
@@ -162,6 +172,10 @@ def tiles(run: Run) -> list[Tile]:
                     hint=(f"{listed}; amber: the run needed protecting" if taken else
                           "skip_step, rollback, restore or stop: none needed")
                     + (f"; {run.restarts} restart(s)" if run.restarts else "")))
+    if run.shadowed or run.shadow_mode:
+        out.append(Tile("shadow actions", str(sum(run.shadowed.values())), "warn" if run.shadowed else "good",
+                        hint=(f"would have taken {_counted(run.shadowed)}; none carried out (shadow mode)"
+                              if run.shadowed else "shadow mode: nothing would have acted")))
     out.append(Tile("alerts", str(sum(run.alerts.values())), "warn" if run.alerts else "good",
                     hint=f"alerts that fired: {_counted(run.alerts)}" if run.alerts else "no alert fired"))
     if run.cost_state is not None and run.cost_state.gpu_count and run.cost.get("cost_usd"):

@@ -11,11 +11,14 @@ process only when the process itself proves the claim (`prove_rank`), from what 
 - it is alive, on this host, and its start time equals the registered ``create_time`` to the clock tick
   (so a reused pid, or a pid copied into the file, fails);
 - it runs under the expected uid (the agent's own; the run directory's owner when the agent is root);
-- its command line is trainguard's worker entry point (``-m trainguard.trainer.train``) or an entry point
-  the operator registered in the agent config (``webhook.restore_entry_points``), naming this run
-  directory (``--run-dir RUN`` or ``TRAINGUARD_RUN_DIR=RUN`` in its environment);
+- it is a worker of this run: it holds this run's ``tls/rank-<r>.jsonl`` open for writing (`holds_rank_log`:
+  every loop on trainguard.protect does, so a user's script needs no configuration), or its command line is
+  trainguard's worker entry point (``-m trainguard.trainer.train``) or an entry point the operator
+  registered in the agent config (``webhook.restore_entry_points``), naming this run directory
+  (``--run-dir RUN`` or ``TRAINGUARD_RUN_DIR=RUN`` in its environment);
 - it descends from a launcher the agent can identify (torchrun / torch.distributed.run, ``trainguard
-  train``, or one registered in ``webhook.restore_launchers``), under the same uid, and that launcher is
+  train``, ``accelerate launch``, ``fabric run``, or one registered in ``webhook.restore_launchers``),
+  under the same uid, and that launcher is
   the one the rank registered (``launcher_pid``, ``launcher_create_time``): with no launcher nothing would
   start the rank again, so ending it would only end the run.
 
@@ -34,6 +37,7 @@ after it.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,12 +45,19 @@ from pathlib import Path
 import psutil
 
 from trainguard import log as tglog
+from trainguard import rundir
 from trainguard.agent.procfs import pid_namespaces
 from trainguard.rundir import RankInfo, read_ranks  # noqa: F401  (read_ranks: agent/culprit.py asks for it here)
 from trainguard.rundir import RankFiles  # noqa: F401  (moved to trainguard/rundir.py; this name still works)
 
 BUNDLED_ENTRY_POINT = "trainguard.trainer.train"
-BUNDLED_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
+BUNDLED_LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch", "accelerate-launch",
+                     "accelerate.commands.launch")
+# Launchers that are one subcommand of a command-line tool: `trainguard train --nproc K`, `accelerate
+# launch` and Lightning's `fabric run` (`lightning run` before 2.2); each runs torch's elastic agent in its
+# own process, so that process is the workers' parent.
+SUBCOMMAND_LAUNCHERS = {"trainguard": "train", "trainguard.cli": "train", "accelerate": "launch",
+                        "fabric": "run", "lightning": "run"}
 RUN_DIR_ENV = "TRAINGUARD_RUN_DIR"
 TICK = 1.0 / os.sysconf("SC_CLK_TCK")      # the resolution of a process's start time in /proc
 MAX_ANCESTORS = 8                           # srun -> torchrun -> worker is three; a shell or two more
@@ -190,15 +201,59 @@ def prove_rank(info: RankInfo, trust: Trust) -> Proof | None:
         raise Refused("start_time_mismatch", f"started at {created:.2f}, registered {info.create_time:.2f}")
     _check_uid(process, trust, info)
     cmdline, environ = _identity(process)
-    entry_point = worker_entry_point(cmdline, trust.entry_points)
-    if entry_point is None:
-        raise Refused("not_a_worker", f"command line {' '.join(cmdline)[:200]!r}")
-    named = _named_run_dir(cmdline, environ, process)
-    if named != trust.run_dir and not _same_dir_seen_from(process, named, trust.run_dir):
-        raise Refused("other_run", f"{entry_point} names {named or 'no run directory'}, not {trust.run_dir}")
+    if holds_rank_log(process.pid, trust.run_dir, info.rank):
+        # any loop on trainguard.protect (a user's script under torchrun, accelerate launch, fabric run):
+        # the kernel shows it appending to this run's log of this rank, which no other process does (the
+        # open file's inode, whatever path the process's own mount namespace gives it)
+        entry_point = f"holds {rundir.rank_log(trust.run_dir, info.rank).relative_to(trust.run_dir)}"
+    else:
+        entry_point = worker_entry_point(cmdline, trust.entry_points)
+        if entry_point is None:
+            raise Refused("not_a_worker", f"command line {' '.join(cmdline)[:200]!r}, and it does not hold "
+                                          f"tls/rank-{info.rank}.jsonl of this run open")
+        named = _named_run_dir(cmdline, environ, process)
+        if named != trust.run_dir and not _same_dir_seen_from(process, named, trust.run_dir):
+            raise Refused("other_run", f"{entry_point} names {named or 'no run directory'}, not {trust.run_dir}")
     launcher = _launcher(process, trust, info)
     return Proof(process, launcher, {"entry_point": entry_point, "launcher_pid": launcher.pid,
                                      "uid": trust.uid})
+
+
+def holds_rank_log(pid: int, run_dir: Path, rank: int) -> bool:
+    """Whether process `pid` holds this run's `tls/rank-<rank>.jsonl` open for writing, as the kernel says
+    (/proc/PID/fd): the open file's device and inode against the log's, and the descriptor's access mode.
+
+    A Protector (every integration, and the bundled trainer) appends to that file through one descriptor
+    for its whole life. The log must be a plain file with one link, in the run directory's own tls/ folder:
+    a symlink or hard link planted there, or a tls/ that leads elsewhere, would point the proof at another
+    process's file, so any of those proves nothing."""
+    log = rundir.rank_log(run_dir, rank)
+    try:
+        if os.path.realpath(log.parent) != os.path.join(os.path.realpath(run_dir), log.parent.name):
+            return False
+        wanted = os.lstat(log)
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    if not stat.S_ISREG(wanted.st_mode) or wanted.st_nlink != 1:
+        return False
+    for fd in fds:
+        try:
+            held = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue          # closed since the listing, or not a file
+        if (held.st_dev, held.st_ino) == (wanted.st_dev, wanted.st_ino) and _open_for_writing(pid, fd):
+            return True
+    return False
+
+
+def _open_for_writing(pid: int, fd: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as handle:
+            flags = next((line.split()[1] for line in handle if line.startswith("flags:")), None)
+    except OSError:
+        return False
+    return flags is not None and int(flags, 8) & os.O_ACCMODE != os.O_RDONLY
 
 
 def same_tick(a: float, b: float) -> bool:
@@ -322,15 +377,17 @@ def _launcher(process: psutil.Process, trust: Trust, info: RankInfo) -> psutil.P
 
 
 def is_launcher(cmdline: list[str], launchers: tuple[str, ...]) -> bool:
-    """torchrun (or a registered launcher) by program, or ``trainguard train`` (its ``--nproc`` launcher)."""
+    """torchrun (or a registered launcher) by program, or a tool's launching subcommand
+    (`SUBCOMMAND_LAUNCHERS`: ``trainguard train``, ``accelerate launch``, ``fabric run``)."""
     program = _program(cmdline)
     if program is None:
         return False
     if program in launchers or os.path.basename(program) in launchers:
         return True
-    if program in ("trainguard", "trainguard.cli") or os.path.basename(program) == "trainguard":
+    subcommand = SUBCOMMAND_LAUNCHERS.get(program, SUBCOMMAND_LAUNCHERS.get(os.path.basename(program)))
+    if subcommand is not None:
         rest = cmdline[cmdline.index(program) + 1:] if program in cmdline else []
-        return next((arg for arg in rest if not arg.startswith("-")), None) == "train"
+        return next((arg for arg in rest if not arg.startswith("-")), None) == subcommand
     return False
 
 

@@ -1,6 +1,6 @@
 """`trainguard alerts render|test`: generate the rule files and Alertmanager config; lint and unit-test them.
 
-    trainguard alerts render [--policy FILE] [--mixin FILE] [--out DIR] [--agent HOST:PORT ...] [--token-file FILE]
+    trainguard alerts render --out DIR [--policy FILE] [--mixin FILE] [--agent HOST:PORT ...] [--token-file FILE]
                              [--merge-into ALERTMANAGER.YML | --standalone]
     trainguard alerts test [--dir DIR]
 
@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="alerts_command", metavar="render|test", required=True)
     render = sub.add_parser("render", help="write the rule files and alertmanager.yml")
     render.add_argument("--policy", help="policy YAML whose thresholds the rules use (default: built-in)")
-    render.add_argument("--out", default=str(PACKAGE_DIR), help="output directory (default: %(default)s)")
+    # Required: the default was the installed package's folder, which a user's render would overwrite (and
+    # a wheel's site-packages is no place for a user's files). The repository's own: --out alerts.
+    render.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
     render.add_argument("--agent", action="append", metavar="HOST:PORT",
                         help="an agent's listen address (repeat per node; the first gets run-wide actions; "
                              f"default {alertmanager.DEFAULT_AGENT})")

@@ -1,6 +1,6 @@
 """`trainguard dashboards render|push`: write the Grafana dashboards, or upload them through grafana-client.
 
-    trainguard dashboards render [--out DIR] [--policy FILE]
+    trainguard dashboards render --out DIR [--policy FILE]
     trainguard dashboards push --url URL --token-file FILE [--folder NAME] [--policy FILE]
 
 `push` creates the folder when missing and overwrites dashboards by their stable uid, so pushing again
@@ -29,7 +29,8 @@ class PushError(RuntimeError):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="dashboards_command", metavar="render|push", required=True)
     render = sub.add_parser("render", help="write the dashboards' JSON files")
-    render.add_argument("--out", metavar="DIR", help="output directory (default: the package's dashboards/)")
+    # Required, as `alerts render --out`: never into the installed package. The repository's own: --out dashboards.
+    render.add_argument("--out", required=True, metavar="DIR", help="output directory (created if missing)")
     render.add_argument("--policy", metavar="FILE", help="policy YAML whose thresholds the panels show")
     render.add_argument("--mixin", metavar="FILE", help="mixin YAML: the default data source (alerts/mixin.py)")
     push = sub.add_parser("push", help="upload the dashboards to Grafana (overwriting by uid)")
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         policy = policy_mod.load(args.policy)
         mixin = mixin_mod.load(args.mixin)
         if args.dashboards_command == "render":
-            for path in build.write(args.out or build.OUT_DIR, policy, mixin):
+            for path in build.write(args.out, policy, mixin):
                 print(path)
             return 0
         for line in push(args.url, read_token(args.token_file), args.folder, policy, args.timeout, mixin):

@@ -19,10 +19,26 @@ try:
 except ImportError:
     import pytorch_lightning as pl
 
-from examples.hf_trainer import faults_of
 from trainguard.protect.lightning import ProtectCallback
 
 VOCAB, LENGTH, WIDTH = 64, 16, 32
+SPIKE_FACTOR, SPIKE_STEPS = 1e3, 3
+
+
+def faults_of(injections: list[str]) -> dict[int, float]:
+    """`nan@5`, `spike@30` as {step: loss factor}; each fires once. (Each example is one file to copy, so
+    each carries this function; tests/integrations/test_examples_as_documented.py holds the copies equal.)"""
+    faults: dict[int, float] = {}
+    for text in injections:
+        kind, _, at = text.partition("@")
+        if kind not in ("nan", "spike") or not at.isdigit():
+            raise ValueError(f"--inject {text!r}: expected nan@STEP or spike@STEP")
+        step = int(at)
+        if kind == "nan":
+            faults[step] = float("nan")
+        else:
+            faults.update({step + i: SPIKE_FACTOR for i in range(SPIKE_STEPS)})
+    return faults
 
 
 class TinyLM(pl.LightningModule):

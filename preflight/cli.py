@@ -69,7 +69,16 @@ def render_table(report: result_mod.Report) -> str:
                              break_on_hyphens=False) or [""]   # paths stay whole
         lines.append(f"{check.name:<{name_width}}  {MARKS[check.status]:<6} {check.seconds:>5.1f}s  {body[0]}")
         lines.extend(" " * lead + more for more in body[1:])
-    failed = [c.name for c in report.checks if c.status == "fail"]
-    verdict = f"FAILED: {', '.join(failed)}" if failed else "all checks passed"
-    lines.append(f"\n{report.host}: {verdict} (environment {report.lock_hash})")
+    lines.append(f"\n{report.host}: {verdict(report.checks)} (environment {report.lock_hash})")
     return "\n".join(lines)
+
+
+def verdict(checks: list) -> str:
+    """The last line's verdict. A skipped check proved nothing, so "all checks passed" is said only when
+    every check ran and passed; otherwise the skipped ones are named."""
+    failed = [c.name for c in checks if c.status == "fail"]
+    skipped = [c.name for c in checks if c.status == "skip"]
+    passed = len(checks) - len(failed) - len(skipped)
+    said = f"FAILED: {', '.join(failed)}" if failed else (
+        f"all {passed} checks passed" if not skipped else f"{passed} of {len(checks)} checks passed")
+    return said + (f"; skipped, so not checked: {', '.join(skipped)}" if skipped else "")

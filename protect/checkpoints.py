@@ -26,12 +26,12 @@ from trainguard.trainer.checkpoint import Checkpoint, CheckpointManager
 class RankCheckpoints:
     def __init__(self, run_dir: Path, *, rank: int, world_size: int, on_event: Callable[..., Any],
                  key_file: str = "", keep_last: int = 3, async_save: bool = False, on_error: str = "warn",
-                 distributed: bool = False):
+                 distributed: bool = False, compress: str = "none"):
         self.rank, self.world = rank, world_size
         self.distributed = distributed
         self.manager = CheckpointManager(run_dir, key_file=key_file or None, keep_last=keep_last,
                                          async_save=async_save, on_error=on_error, on_event=on_event,
-                                         world_size=world_size, distributed=distributed)
+                                         world_size=world_size, distributed=distributed, compress=compress)
 
     @property
     def saves_here(self) -> bool:

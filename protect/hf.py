@@ -34,6 +34,7 @@ verifies, for `resume_from_checkpoint`.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,7 @@ class ProtectCallback(TrainerCallback):
         self.protector = Protector(self.run_dir, states=states, rank=args.process_index,
                                    world_size=args.world_size, device=args.device, callbacks=callbacks,
                                    **self.options)
+        self._warn_on_two_checkpointers(args)
         begun = self.protector.begin(integration="transformers")
         if begun.refused is not None:
             self.exit_code = 3
@@ -94,6 +96,21 @@ class ProtectCallback(TrainerCallback):
         self._hook = model.register_forward_hook(self._collect, with_kwargs=True)
         if args.max_grad_norm and args.max_grad_norm > 0:   # the Trainer clips before on_pre_optimizer_step
             self._norms = PreClipNorms.for_trainer(model)
+
+    def _warn_on_two_checkpointers(self, args) -> None:
+        """One checkpointer per run, by design: trainguard's (`checkpoint_every`), the ones resume, rollback
+        and the agent's restore use (they hold the guard's and the cost meter's state too). The Trainer's
+        own `checkpoint-N` saves beside them write every checkpoint twice: said once, at the start."""
+        trainer_saves = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
+        ours = self.options.get("checkpoint_every") or self.options.get("checkpoint_every_seconds")
+        if trainer_saves and ours:
+            message = ("both the Trainer (save_strategy="
+                       f"{getattr(args.save_strategy, 'value', args.save_strategy)!r}) and trainguard's ProtectCallback "
+                       "(checkpoint_every) write checkpoints, so every checkpoint is written twice; trainguard "
+                       "resumes and rolls back from its own (RUN/checkpoints). Set TrainingArguments(save_strategy="
+                       "'no'), or checkpoint_every=0 to keep only the Trainer's (signed; no rollback then)")
+            warnings.warn(message, UserWarning, stacklevel=3)
+            self.protector.log.warning("two checkpointers", save_strategy=str(args.save_strategy))
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._hook is not None:

@@ -28,6 +28,7 @@ own `scale_lr` in `callbacks`.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -69,6 +70,15 @@ class ProtectCallback(Callback):
         self.protector = Protector(self.run_dir, states=states, rank=trainer.global_rank,
                                    world_size=trainer.world_size, device=pl_module.device,
                                    callbacks=self.extra_callbacks, **self.options)
+        if trainer.max_steps is not None and trainer.max_steps > 0 and not self.steps:
+            # Lightning's max_steps counts optimizer calls since this fit began: a rollback does not take
+            # them back and a resumed run counts again from 0, so the run would not end at the step meant
+            message = (f"Trainer(max_steps={trainer.max_steps}) with no steps= on trainguard's ProtectCallback: "
+                       f"Lightning counts optimizer calls, which neither a rollback nor a resume moves back, so "
+                       f"the run will not end at step {trainer.max_steps}. Give ProtectCallback(steps="
+                       f"{trainer.max_steps}) and Trainer(max_steps=-1).")
+            warnings.warn(message, UserWarning, stacklevel=2)
+            self.protector.log.warning("lightning max_steps without steps=", max_steps=trainer.max_steps)
         begun = self.protector.begin(integration="lightning")
         if begun.refused is not None:
             self.exit_code = 3

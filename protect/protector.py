@@ -108,6 +108,10 @@ class Begun:
     refused: dict | None = None         # the stop marker's content when the run must not start again
 
 
+THROTTLE_UNAVAILABLE = ("the loop keeps no micro-batch in TrainState and has no cut_micro_batch callback "
+                        "(docs/integrations.md: not available for the Transformers and Lightning Trainers)")
+
+
 class Protector:
     def __init__(self, run_dir: str | os.PathLike, *, states: dict[str, Any], rank: int = 0,
                  world_size: int = 1, device: str | torch.device = "cpu", state: TrainState | None = None,
@@ -117,9 +121,10 @@ class Protector:
                  checkpoint_every_seconds: float = 0.0, keep_last: int = 3, key_file: str = "",
                  async_checkpoint: bool = False, checkpoint_on_error: str = "warn",
                  stable_val_factor: float = 1.5, log: Any = None, sharded_checkpoints: bool = False,
-                 shadow: bool | None = None):
+                 checkpoint_compress: str = "none", shadow: bool | None = None):
         """`sharded_checkpoints`: every rank saves (and loads in place) its own shards of the `model` and
         `optim` states (FSDP2: their state dicts hold DTensors); otherwise rank 0 saves the whole state.
+        `checkpoint_compress`: "none" or "lossless" (bit-exact byte planes + zstd, trainer/checkpoint/compress.py).
         `shadow`: True or False over the policy's `actions.mode` (None: the policy decides)."""
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
         self.device = torch.device(device)
@@ -143,7 +148,7 @@ class Protector:
         self.checkpoints = RankCheckpoints(
             self.run_dir, rank=rank, world_size=world_size, on_event=self.telemetry.event, key_file=key_file,
             keep_last=keep_last, async_save=async_checkpoint, on_error=checkpoint_on_error,
-            distributed=sharded_checkpoints)
+            distributed=sharded_checkpoints, compress=checkpoint_compress)
         self.stop_path = rundir.stopped_path(self.run_dir)
         self._loss_rollback: float | None = None    # the loss that caused the last loss rollback (its retry)
 
@@ -450,11 +455,18 @@ class Protector:
 
     def _throttle(self, ids: dict) -> None:
         """Cut the micro-batch by 25% (the loop keeps its batch per optimizer step, so the tokens per step
-        stay the same) and hand the device's cached memory back."""
+        stay the same) and hand the device's cached memory back. A loop that keeps no micro-batch in the
+        state and gave no `cut_micro_batch` (the Transformers and Lightning Trainers build their DataLoader
+        once) cannot be throttled: the event says so, and nothing is claimed to have changed."""
         before = self.state.micro_batch
-        self.state.micro_batch = max(1, (before * 3) // 4) if before else 0   # 0: the loop keeps none here
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        if not before and self.callbacks.cut_micro_batch is None:
+            self.event("action", action=COST_THROTTLE, micro_batch="unchanged", not_applied=THROTTLE_UNAVAILABLE,
+                       **ids)
+            self.log.warning("cost throttle not applied: this loop's micro-batch cannot be cut", **ids)
+            return
+        self.state.micro_batch = max(1, (before * 3) // 4) if before else 0   # 0: the loop keeps none here
         cut = self.callbacks.cut_micro_batch
         fields = cut(self.state.micro_batch) or {} if cut else {}
         self.event("action", action=COST_THROTTLE, micro_batch_before=before,

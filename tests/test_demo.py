@@ -24,3 +24,27 @@ def test_demo_recovers_from_its_faults_and_writes_a_report(tmp_path):
     assert (run_dir / "report.html").stat().st_size > 10_000
     assert list((run_dir / "tls").glob("node-*.jsonl")), "the agent wrote no node log"
     assert f"report            {run_dir / 'report.html'}" in result.stdout
+
+
+def test_a_short_demo_announces_only_the_faults_that_can_fire():
+    from trainguard import demo, policy
+
+    guard = policy.load(None).guard
+    assert demo.faults_for(240, guard) == (["nan@40", "spike@150", "spike@151", "spike@152"], None)
+    faults, left_out = demo.faults_for(30, guard)
+    assert faults == ["nan@5"] and f"after {guard.spike_min_steps} healthy steps" in left_out
+    # the fewest steps the message names do show the burst, one fewer does not
+    need = int(left_out.split("--steps ")[1].split()[0])
+    assert any(f.startswith("spike@") for f in demo.faults_for(need, guard)[0])
+    assert not any(f.startswith("spike@") for f in demo.faults_for(need - 1, guard)[0])
+    for steps in range(1, 400, 7):        # every announced fault lies inside the run
+        assert all(0 < int(f.partition("@")[2]) <= steps for f in demo.faults_for(steps, guard)[0])
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--with-prometheus", "--steps", "30"]])
+def test_a_demo_whose_faults_cannot_fire_is_refused(argv, tmp_path, capsys):
+    from trainguard.cli import main
+
+    assert main(["demo", "--run-dir", str(tmp_path / "run"), *argv]) == 2
+    assert "trainguard demo: --" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

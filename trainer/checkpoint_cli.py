@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from trainguard import paths
+from trainguard.progress import Progress
 from trainguard.tls import parse_timestamp
 from trainguard.trainer.checkpoint import Checkpoint, CheckpointError, CheckpointInfo, CheckpointManager
 
@@ -128,7 +129,8 @@ def _list(manager: CheckpointManager, args: argparse.Namespace, skipped: list) -
 def _verify(manager: CheckpointManager, args: argparse.Namespace, skipped: list) -> int:
     if args.step is not None and args.step not in manager.steps():
         raise _Exit(EXIT_USAGE, f"{manager.root}: no step_{args.step}")
-    rows = [r for r in manager.list(deep=True) if args.step is None or r.step == args.step]
+    with Progress("checkpoint verify", unit="checkpoints") as shown:
+        rows = [r for r in manager.list(deep=True, progress=shown) if args.step is None or r.step == args.step]
     ok = all(r.ok for r in rows)
     if args.json:
         print(json.dumps({"ok": ok, "checkpoints": [_row(r) for r in rows]}, indent=2))

@@ -112,7 +112,7 @@ class Trainer:
             checkpoint_every=run.checkpoint_every, checkpoint_every_seconds=run.checkpoint_every_seconds,
             keep_last=run.keep_last, key_file=run.key_file, async_checkpoint=run.async_checkpoint,
             checkpoint_on_error=run.checkpoint_on_error, stable_val_factor=run.stable_val_factor, log=self.log,
-            sharded_checkpoints=self.sharded)
+            sharded_checkpoints=self.sharded, checkpoint_compress=run.checkpoint_compress)
         self.schedule.bind(self.model, self.optimizer, self.telemetry.event)
         self.progress = Progress(run.steps, run.log_every, self.log) if self.rank == 0 else None
 

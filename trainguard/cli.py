@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from trainguard import __version__
 from trainguard.exits import guarded
 
 # name -> (module, one-line help)
@@ -39,6 +40,7 @@ def build_parser(only: str | None = None, others: bool = True) -> argparse.Argum
     is imported: the list of commands is all argparse shows, and it needs none of them."""
     parser = argparse.ArgumentParser(
         prog="trainguard", description="Observability and self-protection for large-model pretraining.")
+    parser.add_argument("--version", action="version", version=f"trainguard {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         if not others and name != only:

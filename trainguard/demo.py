@@ -17,12 +17,37 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard import rundir
 from trainguard import actions
+from trainguard import policy as policy_mod
+from trainguard import rundir
 from trainguard import tls
 
 STEPS = 240
-FAULTS = ("nan@40", "spike@150", "spike@151", "spike@152")
+# Where the faults go in the default 240 steps; a shorter run gets them at the same fractions of its length,
+# and only those that can fire in it (`faults_for`).
+NAN_AT, SPIKE_AT, SPIKE_LENGTH = 40, 150, 3
+CHECKPOINT_EVERY = 25
+
+
+def faults_for(steps: int, guard: policy_mod.GuardPolicy) -> tuple[list[str], str | None]:
+    """The demo's `--inject` faults for a run of `steps`, and why a fault was left out (or None).
+
+    The guard judges a loss spike only once it has learned `spike_min_steps` healthy losses (the NaN step
+    is not learned), and the rollback needs a stable checkpoint before the burst: a burst too early for
+    either would be announced and never fire, so it is left out and the reason said."""
+    faults, left_out = [], None
+    nan_at = steps * NAN_AT // STEPS
+    if nan_at >= 1:
+        faults.append(f"nan@{nan_at}")
+    spike_at = steps * SPIKE_AT // STEPS
+    fewest = guard.spike_min_steps + 4          # the NaN step, and a margin for a step the guard skipped
+    if spike_at >= max(fewest, CHECKPOINT_EVERY + 1) and spike_at + SPIKE_LENGTH <= steps:
+        faults += [f"spike@{spike_at + i}" for i in range(SPIKE_LENGTH)]
+    else:
+        need = -(-max(fewest, CHECKPOINT_EVERY + 1) * STEPS // SPIKE_AT)
+        left_out = (f"no loss-spike burst: the guard judges a spike after {guard.spike_min_steps} healthy steps "
+                    f"(--steps {need} or more shows it)")
+    return faults, left_out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +58,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        print(f"trainguard demo: --steps {args.steps}: must be at least 1", file=sys.stderr)
+        return 2
+    if args.with_prometheus:
+        from trainguard.stack import FAULTS as STACK_FAULTS
+
+        last = max(int(fault.partition("@")[2]) for fault in STACK_FAULTS)
+        if args.steps <= last:
+            print(f"trainguard demo: --with-prometheus --steps {args.steps}: the full-stack demo's faults "
+                  f"({', '.join(STACK_FAULTS)}) need more than {last} steps", file=sys.stderr)
+            return 2
     run_dir = (args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     if args.with_prometheus:
@@ -102,9 +138,13 @@ def run_local_demo(run_dir: Path, steps: int) -> int:
     say(f"run directory     {run_dir}")
     agent = start_agent(run_dir, port)
     say(f"agent             http://127.0.0.1:{port}/metrics  (log: {run_dir / 'agent.log'})")
+    faults, left_out = faults_for(steps, policy_mod.load(None).guard)
     train = trainguard_command("train", "--run-dir", str(run_dir), "--steps", str(steps),
-                               "--checkpoint-every", "25", *sum((["--inject", f] for f in FAULTS), []))
-    say(f"training          {steps} steps of the tiny GPT, faults injected: {', '.join(FAULTS)}")
+                               "--checkpoint-every", str(CHECKPOINT_EVERY),
+                               *sum((["--inject", f] for f in faults), []))
+    say(f"training          {steps} steps of the tiny GPT, faults injected: {', '.join(faults) or 'none'}")
+    if left_out:
+        say(f"                  {left_out}")
     try:
         code = subprocess.call(train, env={**os.environ, "TRAINGUARD_LOG_JSON": "0"})
         time.sleep(1.5)  # one more agent interval, so the node log holds the end of the run
@@ -116,7 +156,12 @@ def run_local_demo(run_dir: Path, steps: int) -> int:
 def finish(run_dir: Path, code: int) -> int:
     from trainguard.report.cli import write_report
 
-    report = write_report(run_dir, rundir.report_path(run_dir))
+    try:
+        report = write_report(run_dir, rundir.report_path(run_dir))
+    except FileNotFoundError as exc:         # training died before it wrote a record: say so, no traceback
+        say(f"no report: {exc}")
+        say(f"training exited with code {code}; see the messages above")
+        return code or 1
     print_story(run_dir)
     say(f"TLS logs          {run_dir / 'tls'}")
     say(f"checkpoints       {run_dir / 'checkpoints'}   (trainguard checkpoint list {run_dir})")

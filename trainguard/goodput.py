@@ -9,10 +9,14 @@ to the whole, so ``productive + sum(badput) == total``.
 - ``evaluation``: validation passes (``seconds`` of ``evaluation`` events, when the trainer gives it).
 - ``rollback``: steps thrown away by a rollback (those after the restored checkpoint, up to the
   rollback), plus the time from the rollback to the first step after it.
-- ``stall``: a hang: from the last progress (the hung process's last step) to the restore decision
-  (the agent's ``action`` event, or its ``alert`` verdict to act, found among the records); without a
-  decision (a crash torchrun restarted), to the last record of the dead process. Also the part of a
-  step interval above `stall_factor` x the median step (a step that was slow, not stuck).
+- ``stall``: a stop of progress. A hang: from the last progress (the hung process's last step) to the
+  restore decision (the agent's ``action`` event, or its ``alert`` verdict to act, found among the
+  records); without a decision (a crash torchrun restarted), to the last record of the dead process.
+  Also a step interval of at least `stall_seconds` (the policy's ``alerts.stall_seconds``, where
+  ``TrainingStalled`` fires) above `slow_factor` x the median: the part above the median.
+- ``slow_steps``: the part above the median of a step interval above `slow_factor` x the median step and
+  shorter than `stall_seconds`: a step that was slow (a busy host, a straggler), not stuck. Apart from
+  ``stall`` so a run on a noisy machine with no hang shows no stall.
 - ``restart_recovery``: from the restore decision (else the last record before the restart) to the
   start of the first step after it, plus the steps lost since the checkpoint the restarted run resumed
   from.
@@ -39,8 +43,8 @@ from typing import Iterable
 
 from trainguard import actions
 
-CAUSES = ("startup", "checkpoint_save", "evaluation", "rollback", "restart_recovery", "stall", "data_wait",
-          "skipped_steps", "other")
+CAUSES = ("startup", "checkpoint_save", "evaluation", "rollback", "restart_recovery", "stall", "slow_steps",
+          "data_wait", "skipped_steps", "other")
 # Events that say how long they held training up: type -> (cause, field with the seconds). The time is
 # charged to the stretch in which the event started (`started_at`, else its time minus `seconds`).
 TIMED_EVENTS = {"checkpoint_saved": ("checkpoint_save", "blocking_seconds"),
@@ -56,8 +60,10 @@ INCIDENT_SLACK_SECONDS = 5.0
 
 @dataclass(frozen=True)
 class GoodputConfig:
-    # A step interval (less checkpoint and data wait) above this many times the median is a stall.
-    stall_factor: float = 3.0
+    # A step interval (less checkpoint and data wait) above this many times the median is slow: the part
+    # above the median is badput, `slow_steps`, or `stall` when the interval lasted `stall_seconds` or more.
+    slow_factor: float = 3.0
+    stall_seconds: float = 60.0       # the policy's alerts.stall_seconds: no progress this long is a stall
 
 
 @dataclass(frozen=True)
@@ -333,8 +339,8 @@ def compute(records: Iterable[dict], config: GoodputConfig = GoodputConfig(),
     median = statistics.median(lengths) if lengths else None
     productive, productive_steps = 0.0, 0
     for segment, seconds in work:
-        if median is not None and seconds > config.stall_factor * median:
-            badput["stall"] += seconds - median
+        if median is not None and seconds > config.slow_factor * median:
+            badput["stall" if seconds >= config.stall_seconds else "slow_steps"] += seconds - median
             seconds = median
         if segment.wasted:
             badput[segment.wasted] += seconds

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from trainguard import rundir
 from trainguard import paths, tls
+from trainguard import policy as policy_mod
+from trainguard.progress import Progress
 from trainguard.goodput import CAUSES, Goodput, GoodputConfig, Incident, compute
 
 EXIT_OK, EXIT_MALFORMED, EXIT_USAGE = 0, 1, 2
@@ -28,8 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = "exit codes: 0 ok, 1 some lines malformed (reported, numbers still shown), 2 nothing to read"
     parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run directory, or one TLS .jsonl file")
     parser.add_argument("--rank", type=int, help="read this rank's log (default: the lowest, normally 0)")
-    parser.add_argument("--stall-factor", type=float, default=GoodputConfig.stall_factor,
-                        help="a step this many times the median is a stall (default: %(default)s)")
+    parser.add_argument("--slow-factor", "--stall-factor", dest="slow_factor", type=float,
+                        default=GoodputConfig.slow_factor,
+                        help="a step this many times the median is slow (default: %(default)s)")
+    parser.add_argument("--policy", metavar="FILE", help="policy YAML: alerts.stall_seconds, the interval without "
+                                                         "a step that is a stall, not a slow step (default: built-in)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -79,8 +84,13 @@ def read_incidents(run_dir: Path, malformed: list[str]) -> list[Incident]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.stall_factor <= 1:
-        print(f"trainguard goodput: --stall-factor must be above 1, got {args.stall_factor}", file=sys.stderr)
+    if args.slow_factor <= 1:
+        print(f"trainguard goodput: --slow-factor must be above 1, got {args.slow_factor}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        stall_seconds = policy_mod.load(args.policy).alerts.stall_seconds
+    except policy_mod.PolicyError as exc:
+        print(f"trainguard goodput: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
         path = find_log(args.run_dir, args.rank)
@@ -88,12 +98,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainguard goodput: {exc}", file=sys.stderr)
         return EXIT_USAGE
     records, malformed = [], []
-    for line in tls.iter_lines(path):
-        if line.error is not None:
-            malformed.append(str(line.error))
-            print(line.error, file=sys.stderr)
-        else:
-            records.append(line.record)
+    with Progress("goodput") as shown:
+        shown.step(0, path.name)
+        for line in shown.counted(tls.iter_lines(path)):
+            if line.error is not None:
+                malformed.append(str(line.error))
+                print(line.error, file=sys.stderr)
+            else:
+                records.append(line.record)
     if not records:
         print(f"trainguard goodput: {path}: no records", file=sys.stderr)
         return EXIT_USAGE
@@ -104,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         incidents = read_incidents(args.run_dir, malformed)
         for problem in malformed[before:]:
             print(problem, file=sys.stderr)
-    result = compute(records, GoodputConfig(stall_factor=args.stall_factor), incidents)
+    result = compute(records, GoodputConfig(slow_factor=args.slow_factor, stall_seconds=stall_seconds), incidents)
     if args.json:
         print(json.dumps({"source": str(path), "records": len(records), "malformed": malformed,
                           **result.to_dict()}, indent=2))

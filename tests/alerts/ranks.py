@@ -19,12 +19,13 @@ class Ranks:
         self.launchers: list[subprocess.Popen] = []
 
     def start(self, run_dir: Path, nproc: int = 1, *, max_restarts: int = 1, ignore_term: bool = False,
-              rank_ids=None) -> list[dict]:
+              rank_ids=None, hold_log: bool = False, launcher: list[str] | None = None) -> list[dict]:
         directory = Path(run_dir) / "control" / "ranks"
         before = {p.name: p.stat().st_mtime_ns for p in directory.glob("rank-*.json")} if directory.exists() else {}
-        command = [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-                   "--monitor-interval=0.5", STANDIN, "--run-dir", str(run_dir),
-                   *(["--ignore-term"] if ignore_term else [])]
+        command = [*(launcher or [*TORCHRUN, "--standalone", f"--nproc-per-node={nproc}",
+                                  f"--max-restarts={max_restarts}", "--monitor-interval=0.5"]),
+                   STANDIN, "--run-dir", str(run_dir), *(["--ignore-term"] if ignore_term else []),
+                   *(["--hold-log"] if hold_log else [])]
         launcher = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
         self.launchers.append(launcher)

@@ -42,7 +42,7 @@ def rendered_alerts(directory: Path) -> dict[str, dict]:
 
 
 def test_checked_in_files_match_the_generator(tmp_path):
-    """Fails when alerts/*.yml drift from alerts/rules.py: run `trainguard alerts render` and commit."""
+    """Fails when alerts/*.yml drift from alerts/rules.py: run `trainguard alerts render --out alerts` and commit."""
     assert cli.main(["render", "--out", str(tmp_path)]) == 0
     produced = sorted(p.name for p in tmp_path.iterdir())
     checked_in = sorted(p.name for p in ALERTS_DIR.glob("*.yml"))

@@ -45,7 +45,7 @@ def test_startup_data_wait_checkpoint_stall_and_shutdown():
     run.step(6, 2).step(7, 3, data_wait=0.25)   # data wait 0.25
     run.event(7.5, "checkpoint_saved", step=3, blocking_seconds=0.5, seconds=0.5)  # blocked 7.0-7.5
     run.step(8.5, 4).step(9.5, 5)
-    run.step(15.5, 6)                           # 6 s where 1 s is usual: a 5 s stall
+    run.step(15.5, 6)                           # 6 s where 1 s is usual: 5 s of a slow step (not a stall)
     run.steps(16.5, 7, 10)
     run.event(20, "run_finished")               # 0.5 s after the last step: other
     result = compute(run.records)
@@ -53,11 +53,12 @@ def test_startup_data_wait_checkpoint_stall_and_shutdown():
     assert result.productive_seconds == pytest.approx(9.75)
     assert result.badput_seconds == pytest.approx({"startup": 4, "checkpoint_save": 0.5, "evaluation": 0,
                                                    "rollback": 0,
-                                                   "restart_recovery": 0, "stall": 5, "data_wait": 0.25,
+                                                   "restart_recovery": 0, "stall": 0, "slow_steps": 5,
+                                                   "data_wait": 0.25,
                                                    "skipped_steps": 0, "other": 0.5})
     assert result.goodput_ratio == pytest.approx(9.75 / 20)
     assert result.median_step_seconds == 1 and result.productive_steps == 10
-    assert result.badput_ratio["stall"] == pytest.approx(0.25)
+    assert result.badput_ratio["slow_steps"] == pytest.approx(0.25)
     assert_adds_up(result)
 
 
@@ -140,10 +141,26 @@ def test_evaluation_time_is_its_own_cause_not_a_stall():
     assert_adds_up(result)
 
 
-def test_stall_factor_is_configurable():
+def test_slow_factor_is_configurable():
     run = Run().steps(0, 1, 9).step(10.5, 10)   # one step of 2.5 s among 1 s steps
-    assert compute(run.records).badput_seconds["stall"] == 0
-    assert compute(run.records, GoodputConfig(stall_factor=2)).badput_seconds["stall"] == pytest.approx(1.5)
+    assert compute(run.records).badput_seconds["slow_steps"] == 0
+    assert compute(run.records, GoodputConfig(slow_factor=2)).badput_seconds["slow_steps"] == pytest.approx(1.5)
+
+
+def test_slow_steps_are_not_a_stall_a_stop_of_progress_is():
+    """A noisy machine (steps of 1 to 5 s, no hang) has slow steps and no stall; an interval of
+    `stall_seconds` (alerts.stall_seconds, where TrainingStalled fires) or more is a stall."""
+    run, t = Run(), 0.0
+    for step, seconds in enumerate([1, 1, 5, 1, 4, 1, 1, 5, 1, 1, 1, 4] * 3, start=1):
+        t += seconds
+        run.step(t, step)
+    noisy = compute(run.records)
+    assert noisy.badput_seconds["stall"] == 0 and noisy.badput_seconds["slow_steps"] == pytest.approx(3 * 14)
+    assert_adds_up(noisy)
+    run.step(t + 70, 37)                                  # 70 s without a step: progress stopped
+    stopped = compute(run.records, GoodputConfig(stall_seconds=60))
+    assert stopped.badput_seconds["stall"] == pytest.approx(69) and stopped.badput_seconds["slow_steps"] == pytest.approx(42)
+    assert compute(run.records, GoodputConfig(stall_seconds=100)).badput_seconds["stall"] == 0
 
 
 def test_records_out_of_order_and_nothing_at_all():

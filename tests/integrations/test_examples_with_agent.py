@@ -62,6 +62,8 @@ def test_example_with_the_agent_skips_a_nan_rolls_back_spikes_and_obeys_cost_sto
     assert [r["action"] for r in issued] == ["cost_warn", "cost_throttle", "cost_stop"]
     acked = {e["id"]: e for e in events(run, "action")}
     stop = acked[issued[-1]["id"]]
+    # none of the examples keeps a micro-batch the throttle could cut: the event says so, claims no change
+    assert acked[issued[1]["id"]]["micro_batch"] == "unchanged" and "micro_batch_size" not in acked[issued[1]["id"]]
     assert stop["action"] == "cost_stop"
     steps = [r["step"] for r in step_records(run)]
     assert steps[-1] == stop["step"] < 400 and events(run, "run_end")[-1]["reason"] == "cost_stop"

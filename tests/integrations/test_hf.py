@@ -91,6 +91,27 @@ def test_the_trainers_checkpoint_folders_are_signed_and_verified_before_use(tmp_
     assert hf_checkpoints.latest_verified(tmp_path / "out") is None
 
 
+@pytest.mark.parametrize("checkpoint_every, warned", [(2, True), (0, False)])
+def test_two_checkpointers_on_one_run_are_warned_of(checkpoint_every, warned, tmp_path):
+    import warnings
+
+    from transformers import Trainer, TrainingArguments
+
+    from examples.hf_trainer import RandomTokens
+    from trainguard.protect.hf import ProtectCallback
+
+    model = build(str(tmp_path / "run"), 2, {})[0].model
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
+                             save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(),
+                      callbacks=[ProtectCallback(tmp_path / "run", checkpoint_every=checkpoint_every)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    ours = [w for w in caught if "every checkpoint is written twice" in str(w.message)]
+    assert len(ours) == (1 if warned else 0)
+
+
 def test_trainer_in_shadow_records_the_actions_and_trains_on_unchanged(tmp_path):
     """The callback in shadow (the policy's actions.mode): the spikes' skips and rollback and the agent's
     cost_stop are shadow_action events; the Trainer steps every step and runs to max_steps."""

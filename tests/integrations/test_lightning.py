@@ -56,6 +56,24 @@ def test_lightning_skips_a_nan_rolls_back_spikes_and_obeys_cost_stop(tmp_path):
     assert [r["step"] for r in step_records(run)][-2:] == [ack["step"] + 1, ack["step"] + 2]
 
 
+@pytest.mark.parametrize("steps, warned", [(0, True), (3, False)])
+def test_lightning_max_steps_without_steps_on_the_callback_warns(steps, warned, tmp_path):
+    import warnings
+
+    from examples.lightning_module import TinyLM, pl
+    from trainguard.protect.lightning import ProtectCallback
+
+    callback = ProtectCallback(str(tmp_path / "run"), steps=steps)
+    trainer = pl.Trainer(max_steps=3, accelerator="cpu", devices=1, callbacks=[callback], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(tmp_path / "lightning"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyLM({}, lambda: callback.protector.state.step + 1), batches(3))
+    ours = [w for w in caught if "ProtectCallback(steps=3)" in str(w.message)]
+    assert len(ours) == (1 if warned else 0)
+
+
 def test_lightning_in_shadow_records_the_actions_and_trains_on_unchanged(tmp_path):
     """The Lightning callback in shadow (the policy's actions.mode): the spikes' skips and rollback and the
     agent's cost_stop are shadow_action events; every step steps and the fit runs to its end."""

@@ -134,3 +134,14 @@ def test_goodput_comes_from_trainguard_goodput(tmp_path):
     assert math.isclose(run.goodput.productive_seconds, expected.productive_seconds)
     assert run.goodput.badput_seconds == expected.badput_seconds
     assert run.goodput.badput_seconds["skipped_steps"] > 0
+
+
+def test_a_report_of_a_folder_with_no_logs_is_a_clear_error_exit_2(tmp_path, capsys):
+    """It was a report of "rank None" with exit 0: a run that did nothing and a wrong folder looked alike."""
+    from trainguard.cli import main
+
+    (tmp_path / "empty" / "tls").mkdir(parents=True)
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert f"trainguard report: {tmp_path / 'empty'}: no logs to report" in err and "Traceback" not in err
+    assert not (tmp_path / "empty" / "report.html").exists()

@@ -152,9 +152,10 @@ class CheckpointManager:
         """Steps that have a step_<N> directory, oldest first (verified or not)."""
         return sorted(step for step, _ in self._dirs.newest_first())
 
-    def list(self, *, deep: bool = True) -> list[CheckpointInfo]:
-        """Every step_<N> directory, oldest first, with its verification status and reason."""
-        return self._restorer.list(deep=deep)
+    def list(self, *, deep: bool = True, progress: Any = None) -> list[CheckpointInfo]:
+        """Every step_<N> directory, oldest first, with its verification status and reason (`progress`: a
+        trainguard.progress.Progress, told of each checkpoint)."""
+        return self._restorer.list(deep=deep, progress=progress)
 
     @property
     def key_id(self) -> str:

@@ -103,11 +103,15 @@ class Restorer:
                     return Checkpoint.of(result), state
                 self._skipped(Path(path), result.code, result.reason)
 
-    def list(self, *, deep: bool = True) -> list[CheckpointInfo]:
-        """Every step_<N> directory, oldest first, with its verification status and reason."""
+    def list(self, *, deep: bool = True, progress: Any = None) -> list[CheckpointInfo]:
+        """Every step_<N> directory, oldest first, with its verification status and reason. `progress`: a
+        trainguard.progress.Progress told of each checkpoint as it is verified."""
         rows = []
         with self._lock:
-            for step, path in reversed(list(self.dirs.newest_first())):
+            found = list(reversed(list(self.dirs.newest_first())))
+            for index, (step, path) in enumerate(found):
+                if progress is not None:
+                    progress.file(path, index, len(found))
                 result = self.dirs.verify(path, deep=deep)
                 rows.append(info_of(step, path, result))
         return rows

@@ -243,7 +243,7 @@ def load_verified(path: Path, entry: FileEntry, map_location: Any) -> Any:
             raise refuse(*problem)
         handle.seek(0)
         try:
-            state = torch.load(handle, map_location=map_location, weights_only=True)
+            state = torch.load(handle, map_location=load_location(map_location), weights_only=True)
         except pickle.UnpicklingError as exc:
             raise refuse(mf.UNSAFE_CONTENT, f"{entry.name}: torch.load(weights_only=True) refused it "
                                             f"({_why_refused(exc)})") from None
@@ -252,6 +252,17 @@ def load_verified(path: Path, entry: FileEntry, map_location: Any) -> Any:
                                                                  before.st_ctime_ns):
         raise refuse(mf.HASH_MISMATCH, f"{entry.name} was written to while it was being loaded")
     return state
+
+
+def load_location(device: Any) -> Any:
+    """`map_location` for torch.load: a CPU device with an index (`cpu:0`, what a Transformers Trainer's
+    `args.device` is under torchrun) as plain "cpu". torch.load knows no `cpu:N` location and would refuse
+    every checkpoint, so a run under torchrun could never resume."""
+    import torch
+
+    if isinstance(device, (str, torch.device)) and torch.device(device).type == "cpu":
+        return "cpu"
+    return device
 
 
 def _why_refused(exc: Exception) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from trainguard import paths
 from trainguard.formats import discover
+from trainguard.progress import Progress
 from trainguard.tls import TLSError, iter_lines
 
 NAN = math.nan
@@ -149,17 +150,20 @@ def load_run(run_dir: str | Path) -> RunData:
     itself, or other tools' logs); FileNotFoundError when there is no such directory."""
     root = paths.run_dir(run_dir)
     run = RunData(run_dir=str(root))
-    for log in discover.run_logs(root):      # TLS logs, else other tools' (one run, as rank 0's steps)
-        path, kind, name = log.path, log.kind, log.name
-        run.files.append(str(path))
-        for line in iter_lines(path):
-            if line.error:
-                _note_error(run, line.error)
-                continue
-            run.records += 1
-            record = line.record
-            if kind == "node":
-                add_node_record(run, name, record)
-            elif name.isdigit() or kind == discover.FILE:
-                add_rank_record(run, record.get("rank", int(name) if name.isdigit() else 0), record)
+    logs = discover.run_logs(root)          # TLS logs, else other tools' (one run, as rank 0's steps)
+    with Progress("diagnose", unit="logs") as shown:
+        for index, log in enumerate(logs):
+            path, kind, name = log.path, log.kind, log.name
+            shown.file(path, index, len(logs))
+            run.files.append(str(path))
+            for line in shown.counted(iter_lines(path)):
+                if line.error:
+                    _note_error(run, line.error)
+                    continue
+                run.records += 1
+                record = line.record
+                if kind == "node":
+                    add_node_record(run, name, record)
+                elif name.isdigit() or kind == discover.FILE:
+                    add_rank_record(run, record.get("rank", int(name) if name.isdigit() else 0), record)
     return run

@@ -76,13 +76,16 @@ def read(path: str | os.PathLike, tag_map: dict[str, str] | None = None) -> Iter
     return reader.read(path, tag_map) if kind == TENSORBOARD else reader.read(path)
 
 
-def write_tls(path: str | os.PathLike, out, tag_map: dict[str, str] | None = None) -> tuple[int, list[Unmapped]]:
+def write_tls(path: str | os.PathLike, out, tag_map: dict[str, str] | None = None,
+              progress=None) -> tuple[int, list[Unmapped]]:
     """Every record of a non-TLS file as TLS lines on the binary stream `out`; returns the number written
-    and the problems (each also a reason the file is not fully represented)."""
+    and the problems (each also a reason the file is not fully represented). `progress`: a
+    trainguard.progress.Progress that counts the records."""
     from trainguard import tls
 
     written, problems = 0, []
-    for item in read(path, tag_map):
+    items = read(path, tag_map)
+    for item in progress.counted(items) if progress is not None else items:
         if isinstance(item, Unmapped):
             problems.append(item)
         else:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from trainguard import formats
+from trainguard.progress import Progress
 
 EXIT_OK, EXIT_UNMAPPED, EXIT_USAGE = 0, 1, 2
 SHOWN = 20
@@ -38,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
         return usage(refusal)
     temporary = args.output.with_name(args.output.name + ".partial")
     try:
-        with open(temporary, "wb") as out:
-            written, problems = formats.write_tls(args.input, out, mapping)
+        with open(temporary, "wb") as out, Progress("convert") as shown:
+            shown.step(0, args.input.name)
+            written, problems = formats.write_tls(args.input, out, mapping, progress=shown)
         os.replace(temporary, args.output)
     except BaseException:
         temporary.unlink(missing_ok=True)      # a full disk or an interrupt leaves no .partial behind

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from trainguard.progress import Progress
 from trainguard import policy as tgpolicy
 from trainguard import tls
 from trainguard.replay import dynamics, expect, rules, source
@@ -46,8 +47,11 @@ def run(args: argparse.Namespace) -> int:
         scrape_interval = _first(args.scrape_interval, options.get("scrape_interval"), DEFAULT_SCRAPE_INTERVAL)
         if scrape_interval <= 0:
             raise expect.ExpectError(f"--scrape-interval must be above zero, got {scrape_interval:g}")
-        result = replay_logs(args.inputs, policy, rules_dir=args.rules, scrape_interval=scrape_interval,
-                             hold=_first(args.hold, options.get("hold"), 0.0), keep_test=args.keep_test)
+        with Progress("replay", unit="inputs").heartbeat() as shown:
+            shown.step(0, f"{len(args.inputs)} input(s): the guard, the cost meter"
+                          + (", the alert rules" if args.rules else ""))
+            result = replay_logs(args.inputs, policy, rules_dir=args.rules, scrape_interval=scrape_interval,
+                                 hold=_first(args.hold, options.get("hold"), 0.0), keep_test=args.keep_test)
     except (tgpolicy.PolicyError, expect.ExpectError, source.InputError, rules.RulesError, OSError) as exc:
         print(f"trainguard replay: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 from trainguard import actions, paths
 from trainguard import policy as policy_mod
+from trainguard.progress import Progress
 from trainguard.decide.cost import CostMeter, clock_of
 from trainguard.report.charts import GAP_FACTOR, Span, event_detail
 from trainguard.report.downsample import MAX_POINTS, Sampled, Series
@@ -157,6 +158,7 @@ class _Loader:
     def __init__(self, run: Run, max_points: int, with_goodput: bool):
         self.run = run
         self.max_points = max_points
+        self.progress = Progress("report", enabled=False)      # load_run shows it on a terminal
         self.meter = CostMeter(run.policy.cost)
         self.seen_events: OrderedDict[tuple, float] = OrderedDict()
         self.gpus_by_host: dict[str, int] = {}
@@ -189,7 +191,7 @@ class _Loader:
     def read(self, path: Path, handle) -> None:
         run = self.run
         run.files.append(str(path))
-        for line in iter_lines(path):
+        for line in self.progress.counted(iter_lines(path)):
             if line.error is not None:
                 run.malformed += 1
                 if len(run.errors) < ERRORS_KEPT:
@@ -398,12 +400,19 @@ def load_run(run_dir: str | Path, policy=None, max_points: int = MAX_POINTS, goo
     run = Run(run_dir=root, policy=policy or policy_mod.load(None))
     loader = _Loader(run, max_points, goodput)
     node_files, rank_files = log_files(root)
+    if not node_files and not rank_files:
+        # a report of nothing ("rank None", no steps) would read as a run that did nothing
+        raise FileNotFoundError(f"{root}: no logs to report (no tls/rank-N.jsonl or tls/node-HOST.jsonl, and "
+                                f"no TensorBoard, trainer_state.json, Megatron or torchtitan log)")
     ranks = sorted({r for r in map(rank_of, rank_files) if r is not None})
     run.primary_rank = ranks[0] if ranks else None
-    for path in node_files:
-        loader.read(path, loader.node_record(host_of(path), with_training=not rank_files))
-    for path in rank_files:
-        loader.read(path, loader.rank_record(rank_of(path), primary=rank_of(path) == run.primary_rank))
+    with Progress("report", unit="logs") as loader.progress:
+        for index, path in enumerate(node_files):
+            loader.progress.file(path, index, len(node_files) + len(rank_files))
+            loader.read(path, loader.node_record(host_of(path), with_training=not rank_files))
+        for index, path in enumerate(rank_files, len(node_files)):
+            loader.progress.file(path, index, len(node_files) + len(rank_files))
+            loader.read(path, loader.rank_record(rank_of(path), primary=rank_of(path) == run.primary_rank))
     run.gpu_count = loader.meter.state.gpu_count
     run.cost_state = loader.meter.state
     run.checkpoints = read_checkpoints(root)
@@ -463,7 +472,8 @@ def _add_goodput(run: Run, records: list[dict]) -> None:
     from trainguard.goodput_cli import read_incidents
 
     try:
-        run.goodput = goodput.compute(records, incidents=read_incidents(run.run_dir, run.errors))
+        config = goodput.GoodputConfig(stall_seconds=run.policy.alerts.stall_seconds)
+        run.goodput = goodput.compute(records, config, incidents=read_incidents(run.run_dir, run.errors))
     except Exception as exc:  # the report still renders without this section, and says why
         run.goodput_error = f"goodput could not be computed ({type(exc).__name__}: {exc})"
 

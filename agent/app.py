@@ -23,7 +23,6 @@ from dataclasses import dataclass, field, replace
 
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
-from trainguard import rundir
 from trainguard.agent import actions_embedded, procfs
 from trainguard.agent import coexist as coexist_mod
 from trainguard.agent.coexist import Coexistence
@@ -124,7 +123,11 @@ def build(config: AgentConfig) -> App:
         config = replace(config, run_dir=discovery.poll())
     coexist = Coexistence(config.coexist, coexist_mod.peers(dict(config.coexist_addresses)))
     coexist.refresh()          # before the first scrape: a peer found now is never exported twice
-    agent = build_agent(config, discovery, coexist)
+    try:
+        agent = build_agent(config, discovery, coexist)   # chooses the policy: its own, or the run's signed one
+    except policy_mod.PolicyError as exc:
+        tglog.get("agent", node=config.node).error(f"bad configuration: {exc}")
+        raise SystemExit(2) from None
     host, port = config.listen_address
     try:
         server = AgentServer(agent, host, port, max_body_bytes=config.http.max_body_bytes,
@@ -185,10 +188,10 @@ def build_actions(config: AgentConfig, agent: Agent, server: AgentServer) -> Act
         return None
     try:
         settings = WebhookSettings.from_config(config)
-        policy = policy_mod.load(config.policy or rundir.run_policy(config.run_dir))
+        policy = agent.policy_choice.policy     # its own config, or the run's signed policy (agent/runner.py)
         if settings.shadow:      # --shadow (or webhook.shadow) over the policy's actions.mode
             policy = policy_mod.in_shadow(policy)
-    except (ConfigError, policy_mod.PolicyError) as exc:
+    except ConfigError as exc:
         log.error(f"bad configuration: {exc}")
         raise SystemExit(2) from None
     try:

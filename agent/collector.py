@@ -36,7 +36,8 @@ class Context:
     run_dir: Path | None = None
     node: str = field(default_factory=socket.gethostname)
     options: Mapping[str, Any] = field(default_factory=dict)   # this collector's own section of the config file
-    policy: Path | None = None         # the policy file (cost tiers) the agent was given, if any
+    policy: Any = None                 # the agent's policy (trainguard.policy.Policy, agent/runner.py choose_policy)
+    checkpoint_key_file: str | None = None   # the run's checkpoint key (webhook.checkpoint_key_file): signs state
     # Where a collector's own decisions go (the training collector's cost tiers): the agent's handlers.
     on_decision: Callable[[Any], None] | None = None
 

@@ -42,7 +42,9 @@ from trainguard.agent.actions_embedded import last_step
 from trainguard.decide import culprit as verdicts
 from trainguard.decide.ledger import Notice
 from trainguard.policy import RestorePolicy
-from trainguard import tls
+from trainguard.trainer import cordon_key
+from trainguard.trainer.checkpoint import keys
+from trainguard import signed, tls
 
 CLAIMS = ".claims"    # without a claim secret: RUN/incidents/.claims/<key>, unsigned (nothing to prove it with)
 MIN_LEAD_TIMEOUT = 1.0
@@ -68,6 +70,8 @@ class Investigator:
         self.claims = claims.Claims(self.run_dir, host, claim_secret, log=self.log, timeout_seconds=max(
             MIN_LEAD_TIMEOUT, policy.evidence_seconds if lead_timeout is None else lead_timeout))
         self.verdicts: dict[tuple[str, str], int] = {}    # (node, kind) -> count, for the metric
+        self.evidence_refused: dict[str, int] = {}         # evidence files ignored by the verdict, by reason
+        self.verdicts_refused: dict[str, str] = {}         # incident -> why its incident.json was not acted on
 
     def __call__(self, notice: Notice, live: list, fallback: Callable[[Notice], object] | None = None) -> Notice | None:
         """`fallback(notice)` restores this node's ranks if they outlive the culprit's eviction (default:
@@ -83,7 +87,7 @@ class Investigator:
         incident_id, hold = self.lead(key)
         self.log.warning("stall: gathering evidence", incident=incident_id, leader=hold is not None)
         summary = evidence.gather(self.run_dir, incident_id, self.host, live, self.agent,
-                                  wait_seconds=self.policy.evidence_seconds)
+                                  wait_seconds=self.policy.evidence_seconds, key_file=self.key_file)
         self.log.info("evidence written", incident=incident_id, **summary)
         decided = self.verdict(key, incident_id, hold, notice)
         if decided is None:
@@ -107,14 +111,14 @@ class Investigator:
         A waiting agent takes over a leader proven gone (agent/claims.py: not renewed for the timeout)."""
         deadline = time.monotonic() + 2 * self.policy.evidence_seconds + 15 + self.claims.timeout
         while hold is None:
-            decided = read_verdict(self.run_dir, incident_id)
+            decided = self.read_verdict(incident_id)
             if decided is not None or time.monotonic() >= deadline:
                 return decided
             hold = self._take_over(key, incident_id)
             if hold is None:
                 time.sleep(0.2)
         try:
-            decided = read_verdict(self.run_dir, incident_id) or self.decide(incident_id, notice)
+            decided = self.read_verdict(incident_id) or self.decide(incident_id, notice)
         except BaseException:
             hold.stop()          # not renewed from now on: another agent takes over after the timeout
             raise
@@ -135,15 +139,20 @@ class Investigator:
     def decide(self, incident_id: str, notice: Notice) -> dict:
         hosts = job_hosts(self.run_dir, self.key_file)
         wait_for_nodes(self.run_dir, incident_id, hosts, self.policy.evidence_seconds + 5)
-        ranks, nodes = evidence.load(self.run_dir, incident_id)
-        verdict = verdicts.decide(ranks, nodes)
+        loaded = evidence.load(self.run_dir, incident_id, cordon_key.signing_key(self.key_file)[0])
+        for ignored in loaded.refused:      # a file that does not prove who gathered it decides nothing
+            self.evidence_refused[ignored["reason"]] = self.evidence_refused.get(ignored["reason"], 0) + 1
+            self.log.error("evidence ignored: " + ignored["why"], incident=incident_id, reason=ignored["reason"])
+        verdict = verdicts.decide(loaded.ranks, loaded.nodes)
         action, why = verdicts.eviction(verdict, job(self.run_dir, hosts, self.key_file), self.policy.evict,
                                         self.policy.max_evictions_per_hour)
         incident = incidents.Incident(
             id=incident_id, kind="hang", detected_at=time.time(), detected_by=f"agent:{self.host}",
             culprit=verdict.culprit, confidence=verdict.confidence, reasons=verdict.reasons + [why],
-            action=action, extra={"stall": notice.reason, "nodes": sorted(hosts)})
-        incidents.write_incident(self.run_dir, incident)
+            action=action, extra={"stall": notice.reason, "nodes": sorted(hosts),
+                                   **({"evidence_ignored": loaded.refused} if loaded.refused else {})})
+        key = cordon_key.signing_key(self.key_file, create=True)[0]
+        incidents.write_incident(self.run_dir, incident, key, None if key is None else keys.key_id(key))
         if action == verdicts.EVICT:
             try:
                 evict.cordon(self.run_dir, verdict.node, incident=incident_id, reason=why, by=f"agent:{self.host}",
@@ -165,6 +174,23 @@ class Investigator:
                  "node": culprit.get("node"), "kind": incident.kind, "confidence": incident.confidence,
                  "reasons": incident.reasons, "action": incident.action}
         self.record([{**tls.make_record(timestamp=incident.detected_at, event=event), "node": self.host}])
+
+    def read_verdict(self, incident_id: str) -> dict | None:
+        """The incident's verdict when it is there and signed with the run's key (a leader's); None otherwise.
+        A verdict that does not prove itself ends nobody's launcher: it is named once and counted, and the
+        agent waits on (taking over, or restoring in place when no verdict comes)."""
+        decided = read_verdict(self.run_dir, incident_id)
+        if decided is None:
+            return None
+        reason = incidents.check_verdict(cordon_key.signing_key(self.key_file)[0], incident_id, decided)
+        if reason is None:
+            return decided
+        if incident_id not in self.verdicts_refused:
+            self.verdicts_refused[incident_id] = reason
+            self.evidence_refused[reason] = self.evidence_refused.get(reason, 0) + 1
+            self.log.error("verdict ignored: " + signed.refusal_message(reason, f"incident {incident_id}'s "
+                           "incident.json"), incident=incident_id, reason=reason)
+        return None
 
     # ------------------------------------------------------------------------------------ acting
     def act(self, decided: dict, notice: Notice, live: list,
@@ -216,7 +242,14 @@ class Investigator:
                 cordoned.add_metric([host], 1)
             else:
                 refused.add_metric([host, str(found.refused)], 1)
-        return [counts, cordoned, refused]
+        ignored = CounterMetricFamily("trainguard_evidence_refused", "Incident evidence files (and verdicts) "
+                                      "this agent ignored because they do not prove which agent wrote them "
+                                      "(unsigned, signed with another key, for another host or incident, or a "
+                                      "rank file its node's signed evidence does not vouch for).",
+                                      labels=["reason"])
+        for reason, count in sorted(self.evidence_refused.items()):
+            ignored.add_metric([reason], count)
+        return [counts, cordoned, refused, ignored]
 
 
 # ------------------------------------------------------------------------------- shared run directory

@@ -9,7 +9,11 @@
   lost and XIDs, IB error counters), NCCL WARN and watchdog lines of the ranks' logs with their rank, and
   each rank's last step and record time.
 
-Every file is written on its own, atomically and size-bounded (trainguard/incidents.py).
+Every file is written on its own, atomically and size-bounded (trainguard/incidents.py). The node file is
+written last and signed with this host's evidence key (derived from the run's checkpoint key, the one that
+signs cordons): it names the digest of every rank file gathered, so the verdict uses only evidence this agent
+vouches for (`load`: a node file that does not prove its host, or a rank file it did not vouch for, is
+ignored, named and counted).
 """
 
 from __future__ import annotations
@@ -26,10 +30,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from trainguard import rundir
-from trainguard import incidents
+from dataclasses import dataclass, field
+
+from trainguard import incidents, rundir, signed
 from trainguard.agent.collectors.nccl import classify, output_directories
-from trainguard.trainer import flight_recorder
+from trainguard.trainer import cordon_key, flight_recorder
+from trainguard.trainer.checkpoint import keys
 
 PY_SPY_TIMEOUT = 20.0
 LOG_TAIL_BYTES = 256 * 1024
@@ -70,10 +76,12 @@ def stacks(pid: int, timeout: float = PY_SPY_TIMEOUT) -> tuple[str | None, str |
 
 
 def gather(run_dir: Path, incident_id: str, host: str, live: list, agent=None, *,
-           wait_seconds: float = 15.0) -> dict:
+           wait_seconds: float = 15.0, key_file: str | os.PathLike | None = None) -> dict:
     """Write this node's evidence for `incident_id`; `live` are this node's rank infos (restore.RankInfo).
+    `key_file`: the run's checkpoint key (the agent's ``webhook.checkpoint_key_file``), which signs it.
 
-    Returns a summary ({"fr": [ranks dumped], "stacks": [...], "missing": {...}}) for the agent's log.
+    Returns a summary ({"fr": [ranks dumped], "stacks": [...], "missing": {...}, "signed": bool}) for the
+    agent's log.
     """
     flight_recorder.request_dump(run_dir, incident_id)
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(live)))) as pool:
@@ -89,8 +97,28 @@ def gather(run_dir: Path, incident_id: str, host: str, live: list, agent=None, *
         missing[f"rank-{rank}.fr.json"] = f"no answer to the Flight Recorder request within {wait_seconds:.0f}s"
     signals = node_signals(run_dir, host, live, agent)
     signals["missing"] = missing
-    incidents.write_json(run_dir, incident_id, f"node-{host}.json", signals)
-    return {"fr": sorted(dumped), "stacks": sorted(r for r, (t, _) in taken.items() if t), "missing": missing}
+    key, where = cordon_key.signing_key(key_file, create=True)
+    if key is None:     # written for a human to read; the verdict will not use it (named there)
+        signals["unsigned"] = f"no checkpoint key to sign it with: {where}"
+        incidents.write_json(run_dir, incident_id, incidents.node_file(host), signals)
+    else:
+        files = vouched(run_dir, incident_id, [i.rank for i in live])
+        incidents.write_json(run_dir, incident_id, incidents.node_file(host),
+                             incidents.sign_node(key, incident_id, host, signals, files, keys.key_id(key)))
+    return {"fr": sorted(dumped), "stacks": sorted(r for r, (t, _) in taken.items() if t), "missing": missing,
+            "signed": key is not None}
+
+
+def vouched(run_dir: Path, incident_id: str, ranks: list[int]) -> dict[str, str]:
+    """name -> digest of each of these ranks' stack and Flight Recorder files as they are now."""
+    directory = incidents.incidents_dir(run_dir) / incident_id
+    out = {}
+    for rank in sorted(set(ranks)):
+        for name in (f"rank-{rank}.stack.txt", f"rank-{rank}.fr.json"):
+            data = _bytes(directory / name)
+            if data is not None:
+                out[name] = incidents.digest(data)
+    return out
 
 
 def wait_for_dumps(run_dir: Path, incident_id: str, ranks: list[int], seconds: float) -> list[int]:
@@ -195,23 +223,70 @@ def _mtime(run_dir: Path, rank: int) -> float | None:
 
 # ------------------------------------------------------------------------------ reading it back
 
-def load(run_dir: Path, incident_id: str):
-    """Every node's evidence of an incident as the verdict's inputs: (ranks, nodes) for decide/culprit."""
+@dataclass
+class Loaded:
+    """An incident's evidence as the verdict's inputs, and what was not used because it proves nothing."""
+    ranks: list = field(default_factory=list)       # decide/culprit.RankEvidence
+    nodes: list = field(default_factory=list)       # decide/culprit.NodeSignals
+    refused: list[dict] = field(default_factory=list)   # {"file", "reason", "why"}: ignored, named, counted
+
+    def __iter__(self):       # `decide(*load(...))`
+        return iter((self.ranks, self.nodes))
+
+
+def load(run_dir: Path, incident_id: str, key: bytes | None) -> Loaded:
+    """Every node's evidence of an incident that proves who gathered it: a ``node-<host>.json`` signed with
+    `host`'s evidence key (the host is the file's name, checked by the signature, never the file's own
+    word), and the rank files it vouches for by digest. `key`: the run's checkpoint key (None: nothing can
+    be checked, so nothing is used)."""
     from trainguard.decide.culprit import NodeSignals, RankEvidence
 
     directory = incidents.incidents_dir(run_dir) / incidents.check_id(incident_id)
-    nodes, ranks = [], []
+    out = Loaded()
     for path in sorted(directory.glob("node-*.json")):
+        host = path.name[len("node-"):-len(".json")]
         data = _json(path)
-        if not isinstance(data, dict):
+        reason = incidents.check_node(key, incident_id, host, data)
+        if reason is not None:
+            out.refused.append({"file": path.name, "reason": reason,
+                                "why": signed.refusal_message(reason, f"evidence {path.name}")})
             continue
-        host = str(data.get("node") or path.stem[len("node-"):])
-        nodes.append(NodeSignals(host, *node_signal_fields(data)))
+        out.nodes.append(NodeSignals(host, *node_signal_fields(data)))
+        files = data.get(incidents.FILES) if isinstance(data.get(incidents.FILES), dict) else {}
         for rank in node_ranks(data):
-            fr = _json(directory / f"rank-{rank}.fr.json")
-            stack = _text(directory / f"rank-{rank}.stack.txt")
-            ranks.append(RankEvidence(rank, host, fr if isinstance(fr, dict) else None, stack))
-    return ranks, nodes
+            fr = _vouched(directory / f"rank-{rank}.fr.json", files, out.refused)
+            stack = _vouched(directory / f"rank-{rank}.stack.txt", files, out.refused)
+            fr = _parse(fr)
+            text = None if stack is None else stack.decode(errors="replace")
+            ranks_stack = None if text is None or text.startswith("# no stacks:") else text
+            out.ranks.append(RankEvidence(rank, host, fr if isinstance(fr, dict) else None, ranks_stack))
+    return out
+
+
+def _vouched(path: Path, files: dict, refused: list[dict]) -> bytes | None:
+    """The file's bytes when the signed node file vouches for exactly them; else None (a changed one named)."""
+    data = _bytes(path)
+    if data is None:
+        return None
+    if files.get(path.name) != incidents.digest(data):
+        refused.append({"file": path.name, "reason": signed.BAD_SIGNATURE if path.name in files else signed.UNSIGNED,
+                        "why": f"evidence {path.name} is not the file its node's signed evidence vouches for"})
+        return None
+    return data
+
+
+def _bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()[:incidents.MAX_FILE_BYTES + 64]
+    except OSError:
+        return None
+
+
+def _parse(data: bytes | None):
+    try:
+        return None if data is None else json.loads(data)
+    except ValueError:
+        return None
 
 
 MAX_RANK = 2**31 - 1     # torch's ranks are int32
@@ -243,15 +318,4 @@ def node_signal_fields(data: dict) -> tuple[tuple, tuple, tuple]:
 
 
 def _json(path: Path):
-    try:
-        return json.loads(path.read_bytes()[:incidents.MAX_FILE_BYTES])
-    except (OSError, ValueError):
-        return None
-
-
-def _text(path: Path) -> str | None:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return None
-    return None if text.startswith("# no stacks:") else text
+    return _parse(_bytes(path))

@@ -39,6 +39,7 @@ agent that crashed after claiming finds its own claim and acts on recovery; one 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import threading
 import time
@@ -48,9 +49,11 @@ from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client.core import CounterMetricFamily
 
-from trainguard import actions, rundir, tls
+from trainguard import actions, rundir, signed, tls
 from trainguard import log as tglog
 from trainguard.agent import claims, restore
+from trainguard.trainer import cordon_key
+from trainguard.trainer.checkpoint import keys
 from trainguard.node import node_name
 from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, Verdict, job_level
 
@@ -142,16 +145,36 @@ def _size(value: Any) -> int:
 
 # -------------------------------------------------------------------------------------- durable files
 
-class EventLog:
-    """Appends TLS records and fsyncs them: what is written here survives a crash of the agent."""
+ACTIONS_LOG_PURPOSE = "agent-actions/1"    # each record of RUN/tls/node-<node>-actions.jsonl, signed
 
-    def __init__(self, path: Path):
+
+class EventLog:
+    """Appends TLS records and fsyncs them: what is written here survives a crash of the agent.
+
+    With a key (the run's checkpoint key), each record is signed (purpose ``agent-actions/1``, bound to this
+    node): `recover()` redoes what the log says was decided and not done, so a line anyone appended there
+    (a ``cost_stop`` "decided before a restart") would otherwise be carried out, signed, at the next start.
+    `events` gives only the records that check; the others are counted in `refused`."""
+
+    def __init__(self, path: Path, key: bytes | None = None, node: str = ""):
         self.path = path
+        self.key, self.node = key, node
+        self.refused: dict[str, int] = {}
         path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _line(self, record: dict) -> bytes:
+        line = tls.encode(record)
+        if self.key is None:
+            return line
+        # signed as it is stored (tls.encode writes the timestamp as text), so that the reader checks the
+        # very fields it reads back
+        stored = json.loads(line)
+        stored = signed.sign(self.key, ACTIONS_LOG_PURPOSE, {**stored, "recorded_by": self.node})
+        return json.dumps(stored, separators=(",", ":")).encode() + b"\n"
 
     def append(self, records: Iterable[dict]) -> None:
         """Write whole records or raise OSError; a partial write (disk full) is cut back off the file."""
-        data = b"".join(tls.encode(record) for record in records)
+        data = b"".join(self._line(record) for record in records)
         if not data:
             return
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -169,11 +192,27 @@ class EventLog:
             os.close(fd)
 
     def events(self) -> list[dict]:
-        """Every event recorded so far (a malformed line, e.g. torn by a crash, is skipped)."""
-        if not self.path.exists():
+        """Every event recorded so far that proves this agent recorded it (a malformed line, e.g. torn by a
+        crash, is skipped; one that is not signed with the key for this node is skipped and counted)."""
+        try:
+            handle = open(self.path, "rb")
+        except FileNotFoundError:
             return []
-        return [line.record["event"] for line in tls.iter_lines(self.path)
-                if line.record is not None and isinstance(line.record.get("event"), dict)]
+        found = []
+        with handle:
+            for raw in handle:
+                try:
+                    stored = json.loads(raw)
+                except ValueError:
+                    continue          # torn by a crash, or not a record
+                if not isinstance(stored, dict) or not isinstance(stored.get("event"), dict):
+                    continue
+                reason = signed.check(self.key, ACTIONS_LOG_PURPOSE, stored, {"recorded_by": self.node})
+                if reason is not None:
+                    self.refused[reason] = self.refused.get(reason, 0) + 1
+                    continue
+                found.append(stored["event"])
+        return found
 
 
 def request_id(verdict: Verdict) -> str:
@@ -198,7 +237,8 @@ class Executor:
         self.node, self.host = node, host or node_name()
         self.ledger, self.clock = ledger, clock
         self.grace = restore_grace_seconds
-        self.records = EventLog(rundir.node_actions_log(self.run_dir, node))
+        self.records = EventLog(rundir.node_actions_log(self.run_dir, node),
+                                cordon_key.signing_key(checkpoint_key_file, create=True)[0], node)
         self.log = tglog.get("agent.executor", node=node)
         self.claims = claims.Claims(self.run_dir, node, claim_secret, timeout_seconds=claim_timeout_seconds,
                                     log=self.log)
@@ -447,7 +487,7 @@ class Executor:
 
     def _carry_out(self, verdict: Verdict, request: dict, result: dict) -> None:
         """The control request, and for a restore the ending of this node's proven ranks; sets `outcome`."""
-        result["appended"] = rundir.append_request(self.run_dir, request)
+        result["appended"] = rundir.append_request(self.run_dir, self._signed(request))
         if verdict.action == actions.RESTORE:
             result.update(restore.end_local_ranks(self.run_dir, self.host, started_before=verdict.notice.starts_at,
                                                 grace_seconds=self.grace, trust=self._trust()))
@@ -456,6 +496,15 @@ class Executor:
             if "paged" in result:
                 self.refused["no_restarts_left"] = self.refused.get("no_restarts_left", 0) + 1
         result["outcome"] = "paged" if "paged" in result else "issued"
+
+    def _signed(self, request: dict) -> dict:
+        """The request signed with the run's checkpoint key (trainer/control.py refuses any other); created
+        where the trainer would create it, as a cordon's signer does. No key: not done (named)."""
+        key, where = cordon_key.signing_key(self.checkpoint_key_file, create=True)
+        if key is None:
+            raise ActionNotDone(f"cannot sign the control request {request['id']}: no checkpoint key ({where}; "
+                                f"set webhook.checkpoint_key_file to the trainer's key)")
+        return rundir.sign_request(key, request, self.run_dir, by=f"agent:{self.node}", key_id=keys.key_id(key))
 
     def _claim(self, verdict: Verdict, request_id: str, now: float) -> claims.Claim | None:
         """Who carries out a job-level verdict (agent/claims.py: a signed claim in RUN/control/claims/);
@@ -495,6 +544,9 @@ class Executor:
         watch again the claims of other agents this agent recorded as ``claimed`` and saw no end of
         (the watching lived in the process that ended)."""
         events = self.records.events()
+        if self.records.refused:
+            self.log.error("lines of the actions log not signed by this agent: not redone, not remembered",
+                           path=str(self.records.path), **self.records.refused)
         done = {e.get("id") for e in events if e.get("type") == "action" and e.get("outcome") != "failed"}
         claimed = {e.get("id") for e in events if e.get("type") == "action" and e.get("outcome") == "claimed"}
         carried_out = {e.get("id") for e in events if e.get("type") == "action" and e.get("outcome") != "claimed"}
@@ -610,4 +662,10 @@ class Executor:
                                          "after their claimant did not record them done within "
                                          "webhook.claim_timeout_seconds.")
         taken_over.add_metric([], self.claims.taken_over)
-        return [verdicts, executed, shadowed, refused, not_done, claims_refused, taken_over]
+        records_refused = CounterMetricFamily("trainguard_action_records_refused", "Lines of this agent's actions "
+                                              "log (RUN/tls/node-<node>-actions.jsonl) it did not rebuild from or "
+                                              "redo at start: not signed by it with the run's checkpoint key.",
+                                              labels=["reason"])
+        for reason, count in sorted(self.records.refused.items()):
+            records_refused.add_metric([reason], count)
+        return [verdicts, executed, shadowed, refused, not_done, claims_refused, taken_over, records_refused]

@@ -182,6 +182,27 @@ class CollectorRunner:
                 self._log.warning("collector close failed", error=f"{type(exc).__name__}: {exc}")
 
 
+def choose_policy(config: AgentConfig):
+    """The agent's policy: from its own config (``policy:``, ``--policy``), else the run's RUN/policy.yaml
+    when rank 0's signature on it checks with the run's checkpoint key (``webhook.checkpoint_key_file``),
+    else the defaults (trainguard/runpolicy.py): a policy file anyone dropped into the run decides nothing.
+    A bad given policy file raises PolicyError, as before."""
+    from trainguard import runpolicy
+    from trainguard.trainer import cordon_key
+
+    if config.policy is not None or config.run_dir is None:
+        return runpolicy.choose(config.run_dir, config.policy, None)
+    key, where = cordon_key.signing_key(checkpoint_key_file(config))
+    return runpolicy.choose(config.run_dir, None, key, where)
+
+
+def checkpoint_key_file(config: AgentConfig) -> str | None:
+    """``webhook.checkpoint_key_file`` as given (checked by agent/executor.py WebhookSettings), else None:
+    the trainer's default place."""
+    key_file = (config.webhook or {}).get("checkpoint_key_file")
+    return key_file if isinstance(key_file, str) and key_file.strip() else None
+
+
 class Agent:
     """The enabled collectors, their runners, and the private registry /metrics serves."""
 
@@ -195,6 +216,8 @@ class Agent:
         self._decision_handlers: list[Callable] = []
         self._health_sources: dict[str, Callable[[], dict]] = {}
         self._duplicates_logged: set[str] = set()   # family names seen twice (dropped), logged once each
+        self.policy_choice = choose_policy(config)
+        self._log.info("policy", used=self.policy_choice.describe())
         self.runners = self._build_runners(dict(REGISTRY if registry is None else registry))
         self._collector_labels = {name: DURATION.labels(name) for name in self.runners}   # {collector="..."}
         self._info = _agent_info(config)     # the same object every scrape: rendered once
@@ -211,7 +234,8 @@ class Agent:
             settings = self.config.collector(name)
             ctx = Context(procfs=self.config.procfs, sysfs=self.config.sysfs, devfs=self.config.devfs,
                           run_dir=self.config.run_dir, node=self.config.node, options=dict(settings.options),
-                          policy=self.config.policy, on_decision=self._dispatch_decision)
+                          policy=self.policy_choice.policy, on_decision=self._dispatch_decision,
+                          checkpoint_key_file=checkpoint_key_file(self.config))
             runners[name] = CollectorRunner(cls, ctx, self.config.interval_of(name, cls.interval),
                                             self.config.timeout_of(name, cls.timeout))
         return runners

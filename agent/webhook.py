@@ -173,7 +173,14 @@ def load_token(path: str | os.PathLike, create: bool = False) -> bytes:
         # Agents of several nodes start together on a shared run directory: one creates the token, every
         # other reads that one, and none reads it empty.
         rundir.create_whole(path, (secrets.token_urlsafe(32) + "\n").encode(), 0o600)
-    mode = path.stat().st_mode & 0o777
+    info = path.stat()
+    if info.st_uid not in (os.geteuid(), 0):
+        # The default token lives in the run directory: a stranger who can write there could plant one they
+        # know before the agent's first start, and then post any alert to it (and sign claims with it).
+        raise ValueError(f"{path}: the webhook token file belongs to uid {info.st_uid}, not to this agent's user "
+                         f"(uid {os.geteuid()}) or root: someone else wrote it; remove it, or give the agent a "
+                         f"token file of its own (webhook.token_file)")
+    mode = info.st_mode & 0o777
     if mode & 0o077:
         # Whoever reads the token can stop or restore the run, as whoever reads the checkpoint key can sign one.
         raise ValueError(f"{path}: the webhook token file is readable by others (mode {mode:04o}); "

@@ -44,7 +44,7 @@ import torch
 
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
-from trainguard import rundir, tls
+from trainguard import rundir, runpolicy, signed, tls
 from trainguard.actions import (COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SHADOW_ACTION, SKIP_STEP, STOP,
                                 shadow_event)
 from trainguard.decide.cost import CostMeter, clock_of
@@ -54,10 +54,13 @@ from trainguard.protect.callbacks import Callbacks, load_states, scale_optimizer
 from trainguard.protect.checkpoints import RankCheckpoints
 from trainguard.protect.state import TrainState
 from trainguard.protect.sync import HealthSync
+from trainguard.trainer import cordon_key
+from trainguard.trainer.checkpoint import keys
 from trainguard.trainer.control import ACTIONS_BY_CODE, ControlChannel, write_rank_file
 from trainguard.trainer.telemetry import StepTelemetry
 
 EXIT_OK, EXIT_STOPPED = 0, 3
+STOPPED_PURPOSE = "run-stopped/1"     # RUN/control/stopped.json, signed by rank 0 with the run's checkpoint key
 # The checkpoint keys the Protector adds to the loop's `states`.
 GUARD_KEY, COST_KEY, STATE_KEY = "guard", "cost", "trainer"
 # What a rollback leaves as it is: the data position (the window that led to trouble is skipped, not read
@@ -144,7 +147,11 @@ class Protector:
         self.meter = CostMeter(self.policy.cost)
         self.states = {**states, GUARD_KEY: self.guard, COST_KEY: self.meter, STATE_KEY: self.state}
         self.sync = HealthSync(world_size, rank, self.device)
-        self.control = ControlChannel(self.run_dir, rank, self.log)
+        # Requests are signed with the run's checkpoint key (trainer/control.py): a line anyone appended is refused.
+        control_key, key_where = cordon_key.signing_key(key_file or None, create=True)
+        self.control = ControlChannel(self.run_dir, rank, self.log, key=control_key, key_where=key_where,
+                                      on_event=self.event)
+        self.key = control_key
         self.checkpoints = RankCheckpoints(
             self.run_dir, rank=rank, world_size=world_size, on_event=self.telemetry.event, key_file=key_file,
             keep_last=keep_last, async_save=async_checkpoint, on_error=checkpoint_on_error,
@@ -157,10 +164,23 @@ class Protector:
         """Describe this rank for the agent's `restore`, refuse a run the guard stopped, resume from the
         newest verified checkpoint if there is one."""
         write_rank_file(self.run_dir, self.rank, world_size=self.world, **rank_info)
+        self._sign_policy()
         if (refused := self.stopped_marker()) is not None:
             self.log.error("this run was stopped by the guard; not starting again", **refused)
             return Begun(None, refused)
         return Begun(self.restore(rollback=False))
+
+    def _sign_policy(self) -> None:
+        """Rank 0 writes the policy this run trains with into RUN/policy.yaml, signed (trainguard/runpolicy.py):
+        the agent and `trainguard replay RUN` use that file only when its signature checks."""
+        if self.rank != 0 or self.key is None:
+            return
+        try:
+            runpolicy.write(self.run_dir, self.policy, self.key, key_id=keys.key_id(self.key),
+                            by=f"trainer:{self.run_id}")
+        except (OSError, ValueError) as exc:
+            self.log.warning("the run's policy could not be written and signed; readers use their defaults",
+                             error=str(exc))
 
     def finish(self) -> None:
         """The loop ran to its end: a last checkpoint (unless this step has one), `run_end`, durable."""
@@ -412,9 +432,12 @@ class Protector:
                    "to resume from the last verified checkpoint")
         if self.rank == 0:
             self.stop_path.parent.mkdir(parents=True, exist_ok=True)
-            self.stop_path.write_text(json.dumps({"step": step, "reason": decision.reason,
-                                                  "detail": decision.detail, "time": time.time(),
-                                                  "message": message}, default=str))
+            marker = json.loads(json.dumps({"step": step, "reason": decision.reason, "detail": decision.detail,
+                                             "time": time.time(), "message": message}, default=str))
+            if self.key is not None:      # only a signed marker keeps workers from starting (stopped_marker)
+                marker = signed.sign(self.key, STOPPED_PURPOSE, {**marker, "run": rundir.run_name(self.run_dir)},
+                                     key_id=keys.key_id(self.key))
+            self.stop_path.write_text(json.dumps(marker))
         self.log.error(message)
         if self.callbacks.stop is not None:
             self.callbacks.stop(decision.reason)
@@ -422,10 +445,21 @@ class Protector:
         return Outcome(EXIT_STOPPED, decision.reason)
 
     def stopped_marker(self) -> dict | None:
+        """The guard's stop marker when rank 0 of this run signed it; a marker anyone else wrote keeps no
+        worker from starting (it is named, and recorded as a ``stop_marker_refused`` event)."""
         try:
-            return json.loads(self.stop_path.read_text())
+            marker = json.loads(self.stop_path.read_bytes()[:1 << 20])
         except FileNotFoundError:
             return None
+        except (OSError, ValueError):
+            marker = None
+        reason = signed.check(self.key, STOPPED_PURPOSE, marker, {"run": rundir.run_name(self.run_dir)})
+        if reason is None:
+            return marker
+        why = signed.refusal_message(reason, f"the stop marker {self.stop_path}")
+        self.log.error(f"{why}: not honoured, the run starts", reason=reason)
+        self.event("stop_marker_refused", reason=reason, path=str(self.stop_path), why=why)
+        return None
 
     # ---------------------------------------------------------------------------- control requests
     def _on_request(self, code: int, lineno: int) -> Outcome:

@@ -24,10 +24,10 @@ STEPS, HANG_STEP, CHECKPOINT_EVERY = 60, 40, 10
 
 def run_with_a_hang(run_dir: Path) -> Path:
     (run_dir / "agent").mkdir(parents=True)
-    policy = run_dir / "policy.yaml"           # the agent's watchdog reads RUN/policy.yaml
+    policy = run_dir / "policy.yaml"           # given to the agent (its config) and to the trainer, which signs it
     policy.write_text(yaml.safe_dump({"alerts": {"stall_seconds": STALL_SECONDS}}))
     config = run_dir / "agent" / "agent.yaml"
-    config.write_text(yaml.safe_dump({"nodelog": {"interval": 1},
+    config.write_text(yaml.safe_dump({"policy": str(policy), "nodelog": {"interval": 1},
                                       "collectors": {"training": {"interval": 1}, "host": {"interval": 1}}}))
     agent, _ = start_agent(run_dir, config)
     try:

@@ -236,6 +236,13 @@ def _default_device(requested: str | None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def config_digest(config: cfg.TrainConfig) -> str:
+    """The SHA-256 of the configuration as RUN/config.yaml holds it: what the workers must train with."""
+    import hashlib
+
+    return hashlib.sha256(config.dump().encode()).hexdigest()
+
+
 def write_resolved(config: cfg.TrainConfig, run_dir: Path) -> Path:
     """``RUN/config.yaml``: the configuration every rank trains with (atomic; untouched when unchanged)."""
     path = run_dir / "config.yaml"
@@ -326,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
         from trainguard.trainer.launch import launch
 
         return launch(run_dir, resolved, nproc=args.nproc, max_restarts=max_restarts, nodes=nodes,
-                      key_file=config.run.key_file or None)
+                      key_file=config.run.key_file or None, config_sha256=config_digest(config))
     from trainguard.trainer.train import run_worker
 
     return run_worker(config, run_dir)

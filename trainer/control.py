@@ -2,6 +2,13 @@
 
     {"id": "a1", "action": "cost_throttle", "alertname": "CostBudgetThrottle", "reason": "...", "issued_at": ...}
 
+Every request is signed with the run's checkpoint key by whoever issued it (the agent's executor, or a
+human's command; `rundir.sign_request`), as cordons and claims are: anyone who can write the run directory
+can append a line, and a line that can roll the run back or stop it must prove who wrote it. A request
+that is not signed, signed with another key, changed since, or copied from a run of another name is refused:
+never acted on, logged, counted, and recorded as a ``control_refused`` TLS event (its line, reason and the
+running count) that `trainguard status` shows.
+
 Rank 0 looks at the file once per step with a single ``os.stat`` and reads only bytes it has not seen.
 A new request becomes two numbers (action code, line number) in the vector the step already
 all-reduces, so every rank learns of it in the same step and acts together; ranks other than 0 then read
@@ -20,7 +27,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from trainguard import rundir
+from trainguard import rundir, signed
 from trainguard.node import node_name
 from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, RESTORE, ROLLBACK
 
@@ -32,13 +39,19 @@ ACTIONS_BY_CODE = {code: action for action, code in CODES.items()}
 class ControlChannel:
     """Rank 0's end of RUN/control/actions.jsonl (the agent's end is `rundir.append_request`)."""
 
-    def __init__(self, run_dir: str | os.PathLike, rank: int, log=None):
+    def __init__(self, run_dir: str | os.PathLike, rank: int, log=None, *, key: bytes | None = None,
+                 key_where: str = "", on_event=None):
+        """`key`: the run's checkpoint key (None: no request can be checked, so none is acted on; `key_where`
+        says why); `on_event(kind, **fields)` records a TLS event (a refused request)."""
         self.run_dir = Path(run_dir)
         self.requests = rundir.Requests(run_dir)
         self.path = self.requests.path
         self.rank, self.log = rank, log
+        self.key, self.key_where, self.on_event = key, key_where, on_event
         self.pending: deque[tuple[int, dict]] = deque()
-        self.acked = rundir.read_acked(run_dir) if rank == 0 else set()
+        self.verified: dict[int, dict] = {}       # line -> the signed request read there (rank 0 acts on these)
+        self.refused: dict[str, int] = {}         # refused requests by reason
+        self.acked = rundir.read_acked(run_dir, key) if rank == 0 else set()
 
     def poll(self) -> tuple[int, int]:
         """(code, line number) of the next request to act on, or (0, 0). Rank 0 only; one stat a step."""
@@ -67,18 +80,48 @@ class ControlChannel:
             self._warn("control request ignored", where=f"{self.path}:{lineno}",
                        error=f"unknown action {action!r}")
             return None
+        reason = rundir.check_request(self.key, request, self.run_dir)
+        if reason is not None:
+            self._refuse(request, lineno, reason)
+            return None
+        self.verified[lineno] = request
         return request
 
+    def _refuse(self, request: dict, lineno: int, reason: str) -> None:
+        """A request that does not prove who wrote it: never acted on; logged, counted, recorded."""
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        why = signed.refusal_message(reason, f"control request {self.path}:{lineno}")
+        if reason == signed.NO_KEY:
+            why += f" ({self.key_where})"
+        fields = {"line": lineno, "id": str(request.get("id")), "action": str(request.get("action")),
+                  "reason": reason, "by": str(request.get("by") or ""), "key_id": request.get(signed.KEY_ID),
+                  "refused_total": sum(self.refused.values()), "why": why}
+        self._warn("control request refused: not acted on", **fields)
+        if self.on_event is not None:
+            self.on_event("control_refused", **fields)
+
     def request_at(self, lineno: int) -> dict:
-        """The request on line `lineno` (1-based): how ranks other than 0 learn the id to acknowledge."""
-        return self.requests.at(lineno)
+        """The request on line `lineno` (1-based): how ranks other than 0 learn the id to acknowledge. Rank 0
+        answers with the signed request it checked; another rank checks the line it reads (the action itself
+        is rank 0's, through the all-reduce): a line changed since is named, never trusted for its ids."""
+        if lineno in self.verified:
+            return self.verified[lineno]
+        try:
+            request = self.requests.at(lineno)
+        except (OSError, ValueError, LookupError):    # gone or garbage since: rank 0's action stands regardless
+            request = None
+        reason = rundir.check_request(self.key, request, self.run_dir)
+        if reason is None:
+            return request
+        self._warn("control request changed since rank 0 checked it", where=f"{self.path}:{lineno}", reason=reason)
+        return {"id": f"line-{lineno}", "alertname": "", "reason": f"line {lineno} refused: {reason}"}
 
     def ack(self, request: dict, step: int) -> None:
         """Remember that the request was handled (rank 0), so a restart does not handle it again."""
         if self.rank != 0:
             return
         self.acked.add(str(request["id"]))
-        rundir.append_ack(self.run_dir, str(request["id"]), request["action"], step)
+        rundir.append_ack(self.run_dir, str(request["id"]), request["action"], step, self.key)
 
     def _warn(self, message: str, **fields) -> None:
         if self.log is not None:

@@ -104,7 +104,10 @@ def write_launcher_file(run_dir: Path, nodes: Nodes) -> Path:
 
 
 def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: int,
-           nodes: "Nodes | None" = None, key_file: str | None = None) -> int:
+           nodes: "Nodes | None" = None, key_file: str | None = None, config_sha256: str | None = None) -> int:
+    """`config_sha256`: the digest of the configuration this launcher resolved, on every worker's command
+    line (trainer/train.py checks it): anyone who can write RUN/config.yaml could otherwise change what the
+    ranks train with at their next restart."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -130,7 +133,8 @@ def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: in
         # Each rank's output is also kept under RUN/logs (as torchrun --log-dir --tee 3 does), where the
         # agent's nccl collector reads NCCL warnings and watchdog timeouts.
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), tee=Std.ALL))
-    worker = ("-m", "trainguard.trainer.train", "--run-dir", str(run_dir), "--config", str(resolved_config))
+    worker = ("-m", "trainguard.trainer.train", "--run-dir", str(run_dir), "--config", str(resolved_config),
+              *(("--config-sha256", config_sha256) if config_sha256 else ()))
     try:
         elastic_launch(config, entrypoint=sys.executable)(*worker)
     except ChildFailedError as exc:

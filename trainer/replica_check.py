@@ -194,8 +194,13 @@ class ReplicaChecks:
                    "cordon": list(verdict.cordon)})
 
     def _write_incident(self, verdict: Verdict, ident: str) -> None:
+        from trainguard.trainer import cordon_key
+        from trainguard.trainer.checkpoint import keys
+
+        key = cordon_key.signing_key(self.key_file, create=True)[0]   # signed as the agents' verdicts are
         try:
-            incidents.write_incident(self.run_dir, self._incident(verdict, ident, time.time()))
+            incidents.write_incident(self.run_dir, self._incident(verdict, ident, time.time()), key,
+                                     None if key is None else keys.key_id(key))
             incidents.write_json(self.run_dir, ident, "fingerprints.json",
                                  {"step": verdict.step, "nodes": list(self.nodes), **verdict.values})
         except (OSError, incidents.IncidentError) as exc:   # the rollback matters more than the record

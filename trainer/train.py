@@ -70,12 +70,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainguard.trainer.train",
                                      description="one rank of the bundled trainer (started by torchrun)")
     cli.add_config_arguments(parser)
+    parser.add_argument("--config-sha256", metavar="HEX", default=None,
+                        help="the launcher's digest of the configuration: train only on exactly that one")
     args = parser.parse_args(argv)
     log.configure()
     try:
         config = cli.build_config(args)
     except ConfigError as exc:
         print(f"trainguard train: {exc}", file=sys.stderr)
+        return 2
+    if args.config_sha256 is not None and cli.config_digest(config) != args.config_sha256:
+        # The launcher resolved one configuration and wrote it to RUN/config.yaml; this worker (a restart,
+        # later) read another: someone changed the file. Training on it would let them choose the steps,
+        # the LR or the policy.
+        print(f"trainguard train: {args.config}: not the configuration the launcher resolved (SHA-256 "
+              f"{args.config_sha256[:16]}…): it was changed after the launcher wrote it; refusing to train on it",
+              file=sys.stderr)
         return 2
     run_dir = args.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)

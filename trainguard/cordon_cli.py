@@ -49,3 +49,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.host} cordoned ({path}, signed with {where}): its launcher will not join the job "
           f"until `trainguard uncordon {args.run_dir} {args.host}`")
     return EXIT_OK
+
+
+def run_key(key_file: str | None) -> tuple[bytes | None, str]:
+    """The run's checkpoint key as a command reads it (never created: a key only the reader held checks
+    nothing), and where it is or why none: what `replay` checks the run's signed policy with."""
+    from trainguard.trainer.cordon_key import signing_key   # a command may reach the trainer's key
+
+    return signing_key(key_file)

@@ -27,7 +27,15 @@ Why it is written this way:
     leave less than ``MIN_FREE_BYTES`` (or ``MIN_FREE_FRACTION`` of the filesystem, the larger) free is
     refused, so evidence never fills the disk of the run it is meant to help (its checkpoints and
     logs), however many nodes, writers, incidents or agent restarts there are.
-- Anyone who can write the run directory can write a file here, so reading is strict: an
+- Anyone who can write the run directory can write a file here, so a node's evidence is signed by the
+  agent that gathered it (:func:`sign_node`): with a key of its host, derived from the run's checkpoint
+  key, over the file's fields, bound to the incident and the host. The reader takes the host from the
+  file's name and checks the signature with that host's key (:func:`check_node`): a file a stranger
+  dropped, one changed since, one copied to another host's name or another incident's folder is not
+  evidence — the verdict ignores it, names it and counts it. The signed file also holds the digest of
+  every rank file the agent gathered (``files``): a stack or Flight Recorder file that is not the one
+  it vouched for is not used either.
+- Reading is strict: an
   ``incident.json`` that does not match the layout is an :class:`IncidentError` naming the file and
   the field, never a crash of ``trainguard incidents`` and never trusted by whoever acts on it.
 
@@ -36,6 +44,8 @@ Pure of torch; files only. The verdict itself is decided elsewhere (``trainguard
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -45,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from trainguard import rundir
+from trainguard import rundir, signed
 from trainguard.exits import BadInput
 
 KINDS = ("hang", "slow", "crash", "sdc")
@@ -225,15 +235,66 @@ def _write_atomically(directory: Path, name: str, data: bytes) -> Path:
     return path
 
 
-def write_incident(run_dir: str | os.PathLike, incident: Incident) -> Path:
-    """The verdict, ``incident.json`` (replaced whole if the incident is decided again)."""
-    validate(incident.to_json(), f"incident {incident.id}")
-    body = json.dumps(incident.to_json(), indent=1, sort_keys=True, allow_nan=False)
+VERDICT_PURPOSE = "incident-verdict/1"
+
+
+def write_incident(run_dir: str | os.PathLike, incident: Incident, key: bytes | None = None,
+                   key_id: str | None = None) -> Path:
+    """The verdict, ``incident.json`` (replaced whole if the incident is decided again); signed with the run's
+    checkpoint key when `key` is given (the agent's verdict: other agents act on it only when it checks)."""
+    data = validate(incident.to_json(), f"incident {incident.id}")
+    if key is not None:
+        data = signed.sign(key, VERDICT_PURPOSE, json.loads(json.dumps(data)), key_id=key_id)
+    body = json.dumps(data, indent=1, sort_keys=True, allow_nan=False)
     return write_file(run_dir, incident.id, "incident.json", body + "\n")
+
+
+def check_verdict(key: bytes | None, incident_id: str, verdict: Any) -> str | None:
+    """None when `verdict` (read from `incident_id`'s incident.json) was signed with `key` for that incident;
+    else why not. Only a verdict that checks is acted on (agent/culprit.py); `trainguard incidents` shows it."""
+    return signed.check(key, VERDICT_PURPOSE, verdict, {"id": incident_id})
 
 
 def write_json(run_dir: str | os.PathLike, incident_id: str, name: str, data: Any) -> Path:
     return write_file(run_dir, incident_id, name, json.dumps(data, indent=1, sort_keys=True, default=str) + "\n")
+
+
+# ------------------------------------------------------------------------------ signed node evidence
+
+NODE_PURPOSE = "node-evidence/1"
+FILES = "files"        # a signed node file's digests of the rank files it vouches for: name -> sha256
+
+
+def host_key(key: bytes, host: str) -> bytes:
+    """The key one host's agent signs its evidence with, derived from the run's key: a signature proves the
+    host it was made for (a file renamed to another host's name does not check). Whoever holds the run's
+    key can derive any host's; a stranger, who holds none, can derive none."""
+    return hmac.new(key, b"trainguard-evidence-host/1\0" + host.encode(), hashlib.sha256).digest()
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def node_file(host: str) -> str:
+    return f"node-{host}.json"
+
+
+def sign_node(key: bytes, incident_id: str, host: str, signals: dict, files: dict[str, str],
+              key_id: str | None = None) -> dict:
+    """`signals` as the signed content of ``node-<host>.json``: bound to the incident and the host, with the
+    digests of the rank files the agent gathered."""
+    body = json.loads(json.dumps({**signals, "node": host, "incident": incident_id, FILES: files}, default=str))
+    return signed.sign(host_key(key, host), NODE_PURPOSE, body, key_id=key_id)
+
+
+def check_node(key: bytes | None, incident_id: str, host: str, record: Any) -> str | None:
+    """None when `record` (read from ``node-<host>.json`` of `incident_id`) was signed for that host and
+    incident; else why not (trainguard/signed.py's reasons)."""
+    if not isinstance(record, dict):
+        return signed.UNREADABLE
+    return signed.check(None if key is None else host_key(key, host), NODE_PURPOSE, record,
+                        {"node": host, "incident": incident_id})
 
 
 def validate(data: Any, where: str) -> dict:

@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
         if command == "list":
             return list_incidents(run_dir, args.json, key)
         if command == "show":
-            return show(run_dir, incident_id, args.json)
-        return replay(run_dir, incident_id, args.json)
+            return show(run_dir, incident_id, args.json, key.key)
+        return replay(run_dir, incident_id, args.json, key.key)
     except incidents.IncidentError as exc:
         print(f"trainguard incidents: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -123,19 +123,28 @@ def print_cordons(run_dir: Path, key) -> None:
                   f"its launcher joins the job anyway")
 
 
-def show(run_dir: Path, incident_id: str, as_json: bool) -> int:
+def show(run_dir: Path, incident_id: str, as_json: bool, key: bytes | None = None) -> int:
+    from trainguard import signed
+
     verdict = incidents.read(run_dir, incident_id)
     files = incidents.evidence(run_dir, incident_id)
+    refused = incidents.check_verdict(key, incident_id, verdict)
     if as_json:
-        print(json.dumps({**verdict, "evidence": [p.name for p in files]}, indent=1, sort_keys=True))
+        print(json.dumps({**verdict, "evidence": [p.name for p in files], "verdict_refused": refused},
+                         indent=1, sort_keys=True))
         return EXIT_OK
     print(f"incident {verdict['id']}  ({verdict['kind']}, detected by {verdict['detected_by']})")
+    if refused is not None:     # no agent acts on it (agent/culprit.py): say so before what it claims
+        print(f"NOT genuine: {signed.refusal_message(refused, 'this verdict')}; no agent acts on it")
     print(f"culprit:    {_culprit(verdict)}   confidence {verdict['confidence']:.2f}")
     print(f"action:     {verdict.get('action')}")
     print("reasons:")
     for reason in verdict["reasons"]:
         print(textwrap.fill(reason, 110, initial_indent="  - ", subsequent_indent="    "))
     print("evidence:   " + ", ".join(f"{p.name} ({p.stat().st_size} B)" for p in files))
+    for ignored in verdict.get("evidence_ignored") or ():
+        if isinstance(ignored, dict):
+            print(f"ignored:    {ignored.get('why')}")
     culprit_rank, healthy_rank = _pair(verdict, files)
     if culprit_rank is not None or healthy_rank is not None:
         print()
@@ -144,8 +153,10 @@ def show(run_dir: Path, incident_id: str, as_json: bool) -> int:
     return EXIT_OK
 
 
-def replay(run_dir: Path, incident_id: str | None, as_json: bool) -> int:
-    """Decide every incident (or one) again from its stored evidence and compare with the verdict."""
+def replay(run_dir: Path, incident_id: str | None, as_json: bool, key: bytes | None = None) -> int:
+    """Decide every incident (or one) again from its stored evidence and compare with the verdict. The same
+    evidence the live verdict may use: signed node files (checked with `key`) and the rank files they vouch
+    for; the rest is named (`ignored`), never decided on."""
     from trainguard.agent import evidence
     from trainguard.decide import culprit
 
@@ -153,16 +164,19 @@ def replay(run_dir: Path, incident_id: str | None, as_json: bool) -> int:
     results = []
     for one in ids:
         stored = incidents.read(run_dir, one)
-        again = culprit.decide(*evidence.load(run_dir, one))
+        loaded = evidence.load(run_dir, one, key)
+        again = culprit.decide(*loaded)
         same = (again.culprit or None) == (stored.get("culprit") or None) and \
             abs(again.confidence - stored["confidence"]) < 1e-9
         results.append({"id": one, "same": same, "stored": stored.get("culprit"), "replayed": again.culprit,
-                        "confidence": again.confidence})
+                        "confidence": again.confidence, "ignored": loaded.refused})
     if as_json:
         print(json.dumps(results, indent=1, sort_keys=True))
     else:
         for r in results:
             print(f"{r['id']:34} {'same' if r['same'] else 'DIFFERS'}  stored {r['stored']}  replayed {r['replayed']}")
+            for ignored in r["ignored"]:
+                print(f"  ignored: {ignored['why']}")
     return EXIT_OK if all(r["same"] for r in results) else EXIT_DIFFERS
 
 

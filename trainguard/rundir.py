@@ -2,17 +2,18 @@
 
     RUN/tls/rank-<r>.jsonl                 the trainer's TLS log per rank
     RUN/tls/node-<node>.jsonl              the agent's node log
-    RUN/tls/node-<node>-actions.jsonl      the agent's decisions and actions (agent/executor.py)
+    RUN/tls/node-<node>-actions.jsonl      the agent's decisions and actions, each record signed (agent/executor.py)
     RUN/checkpoints/step_<N>/              verified checkpoints (trainer/checkpoint/)
     RUN/checkpoints/status.json            the last save's outcome (trainer/checkpoint/manager.py writes it)
-    RUN/policy.yaml                        the run's policy, when no --policy is given (trainguard/policy.py)
+    RUN/policy.yaml                        the policy the run trains with, signed by rank 0 (trainguard/runpolicy.py)
+    RUN/policy.sig.json                    its signature: which bytes, which run, which key (trainguard/runpolicy.py)
     RUN/preflight.json                     `trainguard preflight`'s result (preflight/result.py)
     RUN/report.html                        `trainguard report` (trainguard/report/)
-    RUN/agent/offsets-<node>.json          the training collector's offsets and state (agent/collectors/training.py)
+    RUN/agent/offsets-<node>.json          the training collector's offsets and state, signed (agent/collectors/training.py)
     RUN/agent/webhook.token                the webhook's bearer token, when none is configured (agent/executor.py)
     RUN/agent/hosts/<host>.json            a pod host name an agent found among its node's processes (agent/procfs.py)
-    RUN/incidents/<id>/                    incidents and their evidence (trainguard/incidents.py)
-    RUN/control/actions.jsonl              requests: the agent writes (`append_request`), rank 0 reads (`Requests`)
+    RUN/incidents/<id>/                    incidents and their evidence, signed by the agents (trainguard/incidents.py)
+    RUN/control/actions.jsonl              requests, signed: the agent writes (`sign_request`, `append_request`), rank 0 reads (`Requests`, `check_request`)
     RUN/control/acked.jsonl                request ids the trainer handled (`append_ack`, `read_acked`)
     RUN/control/claims/<request id>        which agent carries out a job-level action (agent/claims.py, signed)
     RUN/control/claims/<id>.takeover-<g>-<tag>   a claim taken over from a claimant that did not finish
@@ -22,9 +23,11 @@
     RUN/control/launchers/<host>.json      each node's elastic launcher (trainer/launch.py)
     RUN/control/dump/<incident>.json       a Flight Recorder dump request (trainer/flight_recorder.py)
     RUN/control/faults-fired.jsonl         injected faults that already fired (trainer/faults.py)
-    RUN/control/stopped.json               the run stopped for good (protect/protector.py)
+    RUN/control/stopped.json               the run stopped for good, signed by rank 0 (protect/protector.py)
+    RUN/config.yaml                        what every worker trains with (trainer/cli.py; its digest on their command line)
 
-The layout is the on-disk contract of /work/shared/design.md ("Run directory"); every module asks here for a
+Who writes and reads each, how a reader knows it is genuine, and what a forged one does: docs/reliability.md,
+"Every file under RUN". The layout is the on-disk contract of /work/shared/design.md ("Run directory"); every module asks here for a
 path instead of spelling it. Files whose content another module owns (claims, cordons, launchers, dumps)
 get their path here and their content there. No torch, no psutil: the core, the agent and the trainer all
 import this module.
@@ -39,6 +42,8 @@ import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from trainguard import signed
 
 PathLike = str | os.PathLike
 CHECKPOINT_STATUS_FILE = "status.json"
@@ -74,10 +79,8 @@ def policy_path(run_dir: PathLike) -> Path:
     return Path(run_dir) / "policy.yaml"
 
 
-def run_policy(run_dir: PathLike) -> Path | None:
-    """RUN/policy.yaml when the run has one (else the caller's default policy applies)."""
-    path = policy_path(run_dir)
-    return path if path.exists() else None
+def policy_signature_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "policy.sig.json"
 
 
 def preflight_path(run_dir: PathLike) -> Path:
@@ -196,11 +199,33 @@ def read_checkpoint_status(run_dir: PathLike) -> dict | None:
 
 # ----------------------------------------------------------------- RUN/control/actions.jsonl (requests)
 
+REQUEST_PURPOSE = "control-request/1"
+
+
 def request(action: str, request_id: str, *, alertname: str = "", reason: str = "",
             issued_at: float | None = None) -> dict:
-    """One control request, as the agent writes it and the trainer reads it."""
+    """One control request, as the agent writes it (signed: `sign_request`) and the trainer reads it."""
     return {"id": request_id, "action": action, "alertname": alertname, "reason": reason,
             "issued_at": time.time() if issued_at is None else issued_at}
+
+
+def run_name(run_dir: PathLike) -> str:
+    """The name a signed request or policy is bound to: the run directory's own name (the same on every node
+    that mounts the shared run directory, wherever it is mounted)."""
+    return Path(os.path.abspath(run_dir)).name
+
+
+def sign_request(key: bytes, entry: dict, run_dir: PathLike, *, by: str, key_id: str | None = None) -> dict:
+    """`entry` signed with the run's key (trainguard/signed.py, purpose ``control-request/1``), bound to this
+    run's name and saying who issued it (``agent:<node>``, ``human:<user>``): only a key holder can make the
+    trainer act; a signed request copied from a run of another name is refused."""
+    return signed.sign(key, REQUEST_PURPOSE, {**entry, "run": run_name(run_dir), "by": by}, key_id=key_id)
+
+
+def check_request(key: bytes | None, entry: object, run_dir: PathLike) -> str | None:
+    """None when `entry` is a request signed with `key` for this run; else why it is refused
+    (trainguard/signed.py's reasons)."""
+    return signed.check(key, REQUEST_PURPOSE, entry, {"run": run_name(run_dir)})
 
 
 def append_request(run_dir: PathLike, entry: dict) -> bool:
@@ -284,36 +309,56 @@ class Requests:
         raise LookupError(f"{self.path}:{lineno}: no such line")
 
 
-def read_requests(run_dir: PathLike) -> list[dict]:
-    """Every readable request of the run (a torn or malformed line is skipped, as the trainer skips it)."""
+def read_requests(run_dir: PathLike, key: bytes | None = None, *, signed_only: bool = False) -> list[dict]:
+    """Every readable request of the run (a torn or malformed line is skipped, as the trainer skips it).
+    With `signed_only`, only those signed with `key` for this run: the ones the trainer acts on."""
     requests = []
     for _, raw in Requests(run_dir).new_lines():
         try:
             entry = json.loads(raw)
         except ValueError:
             continue
-        if isinstance(entry, dict) and entry.get("action"):
-            requests.append(entry)
+        if not (isinstance(entry, dict) and entry.get("action")):
+            continue
+        if signed_only and check_request(key, entry, run_dir) is not None:
+            continue
+        requests.append(entry)
     return requests
 
 
 # ------------------------------------------------------------------------- RUN/control/acked.jsonl
 
-def read_acked(run_dir: PathLike) -> set[str]:
-    """The ids of the requests the trainer already handled."""
+ACK_PURPOSE = "control-ack/1"
+
+
+def read_acked(run_dir: PathLike, key: bytes | None = None) -> set[str]:
+    """The ids of the requests the trainer already handled: the acknowledgements rank 0 signed with `key` for
+    this run (one anyone else appended would keep a genuine request with that id from being acted on; a
+    garbage line is skipped, never a crash at start)."""
     try:
-        text = acked_path(run_dir).read_text()
+        text = acked_path(run_dir).read_bytes()
     except FileNotFoundError:
         return set()
-    return {json.loads(line)["id"] for line in text.splitlines() if line.strip()}
+    acked = set()
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if signed.check(key, ACK_PURPOSE, entry, {"run": run_name(run_dir)}) is None:
+            acked.add(str(entry.get("id")))
+    return acked
 
 
-def append_ack(run_dir: PathLike, request_id: str, action: str, step: int) -> None:
-    """Remember that a request was handled (one O_APPEND write), so a restarted run does not handle it again."""
-    line = json.dumps({"id": request_id, "action": action, "step": step, "time": time.time()})
+def append_ack(run_dir: PathLike, request_id: str, action: str, step: int, key: bytes | None = None) -> None:
+    """Remember that a request was handled (one O_APPEND write, signed with `key`), so a restarted run does not
+    handle it again."""
+    entry = {"id": request_id, "action": action, "step": step, "time": time.time(), "run": run_name(run_dir)}
+    if key is not None:
+        entry = signed.sign(key, ACK_PURPOSE, entry)
     fd = os.open(acked_path(run_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, (line + "\n").encode())
+        os.write(fd, (json.dumps(entry) + "\n").encode())
     finally:
         os.close(fd)
 

@@ -108,7 +108,7 @@ def run_full_stack_demo(run_dir: Path, steps: int) -> int:
     except MissingBinary as exc:
         demo.say(str(exc))
         return 2
-    policy_path = rundir.policy_path(run_dir)   # the agent reads RUN/policy.yaml too
+    policy_path = rundir.policy_path(run_dir)   # the trainer signs it there (trainguard/runpolicy.py)
     policy_path.write_text(yaml.safe_dump(DEMO_POLICY))
     token_file = rundir.webhook_token_path(run_dir)
     token_file.parent.mkdir(parents=True, exist_ok=True)
@@ -118,7 +118,7 @@ def run_full_stack_demo(run_dir: Path, steps: int) -> int:
     port = demo.free_port()
     agent_address = f"127.0.0.1:{port}"
     services: list[Service] = []
-    agent = demo.start_agent(run_dir, port)
+    agent = demo.start_agent(run_dir, port, "--policy", str(policy_path))   # given, not read unsigned from RUN/
     try:
         servers = run_dir / "servers"
         rule_files = rules.write(servers / "rules", load_policy(policy_path))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from trainguard import log as tglog
 from trainguard import policy as tgpolicy
-from trainguard import rundir, tls
+from trainguard import rundir, signed, tls
 from trainguard.agent.collector import Collector, CollectorDisabled, Context, Sample, register
 from trainguard.agent.collectors.options import options
 from trainguard.agent.cost_feed import CostFeed
@@ -32,9 +32,11 @@ from trainguard.decide.cost import CostMeter
 from trainguard.decide.straggler import StragglerBoard
 from trainguard.metrics import training as training_families
 from trainguard.metrics.training_state import TrainingState
+from trainguard.trainer import cordon_key
 
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
 STATE_VERSION = 1
+OFFSETS_PURPOSE = "agent-offsets/1"     # RUN/agent/offsets-<node>.json, signed with the run's checkpoint key
 MAX_ERRORS_LOGGED = 20          # per update; the counter has them all
 CHECKPOINT_RESCAN_SECONDS = 30.0   # RUN/checkpoints listed at least this often even when its mtime holds
 
@@ -54,6 +56,10 @@ class TrainingCollector(Collector):
         self.node_files = NodeFiles(self.run_dir, ctx.node)   # a shared run directory: this node's ranks only
         self.follower = Follower(rundir.tls_dir(self.run_dir), "rank-*.jsonl", select=self.node_files)
         self.offsets_path = rundir.offsets_path(self.run_dir, ctx.node)
+        # The saved state holds the cost meter's: a forged one could make the agent issue every cost tier, so
+        # it is signed with the run's checkpoint key and one that does not check is not resumed from.
+        self.key = cordon_key.signing_key(ctx.checkpoint_key_file, create=True)[0]
+        self.bound = {"node": ctx.node, "run": rundir.run_name(self.run_dir)}
         self.state = TrainingState()
         opts = options(ctx.options, self.name, policy=None, save_every_seconds=5.0,
                        checkpoint_rescan_seconds=CHECKPOINT_RESCAN_SECONDS, per_rank=True)
@@ -68,9 +74,12 @@ class TrainingCollector(Collector):
 
     # ---------------------------------------------------------------------------------- persistence
 
-    def _cost_meter(self, policy_path) -> CostMeter:
-        path = policy_path or rundir.run_policy(self.run_dir)
-        return CostMeter(tgpolicy.load(path).cost)
+    def _cost_meter(self, policy) -> CostMeter:
+        """The collector's own ``policy`` option (a file), else the agent's policy (never RUN/policy.yaml
+        unchecked: agent/runner.py `choose_policy`)."""
+        if isinstance(policy, tgpolicy.Policy):
+            return CostMeter(policy.cost)
+        return CostMeter(tgpolicy.load(policy).cost)
 
     def _restore(self) -> bool:
         try:
@@ -79,6 +88,11 @@ class TrainingCollector(Collector):
             self.log.error("offsets file unreadable; following from the start", error=str(exc))
             return False
         if not saved or saved.get("version") != STATE_VERSION:
+            return False
+        refused = signed.check(self.key, OFFSETS_PURPOSE, saved, self.bound)
+        if refused is not None:
+            self.log.error(signed.refusal_message(refused, f"the offsets file {self.offsets_path}") +
+                           "; following from the start", reason=refused)
             return False
         self.follower.restore(saved.get("files") or {})
         self.state = TrainingState.from_dict(saved.get("state") or {})
@@ -89,7 +103,9 @@ class TrainingCollector(Collector):
 
     def _save(self) -> None:
         payload = {"version": STATE_VERSION, "saved_at": time.time(), "files": self.follower.state(),
-                   "state": self.state.to_dict(), **self.cost.state_dict()}
+                   "state": self.state.to_dict(), **self.cost.state_dict(), **self.bound}
+        if self.key is not None:
+            payload = signed.sign(self.key, OFFSETS_PURPOSE, payload)
         save_json_atomic(self.offsets_path, payload)
         self._unsaved, self._saved_at = False, time.monotonic()
 

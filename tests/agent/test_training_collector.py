@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from trainguard import tls
+from trainguard import rundir, tls
 from trainguard.agent.collector import CollectorDisabled, Context
 from trainguard.agent.collectors.training import TrainingCollector
 
@@ -171,12 +171,15 @@ def test_state_survives_a_restart_with_nothing_new(run_dir):
     assert get(values, "trainguard_training_steps_total", run_id="gpt", rank="0") == 1
 
 
-def test_cost_state_and_decisions(run_dir):
-    policy = run_dir / "policy.yaml"
+TINY_BUDGET = "cost: {price_per_gpu_hour: 100.0, budget_per_1k_steps: 100.0, min_steps: 5, window_steps: 10}\n"
+
+
+def test_cost_state_and_decisions(run_dir, tmp_path):
+    policy = tmp_path / "agent-policy.yaml"       # the agent's own (its config's), not one found in RUN/
     # 8 GPUs at $100/h, one step per second: $222 per 1000 steps against a budget of $100 -> every tier.
-    policy.write_text("cost: {price_per_gpu_hour: 100.0, budget_per_1k_steps: 100.0, min_steps: 5, window_steps: 10}\n")
+    policy.write_text(TINY_BUDGET)
     decisions = []
-    source = collector(run_dir, on_decision=decisions.append)
+    source = collector(run_dir, on_decision=decisions.append, policy=str(policy))
     with tls.Writer(run_dir / "tls" / "rank-0.jsonl") as writer:
         for step in range(1, 31):
             writer.write(step_record(step, 0))
@@ -188,11 +191,24 @@ def test_cost_state_and_decisions(run_dir):
     assert get(values, "trainguard_cost_billable_gpus", **run) == 8
     assert get(values, "trainguard_cost_overrun_ratio", **run) > 1
     assert [d.action for d in decisions] == ["cost_warn", "cost_throttle", "cost_stop"]
-    restarted = collector(run_dir, on_decision=decisions.append)   # the tiers that fired are remembered
+    restarted = collector(run_dir, on_decision=decisions.append, policy=str(policy))   # fired tiers are remembered
     with tls.Writer(run_dir / "tls" / "rank-0.jsonl") as writer:
         writer.write(step_record(31, 0))
     restarted.update()
     assert len(decisions) == 3
+
+
+def test_a_policy_planted_in_the_run_directory_decides_nothing(run_dir):
+    """Issue 29 High 5: a RUN/policy.yaml with a tiny budget, dropped by anyone who can write the run directory,
+    made the agent issue all three cost tiers (the trainer stopped at step 23 of 400). Unsigned, it is not used."""
+    rundir.policy_path(run_dir).write_text(TINY_BUDGET)
+    decisions = []
+    source = collector(run_dir, on_decision=decisions.append)
+    with tls.Writer(run_dir / "tls" / "rank-0.jsonl") as writer:
+        for step in range(1, 31):
+            writer.write(step_record(step, 0))
+    values = samples(source.update())
+    assert decisions == [] and get(values, "trainguard_cost_tier", run_id="gpt") == 0
 
 
 def test_tls_fragment_for_the_node_record(run_dir):
@@ -259,3 +275,21 @@ def test_checkpoints_are_listed_again_only_when_the_folder_changes_or_at_the_res
     assert lister.newest()[1] == 20 and len(listings) == 2
     now[0] += 30
     assert lister.newest()[1] == 30 and len(listings) == 3          # ... is found at the rescan
+
+
+def test_saved_state_that_does_not_prove_itself_is_not_resumed_from(run_dir):
+    """RUN/agent/offsets-<node>.json holds the cost meter's state: a forged one (the spend of a run ten times
+    over, tiers already fired) decided the agent's cost tiers after its restart. It is signed now."""
+    with tls.Writer(run_dir / "tls" / "rank-0.jsonl") as writer:
+        writer.write(step_record(1, 0, loss=1.25))
+    first = collector(run_dir)
+    first.update()
+    first.close()
+    saved = json.loads(rundir.offsets_path(run_dir, "node-a").read_text())
+    assert collector(run_dir).restored                                    # its own, signed: resumed
+    forged = {k: v for k, v in saved.items() if k not in ("signature", "key_id")}
+    forged["cost"] = {**forged["cost"], "cost_usd": 1e9, "fired": ["cost_warn"]}
+    rundir.offsets_path(run_dir, "node-a").write_text(json.dumps(forged))
+    assert not collector(run_dir).restored                                # unsigned: followed from the start
+    rundir.offsets_path(run_dir, "node-a").write_text(json.dumps({**saved, "cost": forged["cost"]}))
+    assert not collector(run_dir).restored                                # changed since signed

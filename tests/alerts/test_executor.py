@@ -8,6 +8,7 @@ import pytest
 
 from tests.alerts.helpers import read_jsonl
 from tests.alerts.ranks import STANDIN, Ranks, alive, rewrite
+from tests import signing
 from trainguard import actions
 from trainguard import rundir
 from trainguard.agent.executor import EventLog, Executor, request_id
@@ -62,14 +63,16 @@ def test_a_decision_is_on_disk_before_its_action_and_names_the_alert(tmp_path):
     assert action_event["type"] == "action" and action_event["alertname"] == "LossSpike"
     assert action_event["outcome"] == "issued" and action_event["appended"] is True
     [request] = requests(tmp_path)
-    assert request == {"id": request_id(verdict), "action": "rollback", "alertname": "LossSpike",
-                       "reason": "LossSpike", "issued_at": request["issued_at"]}
+    assert {k: v for k, v in request.items() if k not in ("signature", "key_id")} == {
+        "id": request_id(verdict), "action": "rollback", "alertname": "LossSpike", "reason": "LossSpike",
+        "issued_at": request["issued_at"], "run": tmp_path.name, "by": "agent:n1"}
+    assert rundir.check_request(signing.key(), request, tmp_path) is None     # signed: the trainer acts on it
 
 
 def test_the_trainer_control_channel_reads_what_the_executor_writes(tmp_path):
     Executor(tmp_path, "n1", Ledger()).submit(
         [notice("CostBudgetWarn", actions.COST_WARN, "c1"), notice("CostBudgetThrottle", actions.COST_THROTTLE, "c2")])
-    channel = ControlChannel(tmp_path, rank=0)
+    channel = ControlChannel(tmp_path, rank=0, key=signing.key())
     codes = [channel.poll()[0] for _ in range(3)]
     assert codes == [2, 3, 0]     # cost_warn, cost_throttle, then nothing
 
@@ -196,7 +199,25 @@ def test_verdicts_and_actions_are_counted_for_metrics(tmp_path):
 
 
 def test_event_log_fsyncs_whole_records(tmp_path):
-    log = EventLog(tmp_path / "x.jsonl")
+    log = EventLog(tmp_path / "x.jsonl", b"k" * 32, "n1")
     log.append([{"timestamp": 1.0, "event": {"type": "alert", "key": "k"}}])
     log.append([])
     assert [e["key"] for e in log.events()] == ["k"]
+
+
+def test_a_decision_appended_to_the_actions_log_by_anyone_else_is_not_redone(tmp_path):
+    """Issue 29: recover() redoes what the log says was decided and not done. A stranger's line there (a
+    cost_stop "decided before a restart") was carried out at the agent's next start, signed by the agent."""
+    Executor(tmp_path, "n1", Ledger()).submit([notice("CostBudgetWarn", actions.COST_WARN, "c1")])
+    forged = {"timestamp": 1.0, "node": "n1", "event": {
+        "type": "alert", "alertname": "CostBudgetStop", "status": "firing", "outcome": "act", "action": "cost_stop",
+        "requested": "cost_stop", "key": "embedded:cost_stop", "source": "embedded", "reason": "over budget",
+        "request_id": "cost-cost_stop", "decided_at": 1.0}}
+    with open(tmp_path / "tls" / "node-n1-actions.jsonl", "a") as handle:
+        handle.write(json.dumps(forged) + "\n")
+    restarted = Executor(tmp_path, "n1", Ledger())
+    assert [r["action"] for r in requests(tmp_path)] == ["cost_warn"]          # no cost_stop issued
+    assert restarted.records.refused == {"unsigned": 1}
+    families = {f.name: f for f in restarted.families()}
+    assert [(s.labels, s.value) for s in families["trainguard_action_records_refused"].samples] == \
+        [({"reason": "unsigned"}, 1.0)]

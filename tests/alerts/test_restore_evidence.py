@@ -41,6 +41,7 @@ def start_agent(tmp_path, run):
     (run / "policy.yaml").write_text("restore: {evidence_seconds: 1}\n")
     config = tmp_path / "agent.yaml"
     config.write_text(yaml.safe_dump({"run_dir": str(run), "node": "n1", "nodelog": {"enabled": False},
+                                      "policy": str(run / "policy.yaml"),     # its own: an unsigned RUN/ one is not
                                       "webhook": {"token_file": str(token), "embedded": False,
                                                   "restore_entry_points": [STANDIN]}}))
     address = f"127.0.0.1:{free_port()}"

@@ -77,7 +77,7 @@ def test_the_issues_sleep_900_through_the_cli_agent_is_refused_counted_and_never
                                              '"step":1,"metrics":{"loss":1,"grad_norm":1}}\n' % time.time())
     (run / "policy.yaml").write_text("alerts: {stall_seconds: 1}\n")
     port = demo.free_port()
-    agent = demo.start_agent(run, port)
+    agent = demo.start_agent(run, port, "--policy", str(run / "policy.yaml"))   # its own: RUN/'s is not signed
     try:
         deadline = time.time() + 60
         log = run / "tls" / f"node-{HOST}-actions.jsonl"

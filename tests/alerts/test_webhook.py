@@ -1,6 +1,7 @@
 """The webhook: strict validation of Alertmanager's v4 payload, the token, and what reaches the executor."""
 
 import json
+import os
 import threading
 
 import pytest
@@ -88,7 +89,7 @@ def test_a_valid_alert_acts_and_is_recorded_before_the_reply(hook, run_dir):
                                      "action": "rollback", "shadow": False}]
     [request] = control_requests(run_dir)
     assert request["action"] == "rollback" and request["alertname"] == "LossSpike"
-    assert set(request) == {"id", "action", "alertname", "reason", "issued_at"}
+    assert set(request) == {"id", "action", "alertname", "reason", "issued_at", "run", "by", "key_id", "signature"}
     events = [r["event"] for r in read_jsonl(run_dir / "tls" / "node-n1-actions.jsonl")]
     assert [e["type"] for e in events] == ["alert", "action"]
     assert events[0]["request_id"] == events[1]["id"] == request["id"]
@@ -166,6 +167,19 @@ def test_a_token_file_others_can_read_is_refused(tmp_path):
         load_token(path)
     path.chmod(0o600)
     assert load_token(path) == b"s3cret"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_token_file_planted_by_another_user_is_refused(tmp_path):
+    """Issue 29: the default token lives in RUN/agent/; a stranger who can write the run directory planted
+    one they knew before the agent's first start, then could post any alert to the webhook."""
+    path = tmp_path / "agent" / "webhook.token"
+    path.parent.mkdir()
+    path.write_text("the-strangers-token\n")
+    path.chmod(0o600)
+    os.chown(path, 12345, 12345)
+    with pytest.raises(ValueError, match="belongs to uid 12345, not to this agent's user"):
+        load_token(path, create=True)
 
 
 def test_an_empty_token_file_is_an_error(tmp_path):

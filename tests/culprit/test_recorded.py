@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -14,33 +15,55 @@ from trainguard import incidents, tls
 from trainguard.agent import evidence
 from trainguard.decide import culprit
 from trainguard.decide.stall import stall_actions
+from trainguard.trainer.checkpoint import keys
 
 RECORDED = Path(__file__).parent / "recorded"
 SCENARIOS = {"hang-evict": ("n2", 1), "hang-evict-off": ("n2", 1), "all-in-collective": (None, None),
              "xid-node": ("n1", 0)}
 
 
+@pytest.fixture
+def key(tmp_path, monkeypatch) -> bytes:
+    path = tmp_path / "keys" / "checkpoint.key"
+    monkeypatch.setenv(keys.ENV_VAR, str(path))
+    return keys.load_key(path, create=True)
+
+
+def signed_copy(scenario: str, into: Path, key: bytes) -> Path:
+    """The recorded run with its node files signed as its agents sign them today (they were recorded before
+    evidence was signed: as recorded, the verdict uses none of it)."""
+    run = into / scenario
+    shutil.copytree(RECORDED / scenario, run)
+    for folder in incidents.incidents_dir(run).iterdir():
+        for path in folder.glob("node-*.json"):
+            host, signals = path.name[len("node-"):-len(".json")], json.loads(path.read_text())
+            files = evidence.vouched(run, folder.name, [int(r) for r in signals.get("ranks") or {}])
+            path.write_text(json.dumps(incidents.sign_node(key, folder.name, host, signals, files)))
+    return run
+
+
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-def test_a_recorded_incident_is_decided_again_to_the_same_verdict(scenario):
-    run = RECORDED / scenario
-    [(incident_id, stored, problem)] = list(incidents.scan(run))
+def test_a_recorded_incident_is_decided_again_to_the_same_verdict(scenario, tmp_path, key):
+    as_recorded = RECORDED / scenario
+    [(incident_id, stored, problem)] = list(incidents.scan(as_recorded))
     assert problem is None
-    again = culprit.decide(*evidence.load(run, incident_id))
+    assert evidence.load(as_recorded, incident_id, key).nodes == []     # unsigned: decides nothing
+    again = culprit.decide(*evidence.load(signed_copy(scenario, tmp_path, key), incident_id, key))
     assert again.culprit == stored["culprit"] and again.confidence == stored["confidence"]
     node, rank = SCENARIOS[scenario]
     assert (again.node, again.ranks[0] if again.ranks else None) == (node, rank)
 
 
-def test_the_incidents_replay_command_agrees_on_every_recorded_incident(capsys):
+def test_the_incidents_replay_command_agrees_on_every_recorded_incident(capsys, tmp_path, key):
     from trainguard.cli import main
 
     first, *others = SCENARIOS
-    done = subprocess.run([TRAINGUARD, "incidents", "replay", str(RECORDED / first), "--json"],
+    done = subprocess.run([TRAINGUARD, "incidents", "replay", str(signed_copy(first, tmp_path, key)), "--json"],
                           capture_output=True, text=True, timeout=60)      # the installed command, once
     assert done.returncode == 0, done.stderr
-    assert all(r["same"] for r in json.loads(done.stdout))
+    assert all(r["same"] and r["ignored"] == [] for r in json.loads(done.stdout))
     for scenario in others:                                                # the same command in this process
-        assert main(["incidents", "replay", str(RECORDED / scenario), "--json"]) == 0
+        assert main(["incidents", "replay", str(signed_copy(scenario, tmp_path, key)), "--json"]) == 0
         assert all(r["same"] for r in json.loads(capsys.readouterr().out))
 
 

@@ -90,7 +90,7 @@ class Stack:
         config_path.write_text(yaml.safe_dump(config))
         log_path = self.tmp / f"agent-{node}.log"
         cmd = [TRAINGUARD, "agent", "--run-dir", str(self.run_dir), "--listen", address, "--node", node,
-               "--config", str(config_path), "--collectors", "training,host"]
+               "--config", str(config_path), "--collectors", "training,host", "--policy", str(self.policy_path)]
         server = spawn(cmd, url=f"http://{address}", ready_url=f"http://{address}/healthz", log_path=log_path,
                        env={**os.environ, "TRAINGUARD_LOG_JSON": "1"})
         if wait:
@@ -201,7 +201,7 @@ def read_records(path: Path) -> list[dict]:
 def stack(tmp_path: Path, policy: dict | None = None):
     run_dir = tmp_path / "run"
     (run_dir / "tls").mkdir(parents=True)
-    policy_path = run_dir / "policy.yaml"      # the agent's cost meter reads RUN/policy.yaml too
+    policy_path = run_dir / "policy.yaml"      # given to the agent and the trainer (the trainer signs it there)
     policy_path.write_text(yaml.safe_dump(merge(BASE_POLICY, policy or {})))
     token_file = tmp_path / "webhook.token"
     token_file.write_text("e2e-" + os.urandom(16).hex() + "\n")

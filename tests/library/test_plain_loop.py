@@ -14,7 +14,7 @@ import yaml
 
 from tests.trainer.helpers import events, step_records
 from trainguard.trainer.checkpoint import CheckpointManager
-from trainguard import rundir
+from tests import signing
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "library.md"
 GUARD = dict(spike_min_steps=10, spike_window=64, grad_min_steps=10, rollback_after=3, rollback_window=10,
@@ -36,7 +36,7 @@ def request_when_step_written(run: Path, step: int, action: str) -> threading.Th
         path, deadline = run / "tls" / "rank-0.jsonl", time.time() + 120
         while time.time() < deadline:
             if path.exists() and f'"step":{step},"metrics"' in path.read_text():
-                rundir.append_request(run, rundir.request(action, "s1", alertname="CostBudgetStop", reason="budget spent"))
+                signing.append(run, action, "s1", alertname="CostBudgetStop", reason="budget spent")
                 return
             time.sleep(0.002)
 

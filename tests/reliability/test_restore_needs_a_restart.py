@@ -30,7 +30,7 @@ def start(run, *flags):
     run.mkdir(parents=True)
     (run / "policy.yaml").write_text("alerts: {stall_seconds: 4}\n")
     port = demo.free_port()
-    agent = demo.start_agent(run, port)
+    agent = demo.start_agent(run, port, "--policy", str(run / "policy.yaml"))   # its own, as the docs say
     command = [sys.executable, "-m", "trainguard.cli", "train", "--run-dir", str(run), "--device", "cpu",
                "--steps", "12", "--checkpoint-every", "4", "--nproc", "2", "--inject", "hang@6",
                "--policy", str(run / "policy.yaml"), *flags]

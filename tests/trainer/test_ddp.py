@@ -8,7 +8,7 @@ import pytest
 
 from tests.trainer.helpers import events, records, step_records, train_subprocess, write_policy
 from tests.trainer.test_guard_hook import GUARD
-from trainguard import rundir
+from tests import signing
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 def test_two_ranks_agree_on_every_global_value_and_act_together(tmp_path):
     run = tmp_path / "run"
     policy = write_policy(tmp_path / "policy.yaml", **GUARD)
-    rundir.append_request(run, rundir.request("cost_throttle", "t1", alertname="CostBudgetThrottle"))
+    signing.append(run, "cost_throttle", "t1", alertname="CostBudgetThrottle")
     faults = ["nan@5", "spike@23", "spike@24", "spike@25"]
     result = train_subprocess(run, "--nproc", "2", "--steps", "30", "--checkpoint-every", "10",
                               "--policy", str(policy), *sum((["--inject", f] for f in faults), []))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from tests.trainer.helpers import events, final_losses, step_records, train, write_policy
@@ -79,3 +81,45 @@ def test_rollback_limit_stops_the_run_and_a_restart_refuses(tmp_path):
     assert (run / "control" / "stopped.json").exists()
     assert train(run, *flags) == 3                      # restarted workers do not loop
     assert len(events(run, "run_start")) == 1
+
+
+def test_a_stop_marker_anyone_wrote_stops_nothing(tmp_path, capsys):
+    """Issue 29: RUN/control/stopped.json keeps every restarted worker from starting; a stranger's copy (or one
+    of another run) did the same. Only the marker rank 0 signed is honoured; another is named and recorded."""
+    from trainguard.cli import main
+
+    run = tmp_path / "run"
+    (run / "control").mkdir(parents=True)
+    (run / "control" / "stopped.json").write_text(json.dumps({"step": 1, "reason": "rollback_limit"}))
+    assert train(run, "--steps", "3") == 0
+    (refused,) = events(run, "stop_marker_refused")
+    assert refused["reason"] == "unsigned" and events(run, "run_end")[-1]["reason"] == "completed"
+    capsys.readouterr()
+    main(["status", str(run)])
+    assert "stop marker NOT honoured (unsigned): the run started anyway" in capsys.readouterr().out
+
+
+def test_a_worker_refuses_a_config_changed_after_the_launcher_wrote_it(tmp_path):
+    """Issue 29: every rank re-reads RUN/config.yaml at each restart; whoever could write it chose what the
+    run trained with (the steps, the LR, the policy file). Workers now get the launcher's digest of it."""
+    import argparse
+    import hashlib
+    import subprocess
+    import sys
+
+    from trainguard.trainer import cli
+
+    run = tmp_path / "run"
+    assert train(run, "--steps", "1") == 0
+    config = run / "config.yaml"
+    digest = hashlib.sha256(config.read_bytes()).hexdigest()
+    parser = argparse.ArgumentParser()
+    cli.add_config_arguments(parser)
+    as_written = cli.build_config(parser.parse_args(["--run-dir", str(run), "--config", str(config)]))
+    assert cli.config_digest(as_written) == digest                 # what a worker reads back checks
+    config.write_text(config.read_text().replace("steps: 1\n", "steps: 2\n"))
+    assert "steps: 2\n" in config.read_text()
+    worker = [sys.executable, "-m", "trainguard.trainer.train", "--run-dir", str(run), "--config", str(config),
+              "--config-sha256", digest]
+    refused = subprocess.run(worker, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "changed after the launcher wrote it" in refused.stderr, refused.stderr

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from trainguard.progress import Progress
 from trainguard import policy as tgpolicy
-from trainguard import tls
+from trainguard import rundir, runpolicy, tls
 from trainguard.replay import dynamics, expect, rules, source
 from trainguard.replay.timeline import DEFAULT_SCRAPE_INTERVAL, Result, replay_logs
 
@@ -23,7 +25,12 @@ MALFORMED_SHOWN = 20
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="LOG_OR_RUN_DIR",
                         help="TLS logs (.jsonl, .jsonl.gz, .jsonl.zst) or run directories (their tls/ logs)")
-    parser.add_argument("--policy", metavar="FILE", help="policy YAML (default: the built-in policy)")
+    parser.add_argument("--policy", metavar="FILE",
+                        help="policy YAML (default: the run's own RUN/policy.yaml when its signature checks with "
+                             "the run's checkpoint key, else the built-in policy; which one is printed)")
+    parser.add_argument("--key-file", metavar="FILE",
+                        help="the run's checkpoint key, to check the run's policy with (default: where "
+                             "`trainguard train` looks for it)")
     parser.add_argument("--rules", metavar="DIR",
                         help="evaluate these Prometheus alert rules (e.g. alerts/) over the recorded series with "
                              "promtool")
@@ -41,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        policy = tgpolicy.load(args.policy)
+        chosen = choose_policy(args.inputs, args.policy, getattr(args, "key_file", None))
+        policy = chosen.policy
+        print(f"trainguard replay: policy: {chosen.describe()}", file=sys.stderr)
         expected = expect.load(args.expect) if args.expect else None
         options = expected.replay if expected is not None else {}
         scrape_interval = _first(args.scrape_interval, options.get("scrape_interval"), DEFAULT_SCRAPE_INTERVAL)
@@ -67,6 +76,25 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {line}", file=sys.stderr)
         return 1
     return 0
+
+
+def choose_policy(inputs: list[str], given: str | None, key_file: str | None) -> runpolicy.Choice:
+    """`--policy`, else the replayed run's own signed policy (one run directory among the inputs), else the
+    defaults; a policy file that cannot be authenticated decides nothing here either (trainguard/runpolicy.py)."""
+    if given is not None:
+        return runpolicy.choose(None, given, None)
+    runs = sorted({rundir.run_dir_of(path).resolve() for path in map(Path, inputs) if path.is_dir()})
+    if len(runs) != 1:
+        return runpolicy.Choice(tgpolicy.Policy(), None, "no run directory given" if not runs else
+                                "several run directories given: pass --policy")
+    if not os.path.lexists(rundir.policy_path(runs[0])):
+        return runpolicy.choose(runs[0], None, None)
+    from trainguard.cordon_cli import run_key
+
+    key, where = run_key(key_file)
+    if key is None and key_file is not None:
+        raise OSError(f"--key-file {key_file}: {where}")
+    return runpolicy.choose(runs[0], None, key, where)
 
 
 def _first(*values):

@@ -183,6 +183,13 @@ def _needs_a_human(status: Status, ts: float, event: dict) -> None:
         status.attention.append(f"{_clock(ts)}  cordon of {event.get('host')} NOT honoured ({event.get('reason')}): "
                                 f"the node joined the job (ignored {event.get('ignored_total')} time(s)); "
                                 f"{event.get('why', '')}")
+    if event["type"] == "control_refused":     # trainer/control.py: a request that did not prove who wrote it
+        status.attention.append(f"{_clock(ts)}  control request {event.get('id')} ({event.get('action')}) REFUSED: "
+                                f"{event.get('reason')}, not acted on ({event.get('refused_total')} refused so far); "
+                                f"{event.get('why', '')}")
+    if event["type"] == "stop_marker_refused":   # protect/protector.py: a stop marker rank 0 did not sign
+        status.attention.append(f"{_clock(ts)}  stop marker NOT honoured ({event.get('reason')}): the run started "
+                                f"anyway; {event.get('why', '')}")
     if event["type"] == "action" and event.get("refused"):
         reasons = sorted({str(r.get("reason")) for r in event["refused"] if isinstance(r, dict)})
         status.attention.append(f"{_clock(ts)}  restore refused to end {len(event['refused'])} process(es) "

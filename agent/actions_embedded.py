@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from trainguard import rundir
+from trainguard import rundir, safe_read
 from trainguard import actions
 from trainguard import log as tglog
 from trainguard.agent import restore
@@ -150,10 +150,10 @@ def rank_progress(path: Path) -> tuple[int | None, float | None, float | None]:
     """(step, timestamp, ended_at) from the tail of a rank's TLS log: the newest step record, and when a
     ``run_end`` or ``stop`` event came after it (the rank is leaving: not a stall), else None."""
     try:
-        with open(path, "rb") as handle:
+        with safe_read.open_file(path, what="log file") as handle:
             size = handle.seek(0, os.SEEK_END)
             handle.seek(max(0, size - TAIL_BYTES))
-            lines = handle.read().splitlines()
+            lines = handle.read(TAIL_BYTES).splitlines()
     except FileNotFoundError:
         return None, None, None
     ended_at = None

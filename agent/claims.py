@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import psutil
 
-from trainguard import rundir, signed
+from trainguard import rundir, safe_read, signed
 from trainguard.decide import leader
 
 PURPOSE = "claim/1"
@@ -202,7 +202,7 @@ class Claims:
     def _read(self, path: Path) -> Any:
         for _ in range(READ_ATTEMPTS):
             try:
-                return json.loads(path.read_bytes()[:65536])
+                return safe_read.read_json(path, safe_read.CONTROL_BYTES, "claim")
             except FileNotFoundError:
                 return None
             except (OSError, ValueError):

@@ -9,6 +9,7 @@ builds every part from the config and runs them.
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 from pathlib import Path
 
@@ -105,6 +106,11 @@ def check_run_dir(run_dir, create: bool) -> str | None:
         return None
     path = Path(run_dir)
     if path.is_dir():
+        if not os.access(path, os.W_OK | os.X_OK):
+            # The agent writes its node log, its actions, its offsets and the incidents there: on a read-only
+            # run directory it would watch, decide and record nothing, and say so only in errors later.
+            return f"--run-dir {path}: not writable (a read-only filesystem or no permission): the agent " \
+                   f"writes its node log, actions and incidents there"
         return None
     if path.exists():
         return f"--run-dir {path}: not a directory"

@@ -25,7 +25,6 @@ incident, in the run directory they share:
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -34,7 +33,7 @@ from typing import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from trainguard import rundir
+from trainguard import rundir, safe_read
 from trainguard import incidents
 from trainguard import log as tglog
 from trainguard.agent import claims, evict, evidence, restore
@@ -265,7 +264,8 @@ def stall_key(run_dir: Path) -> str:
 
 def _restart_count(info: restore.RankInfo) -> int:
     try:
-        return int(json.loads(info.path.read_text()).get("restart_count") or 0)
+        return int(safe_read.read_json(info.path, safe_read.CONTROL_BYTES, "rank registration")
+                   .get("restart_count") or 0)
     except (OSError, ValueError, TypeError):
         return 0
 
@@ -287,7 +287,10 @@ def claim(run_dir: Path, key: str) -> tuple[str, bool]:
     except FileExistsError:
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:      # the claimer writes the id right after creating the file
-            text = path.read_text().strip()
+            try:
+                text = safe_read.read_text(path, safe_read.CONTROL_BYTES, "incident claim", "replace").strip()
+            except OSError as exc:      # a FIFO or a device in its place: refused, never waited on
+                raise incidents.IncidentError(str(exc)) from None
             if text:
                 return incidents.check_id(text), False
             time.sleep(0.05)

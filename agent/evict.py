@@ -19,7 +19,6 @@ leaves the rendezvous), SIGKILL after `grace_seconds`.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from pathlib import Path
@@ -28,7 +27,7 @@ import psutil
 
 from trainguard import log as tglog
 from trainguard import cordon as cordon_mod
-from trainguard import rundir
+from trainguard import rundir, safe_read
 from trainguard.agent import restore
 from trainguard.trainer import cordon_key
 
@@ -84,7 +83,7 @@ def read_launchers(run_dir: str | os.PathLike) -> dict[str, dict]:
     out = {}
     for path in sorted(launchers_dir(run_dir).glob("*.json")):
         try:
-            data = json.loads(path.read_text())
+            data = safe_read.read_json(path, safe_read.CONTROL_BYTES, "launcher file")
             out[str(data["host"])] = data
         except (OSError, ValueError, KeyError, TypeError):
             continue

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from dataclasses import dataclass, field
 
-from trainguard import incidents, rundir, signed
+from trainguard import incidents, rundir, safe_read, signed
 from trainguard.agent.collectors.nccl import classify, output_directories
 from trainguard.trainer import cordon_key, flight_recorder
 from trainguard.trainer.checkpoint import keys
@@ -174,9 +174,10 @@ def nccl_lines(run_dir: Path, host: str | None = None, live: list = ()) -> list[
     found = []
     for path in _rank_logs(Path(run_dir), host, live):
         try:
-            with open(path, "rb") as handle:
-                handle.seek(max(0, handle.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
-                lines = handle.read().splitlines()
+            with safe_read.open_file(path, what="rank output") as handle:
+                size = handle.seek(0, os.SEEK_END)
+                handle.seek(max(0, size - LOG_TAIL_BYTES))
+                lines = handle.read(LOG_TAIL_BYTES).splitlines()
         except OSError:
             continue
         for line in lines:
@@ -277,7 +278,7 @@ def _vouched(path: Path, files: dict, refused: list[dict]) -> bytes | None:
 
 def _bytes(path: Path) -> bytes | None:
     try:
-        return path.read_bytes()[:incidents.MAX_FILE_BYTES + 64]
+        return safe_read.read_bytes(path, incidents.MAX_FILE_BYTES, "evidence file")
     except OSError:
         return None
 
@@ -285,7 +286,7 @@ def _bytes(path: Path) -> bytes | None:
 def _parse(data: bytes | None):
     try:
         return None if data is None else json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

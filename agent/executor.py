@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client.core import CounterMetricFamily
 
-from trainguard import actions, rundir, signed, tls
+from trainguard import actions, rundir, safe_read, signed, tls
 from trainguard import log as tglog
 from trainguard.agent import claims, restore
 from trainguard.trainer import cordon_key
@@ -177,7 +177,7 @@ class EventLog:
         data = b"".join(self._line(record) for record in records)
         if not data:
             return
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = safe_read.open_rw_fd(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "actions log")
         try:
             size = os.fstat(fd).st_size
             try:
@@ -195,12 +195,12 @@ class EventLog:
         """Every event recorded so far that proves this agent recorded it (a malformed line, e.g. torn by a
         crash, is skipped; one that is not signed with the key for this node is skipped and counted)."""
         try:
-            handle = open(self.path, "rb")
+            handle = safe_read.open_file(self.path, safe_read.LEDGER_BYTES, "actions log")
         except FileNotFoundError:
             return []
         found = []
         with handle:
-            for raw in handle:
+            for raw in safe_read.lines(handle, self.path):
                 try:
                     stored = json.loads(raw)
                 except ValueError:

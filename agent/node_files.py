@@ -28,7 +28,7 @@ import os
 import socket
 from typing import Iterable
 
-from trainguard import tls
+from trainguard import safe_read, tls
 from trainguard.agent.procfs import pid_namespaces
 from trainguard.rundir import RankFiles
 
@@ -119,7 +119,7 @@ def _first_line(path: str) -> bytes | None:
     """The file's first line, when it is complete (within PEEK_BYTES)."""
     head = b""
     try:
-        with open(path, "rb") as handle:
+        with safe_read.open_file(path, what="log file") as handle:
             while len(head) < PEEK_BYTES:
                 block = handle.read(PEEK_CHUNK)
                 end = block.find(b"\n")

@@ -21,7 +21,7 @@ from typing import Callable, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from trainguard import rundir
+from trainguard import rundir, safe_read
 from trainguard import log as tglog
 from trainguard import tls
 from trainguard.agent.stop_signal import StopSignal
@@ -59,7 +59,7 @@ class RotatingFile:
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = safe_read.open_rw_fd(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "node log")
         self._size = os.fstat(self._fd).st_size
 
     def write(self, line: bytes) -> None:
@@ -103,7 +103,7 @@ class RotatingFile:
     def _compress(self, plain: Path) -> None:
         target = self._segment(1)
         tmp = target.with_name(target.name + ".tmp")
-        with open(plain, "rb") as source, gzip.open(tmp, "wb", compresslevel=6) as sink:
+        with safe_read.open_file(plain, what="log file") as source, gzip.open(tmp, "wb", compresslevel=6) as sink:
             shutil.copyfileobj(source, sink, 1 << 20)
         os.replace(tmp, target)
         plain.unlink()

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from trainguard import safe_read
+
 HEAD_BYTES = 256   # the prefix checksummed to tell a file from a new one that reused its inode
 
 
@@ -191,7 +193,7 @@ class Follower:
     def _read(self, path: str, pos: Position) -> list[Chunk] | None:
         """Complete lines from `pos` on (one open, positioned reads); None if the file's first bytes changed."""
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd, _ = safe_read.open_fd(path, what="log file")    # a FIFO in a log's place: refused, never waited on
         except OSError:
             return []
         try:
@@ -254,9 +256,11 @@ def save_json_atomic(path: str | os.PathLike, payload: dict) -> None:
 def load_json(path: str | os.PathLike) -> dict | None:
     """The JSON at `path`, or None when there is none; a damaged file raises ValueError naming it."""
     try:
-        text = Path(path).read_text()
+        text = safe_read.read_text(path, safe_read.STATUS_BYTES, "offsets file")
     except FileNotFoundError:
         return None
+    except OSError as exc:      # a FIFO, a device, too large: refused as damaged, naming it
+        raise ValueError(str(exc)) from None
     try:
         return json.loads(text)
     except ValueError as exc:

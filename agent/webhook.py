@@ -34,7 +34,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Mapping
 
-from trainguard import actions, rundir
+from trainguard import actions, rundir, safe_read
 from trainguard import log as tglog
 from trainguard.decide.ledger import FIRING, RESOLVED_STATUS, Notice
 from trainguard.tls import format_timestamp
@@ -185,7 +185,7 @@ def load_token(path: str | os.PathLike, create: bool = False) -> bytes:
         # Whoever reads the token can stop or restore the run, as whoever reads the checkpoint key can sign one.
         raise ValueError(f"{path}: the webhook token file is readable by others (mode {mode:04o}); "
                          f"make it private: chmod 600 {path}")
-    token = path.read_bytes().strip()
+    token = safe_read.read_bytes(path, safe_read.CONTROL_BYTES, "webhook token file").strip()
     if not token:
         raise ValueError(f"{path}: the webhook token file is empty")
     return token

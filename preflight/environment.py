@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from trainguard import safe_read
 from trainguard.agent.collector import Context
 from trainguard.agent.versions import software_versions
 from trainguard.policy import PreflightPolicy
@@ -58,7 +59,7 @@ def write_lock(path: Path, env: Mapping[str, str]) -> None:
 def read_lock(path: Path) -> dict[str, str]:
     """The lock's pinned values as strings; LockError naming the file and key when it is not a lock."""
     try:
-        data = yaml.safe_load(path.read_text())
+        data = safe_read.read_yaml(path, what="lock file")
     except FileNotFoundError:
         raise LockError(f"{path}: no such lock file (write one with --write-lock {path})") from None
     except yaml.YAMLError as exc:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard import rundir
+from trainguard import rundir, safe_read
 
 SCHEMA = "trainguard.preflight/1"
 FILENAME = "preflight.json"
@@ -79,7 +79,11 @@ class ResultError(ValueError):
 def read(path: Path) -> dict:
     """The last result as written by `write`; ResultError naming the file and field when it is not one."""
     try:
-        data = json.loads(path.read_text())
+        data = safe_read.read_json(path, safe_read.STATUS_BYTES, "preflight result")
+    except OSError as exc:      # a FIFO, a device, too large (missing: FileNotFoundError, as before)
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ResultError(str(exc)) from None
     except ValueError as exc:
         raise ResultError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:

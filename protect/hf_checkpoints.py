@@ -14,6 +14,7 @@ import re
 import time
 from pathlib import Path
 
+from trainguard import safe_read
 from trainguard.tls import format_timestamp
 from trainguard.trainer.checkpoint import keys
 from trainguard.trainer.checkpoint import manifest as mf
@@ -32,7 +33,7 @@ def step_of(folder: Path) -> int | None:
 
 def _entry(path: Path, name: str) -> FileEntry:
     sha = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with safe_read.open_file(path, what="checkpoint file") as handle:
         for chunk in iter(lambda: handle.read(HASH_CHUNK), b""):
             sha.update(chunk)
     return FileEntry(name, sha.hexdigest(), path.stat().st_size)

@@ -44,7 +44,7 @@ import torch
 
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
-from trainguard import rundir, runpolicy, signed, tls
+from trainguard import rundir, runpolicy, safe_read, signed, tls
 from trainguard.actions import (COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SHADOW_ACTION, SKIP_STEP, STOP,
                                 shadow_event)
 from trainguard.decide.cost import CostMeter, clock_of
@@ -448,7 +448,7 @@ class Protector:
         """The guard's stop marker when rank 0 of this run signed it; a marker anyone else wrote keeps no
         worker from starting (it is named, and recorded as a ``stop_marker_refused`` event)."""
         try:
-            marker = json.loads(self.stop_path.read_bytes()[:1 << 20])
+            marker = safe_read.read_json(self.stop_path, safe_read.CONTROL_BYTES, "stop marker")
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
@@ -543,7 +543,7 @@ class Protector:
 def _first_timestamp(path) -> float | None:
     """When this run began, from the first record of its TLS file (the file outlives restarts)."""
     try:
-        with open(path, "rb") as handle:
-            return tls.decode(handle.readline())["timestamp"]
+        with safe_read.open_file(path, what="log file") as handle:
+            return tls.decode(handle.readline(safe_read.MAX_LINE_BYTES))["timestamp"]
     except (OSError, tls.TLSError):
         return None

@@ -23,6 +23,7 @@ from trainguard import paths
 from trainguard.progress import Progress
 from trainguard.tls import parse_timestamp
 from trainguard.trainer.checkpoint import Checkpoint, CheckpointError, CheckpointInfo, CheckpointManager
+from trainguard.trainer.checkpoint.restore import GONE
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -131,12 +132,13 @@ def _verify(manager: CheckpointManager, args: argparse.Namespace, skipped: list)
         raise _Exit(EXIT_USAGE, f"{manager.root}: no step_{args.step}")
     with Progress("checkpoint verify", unit="checkpoints") as shown:
         rows = [r for r in manager.list(deep=True, progress=shown) if args.step is None or r.step == args.step]
-    ok = all(r.ok for r in rows)
+    ok = all(r.ok or r.code == GONE for r in rows)      # one retention removed meanwhile failed nothing
     if args.json:
         print(json.dumps({"ok": ok, "checkpoints": [_row(r) for r in rows]}, indent=2))
     else:
         for info in rows:
-            print(f"{info.path.name}: {'ok' if info.ok else 'FAILED: ' + info.reason}")
+            status = "ok" if info.ok else f"gone: {info.reason}" if info.code == GONE else f"FAILED: {info.reason}"
+            print(f"{info.path.name}: {status}")
     return EXIT_OK if ok else EXIT_FAILED
 
 
@@ -152,7 +154,7 @@ def _restore(manager: CheckpointManager, args: argparse.Namespace, skipped: list
             chosen = target.import_checkpoint(chosen)
             report["exported_to"] = str(chosen.path)
         else:
-            report["superseded"] = [str(p) for p in manager.supersede_after(chosen.step)]
+            report["superseded"] = [str(p) for p in manager.supersede_after(chosen.step, pinned=True)]
         report.update(step=chosen.step, path=str(chosen.path))
     if args.json:
         print(json.dumps(report, indent=2))

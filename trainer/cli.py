@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from trainguard import rundir
+from trainguard import rundir, safe_read
 from trainguard.exits import int_at_least
 from trainguard.trainer import config as cfg
 from trainguard.trainer.faults import FaultError, parse as parse_fault
@@ -243,11 +243,19 @@ def config_digest(config: cfg.TrainConfig) -> str:
     return hashlib.sha256(config.dump().encode()).hexdigest()
 
 
+def _current(path: Path) -> str | None:
+    """RUN/config.yaml as it is, or None when it is not a readable config (rewritten then)."""
+    try:
+        return safe_read.read_text(path, safe_read.YAML_BYTES, "config file", errors="replace")
+    except OSError:
+        return None
+
+
 def write_resolved(config: cfg.TrainConfig, run_dir: Path) -> Path:
     """``RUN/config.yaml``: the configuration every rank trains with (atomic; untouched when unchanged)."""
     path = run_dir / "config.yaml"
     text = config.dump()
-    if not path.exists() or path.read_text() != text:
+    if not path.exists() or _current(path) != text:
         tmp = path.with_name(f".config.yaml.{os.getpid()}.tmp")
         try:
             tmp.write_text(text)

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from trainguard import safe_read
 from trainguard.exits import BadInput
 
 PRESETS_DIR = Path(__file__).with_name("configs")
@@ -190,9 +191,13 @@ def load_file(config: TrainConfig, name_or_path: str) -> TrainConfig:
     path = config_path(name_or_path)
     source = str(path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = safe_read.read_yaml(path, what="config file") or {}
     except FileNotFoundError:
         raise ConfigError(f"{source}: no such config file") from None
+    except OSError as exc:      # a FIFO, a device, a directory, too large: named by safe_read
+        raise ConfigError(str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     apply_values(config, data, "", source)
@@ -206,7 +211,7 @@ def set_value(config: TrainConfig, assignment: str, source: str = "--set") -> No
         raise ConfigError(f"{source}: expected SECTION.KEY=VALUE, got {assignment!r}")
     section, _, name = key.strip().partition(".")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = safe_read.load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     apply_values(config, {section: {name: value}}, "", source)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainguard import rundir
+from trainguard import rundir, safe_read
 
 KINDS = ("nan", "spike", "gradexplode", "hang", "crash", "slowio", "corrupt-checkpoint",
          "slowrank", "bitflip", "gradflip", "commhang")
@@ -103,7 +103,7 @@ class FaultInjector:
 
     def _read_fired(self) -> set[str]:
         try:
-            lines = self.fired_path.read_text().splitlines()
+            lines = safe_read.read_text(self.fired_path, safe_read.LEDGER_BYTES, "control log").splitlines()
         except FileNotFoundError:
             return set()
         return {json.loads(line)["fault"] for line in lines if line.strip()}
@@ -119,7 +119,7 @@ class FaultInjector:
         """Record the firing durably first: the fault may end this process a moment later."""
         self.fired_path.parent.mkdir(parents=True, exist_ok=True)
         line = json.dumps({"fault": fault.key, "step": step, "rank": self.rank, "time": time.time()})
-        fd = os.open(self.fired_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = safe_read.open_rw_fd(self.fired_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "control log")
         try:
             os.write(fd, (line + "\n").encode())
             os.fsync(fd)

@@ -148,10 +148,11 @@ def replica_check_conflict(mode: str, policy_path: str) -> str | None:
         return None
     import yaml
 
+    from trainguard import safe_read
+
     try:
-        with open(policy_path) as handle:
-            raw = yaml.safe_load(handle) or {}
-    except (OSError, yaml.YAMLError):
+        raw = safe_read.read_yaml(policy_path, what="policy file") or {}
+    except (OSError, ValueError, yaml.YAMLError):
         return None   # the policy's own validation reports it
     every = (raw.get("guard") or {}).get("replica_check_every", 0) if isinstance(raw, dict) else 0
     if isinstance(every, int) and every > 0:

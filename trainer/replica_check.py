@@ -14,7 +14,6 @@ all-gather of two int64 per rank, every `guard.replica_check_every` steps (docs/
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from trainguard import incidents, rundir
+from trainguard import incidents, rundir, safe_read
 from trainguard.decide.replica import (ARBITRATION, CHECK_EVENT, MISMATCH, ReplicaCheck, ReplicaMonitor,
                                        ReplicaPolicy, Verdict, agree, check_fields)
 from trainguard.trainer import fingerprint as fp
@@ -258,7 +257,10 @@ def recorded_fingerprint(run_dir: Path, step: int) -> str | None:
     from trainguard.trainer.checkpoint.manifest import MANIFEST_NAME
 
     try:
-        manifest = json.loads((rundir.checkpoints_dir(run_dir) / f"step_{step}" / MANIFEST_NAME).read_text())
+        manifest = safe_read.read_json(rundir.checkpoints_dir(run_dir) / f"step_{step}" / MANIFEST_NAME,
+                                       safe_read.MANIFEST_BYTES, "manifest")
+        if not isinstance(manifest, dict):
+            return None
     except (OSError, ValueError):
         return None
     return ((manifest.get("meta") or {}).get(META_KEY) or {}).get("weights")

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard import rundir, signed, tls
+from trainguard import rundir, safe_read, signed, tls
 
 PURPOSE = "cordon/1"
 REVOCATIONS_PURPOSE = "cordon-revocations/1"
@@ -136,7 +136,7 @@ def read_one(run_dir: str | os.PathLike, host: str, checker: CordonKey | bytes |
     try:
         if not path.is_file():
             return None if not path.exists() else Cordon(host, path, {}, signed.UNREADABLE)
-        record: Any = json.loads(path.read_bytes()[:1 << 20])
+        record: Any = safe_read.read_json(path, safe_read.CONTROL_BYTES, "cordon")
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
@@ -228,7 +228,7 @@ def _read_revocations(path: Path, key: bytes) -> tuple[list[dict], str | None]:
     try:
         if path.exists() and not path.is_file():
             return [], f"the revocation list {path} is not a regular file"
-        record: Any = json.loads(path.read_bytes()[:16 << 20])
+        record: Any = safe_read.read_json(path, 16 << 20, "revocation list")
     except FileNotFoundError:
         return [], None
     except (OSError, ValueError) as exc:
@@ -276,7 +276,7 @@ def record_ignored(run_dir: str | os.PathLike, found: Cordon, key_path: str) -> 
                           key_file=key_path, key_id=found.record.get(signed.KEY_ID), ignored_total=count,
                           why=found.why_refused()), "node": found.host}
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = safe_read.open_rw_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "launcher log")
     try:
         os.write(fd, tls.encode(record))
     finally:
@@ -286,6 +286,6 @@ def record_ignored(run_dir: str | os.PathLike, found: Cordon, key_path: str) -> 
 
 def _lines(path: Path) -> list[bytes]:
     try:
-        return path.read_bytes().splitlines()
+        return safe_read.read_bytes(path, safe_read.LEDGER_BYTES, "launcher log").splitlines()
     except FileNotFoundError:
         return []

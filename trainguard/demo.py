@@ -19,7 +19,7 @@ from pathlib import Path
 
 from trainguard import actions
 from trainguard import policy as policy_mod
-from trainguard import rundir
+from trainguard import rundir, safe_read
 from trainguard import tls
 
 STEPS = 240
@@ -118,7 +118,7 @@ def start_agent(run_dir: Path, port: int, *extra: str) -> subprocess.Popen:
                 return agent
         except OSError:
             time.sleep(0.2)
-    tail = log_path.read_text(errors="replace")[-1500:]
+    tail = safe_read.read_text(log_path, safe_read.LEDGER_BYTES, "agent log", errors="replace")[-1500:]
     say(f"the agent did not start (training goes on without it); its log {log_path} ends:\n{tail}")
     return agent
 

@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from trainguard import rundir, signed
+from trainguard import rundir, safe_read, signed
 from trainguard.exits import BadInput
 
 KINDS = ("hang", "slow", "crash", "sdc")
@@ -336,14 +336,14 @@ def read(run_dir: str | os.PathLike, incident_id: str) -> dict:
     """One incident's verdict, validated. :class:`IncidentError` names the file when it is bad."""
     path = incidents_dir(run_dir) / check_id(incident_id) / "incident.json"
     try:
-        raw = path.read_bytes()
+        raw = safe_read.read_bytes(path, MAX_FILE_BYTES, "verdict")
     except FileNotFoundError:
         raise IncidentError(f"{path}: no such incident") from None
-    if len(raw) > MAX_FILE_BYTES:
-        raise IncidentError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
+    except OSError as exc:      # a FIFO, /dev/zero, a directory, too large: never read (safe_read names it)
+        raise IncidentError(str(exc)) from None
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise IncidentError(f"{path}: not JSON ({exc})") from None
     return validate(data, str(path))
 

@@ -18,7 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from trainguard import incidents
+from trainguard import incidents, safe_read
 
 EXIT_OK, EXIT_DIFFERS, EXIT_USAGE = 0, 1, 2
 COLUMN = 62
@@ -212,7 +212,7 @@ def _stack(run_dir: Path, incident_id: str, rank: int | None) -> str:
         return "(no rank)"
     path = incidents.incidents_dir(run_dir) / incident_id / f"rank-{rank}.stack.txt"
     try:
-        return path.read_text(errors="replace")
+        return safe_read.read_text(path, incidents.MAX_FILE_BYTES, "stack dump", errors="replace")
     except OSError:
         return "(no stacks)"
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from trainguard import actions as actions_mod, paths
+from trainguard import actions as actions_mod, paths, safe_read
 from trainguard.exits import BadInput
 
 
@@ -348,7 +348,7 @@ class Choice:
         if isinstance(value, bool) and {"off", "on"} & set(self.words):
             value = "on" if value else "off"      # YAML reads a bare on / off as true / false
         if not isinstance(value, str) or value not in self.words:
-            raise ValueError(f"expected one of {', '.join(self.words)}, got {value!r}")
+            raise ValueError(f"expected one of {', '.join(self.words)}, got {_shown(value)}")
         return value
 
 
@@ -529,9 +529,21 @@ def parse_duration(value: str) -> float:
     """Seconds of a Prometheus duration (``30s``, ``2m``, ``1h30m``); ValueError if it is not one."""
     match = re.match(_DURATION, value.strip()) if isinstance(value, str) else None
     if not match or not value.strip():
-        raise ValueError(f"not a duration (like 30s, 2m, 1h30m): {value!r}")
+        raise ValueError(f"not a duration (like 30s, 2m, 1h30m): {_shown(value)}")
     y, w, d, h, m, sec, ms = (int(g or 0) for g in match.groups())
     return (((y * 365 + w * 7 + d) * 24 + h) * 60 + m) * 60 + sec + ms / 1000
+
+
+def _shown(value: Any) -> str:
+    """A value for an error message, bounded: a value from YAML may be huge (aliases repeat a node
+    without copying it, and repr would write out every repetition)."""
+    import reprlib
+
+    shown = reprlib.Repr()
+    shown.maxlevel, shown.maxstring, shown.maxother = 2, 60, 60
+    shown.maxlist = shown.maxtuple = shown.maxdict = shown.maxset = 4
+    text = shown.repr(value)
+    return text if len(text) <= 200 else text[:200] + "…"
 
 
 def _check_value(name: str, default: Any, value: Any) -> Any:
@@ -541,20 +553,20 @@ def _check_value(name: str, default: Any, value: Any) -> Any:
         return rule.check(value)
     if rule == DURATION:
         if not isinstance(value, str):
-            raise ValueError(f"expected a duration string (like 30s, 2m), got {value!r}")
+            raise ValueError(f"expected a duration string (like 30s, 2m), got {_shown(value)}")
         parse_duration(value)
         return value.strip()
     numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
     if isinstance(default, bool) or not isinstance(value, type(default)) and not (isinstance(default, float) and numeric):
-        raise ValueError(f"expected {type(default).__name__}, got {value!r}")
+        raise ValueError(f"expected {type(default).__name__}, got {_shown(value)}")
     if isinstance(default, (int, float)):
         try:
             value = type(default)(value)
         except OverflowError:
-            raise ValueError(f"must be a finite number, got {value!r}") from None
+            raise ValueError(f"must be a finite number, got {_shown(value)}") from None
         problem = cast(Range, rule).problem(value)      # DURATION, the one string rule, returned above
         if problem:
-            raise ValueError(f"{problem}, got {value!r}")
+            raise ValueError(f"{problem}, got {_shown(value)}")
     return value
 
 
@@ -606,11 +618,13 @@ def read_yaml(path: str | Path, what: str) -> Any:
 
     source = str(path)
     try:
-        return yaml.safe_load(paths.regular_file(path, what).read_bytes().decode("utf-8"))
+        return safe_read.read_yaml(paths.regular_file(path, what), what=what)
     except FileNotFoundError as exc:  # missing, a directory, a FIFO or a device: named by trainguard.paths
         raise ValueError(str(exc)) from None
     except IsADirectoryError:
         raise ValueError(f"{source}: is a directory, not a {what}") from None
+    except safe_read.RunFileError as exc:     # a FIFO swapped in after the check, too large
+        raise ValueError(str(exc)) from None
     except OSError as exc:
         raise ValueError(f"{source}: cannot read: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from trainguard import signed
+from trainguard import safe_read, signed
 
 PathLike = str | os.PathLike
 CHECKPOINT_STATUS_FILE = "status.json"
@@ -192,9 +192,41 @@ def read_checkpoint_status(run_dir: PathLike) -> dict | None:
     """The last checkpoint save's outcome (trainer/checkpoint/manager.py `SaveStatus`), or None when there is
     none (or it cannot be read: the writer rewrites it in place, so a reader may meet it half written)."""
     try:
-        return json.loads(checkpoint_status_path(run_dir).read_bytes().strip() or b"null")
-    except (OSError, ValueError):
+        data = safe_read.read_bytes(checkpoint_status_path(run_dir), safe_read.STATUS_BYTES, "checkpoint status")
+        return json.loads(data.strip() or b"null")
+    except (OSError, ValueError, RecursionError):
         return None
+
+
+# --------------------------------------------------------------- RUN/checkpoints/step_<N>/manifest.json
+
+CHECKPOINT_FORMAT_PREFIX = "trainguard-checkpoint/"
+
+
+def checkpoint_manifest(step_dir: PathLike) -> dict:
+    """A step directory's manifest when it parses and carries the fields every manifest has (format, its
+    own step, a signature): what `status` and the agent may count as a checkpoint without the key. The
+    signature itself is checked by the trainer's verification (trainer/checkpoint/verification.py).
+    OSError (FileNotFoundError when missing; safe_read.RunFileError when not a regular file or too large)
+    or ValueError naming what is wrong."""
+    from trainguard import safe_read
+
+    step_dir = Path(step_dir)
+    match = re.fullmatch(r"step_(\d+)", step_dir.name)
+    manifest = safe_read.read_json(step_dir / "manifest.json", safe_read.MANIFEST_BYTES, "manifest")
+    if not isinstance(manifest, dict):
+        raise ValueError("not a JSON object")
+    if not str(manifest.get("format", "")).startswith(CHECKPOINT_FORMAT_PREFIX):
+        raise ValueError(f"format: not a trainguard checkpoint manifest ({str(manifest.get('format'))[:40]!r})")
+    step = manifest.get("step")
+    if match is None or type(step) is not int or step != int(match.group(1)):
+        raise ValueError(f"step: {str(step)[:40]!r} is not the directory's step")
+    signature = manifest.get("signature")
+    if not isinstance(signature, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(signature.get("value"))):
+        raise ValueError("signature: missing or malformed")
+    if not isinstance(manifest.get("files"), dict):
+        raise ValueError("files: missing or not an object")
+    return manifest
 
 
 # ----------------------------------------------------------------- RUN/control/actions.jsonl (requests)
@@ -237,11 +269,11 @@ def append_request(run_dir: PathLike, entry: dict) -> bool:
     """
     path = requests_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as handle:
+    with safe_read.open_append(path, what="control log") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
             handle.seek(0)
-            if any(_id_of(raw) == entry["id"] for raw in handle):
+            if any(_id_of(raw) == entry["id"] for raw in safe_read.lines(handle, path)):
                 return False
             handle.seek(0, os.SEEK_END)
             size = handle.tell()
@@ -289,11 +321,17 @@ class Requests:
             return []
         if size <= self.offset:
             return []
-        with open(self.path, "rb") as handle:
-            handle.seek(self.offset)
-            chunk = handle.read(size - self.offset)
+        want = min(size - self.offset, safe_read.CONTROL_READ_BYTES)    # a flood is read a bounded piece a call
+        try:
+            with safe_read.open_file(self.path, what="control log") as handle:
+                handle.seek(self.offset)
+                chunk = handle.read(want)
+        except safe_read.RunFileError:
+            return []           # replaced by a FIFO or a device: nothing to read (never a hang)
         complete = chunk[:chunk.rfind(b"\n") + 1]   # a line still being written waits for the next call
-        self.offset += len(complete)
+        if not complete and len(chunk) == safe_read.CONTROL_READ_BYTES:
+            complete = chunk + b"\n"     # a piece of a line past the bound: one malformed line, and on
+        self.offset += min(len(complete), len(chunk))
         lines = []
         for raw in complete.splitlines():
             self.lines_read += 1
@@ -302,8 +340,8 @@ class Requests:
 
     def at(self, lineno: int) -> dict:
         """The request on line `lineno` (1-based)."""
-        with open(self.path, "rb") as handle:
-            for number, raw in enumerate(handle, 1):
+        with safe_read.open_file(self.path, what="control log") as handle:
+            for number, raw in enumerate(safe_read.lines(handle, self.path), 1):
                 if number == lineno:
                     return json.loads(raw)
         raise LookupError(f"{self.path}:{lineno}: no such line")
@@ -336,7 +374,7 @@ def read_acked(run_dir: PathLike, key: bytes | None = None) -> set[str]:
     this run (one anyone else appended would keep a genuine request with that id from being acted on; a
     garbage line is skipped, never a crash at start)."""
     try:
-        text = acked_path(run_dir).read_bytes()
+        text = safe_read.read_text(acked_path(run_dir), safe_read.LEDGER_BYTES, "control log")
     except FileNotFoundError:
         return set()
     acked = set()
@@ -356,7 +394,7 @@ def append_ack(run_dir: PathLike, request_id: str, action: str, step: int, key: 
     entry = {"id": request_id, "action": action, "step": step, "time": time.time(), "run": run_name(run_dir)}
     if key is not None:
         entry = signed.sign(key, ACK_PURPOSE, entry)
-    fd = os.open(acked_path(run_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = safe_read.open_rw_fd(acked_path(run_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT, "control log")
     try:
         os.write(fd, (json.dumps(entry) + "\n").encode())
     finally:
@@ -428,8 +466,7 @@ def read_rank_file(path: PathLike) -> RankInfo:
 def read_registration(path: str) -> RankInfo:
     """`read_rank_file` with `path` kept as the string it is (`RankFiles` reads every node's files, and a
     Path interns each file name: the interpreter's table of interned strings would grow with the cluster)."""
-    with open(path, "rb") as handle:
-        data = json.loads(handle.read())
+    data = safe_read.read_json(path, safe_read.CONTROL_BYTES, "rank registration")
     return RankInfo(int(data["rank"]), int(data["pid"]), str(data["host"]), float(data["started_at"]), path,
                     create_time=_optional(data, "create_time", float),
                     uid=_optional(data, "uid", int),

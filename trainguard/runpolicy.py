@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard import paths, rundir, signed
+from trainguard import rundir, safe_read, signed
 from trainguard import policy as policy_mod
 
 PURPOSE = "run-policy/1"
@@ -81,7 +81,7 @@ def choose(run_dir: str | os.PathLike | None, given: str | os.PathLike | None, k
     import yaml   # safe to parse now: these bytes are the ones a key holder signed
 
     try:
-        policy = policy_mod.from_mapping(yaml.safe_load(data.decode("utf-8")), str(path))
+        policy = policy_mod.from_mapping(safe_read.load_yaml(data.decode("utf-8")), str(path))
     except (UnicodeDecodeError, yaml.YAMLError, policy_mod.PolicyError) as exc:
         return Choice(policy_mod.Policy(), None, f"{path} not used: signed, but not a valid policy: {exc}")
     return Choice(policy, path, f"the run's policy, signed by {record.get('by')} (key {record.get(signed.KEY_ID)})")
@@ -111,10 +111,7 @@ def _digest(data: bytes) -> str:
 
 def _read(path: Path) -> bytes:
     """The file's bytes: a regular file (a FIFO or device is named, never opened), at most MAX_POLICY_BYTES."""
-    file = paths.regular_file(path, "policy file")
-    if file.stat().st_size > MAX_POLICY_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_POLICY_BYTES} bytes")
-    return file.read_bytes()[:MAX_POLICY_BYTES]
+    return safe_read.read_bytes(path, MAX_POLICY_BYTES, "policy file")
 
 
 def _replace(path: Path, data: bytes) -> None:

@@ -13,7 +13,6 @@ numbers, unknown keys are kept as they are.
 from __future__ import annotations
 
 import functools
-import io
 import json
 import math
 import os
@@ -22,7 +21,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Iterator, cast
+from typing import IO, Any, Callable, Iterable, Iterator
 
 import msgspec
 
@@ -241,17 +240,11 @@ class Line:
 
 
 def open_log(path: str | os.PathLike[str]) -> IO[bytes]:
-    """Open a TLS file for reading, plain, gzip or zstd by its suffix."""
-    path = str(path)
-    if path.endswith(".gz"):
-        import gzip
+    """Open a TLS file for reading, plain, gzip or zstd by its suffix: a regular file, its decompression
+    bounded (trainguard/safe_read.py; RunFileError, an OSError, naming the file otherwise)."""
+    from trainguard import safe_read
 
-        return cast(IO[bytes], gzip.open(path, "rb"))
-    if path.endswith(".zst"):
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
-    return open(path, "rb")
+    return safe_read.open_log(path)
 
 
 def decode_line(raw: bytes, source: str, lineno: int) -> Line:
@@ -272,11 +265,15 @@ def iter_lines(path: str | os.PathLike[str]) -> Iterator[Line]:
     if not str(source).endswith((".gz", ".zst")) and _other_format(path):
         yield from _other_format_lines(path)
         return
+    from trainguard import safe_read
+
     with open_log(path) as handle:
         try:
-            for lineno, raw in enumerate(handle, 1):
+            for lineno, raw in enumerate(safe_read.lines(handle, source), 1):
                 if raw.strip():
                     yield decode_line(raw, source, lineno)
+        except safe_read.RunFileError:
+            raise       # a FIFO, a line past the bound, a decompression bomb: the file is refused, named
         except _stream_errors() as exc:
             # A corrupt or cut-off .gz/.zst (or a failing disk): what was read stands, the rest is one error.
             yield Line(source, lineno + 1, None,
@@ -388,7 +385,9 @@ class Writer:
     def __init__(self, path: str | os.PathLike[str], on_drop: Callable[[str], None] | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        from trainguard import safe_read     # a FIFO in the log's place would block the writer: refused
+
+        self._fd = safe_read.open_rw_fd(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, "log file")
         self.dropped = 0
         self._failing = False
         self.on_drop = on_drop or _log_drop

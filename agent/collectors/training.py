@@ -214,21 +214,20 @@ class CheckpointLister:
 
 
 def _newest_checkpoint(folder: Path) -> tuple[float, int] | None:
-    """(mtime of its manifest, step) of the newest step_<N>/manifest.json in RUN/checkpoints."""
-    best = None
+    """(mtime of its manifest, step) of the newest step_<N> in RUN/checkpoints whose manifest parses with
+    the fields every manifest has (rundir.checkpoint_manifest): a garbage step_12345/manifest.json, touched
+    to silence CheckpointStale, is no checkpoint. Newest first, so one manifest is read when all is well."""
     try:
         entries = list(folder.iterdir())
     except OSError:
         return None
-    for entry in entries:
-        match = re.fullmatch(r"step_(\d+)", entry.name)
-        if not match:
-            continue
+    steps = sorted(((int(match.group(1)), entry) for entry in entries
+                    if (match := re.fullmatch(r"step_(\d+)", entry.name))), key=lambda pair: -pair[0])
+    for step, entry in steps:
         try:
-            mtime = (entry / "manifest.json").stat().st_mtime
-        except OSError:
+            rundir.checkpoint_manifest(entry)
+            return os.stat(entry / "manifest.json").st_mtime, step
+        except (OSError, ValueError):
             continue
-        if best is None or int(match.group(1)) > best[1]:
-            best = (mtime, int(match.group(1)))
-    return best
+    return None
 

@@ -110,11 +110,17 @@ def test_rank_comes_from_the_file_name_when_records_lack_it(run_dir):
     assert get(values, "trainguard_training_loss", run_id="", rank="3") == 2.356
 
 
+def manifest_of(step: int) -> str:
+    """The fields every checkpoint manifest has (trainguard.rundir.checkpoint_manifest): what the agent counts."""
+    return json.dumps({"format": "trainguard-checkpoint/2", "step": step, "signature": {"value": "0" * 64},
+                       "files": {}})
+
+
 def test_checkpoint_age_from_events_and_from_disk(run_dir):
     source = collector(run_dir)
     manifest = run_dir / "checkpoints" / "step_10" / "manifest.json"
     manifest.parent.mkdir(parents=True)
-    manifest.write_text("{}")
+    manifest.write_text(manifest_of(10))
     written = time.time() - 3600
     os.utime(manifest, (written, written))
     values = samples(source.update())          # no event yet: the newest manifest on disk says when
@@ -253,7 +259,7 @@ def test_checkpoints_are_listed_again_only_when_the_folder_changes_or_at_the_res
 
     folder = tmp_path / "checkpoints"
     (folder / "step_10").mkdir(parents=True)
-    (folder / "step_10" / "manifest.json").write_text("{}")
+    (folder / "step_10" / "manifest.json").write_text(manifest_of(10))
     listings = []
     monkeypatch.setattr(training, "_newest_checkpoint",
                         lambda path, listed=training._newest_checkpoint: listings.append(path) or listed(path))
@@ -264,13 +270,13 @@ def test_checkpoints_are_listed_again_only_when_the_folder_changes_or_at_the_res
     assert lister.newest()[1] == 10 and len(listings) == 1          # nothing changed: not listed again
     staged = tmp_path / "step_20.tmp"
     staged.mkdir()
-    (staged / "manifest.json").write_text("{}")
+    (staged / "manifest.json").write_text(manifest_of(20))
     before = os.stat(folder).st_mtime_ns
     staged.rename(folder / "step_20")                               # as trainer/checkpoint/store.py saves
     os.utime(folder, ns=(before + 1_000_000, before + 1_000_000))    # a coarse clock could leave mtime as it was
     assert lister.newest()[1] == 20 and len(listings) == 2
     (folder / "step_30").mkdir()
-    (folder / "step_30" / "manifest.json").write_text("{}")
+    (folder / "step_30" / "manifest.json").write_text(manifest_of(30))
     os.utime(folder, ns=(before + 1_000_000, before + 1_000_000))    # a change the mtime does not show ...
     assert lister.newest()[1] == 20 and len(listings) == 2
     now[0] += 30

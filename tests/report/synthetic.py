@@ -68,5 +68,6 @@ def write_run(root: Path, steps: int = 120, ranks: int = 2, gpus: int = 2, spike
     for step in range(20, steps + 1, 20):
         ckpt = root / "checkpoints" / f"step_{step}"
         ckpt.mkdir(parents=True, exist_ok=True)
-        (ckpt / "manifest.json").write_text(json.dumps({"step": step, "files": {}}))
+        (ckpt / "manifest.json").write_text(json.dumps({"format": "trainguard-checkpoint/2", "step": step, "files": {},
+                                                        "signature": {"value": "0" * 64}}))
     return root

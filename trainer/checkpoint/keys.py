@@ -21,6 +21,7 @@ import socket
 import stat
 from pathlib import Path
 
+from trainguard import safe_read
 from trainguard.trainer.checkpoint.manifest import CheckpointError
 from trainguard.trainer.checkpoint.store import fsync_dir
 
@@ -61,11 +62,11 @@ def load_key(path: str | os.PathLike, *, create: bool = True) -> bytes:
 
 
 def _read_key(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY)
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CheckpointError(f"{path}: the checkpoint key must be a regular file")
+        fd, info = safe_read.open_fd(path, what="checkpoint key")     # a FIFO is refused, never waited on
+    except safe_read.RunFileError:
+        raise CheckpointError(f"{path}: the checkpoint key must be a regular file") from None
+    try:
         if info.st_mode & 0o077:
             raise CheckpointError(
                 f"{path}: the checkpoint key is readable or writable by others "

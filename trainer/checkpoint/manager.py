@@ -177,11 +177,12 @@ class CheckpointManager:
         return [self._retention.quarantine(path, mf.WRONG_KEY, f"signed with key id {key}, not {self.key_id}")
                 for path, key in self.foreign_checkpoints()]
 
-    def supersede_after(self, step: int) -> list[Path]:
+    def supersede_after(self, step: int, *, pinned: bool = False) -> list[Path]:
         """Move every checkpoint newer than `step` to checkpoints/superseded/ (after a rollback to `step`,
-        or to pin a restore), so the next restore cannot pick a checkpoint from the abandoned timeline."""
+        or to pin a restore), so the next restore cannot pick a checkpoint from the abandoned timeline.
+        `pinned`: a person's restore; what it sets aside is never deleted (retention.py)."""
         self._finish_pending()
-        return self._retention.supersede_after(step) if self.rank == 0 else []
+        return self._retention.supersede_after(step, pinned=pinned) if self.rank == 0 else []
 
     def import_checkpoint(self, ckpt: Checkpoint) -> Checkpoint:
         """Copy a verified checkpoint (of another run) into this run as its newest, and verify the copy:
@@ -190,7 +191,7 @@ class CheckpointManager:
         with self._lock:
             final = self.root / ckpt.path.name
             store.copy_dir(ckpt.path, [mf.MANIFEST_NAME, *ckpt.manifest["files"]], final)
-            self.supersede_after(ckpt.step)
+            self.supersede_after(ckpt.step, pinned=True)
             result = self._dirs.verify(final, deep=True)
         if not result.ok:
             raise CheckpointError(f"{final}: the copy does not verify: {result.reason}", code=result.code,

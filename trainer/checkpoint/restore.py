@@ -27,6 +27,8 @@ from trainguard.trainer.checkpoint.events import Events
 from trainguard.trainer.checkpoint.group import RankGroup
 from trainguard.trainer.checkpoint.manifest import CheckpointError, VerifyResult
 
+GONE = "gone"       # a row of `list()`: the checkpoint was removed between the listing and the look
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -112,8 +114,16 @@ class Restorer:
             for index, (step, path) in enumerate(found):
                 if progress is not None:
                     progress.file(path, index, len(found))
-                result = self.dirs.verify(path, deep=deep)
-                rows.append(info_of(step, path, result))
+                try:
+                    result = self.dirs.verify(path, deep=deep)
+                    if not result.ok and not path.is_dir():
+                        raise FileNotFoundError(path)     # refused because it went away while read
+                    rows.append(info_of(step, path, result))
+                except FileNotFoundError:
+                    # Removed between the listing and the look (retention of a live run, in another
+                    # process): it is gone, which is no failure of a checkpoint and no crash of ours.
+                    rows.append(CheckpointInfo(step, path, None, 0, None, False, GONE,
+                                               "removed while listed (retention of a running save)"))
         return rows
 
     def _next_candidate(self, candidates: Iterator[tuple[int, Path]], stable_only: bool) -> str | None:

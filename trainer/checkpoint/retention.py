@@ -4,7 +4,10 @@ Kept: the newest `keep_last` checkpoints that verify, plus the newest stable one
 deleted (`store.remove_dir`: renamed out of the way first). One that does not verify is never deleted and
 never counted: it is moved to checkpoints/invalid/ with its reason (`quarantine`). After a rollback,
 every checkpoint newer than the step rolled back to goes to checkpoints/superseded/ (`supersede_after`),
-so no restore can pick one from the abandoned timeline; only the newest `keep_last` of those are kept.
+so no restore can pick one from the abandoned timeline; only the newest `keep_last` of those a rollback set
+aside are kept, each deletion a log line and a `checkpoint_deleted` event. Those a `trainguard checkpoint
+restore` set aside (`pinned`, a person's choice; docs/checkpoints.md: "Nothing is deleted") are never
+deleted: their names end in PINNED_SUFFIX.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from trainguard.trainer.checkpoint import manifest as mf
 from trainguard.trainer.checkpoint import store
 from trainguard.trainer.checkpoint.directory import INVALID, SUPERSEDED, CheckpointDirs
 from trainguard.trainer.checkpoint.events import Events
+
+
+PINNED_SUFFIX = "-restore"     # superseded/<name>-<ns>-restore: set aside by a pinned restore, kept
 
 
 class Retention:
@@ -64,9 +70,13 @@ class Retention:
     def _prune_superseded(self) -> None:
         superseded = self.dirs.root / SUPERSEDED
         if superseded.is_dir():
-            newest_first = sorted(superseded.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+            by_rollback = [path for path in superseded.iterdir() if not path.name.endswith(PINNED_SUFFIX)]
+            newest_first = sorted(by_rollback, key=lambda p: p.stat().st_mtime, reverse=True)
             for path in newest_first[self.keep_last:]:
+                step = mf.step_of_dir(path.name.rsplit("-", 1)[0])
                 shutil.rmtree(path, ignore_errors=True)
+                self.events.log.info("checkpoint_deleted", step=step, path=str(path), reason="superseded")
+                self.events.emit("checkpoint_deleted", step=step, path=str(path), reason="superseded")
 
     def quarantine(self, path: Path, code: str, reason: str) -> Path:
         """Move a checkpoint that does not verify to checkpoints/invalid/<name>-<ns>/, with reason.json."""
@@ -89,9 +99,10 @@ class Retention:
                          code=code, reason=reason)
         return destination
 
-    def supersede_after(self, step: int) -> list[Path]:
+    def supersede_after(self, step: int, *, pinned: bool = False) -> list[Path]:
         """Move every checkpoint newer than `step` to checkpoints/superseded/ (after a rollback to `step`,
-        or to pin a restore), so the next restore cannot pick a checkpoint from the abandoned timeline."""
+        or to pin a restore), so the next restore cannot pick a checkpoint from the abandoned timeline.
+        `pinned` (a person's `checkpoint restore`): set aside for good, never pruned."""
         moved = []
         with self._lock:
             target = self.dirs.root / SUPERSEDED
@@ -99,7 +110,7 @@ class Retention:
                 if newer <= step:
                     continue
                 target.mkdir(exist_ok=True)
-                destination = target / f"{path.name}-{time.time_ns()}"
+                destination = target / f"{path.name}-{time.time_ns()}{PINNED_SUFFIX if pinned else ''}"
                 path.rename(destination)
                 moved.append(destination)
                 self.events.emit("checkpoint_superseded", step=newer, path=str(destination), kept_step=step)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from trainguard import safe_read
 from trainguard.trainer.checkpoint.manifest import CheckpointError, FileEntry
 
 METADATA = ".metadata"
@@ -101,7 +102,7 @@ def hash_written(path: Path) -> FileEntry:
     """SHA-256 and size of a file just written and fsynced, read back (from the page cache): the bytes
     the kernel holds for the disk, not the buffers they were written from. One pass over the whole file
     costs less than hashing DCP's many small writes as they pass (bench/bench_checkpoint.py)."""
-    with open(path, "rb", buffering=0) as handle:
+    with safe_read.open_file(path, what="checkpoint file", buffering=0) as handle:
         digest = hashlib.file_digest(handle, "sha256")
         size = os.fstat(handle.fileno()).st_size
     return FileEntry(path.name, digest.hexdigest(), size)

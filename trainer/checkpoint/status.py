@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainguard import rundir
+from trainguard import rundir, safe_read
 from trainguard.tls import format_timestamp
 from trainguard.trainer.checkpoint.directory import STATUS_FILE
 from trainguard.trainer.checkpoint.events import Events
@@ -107,7 +107,7 @@ class SaveStatus:
         data = json.dumps({**fields, "time": format_timestamp(time.time())}, default=str).encode()
         data = data[:self.SIZE - 1] if len(data) >= self.SIZE else data
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = safe_read.open_rw_fd(self.path, os.O_RDWR | os.O_CREAT, "checkpoint status")
         except OSError:
             return
         try:

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
+from trainguard import safe_read
 from trainguard.trainer.checkpoint.manifest import FileEntry
 from trainguard.trainer.checkpoint.state import tensor_bytes
 
@@ -198,9 +199,11 @@ def copy_dir(source: Path, names: list[str], final: Path) -> None:
     try:
         tmp.mkdir()
         for name in names:
-            shutil.copyfile(source / name, tmp / name)
-            with open(tmp / name, "rb+") as handle:
-                os.fsync(handle.fileno())
+            with safe_read.open_file(source / name, what="checkpoint file") as src, \
+                    open(tmp / name, "xb") as out:    # a FIFO or a device in the source is refused, not copied
+                shutil.copyfileobj(src, out, 1 << 20)
+                out.flush()
+                os.fsync(out.fileno())
         publish(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import IO, Any
 
+from trainguard import safe_read
 from trainguard.trainer.checkpoint import manifest as mf
 from trainguard.trainer.checkpoint import store
 from trainguard.trainer.checkpoint.manifest import CheckpointError, FileEntry, VerifyResult
@@ -78,22 +79,36 @@ def _missing(entry: FileEntry) -> tuple[str, str]:
     return mf.MISSING_FILE, f"{entry.name} is listed in the manifest but not there"
 
 
+def _open_listed(path: Path, entry: FileEntry) -> IO[bytes]:
+    """A listed file, opened through trainguard.safe_read: a FIFO or a device in its place (`extra.pt` as a
+    FIFO hung every reader) is refused as not there, before a byte is read; CheckpointError either way."""
+    try:
+        return safe_read.open_file(path, what="checkpoint file", buffering=0)
+    except FileNotFoundError:
+        raise CheckpointError(_missing(entry)[1], code=mf.MISSING_FILE, path=path) from None
+    except safe_read.RunFileError as exc:
+        raise CheckpointError(f"{entry.name} is listed in the manifest but {exc.reason}", code=mf.MISSING_FILE,
+                              path=path) from None
+
+
 def check_file(path: Path, entry: FileEntry, deep: bool) -> tuple[str, str] | None:
     try:
-        with open(path, "rb", buffering=0) as handle:
-            return _check_handle(handle, entry, deep)
-    except FileNotFoundError:
-        return _missing(entry)
+        handle = _open_listed(path, entry)
+    except CheckpointError as exc:
+        return exc.code, str(exc)
+    with handle:
+        return _check_handle(handle, entry, deep)
 
 
 def read_manifest(path: Path) -> dict:
     try:
-        data = (path / mf.MANIFEST_NAME).read_bytes()
+        data = safe_read.read_bytes(path / mf.MANIFEST_NAME, safe_read.MANIFEST_BYTES, "manifest")
     except FileNotFoundError:
         raise CheckpointError("no manifest.json (a save that never finished, or not a trainguard checkpoint)",
                               code=mf.MISSING_MANIFEST, path=path) from None
-    except OSError as exc:
-        raise CheckpointError(f"manifest.json: {exc.strerror}", code=mf.UNREADABLE_MANIFEST, path=path) from None
+    except OSError as exc:      # a FIFO or a device (never opened to block), too large, unreadable
+        why = exc.reason if isinstance(exc, safe_read.RunFileError) else exc.strerror or str(exc)
+        raise CheckpointError(f"manifest.json: {why}", code=mf.UNREADABLE_MANIFEST, path=path) from None
     try:
         return mf.parse(data)
     except ValueError as exc:
@@ -198,10 +213,7 @@ def _load_checked(path: Path, manifest: dict, into: dict | None, map_location: A
 
 def _hash_checked(path: Path, entry: FileEntry, keep: bool) -> tuple[os.stat_result, bytes | None]:
     """Hash one file against its entry; its stat (for the load to check again) and, when `keep`, its bytes."""
-    try:
-        handle = open(path, "rb", buffering=0)
-    except FileNotFoundError:
-        raise CheckpointError(_missing(entry)[1], code=mf.MISSING_FILE, path=path) from None
+    handle = _open_listed(path, entry)
     with handle:
         seen = os.fstat(handle.fileno())
         if keep:
@@ -233,9 +245,9 @@ def load_verified(path: Path, entry: FileEntry, map_location: Any) -> Any:
         return CheckpointError(f"{path.parent}: {code.replace('_', ' ')}: {detail}", code=code, path=path)
 
     try:
-        handle = open(path, "rb", buffering=0)
-    except FileNotFoundError:
-        raise refuse(*_missing(entry)) from None
+        handle = _open_listed(path, entry)
+    except CheckpointError as exc:
+        raise refuse(exc.code, str(exc)) from None
     with handle:
         before = os.fstat(handle.fileno())
         problem = _check_handle(handle, entry, deep=True)

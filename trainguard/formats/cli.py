@@ -1,6 +1,7 @@
 """`trainguard convert IN -o OUT.jsonl`: a TensorBoard event file, a Hugging Face trainer_state.json, a
 Megatron-LM or a torchtitan log as TLS. What could not be mapped is listed (file and position) and makes
-the exit status 1; unreadable input is status 2."""
+the exit status 1; what was passed over on purpose is said once per kind with its count (status 0);
+unreadable input, or input with no record in it, is status 2."""
 
 from __future__ import annotations
 
@@ -38,15 +39,24 @@ def run(args: argparse.Namespace) -> int:
     if (refusal := output_refusal(args.input, args.output)) is not None:
         return usage(refusal)
     temporary = args.output.with_name(args.output.name + ".partial")
+    notes = formats.Notes()
     try:
         with open(temporary, "wb") as out, Progress("convert") as shown:
             shown.step(0, args.input.name)
-            written, problems = formats.write_tls(args.input, out, mapping, progress=shown)
-        os.replace(temporary, args.output)
-    except BaseException:
-        temporary.unlink(missing_ok=True)      # a full disk or an interrupt leaves no .partial behind
-        raise
-    print(f"trainguard convert: {args.input} ({kind}) -> {args.output}: {written} records")
+            written, problems = formats.write_tls(args.input, out, mapping, notes, progress=shown)
+        if written:
+            os.replace(temporary, args.output)
+    finally:
+        temporary.unlink(missing_ok=True)      # a full disk, an interrupt or nothing read leaves no .partial
+    if not written:
+        for problem in problems[:SHOWN]:
+            print(f"  not mapped: {problem}", file=sys.stderr)
+        return usage(f"{args.input}: read as a {kind} log, and no record in it ({len(problems)} not mapped)")
+    clock = " (no wall clock: each record's timestamp is its step, marked \"clock\": \"none\")" \
+        if notes.clock == formats.NO_CLOCK else ""
+    print(f"trainguard convert: {args.input} ({kind}) -> {args.output}: {written} records{clock}")
+    for line in notes.lines(str(args.input)):
+        print(f"  {line}", file=sys.stderr)
     for problem in problems[:SHOWN]:
         print(f"  not mapped: {problem}", file=sys.stderr)
     if len(problems) > SHOWN:

@@ -6,7 +6,9 @@ In order, the first that finds any:
    ``rank-*.jsonl*`` / ``node-*.jsonl*``.
 2. **Any other** ``*.jsonl*`` file in that folder (TLS under another name, e.g. what `convert` wrote).
 3. **Other tools' logs, detected by content** (trainguard.formats.detect; a file that is TLS is not one):
-   the folder's own TensorBoard event files, ``trainer_state.json`` and ``*.log`` files; else the layout
+   the folder's own TensorBoard event files, ``trainer_state.json`` (``*trainer_state*.json``), ``*.log``,
+   SLURM's ``*.out`` / ``*.err`` and ``*.txt`` files (several rank files of one run among them: replay
+   keeps one copy of each step); else the layout
    a Hugging Face Trainer leaves in its ``output_dir``: the newest ``checkpoint-N/trainer_state.json`` (each
    holds the whole ``log_history`` so far: the older ones would repeat its steps); else TensorBoard event
    files under ``runs/*/`` (the Trainer's default ``logging_dir``). The Trainer's ``runs/`` events beside a
@@ -24,7 +26,8 @@ from pathlib import Path
 from trainguard import formats, rundir, tls
 
 LOG_PATTERNS = ("*.jsonl", "*.jsonl.*")   # rank-0.jsonl, node-a.jsonl.3.gz, x.jsonl.zst
-OTHER_PATTERNS = ("events.out.tfevents.*", "trainer_state.json", "*.log")
+OTHER_PATTERNS = ("events.out.tfevents.*", "trainer_state.json", "*trainer_state*.json", "*.log", "*.out",
+                  "*.err", "*.txt")
 HF_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 HF_STATE = "trainer_state.json"
 TENSORBOARD_RUNS = "runs/*/events.out.tfevents.*"

@@ -1,7 +1,7 @@
 """`trainguard replay LOG_OR_RUN_DIR... [--policy FILE] [--rules DIR] [--json] [--expect FILE]`
 
 Exit status: 0 done (and the expectation met), 1 the replay does not match --expect, 2 bad input
-(no such log, a bad policy, expectation or rules directory, promtool missing). Malformed log lines are
+(no such log, no record in the inputs, a bad policy, expectation or rules directory, promtool missing). Malformed log lines are
 never fatal: they are counted and listed with file and line.
 """
 
@@ -64,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     except (tgpolicy.PolicyError, expect.ExpectError, source.InputError, rules.RulesError, OSError) as exc:
         print(f"trainguard replay: {exc}", file=sys.stderr)
         return 2
+    if not result.outcome.records:
+        return _no_records(result)
     diff = result.check(expected) if expected is not None else None
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=1)
@@ -97,6 +99,20 @@ def choose_policy(inputs: list[str], given: str | None, key_file: str | None) ->
     return runpolicy.choose(runs[0], None, key, where)
 
 
+def _no_records(result: Result) -> int:
+    """Bad input, said as such: nothing in the inputs is a record (every line malformed, or none at all)."""
+    files = ", ".join(str(path) for path in result.files[:3]) + (" ..." if len(result.files) > 3 else "")
+    print(f"trainguard replay: no records in {files}: "
+          + (f"{result.problems.count:,} malformed lines, none a TLS record or a line of another tool's log that "
+             "trainguard reads (TensorBoard, trainer_state.json, Megatron-LM, torchtitan)"
+             if result.problems.count else "the input is empty"), file=sys.stderr)
+    for line in result.extra.get("notes", []):
+        print(f"  {line}", file=sys.stderr)
+    for malformed in result.problems.kept[:5]:
+        print(f"  {malformed}", file=sys.stderr)
+    return 2
+
+
 def _first(*values):
     return next(value for value in values if value is not None)
 
@@ -118,6 +134,9 @@ def render(result: Result) -> str:
     if result.recorded:
         lines += ["", "recorded in the log (what the live run did: trainer, agents, control channel)"]
         lines += [_recorded_line(r, origin) for r in result.recorded]
+    if result.extra.get("notes"):
+        lines += ["", "passed over on purpose (recognised, not mapped to TLS)"]
+        lines += [f"  {note}" for note in result.extra["notes"]]
     if result.problems.count:
         lines += ["", f"malformed lines: {result.problems.count}"]
         lines += [f"  {m}" for m in result.problems.kept[:MALFORMED_SHOWN]]
@@ -136,8 +155,11 @@ def _summary(result: Result) -> str:
     if out.first_timestamp is None:
         return head + ", no records"
     span = expect.offset_text(out.last_timestamp, out.first_timestamp)
-    lines = [f"{head}, {tls.format_timestamp(out.first_timestamp)} .. {tls.format_timestamp(out.last_timestamp)} "
-             f"({span.lstrip('+')})",
+    when = (f"{tls.format_timestamp(out.first_timestamp)} .. {tls.format_timestamp(out.last_timestamp)} "
+            f"({span.lstrip('+')})" if not result.extra.get("without_clock") else
+            "no wall clock (steps order the records: the stall watchdog, the cost meter and time-based rules "
+            "did not run)")
+    lines = [f"{head}, {when}",
              f"steps decided: {out.steps:,}" + (f" (rank {result.lead_rank})" if result.lead_rank is not None else "")
              + (f", {out.duplicate_steps:,} copies from other ranks or nodes skipped" if out.duplicate_steps else "")
              + (f", {out.partial_steps:,} without both loss and grad_norm" if out.partial_steps else "")]

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Iterator
 import msgspec
 import numpy as np
 
+from trainguard import safe_read
 from trainguard.decide.batch import Block
 from trainguard.replay import source
 from trainguard.replay.picking import Action, Picked, Picker
@@ -129,13 +130,14 @@ def available_cpus() -> int:
 
 def _spans(path: str, chunk_bytes: int) -> Iterator[tuple[int, int]]:
     """(start, end) byte offsets of chunks of about chunk_bytes, each cut after a newline."""
-    size = os.path.getsize(path)
     start = 0
-    with open(path, "rb") as handle:
+    with safe_read.open_file(path, what="log file") as handle:
+        size = os.fstat(handle.fileno()).st_size
         while start < size:
             end = start + chunk_bytes
             if end < size:
                 handle.seek(end)
+                cut_at = end
                 while True:             # on to the end of the line the cut falls in
                     tail = handle.read(1 << 16)
                     cut = tail.find(b"\n")
@@ -143,6 +145,8 @@ def _spans(path: str, chunk_bytes: int) -> Iterator[tuple[int, int]]:
                         end += cut + 1 if cut >= 0 else len(tail)
                         break
                     end += len(tail)
+                    if end - cut_at > safe_read.MAX_LINE_BYTES:     # a chunk is bounded by the line bound
+                        raise safe_read.line_too_long(path, None)
             end = min(end, size)
             yield start, end
             start = end
@@ -221,7 +225,7 @@ def _decode_and_pick(path: str, start: int, end: int, lead, layer_names: tuple |
     lines = 0
     marked: list = []
     try:
-        with open(path, "rb") as handle:
+        with safe_read.open_file(path, what="log file") as handle:
             handle.seek(start)
             data = handle.read(end - start)
     except OSError as exc:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard import tls
+from trainguard import safe_read, tls
 
 _DURATION = re.compile(r"^\+?(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?(?:(\d+(?:\.\d+)?)s)?$")
 _ACTION_KEYS = {"action", "step", "time", "reason", "count"}
@@ -101,9 +101,13 @@ def load(path: str | Path) -> Expected:
 
     source = str(path)
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = safe_read.read_yaml(path, what="expectation file")
     except FileNotFoundError:
         raise ExpectError(f"{source}: no such expectation file") from None
+    except OSError as exc:      # a FIFO, a device, a directory, too large: named by safe_read
+        raise ExpectError(str(exc)) from None
+    except UnicodeDecodeError as exc:
+        raise ExpectError(f"{source}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise ExpectError(f"{source}: not valid YAML: {exc}") from None
     return parse({} if data is None else data, source)

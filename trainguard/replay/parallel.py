@@ -44,6 +44,7 @@ import msgspec
 import numpy as np
 import zstandard
 
+from trainguard import safe_read
 from trainguard.decide.batch import Block
 from trainguard.replay import columns, source
 from trainguard.replay.picking import Picked, Picker
@@ -120,7 +121,7 @@ def blocks_of(path: str, start: int, end: int | None, problems: source.Problems,
         for records, _ in source._typed_chunks(Path(path), problems):
             yield records, _none
         return
-    with open(path, "rb") as handle:
+    with safe_read.open_file(path, what="log file") as handle:
         handle.seek(start)
         data = handle.read(end - start)
     view = memoryview(data)
@@ -360,7 +361,7 @@ class _File:
         """The number of lines before byte `start` of the (plain) file: counted only when a malformed or
         marked line needs its number, on from where the last count ended."""
         if start > self.counted_to:
-            with open(self.path, "rb") as handle:
+            with safe_read.open_file(self.path, what="log file") as handle:
                 handle.seek(self.counted_to)
                 self.counted += handle.read(start - self.counted_to).count(b"\n")
             self.counted_to = start
@@ -586,7 +587,7 @@ def _bytes_to_decode(path: str) -> int:
     zstd frame's content size), else 8 times its size. Only an order of work: nothing depends on it."""
     size = os.path.getsize(path)
     try:
-        with open(path, "rb") as handle:
+        with safe_read.open_file(path, what="log file") as handle:
             if path.endswith(".gz") and size >= 18:
                 handle.seek(size - 4)
                 return max(size, int.from_bytes(handle.read(4), "little"))

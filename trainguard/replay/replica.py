@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 from pathlib import Path
 
-from trainguard import tls
+from trainguard import safe_read, tls
 from trainguard.decide import replica
 from trainguard.policy import Policy
 from trainguard.replay import engine, source
@@ -48,7 +48,8 @@ def _may_hold_checks(path: Path) -> bool:
     if path.suffix in (".gz", ".zst"):
         return True               # compressed: only reading tells
     try:
-        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        with safe_read.open_file(path, what="log file") as handle, \
+                mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return data.find(MARK) != -1
     except (OSError, ValueError):  # empty (mmap refuses length 0) or unreadable: the main pass says why
         return False

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainguard import safe_read
+
 if TYPE_CHECKING:       # annotations only: the series module (the metric families) is for --rules alone
     from trainguard.replay.series import Grid, SeriesTable
 
@@ -76,8 +78,8 @@ def _load(path: Path) -> dict | None:
     import yaml   # only a replay with --rules reads them: the others start without YAML
 
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        data = safe_read.read_yaml(path, what="rules file")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise RulesError(f"{path}: not readable as YAML: {exc}") from None
     return data if isinstance(data, dict) else None
 

@@ -34,7 +34,7 @@ from typing import Annotated, Any, Callable, Iterable, Iterator, Union
 import msgspec
 import zstandard
 
-from trainguard import formats, tls
+from trainguard import formats, safe_read, tls
 from trainguard.decide import replica as decide_replica
 from trainguard.exits import BadInput
 from trainguard.formats import discover
@@ -42,6 +42,8 @@ from trainguard.formats import discover
 BLOCK_BYTES = 1 << 16          # one block of lines per decode call: ~300 trainer records
 MAX_MALFORMED_KEPT = 1000      # details kept; every malformed line is counted
 # A folder without TLS logs: the logs of other tools it may hold (trainguard.formats, detected by content).
+# A record whose timestamp is its step (a trainer_state.json, converted): the first line of such a file says so.
+CLOCKLESS_MARK = b'"' + formats.CLOCK_KEY.encode() + b'":"' + formats.NO_CLOCK.encode() + b'"'
 
 
 # ----------------------------------------------------------------------------------------- records
@@ -212,8 +214,11 @@ def line_blocks(handle) -> Iterator[bytes]:
     """Whole lines, about BLOCK_BYTES at a time; the last block may end without a newline.
 
     A line longer than a block is gathered as a list of pieces and joined once, so a 50 MB line costs
-    linear time (adding each piece to the last would copy it again every time: quadratic)."""
+    linear time (adding each piece to the last would copy it again every time: quadratic); a line longer
+    than safe_read.MAX_LINE_BYTES is a RunFileError before more of it is held (the callers read the file
+    again line by line, which names the line)."""
     pending: list[bytes] = []
+    held = 0
     while True:
         chunk = handle.read(BLOCK_BYTES)
         if not chunk:
@@ -223,10 +228,15 @@ def line_blocks(handle) -> Iterator[bytes]:
         cut = chunk.rfind(b"\n") + 1
         if cut == 0:
             pending.append(chunk)
+            held += len(chunk)
+            if held > safe_read.MAX_LINE_BYTES:
+                raise safe_read.RunFileError(getattr(handle, "name", "<log>"),
+                                             f"a line longer than {safe_read.MAX_LINE_BYTES} bytes")
             continue
         head, rest = (chunk[:cut], chunk[cut:]) if cut < len(chunk) else (chunk, b"")
         yield b"".join((*pending, head)) if pending else head
         pending = [rest] if rest else []
+        held = len(rest)
 
 
 class _HardwareOfDict(Hardware, kw_only=True, gc=False):
@@ -404,8 +414,8 @@ def head_names(path: str | os.PathLike, mark: bytes, lines: int) -> bool:
             head = b""          # read a block at a time (not a line: a call per line costs more than the read)
             while head.count(b"\n") < lines:
                 block = handle.read(BLOCK_BYTES)
-                if not block:
-                    break
+                if not block or len(head) > safe_read.MAX_LINE_BYTES:
+                    break       # no more, or a line past the bound: the file's own pass refuses it
                 head += block
     except _UNREADABLE:
         return True      # unreadable: the reader says so itself (True only sends the file to it)
@@ -430,6 +440,8 @@ def lines_naming(path: str | os.PathLike, marks: tuple[bytes, ...]) -> Iterator[
                 block = pending + data
                 cut = len(block) if not data else block.rfind(b"\n") + 1
                 if cut == 0 and data:
+                    if len(block) > safe_read.MAX_LINE_BYTES:
+                        return      # a line past the bound: the file's own pass refuses it, naming it
                     pending = block
                     continue
                 yield from _marked(block[:cut], marks, number)
@@ -458,6 +470,18 @@ def _all(block: bytes, mark: bytes) -> Iterator[int]:
         at = block.find(mark, at + len(mark))
 
 
+def _says_no_clock(path: Path) -> bool:
+    """Whether a TLS file's first line carries CLOCKLESS_MARK. `trainguard convert` writes plain files; the
+    trainer's and the agent's logs (rotated ones compressed) never carry it: one 4 KiB read, no decompression."""
+    if path.suffix in (".gz", ".zst"):
+        return False
+    try:
+        with safe_read.open_file(path, what="log file") as handle:
+            return CLOCKLESS_MARK in handle.read(4096).split(b"\n", 1)[0]
+    except OSError:
+        return False
+
+
 # ---------------------------------------------------------------------------------------- stream
 
 class Stream:
@@ -470,7 +494,10 @@ class Stream:
     def __init__(self, paths: Iterable[str | os.PathLike], *, full: bool = False):
         self.problems = Problems()
         self._scratch = None
-        self.files = self._as_tls(expand(paths))
+        self.notes: list[str] = []              # what other tools' logs held that was passed over on purpose
+        self.without_clock: list[Path] = []     # inputs whose records' times are steps (formats.NO_CLOCK)
+        self.sources = expand(paths)             # the inputs as found (what a user names); `files` is what is read
+        self.files = self._as_tls(self.sources)
         self.problems.order = {str(path): index for index, path in enumerate(self.files)}
         self.full = full
         self.lead_rank: int | None = None
@@ -486,17 +513,26 @@ class Stream:
         stream, and read from there on; what could not be mapped is a malformed entry of the original file."""
         converted = []
         for index, path in enumerate(files):
-            if formats.detect(path) == formats.TLS:
+            kind = formats.detect(path)
+            if kind == formats.TLS:
+                if _says_no_clock(path):      # what `trainguard convert` wrote of one
+                    self.without_clock.append(path)
                 converted.append(path)
                 continue
             if self._scratch is None:
                 import tempfile
                 self._scratch = tempfile.TemporaryDirectory(prefix="trainguard-replay-")
             target = Path(self._scratch.name) / f"{index}-{path.name}.jsonl"
+            notes = formats.Notes()
             with open(target, "wb") as out:
-                _, unmapped = formats.write_tls(path, out)
+                written, unmapped = formats.write_tls(path, out, notes=notes)
             for problem in unmapped:
                 self.problems.add(problem.file, problem.position, f"{problem.where}: {problem.error}")
+            self.notes += notes.lines(str(path))
+            if not written:
+                self.notes.append(f"{path}: read as a {kind} log, and no record in it")
+            if notes.clock == formats.NO_CLOCK:
+                self.without_clock.append(path)
             converted.append(target)
         return converted
 

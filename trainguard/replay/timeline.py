@@ -107,6 +107,7 @@ class Result:
                                                        "scrape_interval_seconds": self.scrape_interval},
         }
         document.update(dynamics.json_part(self.extra.get("lr_phases")))
+        document.update(without_clock=self.extra.get("without_clock", []), passed_over=self.extra.get("notes", []))
         if self.diff is not None:
             document["expect"] = {"file": self.expect_file, "ok": not self.diff, "diff": self.diff}
         return document
@@ -152,6 +153,9 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
         rules.rule_files(rules_dir)          # refuse a bad rules directory before reading any log
         rules.promtool()
     stream = source.Stream(paths, full=rules_dir is not None)
+    if stream.without_clock and rules_dir is not None:
+        raise source.InputError(f"{stream.without_clock[0]}: has no wall clock (its records are ordered by step): "
+                                "the alert rules need time; replay it without --rules")
     meter = CostMeter(policy.cost)
     exporters = None
     if rules_dir is not None:
@@ -159,14 +163,19 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
 
         exporters = Exporters(stream, meter, scrape_interval, restart_silence=policy.alerts.stall_seconds)
     outcome = engine.replay(stream, policy, observer=exporters, meter=meter)
-    result = Result(stream.files, outcome, stream.problems, lead_rank=stream.lead_rank,
+    result = Result(stream.sources, outcome, stream.problems, lead_rank=stream.lead_rank,
                     scrape_interval=scrape_interval)
     if exporters is not None:
         table = exporters.finish(outcome.last_timestamp, hold) if outcome.records else None
         result.alerts = rules.evaluate(table, rules_dir, keep=keep_test)
         result.rules_dir = str(rules_dir)
-    stalls = stall_notices(stream, outcome, policy)
-    result.actions, result.verdicts = _execute(outcome.actions, result.alerts or [], policy, stalls)
+    decided, stalls = outcome.actions, []
+    if stream.without_clock:      # no time: the stall watchdog and the cost meter have nothing to measure
+        decided, outcome.cost = [a for a in decided if a.source != "cost"], {}
+    else:
+        stalls = stall_notices(stream, outcome, policy)
+    result.extra.update(without_clock=[str(p) for p in stream.without_clock], notes=stream.notes)
+    result.actions, result.verdicts = _execute(decided, result.alerts or [], policy, stalls)
     result.actions = sorted(result.actions + replica.actions(_may_hold_checks(stream.files, outcome), policy),
                             key=lambda a: a.timestamp)
     result.recorded = recorded_actions(outcome.recorded, stream.files, paths_given, outcome.event_lines)

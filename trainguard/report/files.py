@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,10 +51,10 @@ def read_checkpoints(run_dir: Path) -> list[Checkpoint]:
             continue
         manifest, error = None, None
         try:
-            manifest = json.loads((path / "manifest.json").read_text())
+            manifest = rundir.checkpoint_manifest(path)
         except FileNotFoundError:
             error = "no manifest.json (incomplete or not verified)"
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError) as exc:     # a FIFO or a device named by safe_read, garbage, a wrong step
             error = f"unreadable manifest.json: {exc}"
         found.append(Checkpoint(path.name, int(match.group(1)), manifest, error))
     return sorted(found, key=lambda c: c.step)

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainguard import paths, rundir
+from trainguard import paths, rundir, safe_read
 from trainguard.actions import SHADOW_ACTION, SHADOW_MODE
 from trainguard.exits import int_at_least
 from trainguard.report.charts import event_detail, format_elapsed, format_value
@@ -55,14 +55,17 @@ def tail_records(path: Path, max_bytes: int) -> tuple[list[dict], list[str]]:
     A window holding no whole line (one record longer than it) is doubled until it holds one, so a long
     last record is still read (the file's end is read once more per doubling: rare, and bounded by it).
     """
-    with open(path, "rb") as handle:
+    with safe_read.open_file(path, what="log file") as handle:
         size = handle.seek(0, os.SEEK_END)
         while True:
             start = max(0, size - max_bytes)
             handle.seek(start)
-            data = handle.read()
+            data = handle.read(size - start)
             if start == 0 or data.find(b"\n", 0, len(data) - 1) >= 0:
                 break
+            if max_bytes > safe_read.MAX_LINE_BYTES:     # no whole line in the bound: a line too long to read
+                return [], [f"{path}: its last line is longer than {safe_read.MAX_LINE_BYTES} bytes "
+                            f"(a log line is at most that long)"]
             max_bytes *= 2
     lines = data.split(b"\n")
     if start > 0:
@@ -101,8 +104,9 @@ def collect(run_dir: str | os.PathLike, tail_kib: int = TAIL_KIB, recent: int = 
     _take_events(status, sorted(events, key=lambda e: e[0]), recent)
     checkpoints = read_checkpoints(root)
     status.checkpoints_on_disk = len(checkpoints)
-    if checkpoints and not status.last_checkpoint:
-        status.last_checkpoint = checkpoints[-1].name
+    readable = [checkpoint for checkpoint in checkpoints if checkpoint.error is None]
+    if readable and not status.last_checkpoint:     # a garbage manifest is no checkpoint (not even the latest)
+        status.last_checkpoint = readable[-1].name
     _take_checkpoint_save(status, root)
     return status
 

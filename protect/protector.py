@@ -67,6 +67,9 @@ GUARD_KEY, COST_KEY, STATE_KEY = "guard", "cost", "trainer"
 # again), the random generators (fresh draws, like fresh data), the guard's memory (its rollback budget
 # must survive the rollback) and the meter (money spent stays spent).
 KEPT_ON_ROLLBACK = ("data", "rng", GUARD_KEY, COST_KEY)
+# Loss rollbacks whose retry may show the loss is the data's; the same loss again is within this share.
+LOSS_ROLLBACKS = ("repeated_loss_spike", "repeated_warmup_spike")
+SAME_LOSS = 0.10
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,7 @@ class Protector:
             keep_last=keep_last, async_save=async_checkpoint, on_error=checkpoint_on_error,
             distributed=sharded_checkpoints, compress=checkpoint_compress)
         self.stop_path = rundir.stopped_path(self.run_dir)
+        self._loss_rollback: float | None = None    # the loss that caused the last loss rollback (its retry)
 
     # ------------------------------------------------------------------------------------ start, end
     def begin(self, **rank_info: Any) -> Begun:
@@ -227,6 +231,7 @@ class Protector:
             samples=samples, timings=timings, tokens_trained=state.tokens_trained,
             timestamp=verdict.timestamp, **metrics)
         self._meter(verdict, record)
+        self._tell()
         if verdict.shadowed is not None:
             self._on_decision(verdict.shadowed)
         if verdict.skip and (outcome := self._on_decision(verdict.decision)).stop:
@@ -349,6 +354,7 @@ class Protector:
         else:   # the optimizers hold the checkpoint's LR, cut by the checkpoint's scale: cut by the rest
             scale_optimizers(self.states, state.lr_scale / float(saved[STATE_KEY].get("lr_scale", 1.0)))
         self.checkpoints.abandon_after(state.step)
+        self.guard.rewinding = True     # the steps going back are this rollback's (whoever asked), not a restart
         self.telemetry.event(ROLLBACK, step=from_step, source=source, restored_step=state.step,
                              checkpoint=str(checkpoint.path), steps_lost=from_step - state.step, **skipped,
                              lr_scale=state.lr_scale, rewarmup_steps=guard.rewarmup_steps, **fields)
@@ -383,10 +389,38 @@ class Protector:
             self.event(SKIP_STEP, **event)
             self.log.warning("step skipped by the guard", step=self.state.step, reason=decision.reason)
         elif decision.action == ROLLBACK:
-            self.restore(rollback=True, source="guard", **event)
+            self._guard_rollback(decision, event)
         elif decision.action == STOP:
             return self._stop(decision, event)
         return Outcome()
+
+    def _guard_rollback(self, decision: Decision, event: dict) -> None:
+        """The guard's rollback. One that cannot happen (no stable checkpoint) is taken back from the guard's
+        count, so impossible rollbacks never stop a run. A loss rollback whose retry meets the same loss again
+        (within `SAME_LOSS`) is the data, not an instability (a planned data-mix change): at most one retry,
+        then the guard accepts the new level and the human is told, instead of rolling back in a loop."""
+        loss = float(decision.detail.get("loss", math.nan))
+        retried = self._loss_rollback
+        if decision.reason in LOSS_ROLLBACKS and retried is not None and abs(loss - retried) <= SAME_LOSS * abs(retried):
+            self._loss_rollback = None
+            self.guard.rollback_not_done(decision.timestamp or 0.0)
+            self.guard.accept_loss_level(self.state.step, decision.timestamp or 0.0)
+            self.log.warning("the loss is at a new level that a rollback reproduced: the data, not an instability; "
+                             "the guard accepts the new level (look at the data mix)", step=self.state.step,
+                             loss=loss, loss_before_retry=retried)
+            return
+        if self.restore(rollback=True, source="guard", **event) is None:
+            self.guard.rollback_not_done(decision.timestamp or 0.0)
+        else:
+            self._loss_rollback = loss if decision.reason in LOSS_ROLLBACKS else None
+
+    def _tell(self) -> None:
+        """The guard's notices (a loss level accepted): an event each in the TLS log, and a warning."""
+        for notice in self.guard.notices:
+            fields = {key: value for key, value in notice.items() if key not in ("type", "step", "timestamp")}
+            self.telemetry.event(notice["type"], step=notice.get("step", self.state.step), **fields)
+            self.log.warning("the guard accepted a new loss level", **fields)
+        self.guard.notices.clear()
 
     def _stop(self, decision: Decision, event: dict) -> Outcome:
         """Nothing new is saved; ``RUN/control/stopped.json`` keeps restarted workers from starting again."""

@@ -47,7 +47,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--checkpoint-every", type=int, metavar="N", help="save a verified checkpoint every N steps")
     parser.add_argument("--checkpoint-every-seconds", type=float, metavar="S",
-                        help="also save when S seconds have passed since the last checkpoint")
+                        help="also save when S seconds have passed since the last checkpoint "
+                             "(default 300; 0: by steps only)")
     parser.add_argument("--keep-last", type=int, metavar="N", help="checkpoints to keep (plus the newest stable one)")
     parser.add_argument("--key-file", help="HMAC key file for checkpoint manifests")
     parser.add_argument("--async-checkpoint", action="store_true", default=None,

@@ -75,8 +75,10 @@ class RunConfig:
     seed: int = 1337
     device: str = "auto"         # auto | cpu | cuda
     telemetry: bool = True
-    checkpoint_every: int = 0    # steps; 0 saves only at the end
-    checkpoint_every_seconds: float = 0.0   # also by time (rank 0's clock, so all ranks agree); 0 = off
+    checkpoint_every: int = 0    # steps; 0: by time only (checkpoint_every_seconds)
+    # Also by time (rank 0's clock, so all ranks agree); 0 = off. On by default: a first run with no
+    # checkpoint until the end has nothing to roll back to, so every guard rollback would be impossible.
+    checkpoint_every_seconds: float = 300.0
     checkpoint_on_error: str = "warn"       # a failed save: "warn" trains on (the previous one stays), "raise" ends
     keep_last: int = 3
     async_checkpoint: bool = False

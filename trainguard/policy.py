@@ -85,6 +85,30 @@ class GuardPolicy:
     grad_climb_min_steps: int = 64
     grad_climb_steps: int = 6
     grad_climb_lag: int = 32
+    # fp16/bf16 loss-scaler overflow: a non-finite gradient norm beside a finite loss is the scaler's to
+    # handle. It is skipped, and counts toward a rollback only from the `overflow_burst`-th in a row (the
+    # scale cut 2**8 times without a finite step: the scaler is not settling).
+    overflow_burst: int = 8
+    # A level shift (a planned data-mix change, an annealing phase): a loss above the spike band (but under
+    # `shift_loss_factor` times its mean) while the gradient norm stays under `shift_grad_factor` times its
+    # EMA is skipped without counting toward a rollback; after `shift_steps` such steps in a row the loss
+    # band starts again from the new level.
+    shift_steps: int = 8
+    shift_grad_factor: float = 2.0
+    shift_loss_factor: float = 2.0      # a new level is at most this many times the band's mean loss
+    # Warm-up: before the spike band has `spike_min_steps` losses, a loss above `warmup_spike_factor` times
+    # the highest healthy loss so far is a spike (one real run jumps x3.6 at iteration 3).
+    warmup_spike_factor: float = 1.8
+    # Slow divergence: the mean loss of the last `drift_chunk` healthy steps more than `drift_loss_ratio`
+    # above the least such mean of the `drift_chunks` chunks before (once `drift_min_chunks` are held),
+    # while the mean gradient norm is `drift_grad_ratio` above its own least, and the rise is more than
+    # `drift_steadiness` times the largest move between two chunk means in that span: a rollback at once.
+    drift_chunk: int = 32
+    drift_chunks: int = 16
+    drift_min_chunks: int = 4
+    drift_loss_ratio: float = 0.10
+    drift_grad_ratio: float = 0.25
+    drift_steadiness: float = 2.0
     # Silent data corruption (trainguard/decide/replica.py): every replica fingerprints its weights and
     # gradients every this many steps (0: never); bench/bench_sdc.py measures the cost of a check.
     replica_check_every: int = 50
@@ -372,6 +396,17 @@ RULES: dict[str, Range | Choice | str] = {
     "guard.grad_climb_min_steps": at_least(2, 10**6),
     "guard.grad_climb_steps": at_least(1, 10**4),
     "guard.grad_climb_lag": at_least(0, 10**6),
+    "guard.overflow_burst": at_least(1, 10**6),
+    "guard.shift_steps": at_least(1, 10**6),
+    "guard.shift_grad_factor": above(1),
+    "guard.shift_loss_factor": above(1),
+    "guard.warmup_spike_factor": above(1),
+    "guard.drift_chunk": at_least(1, 10**6),
+    "guard.drift_chunks": at_least(1, 10**6),
+    "guard.drift_min_chunks": at_least(1, 10**6),
+    "guard.drift_loss_ratio": above(0),
+    "guard.drift_grad_ratio": above(0),
+    "guard.drift_steadiness": above(0),
     "alerts.stall_seconds": above(0, 10**7),
     "alerts.slow_node_factor": above(1, 1000),
     "alerts.startup_grace_seconds": above(0, 10**7),
@@ -471,6 +506,13 @@ def _spike_needs_its_window(policy: "Policy") -> str | None:
     return None
 
 
+def _drift_needs_its_chunks(policy: "Policy") -> str | None:
+    g = policy.guard
+    if g.drift_min_chunks > g.drift_chunks:
+        return f"guard.drift_min_chunks: {g.drift_min_chunks} is more than guard.drift_chunks ({g.drift_chunks}) holds"
+    return None
+
+
 def _ib_timeouts_in_order(policy: "Policy") -> str | None:
     p = policy.preflight
     if p.nccl_ib_timeout_min > p.nccl_ib_timeout_max:
@@ -478,7 +520,8 @@ def _ib_timeouts_in_order(policy: "Policy") -> str | None:
     return None
 
 
-CROSS_CHECKS = (_tiers_in_order, _rollback_fits_window, _spike_needs_its_window, _ib_timeouts_in_order)
+CROSS_CHECKS = (_tiers_in_order, _rollback_fits_window, _spike_needs_its_window, _drift_needs_its_chunks,
+                _ib_timeouts_in_order)
 
 
 

@@ -63,14 +63,20 @@ def training(policy: Policy) -> list[Group]:
               f"{BASELINE} median. The run is rolled back to its last stable checkpoint, the data window "
               "is skipped and the learning rate lowered.",
               action=actions.ROLLBACK),
+        # An infinite norm is an fp16/bf16 loss-scaler overflow: the scaler skips the step and lowers its
+        # scale; an isolated one must not roll the run back or page anyone (the guard skips it). An
+        # isolated finite one (heavy-tailed healthy noise) is the guard's to skip too: the alert acts on
+        # an explosion that lasts.
         Alert("GradNormExplosion",
-              f"trainguard_training_grad_norm\n"
+              f"trainguard_training_grad_norm < +Inf\n"
               f"> {num(a.grad_explode_factor)} * trainguard:training_grad_norm:median{BASELINE}\n"
               f"and count_over_time(trainguard_training_grad_norm[{BASELINE}]) >= {BASELINE_MIN_SAMPLES}",
               SELF_HANDLED_SEVERITY, "Gradient norm explosion in run {{ $labels.run_id }} on {{ $labels.instance }}: {{ $value | printf \"%.4g\" }}",
               f"The global gradient norm is more than {num(a.grad_explode_factor)} times its {BASELINE} "
-              "median. The run is rolled back to its last stable checkpoint with a lower learning rate.",
-              action=actions.ROLLBACK),
+              "median (an infinite one, a loss-scaler overflow, is not) for " + a.for_short + ": the guard "
+              "skips an isolated step on its own, and a heavy-tailed healthy run has those. The run is rolled "
+              "back to its last stable checkpoint with a lower learning rate.",
+              for_=a.for_short, action=actions.ROLLBACK),
         Alert("TrainingStalled",
               f"min by ({NODE}, run_id) (time() - trainguard_training_last_step_timestamp_seconds)\n"
               f"> {num(a.stall_seconds)}\n"

@@ -27,7 +27,10 @@ def test_non_finite_is_skipped_even_before_warmup(loss, grad):
 def test_loss_spike_waits_for_min_steps_then_skips():
     guard = Guard()
     healthy(guard, 63)
-    assert guard.observe(StepStats(63, 50.0, 1.0)).action is None  # only 63 good steps: still learning
+    assert guard.observe(StepStats(63, 4.5, 1.0)).action is None   # only 63 good steps: the band still learns
+    guard = Guard()
+    healthy(guard, 63)      # ... but a loss above 1.8x the highest healthy one is no warm-up wobble
+    assert guard.observe(StepStats(63, 50.0, 1.0)).reason == "warmup_spike"
     guard = Guard()
     healthy(guard, 64)
     decision = guard.observe(StepStats(64, 50.0, 1.0, None, 64.0))

@@ -17,11 +17,12 @@ DESIGN_KEYS = {"records", "malformed", "first_timestamp", "last_timestamp", "act
 
 @pytest.fixture
 def log(tmp_path):
-    """A NaN at step 80 (skipped by the guard), a loss above 10 from 100 s to 200 s, and one broken line."""
+    """A NaN at step 80 (skipped by the guard), a loss above 10 from 100 s to 200 s (for the alert rule: 12
+    over 9, no spike to the guard's warm-up rule, which sees x1.8), and one broken line."""
     path = tmp_path / "rank-0.jsonl"
     with tls.Writer(path) as writer:
         for i in range(60):
-            loss = float("nan") if i == 40 else (50.0 if 100 <= 5 * i < 200 else 2.0)
+            loss = float("nan") if i == 40 else (12.0 if 100 <= 5 * i < 200 else 9.0)
             writer.write({"timestamp": tls.format_timestamp(T0 + 5 * i), "node": "node-a", "rank": 0,
                           "step": 2 * i, "metrics": {"loss": loss, "grad_norm": 1.0}})
     with open(path, "ab") as handle:

@@ -160,3 +160,12 @@ def test_parse_firing_reads_promtools_report_with_escaped_labels():
         3600.5: [{"alertname": "LossHigh", "instance": "e"}]}
     with pytest.raises(rules.RulesError, match="something other"):
         rules.parse_firing(output + "group \"x\": could not load rules\n")
+
+
+def test_promtool_times_of_a_day_and_more_are_read():
+    """A log over a day long (a real Trainer run: 15 hours, replayed with hold) has alert times promtool
+    prints as Prometheus durations with days and weeks."""
+    from trainguard.replay.rules import go_duration
+
+    assert go_duration("1d") == 86400.0 and go_duration("1d2h3m") == 93780.0 and go_duration("2w") == 14 * 86400.0
+    assert go_duration("1h2m3.5s") == 3723.5 and go_duration("500ms") == 0.5

@@ -35,7 +35,7 @@ import numpy as np
 
 from trainguard.decide.cost import CostMeter, cost_per_1k_steps, gpu_cost
 from trainguard.decide.decision import Decision
-from trainguard.decide.guard import GradExplosion, Guard, NonFinite, Rule, StepStats, WindowRule
+from trainguard.decide.guard import GradExplosion, Guard, LossDrift, NonFinite, Rule, StepStats, WarmupSpike, WindowRule
 
 MIN_SCREENED = 32     # steps decided one by one after a screen stops (doubled while events come thick)
 SCREEN_LEAST = 4 * MIN_SCREENED    # steps a screen must cover to cost less than the loop over them
@@ -169,7 +169,11 @@ def _advance(guard: Guard, fitted: list[tuple[Rule, Any]], rows: Rows, start: in
     cannot clear into every rule, and returns where they end."""
     if guard.stopped:
         return start
-    doubtful = np.zeros(end - start, dtype=bool)
+    # A step that goes back is the guard's to judge (a rollback's rewind, or a restart: `Guard._went_back`).
+    steps = rows.steps[start:end]
+    doubtful = np.empty(end - start, dtype=bool)
+    doubtful[1:] = steps[1:] <= steps[:-1]
+    doubtful[0] = guard.last_step is not None and steps[0] <= guard.last_step
     learners = []
     for rule, screen in fitted:
         flagged, learn = screen(rule, rows, start, end)
@@ -180,6 +184,7 @@ def _advance(guard: Guard, fitted: list[tuple[Rule, Any]], rows: Rows, start: in
         for learn in learners:
             learn(healthy)
         guard.observed += healthy
+        guard.last_step = int(steps[healthy - 1])
     return start + healthy
 
 
@@ -274,10 +279,122 @@ class GradExplosionScreen:
         rule.good += count
 
 
+class WarmupScreen:
+    """`WarmupSpike.check` over the stretch: the count of healthy losses and their running maximum (exact),
+    the test elementwise. Asleep once the count reaches `until`: nothing to screen, only the count."""
+
+    def covers(self, rule: WarmupSpike, rows: Rows) -> bool:
+        return True
+
+    def __call__(self, rule: WarmupSpike, rows: Rows, start: int, end: int) -> tuple[Array, Learn]:
+        awake = max(0, min(end - start, rule.until - rule.seen))     # steps the rule still learns
+        losses = rows.losses[start:start + awake]
+
+        def learn(count: int) -> None:
+            taken = min(count, awake)
+            if taken:
+                rule.seen += taken
+                rule.peak = max(rule.peak, float(losses[:taken].max()))
+
+        if not awake:
+            return False, learn
+        flagged = np.zeros(end - start, dtype=bool)
+        with np.errstate(all="ignore"):
+            peaks = np.maximum.accumulate(np.concatenate(([rule.peak], losses)))[:-1]
+            seen = np.arange(rule.seen, rule.seen + awake)
+            flagged[:awake] = (seen >= 1) & (losses > rule.factor * peaks) & (peaks > 0)
+        return flagged, learn
+
+
+class DriftScreen:
+    """`LossDrift.check` at every step that would complete a chunk: each chunk's sums as the loop adds them
+    (`np.cumsum` along the chunk, from the sums held for the first), its means, the least of the chunk
+    means held before it (a sliding minimum), the test elementwise."""
+
+    def covers(self, rule: LossDrift, rows: Rows) -> bool:
+        return rule.chunk >= 1 and (rule.loss_means.maxlen or 0) >= 1 and 0 <= rule.count < rule.chunk
+
+    def __call__(self, rule: LossDrift, rows: Rows, start: int, end: int) -> tuple[Array, Learn]:
+        chunk, count = rule.chunk, end - start
+        first = chunk - rule.count                      # steps to the end of the chunk being filled
+        ends = np.arange(first - 1, count, chunk)       # positions that complete a chunk
+        columns = (rows.losses[start:end], rows.grad_norms[start:end])
+        with np.errstate(all="ignore"):
+            sums = [_chunk_sums(column, held, first, len(ends), chunk)
+                    for column, held in zip(columns, (rule.loss_sum, rule.grad_sum))]
+            means = [total / chunk for total in sums]
+            flagged = np.zeros(count, dtype=bool)
+            if len(ends):
+                held = len(rule.loss_means)
+                loss_floor = _sliding_min(rule.loss_means, means[0])
+                grad_floor = _sliding_min(rule.grad_means, means[1])
+                size = np.minimum(np.arange(held, held + len(ends)), rule.loss_means.maxlen or 0)
+                rise = means[0] - loss_floor
+                flagged[ends] = ((size >= rule.min_chunks)
+                                 & (rise > rule.loss_ratio * np.abs(loss_floor))
+                                 & (means[1] - grad_floor > rule.grad_ratio * np.abs(grad_floor))
+                                 & (rise > rule.steadiness * _largest_moves(rule.loss_means, means[0])))
+
+        def learn(healthy: int) -> None:
+            done = int(np.searchsorted(ends, healthy))    # chunks completed within the healthy prefix
+            rule.loss_means.extend(means[0][:done].tolist())
+            rule.grad_means.extend(means[1][:done].tolist())
+            begin = int(ends[done - 1]) + 1 if done else 0
+            rest = healthy - begin
+            held_loss, held_grad = (rule.loss_sum, rule.grad_sum) if not done else (0.0, 0.0)
+            rule.count = (rule.count if not done else 0) + rest
+            rule.loss_sum = _running_sum(held_loss, columns[0][begin:healthy])
+            rule.grad_sum = _running_sum(held_grad, columns[1][begin:healthy])
+
+        return flagged, learn
+
+
+def _chunk_sums(values: Array, held: float, first: int, chunks: int, chunk: int) -> Array:
+    """The sum of each chunk that completes in `values`, as `LossDrift.learn` adds it: the first from
+    `held` over values[:first], the others from 0.0 over `chunk` values each, left to right."""
+    if not chunks:
+        return np.empty(0)
+    out = np.empty(chunks)
+    out[0] = _running_sum(held, values[:first])
+    if chunks > 1:
+        rows = values[first:first + (chunks - 1) * chunk].reshape(chunks - 1, chunk)
+        out[1:] = np.cumsum(rows, axis=1)[:, -1]    # 0.0 + v is v: the loop's first addition
+    return out
+
+
+def _running_sum(held: float, values: Array) -> float:
+    """`held` plus each of `values` in turn (np.cumsum adds left to right, as the loop does)."""
+    if not len(values):
+        return held
+    return float(np.cumsum(np.concatenate(([held], values)))[-1])
+
+
+def _largest_moves(held: deque[float], means: Array) -> Array:
+    """Before each of `means`: the largest move between consecutive chunk means over the means held then
+    (the last `held.maxlen`) and into it, as `LossDrift.check` finds it; -inf where there is none."""
+    size = held.maxlen or 0
+    chain = np.concatenate((np.fromiter(held, np.float64, len(held)), means))
+    moves = np.abs(np.diff(chain))                  # moves[j]: from chain[j] to chain[j + 1]
+    padded = np.concatenate((np.full(size, -np.inf), moves))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, size)
+    return windows[len(held):len(held) + len(means)].max(axis=1)     # windows[q]: the moves into chain[q]
+
+
+def _sliding_min(held: deque[float], means: Array) -> Array:
+    """Before each of `means`: the least of the last `held.maxlen` chunk means (those held, then the new
+    ones before it); +inf where none."""
+    size = held.maxlen or 0
+    padded = np.concatenate((np.full(size, np.inf), np.fromiter(held, np.float64, len(held)), means))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, size)
+    return windows[len(held):len(held) + len(means)].min(axis=1)
+
+
 GUARD_SCREENS: dict[type, Screen] = {
     NonFinite: NonFiniteScreen(),
     WindowRule: WindowScreen(),
     GradExplosion: GradExplosionScreen(),
+    WarmupSpike: WarmupScreen(),
+    LossDrift: DriftScreen(),
 }
 
 

@@ -9,7 +9,17 @@ The guard is an ordered tuple of rules (`RULES`), each a small object with its o
 takes a healthy step into the rule's statistics. The first rule that finds a step bad names the reason;
 only a step that no rule finds bad is learned, by every rule, so one spike does not raise the bar for
 the next. Then the escalation: ``rollback_after`` bad steps within ``rollback_window`` steps ask for a
-``rollback``, and more than ``max_rollbacks_per_hour`` rollbacks ask to ``stop`` rather than loop.
+``rollback`` (a rule with ``rolls_back`` asks at once), and more than ``max_rollbacks_per_hour`` rollbacks
+ask to ``stop`` rather than loop.
+
+Healthy shapes that look bad step by step are the escalation's to tell apart (docs/trainer.md):
+- a non-finite gradient norm beside a finite loss is the fp16/bf16 loss scaler's overflow: skipped, and
+  counted toward a rollback only from the ``overflow_burst``-th in a row;
+- a loss above its band, but within ``shift_loss_factor`` of its mean, while the gradient norm stays
+  normal may be a level shift (a data-mix change, an annealing phase): skipped without counting, and after ``shift_steps`` such steps in a row the band
+  starts again from the new level (`Guard.notices` says so, for the human);
+- a rollback that could not be carried out is taken back (`Guard.rollback_not_done`), so it never counts
+  toward the limit that stops the run.
 
 Replay decides blocks of recorded steps with array screens beside these rules (`trainguard.decide.batch`);
 a rule without a screen is decided there by `Guard.observe` itself, so it is correct the moment it exists.
@@ -209,6 +219,12 @@ class LossSpike(WindowRule):
     def detail(self, value: float, threshold: float) -> Detail:
         return {"loss": value, "threshold": threshold}
 
+    def accept_level(self, losses: Iterable[float]) -> None:
+        """The loss has moved to a new level for good (a data-mix change): the band starts again from these
+        losses, and is silent until it holds `min_steps` again (the warm-up rule watches meanwhile)."""
+        self.window.load(losses, None)
+        self.recent.clear()
+
 
 class GradExplosion:
     """The global gradient norm above `factor` times its EMA, or a layer's above `layer_factor` times its
@@ -264,6 +280,116 @@ class GradClimb(WindowRule):
         return {"grad_norm": value, "threshold": threshold, "steps": self.sustain}
 
 
+class WarmupSpike:
+    """Before the spike band is armed (`until` healthy losses): a loss above `factor` times the highest
+    healthy loss so far. Early losses fall from about ln(vocabulary) and a healthy warm-up wobbles up by
+    at most ~1.4x (a real torchtitan launch: 10.86 to 15.20); the real spikes seen with only a few steps
+    before them are x2.2 and more (12.4 to 44.2 at iteration 3, 3.68 to 7.27 in a 104B excerpt). Says
+    what it can from one healthy step on; it also watches a log that starts mid-run, or a restart."""
+
+    reason = "warmup_spike"
+
+    def __init__(self, factor: float, until: int):
+        self.factor, self.until = factor, until
+        self.seen = 0
+        self.peak = -math.inf
+
+    def check(self, stats: StepStats) -> Detail | None:
+        if self.seen < 1 or self.seen >= self.until:
+            return None
+        if stats.loss > self.factor * self.peak and self.peak > 0:
+            return {"loss": stats.loss, "threshold": self.factor * self.peak, "healthy_steps": self.seen}
+        return None
+
+    def learn(self, stats: StepStats) -> None:
+        if self.seen < self.until:
+            self.seen += 1
+            self.peak = max(self.peak, stats.loss)
+
+    def restart(self, losses: Iterable[float]) -> None:
+        """Watch again from these losses (the spike band starts again from a new level)."""
+        self.seen, self.peak = 0, -math.inf
+        for loss in losses:
+            self.learn(StepStats(0, loss, 0.0))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"warmup_seen": self.seen, "warmup_peak": self.peak}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        # A checkpoint from before this rule was written after its warm-up: the rule stays asleep.
+        self.seen = int(state.get("warmup_seen", self.until))
+        self.peak = float(state.get("warmup_peak", -math.inf))
+
+
+class LossDrift:
+    """A slow divergence: the loss climbing by tens of percent over hundreds of steps, the gradient norm
+    rising gently with it, no single step outside any band. Healthy steps are taken in chunks of `chunk`;
+    at the step that completes a chunk, its mean loss more than `loss_ratio` above the least chunk mean
+    of the last `chunks` (once `min_chunks` are held), its mean gradient norm more than `grad_ratio`
+    above theirs, and the rise more than `steadiness` times the largest move from one chunk mean to the
+    next in that span, is a drift: a climb made of small steps, where the run's own wander (a tiny model's
+    loss moves tens of percent over a hundred steps and back) or one sudden step is not. A chunk mean trails the loss by half a chunk, so at the defaults it acts
+    while the loss is about 12-16% above its floor, before 20%. A level shift (data mix) has normal
+    gradients and is left to the escalation; a healthy run's loss falls, so its floor is its latest.
+    It asks for a rollback at once (`rolls_back`) and starts again after one."""
+
+    reason = "loss_drift"
+    rolls_back = True
+
+    def __init__(self, chunk: int, chunks: int, min_chunks: int, loss_ratio: float, grad_ratio: float,
+                 steadiness: float):
+        self.chunk, self.min_chunks, self.loss_ratio, self.grad_ratio = chunk, min_chunks, loss_ratio, grad_ratio
+        self.steadiness = steadiness
+        self.loss_sum = self.grad_sum = 0.0
+        self.count = 0
+        self.loss_means: deque[float] = deque(maxlen=chunks)
+        self.grad_means: deque[float] = deque(maxlen=chunks)
+
+    def check(self, stats: StepStats) -> Detail | None:
+        if self.count != self.chunk - 1 or len(self.loss_means) < self.min_chunks:
+            return None
+        loss = (self.loss_sum + stats.loss) / self.chunk
+        grad = (self.grad_sum + stats.grad_norm) / self.chunk
+        loss_floor, grad_floor = min(self.loss_means), min(self.grad_means)
+        rise = loss - loss_floor
+        if not (rise > self.loss_ratio * abs(loss_floor) and grad - grad_floor > self.grad_ratio * abs(grad_floor)):
+            return None
+        largest = abs(loss - self.loss_means[-1])       # the largest move from one chunk to the next
+        for before, after in itertools.pairwise(self.loss_means):
+            largest = max(largest, abs(after - before))
+        if not rise > self.steadiness * largest:
+            return None
+        return {"loss_mean": loss, "loss_floor": loss_floor, "grad_norm_mean": grad, "grad_norm_floor": grad_floor,
+                "steps": self.chunk}
+
+    def learn(self, stats: StepStats) -> None:
+        self.loss_sum += stats.loss
+        self.grad_sum += stats.grad_norm
+        self.count += 1
+        if self.count == self.chunk:
+            self.loss_means.append(self.loss_sum / self.chunk)
+            self.grad_means.append(self.grad_sum / self.chunk)
+            self.loss_sum = self.grad_sum = 0.0
+            self.count = 0
+
+    def rolled_back(self) -> None:
+        """The run went back to an earlier state: the floor is measured again from there."""
+        self.loss_sum = self.grad_sum = 0.0
+        self.count = 0
+        self.loss_means.clear()
+        self.grad_means.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"drift_sums": [self.loss_sum, self.grad_sum, self.count],
+                "drift_loss_means": list(self.loss_means), "drift_grad_means": list(self.grad_means)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        loss_sum, grad_sum, count = state.get("drift_sums", [0.0, 0.0, 0])
+        self.loss_sum, self.grad_sum, self.count = float(loss_sum), float(grad_sum), int(count)
+        self.loss_means = deque(state.get("drift_loss_means", []), maxlen=self.loss_means.maxlen)
+        self.grad_means = deque(state.get("drift_grad_means", []), maxlen=self.grad_means.maxlen)
+
+
 def rules(policy: GuardPolicy) -> tuple[Rule, ...]:
     """The guard's rules, in the order they are asked: the first that finds a step bad names it."""
     return (
@@ -271,12 +397,37 @@ def rules(policy: GuardPolicy) -> tuple[Rule, ...]:
         LossSpike(policy.spike_sigma, policy.spike_window, policy.spike_min_steps),
         GradExplosion(policy.grad_ema_beta, policy.grad_explode_factor, policy.layer_explode_factor,
                       policy.grad_min_steps),
+        WarmupSpike(policy.warmup_spike_factor, policy.spike_min_steps),
         GradClimb(policy.grad_climb_sigma, policy.grad_climb_window, policy.grad_climb_min_steps,
                   policy.grad_climb_steps, policy.grad_climb_lag),
+        LossDrift(policy.drift_chunk, policy.drift_chunks, policy.drift_min_chunks, policy.drift_loss_ratio,
+                  policy.drift_grad_ratio, policy.drift_steadiness),
     )
 
 
 # ------------------------------------------------------------------------------------------- guard
+
+class Run:
+    """Bad steps of one kind in a row, by the guard's `observed` index (so a stretch of healthy steps taken
+    in bulk, which only advances `observed`, ends a run as the loop would)."""
+
+    __slots__ = ("last", "values")
+
+    def __init__(self) -> None:
+        self.last = -1
+        self.values: list[float] = []
+
+    def extend(self, observed: int, value: float) -> int:
+        if observed != self.last + 1:
+            self.values.clear()
+        self.last = observed
+        self.values.append(value)
+        return len(self.values)
+
+    def clear(self) -> None:
+        self.last = -1
+        self.values.clear()
+
 
 class Guard:
     def __init__(self, policy: GuardPolicy | None = None):
@@ -286,30 +437,74 @@ class Guard:
         self.bad: deque[int] = deque()          # `observed` index of each recent bad step
         self.rollbacks: deque[float] = deque()  # timestamps of recent rollbacks
         self.stopped = False
+        self.overflows = Run()                  # non-finite gradient norms beside a finite loss, in a row
+        self.shift = Run()                      # losses above the band with normal gradients, in a row
+        self.recent_spikes: deque[float] = deque(maxlen=self.policy.shift_steps)   # losses of counted spikes
+        self.last_step: int | None = None       # the step of the last step observed
+        self.rewinding = False                  # a rollback was decided: the steps going back are its own
+        # What the human should hear that is no action (a level shift accepted), for the caller to log.
+        self.notices: list[Detail] = []
 
     def rule(self, reason: str) -> Rule:
         return next(rule for rule in self.rules if rule.reason == reason)
+
+    def _rule_of(self, kind: type) -> Any:
+        return next((rule for rule in self.rules if isinstance(rule, kind)), None)
 
     def observe(self, stats: StepStats) -> Decision:
         """The decision for one step. A stopped guard answers ``stop`` to every step."""
         self.observed += 1
         if self.stopped:
             return Decision(STOP, "rollback_limit", stats.step, stats.timestamp)
+        if self.last_step is not None and stats.step <= self.last_step:
+            self._went_back()
+        self.last_step = stats.step
         for rule in self.rules:
             detail = rule.check(stats)
             if detail is not None:
-                return self._escalate(stats.step, stats.timestamp, rule.reason, detail)
-        for rule in self.rules:
-            rule.learn(stats)
+                return self._escalate(stats, rule, detail)
+        self._learn(stats)
         return CARRY_ON
 
-    def _escalate(self, step: int, timestamp: float, reason: str, detail: Detail) -> Decision:
-        """A bad step: skip it; too many in a window: roll back; too many rollbacks an hour: stop."""
-        policy = self.policy
+    def _went_back(self) -> None:
+        """The step went back. After a rollback the guard decided, that is the rollback (its memory carries
+        on, as the trainer keeps it). Otherwise the run was restarted from an earlier checkpoint and appended
+        to the same log: the statistics of the steps since that checkpoint are not the resumed run's, so
+        the rules start afresh (the warm-up rule watches while they fill); the rollback budget carries on."""
+        if self.rewinding:
+            self.rewinding = False
+            return
+        fresh = {type(rule): rule for rule in rules(self.policy)}
+        for rule in self.rules:
+            if type(rule) in fresh:
+                rule.load_state_dict(fresh[type(rule)].state_dict())
+        self.bad.clear()
+        self.overflows.clear()
+        self.shift.clear()
+        self.recent_spikes.clear()
+
+    def _learn(self, stats: StepStats) -> None:
+        for rule in self.rules:
+            rule.learn(stats)
+
+    def _escalate(self, stats: StepStats, rule: Rule, detail: Detail) -> Decision:
+        """A bad step: skip it; too many in a window: roll back; too many rollbacks an hour: stop. Loss-scaler
+        overflows and level shifts are skipped without counting (see the module's docstring)."""
+        policy, step, timestamp, reason = self.policy, stats.step, stats.timestamp, rule.reason
+        if isinstance(rule, NonFinite) and math.isfinite(stats.loss):
+            run = self.overflows.extend(self.observed, stats.grad_norm)
+            if run < policy.overflow_burst:
+                return Decision(SKIP_STEP, reason, step, timestamp, {**detail, "overflow": run})
+        elif isinstance(rule, LossSpike) and self._gradients_normal(stats) and self._within_a_shift(stats, rule):
+            if self.shift.extend(self.observed, stats.loss) < policy.shift_steps:
+                return Decision(SKIP_STEP, reason, step, timestamp, {**detail, "level_shift": len(self.shift.values)})
+            return self._accept_shift(stats, rule)
+        if isinstance(rule, (LossSpike, WarmupSpike)):
+            self.recent_spikes.append(stats.loss)
         self.bad.append(self.observed)
         while self.bad and self.bad[0] <= self.observed - policy.rollback_window:
             self.bad.popleft()
-        if len(self.bad) < policy.rollback_after:
+        if len(self.bad) < policy.rollback_after and not getattr(rule, "rolls_back", False):
             return Decision(SKIP_STEP, reason, step, timestamp, detail)
         self.bad.clear()
         while self.rollbacks and self.rollbacks[0] <= timestamp - HOUR:
@@ -319,8 +514,63 @@ class Guard:
             return Decision(STOP, "rollback_limit", step, timestamp,
                             {"rollbacks_last_hour": len(self.rollbacks), "last_reason": reason})
         self.rollbacks.append(timestamp)
+        self.rewinding = True
+        for each in self.rules:
+            if hasattr(each, "rolled_back"):
+                each.rolled_back()
+        if getattr(rule, "rolls_back", False):
+            return Decision(ROLLBACK, reason, step, timestamp, detail)
         return Decision(ROLLBACK, f"repeated_{reason}", step, timestamp,
                         {**detail, "bad_steps": policy.rollback_after, "window": policy.rollback_window})
+
+    def _gradients_normal(self, stats: StepStats) -> bool:
+        """Whether the gradient norm is within `shift_grad_factor` of its EMA (known only once armed)."""
+        explosion = self._rule_of(GradExplosion)
+        if explosion is None or explosion.ema is None or explosion.good < explosion.min_steps:
+            return False
+        return math.isfinite(stats.grad_norm) and stats.grad_norm <= self.policy.shift_grad_factor * explosion.ema
+
+    def _within_a_shift(self, stats: StepStats, spike: LossSpike) -> bool:
+        """Whether the loss is at most `shift_loss_factor` times the band's mean: a new data mix moves the
+        loss by tens of percent; a jump beyond is a spike whatever the gradients say."""
+        window = spike.window
+        return bool(len(window)) and abs(stats.loss) <= self.policy.shift_loss_factor * abs(window.total / len(window))
+
+    def _accept_shift(self, stats: StepStats, spike: LossSpike) -> Decision:
+        """`shift_steps` losses above the band in a row, the gradients normal: the loss has a new level.
+        The band starts again from these losses; this step is healthy; the human is told."""
+        losses = list(self.shift.values)
+        before = spike.window.total / len(spike.window) if len(spike.window) else math.nan
+        self.shift.clear()
+        spike.accept_level(losses[:-1])
+        warmup = self._rule_of(WarmupSpike)
+        if warmup is not None:
+            warmup.restart(losses[:-1])
+        self.notices.append({"type": "loss_level_shift", "step": stats.step, "timestamp": stats.timestamp,
+                             "loss_before": before, "loss_after": sum(losses) / len(losses), "steps": len(losses)})
+        self._learn(stats)
+        return CARRY_ON
+
+    def accept_loss_level(self, step: int, timestamp: float = 0.0) -> None:
+        """The caller found the loss at a new level that a rollback reproduced at the same data position
+        (the data, not an instability): the band starts again from the last counted spikes' losses."""
+        losses = list(self.recent_spikes)
+        spike, warmup = self._rule_of(LossSpike), self._rule_of(WarmupSpike)
+        if spike is not None:
+            spike.accept_level(losses)
+        if warmup is not None:
+            warmup.restart(losses)
+        self.recent_spikes.clear()
+        self.bad.clear()
+        self.notices.append({"type": "loss_level_shift", "step": step, "timestamp": timestamp,
+                             "loss_after": sum(losses) / len(losses) if losses else math.nan,
+                             "steps": len(losses), "source": "rollback_retry"})
+
+    def rollback_not_done(self, timestamp: float) -> None:
+        """The rollback decided at `timestamp` could not be carried out (no stable checkpoint): it does not
+        count toward `max_rollbacks_per_hour`, so impossible rollbacks never stop a run."""
+        if timestamp in self.rollbacks:
+            self.rollbacks.remove(timestamp)
 
     # -------------------------------------------------------------------------------- persistence
     def state_dict(self) -> dict[str, Any]:

@@ -75,7 +75,8 @@ class StallTracker:
 
     Feed records in time order (`observe`); a stall is returned once, when first seen. A step beyond the
     newest seen is progress; a ``run_start`` (a new attempt, resuming from a checkpoint's earlier step)
-    starts the count again. After a ``run_end`` nothing is a stall until the next ``run_start``: logs of
+    starts the count again. Replay marks a restart appended to a log by a launcher that writes no
+    ``run_start`` as one (trainguard/replay/stall_pass.py: a file's step going back after a silence). After a ``run_end`` nothing is a stall until the next ``run_start``: logs of
     several sources interleave, and a node log a second behind still reaches the last step after it.
     """
 

@@ -110,7 +110,11 @@ def load(path: str | Path) -> Expected:
         raise ExpectError(f"{source}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise ExpectError(f"{source}: not valid YAML: {exc}") from None
-    data = {} if data is None else data
+    return parse({} if data is None else data, source)
+
+
+def parse(data: Any, source: str) -> Expected:
+    """An expectation from its data (what the YAML file holds); `source` names it in errors."""
     if not isinstance(data, dict):
         raise ExpectError(f"{source}: expected a mapping with actions, alerts, none or strict")
     unknown = set(data) - {"actions", "alerts", "recorded", "none", "strict", "description", "replay"}
@@ -258,6 +262,11 @@ class Found:
             parts.append(f"step {self.step}")
         parts.append(f"at {offset_text(self.time, origin)}")
         return "  ".join(parts + _qualifiers(self.reason, self.severity, self.labels))
+
+
+def matches(entry: Entry, found: Found, origin: float | None) -> bool:
+    """Whether `found` is an action (alert) that `entry` states."""
+    return _matches(entry, found, origin)
 
 
 def _matches(entry: Entry, found: Found, origin: float | None) -> bool:

@@ -193,8 +193,10 @@ _PAIR = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _EXPECTED_NOISE = re.compile(r"^\s*(Unit Testing:.*|FAILED:|SUCCESS|exp:\[\],?|got:\[|\d+:|\],?|Annotations:\{.*\},?|)\s*$")
 _GO_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|.)")
 _GO_SIMPLE = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v"}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(h|ms|us|µs|ns|m|s)")
-_UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+# promtool prints an alert's time as Prometheus's model.Duration: days, weeks and years too ('1d2h').
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(y|w|d|h|ms|us|µs|ns|m|s)")
+_UNIT_SECONDS = {"y": 365 * 86400.0, "w": 7 * 86400.0, "d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0,
+                 "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
 def _go_unquote(text: str) -> str:
@@ -208,7 +210,7 @@ def _go_unquote(text: str) -> str:
 
 
 def go_duration(text: str) -> float:
-    """Seconds of a Go duration as promtool prints it ('1h2m3.5s', '500ms', '0s')."""
+    """Seconds of a Go duration as promtool prints it ('1h2m3.5s', '500ms', '0s', '1d2h')."""
     parts = _DURATION_PART.findall(text)
     if not parts or "".join(n + u for n, u in parts) != text:
         raise RulesError(f"cannot read promtool's time {text!r}")

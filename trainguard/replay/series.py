@@ -165,23 +165,36 @@ class Exporters:
     `stream` is the source.Stream being replayed: its files name the ranks, its lead rank (known once
     it is opened) is the rank the cost series follow."""
 
-    def __init__(self, stream, meter, interval: float):
+    def __init__(self, stream, meter, interval: float, restart_silence: float = math.inf):
         self.stream, self.meter, self.interval = stream, meter, interval
         self.nodes: dict[str, NodeExporter] = {}
         self.table: SeriesTable | None = None
         self.stragglers = StragglerBoard()
+        # A rank whose own step goes back after more than `restart_silence` seconds without a record of
+        # its own was restarted (a crash, a requeue) and appended to the log: its process was down in the
+        # silence, as the host collector would have exported (so no stall alert there: nothing was hung).
+        self.restart_silence = restart_silence
+        self.last_step: dict[tuple[str, int], tuple[float, int]] = {}
 
     def __call__(self, entry) -> None:
         when, file_index, _, record, raw = entry
         if self.table is None:
             self.table = SeriesTable(Grid(when, self.interval))
-        self.table.scrape_until(when, self._samples)
         node = str(raw.get("node") or DEFAULT_INSTANCE)
         exporter = self.nodes.get(node)
+        rank = self._rank(raw, file_index)
+        stepped = rank is not None and record.step is not None and isinstance(raw.get("metrics"), dict)
+        if stepped:
+            before = self.last_step.get((node, rank))
+            if (exporter is not None and before is not None and record.step <= before[1]
+                    and when - before[0] > self.restart_silence):
+                exporter.ranks_up[rank] = False             # down since its last record, up again below
+        self.table.scrape_until(when, self._samples)
+        if stepped:
+            self.last_step[(node, rank)] = (when, record.step)
         if exporter is None:
             lead = self.stream.lead_rank
             exporter = self.nodes[node] = NodeExporter(node, self.meter, 0 if lead is None else lead, self.stragglers)
-        rank = self._rank(raw, file_index)
         if rank is not None:
             if record.step is not None and raw.get("step") is None:
                 raw = {**raw, "step": record.step}     # the step replay gave a step-less record

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import math
 import operator
 import os
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ def entries(stream: source.Stream, stall_seconds: float, records: int) -> Iterab
             return stall_records(stream.files, stall_seconds)
         except parallel.NotExact:
             pass
-    return streamed(stream.files, stream.full)
+    return streamed(stream.files, stream.full, stall_seconds)
 
 
 # What the stall watchdog's tracker (trainguard.decide.stall.StallTracker.observe) reads of a record,
@@ -140,6 +141,11 @@ def stall_records(files: list, stall_seconds: float, *, chunk_bytes: int | None 
             per_file[index].append((running, piece.times, piece.steps, piece.kinds))
     except OverflowError as exc:
         raise parallel.NotExact(f"a step the stall columns cannot hold ({exc})") from None
+    for index, pieces in enumerate(per_file):       # a file's restarts: the tracker counts from them
+        if pieces:
+            running, times, steps, kinds = (np.concatenate([piece[column] for piece in pieces]) for column in range(4))
+            kinds[_restarts(times, steps, kinds, stall_seconds)] |= STARTED
+            per_file[index] = [(running, times, steps, kinds)]
     parts = [part for pieces in per_file for part in pieces]
     if not parts:
         return []
@@ -180,26 +186,46 @@ def _may_matter(times: np.ndarray, steps: np.ndarray, kinds: np.ndarray, stall_s
     return events | progress | late
 
 
-def streamed(files: list[Path], full: bool) -> Iterator[tuple]:
+def streamed(files: list[Path], full: bool, stall_seconds: float = math.inf) -> Iterator[tuple]:
     """(timestamp, step, ended, started) of every record of `files`, in the merged stream's order: each
     file's records merged by (time, file, ordinal), as source.Stream merges them. Streams: one record per
-    file is held."""
-    merged = heapq.merge(*(_file_entries(path, index, full) for index, path in enumerate(files)))
+    file is held. A file's restart after more than `stall_seconds` of silence starts a run (`_restarts`)."""
+    merged = heapq.merge(*(_file_entries(path, index, full, stall_seconds) for index, path in enumerate(files)))
     return ((when, step, ended, started) for when, _, _, step, ended, started in merged)
 
 
-def _file_entries(path: Path, index: int, full: bool) -> Iterator[tuple]:
+def _file_entries(path: Path, index: int, full: bool, stall_seconds: float = math.inf) -> Iterator[tuple]:
     """What the tracker reads of each record of one file: its time, the step written where it is a step
     record (with metrics; a step-less one has none), whether its event ends or starts a run."""
     ordinal = 0
+    last_time, last_step = -math.inf, None
     for records, _ in (source._full_chunks if full else source._typed_chunks)(Path(path), source.Problems()):
         for record in records:
             ordinal += 1
             event = record.event
             kind = None if event is None else event.type
-            yield (source.unix_seconds(record.timestamp), index, ordinal,
-                   record.step if record.metrics is not None else None, kind in decide_stall.ENDED_EVENTS,
-                   kind == "run_start")
+            when = source.unix_seconds(record.timestamp)
+            step = record.step if record.metrics is not None else None
+            restart = (step is not None and last_step is not None and step <= last_step
+                       and when - last_time > stall_seconds)
+            yield (when, index, ordinal, step, kind in decide_stall.ENDED_EVENTS, kind == "run_start" or restart)
+            last_time = when
+            last_step = step if step is not None else last_step
+
+
+def _restarts(times: np.ndarray, steps: np.ndarray, kinds: np.ndarray, stall_seconds: float) -> np.ndarray:
+    """Of one file's records, in its order: the step records whose step is not beyond the file's previous
+    step record's and that come more than `stall_seconds` after the file's previous record. A run was
+    restarted from an earlier checkpoint and appended to the same log (a crash, a requeue: nothing wrote
+    while it was away), by a launcher that writes no ``run_start``: the tracker counts from there, as
+    after a ``run_start``, and there was no hang to see. Another file's steps (a node log ahead of a
+    hung rank) are no reason: only the file's own step goes back."""
+    n = len(times)
+    has = (kinds & HAS_STEP) != 0
+    previous = np.maximum.accumulate(np.where(has, np.arange(n), -1))
+    before = np.concatenate(([-1], previous[:-1]))              # the previous step record, before each
+    silence = np.concatenate(([-np.inf], np.diff(times))) > stall_seconds
+    return has & (before >= 0) & (steps <= steps[np.maximum(before, 0)]) & silence
 
 
 __all__ = ["STALL_COLUMNS_MAX_RECORDS", "entries", "stall_records", "streamed"]

@@ -161,7 +161,7 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
     if rules_dir is not None:
         from trainguard.replay.series import Exporters   # imports the agent's collectors: only for --rules
 
-        exporters = Exporters(stream, meter, scrape_interval)
+        exporters = Exporters(stream, meter, scrape_interval, restart_silence=policy.alerts.stall_seconds)
     outcome = engine.replay(stream, policy, observer=exporters, meter=meter)
     result = Result(stream.sources, outcome, stream.problems, lead_rank=stream.lead_rank,
                     scrape_interval=scrape_interval)

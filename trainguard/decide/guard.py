@@ -540,7 +540,11 @@ class Guard:
                         {**detail, "bad_steps": policy.rollback_after, "window": policy.rollback_window})
 
     def _gradients_normal(self, stats: StepStats) -> bool:
-        """Whether the gradient norm is within `shift_grad_factor` of its EMA (known only once armed)."""
+        """Whether the gradient norm is within `shift_grad_factor` of its EMA (known only once armed). A step
+        without a norm has no gradient evidence against a shift: the loss alone decides (a jump beyond
+        `shift_loss_factor` still counts; a new level is accepted after `shift_steps`, as with norms)."""
+        if stats.grad_norm is None:
+            return True
         explosion = self._rule_of(GradExplosion)
         if explosion is None or explosion.ema is None or explosion.good < explosion.min_steps:
             return False

@@ -18,7 +18,7 @@ import json
 import math
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -361,6 +361,15 @@ def overheating(seed: int, steps: int) -> Case:
 
 # ---------------------------------------------------------------------------------------- the corpus
 
+def loss_only(case: Case) -> Case:
+    """The same case as a log that prints no gradient norm (Megatron-DeepSpeed's MoE and random_ltd logs,
+    DeepSpeed's `grad norm: 0.000` placeholder, a loss-scale search): the guard decides on the loss alone.
+    A fault whose only sign is the gradient norm has nothing to see here, so only loss faults are made so."""
+    files = {name: [{**record, "metrics": {key: value for key, value in record["metrics"].items() if key != "grad_norm"}}
+                    for record in records] for name, records in case.files.items()}
+    return replace(case, name=case.name + "-loss-only", shape=case.shape + "_loss_only", files=files)
+
+
 def generated(scale: float = 1.0) -> Iterator[Case]:
     """Every generated shape over several seeds and sizes; `scale` < 1 shortens the long ones (tests)."""
     def n(steps: int) -> int:
@@ -385,6 +394,14 @@ def generated(scale: float = 1.0) -> Iterator[Case]:
         for tier in ("warn", "throttle", "stop"):
             yield cost_overrun(seed, 300, tier)
         yield overheating(seed, 300)
+    for seed in range(3):       # logs with a loss and no gradient norm
+        yield loss_only(healthy(seed, n(3000)))
+        yield loss_only(data_mix_change(seed, n(3000)))
+        yield loss_only(spike(seed, n(3000)))
+        yield loss_only(nan_burst(seed, n(3000)))
+        yield loss_only(warmup_healthy(seed, 400))
+        yield loss_only(warmup_spike(seed, 400))
+    yield loss_only(heavy_tailed(0, n(30_000)))
     for seed in range(3, 6):
         yield spike(seed, n(5000))
         yield slow_divergence(seed, n(5000))

@@ -139,3 +139,50 @@ def test_a_drift_found_across_blocks_is_found_at_the_same_step(split):
         (i + split, d) for i, d in batch.guard_block(parts, block(run, split))]
     assert repr(first) == repr(second) and guard_state(whole) == guard_state(parts)
     assert any(d.reason == "loss_drift" for _, d in first)
+
+
+# ------------------------------------------------------------- logs with a loss and no gradient norm
+
+@pytest.mark.parametrize("make", [corpus.spike, corpus.nan_burst, corpus.warmup_spike])
+def test_loss_faults_in_a_log_without_gradient_norms_are_caught(make, tmp_path):
+    """The same faults as with norms (issue 27's MoE/random_ltd logs print none, DeepSpeed's is a
+    placeholder): the right actions at the right steps, found from the loss alone."""
+    case = corpus.loss_only(make(seed=1, steps=400 if make is corpus.warmup_spike else 3000))
+    assert not any("grad_norm" in record["metrics"] for record in case.files["rank-0.jsonl"])
+    result = timeline.replay_logs([case.write(tmp_path)], Policy(), hold=case.hold)
+    assert result.outcome.steps == len(case.files["rank-0.jsonl"]) and result.outcome.partial_steps == 0
+    found = [(action.action, action.step) for action in result.actions]
+    for entry in case.expect["actions"]:
+        first, last = entry["step"]
+        assert any(name == entry["action"] and first <= step <= last for name, step in found), (entry, found)
+
+
+@pytest.mark.parametrize("make", [corpus.healthy, corpus.data_mix_change, corpus.warmup_healthy])
+def test_healthy_shapes_without_gradient_norms_take_no_harmful_action(make, tmp_path):
+    case = corpus.loss_only(make(seed=2, steps=400 if make is corpus.warmup_healthy else 3000))
+    assert harmful(replayed(case, tmp_path)) == []
+
+
+def real_case(name: str) -> corpus.Case:
+    found = [case for case in corpus.real() if case.name == "real:" + name]
+    if not found:
+        pytest.skip(f"real log {name} absent under {corpus.REAL_LOGS} (shared/real-logs is not part of the repository)")
+    return found[0]
+
+
+@pytest.mark.parametrize("name,step", [
+    ("bigscience_meg_ds_3d_gpt2_perf_n16-ds-on.out", 3),       # DeepSpeed's `grad norm: 0.000` placeholder
+    ("bigscience_meg_gpt2_base_n8_dp1_tp4_pp8-1809562.out", 30),   # fp16 loss-scale search: no norm printed
+    ("bigscience_meg_gpt2_base_n16_dp1_tp4_pp16-1809577.out", 30),
+])
+def test_real_spikes_in_steps_without_a_gradient_norm_are_skipped(name, step, tmp_path):
+    assert ("skip_step", step) in replayed(real_case(name), tmp_path)
+
+
+@pytest.mark.parametrize("name", ["msft_megatron-deepspeed_MoE_gpt3-0.125B-with-kernel.log",
+                                  "msft_megatron-deepspeed_random_ltd_gpt3-0.125B-baseline.log"])
+def test_healthy_real_logs_without_gradient_norms_are_decided_and_left_alone(name, tmp_path):
+    case = real_case(name)
+    result = timeline.replay_logs([case.write(tmp_path)], Policy())
+    assert result.outcome.steps in (213, 47) and result.outcome.partial_steps == 0       # every iteration decided
+    assert [(action.action, action.step) for action in result.actions] == []

@@ -166,6 +166,38 @@ def test_guard_blocks_decide_as_the_guards_rules(rows, data, as_dicts, window, s
 
 
 @settings(max_examples=examples(60))
+@given(rows=st.one_of(runs(), long_runs()), data=st.data(), share=st.sampled_from([0.0, 0.05, 0.5, 1.0]),
+       stretch=st.booleans(), spike_min=st.integers(2, 40), after=st.sampled_from([1, 3, 1000]))
+def test_guard_blocks_with_absent_grad_norms_decide_as_the_guards_rules(rows, data, share, stretch, spike_min, after):
+    """Steps with a loss and no gradient norm (`Block.no_grad_norm`; None to the rules), none, a few, half
+    or all of them, scattered or in one stretch, among blocks that have every norm: the same decisions and
+    state as `Guard.observe`, to the bit."""
+    policy = GuardPolicy(spike_min_steps=spike_min, rollback_after=after, rollback_window=10, grad_min_steps=5)
+    reference, guard, block_columns = Guard(policy), Guard(policy), columns(rows)
+    rng = random.Random(data.draw(st.integers(0, 2 ** 32 - 1)))
+    count = len(rows)
+    if stretch:
+        first = rng.randrange(count)
+        absent = np.array([first <= i < first + int(share * count) for i in range(count)])
+    else:
+        absent = np.array([rng.random() < share for _ in range(count)])
+    expected = [(i, d) for i, (step, loss, grad, norms, when, gone) in enumerate(zip(
+        block_columns["steps"].tolist(), block_columns["losses"].tolist(), block_columns["grads"].tolist(),
+        block_columns["layers"], block_columns["times"].tolist(), absent.tolist()))
+        if (d := reference.observe(StepStats(step, loss, None if gone else grad, norms, when)))]
+    found = []
+    for a, b in cut(data.draw, count):
+        part = block(block_columns, a, b)
+        part = dataclasses.replace(part, grad_norms=np.where(absent[a:b], np.nan, part.grad_norms),
+                                   no_grad_norm=absent[a:b] if data.draw(st.booleans()) or absent[a:b].any() else None)
+        found += [(a + i, d) for i, d in batch.guard_block(guard, part)]
+    assert [i for i, _ in found] == [i for i, _ in expected]
+    assert all(same_decision(ours, theirs) for (_, ours), (_, theirs) in zip(found, expected))
+    assert repr(guard.state_dict()) == repr(reference.state_dict())
+    assert (guard.observed, list(guard.bad)) == (reference.observed, list(reference.bad))
+
+
+@settings(max_examples=examples(60))
 @given(rows=st.one_of(runs(), long_runs(), long_runs()), data=st.data(), clocked=st.booleans(),
        window=st.integers(2, 60), min_steps=st.integers(1, 30),
        budget=st.sampled_from([0.001, 0.01, 1.0, 2.5, 3.0, 5.0, 50.0]), override=st.sampled_from([0, 0, 2]))

@@ -102,15 +102,18 @@ def test_after_stop_the_guard_is_not_asked_again(tmp_path):
     assert kinds.count("rollback") == policy.guard.max_rollbacks_per_hour
 
 
-def test_records_missing_loss_or_grad_norm_are_counted_not_decided(tmp_path):
+def test_a_loss_without_grad_norm_is_decided_a_grad_norm_without_loss_is_counted(tmp_path):
     log = write(tmp_path / "partial.jsonl", [
         {"timestamp": T0, "step": 1, "metrics": {"loss": 2.0}},
         {"timestamp": T0 + 1, "step": 2, "metrics": {"grad_norm": 1.0}},
         {"timestamp": T0 + 2, "step": 3, "metrics": {"loss": 2.0, "grad_norm": 1.0}},
         {"timestamp": T0 + 3, "event": {"type": "rollback", "reason": "repeated_nan"}, "step": 3},
+        {"timestamp": T0 + 4, "step": 4, "metrics": {"loss": float("nan")}},
     ])
     outcome = replay(log)
-    assert (outcome.steps, outcome.partial_steps, outcome.records) == (1, 2, 4)
+    assert (outcome.steps, outcome.partial_steps, outcome.records) == (3, 1, 5)
+    # A NaN loss without a gradient norm is the NonFinite rule's, not undecided.
+    assert [(a.action, a.step, a.reason) for a in outcome.actions] == [("skip_step", 4, "nan")]
     assert [(a.action, a.step, a.reason, a.source) for a in outcome.recorded] == \
         [("rollback", 3, "repeated_nan", "log")]
 

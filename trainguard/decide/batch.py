@@ -59,6 +59,8 @@ class Block:
     layer_names: tuple[str, ...] | None = None    # every step carries these layer groups, in this order ...
     layer_norms: Array | None = None              # ... with these norms, shape (steps, layers), NaN for null
     layers: list[Any] | None = None               # else each step's own dict (or None)
+    no_grad_norm: Array | None = None             # bool: the step has a loss but no gradient norm (its
+                                                  # grad_norms entry is NaN); None: every step has one
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -111,11 +113,14 @@ class Rows:
             self.norm_rows[1:] = np.asarray(block.layer_norms, dtype=np.float64).T
         self.grad_norms = self.norm_rows[0]
         self.layers = block.layers
+        self.no_grad_norm = block.no_grad_norm
 
     def stats(self, start: int, end: int) -> list[StepStats]:
         """Steps [start, end) as the guard's rules read them (Python numbers: the decisions carry them)."""
         steps, losses, grads, times = (column[start:end].tolist() for column in (
             self.steps, self.losses, self.grad_norms, self.timestamps))
+        if self.no_grad_norm is not None:       # a missing norm is None to the rules, not a NaN one
+            grads = [None if absent else norm for norm, absent in zip(grads, self.no_grad_norm[start:end].tolist())]
         if self.layers is not None:
             layers: Any = self.layers[start:end]
         elif self.names:
@@ -141,7 +146,9 @@ def guard_block(guard: Guard, block: Block) -> Found:
     """`Guard.observe` over every step of the block, in order: the same decisions, the same state."""
     rows = Rows(block)
     screens = [screen_of(rule) for rule in guard.rules]
-    if block.layers is not None or not all(
+    # The screens read a NaN norm as non-finite; a block with loss-only steps (few, short real logs) goes
+    # step by step, where the rules see the missing norm as None.
+    if block.layers is not None or (block.no_grad_norm is not None and block.no_grad_norm.any()) or not all(
             screen is not None and screen.covers(rule, rows) for screen, rule in zip(screens, guard.rules)):
         return observe(guard, rows, 0, len(block))       # a rule without a screen: step by step, correct
     fitted = list(zip(guard.rules, screens))

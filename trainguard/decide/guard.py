@@ -41,9 +41,13 @@ Detail = dict[str, Any]
 
 
 class StepStats(NamedTuple):
+    """One step as the rules read it. `grad_norm` None: the log has a loss but no gradient norm for the
+    step (DeepSpeed's `grad norm: 0.000` placeholder, MoE logs, a loss-scale search interval): the loss
+    rules judge it, the gradient rules pass it and learn nothing from it."""
+
     step: int
     loss: float
-    grad_norm: float
+    grad_norm: float | None
     layer_grad_norms: Mapping[str, float] | None = None
     timestamp: float = 0.0
 
@@ -138,12 +142,13 @@ def worst_layer(layers: Mapping[str, float], emas: Mapping[str, float], factor: 
 # ------------------------------------------------------------------------------------------- rules
 
 class NonFinite:
-    """A NaN or infinite loss or global gradient norm: always bad, from the first step."""
+    """A NaN or infinite loss or global gradient norm: always bad, from the first step (a missing norm
+    is not a non-finite one: a NaN loss without a norm is bad, a finite one is not)."""
 
     reason = "nan"
 
     def check(self, stats: StepStats) -> Detail | None:
-        if math.isfinite(stats.loss) and math.isfinite(stats.grad_norm):
+        if math.isfinite(stats.loss) and (stats.grad_norm is None or math.isfinite(stats.grad_norm)):
             return None
         return {"loss": stats.loss, "grad_norm": stats.grad_norm}
 
@@ -176,12 +181,12 @@ class WindowRule:
         self.window = RollingWindow(window)
         self.recent: deque[float] = deque()     # the last `lag` healthy values, not in the window yet
 
-    def value(self, stats: StepStats) -> float:
+    def value(self, stats: StepStats) -> float | None:
         raise NotImplementedError
 
     def check(self, stats: StepStats) -> Detail | None:
         window, value = self.window, self.value(stats)
-        if len(window) < max(self.min_steps, 1) or len(self.recent) < self.sustain - 1:
+        if value is None or len(window) < max(self.min_steps, 1) or len(self.recent) < self.sustain - 1:
             return None
         least = min([value, *itertools.islice(self.recent, len(self.recent) - self.sustain + 1, None)])
         if not window.exceeds(least, self.sigma, self.FLOOR_RATIO):
@@ -192,7 +197,10 @@ class WindowRule:
         return {"value": value, "threshold": threshold}
 
     def learn(self, stats: StepStats) -> None:
-        self.recent.append(self.value(stats))
+        value = self.value(stats)
+        if value is None:           # a step without the value (no gradient norm) teaches nothing
+            return
+        self.recent.append(value)
         if len(self.recent) > self.lag:
             self.window.push(self.recent.popleft())
 
@@ -243,14 +251,15 @@ class GradExplosion:
         if self.good < self.min_steps or self.ema is None:
             return None
         limit = self.factor * self.ema
-        if stats.grad_norm > limit:
+        if stats.grad_norm is not None and stats.grad_norm > limit:
             return {"grad_norm": stats.grad_norm, "threshold": limit}
         return worst_layer(stats.layer_grad_norms, self.layer_ema, self.layer_factor) \
             if stats.layer_grad_norms else None
 
     def learn(self, stats: StepStats) -> None:
-        self.ema = ema_step(self.ema, stats.grad_norm, self.keep)
-        self.good += 1
+        if stats.grad_norm is not None:     # `good` counts the norms the EMA holds
+            self.ema = ema_step(self.ema, stats.grad_norm, self.keep)
+            self.good += 1
         for name, norm in (stats.layer_grad_norms or {}).items():
             if math.isfinite(norm):
                 self.layer_ema[name] = ema_step(self.layer_ema.get(name), norm, self.keep)
@@ -273,7 +282,7 @@ class GradClimb(WindowRule):
     reason, column, keys = "grad_climb", "grad_norms", ("grad_norms", "grad_norm_sums")
     FLOOR_RATIO = 0.1       # noisy norms: the band is at least sigma tenths of the mean wide
 
-    def value(self, stats: StepStats) -> float:
+    def value(self, stats: StepStats) -> float | None:
         return stats.grad_norm
 
     def detail(self, value: float, threshold: float) -> Detail:
@@ -331,7 +340,12 @@ class LossDrift:
     loss moves tens of percent over a hundred steps and back) or one sudden step is not. A chunk mean trails the loss by half a chunk, so at the defaults it acts
     while the loss is about 12-16% above its floor, before 20%. A level shift (data mix) has normal
     gradients and is left to the escalation; a healthy run's loss falls, so its floor is its latest.
-    It asks for a rollback at once (`rolls_back`) and starts again after one."""
+    It asks for a rollback at once (`rolls_back`) and starts again after one.
+
+    A step without a gradient norm is neither judged nor learned here: without the gradient's witness a
+    steady climb of the loss cannot be told from a healthy run's wander or a planned change, so on a
+    loss-only log a slow divergence is left to the loss band (`LossSpike`) and the warm-up rule; the
+    chunks are made of the steps that have both numbers."""
 
     reason = "loss_drift"
     rolls_back = True
@@ -346,7 +360,7 @@ class LossDrift:
         self.grad_means: deque[float] = deque(maxlen=chunks)
 
     def check(self, stats: StepStats) -> Detail | None:
-        if self.count != self.chunk - 1 or len(self.loss_means) < self.min_chunks:
+        if stats.grad_norm is None or self.count != self.chunk - 1 or len(self.loss_means) < self.min_chunks:
             return None
         loss = (self.loss_sum + stats.loss) / self.chunk
         grad = (self.grad_sum + stats.grad_norm) / self.chunk
@@ -363,6 +377,8 @@ class LossDrift:
                 "steps": self.chunk}
 
     def learn(self, stats: StepStats) -> None:
+        if stats.grad_norm is None:
+            return
         self.loss_sum += stats.loss
         self.grad_sum += stats.grad_norm
         self.count += 1
@@ -524,11 +540,16 @@ class Guard:
                         {**detail, "bad_steps": policy.rollback_after, "window": policy.rollback_window})
 
     def _gradients_normal(self, stats: StepStats) -> bool:
-        """Whether the gradient norm is within `shift_grad_factor` of its EMA (known only once armed)."""
+        """Whether the gradient norm is within `shift_grad_factor` of its EMA (known only once armed). A step
+        without a norm has no gradient evidence against a shift: the loss alone decides (a jump beyond
+        `shift_loss_factor` still counts; a new level is accepted after `shift_steps`, as with norms)."""
+        if stats.grad_norm is None:
+            return True
         explosion = self._rule_of(GradExplosion)
         if explosion is None or explosion.ema is None or explosion.good < explosion.min_steps:
             return False
-        return math.isfinite(stats.grad_norm) and stats.grad_norm <= self.policy.shift_grad_factor * explosion.ema
+        return (stats.grad_norm is not None and math.isfinite(stats.grad_norm)
+                and stats.grad_norm <= self.policy.shift_grad_factor * explosion.ema)
 
     def _within_a_shift(self, stats: StepStats, spike: LossSpike) -> bool:
         """Whether the loss is at most `shift_loss_factor` times the band's mean: a new data mix moves the

@@ -162,7 +162,7 @@ def _summary(result: Result) -> str:
     lines = [f"{head}, {when}",
              f"steps decided: {out.steps:,}" + (f" (rank {result.lead_rank})" if result.lead_rank is not None else "")
              + (f", {out.duplicate_steps:,} copies from other ranks or nodes skipped" if out.duplicate_steps else "")
-             + (f", {out.partial_steps:,} without both loss and grad_norm" if out.partial_steps else "")]
+             + (f", {out.partial_steps:,} with a grad_norm but no loss" if out.partial_steps else "")]
     cost = out.cost
     if cost.get("gpu_count"):
         lines.append(f"cost: ${cost['cost_usd']:,.2f} on {cost['gpu_count']} GPUs, "

@@ -246,10 +246,15 @@ def block_of(picked: Picked, layer_names: tuple | None = None) -> Block:
     norms as one array when every step carries the file's (or the first step's) layer groups."""
     codes, seconds, nodes = _clock_columns(picked.clock_nodes, picked.clock_seconds)
     gpus = picked.gpus
-    out = Block(_array(picked.steps, np.int64), _array(picked.losses), _array(picked.grad_norms),
+    grad_norms = picked.grad_norms
+    absent = None in grad_norms
+    out = Block(_array(picked.steps, np.int64), _array(picked.losses),
+                _array([np.nan if norm is None else norm for norm in grad_norms] if absent else grad_norms),
                 _array(picked.timestamps),
                 _array([0 if count is None else count for count in gpus] if None in gpus else gpus, np.int64),
                 codes, seconds, nodes)
+    if absent:
+        out.no_grad_norm = np.fromiter((norm is None for norm in grad_norms), bool, len(grad_norms))
     layers = picked.any_layers()
     if layers is not None:
         out.layer_names, out.layer_norms = _layer_matrix(layers, layer_names)

@@ -48,7 +48,7 @@ class Outcome:
     last_timestamp: float | None = None
     steps: int = 0                  # training steps decided
     duplicate_steps: int = 0        # other ranks' or other files' copies of decided steps
-    partial_steps: int = 0          # steps lacking loss or grad_norm
+    partial_steps: int = 0          # steps with a grad_norm but no loss (not decided)
     actions: list[Action] = field(default_factory=list)
     recorded: list[Action] = field(default_factory=list)   # decisions the live run wrote in the log
     cost: dict = field(default_factory=dict)

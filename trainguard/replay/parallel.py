@@ -221,8 +221,8 @@ class Summed(NamedTuple):
     """A block of records nothing in which is the lead rank's: what Picker.take would count of it."""
 
     records: int
-    copies: int                     # training records (both loss and grad_norm): other ranks' copies
-    partial: int                    # training records with one of the two
+    copies: int                     # training records (a loss, with or without grad_norm): other ranks' copies
+    partial: int                    # records with a grad_norm but no loss
     last_step: int | None           # the step of the block's last record that has one
     first: float                    # the first record's time, and the latest
     latest: float
@@ -307,7 +307,7 @@ def _summed_by_loop(records: list, lead, with_gpus: bool) -> Summed | None:
         if metrics is not None and (metrics.loss is not None or metrics.grad_norm is not None):
             if step is None or record.rank == lead:     # (a step-less one: numbered, as entries_of does)
                 return None
-            if metrics.loss is not None and metrics.grad_norm is not None:
+            if metrics.loss is not None:
                 copies += 1
             else:
                 partial += 1
@@ -603,6 +603,8 @@ def _tail(block: Block, start: int) -> Block:
     """The block's steps from `start` on."""
     cut = {name: getattr(block, name)[start:] for name in ("steps", "losses", "grad_norms", "timestamps", "gpus",
                                                             "clock_codes", "clock_seconds")}
+    if block.no_grad_norm is not None:
+        cut["no_grad_norm"] = block.no_grad_norm[start:]
     if block.layer_norms is not None:
         cut["layer_norms"] = block.layer_norms[start:]
     if block.layers is not None:

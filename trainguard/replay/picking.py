@@ -1,7 +1,9 @@
 """Which recorded records are training steps to decide: one pass over stream entries, in order.
 
-- a training step is a record with a step and both ``metrics.loss`` and ``metrics.grad_norm`` (the
-  guard needs both); a record with only one of them is counted in ``partial`` and not decided;
+- a training step is a record with a step and ``metrics.loss``; its ``metrics.grad_norm`` may be absent
+  (a log that prints none, or a placeholder the reader did not take): the guard then decides it on the
+  loss alone (`trainguard.decide.guard.StepStats`). A record with a gradient norm but no loss is counted
+  in ``partial`` and not decided;
 - with several ranks, only the lead rank's steps are decided (loss and gradient norms are global, so
   every rank carries the same numbers); records without a rank are followed only when no input has one;
 - a step number that goes back within one file is a rollback or restart and is decided again, as the
@@ -33,7 +35,7 @@ class Picked:
     def __init__(self) -> None:
         self.steps: list[int] = []
         self.losses: list[float] = []
-        self.grad_norms: list[float] = []
+        self.grad_norms: list[float | None] = []     # None: the step has a loss but no gradient norm
         self.layers: list[dict | None] = []
         self.timestamps: list[float] = []
         self.gpus: list[int | None] = []
@@ -161,8 +163,8 @@ class Picker:
             if metrics is None or step is None:
                 continue
             loss, grad_norm = metrics.loss, metrics.grad_norm
-            if loss is None or grad_norm is None:
-                if loss is not None or grad_norm is not None:
+            if loss is None:
+                if grad_norm is not None:
                     partial += 1
                 continue
             if lead is FIRST_SEEN:

@@ -151,7 +151,7 @@ class Protector:
         self.telemetry = telemetry or StepTelemetry(self.run_dir, rank=rank, world_size=world_size,
                                                     run_id=self.run_id, device_type=self.device.type,
                                                     flops_per_token=flops_per_token, peak_flops=peak_flops,
-                                                    precision=precision)
+                                                    precision=precision, device_name=self._device_name())
         self.guard = Guard(self.policy.guard)
         self.meter = CostMeter(self.policy.cost)
         self.states = {**states, GUARD_KEY: self.guard, COST_KEY: self.meter, STATE_KEY: self.state}
@@ -169,6 +169,10 @@ class Protector:
         self._loss_rollback: float | None = None    # the loss that caused the last loss rollback (its retry)
 
     # ------------------------------------------------------------------------------------ start, end
+    def _device_name(self) -> str:
+        """This rank's GPU model (the MFU table's key), not the current device's: they differ before set_device."""
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+
     def begin(self, **rank_info: Any) -> Begun:
         """Describe this rank for the agent's `restore`, refuse a run the guard stopped, resume from the
         newest verified checkpoint if there is one."""

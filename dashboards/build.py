@@ -58,6 +58,10 @@ def node(expr: str) -> str:
 CUDA_WHY = "needs a CUDA device: a CPU run has no caching allocator"
 PROF_WHY = ("needs DCGM's profiling fields (dcgm-exporter with them in its counters CSV: DCGM_FI_PROF_SM_ACTIVE is "
             "commented out in the default one); the agent's NVML collector has no such counters")
+MFU_DESCRIPTION = ("Model FLOPs utilisation: the model's FLOPs per token x tokens/s over the device's documented peak "
+                   "(trainer/mfu.py's table by GPU model, or the peak the run was given). No series, and n/a here, "
+                   "where no peak is documented (a CPU, a GPU not in the table) or the model's FLOPs per token are "
+                   "unknown: never an estimate.")
 XID_WHY = "the agent exports Xid series once a GPU has had an Xid error (dcgm-exporter exports a 0)"
 
 
@@ -131,8 +135,9 @@ def training(policy: Policy) -> Board:
         stat("Step", q(f"max({run('trainguard_training_step')})")),
         stat("Loss", q(f"max({run('trainguard_training_loss', rank='0')})"), decimals=4),
         stat("Tokens / s", q(f"sum({run('trainguard_training_tokens_per_second')})"), unit="short"),
-        stat("MFU", q(f"avg({run('trainguard_training_mfu_ratio')})"), unit="percentunit",
-             thresholds=(Threshold(0, RED), Threshold(0.2, YELLOW), Threshold(0.35, "green"))),
+        stat("MFU", q(f"avg({run('trainguard_training_mfu_ratio')})"), unit="percentunit", no_value="n/a",
+             thresholds=(Threshold(0, RED), Threshold(0.2, YELLOW), Threshold(0.35, "green")),
+             description=MFU_DESCRIPTION),
         stat("Checkpoint age", q(f"max({run('trainguard_checkpoint_age_seconds')})"), unit="s",
              thresholds=(Threshold(a.checkpoint_stale_seconds, RED),)),
         stat("Skipped steps", q(f"sum(max by (run_id) ({run('trainguard_training_events_total', type='skip_step')}))"
@@ -152,7 +157,7 @@ def training(policy: Policy) -> Board:
         timeseries("Tokens per second", q(f"sum by (run_id) ({run('trainguard_training_tokens_per_second')})",
                                           "{{run_id}}"), width=8),
         timeseries("MFU", q(f"avg by (run_id) ({run('trainguard_training_mfu_ratio')})", "{{run_id}}"),
-                   unit="percentunit", min=0, width=8),
+                   unit="percentunit", min=0, width=8, description=MFU_DESCRIPTION),
         timeseries("Step time by rank", q(f"max by (rank) ({run('trainguard_training_step_time_seconds')})",
                                           "rank {{rank}}"), unit="s", width=8,
                    description="A rank slower than the others is a straggler: every other rank waits for it."),

@@ -53,6 +53,7 @@ class Panel:
     stack: bool = False
     mappings: Sequence[dict] = ()
     decimals: int | None = None
+    no_value: str = ""                 # what a stat shows when the series is absent (MFU: "n/a", not 0)
 
     def to_json(self, panel_id: int, x: int, y: int) -> dict:
         defaults: dict = {"unit": self.unit, "color": {"mode": "thresholds" if self.kind == "stat" else "palette-classic"},
@@ -63,6 +64,8 @@ class Panel:
                 defaults[key] = getattr(self, key)
         if self.mappings:
             defaults["mappings"] = list(self.mappings)
+        if self.no_value:
+            defaults["noValue"] = self.no_value
         if self.kind == "timeseries":
             defaults["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 20 if self.stack else 8,
                                   "showPoints": "never", "spanNulls": False,

@@ -124,11 +124,15 @@ class Protector:
                  checkpoint_every_seconds: float = 0.0, keep_last: int = 3, key_file: str = "",
                  async_checkpoint: bool = False, checkpoint_on_error: str = "warn",
                  stable_val_factor: float = 1.5, log: Any = None, sharded_checkpoints: bool = False,
-                 checkpoint_compress: str = "none", shadow: bool | None = None):
+                 checkpoint_compress: str = "none", shadow: bool | None = None,
+                 flops_per_token: float = 0.0, peak_flops: float = 0.0, precision: str = "bf16"):
         """`sharded_checkpoints`: every rank saves (and loads in place) its own shards of the `model` and
         `optim` states (FSDP2: their state dicts hold DTensors); otherwise rank 0 saves the whole state.
         `checkpoint_compress`: "none" or "lossless" (bit-exact byte planes + zstd, trainer/checkpoint/compress.py).
-        `shadow`: True or False over the policy's `actions.mode` (None: the policy decides)."""
+        `shadow`: True or False over the policy's `actions.mode` (None: the policy decides).
+        `flops_per_token`, `peak_flops`, `precision`: MFU's inputs for the default telemetry (the model's
+        training FLOPs per token; the device's peak, 0: trainer/mfu.py's table for `precision`); with no
+        FLOPs per token or no known peak there is no MFU. Give them to your own `telemetry` instead."""
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
         self.device = torch.device(device)
         self.run_id = run_id or self.run_dir.name
@@ -141,8 +145,13 @@ class Protector:
         self.layer_names = list(layer_names)
         self.checkpoint_every, self.checkpoint_every_seconds = checkpoint_every, checkpoint_every_seconds
         self.stable_val_factor = stable_val_factor
+        if telemetry is not None and (flops_per_token or peak_flops or precision != "bf16"):
+            raise ValueError("Protector: flops_per_token, peak_flops and precision configure the default "
+                             "telemetry; with your own `telemetry`, give them to its StepTelemetry")
         self.telemetry = telemetry or StepTelemetry(self.run_dir, rank=rank, world_size=world_size,
-                                                    run_id=self.run_id, device_type=self.device.type)
+                                                    run_id=self.run_id, device_type=self.device.type,
+                                                    flops_per_token=flops_per_token, peak_flops=peak_flops,
+                                                    precision=precision, device_name=self._device_name())
         self.guard = Guard(self.policy.guard)
         self.meter = CostMeter(self.policy.cost)
         self.states = {**states, GUARD_KEY: self.guard, COST_KEY: self.meter, STATE_KEY: self.state}
@@ -160,6 +169,10 @@ class Protector:
         self._loss_rollback: float | None = None    # the loss that caused the last loss rollback (its retry)
 
     # ------------------------------------------------------------------------------------ start, end
+    def _device_name(self) -> str:
+        """This rank's GPU model (the MFU table's key), not the current device's: they differ before set_device."""
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+
     def begin(self, **rank_info: Any) -> Begun:
         """Describe this rank for the agent's `restore`, refuse a run the guard stopped, resume from the
         newest verified checkpoint if there is one."""

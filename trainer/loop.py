@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from trainguard import log, policy as policy_mod
 from trainguard.protect import EXIT_OK, EXIT_STOPPED, Outcome, Protector, TrainState, Verdict
-from trainguard.trainer import mfu, parallel
+from trainguard.trainer import parallel
 from trainguard.trainer import schedules as dynamics
 from trainguard.trainer.config import TrainConfig
 from trainguard.trainer.data import ShardLoader, open_stream
@@ -91,10 +91,11 @@ class Trainer:
         self.train_data = ShardLoader(stream, split="train", **loader_args)
         self.val_data = ShardLoader(stream, split="val", **loader_args)
 
-        peak, self.peak_source = mfu.peak_flops(self.device.type, self._device_name(), run.peak_flops)
+        # MFU's peak: --peak-flops, else the documented table for bf16 (the autocast dtype) on CUDA, else none.
         self.telemetry = StepTelemetry(
             self.run_dir, rank=self.rank, world_size=self.world, run_id=self.run_id,
-            device_type=self.device.type, flops_per_token=self.model.flops_per_token(), peak_flops=peak,
+            device_type=self.device.type, flops_per_token=self.model.flops_per_token(), peak_flops=run.peak_flops,
+            precision="bf16", device_name=self._device_name(),
             gpu_count=run.gpu_count if run.gpu_count >= 0 else None, enabled=run.telemetry)
         self.faults = FaultInjector(run.inject, self.run_dir, self.rank, emit=self.telemetry.event)
         self.state = TrainState(micro_batch=config.optim.micro_batch_size or config.optim.batch_size)
@@ -171,8 +172,7 @@ class Trainer:
             return EXIT_STOPPED
         self.protector.event("run_start", resumed_from=begun.resumed_from,
                              restart_count=self.info.restart_count, world_size=self.world,
-                             device=self.device.type, peak_flops=self.telemetry.peak_flops,
-                             peak_flops_source=self.peak_source, flops_per_token=self.model.flops_per_token(),
+                             device=self.device.type, **self.telemetry.mfu_basis(),
                              params=self.model.num_params(), actions_mode=self.protector.policy.actions.mode)
         self.schedule.start(self.state.step, resumed=begun.resumed_from is not None)
         self.log.info("training", steps=self.cfg.run.steps, start_step=self.state.step, world_size=self.world,

@@ -3,7 +3,7 @@
     from trainguard.trainer.telemetry import StepTelemetry, StepTimer
 
     telemetry = StepTelemetry(run_dir, rank=rank, world_size=world, run_id="exp1",
-                              flops_per_token=model.flops_per_token(), peak_flops=989e12)
+                              flops_per_token=model.flops_per_token())   # peak: trainer/mfu.py
     timer = StepTimer()
     for step in range(1, steps + 1):
         timer.start()
@@ -22,6 +22,11 @@ bundled trainer hands over host floats it already has, and costs none). Records 
 Throughput and token counters are this rank's; loss, gradient norms and learning rate are the global
 values the loop passes. `event()` writes decision and lifecycle events; they are an audit log and are
 written even when step records are turned off (``enabled=False``, the ``--telemetry off`` baseline).
+
+MFU (``metrics.mfu``) is written only when both halves are known: the model's training FLOPs per token
+(`flops_per_token`, the user's figure for their model) and the device's peak (`peak_flops`, else
+trainer/mfu.py's documented table by GPU model for `precision`). Otherwise it is left out and
+`mfu_unavailable` says why (the trainer records it in `run_start`; the report shows "n/a" with it).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import Any
 
 from trainguard import rundir
 from trainguard import tls
-from trainguard.trainer.mfu import mfu as compute_mfu
+from trainguard.trainer import mfu as mfu_mod
 
 try:
     import torch
@@ -195,11 +200,24 @@ class StepTelemetry:
     def __init__(self, run_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
                  run_id: str | None = None, node: str | None = None, device_type: str = "cpu",
                  gpu_count: int | None = None, flops_per_token: float = 0.0, peak_flops: float = 0.0,
-                 enabled: bool = True):
+                 precision: str = "bf16", device_name: str | None = None, enabled: bool = True):
+        """`flops_per_token`: training FLOPs per token of the model (6N plus attention for a GPT; 0: unknown,
+        no MFU). `peak_flops`: the device's peak FLOP/s (0: trainer/mfu.py's table for `precision` and the
+        CUDA device's name, `device_name` or ``torch.cuda.get_device_name()``)."""
+        for name, value in (("flops_per_token", flops_per_token), ("peak_flops", peak_flops)):
+            if not (isinstance(value, (int, float)) and value >= 0 and value != float("inf")):
+                raise ValueError(f"StepTelemetry: {name} must be a finite number, 0 or more, not {value!r}")
         self.path = rundir.rank_log(run_dir, rank)
         self.writer = tls.Writer(self.path)
         self.enabled = enabled
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        if device_name is None:
+            device_name = torch.cuda.get_device_name() if device_type == "cuda" and torch is not None else ""
+        self.device_name = device_name
+        self.peak = mfu_mod.peak_flops(device_type, device_name, precision, peak_flops)
+        self.flops_per_token = float(flops_per_token)
+        self.peak_flops = self.peak.flops or 0.0
+        self.mfu_unavailable = self.peak.reason or (
+            "" if self.flops_per_token else "no model FLOPs per token given (flops_per_token)")
         self.memory = MemoryProbe(device_type)
         self.envelope = {"run_id": run_id or Path(run_dir).name, "node": node or socket.gethostname(),
                          "rank": rank}
@@ -207,6 +225,15 @@ class StepTelemetry:
             gpu_count = world_size if device_type == "cuda" else 0
         self.system: dict[str, Any] = {"gpu_count": gpu_count, "world_size": world_size}
         self.last_checkpoint: str | None = None
+
+    def mfu_basis(self) -> dict[str, Any]:
+        """What MFU divides by, for a `run_start` event: the peak, where it came from, the FLOPs per token,
+        and `mfu_unavailable` (why there is no MFU) when there is none."""
+        basis = {"peak_flops": self.peak.flops, "peak_flops_source": self.peak.source,
+                 "flops_per_token": self.flops_per_token}
+        if self.mfu_unavailable:
+            basis["mfu_unavailable"] = self.mfu_unavailable
+        return basis
 
     def step(self, step: int, *, loss: Any, timings: dict[str, float], tokens: int, samples: int,
              grad_norm: Any = None, grad_norm_by_layer: dict | None = None, learning_rate: Any = None,
@@ -226,8 +253,8 @@ class StepTelemetry:
         tokens_per_second = tokens / seconds if seconds > 0 else 0.0
         metrics["tokens_per_second"] = tokens_per_second
         metrics["samples_per_second"] = samples / seconds if seconds > 0 else 0.0
-        if self.peak_flops:
-            metrics["mfu"] = compute_mfu(self.flops_per_token, tokens_per_second, self.peak_flops)
+        if not self.mfu_unavailable:
+            metrics["mfu"] = mfu_mod.mfu(self.flops_per_token, tokens_per_second, self.peak_flops)
         if tokens_trained is not None:
             metrics["tokens_trained"] = tokens_trained
         if tokens_loaded is not None:

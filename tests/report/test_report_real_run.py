@@ -35,7 +35,9 @@ def test_report_of_a_real_run_marks_its_events_and_draws(trained, tmp_path):
     dom, console = chromium(trained / "report.html", tmp_path)
     assert console == []
     charts = int(re.search(r'data-charts="(\d+)"', dom).group(1))
-    assert charts >= 8 and f'data-drawn="{charts}"' in dom
+    # a CPU run has no MFU chart (no documented peak: the card and the empty figure say n/a and why)
+    assert charts >= 7 and f'data-drawn="{charts}"' in dom
+    assert "MFU n/a (no documented peak FLOPs for a cpu device" in html
 
 
 def test_status_of_a_real_run(trained):

@@ -18,7 +18,7 @@ from trainguard.trainer.telemetry import StepTelemetry, StepTimer
 
 METRICS = ("loss", "grad_norm", "grad_norm_by_layer", "learning_rate", "tokens_per_second",
            "samples_per_second", "step_time_seconds", "data_wait_seconds", "forward_backward_seconds",
-           "optimizer_seconds", "mfu", "tokens_trained", "tokens_loaded")
+           "optimizer_seconds", "tokens_trained", "tokens_loaded")
 
 
 def test_forty_steps_loss_falls_and_every_record_validates(tmp_path):
@@ -30,8 +30,8 @@ def test_forty_steps_loss_falls_and_every_record_validates(tmp_path):
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0, losses
 
     start = events(run, "run_start")[0]
-    peak, flops_per_token = start["peak_flops"], start["flops_per_token"]
-    assert peak > 0 and start["peak_flops_source"] == "measured"
+    # a CPU has no documented peak: no MFU (tests/trainer/test_mfu.py), whatever the FLOPs per token
+    assert start["peak_flops"] is None and start["flops_per_token"] > 0 and start["mfu_unavailable"]
     validator = jsonschema.Draft202012Validator(tls.load_schema())
     lines = (run / "tls" / "rank-0.jsonl").read_text().splitlines()
     for line in lines:
@@ -47,7 +47,7 @@ def test_forty_steps_loss_falls_and_every_record_validates(tmp_path):
         assert system == {"gpu_count": 0, "world_size": 1, **(
             {"last_checkpoint": system["last_checkpoint"]} if "last_checkpoint" in system else {})}
         assert record["run_id"] == "run" and record["rank"] == 0 and record["node"]
-        assert metrics["mfu"] == pytest.approx(flops_per_token * metrics["tokens_per_second"] / peak)
+        assert "mfu" not in metrics
         parts = metrics["data_wait_seconds"] + metrics["forward_backward_seconds"] + metrics["optimizer_seconds"]
         assert parts <= metrics["step_time_seconds"] + 1e-6
     assert clocks == sorted(clocks) and clocks[0] > 0       # the monotonic clock the cost meter bills by

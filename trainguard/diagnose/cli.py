@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from trainguard import policy as policy_mod
 from trainguard.diagnose import diagnose
 from trainguard.diagnose.finding import NO_DATA, OK, PROBLEM, Finding
 from trainguard.diagnose.loader import RunData, load_run
+from trainguard.report.charts import format_value
+from trainguard.report.data import MFU_UNKNOWN, mfu_na
 
 ERRORS_SHOWN = 10
 
@@ -35,9 +38,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def mfu_summary(data: RunData) -> dict:
+    """The lowest rank's mean MFU as recorded, or why there is none (a run_start's `mfu_unavailable`)."""
+    for rank in sorted(data.ranks):
+        values = [v for v in data.ranks[rank].values.get("mfu", ()) if math.isfinite(v)]
+        if values:
+            return {"rank": rank, "mean": sum(values) / len(values)}
+    reasons = [e["event"]["mfu_unavailable"] for e in data.events
+               if e["event"].get("type") == "run_start" and isinstance(e["event"].get("mfu_unavailable"), str)]
+    return {"unavailable": reasons[-1][:200] if reasons else MFU_UNKNOWN}
+
+
+def _mfu_line(data: RunData) -> str:
+    mfu = mfu_summary(data)
+    if "mean" in mfu:
+        return f"MFU: {format_value(mfu['mean'], 'ratio')} (mean of rank {mfu['rank']}'s steps)"
+    return f"MFU: {mfu_na(mfu['unavailable'])}"
+
+
 def to_json(data: RunData, findings: list[Finding]) -> dict:
     return {"run_dir": data.run_dir, "files": data.files, "records": data.records, "malformed": data.malformed,
-            "errors": data.errors, "findings": [f.to_dict() for f in findings]}
+            "errors": data.errors, "mfu": mfu_summary(data), "findings": [f.to_dict() for f in findings]}
 
 
 def _evidence_line(key: str, value) -> str:
@@ -53,7 +74,7 @@ def _evidence_line(key: str, value) -> str:
 
 def render(data: RunData, findings: list[Finding]) -> str:
     lines = [f"trainguard diagnose {data.run_dir}: {data.records} records from {len(data.files)} files"
-             + (f", {data.malformed} malformed lines" if data.malformed else "")]
+             + (f", {data.malformed} malformed lines" if data.malformed else ""), _mfu_line(data)]
     problems = [f for f in findings if f.status == PROBLEM]
     lines.append("")
     if problems:

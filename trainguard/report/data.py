@@ -62,6 +62,15 @@ MAX_PASSES = 32
 GAPS_KEPT = 64
 
 
+# Why a run has no MFU when it recorded none and said no reason (a library loop, an older trainer): MFU is
+# written only where the device's peak is documented or given (trainer/mfu.py), never estimated.
+MFU_UNKNOWN = "no documented peak FLOPs for the device, or no model FLOPs per token"
+
+
+def mfu_na(reason: str = "") -> str:
+    return f"n/a ({reason or MFU_UNKNOWN})"
+
+
 @dataclass
 class Pass:
     """One run of rising steps of the charted rank; a later pass that starts lower discards its tail."""
@@ -123,6 +132,7 @@ class Run:
     actions: Counter = field(default_factory=Counter)
     shadowed: Counter = field(default_factory=Counter)    # shadow mode: actions decided, not carried out
     shadow_mode: bool = False                             # a run_start said actions_mode: shadow
+    mfu_unavailable: str = ""                             # a run_start's reason for recording no MFU
     faults: list[str] = field(default_factory=list)
     restarts: int = 0
     checkpoints: list[Checkpoint] = field(default_factory=list)
@@ -369,6 +379,8 @@ class _Loader:
             run.shadowed[str(event.get("action"))] += 1
         if kind == "run_start" and event.get("actions_mode") == actions.SHADOW_MODE:
             run.shadow_mode = True
+        if kind == "run_start" and isinstance(event.get("mfu_unavailable"), str):
+            run.mfu_unavailable = event["mfu_unavailable"][:200]
         if kind == "fault_injected" and len(run.faults) < ERRORS_KEPT:
             name = str(event.get("fault") or event.get("kind") or "?")
             run.faults.append(name if "@" in name else f"{name}@{step}")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from trainguard.report import charts
 from trainguard.report.charts import HLine, Line, Mark, Span, format_value
-from trainguard.report.data import Pass, Run
+from trainguard.report.data import Pass, Run, mfu_na
 from trainguard.report.summary import goodput_shares, sentences, tiles
 
 ASSETS = Path(__file__).with_name("assets")
@@ -159,7 +159,8 @@ def throughput_section(page: Page) -> str:
                               note=f"Rank {page.run.primary_rank}'s; the {ranks} ranks together train about {ranks} "
                                    f"times this." if ranks > 1 else "")
     body += page.series_figure("Model FLOPs utilisation (MFU)", [("mfu", "MFU")], "ratio", marks=False,
-                               empty="No MFU recorded (the trainer reports it when it knows the device's peak FLOPs).",
+                               empty=f"MFU {mfu_na(page.run.mfu_unavailable)}: it is recorded only where the "
+                                     "device's peak FLOPs are documented (trainer/mfu.py) or given.",
                                y_min=0)
     body += page.series_figure("Step time breakdown", [("step_time_seconds", "step time"), *STEP_PARTS], "s",
                                empty="No step timing recorded.", y_min=0, marks=False,

@@ -19,6 +19,7 @@ from trainguard import paths, rundir, safe_read
 from trainguard.actions import SHADOW_ACTION, SHADOW_MODE
 from trainguard.exits import int_at_least
 from trainguard.report.charts import event_detail, format_elapsed, format_value
+from trainguard.report.data import mfu_na
 from trainguard.report.files import log_files, read_checkpoints
 from trainguard.tls import TLSError, decode
 
@@ -44,6 +45,7 @@ class Status:
     attention: list[str] = field(default_factory=list)    # what a human must look at (pages, refusals)
     shadowed: dict = field(default_factory=dict)          # shadow_action events in the tail, by action
     shadow_mode: bool = False                             # a run_start in the tail said actions_mode: shadow
+    mfu_unavailable: str = ""                             # a run_start in the tail said why there is no MFU
     malformed: int = 0
     errors: list[str] = field(default_factory=list)
     checkpoint_ts: float = field(default=float("-inf"), repr=False)
@@ -164,6 +166,8 @@ def _take_events(status: Status, events: list[tuple[float, dict, str]], recent: 
             status.shadowed[action] = status.shadowed.get(action, 0) + 1
         if event["type"] == "run_start" and event.get("actions_mode") == SHADOW_MODE:
             status.shadow_mode = True
+        if event["type"] == "run_start" and isinstance(event.get("mfu_unavailable"), str):
+            status.mfu_unavailable = event["mfu_unavailable"][:200]
         if event["type"] == "alert" and event.get("alertname"):
             alert_state[str(event["alertname"])] = str(event.get("status", "firing"))
         _needs_a_human(status, ts, event)
@@ -220,6 +224,8 @@ def render(status: Status, now: float | None = None) -> str:
         speed = [f"{label} {format_value(m[key], unit)}" for key, label, unit in (
             ("tokens_per_second", "", "tok/s"), ("mfu", "MFU", "ratio"), ("step_time_seconds", "step", "s"))
             if key in m]
+        if "mfu" not in m and speed:    # never a made-up figure: say there is none, and why
+            speed.insert(1, f"MFU {mfu_na(status.mfu_unavailable)}")
         if m.get("step_time_seconds"):
             speed += [f"{label} {m[key] / m['step_time_seconds']:.0%}" for key, label in (
                 ("data_wait_seconds", "data wait"), ("comm_seconds", "comm")) if key in m]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from trainguard import actions
 from trainguard.report.charts import format_elapsed, format_value
-from trainguard.report.data import Run, final
+from trainguard.report.data import Run, final, mfu_na
 
 GUARD_ACTIONS = (actions.SKIP_STEP, actions.ROLLBACK, actions.RESTORE, actions.STOP)
 COST_ACTIONS = actions.COST_ACTIONS
@@ -59,7 +59,7 @@ def sentences(run: Run) -> list[str]:
         text = f"Throughput averaged {format_value(tokens.mean, 'tok/s')}"
         if len(run.ranks) > 1:
             text += f" per rank ({len(run.ranks)} ranks)"
-        out.append(text + (f", MFU {format_value(mfu.mean, 'ratio')}." if mfu else "."))
+        out.append(text + (f", MFU {format_value(mfu.mean, 'ratio')}." if mfu else f"; MFU {mfu_na(run.mfu_unavailable)}."))
     out.append(f"Injected faults: {', '.join(run.faults)}." if run.faults else "No faults were injected.")
     guard = _counted(run.actions, GUARD_ACTIONS)
     out.append(f"Guard and recovery actions: {guard}." if guard else "The guard took no action.")
@@ -162,7 +162,8 @@ def tiles(run: Run) -> list[Tile]:
              _num(run.training["tokens_per_second"].mean, "") if run.training.get("tokens_per_second") else "n/a",
              hint=f"mean over rank {run.primary_rank}'s step records" + (f"; ×{ranks} for the job" if ranks > 1 else "")),
         Tile("MFU", _num(run.training["mfu"].mean, "ratio") if run.training.get("mfu") else "n/a",
-             hint="mean model FLOPs utilisation: achieved FLOP/s over the device's peak"),
+             hint="mean model FLOPs utilisation: achieved FLOP/s over the device's documented peak"
+             if run.training.get("mfu") else mfu_na(run.mfu_unavailable)),
         Tile("wall time", format_elapsed(run.duration),
              hint="first to last record of the charted rank, stalls and restarts included"),
     ]

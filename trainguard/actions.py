@@ -6,6 +6,8 @@ every use imports them from here rather than spelling them.
 
 from __future__ import annotations
 
+from typing import Any
+
 SKIP_STEP = "skip_step"
 ROLLBACK = "rollback"        # restore the last stable checkpoint, skip the data window, lower the LR
 RESTORE = "restore"          # restart hung or dead ranks from the latest verified checkpoint
@@ -39,7 +41,7 @@ MODES = (ACT_MODE, SHADOW_MODE)
 SHADOW_ACTION = "shadow_action"      # the TLS event type of an action decided and not carried out
 
 
-def shadow_event(action: str, reason: str, source: str, **evidence) -> dict:
+def shadow_event(action: str, reason: str, source: str, **evidence: Any) -> dict[str, Any]:
     """The fields of a `shadow_action` event (no `type`): the action that would have been carried out, why,
     who decided it (guard, control, alertmanager, embedded, replica_check) and the decision's evidence."""
     return {"action": action, "reason": reason, "source": source, "would_have": True, **evidence}

@@ -32,7 +32,7 @@ from typing import IO, Any, cast
 
 from trainguard.exits import BadInput
 
-PathLike = str | os.PathLike
+PathLike = str | os.PathLike[str]
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -182,11 +182,11 @@ def load_yaml(text: str) -> Any:
     the size of the node it repeats, so the refusal comes while composing, before anything is built."""
     import yaml
 
-    class Loader(yaml.SafeLoader):
+    class Loader(yaml.SafeLoader):  # type: ignore[misc]   # yaml has no types here
         expanded = 0
         sizes: dict[int, int] = {}
 
-        def compose_node(self, parent, index):
+        def compose_node(self, parent: Any, index: Any) -> Any:
             if self.check_event(yaml.AliasEvent):
                 node = self.anchors.get(self.peek_event().anchor)
                 self.expanded += 1 if node is None else _nodes(node, self.sizes)
@@ -205,7 +205,7 @@ def load_yaml(text: str) -> Any:
         loader.dispose()
 
 
-def _nodes(node, sizes: dict[int, int], depth: int = 0) -> int:
+def _nodes(node: Any, sizes: dict[int, int], depth: int = 0) -> int:
     """The number of nodes under `node` as written out (aliases expanded), memoised per node."""
     import yaml
 
@@ -241,7 +241,7 @@ class _Bounded(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer) -> int:
+    def readinto(self, buffer: Any) -> int:
         data = self._read(len(buffer))
         n = len(data)
         self.given += n
@@ -280,7 +280,7 @@ def open_log(path: PathLike) -> IO[bytes]:
         raw.close()
         raise
     if name.endswith(".gz"):
-        inner = _ClosingBoth(inner, raw)
+        inner = cast(IO[bytes], _ClosingBoth(inner, raw))
     return io.BufferedReader(_Bounded(inner, path, decompressed_limit(size)), buffer_size=64 * KiB)
 
 
@@ -294,7 +294,7 @@ class _ClosingBoth:
         return self.inner.read(n)
 
     def read1(self, n: int = -1) -> bytes:
-        return self.inner.read1(n)
+        return cast(bytes, cast(Any, self.inner).read1(n))
 
     def close(self) -> None:
         try:

@@ -507,7 +507,7 @@ class Guard:
         """A bad step: skip it; too many in a window: roll back; too many rollbacks an hour: stop. Loss-scaler
         overflows and level shifts are skipped without counting (see the module's docstring)."""
         policy, step, timestamp, reason = self.policy, stats.step, stats.timestamp, rule.reason
-        if isinstance(rule, NonFinite) and math.isfinite(stats.loss):
+        if isinstance(rule, NonFinite) and math.isfinite(stats.loss) and stats.grad_norm is not None:
             run = self.overflows.extend(self.observed, stats.grad_norm)
             if run < policy.overflow_burst:
                 return Decision(SKIP_STEP, reason, step, timestamp, {**detail, "overflow": run})

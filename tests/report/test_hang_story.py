@@ -168,7 +168,9 @@ def test_replay_lists_the_alert_the_restore_and_the_restart_and_expect_asserts_o
 
     expectation = tmp_path / "expect.yml"
     expectation.write_text(yaml.safe_dump({
-        "actions": [{"action": "skip_step", "step": [15, 16], "count": 2}, {"action": "rollback", "step": 17}],
+        # the run's own signed policy (its stall_seconds) is replay's: the live restore is decided again
+        "actions": [{"action": "skip_step", "step": [15, 16], "count": 2}, {"action": "rollback", "step": 17},
+                    {"action": "restore", "count": 1}],
         "recorded": [{"action": "skip_step", "count": 2}, {"action": "rollback", "step": 17},
                      {"alert": "TrainingStalled", "source": "embedded"},
                      {"action": "restore", "source": "agent+control", "count": 1},

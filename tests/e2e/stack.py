@@ -40,7 +40,9 @@ BASE_POLICY = {
     "alerts": {"for_short": "1s", "for_long": "5s", "stall_seconds": 8.0, "action_cooldown_seconds": 20.0},
     # a spike rule that needs a million steps needs a window that holds them (policy validation)
     "guard": {"spike_min_steps": 1_000_000, "spike_window": 1_000_000, "grad_min_steps": 1_000_000,
-              "grad_climb_min_steps": 1_000_000, "grad_climb_window": 1_000_000},
+              "grad_climb_min_steps": 1_000_000, "grad_climb_window": 1_000_000,
+              # while the band warms up (here: for ever), the warm-up spike rule would take the spike first
+              "warmup_spike_factor": 1e9},
 }
 
 

@@ -12,7 +12,7 @@ from trainguard.diagnose import diagnose
 from trainguard.diagnose.finding import NO_DATA, OK, PROBLEM, Finding
 from trainguard.diagnose.loader import RunData, load_run
 from trainguard.report.charts import format_value
-from trainguard.report.data import MFU_UNKNOWN, mfu_na
+from trainguard.report.charts import MFU_UNKNOWN, mfu_na
 
 ERRORS_SHOWN = 10
 

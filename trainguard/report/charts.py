@@ -347,3 +347,12 @@ def share_bar(parts: Sequence[tuple[str, float, str]], unit: str = "s") -> str:
         x += width
     out.append("</svg>")
     return "".join(out)
+
+
+# Why a run has no MFU when it recorded none and said no reason (a library loop, an older trainer): MFU is
+# written only where the device's peak is documented or given (trainer/mfu.py), never estimated.
+MFU_UNKNOWN = "no documented peak FLOPs for the device, or no model FLOPs per token"
+
+
+def mfu_na(reason: str = "") -> str:
+    return f"n/a ({reason or MFU_UNKNOWN})"

@@ -62,15 +62,6 @@ MAX_PASSES = 32
 GAPS_KEPT = 64
 
 
-# Why a run has no MFU when it recorded none and said no reason (a library loop, an older trainer): MFU is
-# written only where the device's peak is documented or given (trainer/mfu.py), never estimated.
-MFU_UNKNOWN = "no documented peak FLOPs for the device, or no model FLOPs per token"
-
-
-def mfu_na(reason: str = "") -> str:
-    return f"n/a ({reason or MFU_UNKNOWN})"
-
-
 @dataclass
 class Pass:
     """One run of rising steps of the charted rank; a later pass that starts lower discards its tail."""

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from trainguard.report import charts
 from trainguard.report.charts import HLine, Line, Mark, Span, format_value
-from trainguard.report.data import Pass, Run, mfu_na
+from trainguard.report.charts import mfu_na
+from trainguard.report.data import Pass, Run
 from trainguard.report.summary import goodput_shares, sentences, tiles
 
 ASSETS = Path(__file__).with_name("assets")

@@ -18,8 +18,7 @@ from pathlib import Path
 from trainguard import paths, rundir, safe_read
 from trainguard.actions import SHADOW_ACTION, SHADOW_MODE
 from trainguard.exits import int_at_least
-from trainguard.report.charts import event_detail, format_elapsed, format_value
-from trainguard.report.data import mfu_na
+from trainguard.report.charts import event_detail, format_elapsed, format_value, mfu_na
 from trainguard.report.files import log_files, read_checkpoints
 from trainguard.tls import TLSError, decode
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from trainguard import actions
 from trainguard.report.charts import format_elapsed, format_value
-from trainguard.report.data import Run, final, mfu_na
+from trainguard.report.charts import mfu_na
+from trainguard.report.data import Run, final
 
 GUARD_ACTIONS = (actions.SKIP_STEP, actions.ROLLBACK, actions.RESTORE, actions.STOP)
 COST_ACTIONS = actions.COST_ACTIONS

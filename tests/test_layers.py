@@ -177,6 +177,18 @@ def test_the_architecture_page_shows_this_matrix():
     assert rows == {package: (set(row), allowed[package] - {package}) for package, row in BUILDS_ON.items()}
 
 
+def test_every_command_is_the_cli_module_of_its_package():
+    """Where a command lives (docs/architecture.md): its package's `cli.py`, a second one `<command>_cli.py`
+    beside it; none in the core's root, whose one command module is the dispatcher."""
+    table = commands()
+    for module in sorted(table):
+        package, _, name = module.rpartition(".")
+        assert package != "trainguard", f"{module}: a command in the core's root"
+        assert name == "cli" or (name.endswith("_cli") and f"{package}.cli" in table), module
+    stray = [path.name for path in (ROOT / "trainguard").glob("*cli.py") if path.name != "cli.py"]
+    assert stray == []
+
+
 def test_the_packages_are_folders_of_their_own():
     """A package moved inside the core would be checked as core, not against its row."""
     packages = roots()

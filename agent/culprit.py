@@ -33,7 +33,7 @@ from typing import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from trainguard import rundir, safe_read
+from trainguard import actions, rundir, safe_read
 from trainguard import incidents
 from trainguard import log as tglog
 from trainguard.agent import claims, evict, evidence, restore
@@ -152,7 +152,7 @@ class Investigator:
                                    **({"evidence_ignored": loaded.refused} if loaded.refused else {})})
         key = cordon_key.signing_key(self.key_file, create=True)[0]
         incidents.write_incident(self.run_dir, incident, key, None if key is None else keys.key_id(key))
-        if action == verdicts.EVICT:
+        if action == actions.EVICT:
             try:
                 evict.cordon(self.run_dir, verdict.node, incident=incident_id, reason=why, by=f"agent:{self.host}",
                              key_file=self.key_file)
@@ -194,7 +194,7 @@ class Investigator:
     # ------------------------------------------------------------------------------------ acting
     def act(self, decided: dict, notice: Notice, live: list,
             fallback: Callable[[Notice], object] | None = None) -> Notice | None:
-        if decided.get("action") != verdicts.EVICT:
+        if decided.get("action") != actions.EVICT:
             return notice
         node = (decided.get("culprit") or {}).get("node")
         if node == self.host:

@@ -534,7 +534,7 @@ class Protector:
             os.replace(tmp, path)
         if self.callbacks.stop is not None:
             self.callbacks.stop(COST_STOP)
-        self.event("run_end", reason="cost_stop", alertname=ids["alertname"])
+        self.event("run_end", reason=COST_STOP, alertname=ids["alertname"])
         self.log.warning("cost stop: checkpoint saved, run ended", step=step, **ids)
         return Outcome(EXIT_OK, COST_STOP)
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard import log, policy as policy_mod
+from trainguard.actions import STOP
 from trainguard.protect import EXIT_OK, EXIT_STOPPED, Outcome, Protector, TrainState, Verdict
 from trainguard.trainer import parallel
 from trainguard.trainer import schedules as dynamics
@@ -157,7 +158,7 @@ class Trainer:
             return None
         outcome = self.replicas.respond(
             verdict, restore=lambda: self.protector.restore(rollback=False),
-            stop=lambda event: self.protector._stop(Decision("stop", "replica_mismatch", step, detail=event),
+            stop=lambda event: self.protector._stop(Decision(STOP, "replica_mismatch", step, detail=event),
                                                     event))
         return outcome.exit_code if outcome is not None else None
 

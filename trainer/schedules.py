@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainguard.actions import ROLLBACK
 from trainguard.decide import clipping
 from trainguard.decide import schedules as machines
 from trainguard.decide.decision import Decision
@@ -197,7 +198,7 @@ class Dynamics(LRSchedule):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if "machine" in state:
-            self.restored = self.machine.restore(state["machine"], step=-1, reason="rollback")
+            self.restored = self.machine.restore(state["machine"], step=-1, reason=ROLLBACK)
             self.clipper.load_state_dict(state["clipper"])
             self._multipliers_before_load = dict(self.layers.multipliers)
             self.layers.load_state_dict(state["layers"])

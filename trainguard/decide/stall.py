@@ -23,7 +23,7 @@ from trainguard import actions
 
 
 # A rank whose log ends with one of these has finished (or was stopped) and is leaving: never a stall.
-ENDED_EVENTS = ("run_end", "stop")
+ENDED_EVENTS = ("run_end", actions.STOP)
 
 
 @dataclass(frozen=True)

@@ -54,19 +54,12 @@ class ReplicaChecks:
         self.run_dir, self.emit, self.log = Path(run_dir), emit, log
         self.monitor = ReplicaMonitor(policy)
         self.fingerprints = fp.Fingerprinter()
-        self.nodes = self._gather_nodes(node)
+        self.nodes = gather_nodes(node, world_size)
         self.step = 0                                 # the step being trained (after_backward's)
         self._grads: tuple[int, torch.Tensor] | None = None   # (step, gradients' fingerprint) to check
         self.checked: int | None = None               # step of the last check, whatever it found
         self.last: tuple[int, int] | None = None      # (step, weights fingerprint) of the last agreed check
         self.refusal: Verdict | None = None           # why before_checkpoint said no (acted on next)
-
-    def _gather_nodes(self, node: str) -> tuple[str, ...]:
-        if self.world == 1:
-            return (node,)
-        nodes: list = [None] * self.world
-        dist.all_gather_object(nodes, node)
-        return tuple(nodes)
 
     @property
     def enabled(self) -> bool:
@@ -243,6 +236,15 @@ class ReplicaChecks:
             return
         self.emit(CORDON, step=verdict.step, host=host, incident=ident, reason="replica_mismatch")
         self.log.error("node cordoned: named in a second replica mismatch", host=host, incident=ident)
+
+
+def gather_nodes(node: str, world: int) -> tuple[str, ...]:
+    """Every rank's node, by rank (a collective every rank reaches when the checks are built)."""
+    if world == 1:
+        return (node,)
+    nodes: list = [None] * world
+    dist.all_gather_object(nodes, node)
+    return tuple(nodes)
 
 
 def differing_params(tensors: list[list[int]], names: list[str]) -> list[str]:

@@ -1,7 +1,9 @@
 """`trainguard` command line: a thin dispatcher.
 
-Each command lives beside the code it drives, in a module with `add_arguments(parser)` and
-`run(args) -> int`; they are imported only when used, so `trainguard replay` never imports torch.
+Each command lives in the package that does its work, as its `cli.py` (a second command of the same
+package: `<command>_cli.py`), a module with `add_arguments(parser)` and `run(args) -> int`; they are
+imported only when used, so `trainguard replay` never imports torch (docs/architecture.md, "Where a
+command lives").
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client.core import CounterMetricFamily
 
-from trainguard import actions, rundir, safe_read, signed, tls
+from trainguard import actions, event_types, rundir, safe_read, signed, tls
 from trainguard import log as tglog
 from trainguard.agent import claims, restore
 from trainguard.trainer import cordon_key
@@ -392,7 +392,7 @@ class Executor:
                   "reason": verdict.reason, "key": n.key, "source": n.source, "issued_at": now,
                   "outcome": "kept_out", "why": "the incident's culprit node is kept out (agent/culprit.py)"}
         self.log.warning("restore not needed here: the culprit's node is kept out", id=result["id"])
-        return {**tls.event("action", timestamp=now, **result), "node": self.node}
+        return {**tls.event(event_types.ACTION, timestamp=now, **result), "node": self.node}
 
     def _not_done(self, notices: list[Notice], exc: OSError) -> None:
         """Report a failure once (until writes work again); queue the embedded notices for a retry."""
@@ -424,7 +424,7 @@ class Executor:
         step = event.pop("step", None)
         if verdict.executes:
             event["request_id"] = request_id(verdict)
-        return {**tls.event("alert", step=step, timestamp=now, **event), "node": self.node}
+        return {**tls.event(event_types.ALERT, step=step, timestamp=now, **event), "node": self.node}
 
     def _shadow_record(self, verdict: Verdict, now: float) -> dict:
         """Shadow mode: the action this verdict would carry out, with its evidence; nothing is carried out
@@ -469,7 +469,7 @@ class Executor:
                               alertname=n.alertname, claimed_by=claim.node, id=request["id"])
                 if not claim.done:
                     self._watch_claim(verdict, claim, now)
-                return {**tls.event("action", timestamp=now, **result), "node": self.node}
+                return {**tls.event(event_types.ACTION, timestamp=now, **result), "node": self.node}
             held = None if claim is None else self.claims.hold(request["id"], claim)   # renewed while acting
             try:
                 self._carry_out(verdict, request, result)
@@ -483,7 +483,7 @@ class Executor:
             self.log.error("action failed", action=verdict.action, alertname=n.alertname, error=result["error"])
         self.executed[verdict.action] = self.executed.get(verdict.action, 0) + 1
         self.log.warning("action issued", **{k: v for k, v in result.items() if k != "issued_at"})
-        return {**tls.event("action", timestamp=now, **result), "node": self.node}
+        return {**tls.event(event_types.ACTION, timestamp=now, **result), "node": self.node}
 
     def _carry_out(self, verdict: Verdict, request: dict, result: dict) -> None:
         """The control request, and for a restore the ending of this node's proven ranks; sets `outcome`."""
@@ -547,12 +547,12 @@ class Executor:
         if self.records.refused:
             self.log.error("lines of the actions log not signed by this agent: not redone, not remembered",
                            path=str(self.records.path), **self.records.refused)
-        done = {e.get("id") for e in events if e.get("type") == "action" and e.get("outcome") != "failed"}
-        claimed = {e.get("id") for e in events if e.get("type") == "action" and e.get("outcome") == "claimed"}
-        carried_out = {e.get("id") for e in events if e.get("type") == "action" and e.get("outcome") != "claimed"}
+        done = {e.get("id") for e in events if e.get("type") == event_types.ACTION and e.get("outcome") != "failed"}
+        claimed = {e.get("id") for e in events if e.get("type") == event_types.ACTION and e.get("outcome") == "claimed"}
+        carried_out = {e.get("id") for e in events if e.get("type") == event_types.ACTION and e.get("outcome") != "claimed"}
         pending, decided = [], {}
         for event in events:
-            if event.get("type") != "alert":
+            if event.get("type") != event_types.ALERT:
                 continue
             self.ledger.remember(event)
             if event.get("request_id"):

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 import structlog
 
+from trainguard import event_types
 from trainguard.preflight.result import FAIL, PASS, CheckResult
 
 GOOD, BAD = 1, 2
@@ -68,10 +69,10 @@ def run_drill(base: Path | None = None, corrupt_steps: Iterable[int] = (BAD,)) -
             faults.after_checkpoint(step, handle.path, wait=handle.wait)
         restored = manager.load_latest()
         manager.close()
-        corrupted = [e for e in events if e["type"] == "fault_injected"]
+        corrupted = [e for e in events if e["type"] == event_types.FAULT_INJECTED]
         refused = [{"step": e.get("step"), "code": e.get("code"),
                     "reason": str(e.get("reason", "")).removeprefix(f"{e.get('path')}: ")}
-                   for e in events if e["type"] == "checkpoint_invalid"]
+                   for e in events if e["type"] == event_types.CHECKPOINT_INVALID]
         details = {"directory": str(root.parent), "corrupted": [{"step": e["step"], "file": Path(e["file"]).name,
                                                                   "offset": e["offset"]} for e in corrupted],
                    "refused": refused}

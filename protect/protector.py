@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from trainguard import log as tglog
+from trainguard import event_types, log as tglog
 from trainguard import policy as policy_mod
 from trainguard import rundir, runpolicy, safe_read, signed, tls
 from trainguard.actions import (COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SHADOW_ACTION, SKIP_STEP, STOP,
@@ -199,7 +199,7 @@ class Protector:
         """The loop ran to its end: a last checkpoint (unless this step has one), `run_end`, durable."""
         if self.state.last_saved_step != self.state.step:
             self.save()
-        self.telemetry.event("run_end", step=self.state.step, reason="completed")
+        self.telemetry.event(event_types.RUN_END, step=self.state.step, reason="completed")
         self.checkpoints.wait()
 
     def close(self) -> None:
@@ -267,7 +267,7 @@ class Protector:
             return None
         began = time.perf_counter()
         val = self.callbacks.validate()
-        self.event("evaluation", val_loss=val, purpose=purpose, seconds=time.perf_counter() - began, **fields)
+        self.event(event_types.EVALUATION, val_loss=val, purpose=purpose, seconds=time.perf_counter() - began, **fields)
         return val
 
     def save(self) -> Path | None:
@@ -454,7 +454,7 @@ class Protector:
         self.log.error(message)
         if self.callbacks.stop is not None:
             self.callbacks.stop(decision.reason)
-        self.event("run_end", reason="guard_stop")
+        self.event(event_types.RUN_END, reason="guard_stop")
         return Outcome(EXIT_STOPPED, decision.reason)
 
     def stopped_marker(self) -> dict | None:
@@ -471,7 +471,7 @@ class Protector:
             return marker
         why = signed.refusal_message(reason, f"the stop marker {self.stop_path}")
         self.log.error(f"{why}: not honoured, the run starts", reason=reason)
-        self.event("stop_marker_refused", reason=reason, path=str(self.stop_path), why=why)
+        self.event(event_types.STOP_MARKER_REFUSED, reason=reason, path=str(self.stop_path), why=why)
         return None
 
     # ---------------------------------------------------------------------------- control requests
@@ -487,12 +487,12 @@ class Protector:
 
     def _request_action(self, action: str, ids: dict) -> Outcome:
         if action == ROLLBACK:
-            self.event("action", action=action, **ids)
+            self.event(event_types.ACTION, action=action, **ids)
             self.restore(rollback=True, source="control", **ids)
         elif action == COST_WARN:
             self.state.eval_paused = True
             fields = self.callbacks.pause() or {} if self.callbacks.pause else {}
-            self.event("action", action=action, evaluation="paused", **fields, **ids)
+            self.event(event_types.ACTION, action=action, evaluation="paused", **fields, **ids)
             self.log.warning("cost warning: evaluation paused", **ids)
         elif action == COST_THROTTLE:
             self._throttle(ids)
@@ -509,14 +509,14 @@ class Protector:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if not before and self.callbacks.cut_micro_batch is None:
-            self.event("action", action=COST_THROTTLE, micro_batch="unchanged", not_applied=THROTTLE_UNAVAILABLE,
+            self.event(event_types.ACTION, action=COST_THROTTLE, micro_batch="unchanged", not_applied=THROTTLE_UNAVAILABLE,
                        **ids)
             self.log.warning("cost throttle not applied: this loop's micro-batch cannot be cut", **ids)
             return
         self.state.micro_batch = max(1, (before * 3) // 4) if before else 0   # 0: the loop keeps none here
         cut = self.callbacks.cut_micro_batch
         fields = cut(self.state.micro_batch) or {} if cut else {}
-        self.event("action", action=COST_THROTTLE, micro_batch_before=before,
+        self.event(event_types.ACTION, action=COST_THROTTLE, micro_batch_before=before,
                    micro_batch_size=self.state.micro_batch, **fields, **ids)
         self.log.warning("cost throttle: smaller micro-batch", micro_batch_before=before,
                          micro_batch_size=self.state.micro_batch, **ids)
@@ -524,7 +524,7 @@ class Protector:
     def _cost_stop(self, ids: dict) -> Outcome:
         """Save a checkpoint, check that it verifies, write RUN/cost_summary.json, end cleanly (exit 0)."""
         step = self.state.step
-        self.event("action", action=COST_STOP, **ids)
+        self.event(event_types.ACTION, action=COST_STOP, **ids)
         self.save()
         if self.rank == 0:
             verified = self.checkpoints.verified_step() == step   # the checkpoint the run ends on must verify
@@ -534,7 +534,7 @@ class Protector:
             os.replace(tmp, path)
         if self.callbacks.stop is not None:
             self.callbacks.stop(COST_STOP)
-        self.event("run_end", reason="cost_stop", alertname=ids["alertname"])
+        self.event(event_types.RUN_END, reason="cost_stop", alertname=ids["alertname"])
         self.log.warning("cost stop: checkpoint saved, run ended", step=step, **ids)
         return Outcome(EXIT_OK, COST_STOP)
 

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard import paths
+from trainguard import event_types, paths
 from trainguard.progress import Progress
 from trainguard.tls import parse_timestamp
 from trainguard.trainer.checkpoint import Checkpoint, CheckpointError, CheckpointInfo, CheckpointManager
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     skipped: list[dict] = []
 
     def collect(kind: str, **fields: object) -> None:
-        if kind == "checkpoint_invalid":
+        if kind == event_types.CHECKPOINT_INVALID:
             skipped.append({"path": fields["path"], "code": fields["code"], "reason": fields["reason"]})
 
     command = {"list": _list, "verify": _verify, "restore": _restore, "export": _export}[args.action]

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainguard import log, policy as policy_mod
+from trainguard import event_types, log, policy as policy_mod
 from trainguard.protect import EXIT_OK, EXIT_STOPPED, Outcome, Protector, TrainState, Verdict
 from trainguard.trainer import parallel
 from trainguard.trainer import schedules as dynamics
@@ -157,7 +157,7 @@ class Trainer:
             return None
         outcome = self.replicas.respond(
             verdict, restore=lambda: self.protector.restore(rollback=False),
-            stop=lambda event: self.protector._stop(Decision("stop", "replica_mismatch", step, detail=event),
+            stop=lambda event: self.protector._stop(Decision("stop", event_types.REPLICA_MISMATCH, step, detail=event),
                                                     event))
         return outcome.exit_code if outcome is not None else None
 
@@ -170,7 +170,7 @@ class Trainer:
         if begun.refused is not None:
             self.protector.close()
             return EXIT_STOPPED
-        self.protector.event("run_start", resumed_from=begun.resumed_from,
+        self.protector.event(event_types.RUN_START, resumed_from=begun.resumed_from,
                              restart_count=self.info.restart_count, world_size=self.world,
                              device=self.device.type, **self.telemetry.mfu_basis(),
                              params=self.model.num_params(), actions_mode=self.protector.policy.actions.mode)

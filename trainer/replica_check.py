@@ -22,13 +22,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from trainguard import incidents, rundir, safe_read
-from trainguard.decide.replica import (ARBITRATION, CHECK_EVENT, MISMATCH, ReplicaCheck, ReplicaMonitor,
+from trainguard import event_types, incidents, rundir, safe_read
+from trainguard.decide.replica import (ARBITRATION, MISMATCH, ReplicaCheck, ReplicaMonitor,
                                        ReplicaPolicy, Verdict, agree, check_fields)
 from trainguard.trainer import fingerprint as fp
 
 META_KEY = "replica_fingerprint"
-DETECTED_BY = "replica_check"
+DETECTED_BY = "replica_check"       # the source and detected_by of what the check decides
 
 
 cordon_path = rundir.cordon_path
@@ -112,7 +112,7 @@ class ReplicaChecks:
             recomputed = tuple(fp.gather(self._weights().reshape(1), self.world).reshape(-1).tolist())
             tensors = fp.gather(self.fingerprints.many(self.params), self.world).tolist()
         check = ReplicaCheck(step, rows[0][2] / 1e9, weights, gradients, recomputed, self.nodes)
-        self.emit(CHECK_EVENT, step=step, **check_fields(check))
+        self.emit(event_types.REPLICA_CHECK, step=step, **check_fields(check))
         verdict = self.monitor.observe(check)
         if agree(weights) and (verdict is None or verdict.action is None):
             self.last = (step, weights[0])
@@ -208,7 +208,7 @@ class ReplicaChecks:
     def _record_culprit(self, verdict: Verdict, ident: str) -> None:
         """A two-replica mismatch arbitrated by the replay: the incident of that mismatch names the rank."""
         for rank, node in zip(verdict.ranks, verdict.nodes):
-            self.emit("culprit", step=verdict.step, incident=ident, rank=rank, node=node, kind="sdc",
+            self.emit(event_types.CULPRIT, step=verdict.step, incident=ident, rank=rank, node=node, kind="sdc",
                       what=verdict.what, confidence=verdict.confidence, reasons=list(verdict.reasons))
         if self.rank == 0:
             self._write_incident(verdict, ident)
@@ -230,7 +230,7 @@ class ReplicaChecks:
         if self.shadow:
             self._shadow("cordon", verdict, ident, host=host)
             return
-        reason = {"reason": "replica_mismatch", "detected_by": DETECTED_BY, "incident": ident,
+        reason = {"reason": event_types.REPLICA_MISMATCH, "detected_by": DETECTED_BY, "incident": ident,
                   "step": verdict.step, "ranks": list(verdict.ranks), "what": verdict.what, "time": time.time(),
                   "why": list(verdict.reasons), "by": f"rank:{self.rank}"}
         key, where = cordon_key.signing_key(self.key_file, create=True)
@@ -242,7 +242,7 @@ class ReplicaChecks:
         except OSError as exc:
             self.log.error("could not write the cordon file", host=host, error=str(exc))
             return
-        self.emit("cordon", step=verdict.step, host=host, incident=ident, reason="replica_mismatch")
+        self.emit(event_types.CORDON, step=verdict.step, host=host, incident=ident, reason=event_types.REPLICA_MISMATCH)
         self.log.error("node cordoned: named in a second replica mismatch", host=host, incident=ident)
 
 

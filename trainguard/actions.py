@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainguard import event_types
+
 SKIP_STEP = "skip_step"
 ROLLBACK = "rollback"        # restore the last stable checkpoint, skip the data window, lower the LR
 RESTORE = "restore"          # restart hung or dead ranks from the latest verified checkpoint
@@ -38,7 +40,7 @@ def is_action(name: str) -> bool:
 ACT_MODE = "act"
 SHADOW_MODE = "shadow"
 MODES = (ACT_MODE, SHADOW_MODE)
-SHADOW_ACTION = "shadow_action"      # the TLS event type of an action decided and not carried out
+SHADOW_ACTION = event_types.SHADOW_ACTION      # the TLS event type of an action decided and not carried out
 
 
 def shadow_event(action: str, reason: str, source: str, **evidence: Any) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard import rundir, safe_read, signed, tls
+from trainguard import event_types, rundir, safe_read, signed, tls
 
 PURPOSE = "cordon/1"
 REVOCATIONS_PURPOSE = "cordon-revocations/1"
@@ -266,13 +266,14 @@ def _write_private(path: Path, text: str) -> None:
 # ------------------------------------------------------------------------- the launcher's record
 
 launcher_log = rundir.launcher_log     # a node log: `trainguard status` and `replay` read it with the others
+_IGNORED_MARK = b'"%s"' % event_types.CORDON_IGNORED.encode()
 
 
 def record_ignored(run_dir: str | os.PathLike, found: Cordon, key_path: str) -> int:
     """Append a ``cordon_ignored`` event; returns how many times this node's launchers ignored one."""
     path = launcher_log(run_dir, found.host)
-    count = 1 + sum(1 for line in _lines(path) if b'"cordon_ignored"' in line)
-    record = {**tls.event("cordon_ignored", host=found.host, reason=found.refused, path=str(found.path),
+    count = 1 + sum(1 for line in _lines(path) if _IGNORED_MARK in line)
+    record = {**tls.event(event_types.CORDON_IGNORED, host=found.host, reason=found.refused, path=str(found.path),
                           key_file=key_path, key_id=found.record.get(signed.KEY_ID), ignored_total=count,
                           why=found.why_refused()), "node": found.host}
     path.parent.mkdir(parents=True, exist_ok=True)

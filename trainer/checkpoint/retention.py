@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from trainguard import event_types
 from trainguard.tls import format_timestamp
 from trainguard.trainer.checkpoint import manifest as mf
 from trainguard.trainer.checkpoint import store
@@ -65,7 +66,7 @@ class Retention:
         step = mf.step_of_dir(path.name)
         store.remove_dir(path)
         self.events.log.info("checkpoint_deleted", step=step, path=str(path), reason="retention")
-        self.events.emit("checkpoint_deleted", step=step, path=str(path), reason="retention")
+        self.events.emit(event_types.CHECKPOINT_DELETED, step=step, path=str(path), reason="retention")
 
     def _prune_superseded(self) -> None:
         superseded = self.dirs.root / SUPERSEDED
@@ -76,7 +77,7 @@ class Retention:
                 step = mf.step_of_dir(path.name.rsplit("-", 1)[0])
                 shutil.rmtree(path, ignore_errors=True)
                 self.events.log.info("checkpoint_deleted", step=step, path=str(path), reason="superseded")
-                self.events.emit("checkpoint_deleted", step=step, path=str(path), reason="superseded")
+                self.events.emit(event_types.CHECKPOINT_DELETED, step=step, path=str(path), reason="superseded")
 
     def quarantine(self, path: Path, code: str, reason: str) -> Path:
         """Move a checkpoint that does not verify to checkpoints/invalid/<name>-<ns>/, with reason.json."""
@@ -95,7 +96,7 @@ class Retention:
         store.fsync_dir(target)
         self.events.log.warning("checkpoint_quarantined", step=mf.step_of_dir(path.name), path=str(destination),
                                 code=code, reason=reason)
-        self.events.emit("checkpoint_quarantined", step=mf.step_of_dir(path.name), path=str(destination),
+        self.events.emit(event_types.CHECKPOINT_QUARANTINED, step=mf.step_of_dir(path.name), path=str(destination),
                          code=code, reason=reason)
         return destination
 
@@ -113,7 +114,7 @@ class Retention:
                 destination = target / f"{path.name}-{time.time_ns()}{PINNED_SUFFIX if pinned else ''}"
                 path.rename(destination)
                 moved.append(destination)
-                self.events.emit("checkpoint_superseded", step=newer, path=str(destination), kept_step=step)
+                self.events.emit(event_types.CHECKPOINT_SUPERSEDED, step=newer, path=str(destination), kept_step=step)
             if moved:
                 store.fsync_dir(self.dirs.root)
                 store.fsync_dir(target)

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from trainguard import actions
+from trainguard import actions, event_types
 from trainguard.decide.decision import Decision
 from trainguard.policy import Policy
 
@@ -94,7 +94,7 @@ class Verdict:
     def as_event(self) -> dict[str, Any]:
         """The TLS `alert` event that records this verdict (and lets a restarted ledger `remember` it)."""
         n = self.notice
-        event: dict[str, Any] = {"type": "alert", "alertname": n.alertname, "status": n.status, "key": n.key,
+        event: dict[str, Any] = {"type": event_types.ALERT, "alertname": n.alertname, "status": n.status, "key": n.key,
                  "source": n.source, "requested": n.action, "outcome": self.outcome, "action": self.action,
                  "reason": self.reason, "decided_at": self.decided_at}
         if n.starts_at is not None:

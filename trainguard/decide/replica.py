@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 
 from typing import Any, Iterable, Iterator
 
+from trainguard import event_types
+
 WEIGHTS, GRADIENTS = "weights", "gradients"
-MISMATCH, ARBITRATION = "replica_mismatch", "arbitration"
-CHECK_EVENT = "replica_check"      # the TLS event every check writes: the fingerprints it decided on
+MISMATCH, ARBITRATION = event_types.REPLICA_MISMATCH, "arbitration"
 MASK64 = (1 << 64) - 1
 
 
@@ -259,7 +260,7 @@ def replay(records: Iterable[dict[str, Any]], policy: ReplicaPolicy | None = Non
     monitor, lead = ReplicaMonitor(policy), None
     for record in records:
         event = record.get("event")
-        if not isinstance(event, dict) or event.get("type") != CHECK_EVENT:
+        if not isinstance(event, dict) or event.get("type") != event_types.REPLICA_CHECK:
             continue
         rank = record.get("rank", 0)
         lead = rank if lead is None else min(lead, rank)

@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from trainguard import actions
+from trainguard import actions, event_types
 
 
 # A rank whose log ends with one of these has finished (or was stopped) and is leaving: never a stall.
-ENDED_EVENTS = ("run_end", "stop")
+ENDED_EVENTS = (event_types.RUN_END, "stop")
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def stall_actions(records: Iterable[dict[str, Any]], stall_seconds: float) -> li
     Only step records (with ``metrics``: a rank's, or a node log's joined sample) say which step the run is
     at; an event's ``step`` may name another (the checkpoint it deleted)."""
     entries = ((r["timestamp"], r.get("step") if isinstance(r.get("metrics"), dict) else None,
-                _event_is(r, ENDED_EVENTS), _event_is(r, ("run_start",)))
+                _event_is(r, ENDED_EVENTS), _event_is(r, (event_types.RUN_START,)))
                for r in records if isinstance(r.get("timestamp"), (int, float)))
     return [{"action": s.action, "step": s.step, "timestamp": s.since + stall_seconds, "reason": "stall",
              "detail": s.reason} for s in replay(entries, stall_seconds)]

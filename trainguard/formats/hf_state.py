@@ -27,7 +27,7 @@ import os
 import re
 from typing import Iterator
 
-from trainguard import safe_read, tls
+from trainguard import event_types, safe_read, tls
 from trainguard.formats import CLOCK_KEY, NO_CLOCK, Item, Notes, Unmapped, step_of
 
 MAX_BYTES = 1 << 30             # a trainer_state.json of 5M logged steps is ~1 GB; larger is not one
@@ -99,7 +99,7 @@ def _records_of(entry, last_step: int | None, notes: Notes, index: int) -> list[
     if any(key.startswith("predict_") for key in numbers):
         step = step_of(entry["step"]) if "step" in entry else last_step
         at = step if step is not None else 0
-        return [tls.event("prediction", step=step, timestamp=float(at),
+        return [tls.event(event_types.PREDICTION, step=step, timestamp=float(at),
                           **{key[len("predict_"):]: v for key, v in numbers.items() if key.startswith("predict_")})]
     step = step_of(entry.get("step"))
     if step is None:
@@ -122,9 +122,9 @@ def _records_of(entry, last_step: int | None, notes: Notes, index: int) -> list[
     if evaluations:
         return evaluations
     if "train_runtime" in entry or "train_loss" in entry:
-        return [tls.event("run_summary", step=step, timestamp=float(step), **numbers)]
+        return [tls.event(event_types.RUN_SUMMARY, step=step, timestamp=float(step), **numbers)]
     if numbers:
-        return [tls.event("trainer_log", step=step, timestamp=float(step), **numbers)]
+        return [tls.event(event_types.TRAINER_LOG, step=step, timestamp=float(step), **numbers)]
     raise ValueError("an entry with a step and no numbers")
 
 
@@ -145,7 +145,7 @@ def _evaluations(entry: dict, numbers: dict, step: int) -> list[dict]:
         if "epoch" in numbers:
             values["epoch"] = numbers["epoch"]
         named = {"dataset": dataset} if dataset is not None else {}
-        events.append(tls.event("evaluation", step=step, timestamp=float(step), **named, **values))
+        events.append(tls.event(event_types.EVALUATION, step=step, timestamp=float(step), **named, **values))
     return events
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainguard import actions
+from trainguard import actions, event_types
 
 # What a shadow_action event of a rank can name: the guard's decisions, the agent's requests, the replica
 # check's cordon (a bounded label set; anything else is "other").
@@ -118,7 +118,7 @@ class TrainingState:
         state.count_event(kind)
         if kind == actions.SHADOW_ACTION:
             state.count_shadowed(event.get("action"))
-        if kind == "checkpoint_saved":
+        if kind == event_types.CHECKPOINT_SAVED:
             step = event.get("step", record.get("step"))
             if self.checkpoint_time is None or record["timestamp"] >= self.checkpoint_time:
                 self.checkpoint_time = record["timestamp"]

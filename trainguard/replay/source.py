@@ -34,8 +34,7 @@ from typing import Annotated, Any, Callable, Iterable, Iterator, Union
 import msgspec
 import zstandard
 
-from trainguard import formats, safe_read, tls
-from trainguard.decide import replica as decide_replica
+from trainguard import event_types, formats, safe_read, tls
 from trainguard.exits import BadInput
 from trainguard.formats import discover
 
@@ -172,7 +171,8 @@ class Problems:
 # The marks of the events replay's recorded pass reads (timeline.recorded_actions), and the replica checks
 # (replica.py): the readers that hold the bytes (parallel.py's workers, columns.py's) hand over the lines
 # naming them, so the recorded pass reads no file again and the replica pass only the files holding a check.
-MARKS = (b'"run_start"', b'"alert"', b'"action"', b'"' + decide_replica.CHECK_EVENT.encode() + b'"')
+MARKS = tuple(b'"%s"' % kind.encode() for kind in (event_types.RUN_START, event_types.ALERT, event_types.ACTION,
+                                                    event_types.REPLICA_CHECK))
 MARKED_TYPES = frozenset(mark.strip(b'"').decode() for mark in MARKS)
 
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from trainguard import actions, rundir, tls
-from trainguard.decide import schedules, stall
+from trainguard import actions, event_types, rundir, tls
+from trainguard.decide import stall
 from trainguard.decide import ledger as tgledger
 from trainguard.decide.embedded import ALERT_OF, cost_notice   # the agent's own notices
 from trainguard.decide.cost import CostMeter
@@ -29,8 +29,9 @@ from trainguard.replay import dynamics, engine, expect, replica, rules, source, 
 DEFAULT_SCRAPE_INTERVAL = 15.0
 # What the live run did, beyond the lead rank's own decisions: only lines naming these are decoded, so
 # a long log is scanned, not parsed, for them.
-_RESTART_MARK, _AGENT_MARKS = b'"run_start"', (b'"alert"', b'"action"')
-_LR_MARK = b'"' + schedules.EVENT.encode() + b'"'   # what opens a log with an LR schedule (replay.dynamics)
+_RESTART_MARK = b'"%s"' % event_types.RUN_START.encode()
+_AGENT_MARKS = (b'"%s"' % event_types.ALERT.encode(), b'"%s"' % event_types.ACTION.encode())
+_LR_MARK = b'"%s"' % event_types.LR_PHASE.encode()   # what opens a log with an LR schedule (replay.dynamics)
 
 
 @dataclass(frozen=True)
@@ -212,12 +213,12 @@ def recorded_actions(lead: list[engine.Action], files: list[Path], given: list[P
             event = record.get("event")
             if not isinstance(event, dict):
                 continue
-            if event.get("type") == "run_start" and event.get("resumed_from") is not None:
+            if event.get("type") == event_types.RUN_START and event.get("resumed_from") is not None:
                 item = _restart(record, event)
                 restarts.setdefault((item.step, round(item.timestamp)), item)   # every rank says it once
-            elif event.get("type") == "alert" and event.get("status", "firing") == "firing":
+            elif event.get("type") == event_types.ALERT and event.get("status", "firing") == "firing":
                 found.append(_agent_alert(record, event))
-            elif event.get("type") == "action":
+            elif event.get("type") == event_types.ACTION:
                 _merge(by_id, _action_event(record, event))
     for request in _control_requests(given):
         when = request.get("issued_at")

@@ -25,7 +25,7 @@ BYTES_PER_PARAMETER = 12
 
 def newest_checkpoint_bytes(checkpoint_dir: Path) -> tuple[int, str] | None:
     """Size of the newest step_<N> directory, the best estimate of the next checkpoint."""
-    from trainguard.trainer.checkpoint.manifest import step_of_dir
+    from trainguard.rundir import step_of_dir
 
     found = [(step_of_dir(p.name), p) for p in checkpoint_dir.iterdir()] if checkpoint_dir.is_dir() else []
     found = [(step, p) for step, p in found if step is not None and p.is_dir()]

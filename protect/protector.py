@@ -291,7 +291,7 @@ class Protector:
             if path is not None and self.rank == 0 and self.callbacks.saved is not None:
                 self.callbacks.saved(state.step, path, self.checkpoints.wait)
         if path is not None or self.rank != 0:   # a failed save (on_error "warn"): the previous one stands
-            self.telemetry.last_checkpoint = f"step_{state.step}"
+            self.telemetry.last_checkpoint = rundir.step_dir_name(state.step)
         # the same on every rank whatever rank 0's save did, so all ranks keep taking the same decisions
         state.last_saved_step = state.step
         state.trouble_since_checkpoint = False
@@ -334,7 +334,7 @@ class Protector:
         self._reload(parts)
         state.last_saved_step = state.step
         state.trouble_since_checkpoint = False
-        self.telemetry.last_checkpoint = f"step_{state.step}"
+        self.telemetry.last_checkpoint = rundir.step_dir_name(state.step)
         if not rollback:
             self.log.info("resumed", step=state.step, tokens_trained=state.tokens_trained)
             return state.step
@@ -528,7 +528,7 @@ class Protector:
         self.save()
         if self.rank == 0:
             verified = self.checkpoints.verified_step() == step   # the checkpoint the run ends on must verify
-            path = self.run_dir / "cost_summary.json"
+            path = rundir.cost_summary_path(self.run_dir)
             tmp = path.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(self.cost_summary(ids, verified), indent=2) + "\n")
             os.replace(tmp, path)
@@ -544,7 +544,7 @@ class Protector:
         started = _first_timestamp(self.telemetry.path) or time.time()
         price = cost.price_per_gpu_hour
         return {"run_id": self.run_id, "step": self.state.step, "stopped_by": ids,
-                "checkpoint": f"step_{self.state.step}", "checkpoint_verified": verified,
+                "checkpoint": rundir.step_dir_name(self.state.step), "checkpoint_verified": verified,
                 "tokens_trained": self.state.tokens_trained, "world_size": self.world,
                 "gpu_count": self.meter.gpus(None), "wall_hours": (time.time() - started) / 3600,
                 "gpu_hours": metered.cost_usd / price if price else 0.0, "price_per_gpu_hour": price,

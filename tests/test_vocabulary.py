@@ -6,12 +6,14 @@
 Every other product module imports the name, so a reader finds each name's writers and readers with one
 search and a new name is one line. `stray_literals` is the scanner: it takes the owner module and the set of
 names and answers where else product code spells one (another vocabulary's test calls it the same way).
-Docstrings and log messages are prose and not scanned; tests may spell the contract literally.
+Docstrings, log messages and an option's help are prose and not scanned; tests may spell the contract.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -22,12 +24,32 @@ PRODUCT = ("trainguard", "agent", "trainer", "protect", "preflight", "alerts", "
 LOG_LEVELS = frozenset({"debug", "info", "warning", "warn", "error", "exception", "critical"})
 
 # A Where answers whether a string constant (with its parent chain, nearest first) counts as a use of the
-# vocabulary. The default counts every one but docstrings and log messages.
+# vocabulary. The default counts every one but prose: docstrings, log messages, an option's help.
 Where = Callable[[ast.Constant, list[ast.AST]], bool]
 
 
 def product_files(roots: Iterable[str] = PRODUCT) -> list[Path]:
     return sorted(path for root in roots for path in (ROOT / root).rglob("*.py"))
+
+
+class _Parsed:
+    """One file's string constants (with their text), and each node's parent when first asked: every scan
+    of a run reads each file once."""
+
+    def __init__(self, path: Path):
+        self.tree = ast.parse(path.read_bytes(), str(path))
+        self.constants = [(node, text) for node in ast.walk(self.tree) if (text := _text(node)) is not None]
+        self._parents: dict[int, ast.AST] | None = None
+
+    def chain(self, node: ast.AST) -> list[ast.AST]:
+        if self._parents is None:
+            self._parents = _parents(self.tree)
+        return _chain(node, self._parents)
+
+
+@functools.lru_cache(maxsize=None)
+def _parsed(path: Path, mtime_ns: int) -> _Parsed:
+    return _Parsed(path)
 
 
 def _parents(tree: ast.AST) -> dict[int, ast.AST]:
@@ -55,27 +77,37 @@ def _is_log_message(node: ast.Constant, chain: list[ast.AST]) -> bool:
             and call.func.attr in LOG_LEVELS and bool(call.args) and call.args[0] is node)
 
 
+def _is_help(node: ast.Constant, chain: list[ast.AST]) -> bool:
+    """A command-line option's `help=` text."""
+    holder = chain[1] if chain and isinstance(chain[0], ast.JoinedStr) and len(chain) > 1 else (chain or [None])[0]
+    return isinstance(holder, ast.keyword) and holder.arg == "help"
+
+
 def anywhere(node: ast.Constant, chain: list[ast.AST]) -> bool:
-    return not _is_docstring(node, chain) and not _is_log_message(node, chain)
+    return not (_is_docstring(node, chain) or _is_log_message(node, chain) or _is_help(node, chain))
 
 
-def stray_literals(owner: str, words: Iterable[str], *, where: Where = anywhere,
+def stray_literals(owner: str, words: Iterable[str] | re.Pattern, *, where: Where = anywhere,
                    files: Iterable[Path] | None = None, root: Path = ROOT) -> list[str]:
-    """`file:line: 'word'` for every string constant equal to one of `words` in product code outside `owner`
-    (a path from the repository root, e.g. "trainguard/event_types.py") at a position `where` counts.
-    A bytes constant counts as its text, without the quotes of a JSON string (`b'"word"'`, a scan mark).
+    """`file:line: 'text'` for every string constant equal to one of `words` (or, given a pattern, in which
+    it is found) in product code outside `owner` (a path from the repository root, e.g.
+    "trainguard/event_types.py") at a position `where` counts. A bytes constant counts as its text, without
+    the quotes of a JSON string (`b'"word"'`, a scan mark); an f-string's literal parts count one by one.
     `files` (under `root`): the product's by default."""
-    words = frozenset(words)
+    if isinstance(words, re.Pattern):
+        pattern = words
+        found_in = lambda text: pattern.search(text) is not None    # noqa: E731
+    else:
+        words = frozenset(words)
+        found_in = words.__contains__
     found = []
     for path in product_files() if files is None else files:
         relative = path.relative_to(root).as_posix()
         if relative == owner:
             continue
-        tree = ast.parse(path.read_text(), relative)
-        parents = _parents(tree)
-        for node in ast.walk(tree):
-            text = _text(node)
-            if text in words and where(node, _chain(node, parents)):
+        parsed = _parsed(path, path.stat().st_mtime_ns)
+        for node, text in parsed.constants:
+            if found_in(text) and where(node, parsed.chain(node)):
                 found.append(f"{relative}:{node.lineno}: {text!r}")
     return found
 
@@ -173,3 +205,49 @@ def test_every_event_type_has_one_constant_and_is_in_types():
     constants = {name: value for name, value in vars(event_types).items() if name.isupper() and isinstance(value, str)}
     assert sorted(constants.values()) == sorted(event_types.TYPES)
     assert len(set(event_types.TYPES)) == len(event_types.TYPES)
+
+
+# ---------------------------------------------------------------------- paths of the run directory
+
+RUNDIR_OWNER = "trainguard/rundir.py"
+STEP_DIR = re.compile(r"(?<![a-z0-9_])step_(?![a-z_])")     # step_<N>, step_{n}, \Astep_(\d+), step_*
+COST_SUMMARY = re.compile(r"cost_summary\.json")
+LOGS_PATH = re.compile(r"\Alogs(/|\Z)")
+
+
+def joined_to_a_path(node: ast.Constant, chain: list[ast.AST]) -> bool:
+    """`run_dir / "logs"`, or a relative path spelled whole: `"logs/**/*.log"`."""
+    parent = chain[0] if chain else None
+    if isinstance(parent, ast.BinOp) and isinstance(parent.op, ast.Div):
+        return True
+    return isinstance(node.value, str) and "/" in node.value and anywhere(node, chain)
+
+
+def run_dir_literals(files: Iterable[Path] | None = None, root: Path = ROOT) -> list[str]:
+    files = product_files() if files is None else list(files)
+    found = (stray_literals(RUNDIR_OWNER, STEP_DIR, files=files, root=root)
+             + stray_literals(RUNDIR_OWNER, COST_SUMMARY, files=files, root=root)
+             + stray_literals(RUNDIR_OWNER, LOGS_PATH, where=joined_to_a_path, files=files, root=root))
+    return sorted(set(found), key=_by_place)
+
+
+def test_run_directory_paths_are_spelled_only_in_rundir():
+    assert run_dir_literals() == []
+
+
+def test_the_run_directory_scan_finds_a_planted_literal(tmp_path):
+    planted = tmp_path / "agent" / "probe.py"
+    planted.parent.mkdir()
+    planted.write_text('''"""Says step_<N> and logs/ in prose."""
+import re
+def f(run_dir, step, log):
+    log.info("saved step_%d", step)
+    a = run_dir / "checkpoints" / f"step_{step}"
+    b = re.fullmatch(r"step_(\\d+)", a.name)
+    c = (run_dir / "logs", "logs/**/*.log", run_dir / "cost_summary.json")
+    return a, b, c, "step_time_seconds", max_step_, {"logs": "Logs"}, "logs"
+''')
+    found = run_dir_literals([planted], root=tmp_path)
+    name = "agent/probe.py"
+    assert found == [f"{name}:5: 'step_'", f"{name}:6: 'step_(\\\\d+)'", f"{name}:7: 'cost_summary.json'",
+                     f"{name}:7: 'logs'", f"{name}:7: 'logs/**/*.log'"]

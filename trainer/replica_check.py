@@ -257,7 +257,7 @@ def recorded_fingerprint(run_dir: Path, step: int) -> str | None:
     from trainguard.trainer.checkpoint.manifest import MANIFEST_NAME
 
     try:
-        manifest = safe_read.read_json(rundir.checkpoints_dir(run_dir) / f"step_{step}" / MANIFEST_NAME,
+        manifest = safe_read.read_json(rundir.step_dir(run_dir, step) / MANIFEST_NAME,
                                        safe_read.MANIFEST_BYTES, "manifest")
         if not isinstance(manifest, dict):
             return None

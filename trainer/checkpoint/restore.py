@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from trainguard import event_types
+from trainguard import event_types, rundir
 from trainguard.trainer.checkpoint import manifest as mf
 from trainguard.trainer.checkpoint import verification
 from trainguard.trainer.checkpoint.directory import CheckpointDirs
@@ -152,7 +152,7 @@ class Restorer:
 
     def _skipped(self, path: Path, code: str, reason: str) -> None:
         self.events.log.warning("checkpoint_skipped", path=str(path), code=code, reason=reason)
-        self.events.emit(event_types.CHECKPOINT_INVALID, step=mf.step_of_dir(path.name), path=str(path), code=code,
+        self.events.emit(event_types.CHECKPOINT_INVALID, step=rundir.step_of_dir(path.name), path=str(path), code=code,
                          reason=reason)
 
 

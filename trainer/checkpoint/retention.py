@@ -18,9 +18,8 @@ import threading
 import time
 from pathlib import Path
 
-from trainguard import event_types
+from trainguard import event_types, rundir
 from trainguard.tls import format_timestamp
-from trainguard.trainer.checkpoint import manifest as mf
 from trainguard.trainer.checkpoint import store
 from trainguard.trainer.checkpoint.directory import INVALID, SUPERSEDED, CheckpointDirs
 from trainguard.trainer.checkpoint.events import Events
@@ -63,7 +62,7 @@ class Retention:
         self._prune_superseded()
 
     def _delete(self, path: Path) -> None:
-        step = mf.step_of_dir(path.name)
+        step = rundir.step_of_dir(path.name)
         store.remove_dir(path)
         self.events.log.info("checkpoint_deleted", step=step, path=str(path), reason="retention")
         self.events.emit(event_types.CHECKPOINT_DELETED, step=step, path=str(path), reason="retention")
@@ -74,7 +73,7 @@ class Retention:
             by_rollback = [path for path in superseded.iterdir() if not path.name.endswith(PINNED_SUFFIX)]
             newest_first = sorted(by_rollback, key=lambda p: p.stat().st_mtime, reverse=True)
             for path in newest_first[self.keep_last:]:
-                step = mf.step_of_dir(path.name.rsplit("-", 1)[0])
+                step = rundir.step_of_dir(path.name.rsplit("-", 1)[0])
                 shutil.rmtree(path, ignore_errors=True)
                 self.events.log.info("checkpoint_deleted", step=step, path=str(path), reason="superseded")
                 self.events.emit(event_types.CHECKPOINT_DELETED, step=step, path=str(path), reason="superseded")
@@ -89,14 +88,14 @@ class Retention:
         store.fsync_dir(root)
         try:
             store.write_bytes(destination / "reason.json", json.dumps(
-                {"step": mf.step_of_dir(path.name), "code": code, "reason": reason, "key_in_use": self.dirs.key_id,
+                {"step": rundir.step_of_dir(path.name), "code": code, "reason": reason, "key_in_use": self.dirs.key_id,
                  "moved_at": format_timestamp(time.time())}, indent=2).encode() + b"\n")
         except OSError:
             pass  # a full disk: the move is what protects it; the reason is in the log and the event
         store.fsync_dir(target)
-        self.events.log.warning("checkpoint_quarantined", step=mf.step_of_dir(path.name), path=str(destination),
+        self.events.log.warning("checkpoint_quarantined", step=rundir.step_of_dir(path.name), path=str(destination),
                                 code=code, reason=reason)
-        self.events.emit(event_types.CHECKPOINT_QUARANTINED, step=mf.step_of_dir(path.name), path=str(destination),
+        self.events.emit(event_types.CHECKPOINT_QUARANTINED, step=rundir.step_of_dir(path.name), path=str(destination),
                          code=code, reason=reason)
         return destination
 

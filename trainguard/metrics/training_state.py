@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainguard import actions, event_types
+from trainguard import actions, event_types, rundir
 
 # What a shadow_action event of a rank can name: the guard's decisions, the agent's requests, the replica
 # check's cordon (a bounded label set; anything else is "other").
@@ -124,7 +124,7 @@ class TrainingState:
                 self.checkpoint_time = record["timestamp"]
                 self.checkpoint_step = step if isinstance(step, int) else self.checkpoint_step
                 if isinstance(step, int):
-                    self.checkpoint_name = f"step_{step}"
+                    self.checkpoint_name = rundir.step_dir_name(step)
 
     def count(self, table: dict[str, int], source: str) -> None:
         table[source] = table.get(source, 0) + 1

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from trainguard import actions, event_types, paths
+from trainguard import actions, event_types, paths, rundir
 from trainguard import policy as policy_mod
 from trainguard.progress import Progress
 from trainguard.decide.cost import CostMeter, clock_of
@@ -361,7 +361,7 @@ class _Loader:
         run = self.run
         run.event_counts[kind] += 1
         if kind == event_types.CHECKPOINT_SAVED and step is not None:
-            self.note_checkpoint(f"step_{step}", ts)
+            self.note_checkpoint(rundir.step_dir_name(step), ts)
         if kind == event_types.ALERT and event.get("status", "firing") == "firing":
             run.alerts[str(event.get("alertname", "?"))] += 1
         if kind == event_types.ACTION or kind in actions.DECISIONS:

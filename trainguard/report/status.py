@@ -119,9 +119,9 @@ def _take_checkpoint_save(status: Status, root: Path) -> None:
     if isinstance(saved, dict) and saved.get("ok") is False:
         durable = saved.get("durable_step")
         status.attention.append(
-            f"checkpoint step_{saved.get('step')} failed ({saved.get('failed_saves', 1)} in a row; needs about "
+            f"checkpoint {rundir.step_dir_name(saved.get('step'))} failed ({saved.get('failed_saves', 1)} in a row; needs about "
             f"{saved.get('bytes_needed')} bytes, {saved.get('bytes_free')} free; newest durable: "
-            f"{f'step_{durable}' if durable is not None else 'none from this run'}): {saved.get('error', '')[:300]}")
+            f"{rundir.step_dir_name(durable) if durable is not None else 'none from this run'}): {saved.get('error', '')[:300]}")
 
 
 def _take(status: Status, record: dict, primary: bool, from_node: bool) -> None:
@@ -137,7 +137,7 @@ def _take(status: Status, record: dict, primary: bool, from_node: bool) -> None:
     event = record.get("event")
     if isinstance(event, dict) and event["type"] == event_types.CHECKPOINT_SAVED:
         step = event.get("step", record.get("step"))
-        last = f"step_{step}" if step is not None else last
+        last = rundir.step_dir_name(step) if step is not None else last
     if isinstance(last, str) and ts >= status.checkpoint_ts:
         status.last_checkpoint, status.checkpoint_ts = last, ts
     gpus = (record.get("hardware") or {}).get("gpus")

@@ -55,7 +55,7 @@ from trainguard.agent import claims, restore
 from trainguard.trainer import cordon_key
 from trainguard.trainer.checkpoint import keys
 from trainguard.node import node_name
-from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, Verdict, job_level
+from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, NoticeVerdict, job_level
 
 DEFAULT_GRACE_SECONDS = 0.0     # SIGKILL at once: see agent/restore.py
 RETRY_SECONDS = 5.0             # an embedded decision that could not be recorded is tried again this often
@@ -215,7 +215,7 @@ class EventLog:
         return found
 
 
-def request_id(verdict: Verdict) -> str:
+def request_id(verdict: NoticeVerdict) -> str:
     """Stable per incident: a cost tier acts once per run, any other action once per ledger key."""
     if verdict.action in actions.COST_ORDER:
         return f"cost-{verdict.action}"
@@ -257,7 +257,7 @@ class Executor:
         # does. `awaits_investigator`: the agent installs one right after building this executor, so a
         # restore `recover` redoes waits for it (`_awaiting_evidence`) instead of ending ranks unseen.
         self._awaits_investigator = awaits_investigator
-        self._awaiting_evidence: list[Verdict] = []
+        self._awaiting_evidence: list[NoticeVerdict] = []
         self._redone: set[str] = set()            # request ids redone after a restart (marked in their record)
         self._investigator: Callable[..., Notice | None] | None = None
         self.recover()
@@ -285,7 +285,7 @@ class Executor:
             self._redo_restore(verdict)
 
     # ------------------------------------------------------------------------------------- submit
-    def submit(self, notices: list[Notice]) -> list[Verdict]:
+    def submit(self, notices: list[Notice]) -> list[NoticeVerdict]:
         """Decide, record, execute, record: returns when every decision is on disk and carried out.
 
         Raises `ActionNotDone` (the ledger as it was) when something could not be written or done.
@@ -304,7 +304,7 @@ class Executor:
                 self._failing = None
             return verdicts
 
-    def _decide_and_act(self, notices: list[Notice], now: float) -> list[Verdict]:
+    def _decide_and_act(self, notices: list[Notice], now: float) -> list[NoticeVerdict]:
         verdicts = self.ledger.decide_all(notices, now)
         shadowed = [v for v in verdicts if v.would_execute and v.shadow]
         self.records.append([self._alert_record(v, now) for v in verdicts]
@@ -326,7 +326,7 @@ class Executor:
         return verdicts
 
     # ------------------------------------------------------------- restore: evidence before ending
-    def _needs_evidence(self, verdict: Verdict) -> bool:
+    def _needs_evidence(self, verdict: NoticeVerdict) -> bool:
         """An Alertmanager restore while this node has live ranks it would end: the embedded watchdog's
         gathered the evidence before it was submitted; this one must gather it here, before anything is
         ended. (With no such rank here there is nothing to take stacks of and nothing to end: it is carried
@@ -334,10 +334,10 @@ class Executor:
         return self._may_need_evidence(verdict) and self.investigator is not None and bool(self._live(verdict))
 
     @staticmethod
-    def _may_need_evidence(verdict: Verdict) -> bool:
+    def _may_need_evidence(verdict: NoticeVerdict) -> bool:
         return verdict.action == actions.RESTORE and verdict.notice.source != "embedded" and not verdict.shadow
 
-    def _live(self, verdict: Verdict) -> list:
+    def _live(self, verdict: NoticeVerdict) -> list:
         """This node's live ranks the restore would end: those started before the alert began (a rank the
         elastic launcher restarted since, after a crash of this agent, is spared, and no evidence of it is
         taken: it is not the hang's)."""
@@ -345,7 +345,7 @@ class Executor:
         return [info for info, _ in restore.local_ranks(restore.host_ranks(self.run_dir, self.host)[0], self.host)
                 if started_before is None or info.started_at < started_before]
 
-    def _restore_after_evidence(self, verdict: Verdict) -> None:
+    def _restore_after_evidence(self, verdict: NoticeVerdict) -> None:
         """Gather the incident's evidence, then carry out the restore, on a thread of its own: the webhook
         answers as soon as the decision is on disk (Alertmanager's notify timeout is 10 s, evidence takes up
         to `restore.evidence_seconds` and more), and the time it takes is bounded by the Investigator's
@@ -356,7 +356,7 @@ class Executor:
         thread.start()
         self._investigations = [t for t in self._investigations if t.is_alive()] + [thread]
 
-    def _investigate_and_restore(self, verdict: Verdict) -> None:
+    def _investigate_and_restore(self, verdict: NoticeVerdict) -> None:
         assert self.investigator is not None
         live = self._live(verdict)
         self.log.warning("restore: gathering evidence before ending ranks", alertname=verdict.notice.alertname,
@@ -365,7 +365,7 @@ class Executor:
         after = self.investigator(verdict.notice, live, fallback=lambda notice: self._finish(verdict, notice))
         self._finish(verdict, after)
 
-    def _finish(self, verdict: Verdict, after: Notice | None, attempts: int = 12) -> None:
+    def _finish(self, verdict: NoticeVerdict, after: Notice | None, attempts: int = 12) -> None:
         """Record the restore's result: carried out, or (`after` None) the culprit's node kept out instead
         (agent/culprit.py ended its launcher, or will restore here if the ranks outlive it)."""
         for _ in range(attempts):
@@ -386,7 +386,7 @@ class Executor:
                                id=request_id(verdict))
             time.sleep(RETRY_SECONDS)
 
-    def _kept_out(self, verdict: Verdict, now: float) -> dict:
+    def _kept_out(self, verdict: NoticeVerdict, now: float) -> dict:
         n = verdict.notice
         result = {"id": request_id(verdict), "action": verdict.action, "alertname": n.alertname,
                   "reason": verdict.reason, "key": n.key, "source": n.source, "issued_at": now,
@@ -418,7 +418,7 @@ class Executor:
         except OSError:
             pass      # queued again by submit
 
-    def _alert_record(self, verdict: Verdict, now: float) -> dict:
+    def _alert_record(self, verdict: NoticeVerdict, now: float) -> dict:
         event = verdict.as_event()
         event.pop("type")
         step = event.pop("step", None)
@@ -426,7 +426,7 @@ class Executor:
             event["request_id"] = request_id(verdict)
         return {**tls.event(event_types.ALERT, step=step, timestamp=now, **event), "node": self.node}
 
-    def _shadow_record(self, verdict: Verdict, now: float) -> dict:
+    def _shadow_record(self, verdict: NoticeVerdict, now: float) -> dict:
         """Shadow mode: the action this verdict would carry out, with its evidence; nothing is carried out
         (no control request, no rank ended, no claim taken)."""
         n = verdict.notice
@@ -441,7 +441,7 @@ class Executor:
         event = actions.shadow_event(str(verdict.action), verdict.reason, n.source, **evidence)
         return {**tls.event(actions.SHADOW_ACTION, step=n.step, timestamp=now, **event), "node": self.node}
 
-    def _log_verdict(self, verdict: Verdict) -> None:
+    def _log_verdict(self, verdict: NoticeVerdict) -> None:
         n = verdict.notice
         fields = dict(alertname=n.alertname, status=n.status, outcome=verdict.outcome, action=verdict.action,
                       requested=n.action, reason=verdict.reason, key=n.key, source=n.source, shadow=verdict.shadow)
@@ -453,7 +453,7 @@ class Executor:
             self.log.info("alert recorded", **fields)
 
     # ------------------------------------------------------------------------------------ execute
-    def _execute(self, verdict: Verdict, now: float) -> dict:
+    def _execute(self, verdict: NoticeVerdict, now: float) -> dict:
         n = verdict.notice
         request = rundir.request(verdict.action, request_id(verdict), alertname=n.alertname,
                                  reason=verdict.reason, issued_at=now)
@@ -485,7 +485,7 @@ class Executor:
         self.log.warning("action issued", **{k: v for k, v in result.items() if k != "issued_at"})
         return {**tls.event(event_types.ACTION, timestamp=now, **result), "node": self.node}
 
-    def _carry_out(self, verdict: Verdict, request: dict, result: dict) -> None:
+    def _carry_out(self, verdict: NoticeVerdict, request: dict, result: dict) -> None:
         """The control request, and for a restore the ending of this node's proven ranks; sets `outcome`."""
         result["appended"] = rundir.append_request(self.run_dir, self._signed(request))
         if verdict.action == actions.RESTORE:
@@ -506,21 +506,21 @@ class Executor:
                                 f"set webhook.checkpoint_key_file to the trainer's key)")
         return rundir.sign_request(key, request, self.run_dir, by=f"agent:{self.node}", key_id=keys.key_id(key))
 
-    def _claim(self, verdict: Verdict, request_id: str, now: float) -> claims.Claim | None:
+    def _claim(self, verdict: NoticeVerdict, request_id: str, now: float) -> claims.Claim | None:
         """Who carries out a job-level verdict (agent/claims.py: a signed claim in RUN/control/claims/);
         None for any other: this agent acts."""
         if not job_level(verdict.notice):
             return None
         return self.claims.take(request_id, now)
 
-    def _watch_claim(self, verdict: Verdict, claim: claims.Claim, now: float) -> None:
+    def _watch_claim(self, verdict: NoticeVerdict, claim: claims.Claim, now: float) -> None:
         """Look again once another agent's claim may be taken over: if it is still not done, its claimant
         is taken to have died, and one of the agents (O_EXCL on the next generation's name) acts."""
         timer = threading.Timer(self.claims.check_after(claim, now), self._claim_check, (verdict,))
         timer.daemon = True
         timer.start()
 
-    def _claim_check(self, verdict: Verdict) -> None:
+    def _claim_check(self, verdict: NoticeVerdict) -> None:
         with self._lock:
             now = self.clock()
             try:
@@ -579,21 +579,21 @@ class Executor:
         return len(pending)
 
     @staticmethod
-    def _verdict_of(event: dict) -> Verdict:
+    def _verdict_of(event: dict) -> NoticeVerdict:
         """The verdict an ``alert`` record of this log holds (as decided before a restart)."""
         notice = Notice(alertname=event.get("alertname", ""), status="firing", action=event.get("requested"),
                         key=event["key"], starts_at=event.get("starts_at"), source=event.get("source", ""),
                         labels=dict(event.get("labels") or {}))
-        return Verdict(notice, event["outcome"], event["action"], event.get("reason", ""),
+        return NoticeVerdict(notice, event["outcome"], event["action"], event.get("reason", ""),
                        float(event.get("decided_at") or 0.0))
 
-    def _redo(self, verdict: Verdict) -> None:
+    def _redo(self, verdict: NoticeVerdict) -> None:
         try:
             self.records.append([self._execute(verdict, self.clock())])
         except OSError as exc:     # a full disk at start: the next start (or record) redoes it
             self.log.error("could not record a redone action", error=str(exc), id=request_id(verdict))
 
-    def _redo_restore(self, verdict: Verdict) -> None:
+    def _redo_restore(self, verdict: NoticeVerdict) -> None:
         """A restore decided before a restart: its evidence is gathered again from the ranks it would end
         (the first life's gathering may be cut short, and nothing of it names this restore), then it is
         carried out (its record says ``redone_after_restart``)."""
@@ -603,7 +603,7 @@ class Executor:
         with self._lock:
             self._redo(verdict)
 
-    def _await_investigator(self, verdict: Verdict) -> None:
+    def _await_investigator(self, verdict: NoticeVerdict) -> None:
         """Until the agent installs its Investigator (at once, agent/app.py); past REDO_WAIT_SECONDS without
         one, the restore is carried out without evidence rather than never."""
         self._awaiting_evidence.append(verdict)
@@ -620,7 +620,7 @@ class Executor:
         timer.daemon = True
         timer.start()
 
-    def _watch_again(self, verdict: Verdict) -> None:
+    def _watch_again(self, verdict: NoticeVerdict) -> None:
         """A claim another agent held when this one last ran: look at it now (done: nothing to do; still
         renewed: watch it; neither for the timeout: take it over, agent/claims.py)."""
         self.log.info("watching again a job-level claim recorded before a restart", id=request_id(verdict))

@@ -21,7 +21,7 @@ go through `save` and `restore`: signed, verified checkpoints of the `state_dict
 
 Shadow mode (`actions.mode: shadow` in the policy, or `shadow=True`): every decision is taken as it would
 be and recorded as a `shadow_action` event with its evidence, and none is carried out. The guard's
-decision is moved to `Verdict.shadowed` in `check`, so no loop can skip a step on it; `_carry_out` is
+decision is moved to `StepVerdict.shadowed` in `check`, so no loop can skip a step on it; `_carry_out` is
 the one place an action that `after_step` would take (a guard decision, an agent's request) is carried
 out or shadowed.
 
@@ -73,7 +73,7 @@ SAME_LOSS = 0.10
 
 
 @dataclass(frozen=True)
-class Verdict:
+class StepVerdict:
     """What `check` found, identical on every rank. `skip`: do not step the optimizer."""
 
     step: int
@@ -93,7 +93,7 @@ class Verdict:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class StepOutcome:
     """What `after_step` did. `stop`: end the loop now, with `exit_code` (0: cost stop, 3: guard stop)."""
 
     exit_code: int | None = None
@@ -212,10 +212,10 @@ class Protector:
 
     # --------------------------------------------------------------------------------- the two calls
     def check(self, step: int, loss, grad_norm, layer_norms: torch.Tensor | None = None,
-              extra: torch.Tensor | None = None) -> Verdict:
+              extra: torch.Tensor | None = None) -> StepVerdict:
         """After backward (and clipping): the step's one host sync, and the guard's decision on it.
         `extra`: more values of the loop's (a 1-d tensor, e.g. the parameter norm), averaged over ranks
-        like the norms and returned as `Verdict.extra`, so they cost no sync of their own."""
+        like the norms and returned as `StepVerdict.extra`, so they cost no sync of their own."""
         control = self.control.poll() if self.rank == 0 else (0, 0)
         carried = layer_norms.numel() if layer_norms is not None else 0
         if extra is not None:
@@ -226,12 +226,12 @@ class Protector:
         loss_seen = health.loss if health.nonfinite_ranks == 0 else math.nan
         decision = self.guard.observe(StepStats(step, loss_seen, health.grad_norm, layers, health.timestamp))
         shadowed = decision if self.shadow and decision else None      # the step is not skipped in shadow
-        return Verdict(step, loss_seen, health.grad_norm, layers, health.timestamp,
+        return StepVerdict(step, loss_seen, health.grad_norm, layers, health.timestamp,
                        CARRY_ON if shadowed or not decision else decision, health.control_code,
                        health.control_line, tuple(health.layer_norms[carried:]), shadowed)
 
-    def after_step(self, verdict: Verdict, *, tokens: int, samples: int, timings: dict[str, float],
-                   learning_rate: float | None = None, **metrics: Any) -> Outcome:
+    def after_step(self, verdict: StepVerdict, *, tokens: int, samples: int, timings: dict[str, float],
+                   learning_rate: float | None = None, **metrics: Any) -> StepOutcome:
         """After the optimizer step (or its skip): the TLS record, the cost meter, the guard's decision,
         the agent's request, and the checkpoint when one is due. `tokens`, `samples`: this rank's."""
         state = self.state
@@ -253,9 +253,9 @@ class Protector:
                                                                  verdict.control_line)).stop:
             return outcome
         self._checkpoint_if_due(verdict.timestamp)
-        return Outcome(restored_step=state.step if state.step != verdict.step else None)
+        return StepOutcome(restored_step=state.step if state.step != verdict.step else None)
 
-    def _meter(self, verdict: Verdict, record: dict | None) -> None:
+    def _meter(self, verdict: StepVerdict, record: dict | None) -> None:
         """Feed the cost meter the step as the agent's meter sees its record (the same clock)."""
         clock = clock_of(record) if record else (self.telemetry.envelope["node"], time.monotonic())
         self.meter.observe(verdict.step, verdict.timestamp, self.telemetry.system["gpu_count"], clock)
@@ -375,29 +375,29 @@ class Protector:
                          **skipped)
 
     # ---------------------------------------------------------------------- carried out or shadowed
-    def _carry_out(self, action: str, source: str, reason: str, evidence: dict, act) -> Outcome:
+    def _carry_out(self, action: str, source: str, reason: str, evidence: dict, act) -> StepOutcome:
         """The one gate of the actions `after_step` takes: `act()` carries `action` out; in shadow mode a
         `shadow_action` event records it with its evidence instead, and nothing else happens."""
         if not self.shadow:
             return act()
         if action == STOP:
             if self._shadow_stopped:
-                return Outcome()
+                return StepOutcome()
             self._shadow_stopped = True
         self.event(SHADOW_ACTION, **shadow_event(action, reason, source, **evidence))
         self.log.warning("shadow: would have acted", action=action, source=source, reason=reason,
                          step=self.state.step)
-        return Outcome()
+        return StepOutcome()
 
     # ------------------------------------------------------------------------------ guard decisions
-    def _on_decision(self, decision: Decision) -> Outcome:
+    def _on_decision(self, decision: Decision) -> StepOutcome:
         self.state.trouble_since_checkpoint = True      # shadowed or not: the step was bad
         event = {k: v for k, v in decision.as_event().items() if k not in ("type", "step")}
         evidence = {k: v for k, v in event.items() if k != "reason"}
         return self._carry_out(str(decision.action), "guard", decision.reason, evidence,
                                lambda: self._guard_action(decision, event))
 
-    def _guard_action(self, decision: Decision, event: dict) -> Outcome:
+    def _guard_action(self, decision: Decision, event: dict) -> StepOutcome:
         if decision.action == SKIP_STEP:
             self.event(SKIP_STEP, **event)
             self.log.warning("step skipped by the guard", step=self.state.step, reason=decision.reason)
@@ -405,7 +405,7 @@ class Protector:
             self._guard_rollback(decision, event)
         elif decision.action == STOP:
             return self._stop(decision, event)
-        return Outcome()
+        return StepOutcome()
 
     def _guard_rollback(self, decision: Decision, event: dict) -> None:
         """The guard's rollback. One that cannot happen (no stable checkpoint) is taken back from the guard's
@@ -435,7 +435,7 @@ class Protector:
             self.log.warning("the guard accepted a new loss level", **fields)
         self.guard.notices.clear()
 
-    def _stop(self, decision: Decision, event: dict) -> Outcome:
+    def _stop(self, decision: Decision, event: dict) -> StepOutcome:
         """Nothing new is saved; ``RUN/control/stopped.json`` keeps restarted workers from starting again."""
         step = self.state.step
         self.event(STOP, **event)
@@ -455,7 +455,7 @@ class Protector:
         if self.callbacks.stop is not None:
             self.callbacks.stop(decision.reason)
         self.event(event_types.RUN_END, reason="guard_stop")
-        return Outcome(EXIT_STOPPED, decision.reason)
+        return StepOutcome(EXIT_STOPPED, decision.reason)
 
     def stopped_marker(self) -> dict | None:
         """The guard's stop marker when rank 0 of this run signed it; a marker anyone else wrote keeps no
@@ -475,7 +475,7 @@ class Protector:
         return None
 
     # ---------------------------------------------------------------------------- control requests
-    def _on_request(self, code: int, lineno: int) -> Outcome:
+    def _on_request(self, code: int, lineno: int) -> StepOutcome:
         """Act on the control request every rank learned of this step (see trainer/control.py)."""
         action = ACTIONS_BY_CODE[code]
         request = self.control.request_at(lineno)
@@ -485,7 +485,7 @@ class Protector:
         evidence = {"id": ids["id"], "alertname": ids["alertname"]}
         return self._carry_out(action, "control", ids["reason"], evidence, lambda: self._request_action(action, ids))
 
-    def _request_action(self, action: str, ids: dict) -> Outcome:
+    def _request_action(self, action: str, ids: dict) -> StepOutcome:
         if action == ROLLBACK:
             self.event(event_types.ACTION, action=action, **ids)
             self.restore(rollback=True, source="control", **ids)
@@ -498,7 +498,7 @@ class Protector:
             self._throttle(ids)
         elif action == COST_STOP:
             return self._cost_stop(ids)
-        return Outcome()
+        return StepOutcome()
 
     def _throttle(self, ids: dict) -> None:
         """Cut the micro-batch by 25% (the loop keeps its batch per optimizer step, so the tokens per step
@@ -521,7 +521,7 @@ class Protector:
         self.log.warning("cost throttle: smaller micro-batch", micro_batch_before=before,
                          micro_batch_size=self.state.micro_batch, **ids)
 
-    def _cost_stop(self, ids: dict) -> Outcome:
+    def _cost_stop(self, ids: dict) -> StepOutcome:
         """Save a checkpoint, check that it verifies, write RUN/cost_summary.json, end cleanly (exit 0)."""
         step = self.state.step
         self.event(event_types.ACTION, action=COST_STOP, **ids)
@@ -536,7 +536,7 @@ class Protector:
             self.callbacks.stop(COST_STOP)
         self.event(event_types.RUN_END, reason="cost_stop", alertname=ids["alertname"])
         self.log.warning("cost stop: checkpoint saved, run ended", step=step, **ids)
-        return Outcome(EXIT_OK, COST_STOP)
+        return StepOutcome(EXIT_OK, COST_STOP)
 
     def cost_summary(self, ids: dict, verified: bool) -> dict:
         """What the run cost, as the meter has metered it (the one cost arithmetic)."""

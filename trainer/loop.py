@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard import event_types, log, policy as policy_mod
-from trainguard.protect import EXIT_OK, EXIT_STOPPED, Outcome, Protector, TrainState, Verdict
+from trainguard.protect import EXIT_OK, EXIT_STOPPED, StepOutcome, Protector, TrainState, StepVerdict
 from trainguard.trainer import parallel
 from trainguard.trainer import schedules as dynamics
 from trainguard.trainer.config import TrainConfig
@@ -246,14 +246,14 @@ class Trainer:
         torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.schedule.clip_threshold(), grad_norm)
         return grad_norm, layer_norms
 
-    def apply_update(self, verdict: Verdict) -> None:
+    def apply_update(self, verdict: StepVerdict) -> None:
         """The optimizer and the schedule move unless the guard skipped the step."""
         if not verdict.skip:
             self.optimizer.step()
             self.schedule.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
 
-    def after_step(self, verdict: Verdict, lr: float, timings: dict) -> Outcome:
+    def after_step(self, verdict: StepVerdict, lr: float, timings: dict) -> StepOutcome:
         """The Protector's second call (record, decision, request, checkpoint), and the progress line."""
         batch = self.cfg.optim.batch_size
         tokens = batch * self.cfg.model.block_size

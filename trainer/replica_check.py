@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from trainguard import event_types, incidents, rundir, safe_read
 from trainguard.decide.replica import (ARBITRATION, MISMATCH, ReplicaCheck, ReplicaMonitor,
-                                       ReplicaPolicy, Verdict, agree, check_fields)
+                                       ReplicaPolicy, ReplicaVerdict, agree, check_fields)
 from trainguard.trainer import fingerprint as fp
 
 META_KEY = "replica_fingerprint"
@@ -58,7 +58,7 @@ class ReplicaChecks:
         self._grads: tuple[int, torch.Tensor] | None = None   # (step, gradients' fingerprint) to check
         self.checked: int | None = None               # step of the last check, whatever it found
         self.last: tuple[int, int] | None = None      # (step, weights fingerprint) of the last agreed check
-        self.refusal: Verdict | None = None           # why before_checkpoint said no (acted on next)
+        self.refusal: ReplicaVerdict | None = None           # why before_checkpoint said no (acted on next)
 
     def _gather_nodes(self, node: str) -> tuple[str, ...]:
         if self.world == 1:
@@ -84,7 +84,7 @@ class ReplicaChecks:
     def _weights(self) -> torch.Tensor:
         return self.fingerprints.fingerprint(self.params)
 
-    def after_step(self, step: int) -> Verdict | None:
+    def after_step(self, step: int) -> ReplicaVerdict | None:
         """After the optimizer step and the step's record: a verdict to act on, or None. At check steps
         (unless the checkpoint before this already checked it), and any refusal of a checkpoint."""
         if self.refusal is not None:
@@ -94,7 +94,7 @@ class ReplicaChecks:
             return None
         return self.check(step)
 
-    def check(self, step: int) -> Verdict | None:
+    def check(self, step: int) -> ReplicaVerdict | None:
         """One all-gather of every rank's (weights, gradients, clock) — recorded and decided. Rank 0's
         clock is the check's time on every rank, so their records and incident ids agree."""
         grads = self._grads[1] if self._grads is not None and self._grads[0] == step else None
@@ -136,7 +136,7 @@ class ReplicaChecks:
         return {META_KEY: {"step": step, "weights": fp.hex64(self.last[1]), "replicas": self.world}}
 
     # ---------------------------------------------------------------------------------- acting
-    def respond(self, verdict: Verdict, *, restore: Callable[[], int | None],
+    def respond(self, verdict: ReplicaVerdict, *, restore: Callable[[], int | None],
                 stop: Callable[[dict], Any]) -> Any:
         """Record the verdict everywhere it belongs, then roll back (or stop). Returns what `stop` returned,
         or None when training goes on."""
@@ -162,7 +162,7 @@ class ReplicaChecks:
         self.rollback(verdict, ident, restore)
         return None
 
-    def rollback(self, verdict: Verdict, ident: str, restore: Callable[[], int | None]) -> None:
+    def rollback(self, verdict: ReplicaVerdict, ident: str, restore: Callable[[], int | None]) -> None:
         """Every rank to the newest verified checkpoint, then proof that the replicas are one again."""
         from_step = verdict.step
         restored = restore()
@@ -179,7 +179,7 @@ class ReplicaChecks:
             self.last = (restored, rows[0]) if restored is not None else None
 
     # ------------------------------------------------------------------------------- incidents
-    def _incident(self, verdict: Verdict, ident: str, when: float) -> incidents.Incident:
+    def _incident(self, verdict: ReplicaVerdict, ident: str, when: float) -> incidents.Incident:
         culprit = None
         if len(verdict.ranks) == 1:
             culprit = {"rank": verdict.ranks[0], "node": verdict.nodes[0] if verdict.nodes else None}
@@ -192,7 +192,7 @@ class ReplicaChecks:
             extra={"step": verdict.step, "what": verdict.what, "ranks": list(verdict.ranks),
                    "cordon": list(verdict.cordon)})
 
-    def _write_incident(self, verdict: Verdict, ident: str) -> None:
+    def _write_incident(self, verdict: ReplicaVerdict, ident: str) -> None:
         from trainguard.trainer import cordon_key
         from trainguard.trainer.checkpoint import keys
 
@@ -205,7 +205,7 @@ class ReplicaChecks:
         except (OSError, incidents.IncidentError) as exc:   # the rollback matters more than the record
             self.log.error("could not write the incident", incident=ident, error=str(exc))
 
-    def _record_culprit(self, verdict: Verdict, ident: str) -> None:
+    def _record_culprit(self, verdict: ReplicaVerdict, ident: str) -> None:
         """A two-replica mismatch arbitrated by the replay: the incident of that mismatch names the rank."""
         for rank, node in zip(verdict.ranks, verdict.nodes):
             self.emit(event_types.CULPRIT, step=verdict.step, incident=ident, rank=rank, node=node, kind="sdc",
@@ -215,7 +215,7 @@ class ReplicaChecks:
             for host in verdict.cordon:
                 self._cordon(host, verdict, ident)
 
-    def _shadow(self, action: str, verdict: Verdict, ident: str, **evidence: Any) -> None:
+    def _shadow(self, action: str, verdict: ReplicaVerdict, ident: str, **evidence: Any) -> None:
         from trainguard.actions import SHADOW_ACTION, shadow_event
 
         self.emit(SHADOW_ACTION, step=verdict.step, **shadow_event(
@@ -223,7 +223,7 @@ class ReplicaChecks:
             **evidence))
         self.log.warning("shadow: would have acted", action=action, incident=ident, **evidence)
 
-    def _cordon(self, host: str, verdict: Verdict, ident: str) -> None:
+    def _cordon(self, host: str, verdict: ReplicaVerdict, ident: str) -> None:
         """RUN/control/cordon/<host>: kept out of the job until `trainguard uncordon` (the reason inside)."""
         from trainguard.trainer import cordon_key
 

@@ -16,7 +16,7 @@ keeps failing must not loop. The ledger turns that stream into at most one actio
 - shadow (`actions.mode: shadow`; once called dry-run) decides exactly as a live ledger, but nothing executes:
   the executor records each action a verdict would carry out as a `shadow_action` event instead.
 
-Pure: no clock (the caller passes `now`), no files. The agent records every verdict (`Verdict.as_event`)
+Pure: no clock (the caller passes `now`), no files. The agent records every verdict (`NoticeVerdict.as_event`)
 before it replies to Alertmanager, and rebuilds the ledger after a restart with `remember()`. A verdict
 counts only once it is durably recorded and carried out: the executor takes a `snapshot()` before it
 decides and puts it back (`restore()`) when a write or the action fails, so the retry decides afresh and
@@ -70,7 +70,7 @@ class Notice:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class NoticeVerdict:
     """The ledger's answer to one notice: its outcome, the action that executes (if any) and why."""
 
     notice: Notice
@@ -149,12 +149,12 @@ class Ledger:
         self.executed: dict[str, deque[float]] = {actions.ROLLBACK: deque(), actions.RESTORE: deque()}
 
     # ------------------------------------------------------------------------------------ decide
-    def decide_all(self, notices: Iterable[Notice], now: float) -> list[Verdict]:
+    def decide_all(self, notices: Iterable[Notice], now: float) -> list[NoticeVerdict]:
         """Verdicts for one webhook payload: closes first, then firing alerts with cost tiers in order."""
         ordered = sorted(notices, key=lambda n: (n.status == FIRING, actions.COST_ORDER.get(n.action or "", 0)))
         return [self.decide(notice, now) for notice in ordered]
 
-    def decide(self, notice: Notice, now: float) -> Verdict:
+    def decide(self, notice: Notice, now: float) -> NoticeVerdict:
         if notice.status == RESOLVED_STATUS:
             closed = notice.key in self.open
             self.open.discard(notice.key)
@@ -170,7 +170,7 @@ class Ledger:
             return self._cost(notice, action, now)
         return self._limited(notice, action, now)
 
-    def _cost(self, notice: Notice, action: str, now: float) -> Verdict:
+    def _cost(self, notice: Notice, action: str, now: float) -> NoticeVerdict:
         level = actions.COST_ORDER[action]
         if level == self.cost_level:
             return self._verdict(notice, DUPLICATE, None, "tier already acted", now)
@@ -179,7 +179,7 @@ class Ledger:
         self.cost_level = level
         return self._verdict(notice, ACT, action, notice.reason or notice.alertname, now)
 
-    def _limited(self, notice: Notice, action: str, now: float) -> Verdict:
+    def _limited(self, notice: Notice, action: str, now: float) -> NoticeVerdict:
         """rollback and restore: coalesce within the cooldown, escalate past the hourly limit."""
         history = self.executed[action]
         while history and history[0] <= now - HOUR:
@@ -194,7 +194,7 @@ class Ledger:
         history.append(now)
         return self._verdict(notice, ACT, action, notice.reason or notice.alertname, now)
 
-    def _escalate(self, notice: Notice, action: str, count: int, now: float) -> Verdict:
+    def _escalate(self, notice: Notice, action: str, count: int, now: float) -> NoticeVerdict:
         stronger = ESCALATION[action]
         detail = {f"{action}s_last_hour": count}
         reason = f"{action}_limit"
@@ -205,8 +205,8 @@ class Ledger:
         return self._verdict(notice, ESCALATED, stronger, reason, now, detail)
 
     def _verdict(self, notice: Notice, outcome: str, action: str | None, reason: str, now: float,
-                 detail: Mapping[str, Any] | None = None) -> Verdict:
-        return Verdict(notice, outcome, action, reason, now, self.shadow, detail or {})
+                 detail: Mapping[str, Any] | None = None) -> NoticeVerdict:
+        return NoticeVerdict(notice, outcome, action, reason, now, self.shadow, detail or {})
 
     # ------------------------------------------------------------------------------- persistence
     def snapshot(self) -> Snapshot:
@@ -220,7 +220,7 @@ class Ledger:
         self.executed = {action: deque(times) for action, times in executed.items()}
 
     def remember(self, event: Mapping[str, Any]) -> None:
-        """Fold a recorded verdict (`Verdict.as_event()`) back in, so a restarted agent does not act twice."""
+        """Fold a recorded verdict (`NoticeVerdict.as_event()`) back in, so a restarted agent does not act twice."""
         key, status, outcome = event.get("key"), event.get("status"), event.get("outcome")
         shadowed = event.get("shadow") or event.get("dry_run")      # dry_run: records of older agents
         if not key or shadowed and not self.shadow:

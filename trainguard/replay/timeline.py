@@ -51,11 +51,11 @@ class Recorded:
 @dataclass
 class Result:
     files: list[Path]
-    outcome: engine.Outcome
+    outcome: engine.ReplayOutcome
     problems: source.Problems
     alerts: list[rules.FiredAlert] | None = None     # None: the rules were not evaluated
     actions: list[engine.Action] = field(default_factory=list)      # what executes, in time order
-    verdicts: list[tgledger.Verdict] = field(default_factory=list)  # the ledger's every verdict
+    verdicts: list[tgledger.NoticeVerdict] = field(default_factory=list)  # the ledger's every verdict
     rules_dir: str | None = None
     scrape_interval: float = DEFAULT_SCRAPE_INTERVAL
     lead_rank: int | None = None
@@ -129,7 +129,7 @@ def _recorded(item: Recorded) -> dict:
             "source": item.source, "detail": engine.finite_or_text(item.detail)}
 
 
-def _verdict(verdict: tgledger.Verdict) -> dict:
+def _verdict(verdict: tgledger.NoticeVerdict) -> dict:
     notice = verdict.notice
     return {"alertname": notice.alertname, "source": notice.source, "requested": notice.action,
             "outcome": verdict.outcome, "action": verdict.action, "reason": verdict.reason,
@@ -186,9 +186,9 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
     return result
 
 
-def _may_hold_checks(files: list[Path], outcome: engine.Outcome) -> list[Path]:
+def _may_hold_checks(files: list[Path], outcome: engine.ReplayOutcome) -> list[Path]:
     """The files the replica pass reads: those the replay's own read saw naming a check (all, where it did
-    not look: engine.Outcome.event_lines)."""
+    not look: engine.ReplayOutcome.event_lines)."""
     if outcome.event_lines is None:
         return files
     return [path for path in files if any(replica.MARK in raw for _, raw in outcome.event_lines.get(str(path), ()))]
@@ -201,7 +201,7 @@ def recorded_actions(lead: list[engine.Action], files: list[Path], given: list[P
     """Every action the live run took, from every source, in time order: the lead rank's decisions, its
     restarts (a `run_start` that resumed), the agents' alert verdicts and actions (node logs), and the
     requests of RUN/control/actions.jsonl (merged into the agent's action of the same id). `event_lines`:
-    each file's lines naming the marks, as the replay's own read found them (engine.Outcome), else
+    each file's lines naming the marks, as the replay's own read found them (engine.ReplayOutcome), else
     searched for here."""
     found = [Recorded("action", a.action, a.step, a.timestamp, a.reason, "trainer") for a in lead]
     restarts: dict[tuple, Recorded] = {}
@@ -282,7 +282,7 @@ def _control_requests(given: list[Path]) -> list[dict]:
     return [request for root in given for request in rundir.read_requests(rundir.run_dir_of(root))]
 
 
-def stall_notices(stream: source.Stream, outcome: engine.Outcome, policy: Policy) -> list[tgledger.Notice]:
+def stall_notices(stream: source.Stream, outcome: engine.ReplayOutcome, policy: Policy) -> list[tgledger.Notice]:
     """The agent's stall watchdog over the recorded logs: its `restore` notices, in the log's time.
 
     The rule is trainguard.decide.stall's, over the records replay read (the lines it counts malformed
@@ -308,7 +308,7 @@ def _decided_by(notice: tgledger.Notice) -> str:
 
 
 def _execute(decided: list[engine.Action], alerts: list[rules.FiredAlert], policy: Policy,
-             stalls: list[tgledger.Notice] = ()) -> tuple[list[engine.Action], list[tgledger.Verdict]]:
+             stalls: list[tgledger.Notice] = ()) -> tuple[list[engine.Action], list[tgledger.NoticeVerdict]]:
     """Guard actions as they are; cost decisions, the stall watchdog's restores and acting alerts
     through the agent's ledger (its de-duplication and hourly limits, as live)."""
 

@@ -265,13 +265,12 @@ def _write_private(path: Path, text: str) -> None:
 
 # ------------------------------------------------------------------------- the launcher's record
 
-launcher_log = rundir.launcher_log     # a node log: `trainguard status` and `replay` read it with the others
 _IGNORED_MARK = b'"%s"' % event_types.CORDON_IGNORED.encode()
 
 
 def record_ignored(run_dir: str | os.PathLike, found: Cordon, key_path: str) -> int:
     """Append a ``cordon_ignored`` event; returns how many times this node's launchers ignored one."""
-    path = launcher_log(run_dir, found.host)
+    path = rundir.launcher_log(run_dir, found.host)     # a node log: `status` and `replay` read it with the others
     count = 1 + sum(1 for line in _lines(path) if _IGNORED_MARK in line)
     record = {**tls.event(event_types.CORDON_IGNORED, host=found.host, reason=found.refused, path=str(found.path),
                           key_file=key_path, key_id=found.record.get(signed.KEY_ID), ignored_total=count,

@@ -49,7 +49,7 @@ def test_a_copy_of_an_uncordoned_cordon_put_back_is_refused_as_revoked(run, key_
     assert launch.cordon_refusal(run) is None                      # before: kept out again
     err = capsys.readouterr().err
     assert "was revoked by `trainguard uncordon`" in err and "NOT honoured" in err
-    [event] = [json.loads(line)["event"] for line in cordon.launcher_log(run, host).read_text().splitlines()]
+    [event] = [json.loads(line)["event"] for line in rundir.launcher_log(run, host).read_text().splitlines()]
     assert (event["type"], event["reason"]) == ("cordon_ignored", cordon.REVOKED)
     assert cli.main(["incidents", str(run)]) == 0
     assert f"REVOKED: cordon of {host}" in capsys.readouterr().out

@@ -97,7 +97,7 @@ def test_a_forged_cordon_is_ignored_loudly_and_a_signed_one_keeps_the_node_out(t
     assert joined.returncode == 0, joined.stderr                   # before: exit 4, the node kept out
     assert f"the cordon file {rundir.cordon_path(run, host)} is not signed" in joined.stderr
     assert "NOT honoured" in joined.stderr and "Traceback" not in joined.stderr
-    [event] = [json.loads(line)["event"] for line in cordon.launcher_log(run, host).read_text().splitlines()]
+    [event] = [json.loads(line)["event"] for line in rundir.launcher_log(run, host).read_text().splitlines()]
     assert (event["type"], event["host"], event["reason"], event["ignored_total"]) == \
         ("cordon_ignored", host, "unsigned", 1)
     status = cli("status", str(run))

@@ -83,15 +83,6 @@ def _history(path, source: str) -> list | Unmapped:
     return history
 
 
-def record_of(entry: dict) -> dict | None:
-    """The first record of one log_history entry (None when it maps to none): for callers of one entry."""
-    try:
-        records = _records_of(entry, None, Notes(), 0)
-    except ValueError:
-        return None
-    return records[0] if records else None
-
-
 def _records_of(entry, last_step: int | None, notes: Notes, index: int) -> list[dict]:
     if not isinstance(entry, dict):
         raise ValueError(f"an entry that is a {type(entry).__name__}, not an object")

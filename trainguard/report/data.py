@@ -9,7 +9,6 @@ their file and line, never dropped silently. Cost is metered by the very `CostMe
 from __future__ import annotations
 
 import heapq
-import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -484,6 +483,3 @@ def _add_goodput(run: Run, records: list[dict]) -> None:
 def final(series: Series | None) -> float | None:
     return series.last[1] if series and series.last else None
 
-
-def finite_or_none(value: Any) -> float | None:
-    return value if isinstance(value, (int, float)) and math.isfinite(value) else None

@@ -11,8 +11,8 @@ default the same place the trainer looks: ``$TRAINGUARD_CHECKPOINT_KEY`` or
 A cordon that is not signed, signed with another key, changed since, or copied from another host's is
 *not honoured*: the launcher joins and says so (stderr, a ``cordon_ignored`` TLS event in
 ``RUN/tls/node-<host>-launcher.jsonl``, which `trainguard status` shows), the agent exports it
-(``trainguard_cordon_refused{node,reason}``), `trainguard incidents` lists it. Cordons of round 1 carry
-no signature: they are not honoured either (docs/incidents.md). `trainguard uncordon` removes either kind.
+(``trainguard_cordon_refused{node,reason}``), `trainguard incidents` lists it. Cordons written before cordons were
+signed carry no signature: they are not honoured either (docs/incidents.md). `trainguard uncordon` removes either kind.
 
 **An uncordon cannot be rolled back from the run directory.** Whoever can write RUN/ can put back a copy
 of a genuine cordon after `trainguard uncordon` removed it, and can delete anything kept in RUN/. So each

@@ -29,8 +29,8 @@
     RUN/cost_summary.json                  what a cost_stop spent and kept (protect/protector.py)
 
 Who writes and reads each, how a reader knows it is genuine, and what a forged one does: docs/reliability.md,
-"Every file under RUN". The layout is the on-disk contract of /work/shared/design.md ("Run directory"); every module asks here for a
-path instead of spelling it. Files whose content another module owns (claims, cordons, launchers, dumps)
+"Every file under RUN". The layout is the on-disk contract (docs/architecture.md, "Run directory and the
+control channel"); every module asks here for a path instead of spelling it (tests/test_vocabulary.py). Files whose content another module owns (claims, cordons, launchers, dumps)
 get their path here and their content there. No torch, no psutil: the core, the agent and the trainer all
 import this module.
 """

@@ -73,7 +73,7 @@ class Event(msgspec.Struct, kw_only=True, gc=False):
 
 _AwareTime = Annotated[datetime, msgspec.Meta(tz=True)]
 # Steps and ranks become int64 columns: a larger one is refused here, and named by the lenient reader
-# (tls.normalise) as a malformed line, instead of overflowing numpy after the decode (issue 29).
+# (tls.normalise) as a malformed line, instead of overflowing numpy after the decode.
 _Int64 = Annotated[int, msgspec.Meta(ge=tls.INT64_MIN, le=tls.INT64_MAX)]
 
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainguard import rundir
 from trainguard.policy import PreflightPolicy
 from trainguard.preflight.result import FAIL, PASS, SKIP, CheckResult
 
@@ -54,9 +55,9 @@ def checkpoint_estimate(run_dir: Path | None, checkpoint_dir: Path) -> tuple[int
     found = newest_checkpoint_bytes(checkpoint_dir)
     if found is None and run_dir is not None:
         try:
-            found = config_checkpoint_bytes(run_dir / "config.yaml")
+            found = config_checkpoint_bytes(rundir.config_path(run_dir))
         except (OSError, ValueError) as exc:   # ConfigError is a ValueError naming file and key
-            return 0, f"cannot size one from {run_dir / 'config.yaml'}: {exc}"
+            return 0, f"cannot size one from {rundir.config_path(run_dir)}: {exc}"
     return found
 
 

@@ -441,7 +441,7 @@ class Protector:
         self.event(STOP, **event)
         message = (f"the guard stopped the run at step {step} ({decision.reason}: "
                    f"{json.dumps(decision.detail, default=str)}); nothing new was saved. Look at "
-                   f"{self.run_dir / 'tls'}, fix the cause (data, LR, policy), then delete {self.stop_path} "
+                   f"{rundir.tls_dir(self.run_dir)}, fix the cause (data, LR, policy), then delete {self.stop_path} "
                    "to resume from the last verified checkpoint")
         if self.rank == 0:
             self.stop_path.parent.mkdir(parents=True, exist_ok=True)

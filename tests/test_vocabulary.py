@@ -212,7 +212,11 @@ def test_every_event_type_has_one_constant_and_is_in_types():
 RUNDIR_OWNER = "trainguard/rundir.py"
 STEP_DIR = re.compile(r"(?<![a-z0-9_])step_(?![a-z_])")     # step_<N>, step_{n}, \Astep_(\d+), step_*
 COST_SUMMARY = re.compile(r"cost_summary\.json")
-LOGS_PATH = re.compile(r"\Alogs(/|\Z)")
+# The run directory's files, spelled whole, and its folders joined to a path (`tls/1` is the TLS schema's name).
+RUN_FILES = frozenset({"manifest.json", "status.json", "policy.yaml", "policy.sig.json", "preflight.json",
+                       "report.html", "config.yaml", "stopped.json", "acked.jsonl", "actions.jsonl",
+                       "webhook.token", "faults-fired.jsonl"})
+RUN_FOLDERS = re.compile(r"\A(?:tls|checkpoints|control|agent|incidents|logs)(?:/(?!\d)|\Z)")
 
 
 def joined_to_a_path(node: ast.Constant, chain: list[ast.AST]) -> bool:
@@ -227,7 +231,8 @@ def run_dir_literals(files: Iterable[Path] | None = None, root: Path = ROOT) -> 
     files = product_files() if files is None else list(files)
     found = (stray_literals(RUNDIR_OWNER, STEP_DIR, files=files, root=root)
              + stray_literals(RUNDIR_OWNER, COST_SUMMARY, files=files, root=root)
-             + stray_literals(RUNDIR_OWNER, LOGS_PATH, where=joined_to_a_path, files=files, root=root))
+             + stray_literals(RUNDIR_OWNER, RUN_FILES, files=files, root=root)
+             + stray_literals(RUNDIR_OWNER, RUN_FOLDERS, where=joined_to_a_path, files=files, root=root))
     return sorted(set(found), key=_by_place)
 
 
@@ -240,14 +245,16 @@ def test_the_run_directory_scan_finds_a_planted_literal(tmp_path):
     planted.parent.mkdir()
     planted.write_text('''"""Says step_<N> and logs/ in prose."""
 import re
-def f(run_dir, step, log):
+def f(run_dir, step, log, parser):
     log.info("saved step_%d", step)
     a = run_dir / "checkpoints" / f"step_{step}"
     b = re.fullmatch(r"step_(\\d+)", a.name)
     c = (run_dir / "logs", "logs/**/*.log", run_dir / "cost_summary.json")
-    return a, b, c, "step_time_seconds", max_step_, {"logs": "Logs"}, "logs"
+    parser.add_argument("--to", help="copies into DIR/checkpoints/step_N")
+    return a, b, c, "step_time_seconds", {"logs": "Logs"}, "logs", "tls/1", "config.yaml", "no RUN/config.yaml"
 ''')
     found = run_dir_literals([planted], root=tmp_path)
     name = "agent/probe.py"
-    assert found == [f"{name}:5: 'step_'", f"{name}:6: 'step_(\\\\d+)'", f"{name}:7: 'cost_summary.json'",
-                     f"{name}:7: 'logs'", f"{name}:7: 'logs/**/*.log'"]
+    assert found == [f"{name}:5: 'checkpoints'", f"{name}:5: 'step_'", f"{name}:6: 'step_(\\\\d+)'",
+                     f"{name}:7: 'cost_summary.json'", f"{name}:7: 'logs'", f"{name}:7: 'logs/**/*.log'",
+                     f"{name}:9: 'config.yaml'"]

@@ -175,7 +175,7 @@ class FaultInjector:
         if not (fault := self._take("corrupt-checkpoint", step, at_or_after=True)):
             return
         wait()
-        victim = max((p for p in directory.iterdir() if p.is_file() and p.name != "manifest.json"),
+        victim = max((p for p in directory.iterdir() if p.is_file() and p.name != rundir.CHECKPOINT_MANIFEST),
                      key=lambda p: p.stat().st_size)
         offset = victim.stat().st_size // 2
         with open(victim, "r+b") as handle:

@@ -163,8 +163,8 @@ def finish(run_dir: Path, code: int) -> int:
         say(f"training exited with code {code}; see the messages above")
         return code or 1
     print_story(run_dir)
-    say(f"TLS logs          {run_dir / 'tls'}")
-    say(f"checkpoints       {run_dir / 'checkpoints'}   (trainguard checkpoint list {run_dir})")
+    say(f"TLS logs          {rundir.tls_dir(run_dir)}")
+    say(f"checkpoints       {rundir.checkpoints_dir(run_dir)}   (trainguard checkpoint list {run_dir})")
     say(f"report            {report}")
     say(f"replay it         trainguard replay {run_dir}")
     if code != 0:

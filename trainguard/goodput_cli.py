@@ -50,7 +50,7 @@ def find_log(run_dir: Path, rank: int | None) -> Path:
     logs = [(int(m.group(1)), p) for p in rundir.tls_dir(run_dir).glob("rank-*.jsonl")
             if (m := re.fullmatch(r"rank-([0-9]+)\.jsonl", p.name))]
     if not logs:
-        raise FileNotFoundError(f"{run_dir / 'tls'}: no rank-*.jsonl log")
+        raise FileNotFoundError(f"{rundir.tls_dir(run_dir)}: no rank-*.jsonl log")
     return min(logs)[1]
 
 

@@ -49,6 +49,7 @@ from trainguard import safe_read, signed
 
 PathLike = str | os.PathLike
 CHECKPOINT_STATUS_FILE = "status.json"
+CHECKPOINT_MANIFEST = "manifest.json"      # in each step_<N>/ (its content: trainer/checkpoint/manifest.py)
 STEP_DIR_PREFIX = "step_"                  # a checkpoint's directory is step_<N>
 _STEP_DIR = re.compile(r"step_([0-9]+)")
 LOGS_DIR = "logs"                          # relative to the run directory (the nccl collector's default globs)
@@ -101,6 +102,10 @@ def policy_path(run_dir: PathLike) -> Path:
 
 def policy_signature_path(run_dir: PathLike) -> Path:
     return Path(run_dir) / "policy.sig.json"
+
+
+def config_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "config.yaml"
 
 
 def preflight_path(run_dir: PathLike) -> Path:
@@ -241,7 +246,7 @@ def checkpoint_manifest(step_dir: PathLike) -> dict:
 
     step_dir = Path(step_dir)
     step_of_name = step_of_dir(step_dir.name)
-    manifest = safe_read.read_json(step_dir / "manifest.json", safe_read.MANIFEST_BYTES, "manifest")
+    manifest = safe_read.read_json(step_dir / CHECKPOINT_MANIFEST, safe_read.MANIFEST_BYTES, "manifest")
     if not isinstance(manifest, dict):
         raise ValueError("not a JSON object")
     if not str(manifest.get("format", "")).startswith(CHECKPOINT_FORMAT_PREFIX):

@@ -226,7 +226,7 @@ def _newest_checkpoint(folder: Path) -> tuple[float, int] | None:
     for step, entry in steps:
         try:
             rundir.checkpoint_manifest(entry)
-            return os.stat(entry / "manifest.json").st_mtime, step
+            return os.stat(entry / rundir.CHECKPOINT_MANIFEST).st_mtime, step
         except (OSError, ValueError):
             continue
     return None

@@ -24,7 +24,7 @@ from trainguard import rundir
 FORMAT_V1 = "trainguard-checkpoint/1"
 FORMAT = "trainguard-checkpoint/2"
 FORMATS = (FORMAT_V1, FORMAT)
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME = rundir.CHECKPOINT_MANIFEST
 ALGORITHM = "HMAC-SHA256"
 _SAFE_NAME = re.compile(r"\A(?:[A-Za-z0-9_][A-Za-z0-9_.-]*|\.metadata)\Z")   # DCP names its index .metadata
 _HEX64 = re.compile(r"\A[0-9a-f]{64}\Z")

@@ -52,7 +52,7 @@ def cli(*args, timeout=240):
 def test_only_a_cordon_signed_with_the_runs_key_for_its_own_host_is_honoured(tmp_path, key_file):
     key = keys.load_key(key_file)
     write_cordon(tmp_path, "good", key, incident="i1", reason="hang culprit", by="agent:n1")
-    forge(tmp_path, "unsigned")                                                # round 1's form, or a stranger's
+    forge(tmp_path, "unsigned")                                                # the unsigned form cordons once had, or a stranger's
     cordon.write(tmp_path, "otherkey", b"k" * 40, incident="i2", reason="x", by="y")
     rundir.cordon_path(tmp_path, "copied").write_bytes(rundir.cordon_path(tmp_path, "good").read_bytes())
     changed = json.loads(rundir.cordon_path(tmp_path, "good").read_text())

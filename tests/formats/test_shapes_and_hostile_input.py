@@ -1,5 +1,5 @@
 """How other tools' logs arrive (behind launcher prefixes, after megabytes of set-up, several ranks in one
-file) and what a stranger or a broken disk makes of them (issue 29: a flipped bit in an event file, a file cut
+file) and what a stranger or a broken disk makes of them (a flipped bit in an event file, a file cut
 mid-record, hostile trainer_state.json and event shapes). Each is read, or named with its position: never a
 traceback, never a file shortened in silence."""
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from trainguard import rundir
 from trainguard.policy import PreflightPolicy
-from trainguard.preflight.result import FAIL, PASS, SKIP, CheckResult
+from trainguard.runtime.preflight_result import FAIL, PASS, SKIP, CheckResult
 
 PROBE_CHUNK = 4 << 20
 PROBE_SHARE_OF_FREE = 0.1    # the speed probe never takes more than this of the free space

@@ -17,10 +17,11 @@ import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from tests.test_layers import BUILDS_ON
 from trainguard import event_types
 
 ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("trainguard", "agent", "trainer", "protect", "preflight", "alerts", "dashboards")
+PRODUCT = tuple(BUILDS_ON)       # every top-level package of the product (tests/test_layers.py lists them)
 LOG_LEVELS = frozenset({"debug", "info", "warning", "warn", "error", "exception", "critical"})
 
 # A Where answers whether a string constant (with its parent chain, nearest first) counts as a use of the

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from trainguard import event_types, rundir
 from trainguard.tls import format_timestamp
-from trainguard.trainer.checkpoint import store
-from trainguard.trainer.checkpoint.directory import INVALID, SUPERSEDED, CheckpointDirs
-from trainguard.trainer.checkpoint.events import Events
+from trainguard.runtime.checkpoint import store
+from trainguard.runtime.checkpoint.directory import INVALID, SUPERSEDED, CheckpointDirs
+from trainguard.runtime.checkpoint.events import Events
 
 
 PINNED_SUFFIX = "-restore"     # superseded/<name>-<ns>-restore: set aside by a pinned restore, kept

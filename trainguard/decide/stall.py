@@ -24,7 +24,7 @@ from trainguard.config import above, key
 
 
 # A rank whose log ends with one of these has finished (or was stopped) and is leaving: never a stall.
-ENDED_EVENTS = (event_types.RUN_END, "stop")
+ENDED_EVENTS = (event_types.RUN_END, actions.STOP)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from trainguard import actions
+from trainguard import actions, event_types
 from trainguard.alerts.mixin import Mixin
 from trainguard.policy import Policy
 from trainguard.dashboards.grafana import (ORANGE, RED, YELLOW, Annotation, Board, Query, Row, Threshold,
@@ -90,7 +90,7 @@ def event_annotation(name: str, types: str, color: str, why: str = "") -> Annota
 
 
 ANNOTATIONS = (
-    event_annotation("Checkpoints", "checkpoint_saved", "green"),
+    event_annotation("Checkpoints", event_types.CHECKPOINT_SAVED, "green"),
     event_annotation("Skipped steps", actions.SKIP_STEP, "orange",
                      "only when the guard skips a bad step (the test run injects faults to cause them)"),
     event_annotation("Rollbacks", actions.ROLLBACK, "red",
@@ -102,7 +102,7 @@ ANNOTATIONS = (
 )
 
 
-LR_PHASES = event_annotation("LR phase changes", "lr_phase", "yellow",
+LR_PHASES = event_annotation("LR phase changes", event_types.LR_PHASE, "yellow",
                              "only when the LR schedule changes phase (after warm-up at the earliest)")
 
 

@@ -253,7 +253,7 @@ def _current(path: Path) -> str | None:
 
 def write_resolved(config: cfg.TrainConfig, run_dir: Path) -> Path:
     """``RUN/config.yaml``: the configuration every rank trains with (atomic; untouched when unchanged)."""
-    path = run_dir / "config.yaml"
+    path = rundir.config_path(run_dir)
     text = config.dump()
     if not path.exists() or _current(path) != text:
         tmp = path.with_name(f".config.yaml.{os.getpid()}.tmp")
@@ -330,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         resolved = write_resolved(config, run_dir)
     except OSError as exc:
-        print(f"trainguard train: {run_dir / 'config.yaml'}: cannot write: {exc.strerror or exc} "
+        print(f"trainguard train: {rundir.config_path(run_dir)}: cannot write: {exc.strerror or exc} "
               f"({len(config.dump().encode())} bytes needed)", file=sys.stderr)
         return 2
     max_restarts = default_max_restarts(config, args.nproc) if args.max_restarts is None else args.max_restarts

@@ -179,7 +179,7 @@ class TrainingCollector(Collector):
         on_disk = self.checkpoints.newest()
         if on_disk is not None and (state.checkpoint_time is None or on_disk[0] > state.checkpoint_time):
             state.checkpoint_time, state.checkpoint_step = on_disk
-            state.checkpoint_name = f"step_{on_disk[1]}"
+            state.checkpoint_name = rundir.step_dir_name(on_disk[1])
 
 
 def _base_name(name: str) -> str:
@@ -221,12 +221,12 @@ def _newest_checkpoint(folder: Path) -> tuple[float, int] | None:
         entries = list(folder.iterdir())
     except OSError:
         return None
-    steps = sorted(((int(match.group(1)), entry) for entry in entries
-                    if (match := re.fullmatch(r"step_(\d+)", entry.name))), key=lambda pair: -pair[0])
+    steps = sorted(((step, entry) for entry in entries
+                    if (step := rundir.step_of_dir(entry.name)) is not None), key=lambda pair: -pair[0])
     for step, entry in steps:
         try:
             rundir.checkpoint_manifest(entry)
-            return os.stat(entry / "manifest.json").st_mtime, step
+            return os.stat(entry / rundir.CHECKPOINT_MANIFEST).st_mtime, step
         except (OSError, ValueError):
             continue
     return None

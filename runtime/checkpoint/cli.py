@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard import paths
+from trainguard import event_types, paths, rundir
 from trainguard.progress import Progress
 from trainguard.tls import parse_timestamp
 from trainguard.runtime.checkpoint import Checkpoint, CheckpointError, CheckpointInfo, CheckpointManager
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     skipped: list[dict] = []
 
     def collect(kind: str, **fields: object) -> None:
-        if kind == "checkpoint_invalid":
+        if kind == event_types.CHECKPOINT_INVALID:
             skipped.append({"path": fields["path"], "code": fields["code"], "reason": fields["reason"]})
 
     command = {"list": _list, "verify": _verify, "restore": _restore, "export": _export}[args.action]
@@ -129,7 +129,7 @@ def _list(manager: CheckpointManager, args: argparse.Namespace, skipped: list) -
 
 def _verify(manager: CheckpointManager, args: argparse.Namespace, skipped: list) -> int:
     if args.step is not None and args.step not in manager.steps():
-        raise _Exit(EXIT_USAGE, f"{manager.root}: no step_{args.step}")
+        raise _Exit(EXIT_USAGE, f"{manager.root}: no {rundir.step_dir_name(args.step)}")
     with Progress("checkpoint verify", unit="checkpoints") as shown:
         rows = [r for r in manager.list(deep=True, progress=shown) if args.step is None or r.step == args.step]
     ok = all(r.ok or r.code == GONE for r in rows)      # one retention removed meanwhile failed nothing
@@ -175,7 +175,7 @@ def _export(manager: CheckpointManager, args: argparse.Namespace, skipped: list)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"exported step_{report['step']} to {report['path']} ({args.compress}, {_size(report['bytes'])}, "
+        print(f"exported {rundir.step_dir_name(report['step'])} to {report['path']} ({args.compress}, {_size(report['bytes'])}, "
               f"max abs error {report['max_abs_error']:.3g}, max rel error {report['max_rel_error']:.3g}); "
               "an export is never resumed from")
     return EXIT_OK
@@ -183,7 +183,7 @@ def _export(manager: CheckpointManager, args: argparse.Namespace, skipped: list)
 
 def _requested(manager: CheckpointManager, step: int, stable_only: bool) -> Checkpoint:
     if step not in manager.steps():
-        raise _Exit(EXIT_USAGE, f"{manager.root}: no step_{step}")
+        raise _Exit(EXIT_USAGE, f"{manager.root}: no {rundir.step_dir_name(step)}")
     result = manager.verify_step(step, deep=True)
     if not result.ok:
         raise _Exit(EXIT_FAILED, f"{result.path}: {result.reason}")
@@ -201,8 +201,8 @@ def _print_restore(report: dict, run_dir: Path) -> None:
         print("no checkpoint verifies; a resumed run would start from scratch")
         return
     if report["exported_to"]:
-        print(f"copied step_{report['step']} to {report['exported_to']} (verified)")
-    print(f"a run resumed on {run_dir} starts from step_{report['step']}")
+        print(f"copied {rundir.step_dir_name(report['step'])} to {report['exported_to']} (verified)")
+    print(f"a run resumed on {run_dir} starts from {rundir.step_dir_name(report['step'])}")
 
 
 def _size(n: int) -> str:

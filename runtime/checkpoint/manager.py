@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainguard import log as tglog
+from trainguard import rundir
 from trainguard.runtime.checkpoint import compress as compress_mod
 from trainguard.runtime.checkpoint import keys, saving, store
 from trainguard.runtime.checkpoint import manifest as mf
@@ -61,7 +62,7 @@ class CheckpointManager:
         """
         _check_options(keep_last, on_error, engine, compress)
         self.run_dir = Path(run_dir)
-        self.root = self.run_dir / "checkpoints"
+        self.root = rundir.checkpoints_dir(self.run_dir)
         if not inspect_only:
             self.root.mkdir(parents=True, exist_ok=True)
         self.key_path = keys.resolve_key_path(key_file)

@@ -1,5 +1,5 @@
 """The policy loader: any YAML value at any key is a clear error naming file and key, or a policy that
-the guard, the cost meter and the rule renderer all accept (issue 14, item 4).
+the guard, the cost meter and the rule renderer all accept.
 
 Values are drawn for the policy's own keys (so the ranges are really exercised, not only unknown keys):
 numbers of every size and sign, NaN and infinities, booleans, strings (durations, bananas), lists, maps

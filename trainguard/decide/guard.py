@@ -33,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple, Protocol
 
+from trainguard import event_types
 from trainguard.actions import ROLLBACK, SKIP_STEP, STOP
 from trainguard.config import WINDOW, above, at_least, between, key
 from trainguard.decide.decision import CARRY_ON, Decision
@@ -680,7 +681,7 @@ class Guard:
         warmup = self._rule_of(WarmupSpike)
         if warmup is not None:
             warmup.restart(losses[:-1])
-        self.notices.append({"type": "loss_level_shift", "step": stats.step, "timestamp": stats.timestamp,
+        self.notices.append({"type": event_types.LOSS_LEVEL_SHIFT, "step": stats.step, "timestamp": stats.timestamp,
                              "loss_before": before, "loss_after": sum(losses) / len(losses), "steps": len(losses)})
         self._learn(stats)
         return CARRY_ON
@@ -696,7 +697,7 @@ class Guard:
             warmup.restart(losses)
         self.recent_spikes.clear()
         self.bad.clear()
-        self.notices.append({"type": "loss_level_shift", "step": step, "timestamp": timestamp,
+        self.notices.append({"type": event_types.LOSS_LEVEL_SHIFT, "step": step, "timestamp": timestamp,
                              "loss_after": sum(losses) / len(losses) if losses else math.nan,
                              "steps": len(losses), "source": "rollback_retry"})
 

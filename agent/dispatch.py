@@ -24,8 +24,8 @@ from trainguard.agent import claims, handlers, restore
 from trainguard.agent.action_log import ActionLog, request_id
 from trainguard.agent.action_metrics import ActionCounts
 from trainguard.decide.ledger import Verdict, job_level
-from trainguard.trainer import cordon_key
-from trainguard.trainer.checkpoint import keys
+from trainguard.runtime import cordon_key
+from trainguard.runtime.checkpoint import keys
 
 
 class ActionNotDone(OSError):
@@ -43,7 +43,7 @@ class NodeActions:
         self.claims, self.counts = claims_, counts
         self.grace = grace_seconds
         self.entry_points, self.launchers = entry_points, launchers   # beyond the bundled ones (restore.Trust)
-        self.checkpoint_key_file = checkpoint_key_file   # signs requests and cordons (trainguard/cordon.py)
+        self.checkpoint_key_file = checkpoint_key_file   # signs requests and cordons (trainguard/cordon/__init__.py)
         self.redone = redone if redone is not None else set()   # request ids redone after a restart
         self.log = tglog.get("agent.executor", node=node)
 
@@ -90,7 +90,7 @@ class NodeActions:
         result["outcome"] = "paged" if "paged" in result else "issued"
 
     def _signed(self, request: dict) -> dict:
-        """The request signed with the run's checkpoint key (trainer/control.py refuses any other); created
+        """The request signed with the run's checkpoint key (runtime/control.py refuses any other); created
         where the trainer would create it, as a cordon's signer does. No key: not done (named)."""
         key, where = cordon_key.signing_key(self.checkpoint_key_file, create=True)
         if key is None:

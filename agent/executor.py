@@ -6,7 +6,7 @@ For every notice (an Alertmanager alert, or a decision of the agent's embedded p
 2. the verdict is appended to ``RUN/tls/node-<node>-actions.jsonl`` as a TLS ``alert`` event and fsynced,
    and logged (structlog) - the intent, before anything happens;
 3. an action is executed: ``rollback`` and ``cost_*`` become a request line in ``RUN/control/actions.jsonl``
-   (fsynced; the trainer's control channel, trainer/control.py, makes every rank act on the same step);
+   (fsynced; the trainer's control channel, runtime/control.py, makes every rank act on the same step);
    ``restore`` also ends this node's ranks (``RUN/control/ranks/rank-*.json``) so torch's elastic launcher
    starts them again from the latest verified checkpoint;
 4. the result is appended as a TLS ``action`` event (fsynced) carrying the request ``id``.
@@ -52,7 +52,7 @@ from trainguard.agent.action_log import ActionLog, alert_record, request_id, sha
 from trainguard.agent.action_metrics import ActionCounts
 from trainguard.agent.dispatch import ActionNotDone, ClaimWatch, NodeActions
 from trainguard.agent.evidence_first import EvidenceFirst, Investigator
-from trainguard.trainer import cordon_key
+from trainguard.runtime import cordon_key
 from trainguard.node import node_name
 from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, Verdict
 

@@ -2,7 +2,7 @@
 
 Every remote action the ledger lets through is first a request, signed with the run's checkpoint key and
 appended to ``RUN/control/actions.jsonl`` (the ranks act on those with a control ``code`` in the same step,
-trainer/control.py, and their handlers in protect/handlers.py). An action the table gives to the agent
+runtime/control.py, and their handlers in protect/handlers.py). An action the table gives to the agent
 (``carried_by`` AGENT: ``restore``) does more here, in its handler, registered with ``@handles(NAME)`` as
 ``handler(node, verdict, result)``; `node` (a `NodeActions`, agent/dispatch.py) is what the handler may act
 on: this node's run directory, host, restore settings and refusal counts. ``gathers_evidence``: a handler

@@ -25,7 +25,7 @@ from trainguard import rundir, safe_read, signed, tls
 from trainguard.actions import ACTIONS_BY_CODE, COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SKIP_STEP, STOP
 from trainguard.decide.decision import Decision
 from trainguard.protect.callbacks import scale_optimizers
-from trainguard.trainer.checkpoint import keys
+from trainguard.runtime.checkpoint import keys
 
 if TYPE_CHECKING:
     from trainguard.protect.protector import Protector
@@ -72,7 +72,7 @@ def guard_order(decision: Decision) -> Order:
 
 
 def control_order(protector: Protector, code: int, lineno: int) -> Order:
-    """The control request every rank learned of this step (see trainer/control.py), acknowledged."""
+    """The control request every rank learned of this step (see runtime/control.py), acknowledged."""
     request = protector.control.request_at(lineno)
     ids = {"id": str(request.get("id")), "alertname": request.get("alertname") or "",
            "reason": request.get("reason") or ""}

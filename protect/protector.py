@@ -54,10 +54,10 @@ from trainguard.protect.handlers import EXIT_OK, EXIT_STOPPED, Order, Outcome
 from trainguard.protect.checkpoints import RankCheckpoints
 from trainguard.protect.state import TrainState
 from trainguard.protect.sync import HealthSync
-from trainguard.trainer import cordon_key
-from trainguard.trainer.checkpoint import keys
-from trainguard.trainer.control import ControlChannel, write_rank_file
-from trainguard.trainer.telemetry import StepTelemetry
+from trainguard.runtime import cordon_key
+from trainguard.runtime.checkpoint import keys
+from trainguard.runtime.control import ControlChannel, write_rank_file
+from trainguard.runtime.telemetry import StepTelemetry
 
 __all__ = ["EXIT_OK", "EXIT_STOPPED", "Outcome", "Protector", "Verdict", "Begun", "KEPT_ON_ROLLBACK"]
 # The checkpoint keys the Protector adds to the loop's `states`.
@@ -107,10 +107,10 @@ class Protector:
                  flops_per_token: float = 0.0, peak_flops: float = 0.0, precision: str = "bf16"):
         """`sharded_checkpoints`: every rank saves (and loads in place) its own shards of the `model` and
         `optim` states (FSDP2: their state dicts hold DTensors); otherwise rank 0 saves the whole state.
-        `checkpoint_compress`: "none" or "lossless" (bit-exact byte planes + zstd, trainer/checkpoint/compress.py).
+        `checkpoint_compress`: "none" or "lossless" (bit-exact byte planes + zstd, runtime/checkpoint/compress.py).
         `shadow`: True or False over the policy's `actions.mode` (None: the policy decides).
         `flops_per_token`, `peak_flops`, `precision`: MFU's inputs for the default telemetry (the model's
-        training FLOPs per token; the device's peak, 0: trainer/mfu.py's table for `precision`); with no
+        training FLOPs per token; the device's peak, 0: runtime/mfu.py's table for `precision`); with no
         FLOPs per token or no known peak there is no MFU. Give them to your own `telemetry` instead."""
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
         self.device = torch.device(device)
@@ -135,7 +135,7 @@ class Protector:
         self.meter = CostMeter(self.policy.cost)
         self.states = {**states, GUARD_KEY: self.guard, COST_KEY: self.meter, STATE_KEY: self.state}
         self.sync = HealthSync(world_size, rank, self.device)
-        # Requests are signed with the run's checkpoint key (trainer/control.py): a line anyone appended is refused.
+        # Requests are signed with the run's checkpoint key (runtime/control.py): a line anyone appended is refused.
         control_key, key_where = cordon_key.signing_key(key_file or None, create=True)
         self.control = ControlChannel(self.run_dir, rank, self.log, key=control_key, key_where=key_where,
                                       on_event=self.event)
@@ -351,7 +351,7 @@ def _tell(guard: Guard, telemetry: StepTelemetry, step: int, log: Any) -> None:
 def _load_target(states: dict[str, Any]) -> dict[str, Any]:
     """What a sharded restore loads into in place: the current state dicts of the tensor states
     (their shards, in this rank's layout)."""
-    from trainguard.trainer.checkpoint.manager import TENSOR_PARTS
+    from trainguard.runtime.checkpoint.manager import TENSOR_PARTS
 
     return {key: states[key].state_dict() for key in TENSOR_PARTS if key in states}
 

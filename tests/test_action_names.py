@@ -13,7 +13,7 @@ from pathlib import Path
 from trainguard import actions
 
 ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("trainguard", "agent", "trainer", "protect", "preflight", "alerts", "dashboards")
+PRODUCT = ("trainguard", "agent", "trainer", "runtime", "protect", "preflight", "alerts", "dashboards", "demo")
 OWNER = "trainguard/actions.py"
 
 # (file, word): the same word in another vocabulary, owned there. Each entry says which.
@@ -25,11 +25,11 @@ ALLOWED = {
     ("dashboards/build.py", "stop"),
     # subcommand names of the command line (`trainguard cordon`, `trainguard checkpoint restore`)
     ("trainguard/cli.py", "cordon"),
-    ("trainer/checkpoint_cli.py", "restore"),
+    ("runtime/checkpoint/cli.py", "restore"),
     # the run directory's folder of cordon files, RUN/control/cordon/ (rundir owns its paths)
     ("trainguard/rundir.py", "cordon"),
     # what a file is, in an error message (safe_read's `what`): "cordon: too large"
-    ("trainguard/cordon.py", "cordon"),
+    ("trainguard/cordon/__init__.py", "cordon"),
     # the report's marker kinds, named after what they mark (a rollback, a restart from a checkpoint)
     ("trainguard/report/html.py", "rollback"),
     ("trainguard/report/html.py", "restore"),
@@ -37,8 +37,6 @@ ALLOWED = {
     ("trainguard/report/charts.py", "restore"),
     ("trainguard/report/data.py", "rollback"),
     ("trainguard/report/data.py", "restore"),
-    # goodput's badput causes (docs/goodput.md): the steps a rollback threw away
-    ("trainguard/goodput.py", "rollback"),
     # a field of an incident's record and of replay's replica verdict: the hosts cordoned
     ("trainer/replica_check.py", "cordon"),
     ("trainguard/replay/replica.py", "cordon"),

@@ -28,7 +28,7 @@ def test_each_action_the_agent_carries_out_has_one_agent_handler_and_no_other_ha
 
 def test_a_remote_action_for_the_ranks_has_a_control_code_and_no_other_action_has_one():
     """The control channel is how a remote action reaches the ranks: its code travels in the step's
-    all-reduce (trainer/control.py), so codes are distinct and never 0 ("nothing this step")."""
+    all-reduce (runtime/control.py), so codes are distinct and never 0 ("nothing this step")."""
     for_the_ranks = {a.name for a in actions.TABLE if a.remote and a.carried_by == actions.PROTECTOR}
     assert set(actions.CODES) == for_the_ranks
     assert len(set(actions.CODES.values())) == len(actions.CODES) and 0 not in actions.CODES.values()

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("trainguard", "agent", "trainer", "protect", "preflight", "alerts", "dashboards")
+PRODUCT = ("trainguard", "agent", "trainer", "runtime", "protect", "preflight", "alerts", "dashboards", "demo")
 MOST_METHODS = 15
 
 

@@ -11,7 +11,7 @@ Each row (`Action`) says:
 - ``local``: the guard decides it inside the training step, identically on every rank;
 - ``remote``: it may arrive from outside the trainer (an alert's ``action`` label, the agent's embedded
   path), decided by the agent's ledger;
-- ``code``: its number in the control channel's all-reduce (trainer/control.py); None: it never travels
+- ``code``: its number in the control channel's all-reduce (runtime/control.py); None: it never travels
   to the ranks that way;
 - ``tier``: the cost order (a stronger tier supersedes a weaker one); 0: not a cost tier;
 - ``hourly_limit``, ``escalation``: the ledger's rate limit (the policy key of the most per hour) and
@@ -117,7 +117,7 @@ COST_ACTIONS = _names(lambda a: a.tier > 0)
 COST_ORDER = {action.name: action.tier for action in TABLE if action.tier > 0}
 # What the report counts as "Guard and recovery actions".
 REPORTED_GUARD_ACTIONS = _names(lambda a: a.group == GUARD_GROUP)
-# The control channel's codes (trainer/control.py), both ways.
+# The control channel's codes (runtime/control.py), both ways.
 CODES = {action.name: action.code for action in TABLE if action.code is not None}
 ACTIONS_BY_CODE = {code: name for name, code in CODES.items()}
 # Rate-limited actions (the ledger coalesces and counts them), and what each becomes past its limit.

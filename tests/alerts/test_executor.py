@@ -14,7 +14,7 @@ from trainguard import rundir
 from trainguard.agent.action_log import ActionLog, alert_record
 from trainguard.agent.executor import Executor, request_id
 from trainguard.decide.ledger import Ledger, Limits, Notice
-from trainguard.trainer.control import ControlChannel
+from trainguard.runtime.control import ControlChannel
 
 HOST = socket.gethostname()
 

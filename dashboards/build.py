@@ -83,6 +83,12 @@ GPU_ID = Variable("gpu", "GPU", 'label_values(DCGM_FI_DEV_GPU_UTIL{job=~"$job", 
 
 # ---------------------------------------------------------------------------------------- annotations
 
+# The events of the actions panel: those that lose steps and the restores they restart from, the cost tiers
+# and the agent's requests carried out.
+ACTION_EVENTS = "|".join([*(name for name, _ in actions.STEPS_LOST), event_types.CHECKPOINT_RESTORED,
+                          *actions.COST_ACTIONS, event_types.ACTION])
+
+
 def event_annotation(name: str, types: str, color: str, why: str = "") -> Annotation:
     expr = (f'sum by (run_id, type) (increase(trainguard_training_events_total{{job=~"$job", run_id=~"$run_id",'
             f' type=~"{types}"}}[1m])) > 0')
@@ -362,7 +368,7 @@ def alerts_actions(policy: Policy) -> Board:
         Row("Actions"),
         timeseries("Guard and recovery events", q(
             f'sum by (type) (increase(trainguard_training_events_total{{job=~"$job",'
-            f' type=~"skip_step|rollback|restore|checkpoint_restored|cost_warn|cost_throttle|cost_stop|action"}}[{RATE}]))',
+            f' type=~"{ACTION_EVENTS}"}}[{RATE}]))',
             "{{type}}", only_when="only when the guard or an alert acts (the test run injects faults)"), width=12),
         timeseries("Actions the agent carried out",
                    q(f"sum by (action) (trainguard_actions_executed_total{AGENT}) or vector(0)", "{{action}}"),

@@ -210,7 +210,7 @@ def _absolute_paths(config: cfg.TrainConfig) -> None:
 def _check_checkpoint_key(config: cfg.TrainConfig, run_dir: Path, start_over: bool) -> str | None:
     """Before any rank starts: checkpoints signed with another key stop the run (a silent start from
     step 0 would let retention destroy them), unless --start-over sets them aside. The message, or None."""
-    from trainguard.runtime.checkpoint import CheckpointError, CheckpointManager
+    from trainguard.runtime.checkpoint import CheckpointError, CheckpointManager, archive
     from trainguard.runtime.checkpoint.manager import KeyMismatchError
 
     if not rundir.checkpoints_dir(run_dir).is_dir():
@@ -218,7 +218,7 @@ def _check_checkpoint_key(config: cfg.TrainConfig, run_dir: Path, start_over: bo
     try:
         manager = CheckpointManager(run_dir, key_file=config.run.key_file or None, inspect_only=True)
         if start_over:
-            for path in manager.set_aside_foreign():
+            for path in archive.set_aside_foreign(manager):
                 print(f"trainguard train: --start-over: set aside {path}", file=sys.stderr)
         manager.check_key()
     except KeyMismatchError as exc:

@@ -23,6 +23,7 @@ from trainguard import event_types, paths, rundir
 from trainguard.progress import Progress
 from trainguard.tls import parse_timestamp
 from trainguard.runtime.checkpoint import Checkpoint, CheckpointError, CheckpointInfo, CheckpointManager
+from trainguard.runtime.checkpoint import archive
 from trainguard.runtime.checkpoint.restore import GONE
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -151,7 +152,7 @@ def _restore(manager: CheckpointManager, args: argparse.Namespace, skipped: list
     if chosen is not None:
         if args.to:
             target = CheckpointManager(args.to, key_file=args.key_file, log=_quiet_log())
-            chosen = target.import_checkpoint(chosen)
+            chosen = archive.import_checkpoint(target, chosen)
             report["exported_to"] = str(chosen.path)
         else:
             report["superseded"] = [str(p) for p in manager.supersede_after(chosen.step, pinned=True)]
@@ -167,7 +168,7 @@ def _export(manager: CheckpointManager, args: argparse.Namespace, skipped: list)
     chosen = manager.latest_verified() if args.step is None else _requested(manager, args.step, False)
     if chosen is None:
         raise _Exit(EXIT_FAILED, f"{manager.root}: no checkpoint verifies; nothing to export")
-    exported = manager.export_checkpoint(chosen, args.to, compress=args.compress)
+    exported = archive.export_checkpoint(manager, chosen, args.to, compress=args.compress)
     layout = exported.manifest["layout"]
     report = {"step": exported.step, "path": str(exported.path), "compress": args.compress,
               "bytes": sum(e["bytes"] for e in exported.manifest["files"].values()),

@@ -127,7 +127,8 @@ class SaveStatus:
 def final_checkpoint_code(manager: "CheckpointManager", step: int, code: int, rank: int = 0) -> int:
     """The trainer's exit code once it has ended at `step`: EXIT_NO_DURABLE_CHECKPOINT (rank 0) when it
     completed but no durable checkpoint of that step exists (its saves failed: status.json says why)."""
-    if code != 0 or rank != 0 or manager.is_durable(step):
+    if (code != 0 or rank != 0 or manager.report.durable_step == step
+            or manager.verify_step(step, deep=False).ok):   # a durable checkpoint of `step` under its final name
         return code
     manager.events.log.error("run_ended_without_a_durable_checkpoint", step=step,
                              exit_code=EXIT_NO_DURABLE_CHECKPOINT, status=str(manager.root / STATUS_FILE))

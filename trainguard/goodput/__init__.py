@@ -43,7 +43,7 @@ from typing import Iterable
 
 from trainguard import actions, event_types
 
-CAUSES = ("startup", "checkpoint_save", "evaluation", "rollback", "restart_recovery", "stall", "slow_steps",
+CAUSES = ("startup", "checkpoint_save", "evaluation", actions.ROLLBACK, "restart_recovery", "stall", "slow_steps",
           "data_wait", "skipped_steps", "other")
 # Events that say how long they held training up: type -> (cause, field with the seconds). The time is
 # charged to the stretch in which the event started (`started_at`, else its time minus `seconds`).
@@ -223,8 +223,8 @@ class _Timeline:
         """Before a step: what the rollback, restore or restart since the previous step threw away."""
         if self.rollback_pending:
             kept = self.restored if self.restored is not None else step - 1
-            self._throw_away_after(kept, "rollback")
-            self.lead_in = "rollback"
+            self._throw_away_after(kept, actions.ROLLBACK)     # the badput cause named after the action
+            self.lead_in = actions.ROLLBACK
         elif self.restored is not None:
             if self.lead_in is None:   # restored with no rollback in a process that had stepped: a new one
                 self._restart()

@@ -1,6 +1,7 @@
 """Every alert the rules define (alerts/rules.py's CONCERNS and FLEET_CONCERNS, each concern's module under
 alerts/concerns/) has its runbook and its promtool unit tests, derived from the rules rather than a list.
 
+- Documentation: its name in the row of its rule file in docs/alerts.md's table of rules.
 - Runbook: a `## <AlertName>` section of docs/runbooks.md saying what the alert means and what to check
   (its `runbook_url` points there; test_rules.py checks the anchor).
 - promtool tests: in alerts/tests/*.test.yml, a file whose `rule_files` load the alert's rule file holds a
@@ -27,6 +28,7 @@ from trainguard.policy import Policy
 ROOT = Path(__file__).resolve().parents[2]
 RUNBOOKS = ROOT / "docs" / "runbooks.md"
 PROMTOOL_TESTS = ROOT / "alerts" / "tests"
+ALERTS_DOC = ROOT / "docs" / "alerts.md"
 MIN_RUNBOOK_WORDS = 40       # a section that says what the alert means, what was done, what to check
 
 
@@ -94,6 +96,21 @@ def test_every_alert_has_promtool_tests_that_fire_it_and_keep_it_quiet(name):
         loading = [where for where in cases[kind] if where.endswith(":" + rule_file)]
         assert loading, f"{name}: no promtool test in {PROMTOOL_TESTS} with {meaning} in a file whose " \
                         f"rule_files load {rule_file} (found: {cases[kind] or 'none'})"
+
+
+def rules_table() -> dict[str, set[str]]:
+    """{rule file: the alerts its row names} of docs/alerts.md's table of rule files."""
+    rows = re.findall(r"^\| `([\w-]+\.rules\.yml)` \| ([^|]*) \|", ALERTS_DOC.read_text(), re.MULTILINE)
+    return {file: set(re.findall(r"\b[A-Z][A-Za-z0-9]+\b", alerts)) for file, alerts in rows}
+
+
+def test_the_alerts_doc_names_every_alert_in_the_row_of_its_rule_file():
+    table = rules_table()
+    misplaced = sorted(f"{name} ({file})" for name, file in ALERTS.items() if name not in table.get(file, set()))
+    assert not misplaced, f"{ALERTS_DOC}: the table of rule files does not name {misplaced} in its file's row"
+    named = {name for names in table.values() for name in names}
+    assert not (named - set(ALERTS)), f"{ALERTS_DOC} names alerts the rules do not define: " \
+                                                      f"{sorted(named - set(ALERTS))}"
 
 
 def test_no_runbook_or_promtool_case_outlives_its_alert():

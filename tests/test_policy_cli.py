@@ -3,6 +3,8 @@ own, the first problem named with the file and key."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import yaml
 
@@ -86,3 +88,13 @@ def test_what_is_not_there_is_bad_input(capsys, tmp_path):
     for argv in (("check", tmp_path / "none.yaml"), ("show", tmp_path / "no-run")):
         status, _, err = policy(capsys, *argv)
         assert status == 2 and "no such" in err and "internal error" not in err
+
+
+def test_a_fifo_is_named_for_what_it_is_not_read(capsys, tmp_path):
+    """tests/test_paths.py's rule for every command that opens what it is given: look before opening."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for argv, what in ((("show", fifo), "not a run directory"), (("check", fifo), "not a policy file"),
+                       (("show", "--policy", fifo), "not a policy file")):
+        status, _, err = policy(capsys, *argv)
+        assert status == 2 and f"{fifo}: is a FIFO, {what}" in err, err

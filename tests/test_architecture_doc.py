@@ -32,7 +32,7 @@ DOC = ROOT / "docs" / "architecture.md"
 COLLECTORS_DOC = ROOT / "docs" / "collectors.md"
 COLLECTORS = Path("agent") / "collectors"
 DESCRIPTION_COLUMN = 20        # an entry's names start left of this; its continuation lines right of it
-PY_NAME = re.compile(r"(?<![\w./*-])([\w*]+\.py)\b")
+PY_NAME = re.compile(r"(?<![\w./*<>-])([\w*]+\.py)\b")
 PATH_NAME = re.compile(r"(?<![\w./*-])((?:[\w*-]+/)+[\w*.-]*)")
 
 

@@ -32,7 +32,7 @@ from tests.servers import promtool_check_metrics
 from trainguard.agent.collector import REGISTRY, Context
 from trainguard.agent.collectors import ib
 from trainguard.metrics import gpu_metrics, node
-from trainguard.trainer.control import write_rank_file
+from trainguard.runtime.control import write_rank_file
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GOLDEN = FIXTURES / "golden"

@@ -10,7 +10,7 @@ import yaml
 
 from trainguard import cli, runpolicy
 from trainguard import policy as policy_mod
-from trainguard.trainer.checkpoint import keys
+from trainguard.runtime.checkpoint import keys
 
 OWN = policy_mod.from_mapping({"alerts": {"stall_seconds": 77}, "cost": {"tiers": {"warn": 0.2}}})
 

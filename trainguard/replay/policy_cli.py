@@ -1,8 +1,10 @@
 """`trainguard policy show|check`: which policy acts, with every key, and whether a policy file is one.
 
-Every threshold that decides an action is a key of the policy (trainguard/policy.py), yet the keys and
-their defaults were only in the source, a file was checked only as a side effect of another command
-(`alerts render --policy`), and which policy a run's replay or agent acts under was said in one stderr line.
+Every threshold that decides an action is a key of the policy (trainguard/policy.py; each key in
+docs/policy.md), yet a file was checked only as a side effect of another command (`alerts render
+--policy`), and which policy a run's replay or agent acts under, and with which values, was one stderr line.
+It lives with replay (as report/status_cli.py lives with the report): `show RUN` is replay's own choice of
+policy (`choose_policy`).
 
     trainguard policy show [RUN_DIR] [--policy FILE] [--key-file K] [--changed]
         the policy `replay RUN_DIR` acts under (the run's own RUN/policy.yaml when rank 0's signature checks,

@@ -33,6 +33,7 @@ COMMANDS = {
     "cordon": ("trainguard.cordon.cli", "keep a node out of the job by hand (a signed cordon)"),
     "uncordon": ("trainguard.cordon.uncordon_cli", "let a node kept out of the job join it again"),
     "convert": ("trainguard.formats.cli", "TensorBoard, trainer_state.json, Megatron or torchtitan logs as TLS"),
+    "policy": ("trainguard.replay.policy_cli", "the policy a run acts under, every key; check a policy file"),
 }
 
 

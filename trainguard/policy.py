@@ -286,6 +286,31 @@ class ActionsPolicy:
     mode: str = actions_mod.ACT_MODE
 
 
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """The checkpoint autopilot (trainguard/decide/checkpoint_interval.py, docs/checkpoints.md#the-autopilot):
+    the interval between checkpoints chosen from the run's measured failures, save cost and restart cost."""
+
+    # "on": as `trainguard train --checkpoint-every auto` (and the library's checkpoint_every="auto").
+    autopilot: str = "off"
+    min_interval_seconds: float = 60.0        # bounds on the interval the autopilot applies
+    max_interval_seconds: float = 21600.0
+    # The prior for a run that has not failed yet: GPU-hours per interruption of the fleet. Llama 3 405B:
+    # 419 unexpected interruptions in 54 days on 16,384 GPUs (arXiv 2407.21783) = 50,677 GPU-hours; a job
+    # of G GPUs fails every 50,677 / G hours. Earlier runs in the same runs root replace it once they failed.
+    fleet_mtbf_gpu_hours: float = 54 * 24 * 16384 / 419
+    prior_failures: float = 1.0               # the prior's weight, in failures; it fades as failures are seen
+    window_failures: int = 5                  # the MTBF is measured over the last this many failures
+    change_ratio: float = 0.10                # a recommendation this far from the applied interval is applied
+    history_runs: int = 20                    # earlier runs of the runs root read for the prior (0: none)
+    # Two tiers (in-memory snapshots, the recovery issue): the share of failures a snapshot recovers (a
+    # snapshot replicated to a peer survives a node's loss; a snapshot that fails to verify, two nodes lost
+    # together, or a rollback to a stable checkpoint needs the durable tier). An assumption: set your own.
+    snapshot_recoverable_share: float = 0.9
+    snapshot_min_interval_seconds: float = 1.0
+
+
+AUTOPILOT_CHOICES = ("off", "on")
 EVICT_CHOICES = ("auto", "on", "off")
 EVICT_STRAGGLERS_CHOICES = ("off",)
 
@@ -302,6 +327,7 @@ class Policy:
     restore: RestorePolicy = field(default_factory=RestorePolicy)
     dynamics: DynamicsPolicy = field(default_factory=DynamicsPolicy)
     actions: ActionsPolicy = field(default_factory=ActionsPolicy)
+    checkpoint: CheckpointPolicy = field(default_factory=CheckpointPolicy)
 
     @property
     def shadow(self) -> bool:
@@ -483,6 +509,18 @@ RULES.update({   # silent corruption (trainguard/decide/replica.py): 0 turns the
     "guard.replica_check_every": at_least(0, 10**7),
     "guard.replica_cordon_window_seconds": at_least(0, 10**9),
 })
+RULES.update({   # the checkpoint autopilot (trainguard/decide/checkpoint_interval.py)
+    "checkpoint.autopilot": Choice(AUTOPILOT_CHOICES),
+    "checkpoint.min_interval_seconds": above(0, 10**7),
+    "checkpoint.max_interval_seconds": above(0, 10**8),
+    "checkpoint.fleet_mtbf_gpu_hours": above(0, 10**9),
+    "checkpoint.prior_failures": at_least(0, 10**4),
+    "checkpoint.window_failures": at_least(1, 10**4),
+    "checkpoint.change_ratio": at_least(0, 10),
+    "checkpoint.history_runs": at_least(0, 10**4),
+    "checkpoint.snapshot_recoverable_share": FRACTION,
+    "checkpoint.snapshot_min_interval_seconds": above(0, 10**7),
+})
 FALLBACK = at_least(0)      # a numeric key without a row yet (the property test names it): finite, >= 0
 
 
@@ -520,8 +558,15 @@ def _ib_timeouts_in_order(policy: "Policy") -> str | None:
     return None
 
 
+def _interval_bounds_in_order(policy: "Policy") -> str | None:
+    c = policy.checkpoint
+    if c.min_interval_seconds > c.max_interval_seconds:
+        return "checkpoint.min_interval_seconds: must not exceed checkpoint.max_interval_seconds"
+    return None
+
+
 CROSS_CHECKS = (_tiers_in_order, _rollback_fits_window, _spike_needs_its_window, _drift_needs_its_chunks,
-                _ib_timeouts_in_order)
+                _ib_timeouts_in_order, _interval_bounds_in_order)
 
 
 

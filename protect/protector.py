@@ -47,6 +47,7 @@ from trainguard import policy as policy_mod
 from trainguard import rundir, runpolicy, safe_read, signed, tls
 from trainguard.actions import (COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SHADOW_ACTION, SKIP_STEP, STOP,
                                 shadow_event)
+from trainguard.decide import checkpoint_interval as autopilot_rule
 from trainguard.decide.cost import CostMeter, clock_of
 from trainguard.decide.decision import CARRY_ON, Decision
 from trainguard.decide.guard import Guard, StepStats
@@ -60,6 +61,8 @@ from trainguard.trainer.control import ACTIONS_BY_CODE, ControlChannel, write_ra
 from trainguard.trainer.telemetry import StepTelemetry
 
 EXIT_OK, EXIT_STOPPED = 0, 3
+AUTO = "auto"                   # checkpoint_every="auto": the checkpoint autopilot
+AUTO_START_SECONDS = 300.0      # its first interval, until a save has been measured
 STOPPED_PURPOSE = "run-stopped/1"     # RUN/control/stopped.json, signed by rank 0 with the run's checkpoint key
 # The checkpoint keys the Protector adds to the loop's `states`.
 GUARD_KEY, COST_KEY, STATE_KEY = "guard", "cost", "trainer"
@@ -86,6 +89,7 @@ class Verdict:
     control_line: int = 0
     extra: tuple[float, ...] = ()   # the loop's own values carried in the same sync (`check(extra=...)`)
     shadowed: Decision | None = None   # shadow mode: the guard's decision, recorded and not carried out
+    checkpoint_interval: float = 0.0   # the autopilot's interval (rank 0's), the same on every rank
 
     @property
     def skip(self) -> bool:
@@ -120,7 +124,7 @@ class Protector:
                  world_size: int = 1, device: str | torch.device = "cpu", state: TrainState | None = None,
                  policy: policy_mod.Policy | str | os.PathLike | None = None,
                  telemetry: StepTelemetry | None = None, callbacks: Callbacks | None = None,
-                 layer_names: list[str] = (), run_id: str | None = None, checkpoint_every: int = 0,
+                 layer_names: list[str] = (), run_id: str | None = None, checkpoint_every: int | str = 0,
                  checkpoint_every_seconds: float = 0.0, keep_last: int = 3, key_file: str = "",
                  async_checkpoint: bool = False, checkpoint_on_error: str = "warn",
                  stable_val_factor: float = 1.5, log: Any = None, sharded_checkpoints: bool = False,
@@ -132,7 +136,10 @@ class Protector:
         `shadow`: True or False over the policy's `actions.mode` (None: the policy decides).
         `flops_per_token`, `peak_flops`, `precision`: MFU's inputs for the default telemetry (the model's
         training FLOPs per token; the device's peak, 0: trainer/mfu.py's table for `precision`); with no
-        FLOPs per token or no known peak there is no MFU. Give them to your own `telemetry` instead."""
+        FLOPs per token or no known peak there is no MFU. Give them to your own `telemetry` instead.
+        `checkpoint_every="auto"` (or the policy's `checkpoint.autopilot: on`): the checkpoint autopilot
+        chooses the interval by time from the run's measured failures, save and restart costs
+        (trainguard/decide/checkpoint_interval.py), starting from `checkpoint_every_seconds` (300 when 0)."""
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
         self.device = torch.device(device)
         self.run_id = run_id or self.run_dir.name
@@ -143,7 +150,18 @@ class Protector:
         self.state = state or TrainState()
         self.callbacks = callbacks or Callbacks()
         self.layer_names = list(layer_names)
-        self.checkpoint_every, self.checkpoint_every_seconds = checkpoint_every, checkpoint_every_seconds
+        auto = checkpoint_every == AUTO or self.policy.checkpoint.autopilot == "on"
+        if isinstance(checkpoint_every, str) and checkpoint_every != AUTO:
+            raise ValueError(f"Protector: checkpoint_every must be a number of steps or {AUTO!r}, "
+                             f"not {checkpoint_every!r}")
+        self.checkpoint_every = 0 if auto else int(checkpoint_every)
+        self.checkpoint_every_seconds = checkpoint_every_seconds or (AUTO_START_SECONDS if auto else 0.0)
+        # The autopilot decides on rank 0 (it alone sees every save); its interval reaches the other ranks in
+        # the step's sync, so all ranks save at the same steps.
+        self.auto = auto
+        self.autopilot = (autopilot_rule.Autopilot(self.policy.checkpoint, applied=self.checkpoint_every_seconds)
+                          if auto and rank == 0 else None)
+        self._steer_pending = False
         self.stable_val_factor = stable_val_factor
         if telemetry is not None and (flops_per_token or peak_flops or precision != "bf16"):
             raise ValueError("Protector: flops_per_token, peak_flops and precision configure the default "
@@ -152,6 +170,8 @@ class Protector:
                                                     run_id=self.run_id, device_type=self.device.type,
                                                     flops_per_token=flops_per_token, peak_flops=peak_flops,
                                                     precision=precision, device_name=self._device_name())
+        if self.autopilot is not None:
+            self.autopilot.gpus = int(self.telemetry.system.get("gpu_count") or 0)
         self.guard = Guard(self.policy.guard)
         self.meter = CostMeter(self.policy.cost)
         self.states = {**states, GUARD_KEY: self.guard, COST_KEY: self.meter, STATE_KEY: self.state}
@@ -178,6 +198,9 @@ class Protector:
         newest verified checkpoint if there is one."""
         write_rank_file(self.run_dir, self.rank, world_size=self.world, **rank_info)
         self._sign_policy()
+        if self.autopilot is not None:
+            self._start_autopilot()
+            self._steer_pending = True     # the first step tells whether this start followed a failure
         if (refused := self.stopped_marker()) is not None:
             self.log.error("this run was stopped by the guard; not starting again", **refused)
             return Begun(None, refused)
@@ -194,6 +217,28 @@ class Protector:
         except (OSError, ValueError) as exc:
             self.log.warning("the run's policy could not be written and signed; readers use their defaults",
                              error=str(exc))
+
+    def _start_autopilot(self) -> None:
+        """Rank 0: the run's own history (its failures, saves, restarts, the interval last applied) and the
+        earlier runs of the runs root (the prior), then every record this process writes."""
+        from trainguard import autopilot_history
+
+        pilot = self.autopilot
+        for record in autopilot_history.records(self.telemetry.path):
+            pilot.observe(record)
+        pilot.resume()
+        pilot.history = autopilot_history.earlier_runs(self.run_dir, self.policy.checkpoint.history_runs)
+        self.telemetry.observers.append(lambda record: pilot.observe(autopilot_history.timed(record)))
+
+    def _steer_interval(self, now: float) -> None:
+        """Rank 0, at a checkpoint boundary: the autopilot's recommendation, applied when it moved (an event
+        with its inputs)."""
+        if self.autopilot is None:
+            return
+        change = self.autopilot.consider(now)
+        if change is not None:
+            self.event(autopilot_rule.INTERVAL_EVENT, **change)
+            self.log.info("checkpoint interval changed by the autopilot", **change)
 
     def finish(self) -> None:
         """The loop ran to its end: a last checkpoint (unless this step has one), `run_end`, durable."""
@@ -221,14 +266,16 @@ class Protector:
         if extra is not None:
             norms = layer_norms.reshape(-1) if layer_norms is not None else extra.new_zeros(0)
             layer_norms = torch.cat([norms.to(extra.dtype), extra.reshape(-1)])
-        health = self.sync.sync(loss, grad_norm, layer_norms, control)
+        health = self.sync.sync(loss, grad_norm, layer_norms, control,
+                                self.autopilot.applied if self.autopilot is not None else 0.0)
         layers = dict(zip(self.layer_names, health.layer_norms[:carried]))
         loss_seen = health.loss if health.nonfinite_ranks == 0 else math.nan
         decision = self.guard.observe(StepStats(step, loss_seen, health.grad_norm, layers, health.timestamp))
         shadowed = decision if self.shadow and decision else None      # the step is not skipped in shadow
         return Verdict(step, loss_seen, health.grad_norm, layers, health.timestamp,
                        CARRY_ON if shadowed or not decision else decision, health.control_code,
-                       health.control_line, tuple(health.layer_norms[carried:]), shadowed)
+                       health.control_line, tuple(health.layer_norms[carried:]), shadowed,
+                       health.checkpoint_interval)
 
     def after_step(self, verdict: Verdict, *, tokens: int, samples: int, timings: dict[str, float],
                    learning_rate: float | None = None, **metrics: Any) -> Outcome:
@@ -238,12 +285,17 @@ class Protector:
         state.step = verdict.step
         if not verdict.skip:
             state.tokens_trained += tokens
+        if self.auto:      # the autopilot's intervals as step metrics (the agent exports them)
+            metrics = {**metrics, **self._interval_metrics(verdict)}
         record = self.telemetry.step(
             verdict.step, loss=verdict.loss, grad_norm=verdict.grad_norm,
             grad_norm_by_layer=verdict.layer_norms or None, learning_rate=learning_rate, tokens=tokens,
             samples=samples, timings=timings, tokens_trained=state.tokens_trained,
             timestamp=verdict.timestamp, **metrics)
         self._meter(verdict, record)
+        if self._steer_pending:
+            self._steer_pending = False
+            self._steer_interval(verdict.timestamp)
         self._tell()
         if verdict.shadowed is not None:
             self._on_decision(verdict.shadowed)
@@ -252,8 +304,13 @@ class Protector:
         if verdict.control_code and (outcome := self._on_request(verdict.control_code,
                                                                  verdict.control_line)).stop:
             return outcome
-        self._checkpoint_if_due(verdict.timestamp)
+        self._checkpoint_if_due(verdict.timestamp, verdict.checkpoint_interval)
         return Outcome(restored_step=state.step if state.step != verdict.step else None)
+
+    def _interval_metrics(self, verdict: Verdict) -> dict[str, float]:
+        if self.autopilot is not None:
+            return self.autopilot.metrics()
+        return {"checkpoint_interval_seconds": verdict.checkpoint_interval}
 
     def _meter(self, verdict: Verdict, record: dict | None) -> None:
         """Feed the cost meter the step as the agent's meter sees its record (the same clock)."""
@@ -301,17 +358,19 @@ class Protector:
         """Until an asynchronous save is durable."""
         self.checkpoints.wait()
 
-    def _checkpoint_if_due(self, now: float) -> None:
-        """By steps or by rank 0's clock (`now`), never twice for one step (a restore has just set it)."""
+    def _checkpoint_if_due(self, now: float, interval: float = 0.0) -> None:
+        """By steps or by rank 0's clock (`now`), never twice for one step (a restore has just set it).
+        With the autopilot, by its interval (`interval`, rank 0's from the sync), steered after each save."""
         state = self.state
         if state.last_checkpoint_time is None:
             state.last_checkpoint_time = now
+        every_seconds = interval if self.auto and interval > 0 else self.checkpoint_every_seconds
         by_steps = self.checkpoint_every and state.step % self.checkpoint_every == 0
-        by_time = (self.checkpoint_every_seconds
-                   and now - state.last_checkpoint_time >= self.checkpoint_every_seconds)
+        by_time = every_seconds and now - state.last_checkpoint_time >= every_seconds
         if (by_steps or by_time) and state.last_saved_step != state.step:
             self.save()
             state.last_checkpoint_time = now
+            self._steer_interval(now)
 
     def restore(self, *, rollback: bool, source: str = "resume", **fields: Any) -> int | None:
         """The one way back to a checkpoint, for resume and rollback alike: the newest verified one (for a

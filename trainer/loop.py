@@ -110,7 +110,8 @@ class Trainer:
                                                    sharded=self.sharded),
             state=self.state, rank=self.rank, world_size=self.world, device=self.device, policy=policy,
             telemetry=self.telemetry, callbacks=callbacks, layer_names=self.layer_names, run_id=self.run_id,
-            checkpoint_every=run.checkpoint_every, checkpoint_every_seconds=run.checkpoint_every_seconds,
+            checkpoint_every="auto" if run.checkpoint_auto else run.checkpoint_every,
+            checkpoint_every_seconds=run.checkpoint_every_seconds,
             keep_last=run.keep_last, key_file=run.key_file, async_checkpoint=run.async_checkpoint,
             checkpoint_on_error=run.checkpoint_on_error, stable_val_factor=run.stable_val_factor, log=self.log,
             sharded_checkpoints=self.sharded, checkpoint_compress=run.checkpoint_compress)

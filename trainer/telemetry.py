@@ -35,7 +35,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trainguard import rundir
 from trainguard import tls
@@ -225,6 +225,8 @@ class StepTelemetry:
             gpu_count = world_size if device_type == "cuda" else 0
         self.system: dict[str, Any] = {"gpu_count": gpu_count, "world_size": world_size}
         self.last_checkpoint: str | None = None
+        # Called with every record written (step and event): the checkpoint autopilot measures from them.
+        self.observers: list[Callable[[dict], None]] = []
 
     def mfu_basis(self) -> dict[str, Any]:
         """What MFU divides by, for a `run_start` event: the peak, where it came from, the FLOPs per token,
@@ -271,6 +273,7 @@ class StepTelemetry:
                   **self.envelope, "step": step, "metrics": metrics,
                   "hardware": self.memory.read(), "system": system}
         self.writer.write(record)
+        self._tell(record)
         return record
 
     def event(self, kind: str, /, step: int | None = None, **fields: Any) -> dict:
@@ -284,7 +287,12 @@ class StepTelemetry:
             record["step"] = step
         record["event"] = body
         self.writer.write(record)
+        self._tell(record)
         return record
+
+    def _tell(self, record: dict) -> None:
+        for observer in self.observers:
+            observer(record)
 
     def close(self) -> None:
         self.writer.close()

@@ -103,12 +103,15 @@ def test_recommend_bounds_and_two_tiers():
 
 
 def test_autopilot_changes_once_per_move_and_records_inputs():
-    pilot = ci.Autopilot(POLICY, applied=300.0, gpus=1)
-    assert pilot.consider(10.0) is None                 # no save measured yet: the configured interval stays
+    pilot = ci.Autopilot(dataclasses.replace(POLICY, min_interval_seconds=60.0), applied=300.0, gpus=1)
+    first = pilot.consider(10.0)                        # no save measured yet: save at the lower bound to measure one
+    assert (first["applied_seconds"], first["reason"], pilot.applied) == (60.0, "no save measured yet", 60.0)
+    assert pilot.consider(11.0) is None
+    pilot.policy = POLICY
     for record in crashed_log():
         pilot.observe(record)
     change = pilot.consider(31.0)
-    assert change["previous_seconds"] == 300.0 and change["applied_seconds"] == pilot.applied
+    assert change["previous_seconds"] == 60.0 and change["applied_seconds"] == pilot.applied
     for key in ("mtbf_seconds", "save_seconds", "restart_seconds", "failures", "mtbf_source", "expected_goodput"):
         assert key in change
     assert pilot.consider(31.5) is None                 # nothing moved: no event

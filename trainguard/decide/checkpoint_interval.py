@@ -39,8 +39,8 @@ divided by the job's GPUs, weighted as `prior_failures` failures that fade as re
     M = (T + a * M0) / (n + a),   a = prior_failures * max(0, 1 - n / window_failures)
 
 with `n` failures (at most the window) seen in the last `T` seconds. A failure is a restart of the
-process (a `run_start` after steps, when the process before did not end with `run_end`); the guard's
-rollbacks are not failures of the job and do not count.
+process: a `run_start` or `checkpoint_restored` after steps that no `rollback` explains, when the process
+before did not end with `run_end`. The guard's rollbacks are not failures of the job and do not count.
 
 Pure: records and numbers in, numbers out. The trainer (protect/protector.py), `trainguard goodput` and
 bench/bench_autopilot.py run these same functions.
@@ -60,7 +60,7 @@ from trainguard.policy import CheckpointPolicy
 SAVE_EVENT = "checkpoint_saved"          # blocking_seconds: what a durable save held training up
 SNAPSHOT_EVENT = "snapshot_saved"        # the in-memory tier's save (the recovery issue), blocking_seconds
 INTERVAL_EVENT = "checkpoint_interval"   # the autopilot applied a new interval; its inputs beside it
-RUN_START, RUN_END = "run_start", "run_end"
+RUN_START, RUN_END, ROLLBACK = "run_start", "run_end", "rollback"
 PROCESS_START = ("checkpoint_invalid", "checkpoint_restored", RUN_START)
 SAVE_SAMPLES = 8                         # the save cost is the median of this many latest saves
 SECONDS_PER_HOUR = 3600.0
@@ -213,10 +213,9 @@ class FailureLog:
     snapshots: deque[float] = field(default_factory=lambda: deque(maxlen=SAVE_SAMPLES))
     applied: float | None = None          # the latest `checkpoint_interval` event's, if any
     gpu_count: int = 0
-    stepped: bool = False                 # a step since this process started
+    stepped: bool = False                 # a step was seen
     ended: bool = False                   # the process before wrote `run_end` (a planned stop, no failure)
-    boundary: float | None = None         # the last record before this process's first start event
-    pending: float | None = None          # a failure whose restart has not stepped yet
+    boundary: float | None = None         # the last record before a new process's first start event
 
     def observe(self, record: dict) -> None:
         ts = float(record["timestamp"])
@@ -236,12 +235,8 @@ class FailureLog:
         kind = event.get("type")
         if kind in PROCESS_START and self.stepped and self.boundary is None:
             self.boundary = self.last_ts if self.last_ts is not None else ts
-        if kind == RUN_START and self.stepped:
-            if not self.ended:
-                failed_at = self.boundary if self.boundary is not None else ts
-                self.failures.append(failed_at)
-                self.pending = failed_at
-            self.stepped, self.ended, self.boundary = False, False, None
+        elif kind == ROLLBACK:
+            self.boundary = None        # the restore was the guard's rollback, in the same process
         elif kind == RUN_END:
             self.ended = True
         elif kind == SAVE_EVENT:
@@ -252,10 +247,14 @@ class FailureLog:
             self.applied = float(event["applied_seconds"])
 
     def _step(self, metrics: dict, ts: float) -> None:
-        if self.pending is not None:
-            began = ts - (_number(metrics.get("step_time_seconds")) or 0.0)
-            self.restarts.append(max(0.0, began - self.pending))
-            self.pending = None
+        """A step after a new process started (not a rollback): a failure at the last record of the one
+        before, unless that one ended cleanly; its restart cost runs to this step's start."""
+        if self.boundary is not None:
+            if not self.ended:
+                began = ts - (_number(metrics.get("step_time_seconds")) or 0.0)
+                self.failures.append(self.boundary)
+                self.restarts.append(max(0.0, began - self.boundary))
+            self.boundary = None
         self.stepped, self.ended = True, False
 
     def measured(self, now: float, policy: CheckpointPolicy, history: History | None = None,
@@ -331,9 +330,10 @@ class Autopilot:
             self.changes = 1
 
     def consider(self, now: float) -> dict[str, Any] | None:
-        recommendation = recommend(self.log.measured(now, self.policy, self.history, self.gpus), self.policy)
+        measured = self.log.measured(now, self.policy, self.history, self.gpus)
+        recommendation = recommend(measured, self.policy)
         if recommendation is None:
-            return None
+            return self._measure_first(measured)
         self.recommended = recommendation.interval_seconds
         moved = abs(recommendation.interval_seconds - self.applied) / self.applied if self.applied > 0 else math.inf
         if self.changes and moved <= self.policy.change_ratio:
@@ -342,6 +342,18 @@ class Autopilot:
         self.changes += 1
         return {"applied_seconds": self.applied, "previous_seconds": round(previous, 3),
                 **recommendation.inputs()}
+
+    def _measure_first(self, measured: Measured) -> dict[str, Any] | None:
+        """No save measured yet: the first checkpoint comes at the lower bound, so the rule has its cost
+        (and the run something to resume from) early."""
+        low = self.policy.min_interval_seconds
+        if self.changes or self.applied <= low:
+            return None
+        previous, self.applied = self.applied, low
+        self.changes += 1
+        return {"applied_seconds": low, "previous_seconds": round(previous, 3), "recommended_seconds": None,
+                "bound": "min", "reason": "no save measured yet",
+                **{key: _rounded(value) for key, value in asdict(measured).items()}}
 
     def metrics(self) -> dict[str, float]:
         """The step record's autopilot metrics: the applied and the latest recommended interval."""

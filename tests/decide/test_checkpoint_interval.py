@@ -70,7 +70,7 @@ def test_failure_log_measures_failures_saves_and_restarts():
     for record in crashed_log():
         log.observe(record)
     assert log.failures == [5.0]                        # the last record of the dead process
-    assert list(log.restarts) == [25.0]                 # to the start of the first step after it (31 - 1)
+    assert log.restart_costs == [25.0]                 # to the start of the first step after it (31 - 1)
     assert list(log.saves) == [2.0]
     measured = log.measured(31.0, POLICY, gpus=1)
     assert measured.save_seconds == 2.0 and measured.restart_seconds == 25.0
@@ -84,7 +84,7 @@ def test_a_planned_stop_is_no_failure():
                _record(50.0, event={"type": "run_start"}), _record(51.0, 2)]
     for record in records:
         log.observe(record)
-    assert log.failures == [] and not log.restarts
+    assert log.failures == [] and not log.restart_costs
 
 
 def test_recommend_bounds_and_two_tiers():

@@ -39,7 +39,7 @@ def test_crashes_move_the_interval_as_the_rule_says(tmp_path):
     assert first["reason"] == "no save measured yet" and first["applied_seconds"] == 0.05
     assert [c["failures"] for c in measured][:1] == [0] and measured[-1]["failures"] == 2
     for change in measured:                                   # every change is the rule on its recorded inputs
-        assert change["applied_seconds"] == pytest.approx(_rule_says(change, policy), abs=1e-3)
+        assert change["applied_seconds"] == pytest.approx(_rule_says(change, policy), rel=2e-3)   # inputs rounded
         assert change["save_seconds"] > 0
     after_failures = [c for c in measured if c["failures"]]
     assert [c["failures"] for c in after_failures] == [1, 2]

@@ -208,7 +208,7 @@ class FailureLog:
     first_ts: float | None = None
     last_ts: float | None = None
     failures: list[float] = field(default_factory=list)
-    restarts: deque[float] = field(default_factory=lambda: deque(maxlen=SAVE_SAMPLES))
+    restart_costs: list[float] = field(default_factory=list)      # every restart's, in order
     saves: deque[float] = field(default_factory=lambda: deque(maxlen=SAVE_SAMPLES))
     snapshots: deque[float] = field(default_factory=lambda: deque(maxlen=SAVE_SAMPLES))
     applied: float | None = None          # the latest `checkpoint_interval` event's, if any
@@ -253,7 +253,7 @@ class FailureLog:
             if not self.ended:
                 began = ts - (_number(metrics.get("step_time_seconds")) or 0.0)
                 self.failures.append(self.boundary)
-                self.restarts.append(max(0.0, began - self.boundary))
+                self.restart_costs.append(max(0.0, began - self.boundary))
             self.boundary = None
         self.stepped, self.ended = True, False
 
@@ -267,7 +267,7 @@ class FailureLog:
             source = "measured"
         elif self.failures:
             source = f"measured+{source}"
-        return Measured(mtbf, source, counted, observed, _median(self.saves), _median(self.restarts),
+        return Measured(mtbf, source, counted, observed, _median(self.saves), _median(self.restart_costs[-SAVE_SAMPLES:]),
                         _median(self.snapshots), policy.snapshot_recoverable_share if self.snapshots else 0.0)
 
 

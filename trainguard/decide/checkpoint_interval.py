@@ -52,7 +52,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from trainguard.policy import CheckpointPolicy
 
@@ -381,26 +381,41 @@ class TraceResult:
         return asdict(self)
 
 
+Steer = Callable[[str, float, float], float]     # (what happened, when it began, when it ended) -> interval
+
+
 def replay_trace(failures: Sequence[float], restarts: Sequence[float], total_seconds: float,
-                 interval: float, save_seconds: float) -> TraceResult:
+                 interval: float, save_seconds: float, steer: Steer | None = None) -> TraceResult:
     """What a run of `total_seconds` (wall) would have kept, saving every `interval` seconds (between the
     starts of two saves, each blocking `save_seconds`), when its failures struck at `failures` (seconds
     from the start, ascending) and the i-th restart took `restarts[i]` seconds. A failure during a save
     loses that save; a failure during a restart starts the restart again. The failures are the ones the
-    run recorded, at the times they happened: a failure rate does not depend on the interval."""
-    compute = max(interval - save_seconds, 1e-9)
+    run recorded, at the times they happened: a failure rate does not depend on the interval.
+
+    `steer`: an interval that changes as the run goes (the autopilot): called after each save
+    ("save", its start, its end) and each restart ("restart", the failure, the first step after it),
+    it returns the interval from then on."""
     clock, since_save, useful = 0.0, 0.0, 0.0
     saves, saved_time, lost, restart_time = 0, 0.0, 0.0, 0.0
     index, count = 0, len(failures)
+    first = interval
+
+    def fail(at: float, work: float) -> None:
+        nonlocal clock, index, lost, restart_time, since_save, interval
+        lost += work
+        clock = _restart(at, restarts, index, total_seconds)
+        restart_time += clock - at
+        index = _next_failure(failures, index + 1, clock)
+        since_save = 0.0
+        if steer is not None and clock < total_seconds:
+            interval = steer("restart", at, clock)
+
     while clock < total_seconds:
+        compute = max(interval - save_seconds, 1e-9)
         next_failure = failures[index] if index < count else math.inf
-        work_end = min(clock + (compute - since_save), total_seconds)
+        work_end = min(clock + max(compute - since_save, 0.0), total_seconds)
         if next_failure < work_end:                       # fails while training: the work since the save is lost
-            lost += since_save + (next_failure - clock)
-            clock = _restart(next_failure, restarts, index, failures, total_seconds)
-            restart_time += clock - next_failure
-            index = _next_failure(failures, index + 1, clock)
-            since_save = 0.0
+            fail(next_failure, since_save + (next_failure - clock))
             continue
         since_save += work_end - clock
         clock = work_end
@@ -408,25 +423,44 @@ def replay_trace(failures: Sequence[float], restarts: Sequence[float], total_sec
             break
         save_end = clock + save_seconds
         if next_failure < min(save_end, total_seconds):    # fails while saving: that save never happened
-            lost += since_save
             saved_time += next_failure - clock
-            clock = _restart(next_failure, restarts, index, failures, total_seconds)
-            restart_time += clock - next_failure
-            index = _next_failure(failures, index + 1, clock)
-            since_save = 0.0
+            fail(next_failure, since_save)
             continue
         saved_time += min(save_end, total_seconds) - clock
-        clock = save_end
+        began, clock = clock, save_end
         if clock <= total_seconds:
             useful += since_save
             saves += 1
             since_save = 0.0
+            if steer is not None:
+                interval = steer("save", began, clock)
     useful += since_save        # the run's end: what was trained since the last save is kept (a final save)
-    return TraceResult(interval, useful / total_seconds if total_seconds > 0 else 0.0, useful, saves,
+    return TraceResult(first, useful / total_seconds if total_seconds > 0 else 0.0, useful, saves,
                        saved_time, lost, restart_time)
 
 
-def _restart(at: float, restarts: Sequence[float], index: int, failures: Sequence[float], total: float) -> float:
+def autopilot_steer(pilot: "Autopilot", save_seconds: float) -> Steer:
+    """A `replay_trace` steer that drives `pilot` with the records a live run would have written: a step
+    at each save and at each failure (the dead process's last record), a `checkpoint_saved` with the
+    save's blocking time, a `run_start` and a first step after each restart."""
+    pilot.observe({"timestamp": 0.0, "event": {"type": RUN_START}})
+    pilot.observe({"timestamp": 0.0, "step": 0, "metrics": {}})
+
+    def steer(kind: str, began: float, ended: float) -> float:
+        if kind == "save":
+            pilot.observe({"timestamp": began, "step": 0, "metrics": {}})
+            pilot.observe({"timestamp": ended, "event": {"type": SAVE_EVENT, "blocking_seconds": save_seconds}})
+        else:
+            pilot.observe({"timestamp": began, "step": 0, "metrics": {}})
+            pilot.observe({"timestamp": ended, "event": {"type": RUN_START}})
+            pilot.observe({"timestamp": ended, "step": 0, "metrics": {}})
+        pilot.consider(ended)
+        return pilot.applied
+
+    return steer
+
+
+def _restart(at: float, restarts: Sequence[float], index: int, total: float) -> float:
     cost = restarts[index] if index < len(restarts) else (restarts[-1] if restarts else 0.0)
     return min(at + cost, total)
 

@@ -285,8 +285,7 @@ class Protector:
         state.step = verdict.step
         if not verdict.skip:
             state.tokens_trained += tokens
-        if self.auto:      # the autopilot's intervals as step metrics (the agent exports them)
-            metrics = {**metrics, **self._interval_metrics(verdict)}
+        metrics = {**metrics, **self._interval_metrics(verdict)}   # step metrics: the agent exports them
         record = self.telemetry.step(
             verdict.step, loss=verdict.loss, grad_norm=verdict.grad_norm,
             grad_norm_by_layer=verdict.layer_norms or None, learning_rate=learning_rate, tokens=tokens,
@@ -308,9 +307,11 @@ class Protector:
         return Outcome(restored_step=state.step if state.step != verdict.step else None)
 
     def _interval_metrics(self, verdict: Verdict) -> dict[str, float]:
+        """The checkpoint interval by time in force (and, on rank 0, the autopilot's recommendation)."""
         if self.autopilot is not None:
             return self.autopilot.metrics()
-        return {"checkpoint_interval_seconds": verdict.checkpoint_interval}
+        every = verdict.checkpoint_interval if self.auto else self.checkpoint_every_seconds
+        return {"checkpoint_interval_seconds": every} if every else {}
 
     def _meter(self, verdict: Verdict, record: dict | None) -> None:
         """Feed the cost meter the step as the agent's meter sees its record (the same clock)."""

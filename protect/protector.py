@@ -48,7 +48,7 @@ from trainguard import rundir, runpolicy, safe_read, signed, tls
 from trainguard.actions import (COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SHADOW_ACTION, SKIP_STEP, STOP,
                                 shadow_event)
 from trainguard.decide import checkpoint_interval as autopilot_rule
-from trainguard.decide.cost import CostMeter, clock_of
+from trainguard.decide.cost import CostMeter, clock_of, usage_of
 from trainguard.decide.decision import CARRY_ON, Decision
 from trainguard.decide.guard import Guard, StepStats
 from trainguard.protect.callbacks import Callbacks, load_states, scale_optimizers
@@ -316,7 +316,9 @@ class Protector:
     def _meter(self, verdict: Verdict, record: dict | None) -> None:
         """Feed the cost meter the step as the agent's meter sees its record (the same clock)."""
         clock = clock_of(record) if record else (self.telemetry.envelope["node"], time.monotonic())
-        self.meter.observe(verdict.step, verdict.timestamp, self.telemetry.system["gpu_count"], clock)
+        gpus = self.telemetry.system["gpu_count"]
+        self.meter.observe(verdict.step, verdict.timestamp, gpus, clock,
+                           usage_of(record, self.meter.gpus(gpus)) if record else None)
 
     # -------------------------------------------------------------------------------------- checkpoints
     def evaluate(self, purpose: str, **fields: Any) -> float | None:

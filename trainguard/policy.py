@@ -56,6 +56,14 @@ class CostPolicy:
     # Billable devices when not 0; else the GPU count from the records. CPU-only runs (demo, tests)
     # report no GPUs and are billed as this many devices.
     gpu_count_override: int = 0
+    # Tiers on tokens too (0: off): USD per million tokens, counted on `token_basis`: "tokens" (every token
+    # the job processed) or "useful_tokens" (only those of updates that were kept: a rollback or restart
+    # undoes the rest), cumulative since the meter started. The same tiers (overrun over this budget) act.
+    budget_per_million_tokens: float = 0.0
+    token_basis: str = "useful_tokens"
+    # An energy budget (0: off): kWh per 1000 steps over the window, from NVML's energy counter in the step
+    # records (hardware.energy_joules, the rank's GPU, times the GPU count); the same tiers act on it.
+    energy_budget_kwh_per_1k_steps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -405,6 +413,9 @@ RULES: dict[str, Range | Choice | str] = {
     "cost.window_steps": WINDOW,
     "cost.min_steps": at_least(1, 10**6),
     "cost.gpu_count_override": at_least(0, 10**7),
+    "cost.budget_per_million_tokens": at_least(0),
+    "cost.token_basis": Choice(("tokens", "useful_tokens")),
+    "cost.energy_budget_kwh_per_1k_steps": at_least(0),
     "guard.spike_sigma": above(0),
     "guard.spike_window": at_least(2, 10**6),
     "guard.spike_min_steps": at_least(2, 10**6),

@@ -169,7 +169,8 @@ class Protector:
         self.telemetry = telemetry or StepTelemetry(self.run_dir, rank=rank, world_size=world_size,
                                                     run_id=self.run_id, device_type=self.device.type,
                                                     flops_per_token=flops_per_token, peak_flops=peak_flops,
-                                                    precision=precision, device_name=self._device_name())
+                                                    precision=precision, device_name=self._device_name(),
+                                                    device_index=self.device.index)
         if self.autopilot is not None:
             self.autopilot.gpus = int(self.telemetry.system.get("gpu_count") or 0)
         self.guard = Guard(self.policy.guard)

@@ -96,7 +96,8 @@ class Trainer:
             self.run_dir, rank=self.rank, world_size=self.world, run_id=self.run_id,
             device_type=self.device.type, flops_per_token=self.model.flops_per_token(), peak_flops=run.peak_flops,
             precision="bf16", device_name=self._device_name(),
-            gpu_count=run.gpu_count if run.gpu_count >= 0 else None, enabled=run.telemetry)
+            gpu_count=run.gpu_count if run.gpu_count >= 0 else None, enabled=run.telemetry,
+            device_index=self.device.index)
         self.faults = FaultInjector(run.inject, self.run_dir, self.rank, emit=self.telemetry.event)
         self.state = TrainState(micro_batch=config.optim.micro_batch_size or config.optim.batch_size)
         callbacks = trainer_callbacks(schedule=self.schedule, train_data=self.train_data, faults=self.faults,

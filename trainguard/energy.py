@@ -18,11 +18,17 @@ import math
 from typing import Iterable
 
 
-def samples_of(records: Iterable[dict]) -> dict[str, list[tuple[float, float]]]:
-    """(time, joules) per GPU (`node/uuid`) from the records' `hardware.gpus[].energy_joules`, in time order."""
+def samples_of(records: Iterable[dict], scale: float = 1.0) -> dict[str, list[tuple[float, float]]]:
+    """(time, joules) per GPU (`node/uuid`) from the agent's records' `hardware.gpus[].energy_joules`, or
+    per rank (`node/rank-R`) from the trainer's step records' `hardware.energy_joules` (its own GPU), times
+    `scale` (a rank's GPU standing for the job's: the GPU count), in time order."""
     series: dict[str, list[tuple[float, float]]] = {}
     for record in records:
         hardware = record.get("hardware")
+        own = hardware.get("energy_joules") if isinstance(hardware, dict) else None
+        if isinstance(own, (int, float)) and not isinstance(own, bool) and math.isfinite(own):
+            key = f"{record.get('node', '')}/rank-{record.get('rank', 0)}"
+            series.setdefault(key, []).append((float(record["timestamp"]), float(own) * scale))
         gpus = hardware.get("gpus") if isinstance(hardware, dict) else None
         if not isinstance(gpus, list):
             continue
@@ -32,7 +38,7 @@ def samples_of(records: Iterable[dict]) -> dict[str, list[tuple[float, float]]]:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 continue
             key = f"{record.get('node', '')}/{gpu.get('uuid') or gpu.get('gpu')}"
-            series.setdefault(key, []).append((when, float(value)))
+            series.setdefault(key, []).append((when, float(value) * scale))
     for points in series.values():
         points.sort()
     return series

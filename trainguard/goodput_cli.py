@@ -135,7 +135,13 @@ def run(args: argparse.Namespace) -> int:
             print(problem, file=sys.stderr)
     from trainguard import energy
 
-    curve = energy.Curve(energy.samples_of(metered)) if metered else None
+    # The agents' samples of every GPU; without them, rank 0's own counter standing for each of the job's GPUs.
+    series = energy.samples_of(metered)
+    if not series:
+        gpus = max((r["system"]["gpu_count"] for r in records if isinstance(r.get("system"), dict)
+                    and isinstance(r["system"].get("gpu_count"), int)), default=0)
+        series = energy.samples_of((r for r in records if "metrics" in r), scale=max(gpus, 1))
+    curve = energy.Curve(series) if series else None
     result = compute(records, GoodputConfig(slow_factor=args.slow_factor, stall_seconds=stall_seconds), incidents,
                      energy=curve if curve else None)
     autopilot = checkpoint_section(records, policy, result)

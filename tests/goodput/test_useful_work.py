@@ -118,3 +118,31 @@ def test_recommendation_and_what_if(tmp_path, capsys):
     assert "checkpoint interval: kept 12.00s between saves; recommended" in out and "what-if: 1 recorded" in out
     assert main(["goodput", str(tmp_path), "--what-if", "5,soon"]) == 2
     assert "--what-if: expected seconds" in capsys.readouterr().err
+
+
+def test_gpu_energy_reaches_the_records(tmp_path):
+    """The agent's gpu collector writes each GPU's counter as hardware.gpus[].energy_joules; the trainer's
+    telemetry writes its own GPU's as hardware.energy_joules (both from the fake NVML's recorded counter)."""
+    from tests.fakes.fake_nvml import FakeNVML, energy_scenario
+    from trainguard.agent.collector import Context
+    from trainguard.agent.collectors.gpu import GPUCollector
+    from trainguard.trainer.telemetry import StepTelemetry
+
+    scenario = energy_scenario("h100x8", [[400.0, 600.0, 500.0]] * 8)
+    nvml = FakeNVML(scenario)
+    collector = GPUCollector(Context(devfs=tmp_path / "dev", node="n1", options={"nvml_module": nvml}))
+    first = collector.update().tls["hardware"]["gpus"]
+    nvml.advance()
+    second = collector.update().tls["hardware"]["gpus"]
+    assert [b["energy_joules"] - a["energy_joules"] for a, b in zip(first, second)] == [400.0] * 8
+
+    nvml = FakeNVML(scenario)
+    telemetry = StepTelemetry(tmp_path / "run", device_type="cpu", nvml=nvml, device_index=0)
+    timings = {"step_time_seconds": 1.0}
+    one = telemetry.step(1, loss=1.0, timings=timings, tokens=10, samples=1)
+    nvml.advance()
+    two = telemetry.step(2, loss=1.0, timings=timings, tokens=10, samples=1)
+    telemetry.close()
+    assert two["hardware"]["energy_joules"] - one["hardware"]["energy_joules"] == 400.0
+    assert "energy_joules" not in StepTelemetry(tmp_path / "cpu", device_type="cpu").step(
+        1, loss=1.0, timings=timings, tokens=10, samples=1)["hardware"]

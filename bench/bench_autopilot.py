@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from trainguard import autopilot_history, energy, rundir, tls  # noqa: E402
 from trainguard.decide import checkpoint_interval as ci  # noqa: E402
-from trainguard.policy import CheckpointPolicy  # noqa: E402
+from trainguard.policy import CheckpointPolicy, load as load_policy  # noqa: E402
 
 LLAMA3_GPU_HOURS = 54 * 24 * 16384 / 419
 DEFAULT_INTERVAL = 300.0          # trainer/config.py run.checkpoint_every_seconds
@@ -214,6 +214,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--grid", type=int, default=150, help="fixed intervals in the offline sweep")
     parser.add_argument("--recorded", type=Path, nargs="*", default=[], help="run directories to replay")
+    parser.add_argument("--policy", type=Path, help="policy YAML for the recorded runs' autopilot (their prior)")
     parser.add_argument("--energy-seconds", type=int, default=1800)
     parser.add_argument("--sample-every", type=int, default=5, help="the agent's gpu sampling, seconds")
     args = parser.parse_args()
@@ -237,10 +238,12 @@ def main() -> None:
     for name, value in rows:
         print(f"- {name}: {value}")
     if args.recorded:
-        print("\nRecorded runs (their own failures, restart and save costs):\n")
+        recorded_policy = load_policy(args.policy).checkpoint if args.policy else policy
+        print("\nRecorded runs (their own failures, restart and save costs"
+              + (f"; autopilot prior from {args.policy}" if args.policy else "") + "):\n")
         print("| run | failures | seconds | save | best fixed (interval) | default | autopilot |")
         print("|---|---|---|---|---|---|---|")
-        for r in recorded_rows(args, policy):
+        for r in recorded_rows(args, recorded_policy):
             if "error" in r:
                 print(f"| {r['run']} | {r['error']} |")
                 continue

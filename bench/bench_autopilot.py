@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainguard import autopilot_history, energy, rundir, tls  # noqa: E402
+from trainguard import autopilot_history, energy, rundir  # noqa: E402
 from trainguard.decide import checkpoint_interval as ci  # noqa: E402
 from trainguard.policy import CheckpointPolicy, load as load_policy  # noqa: E402
 

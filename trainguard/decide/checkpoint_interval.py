@@ -54,16 +54,45 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from trainguard.policy import CheckpointPolicy
+from trainguard import actions, event_types
+from trainguard.config import FRACTION, Choice, above, at_least, key
 
-# TLS event types the autopilot reads and writes (one place; see docs/checkpoints.md).
-SAVE_EVENT = "checkpoint_saved"          # blocking_seconds: what a durable save held training up
-SNAPSHOT_EVENT = "snapshot_saved"        # the in-memory tier's save (the recovery issue), blocking_seconds
-INTERVAL_EVENT = "checkpoint_interval"   # the autopilot applied a new interval; its inputs beside it
-RUN_START, RUN_END, ROLLBACK = "run_start", "run_end", "rollback"
-PROCESS_START = ("checkpoint_invalid", "checkpoint_restored", RUN_START)
+# TLS event types the autopilot reads and writes (trainguard/event_types.py owns the names).
+SAVE_EVENT = event_types.CHECKPOINT_SAVED          # blocking_seconds: what a durable save held training up
+SNAPSHOT_EVENT = event_types.SNAPSHOT_SAVED        # the in-memory tier's save (the recovery issue), blocking_seconds
+INTERVAL_EVENT = event_types.CHECKPOINT_INTERVAL   # the autopilot applied a new interval; its inputs beside it
+RUN_START, RUN_END, ROLLBACK = event_types.RUN_START, event_types.RUN_END, actions.ROLLBACK
+PROCESS_START = (event_types.CHECKPOINT_INVALID, event_types.CHECKPOINT_RESTORED, RUN_START)
 SAVE_SAMPLES = 8                         # the save cost is the median of this many latest saves
 SECONDS_PER_HOUR = 3600.0
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """The policy's `checkpoint` section: the autopilot's bounds, prior and two tiers (docs/checkpoints.md)."""
+
+    autopilot: str = key("off", Choice(("off", "on")), "on: as trainguard train --checkpoint-every auto (the "
+                         "library's checkpoint_every=\"auto\")")
+    min_interval_seconds: float = key(60.0, above(0, 10**7), "the autopilot's interval is at least this")
+    max_interval_seconds: float = key(21600.0, above(0, 10**8), "the autopilot's interval is at most this")
+    # Llama 3 405B: 419 unexpected interruptions in 54 days on 16,384 GPUs (arXiv 2407.21783).
+    fleet_mtbf_gpu_hours: float = key(54 * 24 * 16384 / 419, above(0, 10**9), "the prior for a run that has not "
+                                      "failed: GPU-hours per failure of the fleet (default: Llama 3's rate)")
+    prior_failures: float = key(1.0, at_least(0, 10**4), "the prior's weight, in failures; it fades as failures "
+                                "are seen (0: no prior)")
+    window_failures: int = key(5, at_least(1, 10**4), "the MTBF is measured over the last this many failures")
+    change_ratio: float = key(0.10, at_least(0, 10), "a recommendation this far from the interval in force is "
+                              "applied")
+    history_runs: int = key(20, at_least(0, 10**4), "earlier runs of the runs root read for the prior (0: none)")
+    snapshot_recoverable_share: float = key(0.9, FRACTION, "two tiers: the share of failures an in-memory "
+                                            "snapshot recovers (an assumption: set your fleet's)")
+    snapshot_min_interval_seconds: float = key(1.0, above(0, 10**7), "the snapshot tier's interval is at least "
+                                               "this")
+
+    def cross_check(self, where: str) -> str | None:
+        if self.min_interval_seconds > self.max_interval_seconds:
+            return f"{where}.min_interval_seconds: must not exceed {where}.max_interval_seconds"
+        return None
 
 
 def young_interval(save_seconds: float, mtbf_seconds: float) -> float:

@@ -54,3 +54,19 @@ def test_crashes_move_the_interval_as_the_rule_says(tmp_path):
     last = step_records(run)[-1]
     assert last["metrics"]["checkpoint_interval_seconds"] == applied_at[-1][1]
     assert last["metrics"]["checkpoint_interval_recommended_seconds"] > 0
+
+
+def test_the_flag_takes_auto_or_steps(tmp_path, capsys):
+    from trainguard.trainer import cli, config
+
+    parser = __import__("argparse").ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--run-dir", str(tmp_path), "--checkpoint-every", "auto"])
+    built = cli.build_config(args)
+    assert built.run.checkpoint_auto and built.run.checkpoint_every == 0
+    assert cli.build_config(parser.parse_args(["--run-dir", str(tmp_path), "--checkpoint-every", "7"])).run.checkpoint_every == 7
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--run-dir", str(tmp_path), "--checkpoint-every", "often"])
+    assert exited.value.code == 2 and "number of steps or 'auto'" in capsys.readouterr().err
+    with pytest.raises(config.ConfigError, match="run.checkpoint_auto"):
+        config.validate(config.TrainConfig(run=config.RunConfig(checkpoint_auto=True, checkpoint_every=5)))

@@ -126,7 +126,7 @@ def test_gpu_energy_reaches_the_records(tmp_path):
     from tests.fakes.fake_nvml import FakeNVML, energy_scenario
     from trainguard.agent.collector import Context
     from trainguard.agent.collectors.gpu import GPUCollector
-    from trainguard.trainer.telemetry import StepTelemetry
+    from trainguard.runtime.telemetry import StepTelemetry
 
     scenario = energy_scenario("h100x8", [[400.0, 600.0, 500.0]] * 8)
     nvml = FakeNVML(scenario)

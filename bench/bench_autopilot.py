@@ -130,7 +130,8 @@ def retune_rows(args, policy):
         return seen["n"]
 
     even = [before * i for i in range(1, int(change / before) + 1)]
-    even += [even[-1] + after * i for i in range(1, int((total - even[-1]) / after))]
+    last = even[-1] if even else change
+    even += [last + after * i for i in range(1, int((total - last) / after))]
     rows.append(("evenly spaced", count(even)))
     counts = []
     for seed in range(args.seeds):
@@ -205,6 +206,59 @@ def energy_rows(args):
     return rows
 
 
+def real_energy_rows(seconds: int, every: float):
+    """On a GPU node: the real NVML counter. The agent's gpu collector samples every `every` seconds while
+    a matmul loop keeps every GPU busy; the run's energy from those samples against the counter read
+    directly at the run's start and end. None (and why) without a device."""
+    import threading
+    import time
+
+    try:
+        import pynvml
+        import torch
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        if not count or not torch.cuda.is_available():
+            return None, "no GPU here"
+    except Exception as exc:            # no driver, no library
+        return None, f"no NVML here ({type(exc).__name__})"
+    from trainguard.agent.collector import Context
+    from trainguard.agent.collectors.gpu import GPUCollector
+
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    collector = GPUCollector(Context(devfs=Path("/dev"), node="bench", options={}))
+    stop = threading.Event()
+
+    def load(device: int) -> None:
+        a = torch.randn(4096, 4096, device=f"cuda:{device}")
+        while not stop.is_set():
+            a = (a @ a).tanh_()
+        torch.cuda.synchronize(device)
+
+    workers = [threading.Thread(target=load, args=(d,)) for d in range(torch.cuda.device_count())]
+    records = []
+    for worker in workers:
+        worker.start()
+    began = time.time() + every / 2          # the run starts and ends between two samples
+    direct = None
+    end = began + seconds
+    while time.time() < end + every:
+        now = time.time()
+        records.append({"timestamp": now, "node": "bench", **collector.update().tls})
+        if direct is None and now >= began:
+            began, direct = now, [pynvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in handles]
+        time.sleep(every)
+    finished = time.time()
+    after = [pynvml.nvmlDeviceGetTotalEnergyConsumption(h) for h in handles]
+    stop.set()
+    for worker in workers:
+        worker.join()
+    truth = sum(b - a for a, b in zip(direct, after)) / 1000.0
+    measured = energy.Curve(energy.samples_of(records)).joules(began, finished)
+    return (finished - began, truth, measured, abs(measured - truth) / truth), None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gpus", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -217,6 +271,8 @@ def main() -> None:
     parser.add_argument("--policy", type=Path, help="policy YAML for the recorded runs' autopilot (their prior)")
     parser.add_argument("--energy-seconds", type=int, default=1800)
     parser.add_argument("--sample-every", type=int, default=5, help="the agent's gpu sampling, seconds")
+    parser.add_argument("--real-nvml", type=int, default=0, metavar="SECONDS",
+                        help="also a run of this many seconds on this node's GPUs, the real NVML counter")
     args = parser.parse_args()
     policy = CheckpointPolicy()
 
@@ -256,6 +312,14 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for seed, span, truth, measured, error in energy_rows(args):
         print(f"| {seed} | {span:.1f} | {truth:,.0f} | {measured:,.0f} | {100 * error:.3f}% |")
+    if args.real_nvml:
+        row, why = real_energy_rows(args.real_nvml, float(args.sample_every))
+        if row is None:
+            print(f"\nReal NVML counter: skipped, {why}.")
+        else:
+            span, truth, measured, error = row
+            print(f"\nReal NVML counter, every GPU of this node busy for {span:.1f} s: the counter's difference "
+                  f"{truth:,.0f} J, from the agent's samples {measured:,.0f} J, error {100 * error:.3f}%.")
 
 
 if __name__ == "__main__":

@@ -246,7 +246,7 @@ class FailureLog:
     ended: bool = False                   # the process before wrote `run_end` (a planned stop, no failure)
     boundary: float | None = None         # the last record before a new process's first start event
 
-    def observe(self, record: dict) -> None:
+    def observe(self, record: dict[str, Any]) -> None:
         ts = float(record["timestamp"])
         if self.first_ts is None:
             self.first_ts = ts
@@ -260,7 +260,7 @@ class FailureLog:
             self._step(record["metrics"], ts)
         self.last_ts = max(ts, self.last_ts) if self.last_ts is not None else ts
 
-    def _event(self, event: dict, ts: float) -> None:
+    def _event(self, event: dict[str, Any], ts: float) -> None:
         kind = event.get("type")
         if kind in PROCESS_START and self.stepped and self.boundary is None:
             self.boundary = self.last_ts if self.last_ts is not None else ts
@@ -275,7 +275,7 @@ class FailureLog:
         elif kind == INTERVAL_EVENT and _number(event.get("applied_seconds")):
             self.applied = float(event["applied_seconds"])
 
-    def _step(self, metrics: dict, ts: float) -> None:
+    def _step(self, metrics: dict[str, Any], ts: float) -> None:
         """A step after a new process started (not a rollback): a failure at the last record of the one
         before, unless that one ended cleanly; its restart cost runs to this step's start."""
         if self.boundary is not None:
@@ -317,7 +317,7 @@ def _median(samples: Iterable[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def history_of(logs: Iterable[Iterable[dict]]) -> History:
+def history_of(logs: Iterable[Iterable[dict[str, Any]]]) -> History:
     """Earlier runs' failures and GPU-seconds (each a run's records), for the prior."""
     runs = failures = 0
     gpu_seconds = 0.0
@@ -349,7 +349,7 @@ class Autopilot:
     recommended: float | None = None
     changes: int = 0
 
-    def observe(self, record: dict) -> None:
+    def observe(self, record: dict[str, Any]) -> None:
         self.log.observe(record)
 
     def resume(self) -> None:

@@ -45,6 +45,9 @@ from trainguard import actions
 
 CAUSES = ("startup", "checkpoint_save", "evaluation", "rollback", "restart_recovery", "stall", "slow_steps",
           "data_wait", "skipped_steps", "other")
+# The causes that are work thrown away or stopped by a failure (rollback, restart_recovery, stall): the energy
+# report names them apart.
+LOST_CAUSES = CAUSES[3:6]
 # Events that say how long they held training up: type -> (cause, field with the seconds). The time is
 # charged to the stretch in which the event started (`started_at`, else its time minus `seconds`).
 TIMED_EVENTS = {"checkpoint_saved": ("checkpoint_save", "blocking_seconds"),

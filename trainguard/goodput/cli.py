@@ -28,7 +28,7 @@ from trainguard import policy as policy_mod
 from trainguard.progress import Progress
 from trainguard.decide import checkpoint_interval as ci
 from trainguard.decide.cost import gpu_cost
-from trainguard.goodput import CAUSES, PRODUCTIVE, Goodput, GoodputConfig, Incident, compute
+from trainguard.goodput import CAUSES, LOST_CAUSES, PRODUCTIVE, Goodput, GoodputConfig, Incident, compute
 
 EXIT_OK, EXIT_MALFORMED, EXIT_USAGE = 0, 1, 2
 
@@ -201,7 +201,7 @@ def render_useful(priced: dict, result: Goodput) -> str:
         lines.append("  energy n/a: no GPU energy counter in the agents' records (RUN/tls/node-*.jsonl)")
         return "\n".join(lines)
     by = priced["joules_by_cause"]
-    lost = {cause: by[cause] for cause in ("rollback", "restart_recovery", "stall") if by[cause] > 0}
+    lost = {cause: by[cause] for cause in LOST_CAUSES if by[cause] > 0}
     lines.append(f"  energy {priced['energy_joules'] / 3.6e6:.4f} kWh ({priced['energy_joules']:.0f} J): "
                  f"{_maybe(priced['joules_per_token'], '.4g')} J per token, "
                  f"{_maybe(priced['joules_per_useful_token'], '.4g')} J per useful token; "

@@ -48,15 +48,19 @@ def test_a_failure_moves_the_interval(tmp_path):
     process(run, policy_file, 3, finish=True)
     changes = events(run, ci.INTERVAL_EVENT)
     assert changes[0]["reason"] == "no save measured yet"
-    measured = [c for c in changes[1:]]
-    assert [c["failures"] for c in measured] == [0, 1, 2]
+    measured = changes[1:]
+    # a change after each failure (more changes may come between, as the measured save time moves on a busy host)
+    failures = [c["failures"] for c in measured]
+    assert failures == sorted(failures) and failures[0] == 0 and {1, 2} <= set(failures)
     policy = from_mapping(POLICY).checkpoint
     for change in measured:
         rule = ci.recommend(ci.Measured(change["mtbf_seconds"], change["mtbf_source"], change["failures"],
                                         change["observed_seconds"], change["save_seconds"],
                                         change["restart_seconds"]), policy)
         assert change["applied_seconds"] == pytest.approx(rule.interval_seconds, rel=2e-3)
-    assert measured[0]["applied_seconds"] > measured[1]["applied_seconds"] > measured[2]["applied_seconds"]
+    # more failures in less time: a shorter MTBF (the save cost, measured on a busy host, moves the interval too)
+    first_after = [next(c for c in measured if c["failures"] == n) for n in (0, 1, 2)]
+    assert first_after[0]["mtbf_seconds"] > first_after[1]["mtbf_seconds"] > first_after[2]["mtbf_seconds"]
     assert step_records(run)[-1]["metrics"]["checkpoint_interval_seconds"] == measured[-1]["applied_seconds"]
 
 

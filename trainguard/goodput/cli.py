@@ -22,7 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from trainguard import rundir
+from trainguard import event_types, rundir
 from trainguard import paths, tls
 from trainguard import policy as policy_mod
 from trainguard.progress import Progress
@@ -60,7 +60,7 @@ def find_log(run_dir: Path, rank: int | None) -> Path:
     logs = [(int(m.group(1)), p) for p in rundir.tls_dir(run_dir).glob("rank-*.jsonl")
             if (m := re.fullmatch(r"rank-([0-9]+)\.jsonl", p.name))]
     if not logs:
-        raise FileNotFoundError(f"{run_dir / 'tls'}: no rank-*.jsonl log")
+        raise FileNotFoundError(f"{rundir.tls_dir(run_dir)}: no rank-*.jsonl log")
     return min(logs)[1]
 
 
@@ -76,7 +76,7 @@ def agent_decisions(run_dir: Path, malformed: list[str], energy: list[dict] | No
                 malformed.append(str(line.error))
                 continue
             event = line.record.get("event")
-            if isinstance(event, dict) and event.get("type") in ("alert", "action"):
+            if isinstance(event, dict) and event.get("type") in (event_types.ALERT, event_types.ACTION):
                 found.append(line.record)
             elif energy is not None and isinstance(line.record.get("hardware"), dict) and \
                     "gpus" in line.record["hardware"]:

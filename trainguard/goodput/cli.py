@@ -221,7 +221,7 @@ def _maybe(value: float | None, spec: str = ".4f") -> str:
 def _failure_log(records: list[dict]) -> ci.FailureLog:
     log = ci.FailureLog()
     for record in sorted((r for r in records if "event" not in r or r["event"].get("type") not in
-                          ("alert", "action")), key=lambda r: float(r["timestamp"])):
+                          (event_types.ALERT, event_types.ACTION)), key=lambda r: float(r["timestamp"])):
         log.observe(record)
     return log
 

@@ -59,7 +59,7 @@ CUDA_WHY = "needs a CUDA device: a CPU run has no caching allocator"
 PROF_WHY = ("needs DCGM's profiling fields (dcgm-exporter with them in its counters CSV: DCGM_FI_PROF_SM_ACTIVE is "
             "commented out in the default one); the agent's NVML collector has no such counters")
 MFU_DESCRIPTION = ("Model FLOPs utilisation: the model's FLOPs per token x tokens/s over the device's documented peak "
-                   "(trainer/mfu.py's table by GPU model, or the peak the run was given). No series, and n/a here, "
+                   "(runtime/mfu.py's table by GPU model, or the peak the run was given). No series, and n/a here, "
                    "where no peak is documented (a CPU, a GPU not in the table) or the model's FLOPs per token are "
                    "unknown: never an estimate.")
 XID_WHY = "the agent exports Xid series once a GPU has had an Xid error (dcgm-exporter exports a 0)"

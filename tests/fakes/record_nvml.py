@@ -51,8 +51,11 @@ def to_json(value: Any) -> Any:
 
 
 def _address(pointer: Any) -> int:
-    """The address a ctypes pointer (an NVML GPM sample) points at: the same sample read back from a struct."""
-    return ctypes.cast(pointer, ctypes.c_void_p).value or 0
+    """The address a ctypes pointer (an NVML GPM sample) points at: the same sample read back from a struct.
+    A sample that is no ctypes pointer (the fake's, when the recorder is tested over it) is itself."""
+    if isinstance(pointer, ctypes._Pointer):
+        return ctypes.cast(pointer, ctypes.c_void_p).value or 0
+    return id(pointer)
 
 
 class Recorder:
@@ -105,7 +108,7 @@ class Recorder:
                 self.static.setdefault(nvml.nvmlDeviceGetIndex(args[0]), {})[name] = result
         elif name.startswith("nvmlSystem"):
             self.system[name] = to_json(result)
-        elif name not in NOT_RECORDED and name.startswith("nvmlDevice"):
+        elif name not in NOT_RECORDED and (name.startswith("nvmlDevice") or name == "nvmlGpmQueryDeviceSupport"):
             index = nvml.nvmlDeviceGetIndex(args[0])
             table = (self.samples[-1] if self.samples else self.static).setdefault(index, {})
             if name == "nvmlDeviceGetFieldValues":

@@ -38,7 +38,8 @@ _log = log.get("agent.gpu")
 # under their reading names so replay sees what the live agent saw
 HEALTH_READINGS = ("ecc_sbe_volatile", "ecc_dbe_volatile", "retired_pages", "retired_pending", "remapped_rows",
                    "remap_pending", "remap_failure", "pcie_replays", "pcie_downgrades", "nvlink_crc_errors",
-                   "nvlink_replay_errors", "power_violation_ns", "thermal_violation_ns")
+                   "nvlink_replay_errors", "power_violation_ns", "thermal_violation_ns", "pcie_link_width",
+                   "pcie_max_link_width")
 
 
 @register

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from trainguard import actions as actions_mod, paths, safe_read
+from trainguard.decide.node_risk import NodeRiskPolicy
 from trainguard.exits import BadInput
 
 
@@ -302,6 +303,7 @@ class Policy:
     restore: RestorePolicy = field(default_factory=RestorePolicy)
     dynamics: DynamicsPolicy = field(default_factory=DynamicsPolicy)
     actions: ActionsPolicy = field(default_factory=ActionsPolicy)
+    node_risk: NodeRiskPolicy = field(default_factory=NodeRiskPolicy)    # decide/node_risk.py, docs/node-risk.md
 
     @property
     def shadow(self) -> bool:
@@ -482,6 +484,19 @@ RULES["actions.mode"] = Choice(actions_mod.MODES)
 RULES.update({   # silent corruption (trainguard/decide/replica.py): 0 turns the replica check off
     "guard.replica_check_every": at_least(0, 10**7),
     "guard.replica_cordon_window_seconds": at_least(0, 10**9),
+})
+RULES.update({   # node risk (trainguard/decide/node_risk.py, docs/node-risk.md)
+    "node_risk.threshold": between(0, 1, low_open=True),
+    "node_risk.consecutive": at_least(1, 10**4),
+    "node_risk.window_seconds": above(0, 10**7),
+    "node_risk.settle_seconds": at_least(0, 10**6),
+    "node_risk.gap_seconds": above(0, 10**6),
+    "node_risk.max_flags_per_hour": at_least(0, 10**4),
+    "node_risk.correctable_ecc_per_hour": above(0),
+    "node_risk.pcie_replays_per_hour": above(0),
+    "node_risk.nvlink_errors_per_hour": above(0),
+    "node_risk.ib_symbol_errors_per_hour": above(0),
+    "node_risk.thermal_share": between(0, 1, low_open=True),
 })
 FALLBACK = at_least(0)      # a numeric key without a row yet (the property test names it): finite, >= 0
 

@@ -13,7 +13,7 @@ Signals (each a contribution in [0, 1] times its weight; the score is their sum,
 | `xid_reset` | XIDs of class gpu_reset (48, 63, 74, 95, 140, 154) in the window | 1 per XID, at most 1 | 0.5 | the driver asks for a reset it cannot get during a run |
 | `remapped_rows` | rows remapped in the window | rows / 2, at most 1 | 0.4 | a stack remapping rows is wearing out (rows are few: 8 per bank on H100) |
 | `remap_pending` | a remap waiting for a reset (state) | 1 | 0.2 | the remapped row is not in use until a reset: the bad row still is |
-| `correctable_ecc` | corrected ECC errors per hour in the window | rate / limit, at most 1 | 0.3 | corrected errors climbing precede uncorrectable ones (the 2201.11853 features) |
+| `correctable_ecc` | corrected ECC errors per hour in the window (rates over at least a quarter of it) | rate / limit, at most 1 | 0.3 | corrected errors climbing precede uncorrectable ones (the 2201.11853 features) |
 | `pcie_link` | link narrower than its max (state), PCIe replays per hour | 1 for narrow, else rate / limit | 0.3 | a degraded link: slow all-reduce, then "fallen off the bus" |
 | `nvlink` | NVLink CRC and replay errors per hour | rate / limit, at most 1 | 0.2 | a flaky link retrains and stalls collectives |
 | `infiniband` | IB symbol errors per hour, link downs in the window | rate / limit; a link down 1 | 0.2 | the node's fabric port degrading |
@@ -179,7 +179,9 @@ class NodeRisk:
     def _signals(self, reading: NodeReading, history: deque, values: dict[str, float]) -> dict[str, float]:
         p = self.policy
         first_time, first = history[0]
-        hours = max((reading.timestamp - first_time) / 3600.0, 1e-9)
+        # a rate is never extrapolated from less than a quarter of the window: one error in the first minute
+        # is not 60 an hour
+        hours = max(reading.timestamp - first_time, p.window_seconds / 4.0) / 3600.0
 
         def increase(suffix: str) -> float:
             return sum(max(0.0, v - first.get(k, v)) for k, v in values.items() if k.endswith(suffix))
@@ -211,7 +213,7 @@ class NodeRisk:
         link_down = increase("node:ib_link_downed") > 0
         raw["infiniband"] = 1.0 if link_down else min(1.0, per_hour("node:ib_symbol_errors")
                                                       / p.ib_symbol_errors_per_hour)
-        thermal_share = increase(":thermal_violation_ns") / 1e9 / max(hours * 3600.0, 1e-9) / max(len(reading.gpus), 1)
+        thermal_share = increase(":thermal_violation_ns") / 1e9 / (hours * 3600.0) / max(len(reading.gpus), 1)
         raw["thermal"] = min(1.0, thermal_share / p.thermal_share) if len(history) > 1 else 0.0
         return {name: WEIGHTS[name] * value for name, value in raw.items() if value > 0}
 

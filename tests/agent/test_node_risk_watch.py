@@ -1,0 +1,63 @@
+"""agent/node_risk.py: the gpu collector's readings of the degrading fake NVML through the node-risk rule, on
+/metrics, and the flag handed on once."""
+
+from __future__ import annotations
+
+from tests.agent.exposition import render, series, values
+from tests.fakes.fake_nvml import FakeNVML
+from tests.servers import promtool_check_metrics
+from trainguard.agent.collector import Context
+from trainguard.agent.collectors.gpu import GPUCollector
+from trainguard.agent.node_risk import NodeRiskWatch
+from trainguard.decide.node_risk import DRAIN_AT_CHECKPOINT, NodeRiskPolicy
+
+
+def watch_over(tmp_path, scenario: str, policy: NodeRiskPolicy, **kwargs):
+    nvml = FakeNVML(scenario)
+    gpu = GPUCollector(Context(devfs=tmp_path, node="node-a", options={"nvml_module": nvml, "kmsg": False}))
+    fragments: dict = {}
+    watch = NodeRiskWatch(lambda: fragments, "node-a", policy, **kwargs)
+
+    def step(now: float):
+        fragments["gpu"] = gpu.update().tls
+        verdict = watch.observe_once(now)
+        nvml.advance()
+        return verdict
+    return watch, step
+
+
+def test_degrading_gpu_flags_its_node_once_and_exports_the_score(tmp_path):
+    flagged = []
+    # readings a minute apart; no settle period at the agent's start (the policy's default is for reboots)
+    watch, step = watch_over(tmp_path, "degrading", NodeRiskPolicy(settle_seconds=0), on_flag=flagged.append)
+    verdicts = [step(60.0 * i) for i in range(12)]
+    assert len(flagged) == 1 and flagged[0].action == DRAIN_AT_CHECKPOINT and flagged[0].node == "node-a"
+    first = next(i for i, v in enumerate(verdicts) if v.flagged)
+    assert first < 10                      # before the GPU falls off the bus (sample 10)
+    v = values(watch.families())
+    assert v[series("trainguard_node_at_risk")] == 1 and v[series("trainguard_node_risk_flags_total")] == 1
+    assert {"remapped_rows", "correctable_ecc", "remap_pending"} <= set(flagged[0].signals)
+    assert v[series("trainguard_node_risk_signal", signal="xid_drain")] == 1.0      # fallen off the bus by now
+    assert v[series("trainguard_node_risk_score")] == verdicts[-1].score
+    promtool_check_metrics(render(watch.families()))
+
+
+def test_healthy_node_is_never_flagged(tmp_path):
+    flagged = []
+    _, step = watch_over(tmp_path, "h100x8", NodeRiskPolicy(settle_seconds=0), on_flag=flagged.append)
+    # the scenario's few NVLink replays weigh a little, far from the threshold
+    assert max(step(60.0 * i).score for i in range(6)) < 0.1 and not flagged
+
+
+def test_flags_of_other_nodes_spend_the_budget(tmp_path):
+    flagged = []
+    watch, step = watch_over(tmp_path, "degrading", NodeRiskPolicy(settle_seconds=0, max_flags_per_hour=1),
+                             on_flag=flagged.append, known_flags=lambda: [1.0])     # another node, at t=1 s
+    verdicts = [step(60.0 * i) for i in range(12)]
+    assert not flagged and any(v.suppressed == "circuit_open" for v in verdicts)
+    assert values(watch.families())[series("trainguard_node_risk_suppressed_total")] >= 1
+
+
+def test_no_gpu_or_ib_health_no_reading():
+    watch = NodeRiskWatch(lambda: {"training": {"metrics": {"loss": 1.0}}}, "node-a", NodeRiskPolicy())
+    assert watch.observe_once(10.0) is None and watch.families()[0].samples[0].value == 0

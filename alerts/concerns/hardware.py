@@ -1,4 +1,4 @@
-"""Hardware: GPU temperature, Xid errors, allocator fragmentation (hardware.rules.yml)."""
+"""Hardware: GPU temperature, Xid errors, allocator fragmentation, node risk (hardware.rules.yml)."""
 
 from __future__ import annotations
 
@@ -31,5 +31,13 @@ def hardware(policy: Policy) -> list[Group]:
               "allocator holds blocks it cannot reuse, which ends in out-of-memory errors at a "
               "batch that used to fit.",
               for_=a.for_long),
+        Alert("NodeAtRisk",
+              "trainguard_node_risk_score and on (job, instance) (trainguard_node_at_risk == 1)",
+              "critical", "Node {{ $labels.instance }} at hardware risk (score {{ $value }})",
+              f"The node's hardware trends (ECC, remapped rows, XIDs by class, PCIe, NVLink, InfiniBand, "
+              f"thermal) have held its risk score at or above {num(policy.node_risk.threshold)} for "
+              f"{policy.node_risk.consecutive} readings in a row. The agent drains it at the next checkpoint "
+              "(a checkpoint now, a signed cordon, the elastic shrink) unless the run is in shadow mode; "
+              "trainguard_node_risk_signal says which signals weigh."),
     ))
     return [records, alerts]

@@ -39,5 +39,10 @@ def hardware(policy: Policy) -> list[Group]:
               f"{policy.node_risk.consecutive} readings in a row. The agent drains it at the next checkpoint "
               "(a checkpoint now, a signed cordon, the elastic shrink) unless the run is in shadow mode; "
               "trainguard_node_risk_signal says which signals weigh."),
+        Alert("GPUUncorrectableECC", f"increase(trainguard_gpu_ecc_uncorrectable_errors_total[{RATE}]) > 0",
+              "critical", "Uncorrectable ECC error on GPU {{ $labels.gpu }} of {{ $labels.instance }}",
+              "The GPU's memory had an error ECC could not correct: the data read was wrong (a contained "
+              "error ends the process that read it, XID 94; an uncontained one, XID 95, the GPU's work). "
+              "The node-risk rule counts it as a hard signal; see the runbook."),
     ))
     return [records, alerts]

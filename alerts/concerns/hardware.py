@@ -44,5 +44,11 @@ def hardware(policy: Policy) -> list[Group]:
               "The GPU's memory had an error ECC could not correct: the data read was wrong (a contained "
               "error ends the process that read it, XID 94; an uncontained one, XID 95, the GPU's work). "
               "The node-risk rule counts it as a hard signal; see the runbook."),
+        Alert("NodeRiskFlagsSuppressed", "increase(trainguard_node_risk_suppressed_total[1h]) > 0",
+              "warning", "Node {{ $labels.instance }} at risk but not drained: the fleet's budget is spent",
+              f"More than {policy.node_risk.max_flags_per_hour} nodes were at hardware risk within an hour, "
+              "so the node-risk rule's circuit breaker stopped draining more. Many nodes at once is "
+              "more often a fleet-wide cause (a driver or firmware roll-out, a cooling or power event) "
+              "than many failing GPUs: a human decides."),
     ))
     return [records, alerts]

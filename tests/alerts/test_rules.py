@@ -26,7 +26,7 @@ CORE_ALERTS = {
 }
 CORE_ALERTS |= {"TrainingStraggler"}     # second round: fail-slow (alerts/rules.py fail_slow)
 CORE_ALERTS |= {"ReplicaMismatch"}   # second round: silent corruption (alerts/rules.py sdc)
-CORE_ALERTS |= {"NodeAtRisk", "GPUUncorrectableECC"}        # third round: node risk (decide/node_risk.py)
+CORE_ALERTS |= {"NodeAtRisk", "GPUUncorrectableECC", "NodeRiskFlagsSuppressed"}        # third round: node risk (decide/node_risk.py)
 ACTIONS = {"LossNaN": "rollback", "LossSpike": "rollback", "GradNormExplosion": "rollback",
            "TrainingStalled": "restore", "NCCLWatchdogTimeout": "restore", "CostBudgetWarn": "cost_warn",
            "CostBudgetThrottle": "cost_throttle", "CostBudgetStop": "cost_stop", "JobStalledEverywhere": "restore"}

@@ -10,17 +10,20 @@ Signals (each a contribution in [0, 1] times its weight; the score is their sum,
 | `remap_failure` | row remapping failed (state) | 1 | 1.0 | the GPU has no spare rows left: its next uncorrectable error cannot be fenced (NVIDIA: RMA) |
 | `xid_drain` | XIDs of class node_drain (64, 79, 143) in the window | 1 | 1.0 | the catalogue's own verdict: drain |
 | `uncorrectable_ecc` | uncorrectable ECC errors in the window | 1 per error | 0.7 | a DBE is the event every HBM failure ends in; one is rarely alone |
-| `xid_reset` | XIDs of class gpu_reset (48, 63, 74, 95, 140, 154) in the window | 1 per XID, at most 1 | 0.5 | the driver asks for a reset it cannot get during a run |
+| `xid_reset` | XIDs of class gpu_reset (48, 74, 95, 140, 154) in the window | 1 per XID, at most 1 | 0.5 | the driver asks for a reset it cannot get during a run |
 | `remapped_rows` | rows remapped in the window | rows / 2, at most 1 | 0.4 | a stack remapping rows is wearing out (rows are few: 8 per bank on H100) |
 | `remap_pending` | a remap waiting for a reset (state) | 1 | 0.2 | the remapped row is not in use until a reset: the bad row still is |
 | `correctable_ecc` | corrected ECC errors per hour in the window (rates over at least a quarter of it) | rate / limit, at most 1 | 0.3 | corrected errors climbing precede uncorrectable ones (the 2201.11853 features) |
-| `pcie_link` | link narrower than its max (state), PCIe replays per hour | 1 for narrow, else rate / limit | 0.3 | a degraded link: slow all-reduce, then "fallen off the bus" |
+| `pcie_link` | link narrower than its max (state, or a downgrade in the window) | 1 | 0.3 | a degraded link: slow all-reduce, then "fallen off the bus" |
+| `pcie_replays` | PCIe replays per hour | rate / limit, at most 1 | 0.3 | a link retrying more and more is on its way down (with a narrow link: at risk) |
 | `nvlink` | NVLink CRC and replay errors per hour | rate / limit, at most 1 | 0.2 | a flaky link retrains and stalls collectives |
 | `infiniband` | IB symbol errors per hour, link downs in the window | rate / limit; a link down 1 | 0.2 | the node's fabric port degrading |
 | `xid_driver` | XIDs of class driver_firmware in the window | 1 | 0.2 | GSP / firmware faults recur; a reset clears them |
 | `thermal` | share of the window held down by thermal slowdown | share / limit, at most 1 | 0.15 | a cooling fault ages the part and slows the whole job |
 
 Application-error XIDs (13, 31, 43, 45, ...) weigh nothing: the job that hit them is at fault, not the node.
+XID 63 (a row remapped or a page retired) is the event `remapped_rows` and `remap_pending` already count, so it
+is not counted again as a reset-class XID: one remapped row on a healthy stack is routine, not a risk.
 
 Debounce: a node is at risk only when its score has been at or above `threshold` for `consecutive` readings
 in a row. Reboot transient: a counter that goes backwards (a reboot or a driver reload resets the volatile
@@ -47,10 +50,11 @@ COUNTERS = ("ecc_sbe_volatile", "ecc_dbe_volatile", "remapped_rows", "retired_pa
 STATES = ("remap_pending", "remap_failure")
 NODE_COUNTERS = ("ib_symbol_errors", "ib_link_downed")
 HARD = ("remap_failure", "xid_drain", "uncorrectable_ecc")
+COUNTED_AS_ROWS = frozenset({63})      # the remap event itself: remapped_rows / remap_pending weigh it
 
 WEIGHTS: dict[str, float] = {
     "remap_failure": 1.0, "xid_drain": 1.0, "uncorrectable_ecc": 0.7, "xid_reset": 0.5, "remapped_rows": 0.4,
-    "correctable_ecc": 0.3, "pcie_link": 0.3, "remap_pending": 0.2, "nvlink": 0.2, "infiniband": 0.2,
+    "correctable_ecc": 0.3, "pcie_link": 0.3, "pcie_replays": 0.3, "remap_pending": 0.2, "nvlink": 0.2, "infiniband": 0.2,
     "xid_driver": 0.2, "thermal": 0.15,
 }
 SIGNALS = tuple(WEIGHTS)
@@ -197,6 +201,8 @@ class NodeRisk:
             if ":xid:" in key:
                 grown = max(0.0, value - first.get(key, 0.0))
                 code = int(key.rsplit(":", 1)[1])
+                if code in COUNTED_AS_ROWS:
+                    continue
                 by_class[xid_catalog.class_of(code)] = by_class.get(xid_catalog.class_of(code), 0.0) + grown
         raw["xid_drain"] = 1.0 if by_class[xid_catalog.DRAIN] else 0.0
         raw["xid_reset"] = min(1.0, by_class[xid_catalog.RESET])
@@ -207,7 +213,8 @@ class NodeRisk:
         narrow = increase(":pcie_downgrades") > 0 or any(
             g.counters.get("pcie_link_width", 0) and g.counters.get("pcie_link_width", 0)
             < g.counters.get("pcie_max_link_width", 0) for g in reading.gpus)
-        raw["pcie_link"] = 1.0 if narrow else min(1.0, per_hour(":pcie_replays") / p.pcie_replays_per_hour)
+        raw["pcie_link"] = 1.0 if narrow else 0.0
+        raw["pcie_replays"] = min(1.0, per_hour(":pcie_replays") / p.pcie_replays_per_hour)
         nvlink = per_hour(":nvlink_crc_errors") + per_hour(":nvlink_replay_errors")
         raw["nvlink"] = min(1.0, nvlink / p.nvlink_errors_per_hour)
         link_down = increase("node:ib_link_downed") > 0

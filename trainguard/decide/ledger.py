@@ -27,11 +27,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from trainguard import actions
+from trainguard.config import at_least, key
 from trainguard.decide.decision import Decision
-from trainguard.policy import Policy
+
+if TYPE_CHECKING:      # the policy assembles this module's LedgerConfig: imported for the annotation only
+    from trainguard.policy import Policy
 
 FIRING, RESOLVED_STATUS = "firing", "resolved"
 
@@ -108,6 +111,16 @@ class Verdict:
         if n.labels:
             event["labels"] = dict(n.labels)
         return event
+
+
+@dataclass(frozen=True)
+class LedgerConfig:
+    """The webhook ledger's keys, in the policy's `alerts` section: a second rollback or restore within the
+    cooldown joins the first (one incident, several alerts); restores beyond the hourly limit page a human."""
+
+    action_cooldown_seconds: float = key(120.0, at_least(0, 10**7), "a second rollback or restore within this "
+                                         "joins the first")
+    max_restores_per_hour: int = key(3, at_least(0, 10**4), "restores an hour beyond which a human is paged")
 
 
 @dataclass(frozen=True)

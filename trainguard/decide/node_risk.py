@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from trainguard import xid_catalog
+from trainguard.config import above, at_least, between, key
 
 # The GPU counters the rule reads (cumulative; a decrease is a restart) and the states (0/1 now).
 COUNTERS = ("ecc_sbe_volatile", "ecc_dbe_volatile", "remapped_rows", "retired_pages", "pcie_replays",
@@ -64,19 +65,24 @@ DRAIN_AT_CHECKPOINT = "drain_at_checkpoint"
 
 @dataclass(frozen=True)
 class NodeRiskPolicy:
-    """The rule's thresholds (policy section `node_risk`); docs/node-risk.md says why each default."""
+    """The rule's thresholds (policy section `node_risk`); the module doc and docs/node-risk.md say why."""
 
-    threshold: float = 0.6               # score at or above which a reading counts towards "at risk"
-    consecutive: int = 3                 # readings in a row at or above it before the node is at risk
-    window_seconds: float = 3600.0       # counters' increases and rates are taken over this much history
-    settle_seconds: float = 900.0        # after a restart / gap / GPU back: only the hard signals count
-    gap_seconds: float = 600.0           # readings further apart than this: the node was away (a reboot)
-    max_flags_per_hour: int = 2          # circuit breaker: nodes flagged in any hour, fleet-wide
-    correctable_ecc_per_hour: float = 100.0   # corrected ECC errors per hour that count fully
-    pcie_replays_per_hour: float = 1000.0
-    nvlink_errors_per_hour: float = 100.0
-    ib_symbol_errors_per_hour: float = 100.0
-    thermal_share: float = 0.05          # share of the window in thermal slowdown that counts fully
+    threshold: float = key(0.6, between(0, 1, low_open=True),
+                           "risk score at or above which a reading counts towards 'at risk'")
+    consecutive: int = key(3, at_least(1, 10**4), "readings in a row at or above the threshold before a node is "
+                           "at risk (the debounce)")
+    window_seconds: float = key(3600.0, above(0, 10**7), "seconds of history the counters' increases and rates "
+                                "are taken over")
+    settle_seconds: float = key(900.0, at_least(0, 10**6), "after a restart, a gap or a GPU back from lost, "
+                                "seconds in which only the hard signals count (a reboot's transient)")
+    gap_seconds: float = key(600.0, above(0, 10**6), "readings further apart than this mean the node was away")
+    max_flags_per_hour: int = key(2, at_least(0, 10**4), "circuit breaker: nodes flagged in any hour, fleet-wide")
+    correctable_ecc_per_hour: float = key(100.0, above(0), "corrected ECC errors per hour that count fully")
+    pcie_replays_per_hour: float = key(1000.0, above(0), "PCIe replays per hour that count fully")
+    nvlink_errors_per_hour: float = key(100.0, above(0), "NVLink CRC + replay errors per hour that count fully")
+    ib_symbol_errors_per_hour: float = key(100.0, above(0), "InfiniBand symbol errors per hour that count fully")
+    thermal_share: float = key(0.05, between(0, 1, low_open=True), "share of the window in thermal slowdown "
+                               "that counts fully")
 
 
 @dataclass(frozen=True)

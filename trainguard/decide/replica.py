@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 
 from typing import Any, Iterable, Iterator
 
+from trainguard.config import at_least, key
+
 WEIGHTS, GRADIENTS = "weights", "gradients"
 MISMATCH, ARBITRATION = "replica_mismatch", "arbitration"
 CHECK_EVENT = "replica_check"      # the TLS event every check writes: the fingerprints it decided on
@@ -73,6 +75,17 @@ class Verdict:
     cordon: tuple[str, ...] = ()  # hosts to cordon now (a second mismatch within the window)
     values: dict[str, Any] = field(default_factory=dict)   # {"weights": [...], "gradients": [...]} per rank
     timestamp: float = 0.0        # of the check that mismatched (an arbitration: of the first one)
+
+
+@dataclass(frozen=True)
+class ReplicaCheckConfig:
+    """The replica check's keys in the policy's `guard` section (the trainer runs the check; `ReplicaPolicy`
+    is what `ReplicaMonitor` reads of them)."""
+
+    replica_check_every: int = key(50, at_least(0, 10**7), "steps between two fingerprints of every replica's "
+                                   "weights and gradients (0: never; bench/bench_sdc.py measures a check)")
+    replica_cordon_window_seconds: float = key(86400.0, at_least(0, 10**9), "a node named in a replica mismatch "
+                                               "twice within this many seconds is cordoned")
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,8 @@ from trainguard.agent.actions_embedded import last_step
 from trainguard.decide import culprit as verdicts
 from trainguard.decide.ledger import Notice
 from trainguard.policy import RestorePolicy
-from trainguard.trainer import cordon_key
-from trainguard.trainer.checkpoint import keys
+from trainguard.runtime import cordon_key
+from trainguard.runtime.checkpoint import keys
 from trainguard import signed, tls
 
 CLAIMS = ".claims"    # without a claim secret: RUN/incidents/.claims/<key>, unsigned (nothing to prove it with)
@@ -60,7 +60,7 @@ class Investigator:
                  key_file: str | Path | None = None, claim_secret: bytes | None = None,
                  lead_timeout: float | None = None):
         self.run_dir, self.host, self.policy = Path(run_dir), host, policy
-        self.key_file = key_file          # the run's checkpoint key: signs cordons (trainguard/cordon.py)
+        self.key_file = key_file          # the run's checkpoint key: signs cordons (trainguard/cordon/__init__.py)
         self.entry_points, self.launchers = entry_points, launchers   # what the restore trusts, as the executor
         self.agent, self.record, self.submit = agent, record, submit
         self.log = tglog.get("agent.culprit", node=host)
@@ -234,7 +234,7 @@ class Investigator:
                                      "(RUN/control/cordon/<host>) until `trainguard uncordon`.", labels=["node"])
         refused = GaugeMetricFamily("trainguard_cordon_refused", "1 for each cordon file that is not honoured "
                                     "(not signed with the run's checkpoint key, changed, or copied from another "
-                                    "host's): the node is NOT kept out (trainguard/cordon.py).",
+                                    "host's): the node is NOT kept out (trainguard/cordon/__init__.py).",
                                     labels=["node", "reason"])
         for host, found in sorted(evict.cordons(self.run_dir, self.key_file).items()):
             if found.honoured:

@@ -6,7 +6,7 @@ For every notice (an Alertmanager alert, or a decision of the agent's embedded p
 2. the verdict is appended to ``RUN/tls/node-<node>-actions.jsonl`` as a TLS ``alert`` event and fsynced,
    and logged (structlog) - the intent, before anything happens;
 3. an action is executed: ``rollback`` and ``cost_*`` become a request line in ``RUN/control/actions.jsonl``
-   (fsynced; the trainer's control channel, trainer/control.py, makes every rank act on the same step);
+   (fsynced; the trainer's control channel, runtime/control.py, makes every rank act on the same step);
    ``restore`` also ends this node's ranks (``RUN/control/ranks/rank-*.json``) so torch's elastic launcher
    starts them again from the latest verified checkpoint;
 4. the result is appended as a TLS ``action`` event (fsynced) carrying the request ``id``.
@@ -52,8 +52,8 @@ from prometheus_client.core import CounterMetricFamily
 from trainguard import actions, rundir, safe_read, signed, tls
 from trainguard import log as tglog
 from trainguard.agent import claims, restore
-from trainguard.trainer import cordon_key
-from trainguard.trainer.checkpoint import keys
+from trainguard.runtime import cordon_key
+from trainguard.runtime.checkpoint import keys
 from trainguard.node import node_name
 from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, Verdict, job_level
 
@@ -232,7 +232,7 @@ class Executor:
                  claim_secret: bytes | None = None, claim_timeout_seconds: float = claims.DEFAULT_TIMEOUT_SECONDS,
                  checkpoint_key_file: str | os.PathLike | None = None, awaits_investigator: bool = False):
         self.run_dir = Path(run_dir)
-        self.checkpoint_key_file = checkpoint_key_file   # signs cordons (agent/culprit.py, trainguard/cordon.py)
+        self.checkpoint_key_file = checkpoint_key_file   # signs cordons (agent/culprit.py, trainguard/cordon/__init__.py)
         self.entry_points, self.launchers = entry_points, launchers   # beyond the bundled ones (restore.Trust)
         self.node, self.host = node, host or node_name()
         self.ledger, self.clock = ledger, clock
@@ -498,7 +498,7 @@ class Executor:
         result["outcome"] = "paged" if "paged" in result else "issued"
 
     def _signed(self, request: dict) -> dict:
-        """The request signed with the run's checkpoint key (trainer/control.py refuses any other); created
+        """The request signed with the run's checkpoint key (runtime/control.py refuses any other); created
         where the trainer would create it, as a cordon's signer does. No key: not done (named)."""
         key, where = cordon_key.signing_key(self.checkpoint_key_file, create=True)
         if key is None:

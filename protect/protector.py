@@ -54,10 +54,10 @@ from trainguard.protect.callbacks import Callbacks, load_states, scale_optimizer
 from trainguard.protect.checkpoints import RankCheckpoints
 from trainguard.protect.state import TrainState
 from trainguard.protect.sync import HealthSync
-from trainguard.trainer import cordon_key
-from trainguard.trainer.checkpoint import keys
-from trainguard.trainer.control import ACTIONS_BY_CODE, ControlChannel, write_rank_file
-from trainguard.trainer.telemetry import StepTelemetry
+from trainguard.runtime import cordon_key
+from trainguard.runtime.checkpoint import keys
+from trainguard.runtime.control import ACTIONS_BY_CODE, ControlChannel, write_rank_file
+from trainguard.runtime.telemetry import StepTelemetry
 
 EXIT_OK, EXIT_STOPPED = 0, 3
 STOPPED_PURPOSE = "run-stopped/1"     # RUN/control/stopped.json, signed by rank 0 with the run's checkpoint key
@@ -128,10 +128,10 @@ class Protector:
                  flops_per_token: float = 0.0, peak_flops: float = 0.0, precision: str = "bf16"):
         """`sharded_checkpoints`: every rank saves (and loads in place) its own shards of the `model` and
         `optim` states (FSDP2: their state dicts hold DTensors); otherwise rank 0 saves the whole state.
-        `checkpoint_compress`: "none" or "lossless" (bit-exact byte planes + zstd, trainer/checkpoint/compress.py).
+        `checkpoint_compress`: "none" or "lossless" (bit-exact byte planes + zstd, runtime/checkpoint/compress.py).
         `shadow`: True or False over the policy's `actions.mode` (None: the policy decides).
         `flops_per_token`, `peak_flops`, `precision`: MFU's inputs for the default telemetry (the model's
-        training FLOPs per token; the device's peak, 0: trainer/mfu.py's table for `precision`); with no
+        training FLOPs per token; the device's peak, 0: runtime/mfu.py's table for `precision`); with no
         FLOPs per token or no known peak there is no MFU. Give them to your own `telemetry` instead."""
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
         self.device = torch.device(device)
@@ -156,7 +156,7 @@ class Protector:
         self.meter = CostMeter(self.policy.cost)
         self.states = {**states, GUARD_KEY: self.guard, COST_KEY: self.meter, STATE_KEY: self.state}
         self.sync = HealthSync(world_size, rank, self.device)
-        # Requests are signed with the run's checkpoint key (trainer/control.py): a line anyone appended is refused.
+        # Requests are signed with the run's checkpoint key (runtime/control.py): a line anyone appended is refused.
         control_key, key_where = cordon_key.signing_key(key_file or None, create=True)
         self.control = ControlChannel(self.run_dir, rank, self.log, key=control_key, key_where=key_where,
                                       on_event=self.event)
@@ -344,7 +344,7 @@ class Protector:
     def _load_target(self) -> dict[str, Any]:
         """What a sharded restore loads into in place: the current state dicts of the tensor states
         (their shards, in this rank's layout)."""
-        from trainguard.trainer.checkpoint.manager import TENSOR_PARTS
+        from trainguard.runtime.checkpoint.manager import TENSOR_PARTS
 
         return {key: self.states[key].state_dict() for key in TENSOR_PARTS if key in self.states}
 
@@ -476,7 +476,7 @@ class Protector:
 
     # ---------------------------------------------------------------------------- control requests
     def _on_request(self, code: int, lineno: int) -> Outcome:
-        """Act on the control request every rank learned of this step (see trainer/control.py)."""
+        """Act on the control request every rank learned of this step (see runtime/control.py)."""
         action = ACTIONS_BY_CODE[code]
         request = self.control.request_at(lineno)
         ids = {"id": str(request.get("id")), "alertname": request.get("alertname") or "",

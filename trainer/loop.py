@@ -32,10 +32,10 @@ from trainguard.trainer.model import GPT
 from trainguard.trainer.progress import Progress
 from trainguard.trainer.recovery import grad_accum_steps, trainer_callbacks
 from trainguard.trainer.replica_check import ReplicaChecks
-from trainguard.trainer.checkpoint.manager import final_checkpoint_code
+from trainguard.runtime.checkpoint.manager import final_checkpoint_code
 from trainguard.trainer.state import checkpoint_states
 from trainguard.trainer.step import GradNorms, forward_backward
-from trainguard.trainer.telemetry import CommTimer, StepTelemetry, StepTimer
+from trainguard.runtime.telemetry import CommTimer, StepTelemetry, StepTimer
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class Trainer:
                              world_size=self.world, rank=self.rank, node=self.telemetry.envelope["node"],
                              run_dir=self.run_dir, emit=self.telemetry.event, log=self.log,
                              policy=ReplicaPolicy(policy.guard.replica_cordon_window_seconds),
-                             key_file=self.key_file,   # signs its cordons (trainguard/cordon.py)
+                             key_file=self.key_file,   # signs its cordons (trainguard/cordon/__init__.py)
                              shadow=policy.shadow)
 
     def replica_check(self, step: int) -> int | None:

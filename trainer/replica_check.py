@@ -48,7 +48,7 @@ class ReplicaChecks:
         are `shadow_action` events, not carried out (the policy's actions.mode)."""
         self.params, self.names = params, names
         self.shadow = shadow
-        self.key_file = key_file      # the run's checkpoint key signs the cordon (trainguard/cordon.py)
+        self.key_file = key_file      # the run's checkpoint key signs the cordon (trainguard/cordon/__init__.py)
         self.every, self.world, self.rank = every, world_size, rank
         self.run_dir, self.emit, self.log = Path(run_dir), emit, log
         self.monitor = ReplicaMonitor(policy)
@@ -193,8 +193,8 @@ class ReplicaChecks:
                    "cordon": list(verdict.cordon)})
 
     def _write_incident(self, verdict: Verdict, ident: str) -> None:
-        from trainguard.trainer import cordon_key
-        from trainguard.trainer.checkpoint import keys
+        from trainguard.runtime import cordon_key
+        from trainguard.runtime.checkpoint import keys
 
         key = cordon_key.signing_key(self.key_file, create=True)[0]   # signed as the agents' verdicts are
         try:
@@ -225,7 +225,7 @@ class ReplicaChecks:
 
     def _cordon(self, host: str, verdict: Verdict, ident: str) -> None:
         """RUN/control/cordon/<host>: kept out of the job until `trainguard uncordon` (the reason inside)."""
-        from trainguard.trainer import cordon_key
+        from trainguard.runtime import cordon_key
 
         if self.shadow:
             self._shadow("cordon", verdict, ident, host=host)
@@ -254,7 +254,7 @@ def differing_params(tensors: list[list[int]], names: list[str]) -> list[str]:
 
 def recorded_fingerprint(run_dir: Path, step: int) -> str | None:
     """The weights fingerprint the manifest of checkpoint `step` carries (it verified as it loaded)."""
-    from trainguard.trainer.checkpoint.manifest import MANIFEST_NAME
+    from trainguard.runtime.checkpoint.manifest import MANIFEST_NAME
 
     try:
         manifest = safe_read.read_json(rundir.checkpoints_dir(run_dir) / f"step_{step}" / MANIFEST_NAME,

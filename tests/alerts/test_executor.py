@@ -13,7 +13,7 @@ from trainguard import actions
 from trainguard import rundir
 from trainguard.agent.executor import EventLog, Executor, request_id
 from trainguard.decide.ledger import Ledger, Limits, Notice
-from trainguard.trainer.control import ControlChannel
+from trainguard.runtime.control import ControlChannel
 
 HOST = socket.gethostname()
 

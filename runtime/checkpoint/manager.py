@@ -27,17 +27,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainguard import log as tglog
-from trainguard.trainer.checkpoint import compress as compress_mod
-from trainguard.trainer.checkpoint import keys, saving, store
-from trainguard.trainer.checkpoint import manifest as mf
-from trainguard.trainer.checkpoint.directory import INVALID, STATUS_FILE, SUPERSEDED, CheckpointDirs, KeyMismatchError
-from trainguard.trainer.checkpoint.events import EventSink, Events
-from trainguard.trainer.checkpoint.group import RankGroup
-from trainguard.trainer.checkpoint.manifest import CheckpointError, VerifyResult
-from trainguard.trainer.checkpoint.restore import Checkpoint, CheckpointInfo, Restorer, info_of
-from trainguard.trainer.checkpoint.retention import Retention
-from trainguard.trainer.checkpoint.saving import ENGINES, TENSOR_PARTS, SaveHandle, Saver, versions
-from trainguard.trainer.checkpoint.status import (EXIT_NO_DURABLE_CHECKPOINT, SaveReport, final_checkpoint_code,
+from trainguard.runtime.checkpoint import compress as compress_mod
+from trainguard.runtime.checkpoint import keys, saving, store
+from trainguard.runtime.checkpoint import manifest as mf
+from trainguard.runtime.checkpoint.directory import INVALID, STATUS_FILE, SUPERSEDED, CheckpointDirs, KeyMismatchError
+from trainguard.runtime.checkpoint.events import EventSink, Events
+from trainguard.runtime.checkpoint.group import RankGroup
+from trainguard.runtime.checkpoint.manifest import CheckpointError, VerifyResult
+from trainguard.runtime.checkpoint.restore import Checkpoint, CheckpointInfo, Restorer, info_of
+from trainguard.runtime.checkpoint.retention import Retention
+from trainguard.runtime.checkpoint.saving import ENGINES, TENSOR_PARTS, SaveHandle, Saver, versions
+from trainguard.runtime.checkpoint.status import (EXIT_NO_DURABLE_CHECKPOINT, SaveReport, final_checkpoint_code,
                                                   read_status)
 
 # What the trainer, the library and the tests import from here (each defined in the part that owns it).

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from trainguard import safe_read
-from trainguard.trainer.checkpoint import manifest as mf
-from trainguard.trainer.checkpoint import store
-from trainguard.trainer.checkpoint.manifest import CheckpointError, FileEntry, VerifyResult
+from trainguard.runtime.checkpoint import manifest as mf
+from trainguard.runtime.checkpoint import store
+from trainguard.runtime.checkpoint.manifest import CheckpointError, FileEntry, VerifyResult
 
 
 class _SizeChanged(Exception):
@@ -166,7 +166,7 @@ def _detail(exc: CheckpointError, path: Path) -> str:
 
 def _load_checked(path: Path, manifest: dict, into: dict | None, map_location: Any, agree: Any,
                   process_group: Any) -> dict:
-    from trainguard.trainer.checkpoint import compress, sharded, sharded_load, state as state_mod
+    from trainguard.runtime.checkpoint import compress, sharded, sharded_load, state as state_mod
 
     entries = mf.entries(manifest)
     layout = mf.layout(manifest)

@@ -3,7 +3,7 @@
 A cordon stops a node from training (its launcher refuses to join, trainer/launch.py), so it is an
 action that needs proof: anyone who can write the run directory could otherwise evict any node. A cordon
 is signed (trainguard/signed.py, purpose ``cordon/1``, bound to its host) with the run's checkpoint HMAC
-key (trainer/cordon_key.py finds it where trainer/checkpoint/keys.py does) — the key the ranks already hold (trainer/replica_check.py writes a
+key (runtime/cordon_key.py finds it where runtime/checkpoint/keys.py does) — the key the ranks already hold (trainer/replica_check.py writes a
 cordon after a second replica mismatch) and the agent is given (``webhook.checkpoint_key_file``, by
 default the same place the trainer looks: ``$TRAINGUARD_CHECKPOINT_KEY`` or
 ``$XDG_CONFIG_HOME/trainguard/checkpoint.key``), and that lives outside the run directory.

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"trainguard demo: --steps {args.steps}: must be at least 1", file=sys.stderr)
         return 2
     if args.with_prometheus:
-        from trainguard.stack import FAULTS as STACK_FAULTS
+        from trainguard.demo.stack import FAULTS as STACK_FAULTS
 
         last = max(int(fault.partition("@")[2]) for fault in STACK_FAULTS)
         if args.steps <= last:
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = (args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     if args.with_prometheus:
-        from trainguard.stack import run_full_stack_demo
+        from trainguard.demo.stack import run_full_stack_demo
 
         return run_full_stack_demo(run_dir, args.steps)
     return run_local_demo(run_dir, args.steps)

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 from trainguard.tls import format_timestamp
-from trainguard.trainer.checkpoint import manifest as mf
-from trainguard.trainer.checkpoint import store
-from trainguard.trainer.checkpoint.directory import INVALID, SUPERSEDED, CheckpointDirs
-from trainguard.trainer.checkpoint.events import Events
+from trainguard.runtime.checkpoint import manifest as mf
+from trainguard.runtime.checkpoint import store
+from trainguard.runtime.checkpoint.directory import INVALID, SUPERSEDED, CheckpointDirs
+from trainguard.runtime.checkpoint.events import Events
 
 
 PINNED_SUFFIX = "-restore"     # superseded/<name>-<ns>-restore: set aside by a pinned restore, kept

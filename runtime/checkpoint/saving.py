@@ -27,12 +27,12 @@ from typing import Any, Callable, ContextManager
 
 import trainguard
 from trainguard.tls import format_timestamp
-from trainguard.trainer.checkpoint import compress as compress_mod
-from trainguard.trainer.checkpoint import manifest as mf
-from trainguard.trainer.checkpoint import sharded, store
-from trainguard.trainer.checkpoint import state as state_mod
-from trainguard.trainer.checkpoint.group import RankGroup
-from trainguard.trainer.checkpoint.manifest import CheckpointError
+from trainguard.runtime.checkpoint import compress as compress_mod
+from trainguard.runtime.checkpoint import manifest as mf
+from trainguard.runtime.checkpoint import sharded, store
+from trainguard.runtime.checkpoint import state as state_mod
+from trainguard.runtime.checkpoint.group import RankGroup
+from trainguard.runtime.checkpoint.manifest import CheckpointError
 
 ENGINES = ("dcp", "files")
 TENSOR_PARTS = ("model", "optim")   # through DCP; every other key goes to extra.pt (rank 0's)

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from trainguard import rundir, safe_read
 from trainguard.tls import format_timestamp
-from trainguard.trainer.checkpoint.directory import STATUS_FILE
-from trainguard.trainer.checkpoint.events import Events
-from trainguard.trainer.checkpoint.manifest import CheckpointError
+from trainguard.runtime.checkpoint.directory import STATUS_FILE
+from trainguard.runtime.checkpoint.events import Events
+from trainguard.runtime.checkpoint.manifest import CheckpointError
 
 if TYPE_CHECKING:
-    from trainguard.trainer.checkpoint.manager import CheckpointManager
-    from trainguard.trainer.checkpoint.saving import SaveHandle
+    from trainguard.runtime.checkpoint.manager import CheckpointManager
+    from trainguard.runtime.checkpoint.saving import SaveHandle
 
 EXIT_NO_DURABLE_CHECKPOINT = 4   # a run that ends without a durable final checkpoint (RUN/checkpoints/status.json)
 read_status = rundir.read_checkpoint_status   # the reading end lives with the run directory's paths

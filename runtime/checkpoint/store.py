@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from trainguard import safe_read
-from trainguard.trainer.checkpoint.manifest import FileEntry
-from trainguard.trainer.checkpoint.state import tensor_bytes
+from trainguard.runtime.checkpoint.manifest import FileEntry
+from trainguard.runtime.checkpoint.state import tensor_bytes
 
 CHUNK = 8 << 20
 # Below this a write is hashed inline: handing it to the hash thread costs more than it saves.
@@ -249,17 +249,3 @@ def clean_stale(root: Path) -> list[Path]:
             removed.append(path)
     return removed
 
-
-# The reading side lives in verification.py. These names are still read from here (protect/hf_checkpoints.py
-# among others) and are looked up there when asked for: verification imports this module, so not at load.
-_MOVED_TO_VERIFICATION = {"read_manifest": "read_manifest", "verify_dir": "verify_dir",
-                          "verify_and_load": "verify_and_load", "load_verified": "load_verified",
-                          "_check_file": "check_file"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_VERIFICATION:
-        from trainguard.trainer.checkpoint import verification
-
-        return getattr(verification, _MOVED_TO_VERIFICATION[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

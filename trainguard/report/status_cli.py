@@ -186,11 +186,11 @@ def _needs_a_human(status: Status, ts: float, event: dict) -> None:
                                 f"(ranks {paged.get('ranks')}); the ranks were left running")
     elif event["type"] == "alert" and event.get("action") == "page":
         status.attention.append(f"{_clock(ts)}  {event.get('alertname')}: paged a human ({event.get('reason')})")
-    if event["type"] == "cordon_ignored":     # trainguard/cordon.py: the launcher joined despite a cordon file
+    if event["type"] == "cordon_ignored":     # trainguard/cordon/__init__.py: the launcher joined despite a cordon file
         status.attention.append(f"{_clock(ts)}  cordon of {event.get('host')} NOT honoured ({event.get('reason')}): "
                                 f"the node joined the job (ignored {event.get('ignored_total')} time(s)); "
                                 f"{event.get('why', '')}")
-    if event["type"] == "control_refused":     # trainer/control.py: a request that did not prove who wrote it
+    if event["type"] == "control_refused":     # runtime/control.py: a request that did not prove who wrote it
         status.attention.append(f"{_clock(ts)}  control request {event.get('id')} ({event.get('action')}) REFUSED: "
                                 f"{event.get('reason')}, not acted on ({event.get('refused_total')} refused so far); "
                                 f"{event.get('why', '')}")

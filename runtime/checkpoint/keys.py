@@ -22,8 +22,8 @@ import stat
 from pathlib import Path
 
 from trainguard import safe_read
-from trainguard.trainer.checkpoint.manifest import CheckpointError
-from trainguard.trainer.checkpoint.store import fsync_dir
+from trainguard.runtime.checkpoint.manifest import CheckpointError
+from trainguard.runtime.checkpoint.store import fsync_dir
 
 ENV_VAR = "TRAINGUARD_CHECKPOINT_KEY"
 MIN_KEY_BYTES = 32

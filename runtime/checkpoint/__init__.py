@@ -1,6 +1,6 @@
 """Verified checkpoints: atomic, hashed while written, HMAC-signed; restore picks the newest that verifies.
 
-    from trainguard.trainer.checkpoint import CheckpointManager, verify
+    from trainguard.runtime.checkpoint import CheckpointManager, verify
 
 Layout: `manager` (CheckpointManager: save, verify, keep, restore, composed of `saving`, `status`,
 `retention`, `restore`, `directory`, `group`, `events`), `manifest` (pure: manifest, signature, reasons),
@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from trainguard.trainer.checkpoint import keys, verification
-from trainguard.trainer.checkpoint.manager import (Checkpoint, CheckpointInfo, CheckpointManager, SaveHandle,
+from trainguard.runtime.checkpoint import keys, verification
+from trainguard.runtime.checkpoint.manager import (Checkpoint, CheckpointInfo, CheckpointManager, SaveHandle,
                                                    info_of)
-from trainguard.trainer.checkpoint.manifest import CheckpointError, VerifyResult
+from trainguard.runtime.checkpoint.manifest import CheckpointError, VerifyResult
 
 __all__ = ["Checkpoint", "CheckpointError", "CheckpointInfo", "CheckpointManager", "SaveHandle", "VerifyResult",
            "info_of", "verify"]

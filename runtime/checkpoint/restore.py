@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from trainguard.trainer.checkpoint import manifest as mf
-from trainguard.trainer.checkpoint import verification
-from trainguard.trainer.checkpoint.directory import CheckpointDirs
-from trainguard.trainer.checkpoint.events import Events
-from trainguard.trainer.checkpoint.group import RankGroup
-from trainguard.trainer.checkpoint.manifest import CheckpointError, VerifyResult
+from trainguard.runtime.checkpoint import manifest as mf
+from trainguard.runtime.checkpoint import verification
+from trainguard.runtime.checkpoint.directory import CheckpointDirs
+from trainguard.runtime.checkpoint.events import Events
+from trainguard.runtime.checkpoint.group import RankGroup
+from trainguard.runtime.checkpoint.manifest import CheckpointError, VerifyResult
 
 GONE = "gone"       # a row of `list()`: the checkpoint was removed between the listing and the look
 

@@ -1,6 +1,6 @@
 """`trainguard cordon RUN HOST --reason TEXT`: keep a node out of the job by hand.
 
-The launcher honours only a cordon signed with the run's checkpoint key (trainguard/cordon.py), so a file
+The launcher honours only a cordon signed with the run's checkpoint key (trainguard/cordon/__init__.py), so a file
 written by hand keeps nothing out; this command writes the signed one, as a culprit verdict or a replica
 mismatch would, with `by: human` and the reason given. `trainguard uncordon RUN HOST` lets the node back.
 Exit codes: 0 cordoned (or already cordoned); 2 usage (no such run directory, not a node name, no usable key).
@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         paths.run_dir(args.run_dir)
         cordon.check_host(args.host)
-        from trainguard.trainer.cordon_key import checker, write_cordon   # a command may reach the trainer's key
+        from trainguard.runtime.cordon_key import checker, write_cordon   # a command may reach the trainer's key
 
         signer = checker(args.key_file)
         key, where = signer.key, signer.where
@@ -54,6 +54,6 @@ def run(args: argparse.Namespace) -> int:
 def run_key(key_file: str | None) -> tuple[bytes | None, str]:
     """The run's checkpoint key as a command reads it (never created: a key only the reader held checks
     nothing), and where it is or why none: what `replay` checks the run's signed policy with."""
-    from trainguard.trainer.cordon_key import signing_key   # a command may reach the trainer's key
+    from trainguard.runtime.cordon_key import signing_key   # a command may reach the trainer's key
 
     return signing_key(key_file)

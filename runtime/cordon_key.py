@@ -1,11 +1,11 @@
-"""The run's checkpoint HMAC key as the signing key of cordon files (trainguard/cordon.py, docs/incidents.md).
+"""The run's checkpoint HMAC key as the signing key of cordon files (trainguard/cordon/__init__.py, docs/incidents.md).
 
-The key lives where the trainer resolves it (trainer/checkpoint/keys.py: ``--key-file``, else
+The key lives where the trainer resolves it (runtime/checkpoint/keys.py: ``--key-file``, else
 ``$TRAINGUARD_CHECKPOINT_KEY``, else ``$XDG_CONFIG_HOME/trainguard/checkpoint.key``), outside the run
 directory. Writers of cordons (the agent's eviction, the replica check) create it where the trainer would,
 as the trainer's first start does; readers (the launcher, the CLI, the agent's metrics) never create it: a
 key only the reader held would honour nothing. The revocations `trainguard uncordon` recorded live beside
-the key (``<key file>.revoked``, trainguard/cordon.py): `checker` gives both.
+the key (``<key file>.revoked``, trainguard/cordon/__init__.py): `checker` gives both.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from trainguard import cordon, paths
-from trainguard.trainer.checkpoint import keys
-from trainguard.trainer.checkpoint.manifest import CheckpointError
+from trainguard.runtime.checkpoint import keys
+from trainguard.runtime.checkpoint.manifest import CheckpointError
 
 
 def signing_key(key_file: str | os.PathLike | None = None, create: bool = False) -> tuple[bytes | None, str]:

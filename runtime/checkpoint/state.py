@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from trainguard.trainer.checkpoint.manifest import CheckpointError
+from trainguard.runtime.checkpoint.manifest import CheckpointError
 
 OWN_FILES = {"model": "model.pt", "optim": "optim.pt"}
 EXTRA_FILE = "extra.pt"

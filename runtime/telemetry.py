@@ -1,9 +1,9 @@
 """Step telemetry: one TLS v1 record per step per rank, from any training loop.
 
-    from trainguard.trainer.telemetry import StepTelemetry, StepTimer
+    from trainguard.runtime.telemetry import StepTelemetry, StepTimer
 
     telemetry = StepTelemetry(run_dir, rank=rank, world_size=world, run_id="exp1",
-                              flops_per_token=model.flops_per_token())   # peak: trainer/mfu.py
+                              flops_per_token=model.flops_per_token())   # peak: runtime/mfu.py
     timer = StepTimer()
     for step in range(1, steps + 1):
         timer.start()
@@ -25,7 +25,7 @@ written even when step records are turned off (``enabled=False``, the ``--teleme
 
 MFU (``metrics.mfu``) is written only when both halves are known: the model's training FLOPs per token
 (`flops_per_token`, the user's figure for their model) and the device's peak (`peak_flops`, else
-trainer/mfu.py's documented table by GPU model for `precision`). Otherwise it is left out and
+runtime/mfu.py's documented table by GPU model for `precision`). Otherwise it is left out and
 `mfu_unavailable` says why (the trainer records it in `run_start`; the report shows "n/a" with it).
 """
 
@@ -39,7 +39,7 @@ from typing import Any
 
 from trainguard import rundir
 from trainguard import tls
-from trainguard.trainer import mfu as mfu_mod
+from trainguard.runtime import mfu as mfu_mod
 
 try:
     import torch
@@ -202,7 +202,7 @@ class StepTelemetry:
                  gpu_count: int | None = None, flops_per_token: float = 0.0, peak_flops: float = 0.0,
                  precision: str = "bf16", device_name: str | None = None, enabled: bool = True):
         """`flops_per_token`: training FLOPs per token of the model (6N plus attention for a GPT; 0: unknown,
-        no MFU). `peak_flops`: the device's peak FLOP/s (0: trainer/mfu.py's table for `precision` and the
+        no MFU). `peak_flops`: the device's peak FLOP/s (0: runtime/mfu.py's table for `precision` and the
         CUDA device's name, `device_name` or ``torch.cuda.get_device_name()``)."""
         for name, value in (("flops_per_token", flops_per_token), ("peak_flops", peak_flops)):
             if not (isinstance(value, (int, float)) and value >= 0 and value != float("inf")):

@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def cordon_checker(key_file: str | None):
-    """The key cordons are checked with (trainguard/cordon.py CordonKey), or why a --key-file cannot be used."""
-    from trainguard.trainer.cordon_key import checker   # a command may reach the trainer's key
+    """The key cordons are checked with (trainguard/cordon/__init__.py CordonKey), or why a --key-file cannot be used."""
+    from trainguard.runtime.cordon_key import checker   # a command may reach the trainer's key
 
     key = checker(key_file)
     if key_file is not None and key.key is None:
@@ -107,7 +107,7 @@ def list_incidents(run_dir: Path, as_json: bool, key=None) -> int:
 
 
 def print_cordons(run_dir: Path, key) -> None:
-    """The run's cordon files, each checked with the checkpoint key and its revocations (trainguard/cordon.py)."""
+    """The run's cordon files, each checked with the checkpoint key and its revocations (trainguard/cordon/__init__.py)."""
     from trainguard import cordon
 
     where = key.where

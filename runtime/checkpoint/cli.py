@@ -22,8 +22,8 @@ from pathlib import Path
 from trainguard import paths
 from trainguard.progress import Progress
 from trainguard.tls import parse_timestamp
-from trainguard.trainer.checkpoint import Checkpoint, CheckpointError, CheckpointInfo, CheckpointManager
-from trainguard.trainer.checkpoint.restore import GONE
+from trainguard.runtime.checkpoint import Checkpoint, CheckpointError, CheckpointInfo, CheckpointManager
+from trainguard.runtime.checkpoint.restore import GONE
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

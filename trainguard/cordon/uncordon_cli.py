@@ -1,6 +1,6 @@
 """`trainguard uncordon RUN HOST`: let a cordoned node's launcher join the job again, for good.
 
-Removes ``RUN/control/cordon/HOST`` whether or not it is honoured (trainguard/cordon.py: signed with the
+Removes ``RUN/control/cordon/HOST`` whether or not it is honoured (trainguard/cordon/__init__.py: signed with the
 run's checkpoint key), and says which it was: a cordon that was not honoured never kept the node out. A
 genuine cordon is first revoked: its id goes into the signed revocation list beside the key
 (``<key file>.revoked``, outside RUN/), so a copy of it put back into the run directory is refused as
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 def checker(key_file: str | None) -> cordon.CordonKey:
     """The key and its revocation list; ValueError naming the path for a --key-file that cannot be used."""
-    from trainguard.trainer.cordon_key import checker as find   # a command may reach the trainer's key
+    from trainguard.runtime.cordon_key import checker as find   # a command may reach the trainer's key
 
     key = find(key_file)
     if key_file is not None and key.key is None:

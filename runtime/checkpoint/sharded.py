@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from trainguard import safe_read
-from trainguard.trainer.checkpoint.manifest import CheckpointError, FileEntry
+from trainguard.runtime.checkpoint.manifest import CheckpointError, FileEntry
 
 METADATA = ".metadata"
 # DCP warns at every single-process save or load ("assuming the intent is to save in a single process"),
@@ -70,7 +70,7 @@ class _WrittenStream(io.RawIOBase):
         # page cache now, so they are hashed (a thread, GIL-free) while the fsync waits for the disk.
         if self.hashing is None:
             self._raw.flush()
-            from trainguard.trainer.checkpoint import store
+            from trainguard.runtime.checkpoint import store
 
             self.hashing = store.hash_pool().submit(hash_written, self._path)
         return self._raw.fileno()

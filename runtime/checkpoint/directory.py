@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from trainguard import rundir
-from trainguard.trainer.checkpoint import keys, verification
-from trainguard.trainer.checkpoint import manifest as mf
-from trainguard.trainer.checkpoint.manifest import CheckpointError, VerifyResult
+from trainguard.runtime.checkpoint import keys, verification
+from trainguard.runtime.checkpoint import manifest as mf
+from trainguard.runtime.checkpoint.manifest import CheckpointError, VerifyResult
 
 SUPERSEDED = "superseded"
 INVALID = "invalid"          # checkpoints that did not verify, moved aside by retention (never deleted)

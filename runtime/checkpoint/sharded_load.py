@@ -1,6 +1,6 @@
 """Loading sharded checkpoints (DCP, format /2) back, trusting nothing that was not verified, into any layout.
 
-`trainguard.trainer.checkpoint.store` hashes the files first and hands their stats here. `SafeReader`
+`trainguard.runtime.checkpoint.store` hashes the files first and hands their stats here. `SafeReader`
 unpickles ``.metadata`` with an allowlist (DCP itself uses a bare ``pickle.load``), opens each shard only
 if its size and times are still those that were hashed, and the planners load non-tensor items with
 ``weights_only=True`` (DCP's default planner uses ``weights_only=False``). Tensor items are loaded by DCP
@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from trainguard.trainer.checkpoint.manifest import CheckpointError
-from trainguard.trainer.checkpoint.sharded import METADATA, dcp, dcp_errors
+from trainguard.runtime.checkpoint.manifest import CheckpointError
+from trainguard.runtime.checkpoint.sharded import METADATA, dcp, dcp_errors
 
 
 class _MetadataUnpickler(pickle.Unpickler):

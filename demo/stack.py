@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from trainguard import rundir
-from trainguard import demo
+from trainguard.demo import cli as demo
 
 # Short intervals so the story plays out in a minute or two; a real run keeps the defaults.
 DEMO_POLICY = {"alerts": {"for_short": "1s", "for_long": "5s", "stall_seconds": 10.0}}

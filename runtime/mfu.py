@@ -102,7 +102,7 @@ def peak_flops(device_type: str, device_name: str = "", precision: str = "bf16",
     found = lookup(device_name, precision)
     if found is None:
         return PeakFlops(None, "", f"no documented {precision} peak for {device_name or 'this GPU'} in "
-                                   "trainer/mfu.py; give one with --peak-flops / peak_flops")
+                                   "runtime/mfu.py; give one with --peak-flops / peak_flops")
     peak, flops = found
     return PeakFlops(flops, f"table: {peak.model} {precision} ({peak.source})")
 

@@ -16,9 +16,9 @@ The checks, each against its peer on the same GPU and the same run (budget in se
 | xid_ecc | XID counters (every watched code at 0 per GPU, with its class) and the ECC / remapped-rows counters on /metrics | the XID catalogue (trainguard/xid_catalog.py) | every watched code present per GPU; ECC counters present or NVML says NOT_SUPPORTED (ECC off) |
 | training | a bf16 run of the bundled trainer (small preset) with telemetry on and off, interleaved (bench/bench_loop.py --device cuda) | the same steps with telemetry off | telemetry under 1% of a step |
 | cuda_memory | the trainer's `mem_allocated_bytes` / `mem_reserved_bytes` in its TLS records | torch.cuda.memory_allocated / memory_reserved after the same step | equal (the same counters, read at the step's end) |
-| mfu | `metrics.mfu` of that run | trainer/mfu.py's peak for this device name, and FLOPs per token x tokens/s recomputed | a peak is found for the device; recomputed MFU equal within 1% |
+| mfu | `metrics.mfu` of that run | runtime/mfu.py's peak for this device name, and FLOPs per token x tokens/s recomputed | a peak is found for the device; recomputed MFU equal within 1% |
 | energy | NVML's energy counter over the run (what DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION exports) | power sampled at 20 Hz, integrated | within 5% |
-| flight_recorder | an NCCL all-reduce enqueued behind a kernel that does not end (torch.cuda._sleep), the Flight Recorder dumped meanwhile (trainer/flight_recorder.py) and read by decide/culprit.enqueued | the collectives issued | the hung collective is in the dump, not completed, and its sequence number is the last enqueued |
+| flight_recorder | an NCCL all-reduce enqueued behind a kernel that does not end (torch.cuda._sleep), the Flight Recorder dumped meanwhile (runtime/flight_recorder.py) and read by decide/culprit.enqueued | the collectives issued | the hung collective is in the dump, not completed, and its sequence number is the last enqueued |
 | dcp_async | the checkpoint manager's async save: time it blocks the caller | DCP async_save's blocking time, and the device-to-host copy floor (one copy_ of every tensor into pinned host buffers) | <= 1.0x DCP, <= 1.25x the floor |
 | fingerprint | the replica check's fingerprint per check (bench/bench_sdc.py --world 1 on NCCL) | Megatron-LM's SHA-1 parameter check on the same weights | >= 20x cheaper |
 
@@ -178,7 +178,7 @@ def check_cuda_memory_mfu_energy(ctx: Context) -> list[tuple[str, Result]]:
     import torch
 
     from trainguard import tls
-    from trainguard.trainer import mfu as mfu_mod
+    from trainguard.runtime import mfu as mfu_mod
     from trainguard.trainer.config import TrainConfig, load_file
     from trainguard.trainer.loop import DistInfo, Trainer
 
@@ -227,7 +227,7 @@ def check_cuda_memory_mfu_energy(ctx: Context) -> list[tuple[str, Result]]:
     found = mfu_mod.lookup(name, "bf16")
     metrics = last.get("metrics") or {}
     if found is None:
-        out.append(("mfu", Result("fail", f"no peak in trainer/mfu.py for {name!r}", [], {"device": name})))
+        out.append(("mfu", Result("fail", f"no peak in runtime/mfu.py for {name!r}", [], {"device": name})))
     elif "mfu" not in metrics:
         out.append(("mfu", Result("fail", "the run wrote no metrics.mfu", [], {"device": name})))
     else:
@@ -259,7 +259,7 @@ import json, os, sys, time
 os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
 import torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-from trainguard.trainer import flight_recorder
+from trainguard.runtime import flight_recorder
 from trainguard.decide.culprit import enqueued
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
@@ -305,7 +305,7 @@ def check_dcp_async(ctx: Context) -> Result:
     import torch
 
     from bench_checkpoint import dcp_async_blocking
-    from trainguard.trainer.checkpoint import CheckpointManager
+    from trainguard.runtime.checkpoint import CheckpointManager
     from trainguard.trainer.config import ModelConfig
     from trainguard.trainer.model import GPT
 

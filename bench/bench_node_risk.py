@@ -45,7 +45,7 @@ when T - 24 h <= t < T; a flag after T is reactive and counted apart (the node h
 other flag is a false positive, whether on a healthy node or more than 24 h before a failure ("early"). A reboot
 false drain is a false positive within an hour after a reboot. Recall: failures with a true-positive flag
 over all failures. The circuit breaker is fleet-wide (one rule for the fleet, as the agents' shared cordons
-make it).
+make it) on the healthy fleet; the failing set runs without it, since it packs its failures into one day.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -315,7 +315,11 @@ def main(argv: list[str] | None = None) -> int:
         rng = random.Random(args.seed)
         healthy, failing = healthy_fleet(args.nodes, args.days, rng), failing_set(args.failures, rng)
         started = time.perf_counter()
-        runs = [simulate(healthy, args.days, policy, args.seed), simulate(failing, 4 + 1 / 24, policy, args.seed)]
+        # the failing set packs its failures into one day, ~100x a real fleet's density: its circuit breaker
+        # would hold back true flags only because of that packing, so it runs without one (the healthy fleet,
+        # where the breaker's job is the reboot wave, keeps the policy's)
+        unbounded = replace(policy, max_flags_per_hour=10**6)
+        runs = [simulate(healthy, args.days, policy, args.seed), simulate(failing, 4 + 1 / 24, unbounded, args.seed)]
         results[name] = {**score(healthy, args.days, failing, runs), "seconds": round(time.perf_counter() - started, 1)}
     print(f"{'rule':<54} {'fail':>4} {'TP':>3} {'FP':>4} {'boot FP':>7} {'FP/node-day':>11} {'prec@fleet':>10} "
           f"{'prec@mix':>8} {'recall':>6} {'recall*':>7} {'lead h':>6}")

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from trainguard import xid_catalog
-from trainguard.config import above, at_least, between, key
+from trainguard.config import above, at_least, between, key as declare
 
 # The GPU counters the rule reads (cumulative; a decrease is a restart) and the states (0/1 now).
 COUNTERS = ("ecc_sbe_volatile", "ecc_dbe_volatile", "remapped_rows", "retired_pages", "pcie_replays",
@@ -67,21 +67,21 @@ DRAIN_AT_CHECKPOINT = "drain_at_checkpoint"
 class NodeRiskPolicy:
     """The rule's thresholds (policy section `node_risk`); the module doc and docs/node-risk.md say why."""
 
-    threshold: float = key(0.6, between(0, 1, low_open=True),
+    threshold: float = declare(0.6, between(0, 1, low_open=True),
                            "risk score at or above which a reading counts towards 'at risk'")
-    consecutive: int = key(3, at_least(1, 10**4), "readings in a row at or above the threshold before a node is "
+    consecutive: int = declare(3, at_least(1, 10**4), "readings in a row at or above the threshold before a node is "
                            "at risk (the debounce)")
-    window_seconds: float = key(3600.0, above(0, 10**7), "seconds of history the counters' increases and rates "
+    window_seconds: float = declare(3600.0, above(0, 10**7), "seconds of history the counters' increases and rates "
                                 "are taken over")
-    settle_seconds: float = key(900.0, at_least(0, 10**6), "after a restart, a gap or a GPU back from lost, "
+    settle_seconds: float = declare(900.0, at_least(0, 10**6), "after a restart, a gap or a GPU back from lost, "
                                 "seconds in which only the hard signals count (a reboot's transient)")
-    gap_seconds: float = key(600.0, above(0, 10**6), "readings further apart than this mean the node was away")
-    max_flags_per_hour: int = key(2, at_least(0, 10**4), "circuit breaker: nodes flagged in any hour, fleet-wide")
-    correctable_ecc_per_hour: float = key(100.0, above(0), "corrected ECC errors per hour that count fully")
-    pcie_replays_per_hour: float = key(1000.0, above(0), "PCIe replays per hour that count fully")
-    nvlink_errors_per_hour: float = key(100.0, above(0), "NVLink CRC + replay errors per hour that count fully")
-    ib_symbol_errors_per_hour: float = key(100.0, above(0), "InfiniBand symbol errors per hour that count fully")
-    thermal_share: float = key(0.05, between(0, 1, low_open=True), "share of the window in thermal slowdown "
+    gap_seconds: float = declare(600.0, above(0, 10**6), "readings further apart than this mean the node was away")
+    max_flags_per_hour: int = declare(2, at_least(0, 10**4), "circuit breaker: nodes flagged in any hour, fleet-wide")
+    correctable_ecc_per_hour: float = declare(100.0, above(0), "corrected ECC errors per hour that count fully")
+    pcie_replays_per_hour: float = declare(1000.0, above(0), "PCIe replays per hour that count fully")
+    nvlink_errors_per_hour: float = declare(100.0, above(0), "NVLink CRC + replay errors per hour that count fully")
+    ib_symbol_errors_per_hour: float = declare(100.0, above(0), "InfiniBand symbol errors per hour that count fully")
+    thermal_share: float = declare(0.05, between(0, 1, low_open=True), "share of the window in thermal slowdown "
                                "that counts fully")
 
 

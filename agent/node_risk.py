@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client.core import Metric
@@ -110,3 +111,96 @@ class NodeRiskWatch:
         return out + [SCORE.value(verdict.score), AT_RISK.value(1 if verdict.at_risk else 0),
                       STREAK.value(verdict.streak), SETTLING.value(1 if verdict.settling else 0),
                       SIGNAL.family((self._signal_labels.get(name), signals.get(name, 0.0)) for name in SIGNALS)]
+
+
+class Drain:
+    """What a flag sets going on this node: the drain request through the executor (its ledger, its shadow
+    gate, its signed request), then, once rank 0 has acknowledged that request (signed) and a checkpoint
+    saved after it verifies under the run's key, this node's signed cordon and the end of its launcher
+    (agent/evict.py: the elastic launchers re-form the job without it, from that checkpoint).
+
+    In shadow mode the executor records the drain as a ``shadow_action`` and writes no request, so no rank
+    acknowledges it and nothing here is ever cordoned or ended: the one gate is the executor's."""
+
+    def __init__(self, run_dir, host: str, submit: Callable[[list], list], request_id: Callable[[object], str],
+                 *, key_file=None, wait_seconds: float = 900.0, poll_seconds: float = 0.2,
+                 grace_seconds: float = 5.0, clock: Callable[[], float] = time.time):
+        self.run_dir, self.host, self.submit, self.request_id = run_dir, host, submit, request_id
+        self.key_file, self.wait_seconds, self.poll_seconds = key_file, wait_seconds, poll_seconds
+        self.grace_seconds, self.clock = grace_seconds, clock
+        self.done: list[dict] = []          # what each follow-up did (the test's and /healthz's view)
+        self._log = tglog.get("agent.node_risk", node=host)
+        self._threads: list[threading.Thread] = []
+
+    def __call__(self, verdict: RiskVerdict) -> None:
+        from trainguard.decide.ledger import FIRING, Notice
+
+        notice = Notice(alertname="NodeAtRisk", status=FIRING, action=verdict.action, source="embedded",
+                        key=f"node_risk:{verdict.node}@{verdict.timestamp:.3f}", starts_at=verdict.timestamp,
+                        reason="node_risk", labels={"node": verdict.node})
+        for decided in self.submit([notice]) or ():
+            if getattr(decided, "action", None) != verdict.action:
+                continue            # refused, coalesced or escalated by the ledger: nothing to follow
+            thread = threading.Thread(target=self.follow, args=(self.request_id(decided), self.clock()),
+                                      name="agent-drain", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def follow(self, request_id: str, issued_at: float) -> dict:
+        """Wait for the ranks' checkpoint of `request_id`, then cordon this node and end its launcher."""
+        from trainguard import rundir
+        from trainguard.agent import evict
+        from trainguard.runtime import cordon_key
+
+        key, where = cordon_key.signing_key(self.key_file)
+        outcome: dict = {"id": request_id, "host": self.host}
+        deadline = self.clock() + self.wait_seconds
+        checkpoint = None
+        while self.clock() < deadline:
+            if request_id in rundir.read_acked(self.run_dir, key):
+                checkpoint = self._checkpoint_after(issued_at, key)
+                if checkpoint is not None:
+                    break
+            time.sleep(self.poll_seconds)
+        if checkpoint is None:
+            outcome["outcome"] = "no_checkpoint"
+            self._log.error("drain: no verified checkpoint of the request in time; the node is not cordoned",
+                            id=request_id, waited_seconds=self.wait_seconds, key=where)
+            self.done.append(outcome)
+            return outcome
+        outcome["checkpoint_step"] = checkpoint
+        try:
+            outcome["cordon"] = str(evict.cordon(self.run_dir, self.host, incident=None, reason="node_risk",
+                                                 by=self.host, key_file=self.key_file))
+            outcome.update(evict.end_launcher(self.run_dir, self.host, grace_seconds=self.grace_seconds))
+            outcome["outcome"] = "drained"
+        except (OSError, evict.CannotCordon) as exc:
+            outcome.update(outcome="failed", error=str(exc))
+        self._log.warning("drain at checkpoint", **{k: v for k, v in outcome.items() if k != "id"}, id=request_id)
+        self.done.append(outcome)
+        return outcome
+
+    def _checkpoint_after(self, issued_at: float, key: bytes | None) -> int | None:
+        """The step of the last save when it succeeded after `issued_at` and its checkpoint verifies."""
+        from trainguard import rundir, tls
+        from trainguard.runtime.checkpoint import keys
+        from trainguard.runtime.checkpoint.verification import verify_dir
+
+        status = rundir.read_checkpoint_status(self.run_dir)
+        if not isinstance(status, dict) or status.get("ok") is not True or key is None:
+            return None
+        try:
+            saved_at = tls.parse_timestamp(status.get("time"))
+            step, path = int(status["step"]), Path(str(status["path"]))
+        except (KeyError, TypeError, ValueError, tls.TLSError):
+            return None
+        if saved_at + 1.0 < issued_at:      # a save from before the request (1 s: the two clocks' rounding)
+            return None
+        if path.parent.resolve() != rundir.checkpoints_dir(self.run_dir).resolve():
+            return None                     # the status is not signed: it may only point into this run
+        result = verify_dir(path, key, keys.key_id(key), deep=False)    # the manifest's signature, its step
+        return step if result.ok and result.step == step else None
+
+    def join(self, timeout: float = 5.0) -> None:
+        for thread in self._threads:
+            thread.join(timeout)

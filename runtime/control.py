@@ -29,11 +29,8 @@ from pathlib import Path
 
 from trainguard import rundir, signed
 from trainguard.node import node_name
-from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN, RESTORE, ROLLBACK
-
-# Codes travel in a float64 all-reduce; 0 means "nothing this step".
-CODES = {ROLLBACK: 1, COST_WARN: 2, COST_THROTTLE: 3, COST_STOP: 4}
-ACTIONS_BY_CODE = {code: action for action, code in CODES.items()}
+from trainguard import actions
+from trainguard.actions import CODES
 
 
 class ControlChannel:
@@ -74,8 +71,9 @@ class ControlChannel:
         except (ValueError, KeyError, TypeError) as exc:
             self._warn("control request ignored", where=f"{self.path}:{lineno}", error=repr(exc))
             return None
-        if request_id in self.acked or action == RESTORE:   # restore is carried out by the agent
-            return None
+        row = actions.of(action) if isinstance(action, str) else None
+        if request_id in self.acked or row is not None and row.carried_by == actions.AGENT:
+            return None     # handled already, or carried out by the agent (a restore): not the ranks'
         if action not in CODES:
             self._warn("control request ignored", where=f"{self.path}:{lineno}",
                        error=f"unknown action {action!r}")

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from trainguard import log, policy as policy_mod
-from trainguard.protect import EXIT_OK, EXIT_STOPPED, Outcome, Protector, TrainState, Verdict
+from trainguard.actions import STOP
+from trainguard.protect import EXIT_OK, EXIT_STOPPED, Outcome, Protector, TrainState, Verdict, handlers
 from trainguard.trainer import parallel
 from trainguard.trainer import schedules as dynamics
 from trainguard.trainer.config import TrainConfig
@@ -157,8 +158,8 @@ class Trainer:
             return None
         outcome = self.replicas.respond(
             verdict, restore=lambda: self.protector.restore(rollback=False),
-            stop=lambda event: self.protector._stop(Decision("stop", "replica_mismatch", step, detail=event),
-                                                    event))
+            stop=lambda event: handlers.stop_run(self.protector, Decision(STOP, "replica_mismatch", step,
+                                                                           detail=event), event))
         return outcome.exit_code if outcome is not None else None
 
     def _device_name(self) -> str:

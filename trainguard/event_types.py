@@ -11,6 +11,8 @@ Pure: no I/O. A new event type: its constant and one line here, then its writer 
 
 from __future__ import annotations
 
+from trainguard import actions
+
 # ------------------------------------------------------------------------ a trainer process's life
 RUN_START = "run_start"            # a trainer process began stepping (after its restore): resumed_from, mfu_unavailable
 RUN_END = "run_end"                # a trainer process ended on purpose: reason (completed, guard_stop, cost_stop)
@@ -36,7 +38,7 @@ LOSS_LEVEL_SHIFT = "loss_level_shift"          # the guard accepted a new loss l
 REPLICA_CHECK = "replica_check"        # the replicas' weight and gradient fingerprints at a check step
 REPLICA_MISMATCH = "replica_mismatch"  # replicas that should agree did not: ranks, what (docs/sdc.md)
 CULPRIT = "culprit"                    # the rank and node an incident names: incident, rank, node, kind
-CORDON = "cordon"                      # a node kept out of the job (RUN/control/cordon/<host>): host, incident
+CORDON = actions.CORDON                # a node kept out of the job (RUN/control/cordon/<host>): host, incident
 CORDON_IGNORED = "cordon_ignored"      # a launcher joined despite a cordon file it does not honour: why
 
 # ------------------------------------------------------------------------------------- node health

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from typing import Any, Iterable, Iterator
 
+from trainguard.actions import ROLLBACK, STOP
 from trainguard.config import at_least, key
 
 WEIGHTS, GRADIENTS = "weights", "gradients"
@@ -71,7 +72,7 @@ class Verdict:
     nodes: tuple[str, ...]        # their hosts
     confidence: float
     reasons: tuple[str, ...]
-    action: str | None = "rollback"
+    action: str | None = ROLLBACK
     cordon: tuple[str, ...] = ()  # hosts to cordon now (a second mismatch within the window)
     values: dict[str, Any] = field(default_factory=dict)   # {"weights": [...], "gradients": [...]} per rank
     timestamp: float = 0.0        # of the check that mismatched (an arbitration: of the first one)
@@ -170,7 +171,7 @@ class ReplicaMonitor:
         if repeated:
             reasons.append(f"step {check.step} mismatched before and again after the replay: not transient, "
                            "stopping (a rollback would only repeat it)")
-            return self._verdict(MISMATCH, check, what, ranks, confidence, reasons, values, action="stop")
+            return self._verdict(MISMATCH, check, what, ranks, confidence, reasons, values, action=STOP)
         return self._verdict(MISMATCH, check, what, ranks, confidence, reasons, values)
 
     def _arbitrate(self, check: ReplicaCheck) -> Verdict | None:
@@ -195,7 +196,7 @@ class ReplicaMonitor:
                              timestamp=pending["timestamp"])
 
     def _verdict(self, kind: str, check: ReplicaCheck, what: str, ranks: tuple[int, ...], confidence: float,
-                 reasons: list[str], values: tuple[int, ...], action: str | None = "rollback",
+                 reasons: list[str], values: tuple[int, ...], action: str | None = ROLLBACK,
                  timestamp: float | None = None) -> Verdict:
         nodes = tuple(n for n in (check.node_of(r) for r in ranks) if n is not None)
         cordon = self._cordon(nodes, check.timestamp)

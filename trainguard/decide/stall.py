@@ -24,7 +24,7 @@ from trainguard.config import above, key
 
 
 # A rank whose log ends with one of these has finished (or was stopped) and is leaving: never a stall.
-ENDED_EVENTS = ("run_end", "stop")
+ENDED_EVENTS = ("run_end", actions.STOP)
 
 
 @dataclass(frozen=True)

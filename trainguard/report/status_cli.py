@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainguard import paths, rundir, safe_read
-from trainguard.actions import SHADOW_ACTION, SHADOW_MODE
+from trainguard.actions import PAGE, SHADOW_ACTION, SHADOW_MODE
 from trainguard.exits import int_at_least
 from trainguard.report.charts import event_detail, format_elapsed, format_value, mfu_na
 from trainguard.report.files import log_files, read_checkpoints
@@ -184,7 +184,7 @@ def _needs_a_human(status: Status, ts: float, event: dict) -> None:
         paged = event.get("paged") or {}
         status.attention.append(f"{_clock(ts)}  restore NOT done, a human is paged: {paged.get('reason', 'paged')} "
                                 f"(ranks {paged.get('ranks')}); the ranks were left running")
-    elif event["type"] == "alert" and event.get("action") == "page":
+    elif event["type"] == "alert" and event.get("action") == PAGE:
         status.attention.append(f"{_clock(ts)}  {event.get('alertname')}: paged a human ({event.get('reason')})")
     if event["type"] == "cordon_ignored":     # trainguard/cordon/__init__.py: the launcher joined despite a cordon file
         status.attention.append(f"{_clock(ts)}  cordon of {event.get('host')} NOT honoured ({event.get('reason')}): "

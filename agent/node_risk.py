@@ -170,7 +170,7 @@ class Drain:
             return outcome
         outcome["checkpoint_step"] = checkpoint
         try:
-            outcome["cordon"] = str(evict.cordon(self.run_dir, self.host, incident=None, reason="node_risk",
+            outcome["cordon_file"] = str(evict.cordon(self.run_dir, self.host, incident=None, reason="node_risk",
                                                  by=self.host, key_file=self.key_file))
             outcome.update(evict.end_launcher(self.run_dir, self.host, grace_seconds=self.grace_seconds))
             outcome["outcome"] = "drained"

@@ -63,10 +63,12 @@ def test_the_alert_an_embedded_decision_stands_in_for_exists_with_that_action():
 
 def test_the_derived_views_keep_the_vocabulary_they_always_had():
     """The report's and dashboards' groups, the webhook's and the guard's sets, as the table derives them."""
-    assert actions.REMOTE_ACTIONS == ("rollback", "restore", "cost_warn", "cost_throttle", "cost_stop")
+    assert actions.REMOTE_ACTIONS == ("rollback", "restore", "cost_warn", "cost_throttle", "cost_stop",
+                                      "drain_at_checkpoint")
     assert actions.GUARD_ACTIONS == ("skip_step", "rollback", "stop")
-    assert actions.DECISIONS == ("skip_step", "rollback", "restore", "cost_warn", "cost_throttle", "cost_stop", "stop")
-    assert actions.REPORTED_GUARD_ACTIONS == ("skip_step", "rollback", "restore", "stop")
+    assert actions.DECISIONS == ("skip_step", "rollback", "restore", "cost_warn", "cost_throttle", "cost_stop", "stop",
+                                 "drain_at_checkpoint")
+    assert actions.REPORTED_GUARD_ACTIONS == ("skip_step", "rollback", "restore", "stop", "drain_at_checkpoint")
     assert actions.COST_ORDER == {"cost_warn": 1, "cost_throttle": 2, "cost_stop": 3}
     assert actions.ESCALATION == {"rollback": "cost_stop", "restore": "page"}
 

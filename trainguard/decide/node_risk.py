@@ -42,7 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
-from trainguard import xid_catalog
+from trainguard import actions, xid_catalog
 from trainguard.config import above, at_least, between, key as declare
 
 # The GPU counters the rule reads (cumulative; a decrease is a restart) and the states (0/1 now).
@@ -60,7 +60,7 @@ WEIGHTS: dict[str, float] = {
 }
 SIGNALS = tuple(WEIGHTS)
 
-DRAIN_AT_CHECKPOINT = "drain_at_checkpoint"
+DRAIN_AT_CHECKPOINT = actions.DRAIN     # what a flag asks for (trainguard/actions.py's row)
 
 
 @dataclass(frozen=True)

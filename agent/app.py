@@ -35,7 +35,9 @@ from trainguard.agent.config import AgentConfig, ConfigError
 from trainguard.agent.culprit import Investigator
 from trainguard.agent.discovery import Discovery
 from trainguard.agent.executor import Executor, WebhookSettings
-from trainguard.agent.node_risk import NodeRiskWatch
+from trainguard.agent import evict
+from trainguard.agent.action_log import request_id
+from trainguard.agent.node_risk import Drain, NodeRiskWatch
 from trainguard.agent.nodelog import NodeLog
 from trainguard.agent.runner import Agent
 from trainguard.agent.server import AgentServer
@@ -196,9 +198,20 @@ def build_nodelog(config: AgentConfig, agent: Agent) -> NodeLog | None:
 
 
 def build_node_risk(config: AgentConfig, agent: Agent, actions: Actions | None) -> NodeRiskWatch:
-    """This node's risk rule at the node log's pace, on /metrics; its flags drain the node when `actions`."""
+    """This node's risk rule at the node log's pace, on /metrics. With a run directory to act on, a flag
+    drains the node at the next checkpoint through the executor (its ledger, its shadow gate), and the
+    circuit breaker counts the node-risk cordons other agents signed in the last hour."""
+    on_flag = known_flags = None
+    if actions is not None:
+        executor = actions.executor
+        on_flag = Drain(config.run_dir, node_name(), executor.submit, request_id,
+                        key_file=executor.node_actions.checkpoint_key_file)
+
+        def known_flags() -> list[float]:
+            found = evict.cordoned(config.run_dir, executor.node_actions.checkpoint_key_file)
+            return [float(r.get("cordoned_at", 0.0)) for r in found.values() if r.get("reason") == "node_risk"]
     watch = NodeRiskWatch(agent.tls_fragments, config.node, agent.policy_choice.policy.node_risk,
-                          interval=config.nodelog.interval)
+                          interval=config.nodelog.interval, on_flag=on_flag, known_flags=known_flags)
     agent.add_metrics_source(watch.families)
     return watch
 

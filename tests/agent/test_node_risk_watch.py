@@ -17,8 +17,11 @@ def watch_over(tmp_path, scenario: str, policy: NodeRiskPolicy, **kwargs):
     gpu = GPUCollector(Context(devfs=tmp_path, node="node-a", options={"nvml_module": nvml, "kmsg": False}))
     fragments: dict = {}
     watch = NodeRiskWatch(lambda: fragments, "node-a", policy, **kwargs)
+    clock = [1000.0]
+    gpu.clock = lambda: clock[0]       # the collector's re-init backoff runs on the readings' time
 
     def step(now: float):
+        clock[0] = 1000.0 + now
         fragments["gpu"] = gpu.update().tls
         verdict = watch.observe_once(now)
         nvml.advance()
@@ -61,3 +64,18 @@ def test_flags_of_other_nodes_spend_the_budget(tmp_path):
 def test_no_gpu_or_ib_health_no_reading():
     watch = NodeRiskWatch(lambda: {"training": {"metrics": {"loss": 1.0}}}, "node-a", NodeRiskPolicy())
     assert watch.observe_once(10.0) is None and watch.families()[0].samples[0].value == 0
+
+
+def test_a_planned_reboot_seen_by_a_running_agent_drains_nothing(tmp_path):
+    """GPUs lost (driver unloaded), back with their counters at 0 and a link still at x8: the settle period
+    keeps it out; the same readings through a rule without debounce or settle would flag the node."""
+    flagged = []
+    _, step = watch_over(tmp_path, "reboot", NodeRiskPolicy(), on_flag=flagged.append)
+    verdicts = [step(20.0 * i) for i in range(14)]
+    assert not flagged and not any(v.at_risk for v in verdicts)
+    assert any(v.settling for v in verdicts[6:])                   # back from lost: settling
+    naive = []
+    _, step = watch_over(tmp_path / "naive", "reboot", NodeRiskPolicy(threshold=0.2, consecutive=1,
+                                                                     settle_seconds=0), on_flag=naive.append)
+    [step(20.0 * i) for i in range(14)]
+    assert naive and set(naive[0].signals) == {"pcie_link"}

@@ -126,7 +126,8 @@ class RiskVerdict:
 
 @dataclass
 class _NodeState:
-    history: deque = field(default_factory=deque)     # (timestamp, {key: cumulative value}) within the window
+    # (timestamp, {key: cumulative value}) within the window
+    history: deque[tuple[float, dict[str, float]]] = field(default_factory=deque)
     last_timestamp: float | None = None
     previous: dict[str, float] = field(default_factory=dict)
     settle_until: float = float("-inf")
@@ -186,7 +187,8 @@ class NodeRisk:
         self.flags.append(now)
         return _replace(verdict, flagged=True, action=DRAIN_AT_CHECKPOINT)
 
-    def _signals(self, reading: NodeReading, history: deque, values: dict[str, float]) -> dict[str, float]:
+    def _signals(self, reading: NodeReading, history: deque[tuple[float, dict[str, float]]],
+                 values: dict[str, float]) -> dict[str, float]:
         p = self.policy
         first_time, first = history[0]
         # a rate is never extrapolated from less than a quarter of the window: one error in the first minute
@@ -194,7 +196,7 @@ class NodeRisk:
         hours = max(reading.timestamp - first_time, p.window_seconds / 4.0) / 3600.0
 
         def increase(suffix: str) -> float:
-            return sum(max(0.0, v - first.get(k, v)) for k, v in values.items() if k.endswith(suffix))
+            return float(sum(max(0.0, v - first.get(k, v)) for k, v in values.items() if k.endswith(suffix)))
 
         def per_hour(suffix: str) -> float:
             return increase(suffix) / hours if len(history) > 1 else 0.0
@@ -257,17 +259,22 @@ def _replace(verdict: RiskVerdict, **changes: Any) -> RiskVerdict:
     return replace(verdict, **changes)
 
 
+def _section(record: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = record.get(name)
+    return value if isinstance(value, dict) else {}
+
+
 def reading_from_tls(record: Mapping[str, Any]) -> NodeReading | None:
     """A node's reading from one of its TLS records (the agent's joined node log: hardware.gpus from the gpu
     collector, system.ib_* from the ib collector); None for a record that carries no GPU or IB health."""
-    hardware = record.get("hardware") if isinstance(record.get("hardware"), dict) else {}
-    system = record.get("system") if isinstance(record.get("system"), dict) else {}
-    gpus = []
+    hardware = _section(record, "hardware")
+    system = _section(record, "system")
+    gpus: list[GpuHealth] = []
     for entry in hardware.get("gpus") or ():
         if not isinstance(entry, dict):
             continue
         numbers = {k: float(v) for k, v in entry.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        xids = entry.get("xids") if isinstance(entry.get("xids"), dict) else {}
+        xids = _section(entry, "xids")
         gpus.append(GpuHealth(
             gpu=str(entry.get("gpu", len(gpus))),
             counters={k: v for k, v in numbers.items() if k in COUNTERS or k.startswith("pcie_")},

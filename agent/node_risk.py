@@ -139,8 +139,8 @@ class Drain:
                         key=f"node_risk:{verdict.node}@{verdict.timestamp:.3f}", starts_at=verdict.timestamp,
                         reason="node_risk", labels={"node": verdict.node})
         for decided in self.submit([notice]) or ():
-            if getattr(decided, "action", None) != verdict.action:
-                continue            # refused, coalesced or escalated by the ledger: nothing to follow
+            if getattr(decided, "action", None) != verdict.action or getattr(decided, "shadow", False):
+                continue            # refused or escalated by the ledger, or only recorded (shadow): no request
             thread = threading.Thread(target=self.follow, args=(self.request_id(decided), self.clock()),
                                       name="agent-drain", daemon=True)
             self._threads.append(thread)

@@ -79,3 +79,36 @@ def test_a_planned_reboot_seen_by_a_running_agent_drains_nothing(tmp_path):
                                                                      settle_seconds=0), on_flag=naive.append)
     [step(20.0 * i) for i in range(14)]
     assert naive and set(naive[0].signals) == {"pcie_link"}
+
+
+def test_drain_cordons_only_after_the_signed_ack_and_a_verified_checkpoint(tmp_path, monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from tests import signing
+    from trainguard import rundir
+    from trainguard.agent import evict
+    from trainguard.agent.node_risk import Drain
+    from trainguard.runtime.checkpoint import CheckpointManager
+
+    monkeypatch.setenv("TRAINGUARD_CHECKPOINT_KEY", str(tmp_path / "key"))
+    run = tmp_path / "run"
+    rundir.control_dir(run).mkdir(parents=True)
+    drain = Drain(run, "node-a", submit=lambda notices: [], request_id=lambda v: "d1", wait_seconds=1.0,
+                  poll_seconds=0.05)
+    issued = time.time()
+    assert drain.follow("d1", issued)["outcome"] == "no_checkpoint" and not evict.cordoned(run)   # no ack yet
+    rundir.append_ack(run, "d1", DRAIN_AT_CHECKPOINT, 7, key=signing.key())
+    assert drain.follow("d1", issued)["outcome"] == "no_checkpoint"       # acknowledged, nothing saved yet
+    CheckpointManager(run, keep_last=1).save(7, {"model": torch.nn.Linear(2, 2).state_dict()},
+                                                             stable=True)
+    done = drain.follow("d1", issued)
+    assert (done["outcome"], done["checkpoint_step"]) == ("drained", 7)
+    assert evict.cordoned(run)["node-a"]["reason"] == "node_risk"
+    # in shadow mode the executor only records the drain: nothing is followed
+    shadowed = SimpleNamespace(action=DRAIN_AT_CHECKPOINT, shadow=True)
+    quiet = Drain(run, "node-a", submit=lambda notices: [shadowed], request_id=lambda v: "d2")
+    quiet(SimpleNamespace(action=DRAIN_AT_CHECKPOINT, node="node-a", timestamp=1.0))
+    assert not quiet._threads

@@ -36,6 +36,7 @@ from trainguard.decide.clipping import ClippingPolicy
 from trainguard.decide.cost import CostPolicy, CostTiers
 from trainguard.decide.guard import GuardPolicy
 from trainguard.decide.layers import LayerResponsePolicy
+from trainguard.decide.node_risk import NodeRiskPolicy
 from trainguard.decide.ledger import LedgerConfig
 from trainguard.decide.schedules import BreathingPolicy, DynamicsPolicy, PhasePolicy
 from trainguard.decide.stall import StallConfig
@@ -167,6 +168,7 @@ class Policy:
     restore: RestorePolicy = field(default_factory=RestorePolicy)
     dynamics: DynamicsPolicy = field(default_factory=DynamicsPolicy)
     actions: ActionsPolicy = field(default_factory=ActionsPolicy)
+    node_risk: NodeRiskPolicy = field(default_factory=NodeRiskPolicy)    # decide/node_risk.py, docs/node-risk.md
     checkpoint: CheckpointPolicy = field(default_factory=CheckpointPolicy)
 
     @property

@@ -176,34 +176,12 @@ class Protector:
         if self.rank == 0 and self.key is not None:
             _sign_policy(self.run_dir, self.policy, self.key, self.run_id, self.log)
         if self.autopilot is not None:
-            self._start_autopilot()
+            _start_autopilot(self)
             self._steer_pending = True     # the first step tells whether this start followed a failure
         if (refused := self.stopped_marker()) is not None:
             self.log.error("this run was stopped by the guard; not starting again", **refused)
             return Begun(None, refused)
         return Begun(self.restore(rollback=False))
-
-    def _start_autopilot(self) -> None:
-        """Rank 0: the run's own history (its failures, saves, restarts, the interval last applied) and the
-        earlier runs of the runs root (the prior), then every record this process writes."""
-        from trainguard import autopilot_history
-
-        pilot = self.autopilot
-        for record in autopilot_history.records(self.telemetry.path):
-            pilot.observe(record)
-        pilot.resume()
-        pilot.history = autopilot_history.earlier_runs(self.run_dir, self.policy.checkpoint.history_runs)
-        self.telemetry.observers.append(lambda record: pilot.observe(autopilot_history.timed(record)))
-
-    def _steer_interval(self, now: float) -> None:
-        """Rank 0, at a checkpoint boundary: the autopilot's recommendation, applied when it moved (an event
-        with its inputs)."""
-        if self.autopilot is None:
-            return
-        change = self.autopilot.consider(now)
-        if change is not None:
-            self.event(autopilot_rule.INTERVAL_EVENT, **change)
-            self.log.info("checkpoint interval changed by the autopilot", **change)
 
     def finish(self) -> None:
         """The loop ran to its end: a last checkpoint (unless this step has one), `run_end`, durable."""
@@ -250,7 +228,7 @@ class Protector:
         state.step = verdict.step
         if not verdict.skip:
             state.tokens_trained += tokens
-        metrics = {**metrics, **self._interval_metrics(verdict)}   # step metrics: the agent exports them
+        metrics = {**metrics, **_interval_metrics(self, verdict)}   # step metrics: the agent exports them
         record = self.telemetry.step(
             verdict.step, loss=verdict.loss, grad_norm=verdict.grad_norm,
             grad_norm_by_layer=verdict.layer_norms or None, learning_rate=learning_rate, tokens=tokens,
@@ -263,7 +241,7 @@ class Protector:
                            usage_of(record, self.meter.gpus(gpus)) if record else None)
         if self._steer_pending:
             self._steer_pending = False
-            self._steer_interval(verdict.timestamp)
+            _steer_interval(self, verdict.timestamp)
         _tell(self.guard, self.telemetry, state.step, self.log)
         decided = verdict.shadowed or (verdict.decision if verdict.skip else None)
         if decided is not None:
@@ -275,13 +253,6 @@ class Protector:
             return outcome
         self._checkpoint_if_due(verdict.timestamp, verdict.checkpoint_interval)
         return StepOutcome(restored_step=state.step if state.step != verdict.step else None)
-
-    def _interval_metrics(self, verdict: StepVerdict) -> dict[str, float]:
-        """The checkpoint interval by time in force (and, on rank 0, the autopilot's recommendation)."""
-        if self.autopilot is not None:
-            return self.autopilot.metrics()
-        every = verdict.checkpoint_interval if self.auto else self.checkpoint_every_seconds
-        return {"checkpoint_interval_seconds": every} if every else {}
 
     # -------------------------------------------------------------------------------------- checkpoints
     def evaluate(self, purpose: str, **fields: Any) -> float | None:
@@ -336,7 +307,7 @@ class Protector:
         if (by_steps or by_time) and state.last_saved_step != state.step:
             self.save()
             state.last_checkpoint_time = now
-            self._steer_interval(now)
+            _steer_interval(self, now)
 
     def restore(self, *, rollback: bool, source: str = "resume", **fields: Any) -> int | None:
         """The one way back to a checkpoint, for resume and rollback alike: the newest verified one (for a
@@ -429,3 +400,36 @@ def _reload(states: dict[str, Any], reload: Any, parts: dict[str, Any]) -> None:
         reload(theirs)
     else:
         load_states(states, theirs)
+
+
+# The checkpoint autopilot's side of the Protector (rank 0; trainguard/decide/checkpoint_interval.py decides).
+def _start_autopilot(protector: Protector) -> None:
+    """Rank 0: the run's own history (its failures, saves, restarts, the interval last applied) and the
+    earlier runs of the runs root (the prior), then every record this process writes."""
+    from trainguard import autopilot_history
+
+    pilot = protector.autopilot
+    for record in autopilot_history.records(protector.telemetry.path):
+        pilot.observe(record)
+    pilot.resume()
+    pilot.history = autopilot_history.earlier_runs(protector.run_dir, protector.policy.checkpoint.history_runs)
+    protector.telemetry.observers.append(lambda record: pilot.observe(autopilot_history.timed(record)))
+
+
+def _steer_interval(protector: Protector, now: float) -> None:
+    """Rank 0, at a checkpoint boundary: the autopilot's recommendation, applied when it moved (an event
+    with its inputs)."""
+    if protector.autopilot is None:
+        return
+    change = protector.autopilot.consider(now)
+    if change is not None:
+        protector.event(autopilot_rule.INTERVAL_EVENT, **change)
+        protector.log.info("checkpoint interval changed by the autopilot", **change)
+
+
+def _interval_metrics(protector: Protector, verdict: StepVerdict) -> dict[str, float]:
+    """The checkpoint interval by time in force (and, on rank 0, the autopilot's recommendation)."""
+    if protector.autopilot is not None:
+        return protector.autopilot.metrics()
+    every = verdict.checkpoint_interval if protector.auto else protector.checkpoint_every_seconds
+    return {"checkpoint_interval_seconds": every} if every else {}

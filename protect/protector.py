@@ -348,6 +348,13 @@ class Protector:
 
         return {key: self.states[key].state_dict() for key in TENSOR_PARTS if key in self.states}
 
+    def load_states(self, parts: dict[str, Any]) -> int:
+        """Every state from `parts` (a verified in-memory snapshot: the `state_dict` of each of `states`,
+        trainer/resilience/snapshot.py), as a resume loads a checkpoint's; the newest durable checkpoint
+        stays what it was. Returns the step the state is at now."""
+        self._reload(parts)
+        return self.state.step
+
     def _reload(self, parts: dict[str, Any]) -> None:
         """The library's own states, then the loop's (its `reload` callback, or `load_state_dict` each)."""
         own = {key: self.states[key] for key in (GUARD_KEY, COST_KEY, STATE_KEY)}

@@ -286,6 +286,29 @@ class ActionsPolicy:
     mode: str = actions_mod.ACT_MODE
 
 
+@dataclass(frozen=True)
+class RecoveryPolicy:
+    """How a rank's failure is recovered (docs/recovery.md). "in_process": the surviving processes tear down
+    their process group, meet in the job's store, re-form it and restore the newest verified in-memory
+    snapshot, without a new interpreter; what cannot be recovered so (a killed process, a barrier not met in
+    time) goes the "restart" way: torchrun restarts every worker from the newest verified state."""
+
+    mode: str = "in_process"
+    # An in-memory snapshot (host memory, /dev/shm) of every state every this many steps; 0: none (then an
+    # in-process restart restores the last durable checkpoint). The snapshot's blocking time is each
+    # `snapshot_saved` event's `blocking_seconds`.
+    snapshot_every: int = 5
+    snapshot_keep: int = 2                   # snapshots kept per rank (the newest); older ones are deleted
+    snapshot_max_bytes: int = 8 * 2**30      # a rank's snapshot larger than this is not taken (event says so)
+    # Where snapshots live: a tmpfs that outlives the process; a directory of this user's under it per run.
+    snapshot_dir: str = "/dev/shm"
+    # How long the surviving ranks wait in the store for every rank to arrive; then they exit and the
+    # launcher restarts every worker (the "restart" way).
+    barrier_seconds: float = 60.0
+    max_in_process_restarts: int = 3         # per worker process; past it, the failure goes the "restart" way
+
+
+RECOVERY_MODES = ("in_process", "restart")
 EVICT_CHOICES = ("auto", "on", "off")
 EVICT_STRAGGLERS_CHOICES = ("off",)
 
@@ -302,6 +325,7 @@ class Policy:
     restore: RestorePolicy = field(default_factory=RestorePolicy)
     dynamics: DynamicsPolicy = field(default_factory=DynamicsPolicy)
     actions: ActionsPolicy = field(default_factory=ActionsPolicy)
+    recovery: RecoveryPolicy = field(default_factory=RecoveryPolicy)
 
     @property
     def shadow(self) -> bool:
@@ -479,6 +503,14 @@ RULES: dict[str, Range | Choice | str] = {
 }
 RULES["restore.evict_stragglers"] = Choice(EVICT_STRAGGLERS_CHOICES)
 RULES["actions.mode"] = Choice(actions_mod.MODES)
+RULES.update({   # docs/recovery.md
+    "recovery.mode": Choice(RECOVERY_MODES),
+    "recovery.snapshot_every": at_least(0, 10**7),
+    "recovery.snapshot_keep": at_least(1, 100),
+    "recovery.snapshot_max_bytes": at_least(1, 2**50),
+    "recovery.barrier_seconds": above(0, 3600),
+    "recovery.max_in_process_restarts": at_least(0, 10**4),
+})
 RULES.update({   # silent corruption (trainguard/decide/replica.py): 0 turns the replica check off
     "guard.replica_check_every": at_least(0, 10**7),
     "guard.replica_cordon_window_seconds": at_least(0, 10**9),

@@ -1,0 +1,156 @@
+"""The in-process restart's parts, one process: which state a rank restores (restore.py), the meeting in the
+job's store (inprocess.py), and the switch (component.py, the policy). The whole path, ranks and all, is
+test_recovery_e2e.py."""
+
+from __future__ import annotations
+
+import io
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainguard import events, policy
+from trainguard.protect import TrainState
+from trainguard.trainer.resilience import restore
+from trainguard.trainer.resilience.component import Recovery
+from trainguard.trainer.resilience.inprocess import ProcessGroups, RecoveryFailed
+from trainguard.trainer.resilience.snapshot import SnapshotStore
+
+KEY = b"k" * 32
+
+
+class Log:
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+class FakeProtector:
+    """What restore.py asks of the Protector: its state, events, the durable restore, loading states."""
+
+    def __init__(self, step: int, last_saved_step: int | None, checkpoint_step: int | None = None):
+        self.state = TrainState(step=step, last_saved_step=last_saved_step)
+        self.events: list[tuple[str, dict]] = []
+        self.loaded: dict | None = None
+        self.checkpoint_step = checkpoint_step
+        self.log = Log()
+
+    def event(self, kind, **fields):
+        self.events.append((kind, fields))
+
+    def kinds(self) -> list[str]:
+        return [kind for kind, _ in self.events]
+
+    def restore(self, *, rollback, source="resume", **fields):
+        if self.checkpoint_step is not None:
+            self.state.step = self.checkpoint_step
+        return self.checkpoint_step
+
+    def load_states(self, parts):
+        self.loaded = parts
+        self.state.step = parts["trainer"]["step"]
+        return self.state.step
+
+
+def store_with(tmp_path, *steps: int, base_step=None) -> SnapshotStore:
+    (tmp_path / "shm").mkdir(exist_ok=True)
+    store = SnapshotStore(tmp_path / "shm", tmp_path / "run", rank=0, world_size=1, key=KEY, key_id="kid")
+    assert store.prepare() is None
+    for step in steps:
+        buffer = io.BytesIO()
+        torch.save({"trainer": {"step": step}}, buffer)
+        store.write(step, buffer.getvalue(), base_step=base_step)
+    return store
+
+
+def test_after_a_failure_the_newest_snapshot_at_or_after_the_checkpoint_is_restored(tmp_path):
+    protector = FakeProtector(step=23, last_saved_step=20, checkpoint_step=20)
+    store = store_with(tmp_path, 15, 20)
+    loaded = restore.after_failure(protector, store, device="cpu", world_size=1)
+    assert loaded["source"] == restore.SNAPSHOT and loaded["restored_step"] == 20
+    assert protector.kinds() == [events.SNAPSHOT_RESTORED]
+
+
+def test_a_checkpoint_newer_than_every_snapshot_wins_quietly(tmp_path):
+    protector = FakeProtector(step=23, last_saved_step=20, checkpoint_step=20)
+    loaded = restore.after_failure(protector, store_with(tmp_path, 15), device="cpu", world_size=1)
+    assert loaded["source"] == restore.CHECKPOINT and loaded["restored_step"] == 20
+    assert protector.loaded is None and protector.kinds() == []
+
+
+def test_a_snapshot_that_does_not_verify_falls_back_to_the_checkpoint_loudly(tmp_path):
+    protector = FakeProtector(step=23, last_saved_step=10, checkpoint_step=10)
+    store = store_with(tmp_path, 20)
+    store.path(20, ".snap").write_bytes(b"not what was hashed")
+    loaded = restore.after_failure(protector, store, device="cpu", world_size=1)
+    assert loaded == {**loaded, "source": restore.CHECKPOINT, "restored_step": 10}
+    assert protector.kinds() == [events.SNAPSHOT_INVALID, events.SNAPSHOT_FALLBACK]
+    assert protector.events[0][1]["reason"] == "size" and protector.loaded is None
+
+
+def test_nothing_to_restore_hands_the_failure_to_the_launcher(tmp_path):
+    with pytest.raises(LookupError):
+        restore.after_failure(FakeProtector(step=3, last_saved_step=None), None, device="cpu", world_size=1)
+
+
+def test_a_restarted_worker_takes_a_snapshot_only_on_top_of_the_checkpoint_it_resumed(tmp_path):
+    store = store_with(tmp_path, 25, base_step=20)
+    other_timeline = FakeProtector(step=10, last_saved_step=10)
+    assert restore.after_resume(other_timeline, store, resumed_from=10, restart_count=1, device="cpu",
+                                world_size=1) is None
+    protector = FakeProtector(step=20, last_saved_step=20)
+    loaded = restore.after_resume(protector, store, resumed_from=20, restart_count=1, device="cpu", world_size=1)
+    assert loaded["restored_step"] == 25 and protector.state.step == 25
+
+
+def test_a_fresh_start_clears_what_an_earlier_run_left(tmp_path):
+    store = store_with(tmp_path, 25, base_step=None)
+    assert restore.after_resume(FakeProtector(0, None), store, resumed_from=None, restart_count=0, device="cpu",
+                                world_size=1) is None
+    assert store.steps() == []
+
+
+# ------------------------------------------------------------------------------ meeting in the store
+def groups(store, rank=0, world=2, barrier=5.0) -> ProcessGroups:
+    from datetime import timedelta
+
+    found = ProcessGroups(store, "gloo", rank, world, timeout=timedelta(seconds=5), barrier_seconds=barrier,
+                          log=Log())
+    found.form = lambda: None        # the group itself needs every rank: the e2e test forms it
+    return found
+
+
+def test_the_first_failure_reported_names_the_rank_and_everyone_meets():
+    store = dist.HashStore()
+    store.set("trainguard/recovery/0/fault", json.dumps({"rank": 1, "cause": "RuntimeError: boom"}))
+    store.add("trainguard/recovery/0/arrived", 1)               # rank 1 is already at the barrier
+    found = groups(store).recover(RuntimeError("Connection closed by peer"))
+    assert found["failed_rank"] == 1 and found["cause"] == "RuntimeError: boom" and found["generation"] == 1
+
+
+def test_a_rank_that_never_arrives_fails_the_recovery_within_the_bound():
+    with pytest.raises(RecoveryFailed, match="1 of 2 ranks met"):
+        groups(dist.HashStore(), barrier=0.2).recover(RuntimeError("boom"))
+
+
+def test_restart_mode_and_a_spent_budget_give_the_failure_back():
+    failure = RuntimeError("boom")
+    restart = Recovery(None, store=None, snapshots=None, groups=None, max_restarts=3, device="cpu",
+                       world_size=2, log=Log())
+    with pytest.raises(RuntimeError) as raised:
+        restart.recover(failure, rebuild=lambda: None)
+    assert raised.value is failure
+    spent = Recovery(None, store=None, snapshots=None, groups=SimpleNamespace(), max_restarts=0, device="cpu",
+                     world_size=2, log=Log())
+    assert not spent.can_recover()
+
+
+def test_the_policy_switch_is_checked_and_defaults_to_in_process():
+    assert policy.Policy().recovery.mode == "in_process"
+    assert policy.from_mapping({"recovery": {"mode": "restart"}}).recovery.mode == "restart"
+    with pytest.raises(policy.PolicyError, match="recovery.mode"):
+        policy.from_mapping({"recovery": {"mode": "fast"}})
+    with pytest.raises(policy.PolicyError, match="recovery.snapshot_keep"):
+        policy.from_mapping({"recovery": {"snapshot_keep": 0}})

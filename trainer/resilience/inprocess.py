@@ -16,10 +16,11 @@ A failure, on the rank it happens to (an exception in its step, a collective's e
 
 1. ``trainguard/recovery/<g>/fault``: the first rank to get there writes its rank and cause (compare-and-set:
    the first word stands; a rank whose error was only a peer's abort does not overwrite it);
-2. it aborts every process group it holds (gloo: the pairs' sockets close; NCCL: ``ncclCommAbort``), so
-   a peer blocked in a collective with it gets an error instead of waiting for the timeout;
-3. every other rank's watcher thread sees the fault key within `WATCH_SECONDS` and aborts its own groups,
-   so a rank blocked in a collective with a healthy-but-aborting peer is released as well;
+2. it aborts every process group it holds (NCCL: ``ncclCommAbort``; gloo: its connections are shut down,
+   sockets.py, as gloo's own abort wakes no operation in flight), so a peer blocked in a collective with
+   it gets an error at once instead of waiting for the timeout;
+3. every other rank's watcher thread sees the fault key within `WATCH_SECONDS` and aborts its own groups
+   the same way, which also releases its own main thread from a collective it is blocked in;
 4. every rank adds itself to ``trainguard/recovery/<g>/arrived`` and waits until all `world_size` have;
    one that does not arrive within `barrier_seconds` (a dead or hung process) fails the recovery:
    RecoveryFailed, the surviving ranks exit, and the launcher restarts every worker as it always did;
@@ -38,6 +39,8 @@ import threading
 import time
 from datetime import timedelta
 from typing import Any
+
+from trainguard.trainer.resilience import sockets
 
 PG_PREFIX = "trainguard/pg"
 RECOVERY_PREFIX = "trainguard/recovery"
@@ -60,6 +63,7 @@ class ProcessGroups:
         self._aborted = -1                 # the newest generation this rank aborted
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._connections: set[int] = set()   # socket inodes of the current group's gloo connections
 
     @classmethod
     def from_env(cls, backend: str, rank: int, world_size: int, **kwargs: Any) -> "ProcessGroups":
@@ -79,8 +83,11 @@ class ProcessGroups:
             # the error surfaces in this process, instead of the watchdog ending it (1, the default).
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         prefix = dist.PrefixStore(f"{PG_PREFIX}/{self.generation}", self.store)
+        before = set(sockets.inodes())
         dist.init_process_group(self.backend, store=prefix, rank=self.rank, world_size=self.world,
                                 timeout=self.timeout)
+        # gloo connects its full mesh while the group forms: these are the connections an abort shuts down
+        self._connections = set(sockets.inodes()) - before
 
     def watch(self) -> None:
         """Start the thread that aborts this rank's groups when another rank reports a failure."""
@@ -116,7 +123,14 @@ class ProcessGroups:
                     c10d._abort_process_group()     # the default group and every group made from it
                 except (RuntimeError, ValueError) as exc:   # already destroyed under us
                     self.log.warning("aborting the process group", error=str(exc))
+            if self.backend == "gloo":     # gloo's abort wakes no blocked operation: its connections do
+                sockets.shut_down(self._connections, self._store_ports())
+                self._connections = set()
             return True
+
+    def _store_ports(self) -> set[int]:
+        ports = {getattr(self.store, "port", None), int(os.environ.get("MASTER_PORT", 0) or 0)}
+        return {port for port in ports if port}
 
     # ------------------------------------------------------------------------------------- recovery
     def recover(self, cause: BaseException | str) -> dict[str, Any]:

@@ -179,7 +179,7 @@ class Trainer:
                              restart_count=self.info.restart_count, world_size=self.world,
                              device=self.device.type, **self.telemetry.mfu_basis(),
                              params=self.model.num_params(), actions_mode=self.protector.policy.actions.mode)
-        self.recovery.after_begin(begun.resumed_from, self.info.restart_count)   # a fresher snapshot, if any
+        self.recovery.after_begin(begun.resumed_from)   # a fresher snapshot, if any
         self.schedule.start(self.state.step, resumed=begun.resumed_from is not None)
         self.log.info("training", steps=self.cfg.run.steps, start_step=self.state.step, world_size=self.world,
                       device=str(self.device), params=self.model.num_params())

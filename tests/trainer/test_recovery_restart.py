@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +16,7 @@ import torch.distributed as dist
 
 from trainguard import events, policy
 from trainguard.protect import TrainState
-from trainguard.trainer.resilience import restore
+from trainguard.trainer.resilience import restore, sockets
 from trainguard.trainer.resilience.component import Recovery
 from trainguard.trainer.resilience.inprocess import ProcessGroups, RecoveryFailed
 from trainguard.trainer.resilience.snapshot import SnapshotStore
@@ -98,18 +100,22 @@ def test_nothing_to_restore_hands_the_failure_to_the_launcher(tmp_path):
 def test_a_restarted_worker_takes_a_snapshot_only_on_top_of_the_checkpoint_it_resumed(tmp_path):
     store = store_with(tmp_path, 25, base_step=20)
     other_timeline = FakeProtector(step=10, last_saved_step=10)
-    assert restore.after_resume(other_timeline, store, resumed_from=10, restart_count=1, device="cpu",
-                                world_size=1) is None
+    assert restore.after_resume(other_timeline, store, resumed_from=10, device="cpu", world_size=1) is None
     protector = FakeProtector(step=20, last_saved_step=20)
-    loaded = restore.after_resume(protector, store, resumed_from=20, restart_count=1, device="cpu", world_size=1)
+    loaded = restore.after_resume(protector, store, resumed_from=20, device="cpu", world_size=1)
     assert loaded["restored_step"] == 25 and protector.state.step == 25
 
 
-def test_a_fresh_start_clears_what_an_earlier_run_left(tmp_path):
-    store = store_with(tmp_path, 25, base_step=None)
-    assert restore.after_resume(FakeProtector(0, None), store, resumed_from=None, restart_count=0, device="cpu",
-                                world_size=1) is None
-    assert store.steps() == []
+def test_before_the_first_checkpoint_only_the_same_jobs_snapshots_count(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    store_with(tmp_path, 5, base_step=None)
+    same_job = restore.after_resume(FakeProtector(0, None), store_with(tmp_path), resumed_from=None, device="cpu",
+                                    world_size=1)
+    assert same_job["restored_step"] == 5         # a worker job-a's launcher restarted
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    later = store_with(tmp_path)
+    assert restore.after_resume(FakeProtector(0, None), later, resumed_from=None, device="cpu", world_size=1) is None
+    assert later.steps() == []                   # what job-a left is deleted, not resumed
 
 
 # ------------------------------------------------------------------------------ meeting in the store
@@ -154,3 +160,26 @@ def test_the_policy_switch_is_checked_and_defaults_to_in_process():
         policy.from_mapping({"recovery": {"mode": "fast"}})
     with pytest.raises(policy.PolicyError, match="recovery.snapshot_keep"):
         policy.from_mapping({"recovery": {"snapshot_keep": 0}})
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="the connections are found through /proc (Linux)")
+def test_an_abort_shuts_the_groups_connections_down_and_leaves_the_stores():
+    """gloo's abort wakes nothing blocked; shutting its connections down does, on both ends at once."""
+    group_server, store_server = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    store_port = store_server.getsockname()[1]
+    before = set(sockets.inodes())
+    mine = socket.create_connection(group_server.getsockname())
+    theirs, _ = group_server.accept()
+    to_store = socket.create_connection(("127.0.0.1", store_port))
+    store_side, _ = store_server.accept()
+    formed = set(sockets.inodes()) - before
+    try:
+        assert sockets.shut_down(formed, keep_ports={store_port}) == 2
+        theirs.settimeout(5)
+        assert theirs.recv(1) == b""                  # the peer's blocked read returns: connection closed
+        to_store.sendall(b"x")
+        store_side.settimeout(5)
+        assert store_side.recv(1) == b"x"             # the job's store still answers
+    finally:
+        for s in (mine, theirs, to_store, store_side, group_server, store_server):
+            s.close()

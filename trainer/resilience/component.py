@@ -2,7 +2,7 @@
 
     recovery = Recovery.build(policy.recovery, protector, run_dir=..., rank=r, world_size=w, device=d,
                               groups=groups, log=log)          # groups: None unless in-process
-    begun = protector.begin(); recovery.after_begin(begun.resumed_from, restart_count)
+    begun = protector.begin(); recovery.after_begin(begun.resumed_from)
     while ...:
         try:
             ...one step...; recovery.after_step()
@@ -64,12 +64,12 @@ class Recovery:
                    max_restarts=settings.max_in_process_restarts, device=device, world_size=world_size, log=log)
 
     # ------------------------------------------------------------------------------------ the hooks
-    def after_begin(self, resumed_from: int | None, restart_count: int) -> dict | None:
+    def after_begin(self, resumed_from: int | None) -> dict | None:
         """After the Protector's resume: a fresher snapshot of the same timeline, if every rank holds one."""
         if self.snapshots is None:
             return None
-        return restore.after_resume(self.protector, self.store, resumed_from=resumed_from,
-                                    restart_count=restart_count, device=self.device, world_size=self.world)
+        return restore.after_resume(self.protector, self.store, resumed_from=resumed_from, device=self.device,
+                                    world_size=self.world)
 
     def after_step(self) -> None:
         if self.snapshots is not None:

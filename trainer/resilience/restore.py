@@ -7,7 +7,8 @@ Two moments ask:
   durable checkpoint's step (a rollback deleted the abandoned ones: trainer/resilience/snapshot.py);
 - after torchrun restarted the workers (`after_resume`): the Protector has resumed from the newest verified
   checkpoint; a snapshot newer than it that was taken *on top of that very checkpoint* (its signed
-  `base_step`) continues it. A fresh start of the run directory clears what an earlier run left instead.
+  `base_step`) continues it; with no checkpoint yet, only a snapshot of the same job (torchrun's run id)
+  does, and what an earlier job left is deleted.
 
 Agreement: every rank lists the snapshots whose signed manifests check, the ranks exchange the lists
 (one all_gather_object on the re-formed group), and the newest step all hold is chosen; each rank then
@@ -43,20 +44,20 @@ def after_failure(protector: Any, store: SnapshotStore | None, *, device: Any, w
     return {"source": CHECKPOINT, "restored_step": step, "restore_seconds": time.perf_counter() - began}
 
 
-def after_resume(protector: Any, store: SnapshotStore | None, *, resumed_from: int | None, restart_count: int,
-                 device: Any, world_size: int) -> dict[str, Any] | None:
+def after_resume(protector: Any, store: SnapshotStore | None, *, resumed_from: int | None, device: Any,
+                 world_size: int) -> dict[str, Any] | None:
     """After `Protector.begin` on a worker torchrun started: a fresher snapshot of the same timeline, loaded
     (what was loaded, as `after_failure`), or None (the checkpoint's state stands)."""
     if store is None:
         return None
-    if resumed_from is None and restart_count == 0:
-        store.clear()             # a fresh run: snapshots left in this directory's name are not its own
-        return None
-    if store.prepare() is not None:
-        return None
+    if resumed_from is None:
+        # No checkpoint yet: only this job's own snapshots continue it (a worker it restarted before the
+        # first checkpoint); what an earlier job left under this directory's name is deleted.
+        store.discard_other_jobs()
     return _agreed_snapshot(protector, store, world_size, device,
                             accept=lambda step, manifest: step > (resumed_from or 0)
-                            and manifest.get("base_step") == resumed_from)
+                            and manifest.get("base_step") == resumed_from
+                            and (resumed_from is not None or manifest.get("job") == store.job))
 
 
 def _agreed_snapshot(protector: Any, store: SnapshotStore | None, world_size: int, device: Any,

@@ -26,7 +26,8 @@ binding checked, the payload read bounded by the manifest's size, its SHA-256 co
 
 Kept, as docs/recovery.md promises: a rank's newest `snapshot_keep` snapshots from the moment they are
 written until the run completes (a clean end clears them: the final checkpoint holds that state) or a
-fresh start of the run directory (no checkpoint to continue, no restart) clears what an earlier run left.
+fresh start of the run directory by another job (no checkpoint to continue; torchrun's run id differs)
+clears what the earlier job left.
 A rollback deletes the snapshots newer than the step it went back to (an abandoned timeline).
 """
 
@@ -74,6 +75,9 @@ class SnapshotStore:
     def __init__(self, root: Path, run_dir: Path, *, rank: int, world_size: int, key: bytes, key_id: str,
                  keep: int = 2, max_bytes: int = 8 * 2**30):
         self.run = str(Path(os.path.abspath(run_dir)))
+        # The launcher's job (torchrun's rendezvous run id, the same across its restarts): a fresh start of
+        # the run directory by another job does not take what an earlier job left (restore.after_resume).
+        self.job = os.environ.get("TORCHELASTIC_RUN_ID", "")
         self.rank, self.world = rank, world_size
         self.key, self.key_id = key, key_id
         self.keep, self.max_bytes = keep, max_bytes
@@ -114,7 +118,7 @@ class SnapshotStore:
         _write_new(self.path(step, DATA), payload)
         manifest = signed.sign(self.key, PURPOSE, {
             "run": self.run, "rank": self.rank, "world_size": self.world, "step": step, "bytes": len(payload),
-            "sha256": digest, "base_step": base_step, "created": time.time()}, key_id=self.key_id)
+            "sha256": digest, "base_step": base_step, "job": self.job, "created": time.time()}, key_id=self.key_id)
         _write_new(self.path(step, MANIFEST), json.dumps(manifest).encode())
         return self.path(step, DATA)
 
@@ -171,6 +175,20 @@ class SnapshotStore:
         dropped = self.steps()[self.keep:]
         for step in dropped:
             self._delete(step)
+        return dropped
+
+    def discard_other_jobs(self) -> list[int]:
+        """Delete the snapshots an earlier job left (another launcher's run id, or a manifest that does not
+        check); the steps deleted."""
+        dropped = []
+        for step in self.steps():
+            try:
+                mine = self.manifest(step).get("job") == self.job
+            except SnapshotRefused:
+                mine = False
+            if not mine:
+                self._delete(step)
+                dropped.append(step)
         return dropped
 
     def discard_after(self, step: int) -> list[int]:

@@ -392,6 +392,7 @@ FRACTION = between(0, 1)
 SHARE = between(0, 1, low_open=True)          # a ratio where 0 would switch the check off
 WINDOW = at_least(1, 10**6)                   # steps held in memory: bounded
 DURATION = "duration"                          # a Prometheus duration: 30s, 2m, 1h30m
+ABSOLUTE_PATH = "absolute_path"                # a directory named from the root: /dev/shm
 # re.match compiles it at the first duration checked (and caches it): the built-in policy checks none
 _DURATION = r"^(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$"
 
@@ -508,6 +509,7 @@ RULES.update({   # docs/recovery.md
     "recovery.snapshot_every": at_least(0, 10**7),
     "recovery.snapshot_keep": at_least(1, 100),
     "recovery.snapshot_max_bytes": at_least(1, 2**50),
+    "recovery.snapshot_dir": ABSOLUTE_PATH,
     "recovery.barrier_seconds": above(0, 3600),
     "recovery.max_in_process_restarts": at_least(0, 10**4),
 })
@@ -583,6 +585,10 @@ def _check_value(name: str, default: Any, value: Any) -> Any:
     rule = RULES.get(name, FALLBACK)
     if isinstance(rule, Choice):
         return rule.check(value)
+    if rule == ABSOLUTE_PATH:
+        if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
+            raise ValueError(f"expected an absolute path (like /dev/shm), got {_shown(value)}")
+        return value
     if rule == DURATION:
         if not isinstance(value, str):
             raise ValueError(f"expected a duration string (like 30s, 2m), got {_shown(value)}")
@@ -596,7 +602,7 @@ def _check_value(name: str, default: Any, value: Any) -> Any:
             value = type(default)(value)
         except OverflowError:
             raise ValueError(f"must be a finite number, got {_shown(value)}") from None
-        problem = cast(Range, rule).problem(value)      # DURATION, the one string rule, returned above
+        problem = cast(Range, rule).problem(value)      # DURATION and ABSOLUTE_PATH, the string rules, returned above
         if problem:
             raise ValueError(f"{problem}, got {_shown(value)}")
     return value

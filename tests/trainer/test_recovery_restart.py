@@ -183,3 +183,9 @@ def test_an_abort_shuts_the_groups_connections_down_and_leaves_the_stores():
     finally:
         for s in (mine, theirs, to_store, store_side, group_server, store_server):
             s.close()
+
+
+def test_the_snapshot_directory_must_be_named_from_the_root():
+    assert policy.from_mapping({"recovery": {"snapshot_dir": "/mnt/shm"}}).recovery.snapshot_dir == "/mnt/shm"
+    with pytest.raises(policy.PolicyError, match="recovery.snapshot_dir: expected an absolute path"):
+        policy.from_mapping({"recovery": {"snapshot_dir": "shm"}})

@@ -189,3 +189,25 @@ def test_the_snapshot_directory_must_be_named_from_the_root():
     assert policy.from_mapping({"recovery": {"snapshot_dir": "/mnt/shm"}}).recovery.snapshot_dir == "/mnt/shm"
     with pytest.raises(policy.PolicyError, match="recovery.snapshot_dir: expected an absolute path"):
         policy.from_mapping({"recovery": {"snapshot_dir": "shm"}})
+
+
+def test_goodput_splits_an_in_process_restart_and_counts_what_the_snapshot_kept():
+    from trainguard import goodput
+
+    def step(n, ts):
+        return {"timestamp": ts, "step": n, "metrics": {"step_time_seconds": 1.0}}
+
+    records = [step(n, float(n)) for n in range(1, 13)]          # steps 1..12, one second each
+    records.append({"timestamp": 16.0, "step": 10, "event": {
+        "type": events.IN_PROCESS_RESTART, "restored_step": 10, "durable_step": 5, "source": "snapshot",
+        "teardown_seconds": 0.5, "barrier_seconds": 0.5, "reform_seconds": 0.25, "restore_seconds": 0.75,
+        "recovery_seconds": 3.0}})
+    records += [step(n, 17.0 + n - 11) for n in range(11, 14)]   # 11, 12 again, then 13
+    result = goodput.compute(records)
+    bad = result.badput_seconds
+    assert bad["in_process_teardown"] == pytest.approx(1.0) and bad["in_process_reform"] == pytest.approx(0.25)
+    assert bad["in_process_restore"] == pytest.approx(0.75)
+    # 12 -> 16 (the start of step 11 again) less the 2 s of parts, plus steps 11 and 12 trained twice
+    assert bad["in_process_recovery"] == pytest.approx((16 - 12 - 2.0) + 2)
+    assert result.restarts == 0 and result.in_process_restarts == 1 and result.snapshot_steps_saved == 5
+    assert result.productive_seconds + sum(bad.values()) == pytest.approx(result.total_seconds)

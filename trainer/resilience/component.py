@@ -88,7 +88,7 @@ class Recovery:
             raise failure
         self.restarts += 1
         state = self.protector.state
-        from_step = state.step
+        from_step, durable_step = state.step, state.last_saved_step
         began = time.perf_counter()
         self.log.error("a rank failed: recovering in-process", step=from_step, restart=self.restarts,
                        error=f"{type(failure).__name__}: {failure}",
@@ -102,7 +102,7 @@ class Recovery:
             raise RecoveryFailed(str(exc)) from failure
         rebuild()
         total = time.perf_counter() - began
-        record = {**timings, **restored, "from_step": from_step,
+        record = {**timings, **restored, "from_step": from_step, "durable_step": durable_step,
                   "steps_lost": from_step - restored["restored_step"], "restart": self.restarts,
                   "recovery_seconds": total}
         record = {key: round(value, 6) if isinstance(value, float) else value for key, value in record.items()}

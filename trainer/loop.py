@@ -120,6 +120,7 @@ class Trainer:
         self.schedule.bind(self.model, self.optimizer, self.telemetry.event)
         self.recovery = Recovery.build(policy.recovery, self.protector, run_dir=self.run_dir, rank=self.rank,
                                        world_size=self.world, device=self.device, groups=groups, log=self.log)
+        callbacks.stop = lambda reason: self.recovery.settle()    # no snapshot event after a stop's run_end
         self.progress = Progress(run.steps, run.log_every, self.log) if self.rank == 0 else None
 
     def _wrap(self, model: torch.nn.Module, telemetry: bool):
@@ -192,6 +193,7 @@ class Trainer:
                     self.recovery.recover(failure, rebuild=self.rebuild_after_recovery)
             if self.progress:
                 self.progress.close()   # end the bar's line before the closing log lines
+            self.recovery.settle()
             if code is None:
                 self.protector.finish()
                 code = EXIT_OK
@@ -235,7 +237,7 @@ class Trainer:
             return outcome.exit_code
         if outcome.restored_step is None and (code := self.replica_check(step)) is not None:   # sdc hook
             return code
-        self.recovery.after_step()      # the in-memory snapshot when due (docs/recovery.md)
+        self.recovery.after_step(last=self.state.step >= self.cfg.run.steps)   # the snapshot when due
         self.evaluate_if_due()
         return None
 

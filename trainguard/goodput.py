@@ -189,6 +189,8 @@ class _Timeline:
                 self.restored = event["restored_step"]
         elif kind == "checkpoint_restored" and isinstance(step, int):
             self.restored = step
+        elif kind == events.SNAPSHOT_RESTORED and isinstance(event.get("restored_step"), int):
+            self.restored = event["restored_step"]   # after the checkpoint: a fresher in-memory state
         elif kind == actions.SKIP_STEP and isinstance(step, int):
             if not self._mark_skipped(step):
                 self.pending_skips.add(step)

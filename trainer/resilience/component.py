@@ -71,10 +71,16 @@ class Recovery:
         return restore.after_resume(self.protector, self.store, resumed_from=resumed_from, device=self.device,
                                     world_size=self.world)
 
-    def after_step(self) -> None:
+    def after_step(self, *, last: bool = False) -> None:
+        """After a completed step; `last`: the run's final step (its checkpoint follows: no snapshot)."""
         if self.snapshots is not None:
             state = self.protector.state
-            self.snapshots.after_step(state.step, base_step=state.last_saved_step)
+            self.snapshots.after_step(state.step, base_step=state.last_saved_step, take=not last)
+
+    def settle(self) -> None:
+        """Before the run ends (its `run_end` event): the snapshot being written is done and said."""
+        if self.snapshots is not None:
+            self.snapshots.wait()
 
     def can_recover(self) -> bool:
         return self.groups is not None and self.restarts < self.max_restarts

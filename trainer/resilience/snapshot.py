@@ -233,14 +233,14 @@ class Snapshotter:
         self._last_step: int | None = None
         self.taken = 0
 
-    def after_step(self, step: int, *, base_step: int | None) -> None:
+    def after_step(self, step: int, *, base_step: int | None, take: bool = True) -> None:
         """Called after every step with the step the state is at now. A step lower than the last one
         (a rollback or restore) deletes the snapshots of the abandoned steps first."""
         if self._last_step is not None and step < self._last_step:
             self.wait()
             self.store.discard_after(step)
         self._last_step = step
-        if self.every and step % self.every == 0:
+        if take and self.every and step % self.every == 0:
             self.take(step, base_step=base_step)
 
     def take(self, step: int, *, base_step: int | None) -> None:

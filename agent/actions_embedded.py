@@ -31,7 +31,7 @@ from trainguard.agent import restore
 from trainguard.agent.stop_signal import StopSignal
 from trainguard.decide import stall
 from trainguard.decide.decision import Decision
-from trainguard.decide.embedded import ALERT_OF, cost_notice
+from trainguard.decide.embedded import cost_notice
 from trainguard.decide.ledger import FIRING, Notice
 from trainguard.node import node_name
 from trainguard.tls import format_timestamp, parse_timestamp
@@ -180,5 +180,5 @@ def rank_progress(path: Path) -> tuple[int | None, float | None, float | None]:
 
 def _restore(key: str, now: float, reason: str) -> Notice:
     """The watchdog's restore notice (one per `key`: the loop submits a key once)."""
-    return Notice(alertname=ALERT_OF[actions.RESTORE], status=FIRING, action=actions.RESTORE, key=key,
+    return Notice(alertname=actions.ALERT_OF[actions.RESTORE], status=FIRING, action=actions.RESTORE, key=key,
                   starts_at=now, source="embedded", reason=reason)

@@ -16,6 +16,7 @@ is left out with one log line. Collectors reach the rest only through their `Con
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 import time
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field, replace
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
 from trainguard.agent import actions_embedded, procfs
+from trainguard.agent import executor as executor_mod
+from trainguard.agent.action_log import ActionLog
 from trainguard.agent import coexist as coexist_mod
 from trainguard.agent.coexist import Coexistence
 from trainguard.agent.config import AgentConfig, ConfigError
@@ -199,43 +202,47 @@ def build_actions(config: AgentConfig, agent: Agent, server: AgentServer) -> Act
     except (OSError, ValueError) as exc:
         log.error(f"bad configuration: webhook.token_file: {exc}")
         raise SystemExit(2) from None
-    executor = Executor.for_agent(config, policy, settings, claim_secret=token)   # the token signs job-level claims
+    # In order, each part given what it needs: the actions log, the Investigator that records into it, then
+    # the executor, which recovers from the log at once (a restore decided before a restart gathers its
+    # evidence again through the Investigator), then the routes that submit to it.
+    records = executor_mod.actions_log(config.run_dir, config.node, settings.checkpoint_key_file)
+    investigator = build_investigator(config, agent, policy, settings, records, token)
+    executor = Executor.for_agent(config, policy, settings, claim_secret=token,   # the token signs job-level claims
+                                  investigator=investigator, records=records)
     webhook = Webhook(token, executor, min(settings.max_body_bytes, server.max_body_bytes))
     server.add_route("POST", PATH, webhook.route)
     agent.add_metrics_source(lambda: [*webhook.families(), *executor.families()])
     log.info("webhook ready", path=PATH, token_file=str(settings.token_file), shadow=policy.shadow,
              embedded=settings.embedded)
     actions = Actions(executor, webhook)
-    build_investigator(config, agent, executor, policy)   # evidence before any restore, embedded or not
     if settings.embedded:
-        actions.watchdog = build_embedded(config, agent, executor, policy)
+        actions.watchdog = build_embedded(config, agent, executor, investigator, policy)
     return actions
 
 
-def build_investigator(config: AgentConfig, agent: Agent, executor: Executor,
-                       policy: policy_mod.Policy) -> Investigator:
+def build_investigator(config: AgentConfig, agent: Agent, policy: policy_mod.Policy, settings: WebhookSettings,
+                       records: ActionLog, token: bytes) -> Investigator:
     """The agent's one Investigator (agent/culprit.py): the watchdog's stalls and the executor's
     Alertmanager restores both gather an incident's evidence through it before anything is ended."""
     investigator = Investigator(config.run_dir, node_name(), policy.restore, agent=agent,
-                                record=executor.records.append, submit=executor.submit,
-                                entry_points=executor.entry_points, launchers=executor.launchers,
-                                key_file=executor.checkpoint_key_file,
-                                claim_secret=executor.claims.secret)   # signs who leads an incident
-    executor.investigator = investigator
+                                record=records.append, entry_points=settings.restore_entry_points,
+                                launchers=settings.restore_launchers, key_file=settings.checkpoint_key_file,
+                                claim_secret=token)   # signs who leads an incident
     agent.add_metrics_source(investigator.families)
     return investigator
 
 
-def build_embedded(config: AgentConfig, agent: Agent, executor: Executor,
+def build_embedded(config: AgentConfig, agent: Agent, executor: Executor, investigator: Investigator,
                    policy: policy_mod.Policy) -> actions_embedded.StallWatchdog:
     """The embedded path: cost tiers into the executor, the stall watchdog (started) and its investigator
     (not in shadow: naming a culprit may keep its node out and end its launcher; the restore the watchdog
-    decides is recorded as a `shadow_action` by the executor)."""
+    decides is recorded as a `shadow_action` by the executor). Ranks that outlive their culprit's eviction
+    are restored through the executor (the Investigator's fallback)."""
     agent.add_decision_handler(actions_embedded.DecisionHandler(executor.submit))
-    investigator = executor.investigator or build_investigator(config, agent, executor, policy)
+    investigate = functools.partial(investigator, fallback=lambda notice: executor.submit([notice]))
     watchdog = actions_embedded.StallWatchdog(config.run_dir, policy.alerts.stall_seconds, executor.submit,
                                               startup_grace_seconds=policy.alerts.startup_grace_seconds,
-                                              investigate=None if policy.shadow else investigator).start()
+                                              investigate=None if policy.shadow else investigate).start()
     tglog.get("agent.embedded", node=config.node).info(
         "embedded actions on", cost="training collector's meter", stall_seconds=policy.alerts.stall_seconds,
         evict=policy.restore.evict)

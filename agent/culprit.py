@@ -33,7 +33,7 @@ from typing import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from trainguard import rundir, safe_read
+from trainguard import actions, rundir, safe_read
 from trainguard import incidents
 from trainguard import log as tglog
 from trainguard.agent import claims, evict, evidence, restore
@@ -41,8 +41,8 @@ from trainguard.agent.actions_embedded import last_step
 from trainguard.decide import culprit as verdicts
 from trainguard.decide.ledger import Notice
 from trainguard.policy import RestorePolicy
-from trainguard.trainer import cordon_key
-from trainguard.trainer.checkpoint import keys
+from trainguard.runtime import cordon_key
+from trainguard.runtime.checkpoint import keys
 from trainguard import signed, tls
 
 CLAIMS = ".claims"    # without a claim secret: RUN/incidents/.claims/<key>, unsigned (nothing to prove it with)
@@ -55,14 +55,13 @@ class Investigator:
 
     def __init__(self, run_dir: str | Path, host: str, policy: RestorePolicy, *, agent=None,
                  record: Callable[[list[dict]], object] | None = None,
-                 submit: Callable[[list[Notice]], object] | None = None,
                  entry_points: tuple[str, ...] = (), launchers: tuple[str, ...] = (),
                  key_file: str | Path | None = None, claim_secret: bytes | None = None,
                  lead_timeout: float | None = None):
         self.run_dir, self.host, self.policy = Path(run_dir), host, policy
-        self.key_file = key_file          # the run's checkpoint key: signs cordons (trainguard/cordon.py)
+        self.key_file = key_file          # the run's checkpoint key: signs cordons (trainguard/cordon/__init__.py)
         self.entry_points, self.launchers = entry_points, launchers   # what the restore trusts, as the executor
-        self.agent, self.record, self.submit = agent, record, submit
+        self.agent, self.record = agent, record
         self.log = tglog.get("agent.culprit", node=host)
         # Who leads an incident: a signed job-level claim, taken over when its claimant stops renewing it
         # for as long as gathering evidence may take (the job's webhook token signs it, as the executor's).
@@ -74,7 +73,8 @@ class Investigator:
 
     def __call__(self, notice: Notice, live: list, fallback: Callable[[Notice], object] | None = None) -> Notice | None:
         """`fallback(notice)` restores this node's ranks if they outlive the culprit's eviction (default:
-        submit the notice; the executor's own restore after evidence passes its verdict's)."""
+        nothing: the agent gives its executor's submit; the executor's own restore after evidence passes its
+        verdict's)."""
         try:
             return self.investigate(notice, live, fallback)
         except Exception as exc:        # never let a failed investigation keep the run hung
@@ -152,7 +152,7 @@ class Investigator:
                                    **({"evidence_ignored": loaded.refused} if loaded.refused else {})})
         key = cordon_key.signing_key(self.key_file, create=True)[0]
         incidents.write_incident(self.run_dir, incident, key, None if key is None else keys.key_id(key))
-        if action == verdicts.EVICT:
+        if action == actions.EVICT:
             try:
                 evict.cordon(self.run_dir, verdict.node, incident=incident_id, reason=why, by=f"agent:{self.host}",
                              key_file=self.key_file)
@@ -194,7 +194,7 @@ class Investigator:
     # ------------------------------------------------------------------------------------ acting
     def act(self, decided: dict, notice: Notice, live: list,
             fallback: Callable[[Notice], object] | None = None) -> Notice | None:
-        if decided.get("action") != verdicts.EVICT:
+        if decided.get("action") != actions.EVICT:
             return notice
         node = (decided.get("culprit") or {}).get("node")
         if node == self.host:
@@ -216,10 +216,9 @@ class Investigator:
             alive = {(info.rank, info.pid) for info, _ in restore.local_ranks(restore.host_ranks(self.run_dir,
                                                                                                  self.host)[0],
                                                                               self.host)}   # a pod's, by namespace
-            act = restore_here or (None if self.submit is None else lambda n: self.submit([n]))
-            if pids & alive and act is not None:
+            if pids & alive and restore_here is not None:
                 self.log.warning("ranks outlived the culprit's eviction; restoring them", ranks=sorted(pids & alive))
-                act(notice)
+                restore_here(notice)
         timer = threading.Timer(FALLBACK_RESTORE_SECONDS, check)
         timer.daemon = True
         timer.start()
@@ -234,7 +233,7 @@ class Investigator:
                                      "(RUN/control/cordon/<host>) until `trainguard uncordon`.", labels=["node"])
         refused = GaugeMetricFamily("trainguard_cordon_refused", "1 for each cordon file that is not honoured "
                                     "(not signed with the run's checkpoint key, changed, or copied from another "
-                                    "host's): the node is NOT kept out (trainguard/cordon.py).",
+                                    "host's): the node is NOT kept out (trainguard/cordon/__init__.py).",
                                     labels=["node", "reason"])
         for host, found in sorted(evict.cordons(self.run_dir, self.key_file).items()):
             if found.honoured:

@@ -4,7 +4,7 @@
     RUN/control/launchers/<host>.json    {"host", "pid", "started_at", "min_nodes", "max_nodes"} (the launcher's)
 
 A cordoned node's launcher refuses to join the job (trainer/launch.py) until ``trainguard uncordon RUN
-HOST`` removes the file — when the cordon is signed with the run's checkpoint key (trainguard/cordon.py):
+HOST`` removes the file — when the cordon is signed with the run's checkpoint key (trainguard/cordon/__init__.py):
 an unsigned or forged one is ignored, loudly. When the culprit of a hang is on this node, the agent ends this node's launcher
 (torchrun's elastic agent): its ranks die with it (they asked Linux to, trainer/train.py), the other
 nodes' ranks see their peers gone and fail, and their launchers re-form the job without this node
@@ -29,7 +29,7 @@ from trainguard import log as tglog
 from trainguard import cordon as cordon_mod
 from trainguard import rundir, safe_read
 from trainguard.agent import restore
-from trainguard.trainer import cordon_key
+from trainguard.runtime import cordon_key
 
 cordon_dir = rundir.cordon_dir
 check_host = cordon_mod.check_host
@@ -41,7 +41,7 @@ class CannotCordon(RuntimeError):
 
 def cordon(run_dir: str | os.PathLike, host: str, *, incident: str | None, reason: str, by: str,
            key_file: str | os.PathLike | None = None) -> Path:
-    """Write the node's signed cordon (trainguard/cordon.py); an honoured cordon already there is kept.
+    """Write the node's signed cordon (trainguard/cordon/__init__.py); an honoured cordon already there is kept.
     Raises CannotCordon when the key cannot be read (an unsigned cordon would be ignored anyway)."""
     key, where = cordon_key.signing_key(key_file, create=True)
     if key is None:

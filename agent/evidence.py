@@ -1,6 +1,6 @@
 """This node's evidence of a stall, gathered before anything is ended, into ``RUN/incidents/<id>/``.
 
-- ``rank-<r>.fr.json``: each rank's Flight Recorder trace. The agent asks (trainer/flight_recorder.py:
+- ``rank-<r>.fr.json``: each rank's Flight Recorder trace. The agent asks (runtime/flight_recorder.py:
   a request file the ranks' side threads answer) and waits up to the policy's ``evidence_seconds``.
 - ``rank-<r>.stack.txt``: each local rank's Python stacks, taken from outside with py-spy, so a rank that
   cooperates with nothing still gives evidence. py-spy needs ptrace rights on the rank (root, or
@@ -9,7 +9,7 @@
   lost and XIDs, IB error counters), NCCL WARN and watchdog lines of the ranks' logs with their rank, and
   each rank's last step and record time.
 
-Every file is written on its own, atomically and size-bounded (trainguard/incidents.py). The node file is
+Every file is written on its own, atomically and size-bounded (trainguard/incidents/__init__.py). The node file is
 written last and signed with this host's evidence key (derived from the run's checkpoint key, the one that
 signs cordons): it names the digest of every rank file gathered, so the verdict uses only evidence this agent
 vouches for (`load`: a node file that does not prove its host, or a rank file it did not vouch for, is
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 from trainguard import incidents, rundir, safe_read, signed
 from trainguard.agent.collectors.nccl import classify, output_directories
-from trainguard.trainer import cordon_key, flight_recorder
-from trainguard.trainer.checkpoint import keys
+from trainguard.runtime import cordon_key, flight_recorder
+from trainguard.runtime.checkpoint import keys
 
 PY_SPY_TIMEOUT = 20.0
 LOG_TAIL_BYTES = 256 * 1024

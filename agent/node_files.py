@@ -4,7 +4,7 @@ On a cluster the run directory is shared (as the checkpoints are), so RUN/tls/ h
 rank-<r>.jsonl: a thousand nodes of eight ranks are eight thousand files. An agent reads only its own:
 
 1. RUN/control/ranks/rank-<r>.json names the host each rank runs on (the trainer writes it at start,
-   trainer/control.py); a rank registered on this host is ours, one registered elsewhere is not.
+   runtime/control.py); a rank registered on this host is ours, one registered elsewhere is not.
 2. A rank file with no registration (not written yet, or a log from elsewhere) is judged by the `node` of
    its first record; a record that names no node (single-node logs, converted logs) counts as ours, so a
    run on one machine reads everything, as it always did. A file with no complete first line yet is

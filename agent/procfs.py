@@ -343,7 +343,7 @@ class PidNamespaces:
     """The ranks of this node that registered from a pod: their own host name, a pid of their own namespace.
 
     A training pod is the user's: nothing is added to it, no TRAINGUARD_NODE, no downward API. Its ranks
-    register as they do anywhere (trainer/control.py): the pod's host name, `os.getpid()` in the pod's PID
+    register as they do anywhere (runtime/control.py): the pod's host name, `os.getpid()` in the pod's PID
     namespace, the process's start time and the launcher's pid there. The agent sees the host's processes
     (hostPID), and for each of them the kernel lists its pid in every nested namespace (NSpid in
     /proc/<pid>/status) and its start time in clock ticks since boot, which no namespace changes. A

@@ -1,6 +1,6 @@
 """The `restore` action's hands: prove which processes are this node's trainer ranks, and end those.
 
-Each rank registers in ``RUN/control/ranks/rank-<r>.json`` (trainer/control.py `write_rank_file`; the
+Each rank registers in ``RUN/control/ranks/rank-<r>.json`` (runtime/control.py `write_rank_file`; the
 fields are documented in docs/agent.md). Ending the ranks is all the agent does: torch's elastic launcher
 (torchrun, or ``trainguard train --nproc K``) sees its workers fail, starts them again, and they resume
 from the newest verified checkpoint.

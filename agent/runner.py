@@ -188,7 +188,7 @@ def choose_policy(config: AgentConfig):
     else the defaults (trainguard/runpolicy.py): a policy file anyone dropped into the run decides nothing.
     A bad given policy file raises PolicyError, as before."""
     from trainguard import runpolicy
-    from trainguard.trainer import cordon_key
+    from trainguard.runtime import cordon_key
 
     if config.policy is not None or config.run_dir is None:
         return runpolicy.choose(config.run_dir, config.policy, None)

@@ -71,7 +71,7 @@ class Trainer(threading.Thread):
         super().__init__(daemon=True)
         self.run_dir, self.stop = run_dir, threading.Event()
         self.sleepers = [subprocess.Popen(["sleep", "3600"]) for _ in range(RANKS)]
-        from trainguard.trainer.control import write_rank_file
+        from trainguard.runtime.control import write_rank_file
 
         for rank, sleeper in enumerate(self.sleepers):
             write_rank_file(run_dir, rank, pid=sleeper.pid)

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 warnings.filterwarnings("ignore")
 
-from trainguard.trainer.checkpoint import CheckpointManager  # noqa: E402
+from trainguard.runtime.checkpoint import CheckpointManager  # noqa: E402
 from trainguard.trainer.config import ModelConfig  # noqa: E402
 from trainguard.trainer.model import GPT  # noqa: E402
 

@@ -1,5 +1,5 @@
 """One incident's evidence from N nodes (docs/incidents.md, "The evidence budget"; docs/scale.md): the
-write path of trainguard/incidents.py side by side with the one it replaced (every write stat-ed every file
+write path of trainguard/incidents/__init__.py side by side with the one it replaced (every write stat-ed every file
 of the incident's folder against a whole-incident 64 MiB), in one run:
 
     .venv/bin/python bench/bench_incident_writes.py [--nodes 100] [--peer 899baea~1]
@@ -31,7 +31,7 @@ RANKS, STACK_BYTES, DUMP_BYTES = 8, 8 * 1024, 2 * 1024
 
 
 def peer_module(revision: str):
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:trainguard/incidents.py"],
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{revision}:trainguard/incidents/__init__.py"],
                             capture_output=True, text=True, check=True).stdout
     path = Path(tempfile.mkdtemp()) / "incidents_peer.py"
     path.write_text(source)

@@ -48,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainguard import events, tls  # noqa: E402
+from trainguard import event_types, tls  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -132,17 +132,17 @@ def two_node_run(folder: Path, mode: str, fault: str, steps: int, fault_at: int)
         raise RuntimeError(f"{mode}/{fault}: launchers exited {codes}\n{cluster.diagnostics()}")
     logs = {rank: tls.read_records(run_dir / "tls" / f"rank-{rank}.jsonl") for rank in range(4)}
     fault_time = next(r["timestamp"] for r in logs[FAULT_RANK]
-                      if (r.get("event") or {}).get("type") == events.FAULT_INJECTED)
+                      if (r.get("event") or {}).get("type") == event_types.FAULT_INJECTED)
     recovered = restored = None
     starts = 0       # (a node restarted only because another node's worker failed keeps restart_count 0)
     for record in logs[0]:
         event = record.get("event") or {}
-        starts += event.get("type") == events.RUN_START
-        if event.get("type") == events.IN_PROCESS_RESTART:
+        starts += event.get("type") == event_types.RUN_START
+        if event.get("type") == event_types.IN_PROCESS_RESTART:
             recovered, restored = record["timestamp"], event["restored_step"]
-        elif event.get("type") == events.RUN_START and starts > 1 and recovered is None:
+        elif event.get("type") == event_types.RUN_START and starts > 1 and recovered is None:
             recovered, restored = record["timestamp"], event.get("resumed_from") or 0
-        elif event.get("type") == events.SNAPSHOT_RESTORED and recovered is not None:
+        elif event.get("type") == event_types.SNAPSHOT_RESTORED and recovered is not None:
             restored = event["restored_step"]      # a restarted worker took the fresher in-memory snapshot
         elif recovered is not None and not event and "metrics" in record:
             next_step = record["timestamp"]
@@ -150,7 +150,7 @@ def two_node_run(folder: Path, mode: str, fault: str, steps: int, fault_at: int)
     else:
         raise RuntimeError(f"{mode}/{fault}: no step after the recovery in {run_dir}")
     ended = sorted(rank for rank in range(4) if rank != FAULT_RANK and sum(
-        (r.get("event") or {}).get("type") == events.RUN_START for r in logs[rank]) > 1)
+        (r.get("event") or {}).get("type") == event_types.RUN_START for r in logs[rank]) > 1)
     return {"to_next_step": next_step - fault_time, "work_lost": fault_at - 1 - restored,
             "healthy_ended": ended, "restored_step": restored}
 

@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_replay_rundir.py                     # 64 ranks x 15,625 steps (1M records)
     .venv/bin/python bench/bench_replay_rundir.py --steps 4000 --repeat 1 --shape cpu,hang
 
-It writes a run directory with the trainer's own writer (`trainer.telemetry.StepTelemetry`, one
+It writes a run directory with the trainer's own writer (`runtime.telemetry.StepTelemetry`, one
 `RUN/tls/rank-<r>.jsonl` per rank: the records `trainguard train` writes, layer norms, memory, the
 monotonic clock; rank 0's written by it, the others its bytes with their rank and node) for `--ranks`
 ranks on nodes of 8, and each node's joined agent log with the agent's own
@@ -79,7 +79,7 @@ SHAPES = ("cuda", "cpu", "hang")
 def write_run(root: Path, ranks: int, steps: int, shape: str) -> None:
     """Rank 0's log by the trainer's writer; every other rank's the same bytes with its rank and node (the
     loss and the norms are global: every rank logs the same), so a million records are written in seconds."""
-    from trainer.telemetry import StepTelemetry
+    from trainguard.runtime.telemetry import StepTelemetry
 
     rng = random.Random(1)
     telemetry = StepTelemetry(root, rank=0, world_size=ranks, run_id="bench", node="node-0",

@@ -49,7 +49,7 @@ def scalars(step: int) -> dict[str, float]:
 
 
 def bench_ours(directory: Path, steps: int) -> float:
-    from trainguard.trainer.telemetry import StepTelemetry
+    from trainguard.runtime.telemetry import StepTelemetry
 
     telemetry = StepTelemetry(directory, rank=0, world_size=1, run_id="bench", flops_per_token=7e5,
                               peak_flops=1.7e11)

@@ -140,7 +140,7 @@ def training(policy: Policy) -> Board:
              description=MFU_DESCRIPTION),
         stat("Checkpoint age", q(f"max({run('trainguard_checkpoint_age_seconds')})"), unit="s",
              thresholds=(Threshold(a.checkpoint_stale_seconds, RED),)),
-        stat("Skipped steps", q(f"sum(max by (run_id) ({run('trainguard_training_events_total', type='skip_step')}))"
+        stat("Skipped steps", q(f"sum(max by (run_id) ({run('trainguard_training_events_total', type=actions.SKIP_STEP)}))"
                                 f" or vector(0)"),
              thresholds=(Threshold(1, ORANGE),)),
         Row("Optimisation"),
@@ -289,8 +289,7 @@ def cost_goodput(policy: Policy) -> Board:
                    unit="percentunit", stack=True, min=0, width=12),
         timeseries("Steps lost", *[
             q(f"sum(max by (run_id) ({run('trainguard_training_events_total', type=kind)})) or vector(0)", label)
-            for kind, label in ((actions.SKIP_STEP, "skipped steps"), (actions.ROLLBACK, "rollbacks"),
-                                (actions.RESTORE, "restores"))], width=12,
+            for kind, label in actions.STEPS_LOST], width=12,
                    description="Guard and recovery events so far (counted once per run, not per rank); each "
                                "discards work already paid for."),
     ]

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from trainguard.protect import Callbacks, Protector, RNGState
-from trainguard.trainer.telemetry import StepTimer
+from trainguard.runtime.telemetry import StepTimer
 
 VOCAB, LENGTH, WIDTH, BATCH = 64, 16, 32, 4
 SPIKE_FACTOR, SPIKE_STEPS = 1e3, 3

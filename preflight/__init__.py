@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from trainguard import rundir
 from trainguard.policy import Policy
-from trainguard.preflight.result import FAIL, CheckResult, Report
+from trainguard.runtime.preflight_result import FAIL, CheckResult, Report
 
 __all__ = ["CheckResult", "Report", "run_preflight"]
 

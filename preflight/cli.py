@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 
 from trainguard import policy as policy_mod
-from trainguard.preflight import result as result_mod
+from trainguard.runtime import preflight_result as result_mod
 from trainguard.preflight import run_preflight
 
 CHECK_NAMES = ("environment", "nccl_env", "gpus", "storage", "checkpoint_drill", "collective")

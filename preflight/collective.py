@@ -14,7 +14,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from trainguard.preflight.result import FAIL, PASS, CheckResult
+from trainguard.runtime.preflight_result import FAIL, PASS, CheckResult
 
 WORLD = 2
 ELEMENTS = 1 << 20          # 4 MiB of float32 per all-reduce

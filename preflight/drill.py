@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import structlog
 
-from trainguard.preflight.result import FAIL, PASS, CheckResult
+from trainguard.runtime.preflight_result import FAIL, PASS, CheckResult
 
 GOOD, BAD = 1, 2
 
@@ -42,7 +42,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def run_drill(base: Path | None = None, corrupt_steps: Iterable[int] = (BAD,)) -> CheckResult:
     """`corrupt_steps`: which of the two checkpoints get a flipped byte (the good one too, to see it fail)."""
-    from trainguard.trainer.checkpoint import CheckpointManager
+    from trainguard.runtime.checkpoint import CheckpointManager
     from trainguard.trainer.faults import FaultInjector
 
     events: list[dict] = []

@@ -21,7 +21,7 @@ from trainguard import safe_read
 from trainguard.agent.collector import Context
 from trainguard.agent.versions import software_versions
 from trainguard.policy import PreflightPolicy
-from trainguard.preflight.result import FAIL, PASS, SKIP, CheckResult
+from trainguard.runtime.preflight_result import FAIL, PASS, SKIP, CheckResult
 
 # What a lock pins. GPU identity is added when NVML sees GPUs (see `environment()`).
 VERSION_KEYS = ("python", "torch", "cuda", "nccl", "driver")

@@ -14,7 +14,7 @@ from typing import Any
 
 from trainguard.diagnose.hardware import SLOWDOWN_REASONS
 from trainguard.policy import PreflightPolicy
-from trainguard.preflight.result import FAIL, PASS, SKIP, CheckResult
+from trainguard.runtime.preflight_result import FAIL, PASS, SKIP, CheckResult
 
 BUSY_UTIL = 10.0       # percent: over this the GPU is not idle, and its temperature is not judged
 

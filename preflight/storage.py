@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.policy import PreflightPolicy
-from trainguard.preflight.result import FAIL, PASS, SKIP, CheckResult
+from trainguard.runtime.preflight_result import FAIL, PASS, SKIP, CheckResult
 
 PROBE_CHUNK = 4 << 20
 PROBE_SHARE_OF_FREE = 0.1    # the speed probe never takes more than this of the free space
@@ -25,7 +25,7 @@ BYTES_PER_PARAMETER = 12
 
 def newest_checkpoint_bytes(checkpoint_dir: Path) -> tuple[int, str] | None:
     """Size of the newest step_<N> directory, the best estimate of the next checkpoint."""
-    from trainguard.trainer.checkpoint.manifest import step_of_dir
+    from trainguard.runtime.checkpoint.manifest import step_of_dir
 
     found = [(step_of_dir(p.name), p) for p in checkpoint_dir.iterdir()] if checkpoint_dir.is_dir() else []
     found = [(step, p) for step, p in found if step is not None and p.is_dir()]

@@ -2,7 +2,7 @@
 meter and the agent's control channel behind one object, `Protector`. User guide: docs/library.md.
 
 This package sits outside `trainguard/` (the core imports neither torch nor the trainer at import time)
-because it composes torch-side parts the trainer package provides: step telemetry, the control channel
+because it composes torch-side parts of the runtime (runtime/): step telemetry, the control channel
 and the checkpoint store. The bundled trainer (trainguard.trainer.loop) is built on it, through this
 public API only.
 """

@@ -9,7 +9,7 @@
   together, rank 0 names each candidate, every rank verifies the files its own load reads, and all agree
   before DCP loads them into the rank's current state (`target`), resharded to its layout.
 
-The files, hashes and signature are `trainguard.trainer.checkpoint.CheckpointManager`'s.
+The files, hashes and signature are `trainguard.runtime.checkpoint.CheckpointManager`'s.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from trainguard.trainer.checkpoint import Checkpoint, CheckpointManager
+from trainguard.runtime.checkpoint import Checkpoint, CheckpointManager
 
 
 class RankCheckpoints:

@@ -2,7 +2,7 @@
 
 After the Trainer writes a folder (`on_save`), `sign_folder` puts a trainguard manifest into it
 (`manifest.json`: every file's SHA-256 and size, the step, HMAC-SHA256 signed, the format of
-trainguard.trainer.checkpoint.manifest). `verify_folder` checks it before the folder is trusted, and
+trainguard.runtime.checkpoint.manifest). `verify_folder` checks it before the folder is trusted, and
 `latest_verified` picks the newest folder that passes, for `trainer.train(resume_from_checkpoint=...)`.
 """
 
@@ -16,11 +16,11 @@ from pathlib import Path
 
 from trainguard import safe_read
 from trainguard.tls import format_timestamp
-from trainguard.trainer.checkpoint import keys
-from trainguard.trainer.checkpoint import manifest as mf
-from trainguard.trainer.checkpoint.manager import versions
-from trainguard.trainer.checkpoint.manifest import CheckpointError, FileEntry, VerifyResult
-from trainguard.trainer.checkpoint.store import _check_file, read_manifest
+from trainguard.runtime.checkpoint import keys
+from trainguard.runtime.checkpoint import manifest as mf
+from trainguard.runtime.checkpoint.manager import versions
+from trainguard.runtime.checkpoint.manifest import CheckpointError, FileEntry, VerifyResult
+from trainguard.runtime.checkpoint.verification import check_file, read_manifest
 
 FOLDER = re.compile(r"\Acheckpoint-([0-9]+)\Z")
 HASH_CHUNK = 1 << 20
@@ -67,7 +67,7 @@ def verify_folder(folder: str | os.PathLike, key_file: str | None = None) -> Ver
     if problem is None and manifest["step"] != step:
         problem = mf.STEP_MISMATCH, f"folder {folder.name} holds a manifest for step {manifest['step']}"
     for entry in mf.entries(manifest) if problem is None else ():
-        problem = _check_file(folder / entry.name, entry, True)
+        problem = check_file(folder / entry.name, entry, True)
         if problem:
             break
     if problem:

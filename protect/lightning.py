@@ -42,7 +42,7 @@ from trainguard.protect.callbacks import Callbacks
 from trainguard.protect.held_schedule import HeldSchedule
 from trainguard.protect.protector import Protector
 from trainguard.protect.state import RNGState
-from trainguard.trainer.telemetry import StepTimer
+from trainguard.runtime.telemetry import StepTimer
 
 
 class ProtectCallback(Callback):

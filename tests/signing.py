@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from trainguard import rundir
-from trainguard.trainer import cordon_key
-from trainguard.trainer.checkpoint import keys
+from trainguard.runtime import cordon_key
+from trainguard.runtime.checkpoint import keys
 
 
 def key(key_file: str | os.PathLike | None = None) -> bytes:

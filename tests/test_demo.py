@@ -27,7 +27,8 @@ def test_demo_recovers_from_its_faults_and_writes_a_report(tmp_path):
 
 
 def test_a_short_demo_announces_only_the_faults_that_can_fire():
-    from trainguard import demo, policy
+    from trainguard import policy
+    from trainguard.demo import cli as demo
 
     guard = policy.load(None).guard
     assert demo.faults_for(240, guard) == (["nan@40", "spike@150", "spike@151", "spike@152"], None)

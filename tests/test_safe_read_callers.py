@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("trainguard", "agent", "trainer", "protect", "preflight")
+PRODUCT = ("trainguard", "runtime", "agent", "trainer", "protect", "preflight", "demo")
 
 # (file, enclosing function, call): why it is not a run-directory read. "<module>" is module level.
 ALLOWED: dict[tuple[str, str, str], str] = {
@@ -28,11 +28,11 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("trainguard/report/html.py", "render", "read_text"): "the report's CSS, shipped in the package",
     ("trainguard/report/html.py", "render", "read_text#2"): "the report's JS, shipped in the package",
     ("trainguard/cli.py", "main", "os.open"): "os.devnull, for writing (stdout of a closed pipe)",
-    ("trainguard/cordon.py", "revoke", "os.open"): "the lock beside the key file, outside the run directory",
-    ("trainguard/cordon.py", "_write_private", "os.open"): "the revocation list beside the key file, outside "
+    ("trainguard/cordon/__init__.py", "revoke", "os.open"): "the lock beside the key file, outside the run directory",
+    ("trainguard/cordon/__init__.py", "_write_private", "os.open"): "the revocation list beside the key file, outside "
                                                           "the run directory (written)",
-    ("trainguard/cordon.py", "_write_private", "os.open#2"): "its directory, opened to fsync it",
-    ("trainguard/incidents.py", "_fsync_dir", "os.open"): "a directory, opened to fsync it",
+    ("trainguard/cordon/__init__.py", "_write_private", "os.open#2"): "its directory, opened to fsync it",
+    ("trainguard/incidents/__init__.py", "_fsync_dir", "os.open"): "a directory, opened to fsync it",
     ("agent/collectors/xid.py", "KmsgSource.__init__", "os.open"): "/dev/kmsg (O_NONBLOCK on purpose)",
     ("agent/procfs.py", "read_small", "os.open"): "/proc files",
     ("agent/restore.py", "_open_for_writing", "open"): "/proc/<pid>/fdinfo/<fd>",
@@ -41,8 +41,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("agent/versions.py", "driver_version", "read_text"): "/sys/module/nvidia/version",
     ("agent/versions.py", "driver_version", "read_text#2"): "/proc/driver/nvidia/version",
     ("agent/versions.py", "kernel_version", "read_text"): "/proc/sys/kernel/osrelease",
-    ("trainer/telemetry.py", "MemoryProbe.__init__", "os.open"): "/proc/self/statm",
-    ("trainer/checkpoint/keys.py", "_write_private", "os.open"): "writes the key (outside the run directory)",
+    ("runtime/telemetry.py", "MemoryProbe.__init__", "os.open"): "/proc/self/statm",
+    ("runtime/checkpoint/keys.py", "_write_private", "os.open"): "writes the key (outside the run directory)",
     ("trainer/data.py", "tokenize_dir", "read_bytes"): "the user's corpus, outside the run directory",
     ("trainer/data.py", "TokenStream.__init__", "np.memmap"): "the token shards, outside the run directory",
     ("trainer/resilience/snapshot.py", "_write_new", "os.open"): "writes an in-memory snapshot (O_NOFOLLOW, 0600)",

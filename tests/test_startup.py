@@ -21,7 +21,8 @@ from trainguard import tls
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_710_512_538.0
-OUTER = ("trainguard.agent", "trainguard.trainer", "trainguard.protect", "trainguard.preflight")
+OUTER = ("trainguard.runtime", "trainguard.agent", "trainguard.trainer", "trainguard.protect", "trainguard.preflight",
+         "trainguard.demo")
 HEAVY = ("structlog", "rich", "yaml", "torch", "prometheus_client")
 WRAPPER = textwrap.dedent("""\
     import json, sys
@@ -91,7 +92,7 @@ def test_diagnose_and_report_import_no_logging_yaml_torch_or_outer_package(run_d
 
 
 def test_incidents_imports_no_logging_yaml_or_torch(run_dir, tmp_path):
-    """It checks cordons with the trainer's checkpoint key (trainguard.trainer.cordon_key), so the trainer's
+    """It checks cordons with the trainer's checkpoint key (trainguard.runtime.cordon_key), so the trainer's
     checkpoint package is loaded; torch is not."""
     done, modules = command(tmp_path, "incidents", str(run_dir))
     assert done.returncode == 0, done.stderr

@@ -28,9 +28,10 @@ from tests.servers import require_binary
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 # The folders setup.py installs as trainguard's packages (its ROOTS), where the data files live.
-PACKAGE_FOLDERS = {"trainguard": "trainguard", "agent": "trainguard/agent", "trainer": "trainguard/trainer",
-                   "protect": "trainguard/protect", "preflight": "trainguard/preflight",
-                   "alerts": "trainguard/alerts", "dashboards": "trainguard/dashboards"}
+PACKAGE_FOLDERS = {"trainguard": "trainguard", "runtime": "trainguard/runtime", "agent": "trainguard/agent",
+                   "trainer": "trainguard/trainer", "protect": "trainguard/protect",
+                   "preflight": "trainguard/preflight", "alerts": "trainguard/alerts",
+                   "dashboards": "trainguard/dashboards", "demo": "trainguard/demo"}
 
 
 class Installed:

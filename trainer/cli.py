@@ -210,8 +210,8 @@ def _absolute_paths(config: cfg.TrainConfig) -> None:
 def _check_checkpoint_key(config: cfg.TrainConfig, run_dir: Path, start_over: bool) -> str | None:
     """Before any rank starts: checkpoints signed with another key stop the run (a silent start from
     step 0 would let retention destroy them), unless --start-over sets them aside. The message, or None."""
-    from trainguard.trainer.checkpoint import CheckpointError, CheckpointManager
-    from trainguard.trainer.checkpoint.manager import KeyMismatchError
+    from trainguard.runtime.checkpoint import CheckpointError, CheckpointManager
+    from trainguard.runtime.checkpoint.manager import KeyMismatchError
 
     if not rundir.checkpoints_dir(run_dir).is_dir():
         return None   # nothing signed yet (and nothing is created here: the disk may be full)
@@ -269,8 +269,8 @@ def write_resolved(config: cfg.TrainConfig, run_dir: Path) -> Path:
 def _check_key(config: cfg.TrainConfig) -> str | None:
     """The checkpoint key must be usable before any rank starts (a loose or short key: a message, not a
     traceback from every rank)."""
-    from trainguard.trainer.checkpoint import keys
-    from trainguard.trainer.checkpoint.manifest import CheckpointError
+    from trainguard.runtime.checkpoint import keys
+    from trainguard.runtime.checkpoint.manifest import CheckpointError
 
     try:
         keys.load_key(keys.resolve_key_path(config.run.key_file or None), create=True)

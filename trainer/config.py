@@ -90,7 +90,7 @@ class RunConfig:
     policy: str = ""             # policy YAML (guard thresholds); "" means the defaults
     shadow: bool = False         # every action decided and recorded, none carried out (over actions.mode)
     inject: list = field(default_factory=list)   # fault injections, "KIND@STEP[:RANK]"
-    peak_flops: float = 0.0      # peak FLOP/s per device for MFU; 0: the documented table (trainer/mfu.py), else no MFU
+    peak_flops: float = 0.0      # peak FLOP/s per device for MFU; 0: the documented table (runtime/mfu.py), else no MFU
     gpu_count: int = -1          # system.gpu_count in the records (what cost is billed on); -1: GPUs in use
     run_id: str = ""             # "" means the run directory's name
     log_every: int = 10

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from trainguard import log, rundir
 from trainguard.node import node_name
-from trainguard.trainer import flight_recorder
+from trainguard.runtime import flight_recorder
 
 EXIT_CORDONED = 4       # this node is cordoned: it does not join the job
 
@@ -51,9 +51,9 @@ def cordon_refusal(run_dir: Path, key_file: str | None = None) -> str | None:
     """Why this node must not join (an honoured cordon: RUN/control/cordon/<node>, signed with the run's
     checkpoint key, not revoked by `trainguard uncordon`, not expired), or None. A cordon that is not
     honoured (unsigned, forged, copied, revoked, expired) is ignored loudly:
-    stderr, a ``cordon_ignored`` TLS event (trainguard/cordon.py), and the node joins."""
+    stderr, a ``cordon_ignored`` TLS event (trainguard/cordon/__init__.py), and the node joins."""
     from trainguard import cordon
-    from trainguard.trainer.cordon_key import checker
+    from trainguard.runtime.cordon_key import checker
 
     key = checker(key_file)
     key_path = key.where
@@ -78,7 +78,7 @@ def cordon_refusal(run_dir: Path, key_file: str | None = None) -> str | None:
 
 
 def _ignored_hint(run_dir: Path, reason: str | None) -> str:
-    """What a human does about a cordon that was not honoured, by why (trainguard/cordon.py)."""
+    """What a human does about a cordon that was not honoured, by why (trainguard/cordon/__init__.py)."""
     from trainguard import cordon
 
     uncordon = f"`trainguard uncordon {run_dir} {node_name()}`"

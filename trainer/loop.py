@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from trainguard import log, policy as policy_mod
-from trainguard.protect import EXIT_OK, EXIT_STOPPED, Outcome, Protector, TrainState, Verdict
+from trainguard.actions import STOP
+from trainguard.protect import EXIT_OK, EXIT_STOPPED, Outcome, Protector, TrainState, Verdict, handlers
 from trainguard.trainer import parallel
 from trainguard.trainer import schedules as dynamics
 from trainguard.trainer.config import TrainConfig
@@ -34,10 +35,10 @@ from trainguard.trainer.recovery import grad_accum_steps, trainer_callbacks
 from trainguard.trainer.replica_check import ReplicaChecks
 from trainguard.trainer.resilience.component import Recovery
 from trainguard.trainer.resilience.inprocess import ProcessGroups
-from trainguard.trainer.checkpoint.manager import final_checkpoint_code
+from trainguard.runtime.checkpoint.manager import final_checkpoint_code
 from trainguard.trainer.state import checkpoint_states
 from trainguard.trainer.step import GradNorms, forward_backward
-from trainguard.trainer.telemetry import CommTimer, StepTelemetry, StepTimer
+from trainguard.runtime.telemetry import CommTimer, StepTelemetry, StepTimer
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,7 @@ class Trainer:
                              world_size=self.world, rank=self.rank, node=self.telemetry.envelope["node"],
                              run_dir=self.run_dir, emit=self.telemetry.event, log=self.log,
                              policy=ReplicaPolicy(policy.guard.replica_cordon_window_seconds),
-                             key_file=self.key_file,   # signs its cordons (trainguard/cordon.py)
+                             key_file=self.key_file,   # signs its cordons (trainguard/cordon/__init__.py)
                              shadow=policy.shadow)
 
     def replica_check(self, step: int) -> int | None:
@@ -163,8 +164,8 @@ class Trainer:
             return None
         outcome = self.replicas.respond(
             verdict, restore=lambda: self.protector.restore(rollback=False),
-            stop=lambda event: self.protector._stop(Decision("stop", "replica_mismatch", step, detail=event),
-                                                    event))
+            stop=lambda event: handlers.stop_run(self.protector, Decision(STOP, "replica_mismatch", step,
+                                                                           detail=event), event))
         return outcome.exit_code if outcome is not None else None
 
     def _device_name(self) -> str:

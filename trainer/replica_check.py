@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard import incidents, rundir, safe_read
+from trainguard.actions import CORDON, ROLLBACK, SHADOW_ACTION, STOP, shadow_event
 from trainguard.decide.replica import (ARBITRATION, CHECK_EVENT, MISMATCH, ReplicaCheck, ReplicaMonitor,
                                        ReplicaPolicy, Verdict, agree, check_fields)
 from trainguard.trainer import fingerprint as fp
@@ -48,24 +49,17 @@ class ReplicaChecks:
         are `shadow_action` events, not carried out (the policy's actions.mode)."""
         self.params, self.names = params, names
         self.shadow = shadow
-        self.key_file = key_file      # the run's checkpoint key signs the cordon (trainguard/cordon.py)
+        self.key_file = key_file      # the run's checkpoint key signs the cordon (trainguard/cordon/__init__.py)
         self.every, self.world, self.rank = every, world_size, rank
         self.run_dir, self.emit, self.log = Path(run_dir), emit, log
         self.monitor = ReplicaMonitor(policy)
         self.fingerprints = fp.Fingerprinter()
-        self.nodes = self._gather_nodes(node)
+        self.nodes = gather_nodes(node, world_size)
         self.step = 0                                 # the step being trained (after_backward's)
         self._grads: tuple[int, torch.Tensor] | None = None   # (step, gradients' fingerprint) to check
         self.checked: int | None = None               # step of the last check, whatever it found
         self.last: tuple[int, int] | None = None      # (step, weights fingerprint) of the last agreed check
         self.refusal: Verdict | None = None           # why before_checkpoint said no (acted on next)
-
-    def _gather_nodes(self, node: str) -> tuple[str, ...]:
-        if self.world == 1:
-            return (node,)
-        nodes: list = [None] * self.world
-        dist.all_gather_object(nodes, node)
-        return tuple(nodes)
 
     @property
     def enabled(self) -> bool:
@@ -155,9 +149,9 @@ class ReplicaChecks:
             for host in verdict.cordon:
                 self._cordon(host, verdict, ident)
         if self.shadow:
-            self._shadow(verdict.action or "rollback", verdict, ident)
+            self._shadow(verdict.action or ROLLBACK, verdict, ident)
             return None
-        if verdict.action == "stop":
+        if verdict.action == STOP:
             return stop({"reason": MISMATCH, "incident": ident, **event})
         self.rollback(verdict, ident, restore)
         return None
@@ -171,7 +165,7 @@ class ReplicaChecks:
         expected = recorded_fingerprint(self.run_dir, restored) if restored is not None else None
         identical = agree(tuple(rows))
         matches = expected is not None and identical and fp.hex64(rows[0]) == expected
-        self.emit("rollback", step=from_step, source=DETECTED_BY, reason=MISMATCH, incident=ident,
+        self.emit(ROLLBACK, step=from_step, source=DETECTED_BY, reason=MISMATCH, incident=ident,
                   restored_step=restored, replicas_identical=identical, fingerprint=fp.hex64(rows[0]),
                   manifest_fingerprint=expected, fingerprint_matches_manifest=matches,
                   **({} if restored is not None else {"error": "no verified checkpoint to roll back to"}))
@@ -188,13 +182,13 @@ class ReplicaChecks:
                        "node": verdict.nodes[0] if len(set(verdict.nodes)) == 1 else None}
         return incidents.Incident(
             id=ident, kind="sdc", detected_at=when, detected_by=DETECTED_BY, culprit=culprit,
-            confidence=verdict.confidence, reasons=list(verdict.reasons), action=verdict.action or "rollback",
+            confidence=verdict.confidence, reasons=list(verdict.reasons), action=verdict.action or ROLLBACK,
             extra={"step": verdict.step, "what": verdict.what, "ranks": list(verdict.ranks),
                    "cordon": list(verdict.cordon)})
 
     def _write_incident(self, verdict: Verdict, ident: str) -> None:
-        from trainguard.trainer import cordon_key
-        from trainguard.trainer.checkpoint import keys
+        from trainguard.runtime import cordon_key
+        from trainguard.runtime.checkpoint import keys
 
         key = cordon_key.signing_key(self.key_file, create=True)[0]   # signed as the agents' verdicts are
         try:
@@ -216,8 +210,6 @@ class ReplicaChecks:
                 self._cordon(host, verdict, ident)
 
     def _shadow(self, action: str, verdict: Verdict, ident: str, **evidence: Any) -> None:
-        from trainguard.actions import SHADOW_ACTION, shadow_event
-
         self.emit(SHADOW_ACTION, step=verdict.step, **shadow_event(
             action, MISMATCH, DETECTED_BY, incident=ident, ranks=list(verdict.ranks), what=verdict.what,
             **evidence))
@@ -225,10 +217,10 @@ class ReplicaChecks:
 
     def _cordon(self, host: str, verdict: Verdict, ident: str) -> None:
         """RUN/control/cordon/<host>: kept out of the job until `trainguard uncordon` (the reason inside)."""
-        from trainguard.trainer import cordon_key
+        from trainguard.runtime import cordon_key
 
         if self.shadow:
-            self._shadow("cordon", verdict, ident, host=host)
+            self._shadow(CORDON, verdict, ident, host=host)
             return
         reason = {"reason": "replica_mismatch", "detected_by": DETECTED_BY, "incident": ident,
                   "step": verdict.step, "ranks": list(verdict.ranks), "what": verdict.what, "time": time.time(),
@@ -242,8 +234,17 @@ class ReplicaChecks:
         except OSError as exc:
             self.log.error("could not write the cordon file", host=host, error=str(exc))
             return
-        self.emit("cordon", step=verdict.step, host=host, incident=ident, reason="replica_mismatch")
+        self.emit(CORDON, step=verdict.step, host=host, incident=ident, reason="replica_mismatch")
         self.log.error("node cordoned: named in a second replica mismatch", host=host, incident=ident)
+
+
+def gather_nodes(node: str, world: int) -> tuple[str, ...]:
+    """Every rank's node, by rank (a collective every rank reaches when the checks are built)."""
+    if world == 1:
+        return (node,)
+    nodes: list = [None] * world
+    dist.all_gather_object(nodes, node)
+    return tuple(nodes)
 
 
 def differing_params(tensors: list[list[int]], names: list[str]) -> list[str]:
@@ -254,7 +255,7 @@ def differing_params(tensors: list[list[int]], names: list[str]) -> list[str]:
 
 def recorded_fingerprint(run_dir: Path, step: int) -> str | None:
     """The weights fingerprint the manifest of checkpoint `step` carries (it verified as it loaded)."""
-    from trainguard.trainer.checkpoint.manifest import MANIFEST_NAME
+    from trainguard.runtime.checkpoint.manifest import MANIFEST_NAME
 
     try:
         manifest = safe_read.read_json(rundir.checkpoints_dir(run_dir) / f"step_{step}" / MANIFEST_NAME,

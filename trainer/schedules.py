@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainguard.actions import ROLLBACK
 from trainguard.decide import clipping
 from trainguard.decide import schedules as machines
 from trainguard.decide.decision import Decision
@@ -112,8 +113,8 @@ class Dynamics(LRSchedule):
         """The run's opening ``lr_phase`` event; a resumed run's says the phase it resumed in."""
         self.restored = None
         change = self.machine.start(step)
-        self._write(PhaseChange(change.step, change.schedule, change.phase, None,
-                                "resume" if resumed else "start", change.learning_rate, change.detail))
+        _write(self.emit, PhaseChange(change.step, change.schedule, change.phase, None,
+                                      "resume" if resumed else "start", change.learning_rate, change.detail))
 
     def observe(self, verdict, *, validate: Callable[[], float]) -> None:
         """Right after the optimizer step (or its skip), before the checkpoint of this step is due: feed an
@@ -146,10 +147,7 @@ class Dynamics(LRSchedule):
             if self.pending_reinit is not None and (layer := self.reinit_layer()) is not None:
                 self.emit("layer_reinit", step=step, layer=layer)
         for change in changes:
-            self._write(change)
-
-    def _write(self, change: PhaseChange) -> None:
-        self.emit(machines.EVENT, step=change.step, **change.as_event())
+            _write(self.emit, change)
 
     # ------------------------------------------------------------------------- layer response
     def respond(self, decision: Decision) -> Decision:
@@ -197,10 +195,14 @@ class Dynamics(LRSchedule):
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if "machine" in state:
-            self.restored = self.machine.restore(state["machine"], step=-1, reason="rollback")
+            self.restored = self.machine.restore(state["machine"], step=-1, reason=ROLLBACK)
             self.clipper.load_state_dict(state["clipper"])
             self._multipliers_before_load = dict(self.layers.multipliers)
             self.layers.load_state_dict(state["layers"])
+
+
+def _write(emit: Callable[..., Any], change: PhaseChange) -> None:
+    emit(machines.EVENT, step=change.step, **change.as_event())
 
 
 def param_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:

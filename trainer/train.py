@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from trainguard import log
-from trainguard.trainer import cli, flight_recorder
+from trainguard.runtime import flight_recorder
+from trainguard.trainer import cli
 from trainguard.trainer.config import ConfigError, TrainConfig
 from trainguard.trainer.loop import DistInfo, Trainer
 from trainguard.trainer.resilience.inprocess import ProcessGroups

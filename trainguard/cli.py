@@ -15,21 +15,21 @@ from trainguard.exits import guarded
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "demo": ("trainguard.demo", "train the tiny model with the agent beside it, inject a fault, write a report"),
+    "demo": ("trainguard.demo.cli", "train the tiny model with the agent beside it, inject a fault, write a report"),
     "train": ("trainguard.trainer.cli", "the bundled GPT pretraining loop (DDP through torchrun)"),
     "agent": ("trainguard.agent.cli", "the per-node sidecar: collectors, /metrics, TLS node log, webhook"),
     "replay": ("trainguard.replay.cli", "recorded TLS logs through the guard, cost policy and alert rules"),
     "report": ("trainguard.report.cli", "self-contained HTML report of a run"),
-    "status": ("trainguard.report.status", "the run at a glance, in the terminal"),
-    "checkpoint": ("trainguard.trainer.checkpoint_cli", "list, verify or restore checkpoints"),
+    "status": ("trainguard.report.status_cli", "the run at a glance, in the terminal"),
+    "checkpoint": ("trainguard.runtime.checkpoint.cli", "list, verify or restore checkpoints"),
     "dashboards": ("trainguard.dashboards.cli", "render or push the Grafana dashboards"),
     "alerts": ("trainguard.alerts.cli", "render or test the Prometheus rules and Alertmanager config"),
     "diagnose": ("trainguard.diagnose.cli", "rank the likely causes of lost throughput in a run"),
     "preflight": ("trainguard.preflight.cli", "check a node before a long run"),
-    "goodput": ("trainguard.goodput_cli", "goodput and badput of a run, by cause"),
-    "incidents": ("trainguard.incidents_cli", "culprit verdicts of hangs, with their evidence"),
-    "cordon": ("trainguard.cordon_cli", "keep a node out of the job by hand (a signed cordon)"),
-    "uncordon": ("trainguard.uncordon_cli", "let a node kept out of the job join it again"),
+    "goodput": ("trainguard.goodput.cli", "goodput and badput of a run, by cause"),
+    "incidents": ("trainguard.incidents.cli", "culprit verdicts of hangs, with their evidence"),
+    "cordon": ("trainguard.cordon.cli", "keep a node out of the job by hand (a signed cordon)"),
+    "uncordon": ("trainguard.cordon.uncordon_cli", "let a node kept out of the job join it again"),
     "convert": ("trainguard.formats.cli", "TensorBoard, trainer_state.json, Megatron or torchtitan logs as TLS"),
 }
 

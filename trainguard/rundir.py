@@ -3,25 +3,25 @@
     RUN/tls/rank-<r>.jsonl                 the trainer's TLS log per rank
     RUN/tls/node-<node>.jsonl              the agent's node log
     RUN/tls/node-<node>-actions.jsonl      the agent's decisions and actions, each record signed (agent/executor.py)
-    RUN/checkpoints/step_<N>/              verified checkpoints (trainer/checkpoint/)
-    RUN/checkpoints/status.json            the last save's outcome (trainer/checkpoint/manager.py writes it)
+    RUN/checkpoints/step_<N>/              verified checkpoints (runtime/checkpoint/)
+    RUN/checkpoints/status.json            the last save's outcome (runtime/checkpoint/manager.py writes it)
     RUN/policy.yaml                        the policy the run trains with, signed by rank 0 (trainguard/runpolicy.py)
     RUN/policy.sig.json                    its signature: which bytes, which run, which key (trainguard/runpolicy.py)
-    RUN/preflight.json                     `trainguard preflight`'s result (preflight/result.py)
+    RUN/preflight.json                     `trainguard preflight`'s result (runtime/preflight_result.py)
     RUN/report.html                        `trainguard report` (trainguard/report/)
     RUN/agent/offsets-<node>.json          the training collector's offsets and state, signed (agent/collectors/training.py)
     RUN/agent/webhook.token                the webhook's bearer token, when none is configured (agent/executor.py)
     RUN/agent/hosts/<host>.json            a pod host name an agent found among its node's processes (agent/procfs.py)
-    RUN/incidents/<id>/                    incidents and their evidence, signed by the agents (trainguard/incidents.py)
+    RUN/incidents/<id>/                    incidents and their evidence, signed by the agents (trainguard/incidents/__init__.py)
     RUN/control/actions.jsonl              requests, signed: the agent writes (`sign_request`, `append_request`), rank 0 reads (`Requests`, `check_request`)
     RUN/control/acked.jsonl                request ids the trainer handled (`append_ack`, `read_acked`)
     RUN/control/claims/<request id>        which agent carries out a job-level action (agent/claims.py, signed)
     RUN/control/claims/<id>.takeover-<g>-<tag>   a claim taken over from a claimant that did not finish
     RUN/tls/node-<host>-launcher.jsonl     the launcher's events (a cordon it did not honour)
     RUN/control/ranks/rank-<r>.json        each rank's registration (`write_rank_file`, `read_ranks`; an agent: `RankFiles`)
-    RUN/control/cordon/<host>              a node kept out of the job, when signed (trainguard/cordon.py)
+    RUN/control/cordon/<host>              a node kept out of the job, when signed (trainguard/cordon/__init__.py)
     RUN/control/launchers/<host>.json      each node's elastic launcher (trainer/launch.py)
-    RUN/control/dump/<incident>.json       a Flight Recorder dump request (trainer/flight_recorder.py)
+    RUN/control/dump/<incident>.json       a Flight Recorder dump request (runtime/flight_recorder.py)
     RUN/control/faults-fired.jsonl         injected faults that already fired (trainer/faults.py)
     RUN/control/stopped.json               the run stopped for good, signed by rank 0 (protect/protector.py)
     RUN/config.yaml                        what every worker trains with (trainer/cli.py; its digest on their command line)
@@ -140,7 +140,7 @@ def takeover_claim_path(run_dir: PathLike, request_id: str, generation: int, tag
 
 
 def launcher_log(run_dir: PathLike, host: str) -> Path:
-    """The node's launcher's own TLS events (a node log: `cordon_ignored`, trainguard/cordon.py)."""
+    """The node's launcher's own TLS events (a node log: `cordon_ignored`, trainguard/cordon/__init__.py)."""
     return tls_dir(run_dir) / f"node-{host}-launcher.jsonl"
 
 
@@ -189,7 +189,7 @@ def run_dir_of(path: PathLike) -> Path:
 # --------------------------------------------------------------------- RUN/checkpoints/status.json
 
 def read_checkpoint_status(run_dir: PathLike) -> dict | None:
-    """The last checkpoint save's outcome (trainer/checkpoint/manager.py `SaveStatus`), or None when there is
+    """The last checkpoint save's outcome (runtime/checkpoint/manager.py `SaveStatus`), or None when there is
     none (or it cannot be read: the writer rewrites it in place, so a reader may meet it half written)."""
     try:
         data = safe_read.read_bytes(checkpoint_status_path(run_dir), safe_read.STATUS_BYTES, "checkpoint status")
@@ -206,7 +206,7 @@ CHECKPOINT_FORMAT_PREFIX = "trainguard-checkpoint/"
 def checkpoint_manifest(step_dir: PathLike) -> dict:
     """A step directory's manifest when it parses and carries the fields every manifest has (format, its
     own step, a signature): what `status` and the agent may count as a checkpoint without the key. The
-    signature itself is checked by the trainer's verification (trainer/checkpoint/verification.py).
+    signature itself is checked by the trainer's verification (runtime/checkpoint/verification.py).
     OSError (FileNotFoundError when missing; safe_read.RunFileError when not a regular file or too large)
     or ValueError naming what is wrong."""
     from trainguard import safe_read
@@ -508,7 +508,7 @@ class RankFiles:
     - of every other host's registration one bit, its rank's (`registered_elsewhere`: the node-file
       selection leaves that rank's log alone): 1 KiB at 1,000 nodes of 8 ranks;
     - the directory's mtime when it was last read. A changed registration is a new inode (an atomic
-      replace, trainer/control.py) or a rewrite, and either sets the file's ctime, which no tool can set
+      replace, runtime/control.py) or a rewrite, and either sets the file's ctime, which no tool can set
       back; so a file whose ctime is older than that mtime (less RACY_SECONDS, for the filesystem's
       timestamp granularity and the writers' clocks) is as it was at the last read, and only the new and
       changed files are read again (the others cost one stat each, not a read and a parse). A directory

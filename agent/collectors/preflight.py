@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 
 from trainguard.agent.collector import Collector, Context, Sample, register
 from trainguard.agent.collectors.options import options
-from trainguard.preflight import result as preflight_result
+from trainguard.runtime import preflight_result as preflight_result
 
 # environment key -> label of trainguard_environment_info (the names the EnvironmentMismatch rule groups by)
 ENV_LABELS = {"torch": "torch_version", "cuda": "cuda_version", "nccl": "nccl_version", "driver": "driver_version",
@@ -29,7 +29,7 @@ ENV_LABELS = {"torch": "torch_version", "cuda": "cuda_version", "nccl": "nccl_ve
 
 
 def families(result: dict) -> list:
-    """Metric families of one preflight result (as `trainguard.preflight.result.read` returns it)."""
+    """Metric families of one preflight result (as `trainguard.runtime.preflight_result.read` returns it)."""
     overall = GaugeMetricFamily("trainguard_preflight_success", "1 if every check of the last preflight passed.",
                                 value=1 if result["passed"] else 0)
     checks = GaugeMetricFamily("trainguard_preflight_check_success", "1 if this preflight check passed, 0 if it "

@@ -32,7 +32,7 @@ from trainguard.decide.cost import CostMeter
 from trainguard.decide.straggler import StragglerBoard
 from trainguard.metrics import training as training_families
 from trainguard.metrics.training_state import TrainingState
-from trainguard.trainer import cordon_key
+from trainguard.runtime import cordon_key
 
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
 STATE_VERSION = 1
@@ -191,7 +191,7 @@ class CheckpointLister:
     """The newest checkpoint on disk, listed again only when RUN/checkpoints changed (its mtime) or every
     `rescan_seconds`. The collector asks at every update, a run keeps hundreds of checkpoints, and on a
     network filesystem every stat is a metadata round trip. A save renames its finished step_<N> into
-    place (trainer/checkpoint/store.py), which changes the folder's mtime; the rescan covers filesystems
+    place (runtime/checkpoint/store.py), which changes the folder's mtime; the rescan covers filesystems
     with coarse mtimes and tools that write a manifest in place."""
 
     def __init__(self, folder: Path, rescan_seconds: float = CHECKPOINT_RESCAN_SECONDS, clock=time.monotonic):

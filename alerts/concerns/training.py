@@ -18,7 +18,7 @@ RANKS_UP = f"max by ({NODE}) (trainguard_rank_process_up) > 0"
 
 
 def training(policy: Policy) -> list[Group]:
-    a = policy.alerts
+    a, guard = policy.alerts, policy.guard     # the spike sigma and the explosion factor are the guard's
     records = Group("training", "trainguard-training.records", (
         # The loss while the run steps. A stalled rank's gauge repeats its last loss at every scrape;
         # let those samples into the baseline and a long stall becomes most of it, its spread falls to
@@ -55,11 +55,11 @@ def training(policy: Policy) -> list[Group]:
         Alert("LossSpike",
               f"trainguard_training_loss\n"
               f"> trainguard:training_loss:median{BASELINE}\n"
-              f"  + {num(a.loss_spike_sigma)} * trainguard:training_loss:robust_stddev{BASELINE}\n"
+              f"  + {num(guard.spike_sigma)} * trainguard:training_loss:robust_stddev{BASELINE}\n"
               f"  + 0.001 * abs(trainguard:training_loss:median{BASELINE})\n"
               f"and count_over_time({STEPPING_LOSS}[{BASELINE}]) >= {BASELINE_MIN_SAMPLES}",
               SELF_HANDLED_SEVERITY, "Loss spike in run {{ $labels.run_id }} on {{ $labels.instance }}: {{ $value | printf \"%.4g\" }}",
-              f"The loss is more than {num(a.loss_spike_sigma)} robust standard deviations above its "
+              f"The loss is more than {num(guard.spike_sigma)} robust standard deviations above its "
               f"{BASELINE} median. The run is rolled back to its last stable checkpoint, the data window "
               "is skipped and the learning rate lowered.",
               action=actions.ROLLBACK),
@@ -69,10 +69,10 @@ def training(policy: Policy) -> list[Group]:
         # an explosion that lasts.
         Alert("GradNormExplosion",
               f"trainguard_training_grad_norm < +Inf\n"
-              f"> {num(a.grad_explode_factor)} * trainguard:training_grad_norm:median{BASELINE}\n"
+              f"> {num(guard.grad_explode_factor)} * trainguard:training_grad_norm:median{BASELINE}\n"
               f"and count_over_time(trainguard_training_grad_norm[{BASELINE}]) >= {BASELINE_MIN_SAMPLES}",
               SELF_HANDLED_SEVERITY, "Gradient norm explosion in run {{ $labels.run_id }} on {{ $labels.instance }}: {{ $value | printf \"%.4g\" }}",
-              f"The global gradient norm is more than {num(a.grad_explode_factor)} times its {BASELINE} "
+              f"The global gradient norm is more than {num(guard.grad_explode_factor)} times its {BASELINE} "
               "median (an infinite one, a loss-scaler overflow, is not) for " + a.for_short + ": the guard "
               "skips an isolated step on its own, and a heavy-tailed healthy run has those. The run is rolled "
               "back to its last stable checkpoint with a lower learning rate.",

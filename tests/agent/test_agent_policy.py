@@ -17,7 +17,7 @@ from trainguard import policy as policy_mod
 from trainguard import rundir, runpolicy
 from trainguard.agent.config import AgentConfig
 from trainguard.agent.runner import choose_policy
-from trainguard.trainer.checkpoint import keys
+from trainguard.runtime.checkpoint import keys
 
 OWN = policy_mod.from_mapping({"alerts": {"stall_seconds": 77}})
 

@@ -16,7 +16,7 @@ def run(tmp_path):
 
 
 def test_a_cordon_by_hand_is_signed_honoured_and_lifted_by_uncordon(run, tmp_path, capsys, monkeypatch):
-    from trainguard.trainer.checkpoint import keys
+    from trainguard.runtime.checkpoint import keys
 
     key_file = tmp_path / "checkpoint.key"
     keys.load_key(key_file, create=True)          # the run's key, as `trainguard train` made it

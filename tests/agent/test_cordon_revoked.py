@@ -1,4 +1,4 @@
-"""An uncordon cannot be rolled back by someone who can write the run directory (trainguard/cordon.py).
+"""An uncordon cannot be rolled back by someone who can write the run directory (trainguard/cordon/__init__.py).
 
 Before: `trainguard uncordon` only removed RUN/control/cordon/<host>; a copy of the genuine signed cordon
 put back afterwards kept the node out again (the launcher refused to join, exit 4). Now every cordon
@@ -20,8 +20,8 @@ from trainguard import cli, cordon, rundir, signed
 from trainguard.agent import evict
 from trainguard.node import node_name
 from trainguard.trainer import launch
-from trainguard.trainer.checkpoint import keys
-from trainguard.trainer.cordon_key import checker, write_cordon
+from trainguard.runtime.checkpoint import keys
+from trainguard.runtime.cordon_key import checker, write_cordon
 
 
 key_file = test_cordon_signed.key_file     # the run's key, outside RUN/, where every reader looks for it

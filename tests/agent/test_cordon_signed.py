@@ -1,4 +1,4 @@
-"""A cordon file keeps a node out of the job only when it proves who wrote it (trainguard/cordon.py).
+"""A cordon file keeps a node out of the job only when it proves who wrote it (trainguard/cordon/__init__.py).
 
 Before: any file at RUN/control/cordon/<host> made that node's launcher refuse to join (exit 4), so anyone
 who could write the run directory could evict any node. Now a cordon is signed with the run's checkpoint
@@ -21,8 +21,8 @@ from trainguard.agent import evict
 from trainguard.agent.culprit import Investigator
 from trainguard.node import node_name
 from trainguard.policy import RestorePolicy
-from trainguard.trainer.checkpoint import keys
-from trainguard.trainer.cordon_key import write_cordon
+from trainguard.runtime.checkpoint import keys
+from trainguard.runtime.cordon_key import write_cordon
 
 
 @pytest.fixture

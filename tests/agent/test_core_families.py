@@ -15,7 +15,7 @@ from trainguard.agent import restore
 from trainguard.agent.collectors.nccl import ENV_VARS, RankEnvironments
 from trainguard.metrics.families import NO_LABELS, LabelCache, Labels, Spec
 from trainguard.agent.procfs import RankPids
-from trainguard.trainer.control import write_rank_file
+from trainguard.runtime.control import write_rank_file
 
 
 @pytest.mark.parametrize("kind, cls, name", [("gauge", GaugeMetricFamily, "test_temperature_celsius"),

@@ -20,7 +20,7 @@ from trainguard.agent.collectors.gpu import GPUCollector
 from trainguard.agent.collectors.ib import InfiniBandCollector
 from trainguard.agent.collectors.io import IOCollector
 from trainguard.agent.collectors.nccl import NCCLCollector
-from trainguard.trainer.control import write_rank_file
+from trainguard.runtime.control import write_rank_file
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GOLDEN = FIXTURES / "golden"

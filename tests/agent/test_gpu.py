@@ -14,7 +14,7 @@ from tests.servers import promtool_check_metrics
 from trainguard.agent.collector import CollectorDisabled, Context
 from trainguard.agent.collectors.gpu import GPUCollector
 from trainguard.agent.config import ConfigError
-from trainguard.trainer.control import write_rank_file
+from trainguard.runtime.control import write_rank_file
 
 H100 = {"UUID": "GPU-1c8e2f0a-6b4d-4f51-9a57-3e0c8d2b7f14", "device": "nvidia0", "gpu": "0",
         "Hostname": "node-a", "model_name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:18:00.0"}

@@ -13,7 +13,7 @@ import yaml
 
 from tests.agent.exposition import series, values
 from tests.servers import free_port, http_get, promtool_check_metrics, wait_for
-from trainguard.trainer.control import write_rank_file
+from trainguard.runtime.control import write_rank_file
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"

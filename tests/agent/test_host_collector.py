@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.servers import http_get, start_node_exporter
 from trainguard.agent.collector import Context
 from trainguard.agent.collectors.host import HostCollector
-from trainguard.trainer.control import write_rank_file
+from trainguard.runtime.control import write_rank_file
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GOLDEN = Path(__file__).resolve().parent / "golden" / "host.prom"

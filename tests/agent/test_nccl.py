@@ -13,7 +13,7 @@ from tests.agent.exposition import series, values
 from trainguard.agent.collector import Context
 from trainguard.agent.collectors.nccl import KINDS, LogSet, NCCLCollector, classify
 from trainguard.agent.config import ConfigError
-from trainguard.trainer.control import write_rank_file
+from trainguard.runtime.control import write_rank_file
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 LOGS = FIXTURES / "logs" / "nccl"

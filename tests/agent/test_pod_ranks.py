@@ -1,6 +1,6 @@
 """Ranks in pods: their own host name and PID namespace, matched to the node by the agent on the host.
 
-A rank in a pod registers its pod's host name and a pid of its pod's PID namespace (trainer/control.py, as
+A rank in a pod registers its pod's host name and a pid of its pod's PID namespace (runtime/control.py, as
 anywhere). The agent, on the host, must find that process among the node's (agent/procfs.py
 `PidNamespaces`), prove it and end exactly it, refuse an impostor with a reason, and say loudly when a
 registration belongs to no known node. The end-to-end tests run real ranks under real torchrun inside
@@ -159,7 +159,7 @@ def test_an_impostor_in_another_pod_is_matched_then_refused_never_signalled(tmp_
     """A process in a pod registers itself as rank 1: it is this node's process, but no worker of the run."""
     run = tmp_path / "run"
     run.mkdir()
-    code = ("import sys, time; from trainguard.trainer.control import write_rank_file; "
+    code = ("import sys, time; from trainguard.runtime.control import write_rank_file; "
             "write_rank_file(sys.argv[1], 1); time.sleep(300)")
     pods("pod-b", [sys.executable, "-c", code, str(run)])
     registered = wait_for(rundir.rank_file(run, 1))
@@ -282,7 +282,7 @@ def test_the_daemonsets_agent_follows_a_job_whose_ranks_live_in_a_pod(tmp_path, 
     os.chmod(tmp_path / "token", 0o600)
     config_text = (tmp_path / "agent.yaml").read_text().replace("/var/run/trainguard/token/token", str(tmp_path / "token"))
     (tmp_path / "agent.yaml").write_text(config_text)
-    code = ("import json, os, socket, sys, time; from trainguard.trainer.control import write_rank_file; "
+    code = ("import json, os, socket, sys, time; from trainguard.runtime.control import write_rank_file; "
             "write_rank_file(sys.argv[1], 0); os.makedirs(sys.argv[1] + '/tls', exist_ok=True); "
             "open(sys.argv[1] + '/tls/rank-0.jsonl', 'a').write(json.dumps({'schema': 'tls/1', 'timestamp': "
             "time.time(), 'node': socket.gethostname(), 'rank': 0, 'step': 5, 'metrics': {'loss': 1.5}}) + '\\n'); "

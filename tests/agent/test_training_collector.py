@@ -272,7 +272,7 @@ def test_checkpoints_are_listed_again_only_when_the_folder_changes_or_at_the_res
     staged.mkdir()
     (staged / "manifest.json").write_text(manifest_of(20))
     before = os.stat(folder).st_mtime_ns
-    staged.rename(folder / "step_20")                               # as trainer/checkpoint/store.py saves
+    staged.rename(folder / "step_20")                               # as runtime/checkpoint/store.py saves
     os.utime(folder, ns=(before + 1_000_000, before + 1_000_000))    # a coarse clock could leave mtime as it was
     assert lister.newest()[1] == 20 and len(listings) == 2
     (folder / "step_30").mkdir()

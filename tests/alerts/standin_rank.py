@@ -1,5 +1,5 @@
 """A stand-in trainer rank for the restore tests, started by real torchrun: it registers exactly as the
-bundled trainer does (trainer/control.py write_rank_file) and then waits, as a hung rank would.
+bundled trainer does (runtime/control.py write_rank_file) and then waits, as a hung rank would.
 
     torchrun --standalone --nproc-per-node 2 tests/alerts/standin_rank.py --run-dir RUN [--ignore-term] [--hold-log]
 
@@ -14,7 +14,7 @@ import sys
 import time
 
 from trainguard import rundir, tls
-from trainguard.trainer.control import write_rank_file
+from trainguard.runtime.control import write_rank_file
 
 if __name__ == "__main__":
     run_dir = sys.argv[sys.argv.index("--run-dir") + 1]

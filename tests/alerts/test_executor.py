@@ -11,9 +11,10 @@ from tests.alerts.ranks import STANDIN, Ranks, alive, rewrite
 from tests import signing
 from trainguard import actions
 from trainguard import rundir
-from trainguard.agent.executor import EventLog, Executor, request_id
+from trainguard.agent.action_log import ActionLog, alert_record
+from trainguard.agent.executor import Executor, request_id
 from trainguard.decide.ledger import Ledger, Limits, Notice
-from trainguard.trainer.control import ControlChannel
+from trainguard.runtime.control import ControlChannel
 
 HOST = socket.gethostname()
 
@@ -110,7 +111,7 @@ def test_shadow_records_what_it_would_have_done_and_executes_nothing(tmp_path, r
     assert [(e["action"], e["source"], e["would_have"]) for e in shadowed] == [
         ("rollback", "alertmanager", True), ("restore", "alertmanager", True)]
     assert all(e["alertname"] and e["id"] and e["key"] for e in shadowed)      # its evidence
-    assert executor.executed == {} and executor.shadowed == {"rollback": 1, "restore": 1}
+    assert executor.counts.executed == {} and executor.counts.shadowed == {"rollback": 1, "restore": 1}
     [family] = [f for f in executor.families() if f.name == "trainguard_actions_shadowed"]
     assert {s.labels["action"]: s.value for s in family.samples} == {"restore": 1, "rollback": 1}
     time.sleep(0.2)
@@ -174,7 +175,7 @@ def test_a_restarted_agent_acts_on_nothing_twice(tmp_path):
 def test_an_action_decided_but_not_done_before_a_crash_is_redone_once(tmp_path):
     executor = Executor(tmp_path, "n1", Ledger())
     [verdict] = executor.ledger.decide_all([notice()], now=time.time())
-    executor.records.append([executor._alert_record(verdict, time.time())])     # crash right after the intent
+    executor.records.append([alert_record(verdict, time.time(), executor.node)])     # crash right after the intent
     assert requests(tmp_path) == []
     recovered = Executor(tmp_path, "n1", Ledger())
     assert [r["id"] for r in requests(tmp_path)] == [request_id(verdict)]
@@ -199,7 +200,7 @@ def test_verdicts_and_actions_are_counted_for_metrics(tmp_path):
 
 
 def test_event_log_fsyncs_whole_records(tmp_path):
-    log = EventLog(tmp_path / "x.jsonl", b"k" * 32, "n1")
+    log = ActionLog(tmp_path / "x.jsonl", b"k" * 32, "n1")
     log.append([{"timestamp": 1.0, "event": {"type": "alert", "key": "k"}}])
     log.append([])
     assert [e["key"] for e in log.events()] == ["k"]

@@ -2,7 +2,7 @@
 
 from trainguard import actions
 from trainguard.decide.decision import Decision
-from trainguard.decide.ledger import (ACT, COALESCED, DUPLICATE, ESCALATED, NO_ACTION, PAGE, RESOLVED, SUPERSEDED,
+from trainguard.decide.ledger import (ACT, COALESCED, DUPLICATE, ESCALATED, NO_ACTION, RESOLVED, SUPERSEDED,
                                       Ledger, Limits, Notice)
 from trainguard.policy import Policy
 
@@ -103,7 +103,7 @@ def test_restores_past_the_limit_page_a_human_and_execute_nothing():
     stall = dict(name="TrainingStalled", action=actions.RESTORE)
     assert ledger.decide(firing(key="a", **stall), 0.0).outcome == ACT
     paged = ledger.decide(firing(key="b", **stall), 100.0)
-    assert (paged.outcome, paged.action, paged.executes) == (ESCALATED, PAGE, False)
+    assert (paged.outcome, paged.action, paged.executes) == (ESCALATED, actions.PAGE, False)
     assert paged.detail == {"restores_last_hour": 1}
 
 

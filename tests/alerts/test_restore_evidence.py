@@ -104,7 +104,8 @@ def test_a_restore_redone_after_the_agent_crashed_gathers_the_evidence_again(tmp
     from trainguard import policy as policy_mod
     from trainguard.agent.config import AgentConfig
     from trainguard.agent.culprit import Investigator
-    from trainguard.agent.executor import Executor, WebhookSettings
+    from trainguard.agent.action_log import alert_record
+    from trainguard.agent.executor import Executor, WebhookSettings, actions_log
     from trainguard.decide.ledger import Ledger, Notice
 
     run = tmp_path / "run"
@@ -117,12 +118,14 @@ def test_a_restore_redone_after_the_agent_crashed_gathers_the_evidence_again(tmp
                      labels={"alertname": "TrainingStalled", "instance": f"{HOST}:9655"})
     first = Executor(run, "n1", Ledger())
     [decided] = first.ledger.decide_all([stalled], now=time.time())
-    first.records.append([first._alert_record(decided, time.time())])   # the agent died right after this
-    again = Executor.for_agent(config, policy, settings)                   # its next start, as agent/app.py
+    first.records.append([alert_record(decided, time.time(), "n1")])   # the agent died right after this
+    # its next start, as agent/app.py: the actions log, the Investigator recording into it, the executor
+    records = actions_log(run, "n1", settings.checkpoint_key_file)
+    investigator = Investigator(run, HOST, policy.restore, record=records.append,
+                                entry_points=settings.restore_entry_points, launchers=settings.restore_launchers,
+                                key_file=settings.checkpoint_key_file)
+    Executor.for_agent(config, policy, settings, investigator=investigator, records=records)
     assert all(alive(rank["pid"]) for rank in hung)                       # before: ended here, unseen
-    again.investigator = Investigator(run, HOST, policy.restore, record=again.records.append,
-                                      submit=again.submit, entry_points=again.entry_points,
-                                      launchers=again.launchers, key_file=again.checkpoint_key_file)
     log = run / "tls" / "node-n1-actions.jsonl"
     action = wait_for(lambda: next((r["event"] for r in read_jsonl(log) if r["event"]["type"] == "action"),
                                    None), what="redone restore")

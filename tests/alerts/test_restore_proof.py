@@ -18,7 +18,8 @@ import pytest
 
 from tests.alerts.helpers import read_jsonl
 from tests.alerts.ranks import STANDIN, Ranks, alive, rewrite
-from trainguard import actions, demo
+from trainguard import actions
+from trainguard.demo import cli as demo
 from trainguard.agent import restore
 from trainguard.agent.executor import Executor
 from trainguard.decide.ledger import Ledger, Notice

@@ -118,7 +118,8 @@ def test_promtool_check_and_unit_tests_pass():
 def test_the_unit_tests_catch_a_changed_threshold(tmp_path):
     """The promtool tests can fail: with a laxer policy, the 'fires' cases must break."""
     promtool = require_binary("promtool")
-    lax = Policy(alerts=dataclasses.replace(Policy().alerts, loss_spike_sigma=1000.0, stall_seconds=100000.0))
+    lax = Policy(guard=dataclasses.replace(Policy().guard, spike_sigma=1000.0),
+                 alerts=dataclasses.replace(Policy().alerts, stall_seconds=100000.0))
     rules.write(tmp_path, lax)
     shutil.copytree(ALERTS_DIR / "tests", tmp_path / "tests")
     result = subprocess.run([promtool, "test", "rules", str(tmp_path / "tests" / "training.test.yml")],

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from trainguard.trainer.checkpoint import CheckpointManager, sharded, store
+from trainguard.runtime.checkpoint import CheckpointManager, sharded, store
 
 
 def small_state() -> dict:

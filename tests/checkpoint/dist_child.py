@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from trainguard.trainer import parallel
-from trainguard.trainer.checkpoint import CheckpointManager, verification
+from trainguard.runtime.checkpoint import CheckpointManager, verification
 from trainguard.trainer.config import ModelConfig
 from trainguard.trainer.model import GPT
 from trainguard.trainer.step import GradNorms

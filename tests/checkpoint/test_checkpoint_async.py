@@ -8,7 +8,7 @@ import threading
 import torch
 
 from tests.checkpoint.helpers import assert_same, training_state
-from trainguard.trainer.checkpoint import CheckpointManager, sharded, store
+from trainguard.runtime.checkpoint import CheckpointManager, sharded, store
 
 
 def _files(manager: CheckpointManager, step: int) -> dict:

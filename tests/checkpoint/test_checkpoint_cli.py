@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainguard.cli import main
-from trainguard.trainer.checkpoint import CheckpointManager
+from trainguard.runtime.checkpoint import CheckpointManager
 
 
 @pytest.fixture

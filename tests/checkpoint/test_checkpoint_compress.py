@@ -12,8 +12,8 @@ import torch
 from tests.checkpoint.helpers import assert_same, training_state
 from trainguard.cli import main
 from trainguard.trainer import config as cfg
-from trainguard.trainer.checkpoint import CheckpointManager, verify
-from trainguard.trainer.checkpoint import compress
+from trainguard.runtime.checkpoint import CheckpointManager, verify
+from trainguard.runtime.checkpoint import compress
 
 
 def _state() -> dict:
@@ -78,7 +78,7 @@ def test_fp16_zlib_is_an_export_within_its_recorded_error_and_never_resumed(tmp_
 
 
 def _export_checkpoint(manager: CheckpointManager):
-    from trainguard.trainer.checkpoint import Checkpoint
+    from trainguard.runtime.checkpoint import Checkpoint
 
     return Checkpoint.of(verify(manager.root / "step_5", key_file=manager.key_path, deep=False))
 

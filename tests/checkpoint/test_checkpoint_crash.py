@@ -14,8 +14,8 @@ import torch
 
 from tests.checkpoint.crash_child import small_state
 from tests.checkpoint.helpers import assert_same
-from trainguard.trainer.checkpoint import CheckpointError, CheckpointManager, verify
-from trainguard.trainer.checkpoint.manager import read_status
+from trainguard.runtime.checkpoint import CheckpointError, CheckpointManager, verify
+from trainguard.runtime.checkpoint.manager import read_status
 
 CHILD = Path(__file__).with_name("crash_child.py")
 REPO = Path(__file__).resolve().parents[2]

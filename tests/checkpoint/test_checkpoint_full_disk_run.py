@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.trainer.checkpoint.manager import EXIT_NO_DURABLE_CHECKPOINT, read_status
+from trainguard.runtime.checkpoint.manager import EXIT_NO_DURABLE_CHECKPOINT, read_status
 
 REPO = Path(__file__).resolve().parents[2]
 

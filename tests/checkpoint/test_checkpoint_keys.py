@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainguard.trainer.checkpoint import CheckpointManager, keys
-from trainguard.trainer.checkpoint.manager import KeyMismatchError
+from trainguard.runtime.checkpoint import CheckpointManager, keys
+from trainguard.runtime.checkpoint.manager import KeyMismatchError
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--set", "model.n_layer=1", "--set", "model.n_embd=32", "--telemetry", "off"]
@@ -70,7 +70,7 @@ def test_train_under_another_key_exits_2_and_keeps_the_checkpoints_unless_told_t
     reason = json.loads(next((run_dir / "checkpoints" / "invalid").glob("step_40-*/reason.json")).read_text())
     assert reason["code"] == "wrong_key"
     moved = next((run_dir / "checkpoints" / "invalid").glob("step_40-*"))
-    from trainguard.trainer.checkpoint import verify
+    from trainguard.runtime.checkpoint import verify
 
     assert verify(moved.parent / moved.name, key_file=key1).code == "step_mismatch"   # intact, signed by key1
     assert CheckpointManager(run_dir, key_file=key2).steps() == [1, 2]

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from trainguard.cli import main
-from trainguard.trainer.checkpoint import CheckpointManager
-from trainguard.trainer.checkpoint.directory import SUPERSEDED
-from trainguard.trainer.checkpoint.restore import Restorer
+from trainguard.runtime.checkpoint import CheckpointManager
+from trainguard.runtime.checkpoint.directory import SUPERSEDED
+from trainguard.runtime.checkpoint.restore import Restorer
 
 
 def _save(manager: CheckpointManager, *steps: int, stable: tuple = ()) -> None:

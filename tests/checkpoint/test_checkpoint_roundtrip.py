@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tests.checkpoint.helpers import assert_same, training_state
-from trainguard.trainer.checkpoint import CheckpointError, CheckpointManager, verify
-from trainguard.trainer.checkpoint import keys, store
-from trainguard.trainer.checkpoint import manifest as mf
+from trainguard.runtime.checkpoint import CheckpointError, CheckpointManager, verify
+from trainguard.runtime.checkpoint import keys, store
+from trainguard.runtime.checkpoint import manifest as mf
 from trainguard.trainer.config import ModelConfig
 from trainguard.trainer.model import GPT
 

@@ -17,7 +17,7 @@ import torch
 
 from tests.checkpoint.dist_child import CONFIG
 from trainguard.trainer import parallel
-from trainguard.trainer.checkpoint import CheckpointManager, verify
+from trainguard.runtime.checkpoint import CheckpointManager, verify
 from trainguard.trainer.model import GPT
 
 CHILD = Path(__file__).with_name("dist_child.py")

@@ -14,9 +14,9 @@ import torch
 
 from tests.checkpoint.helpers import assert_same, training_state
 from trainguard.cli import main as cli_main
-from trainguard.trainer.checkpoint import Checkpoint, CheckpointError, CheckpointManager, verify
-from trainguard.trainer.checkpoint import keys
-from trainguard.trainer.checkpoint import manifest as mf
+from trainguard.runtime.checkpoint import Checkpoint, CheckpointError, CheckpointManager, verify
+from trainguard.runtime.checkpoint import keys
+from trainguard.runtime.checkpoint import manifest as mf
 
 
 class Evil:

@@ -15,7 +15,7 @@ from trainguard import incidents, tls
 from trainguard.agent import evidence
 from trainguard.decide import culprit
 from trainguard.decide.stall import stall_actions
-from trainguard.trainer.checkpoint import keys
+from trainguard.runtime.checkpoint import keys
 
 RECORDED = Path(__file__).parent / "recorded"
 SCENARIOS = {"hang-evict": ("n2", 1), "hang-evict-off": ("n2", 1), "all-in-collective": (None, None),

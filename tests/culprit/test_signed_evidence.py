@@ -4,7 +4,7 @@ Before: the verdict read every ``node-*.json`` of the incident folder and took t
 ``"node"`` field, and "a hardware signal beats everything": a stranger who dropped a file claiming an XID
 on an innocent node got that node named with confidence 0.95 and a signed cordon written for it. Now a node
 file counts only when it is signed with the key of the host its name says (agent/evidence.py,
-trainguard/incidents.py `check_node`); the rest is ignored, named in the verdict and counted.
+trainguard/incidents/__init__.py `check_node`); the rest is ignored, named in the verdict and counted.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from trainguard.agent import evidence
 from trainguard.agent.culprit import Investigator
 from trainguard.decide.ledger import Notice
 from trainguard.policy import RestorePolicy
-from trainguard.trainer.checkpoint import keys
+from trainguard.runtime.checkpoint import keys
 
 
 @pytest.fixture

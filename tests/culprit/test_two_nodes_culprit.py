@@ -78,7 +78,7 @@ def test_hang_on_a_rank_names_it_cordons_its_node_and_the_run_finishes_on_the_ot
         survivor = c.events("rank-0.jsonl", "run_start")[-1]["event"]
         assert survivor["world_size"] == 1 and survivor["resumed_from"] == CHECKPOINT
         assert c.events("rank-0.jsonl", "run_end")[-1]["event"]["reason"] == "completed"
-        from trainguard.trainer.checkpoint.manager import CheckpointManager
+        from trainguard.runtime.checkpoint.manager import CheckpointManager
 
         _, final = CheckpointManager(c.run_dir).load_latest()
         assert final["trainer"]["step"] == 40

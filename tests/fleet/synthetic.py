@@ -44,7 +44,7 @@ def write_fleet(run_dir: Path, nodes: int, ranks_per_node: int = 8, steps: int =
 
 
 def register_rank(run_dir: Path, rank: int, host: str) -> None:
-    """A rank's registration as trainer/control.py writes it (the fields the agent's ownership reads)."""
+    """A rank's registration as runtime/control.py writes it (the fields the agent's ownership reads)."""
     rundir.write_rank_file(run_dir, rank, {"rank": rank, "pid": 10_000_000 + rank, "host": host, "started_at": T0})
 
 

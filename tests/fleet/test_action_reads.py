@@ -52,8 +52,8 @@ def test_an_action_on_a_thousand_nodes_registrations_opens_only_this_nodes(fleet
     watchdog.progress()
     assert reads == ["rank-3.json"]
 
-    executor = Executor(fleet, "n0", Ledger(), host=HOST)
-    executor.investigator = Investigator(fleet, HOST, RestorePolicy())   # asks for this node's live ranks first
+    executor = Executor(fleet, "n0", Ledger(), host=HOST,
+                        investigator=Investigator(fleet, HOST, RestorePolicy()))   # asks for this node's live ranks first
     executor.submit([Notice(alertname="TrainingStalled", status="firing", action=actions.RESTORE, key="s@1",
                             starts_at=time.time() + 5)])
     ended = restore.end_local_ranks(fleet, HOST)

@@ -19,6 +19,7 @@ import pytest
 
 from tests.alerts.helpers import read_jsonl
 from trainguard import actions, rundir, signed
+from trainguard.agent.action_log import alert_record
 from trainguard.agent import claims
 from trainguard.agent.config import AgentConfig, ConfigError
 from trainguard.agent.executor import Executor, WebhookSettings, request_id
@@ -141,7 +142,7 @@ def test_claim_and_key_settings_reach_the_executor(tmp_path):
     settings = WebhookSettings.from_config(AgentConfig(run_dir=tmp_path, webhook={
         "claim_timeout_seconds": 5, "checkpoint_key_file": "~/k"}))
     executor = Executor.for_agent(AgentConfig(run_dir=tmp_path, node="n1"), Policy(), settings, claim_secret=TOKEN)
-    assert executor.claims.timeout == 5.0 and str(executor.checkpoint_key_file).endswith("/k")
+    assert executor.claims.timeout == 5.0 and str(executor.node_actions.checkpoint_key_file).endswith("/k")
 
 
 # ------------------------------------------------------------------- a slow claimant, a restarted agent
@@ -222,7 +223,7 @@ def test_an_agent_restarted_after_claiming_acts_once_unless_its_claim_was_taken_
                    source="alertmanager", labels={"alertname": "JobStalledEverywhere", "job": "trainguard"})
     first = Executor(tmp_path, "n1", Ledger(), claim_secret=TOKEN)
     verdicts = first.ledger.decide_all([notice, other], now=time.time())
-    first.records.append([first._alert_record(v, time.time()) for v in verdicts])   # decided, then ...
+    first.records.append([alert_record(v, time.time(), first.node) for v in verdicts])   # decided, then ...
     for v in verdicts:
         assert first.claims.take(request_id(v), time.time()).mine                   # claimed, and died
     # n2 took the second one over while n1 was down (n1's claim neither renewed nor done for the timeout)

@@ -1,4 +1,4 @@
-"""A thousand nodes' evidence in one incident (trainguard/incidents.py): every node's kept, each write's
+"""A thousand nodes' evidence in one incident (trainguard/incidents/__init__.py): every node's kept, each write's
 cost the same for the first node as for the last, one writer's flood cut at its own share, and the disk's
 reserve still refusing a flood (docs/incidents.md, "The evidence budget")."""
 

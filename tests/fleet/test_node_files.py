@@ -13,7 +13,7 @@ import time
 from trainguard import rundir
 from trainguard.agent.collector import Context
 from trainguard.agent.collectors.training import TrainingCollector
-from trainguard.trainer.control import write_rank_file
+from trainguard.runtime.control import write_rank_file
 
 from tests.fleet.synthetic import (
     append_steps,

@@ -9,7 +9,7 @@ import torch
 
 from trainguard import tls
 from trainguard.cli import main
-from trainguard.trainer.checkpoint import CheckpointManager
+from trainguard.runtime.checkpoint import CheckpointManager
 
 
 def _write_run(run_dir, *, with_checkpoints=False, key_file=None):

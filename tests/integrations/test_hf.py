@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from examples.hf_trainer import build, faults_of  # noqa: E402
 from tests.library.test_plain_loop import GUARD, request_when_step_written  # noqa: E402
 from tests.trainer.helpers import events, step_records, write_policy  # noqa: E402
-from trainguard.trainer.checkpoint import CheckpointManager  # noqa: E402
+from trainguard.runtime.checkpoint import CheckpointManager  # noqa: E402
 
 
 def weights(model) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ from examples.hf_trainer import faults_of  # noqa: E402
 from examples.lightning_module import batches, build  # noqa: E402
 from tests.library.test_plain_loop import GUARD, request_when_step_written  # noqa: E402
 from tests.trainer.helpers import events, step_records, write_policy  # noqa: E402
-from trainguard.trainer.checkpoint import CheckpointManager  # noqa: E402
+from trainguard.runtime.checkpoint import CheckpointManager  # noqa: E402
 
 
 @pytest.mark.slow

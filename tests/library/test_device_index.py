@@ -7,7 +7,7 @@ import torch
 
 from examples.plain_loop import TokenStream, train_step
 from trainguard.protect import Protector, RNGState
-from trainguard.trainer.checkpoint.verification import load_location
+from trainguard.runtime.checkpoint.verification import load_location
 
 
 def run(run_dir, steps: int, device: str) -> int | None:

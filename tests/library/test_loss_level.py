@@ -10,7 +10,7 @@ import yaml
 
 from tests.trainer.helpers import events
 from trainguard.protect import Protector, RNGState
-from trainguard.trainer.telemetry import StepTimer
+from trainguard.runtime.telemetry import StepTimer
 
 # Gradient rules loose enough that the loss rules alone decide; a level shift whose gradients move too
 # (x3 here, over shift_grad_factor) is not accepted by the guard alone: the retry has to tell.

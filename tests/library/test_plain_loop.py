@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from tests.trainer.helpers import events, step_records
-from trainguard.trainer.checkpoint import CheckpointManager
+from trainguard.runtime.checkpoint import CheckpointManager
 from tests import signing
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "library.md"

@@ -7,9 +7,11 @@ from __future__ import annotations
 import torch
 
 from tests.trainer.helpers import events
-from trainguard.protect import Callbacks, Protector
+from trainguard.actions import COST_THROTTLE
+from trainguard.protect import Callbacks, Protector, handlers
 
 IDS = {"id": "r1", "alertname": "CostBudgetThrottle", "reason": ""}
+THROTTLE = handlers.Order(COST_THROTTLE, handlers.CONTROL, "", IDS)
 
 
 def protector(run_dir, **options) -> Protector:
@@ -22,7 +24,7 @@ def protector(run_dir, **options) -> Protector:
 
 def test_a_loop_with_no_micro_batch_is_told_the_throttle_was_not_applied(tmp_path):
     guarded = protector(tmp_path)
-    guarded._throttle(IDS)
+    handlers.HANDLERS[COST_THROTTLE](guarded, THROTTLE)
     guarded.close()
     [event] = [e for e in events(tmp_path, "action") if e["action"] == "cost_throttle"]
     assert event["micro_batch"] == "unchanged" and "not available" in event["not_applied"]
@@ -33,7 +35,7 @@ def test_a_kept_micro_batch_is_cut_by_a_quarter_and_handed_to_the_loop(tmp_path)
     handed = []
     guarded = protector(tmp_path, callbacks=Callbacks(cut_micro_batch=lambda size: handed.append(size) or {}))
     guarded.state.micro_batch = 8
-    guarded._throttle(IDS)
+    handlers.HANDLERS[COST_THROTTLE](guarded, THROTTLE)
     guarded.close()
     [event] = [e for e in events(tmp_path, "action") if e["action"] == "cost_throttle"]
     assert (event["micro_batch_before"], event["micro_batch_size"], handed) == (8, 6, [6])

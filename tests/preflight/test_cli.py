@@ -13,7 +13,7 @@ from tests.servers import require_binary
 from trainguard.agent.collector import Context
 from trainguard.agent.collectors.preflight import PreflightCollector
 from trainguard.cli import main
-from trainguard.preflight.result import ResultError
+from trainguard.runtime.preflight_result import ResultError
 
 QUICK = ["--skip", "collective", "--skip", "checkpoint_drill"]
 

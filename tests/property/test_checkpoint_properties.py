@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from tests.property.conftest import examples
 from tests.property.mutate import DEEP_ARRAY, DEEP_OBJECT, mutated_bytes, mutated_json
-from trainguard.trainer.checkpoint import CheckpointManager, verify
-from trainguard.trainer.checkpoint import manifest as mf
+from trainguard.runtime.checkpoint import CheckpointManager, verify
+from trainguard.runtime.checkpoint import manifest as mf
 
 STEP = 40
 CODES = {mf.MISSING_MANIFEST, mf.UNREADABLE_MANIFEST, mf.BAD_SIGNATURE, mf.WRONG_KEY, mf.STEP_MISMATCH,

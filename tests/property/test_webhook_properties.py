@@ -255,4 +255,4 @@ def test_over_http_nothing_is_ever_executed_on_the_run(live, data):
     status = post(server, body)
     assert status == 200 or status in REFUSALS, status
     assert not (run_dir / "control").exists(), "the shadow executor wrote a control request"
-    assert executor.executed == {}
+    assert executor.counts.executed == {}

@@ -60,11 +60,11 @@ def assert_escaped(text: str) -> None:
 # ------------------------------------------------------------------------------------- exit statuses
 
 @pytest.mark.parametrize("command, module, args", [
-    ("checkpoint", "trainguard.trainer.checkpoint_cli", ["checkpoint", "verify", "RUN"]),
-    ("incidents", "trainguard.incidents_cli", ["incidents", "replay", "RUN"]),
+    ("checkpoint", "trainguard.runtime.checkpoint.cli", ["checkpoint", "verify", "RUN"]),
+    ("incidents", "trainguard.incidents.cli", ["incidents", "replay", "RUN"]),
     ("convert", "trainguard.formats.cli", ["convert", "IN", "-o", "OUT"]),
     ("replay", "trainguard.replay.cli", ["replay", "RUN"]),
-    ("status", "trainguard.report.status", ["status", "RUN"]),
+    ("status", "trainguard.report.status_cli", ["status", "RUN"]),
 ])
 def test_a_crash_exits_70_with_one_line_and_never_1(command, module, args):
     # The command's own work raises what it did not expect (as `checkpoint verify` did when retention
@@ -105,7 +105,7 @@ def test_odd_node_files_cost_their_ranks_never_the_verdict(tmp_path, capsys, mon
     from trainguard import incidents
     from trainguard.agent import evidence
     from trainguard.decide import culprit
-    from trainguard.trainer.checkpoint import keys
+    from trainguard.runtime.checkpoint import keys
 
     key_path = tmp_path / "keys" / "checkpoint.key"
     monkeypatch.setenv(keys.ENV_VAR, str(key_path))

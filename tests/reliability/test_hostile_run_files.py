@@ -140,7 +140,7 @@ def checkpointed(tmp_path) -> tuple[Path, Path]:
     """A run with step_1 and step_2 (DCP format: extra.pt beside the shards), signed with its own key."""
     import torch
 
-    from trainguard.trainer.checkpoint import CheckpointManager
+    from trainguard.runtime.checkpoint import CheckpointManager
 
     key = tmp_path / "keys" / "checkpoint.key"
     run = tmp_path / "run"

@@ -21,7 +21,7 @@ import pytest
 from tests.alerts.helpers import read_jsonl
 from tests.hung_run import STEPS
 from tests.trainer.helpers import events, step_records
-from trainguard import demo
+from trainguard.demo import cli as demo
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -24,7 +24,7 @@ POLICY = Policy(cost=CostPolicy(budget_per_1k_steps=1.2, tiers=CostTiers(warn=0.
 
 def rank_records(rank: int, steps: int, rng: random.Random, *, world: int, own_gpus: bool, start: float,
                  faults: bool, hang_at: int | None, clock_back: bool = False, gap: bool = False, samples: int = 0):
-    """One rank's trainer records (the shape trainer/telemetry.py writes), with faults and events."""
+    """One rank's trainer records (the shape runtime/telemetry.py writes), with faults and events."""
     when, clock = start, 5000.0
     step = 0
     for i in range(steps):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from tests.report.synthetic import T0, write_run
-from trainguard.report.status import TAIL_KIB, collect, render
+from trainguard.report.status_cli import TAIL_KIB, collect, render
 from trainguard.tls import Writer, event, make_record
 
 TRAINGUARD = [sys.executable, "-m", "trainguard.cli"]

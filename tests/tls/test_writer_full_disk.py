@@ -8,7 +8,7 @@ import pytest
 
 from tests.servers import fill_disk, tmpfs
 from trainguard import tls
-from trainguard.trainer.telemetry import StepTelemetry
+from trainguard.runtime.telemetry import StepTelemetry
 
 
 @pytest.fixture

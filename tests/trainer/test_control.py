@@ -9,10 +9,10 @@ import time
 import pytest
 
 from tests.trainer.helpers import events, final_losses, step_records, train
-from trainguard.trainer.checkpoint.manager import CheckpointManager
+from trainguard.runtime.checkpoint.manager import CheckpointManager
 from tests import signing
 from trainguard import rundir
-from trainguard.trainer.control import ControlChannel
+from trainguard.runtime.control import ControlChannel
 
 
 def test_cost_throttle_cuts_the_micro_batch_and_keeps_tokens_per_step(tmp_path):

@@ -16,7 +16,7 @@ import torch
 
 from tests.trainer.helpers import events, step_records, train, train_subprocess, write_policy
 from trainguard.trainer import cli, parallel
-from trainguard.trainer.checkpoint import CheckpointManager
+from trainguard.runtime.checkpoint import CheckpointManager
 from trainguard.trainer.loop import DistInfo, Trainer
 
 GUARD = dict(spike_min_steps=8, spike_window=64, grad_min_steps=8, rollback_after=3, rollback_window=10,

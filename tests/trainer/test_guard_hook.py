@@ -7,7 +7,7 @@ import json
 import torch
 
 from tests.trainer.helpers import events, final_losses, step_records, train, write_policy
-from trainguard.trainer.checkpoint.manager import CheckpointManager
+from trainguard.runtime.checkpoint.manager import CheckpointManager
 
 # Small windows so a 40-step run exercises every path; the thresholds themselves are the defaults'.
 GUARD = dict(spike_min_steps=10, spike_window=64, grad_min_steps=10, rollback_after=3, rollback_window=10,

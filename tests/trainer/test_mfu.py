@@ -13,10 +13,10 @@ from tests.trainer.helpers import events, records, step_records, train
 from trainguard.diagnose.cli import mfu_summary, render as diagnose_render
 from trainguard.diagnose.loader import load_run
 from trainguard.protect import Protector
-from trainguard.report import status as status_mod
+from trainguard.report import status_cli as status_mod
 from trainguard.report.data import load_run as load_report
 from trainguard.report.summary import sentences, tiles
-from trainguard.trainer.telemetry import MemoryProbe, StepTelemetry
+from trainguard.runtime.telemetry import MemoryProbe, StepTelemetry
 
 TIMINGS = {"step_time_seconds": 0.5}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainguard.trainer import mfu
+from trainguard.runtime import mfu
 from trainguard.trainer.config import ModelConfig
 from trainguard.trainer.model import GPT
 

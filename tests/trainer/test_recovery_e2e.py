@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tests.culprit.cluster import Cluster
-from trainguard import events, tls
+from trainguard import event_types, tls
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -43,18 +43,18 @@ def test_an_exception_in_one_rank_recovers_in_process_on_two_nodes(tmp_path):
     restarts = []
     for rank in range(4):
         seen = rank_events(run_dir, rank)
-        starts = [e for e in seen if e["type"] == events.RUN_START]
+        starts = [e for e in seen if e["type"] == event_types.RUN_START]
         # One process per rank from start to end: no launcher restart, no new interpreter.
         assert [s["restart_count"] for s in starts] == [0], (rank, starts)
-        [restart] = [e for e in seen if e["type"] == events.IN_PROCESS_RESTART]
+        [restart] = [e for e in seen if e["type"] == event_types.IN_PROCESS_RESTART]
         restarts.append(restart)
         assert restart["failed_rank"] == FAILING_RANK and "InjectedError" in restart["cause"]
         assert restart["source"] == "snapshot"
         # Nothing lost past the newest snapshot before the fault: the one of step 10.
         assert restart["restored_step"] == (FAULT_STEP - 1) // EVERY * EVERY == 10
         assert restart["from_step"] in (FAULT_STEP - 1, FAULT_STEP)   # ranks that finished step 13's record or not
-        assert [e for e in seen if e["type"] == events.SNAPSHOT_RESTORED][0]["restored_step"] == 10
-        assert not [e for e in seen if e["type"] in (events.SNAPSHOT_FALLBACK, events.SNAPSHOT_INVALID)]
-        assert seen[-1] == {"type": events.RUN_END, "reason": "completed", "step": STEPS}
+        assert [e for e in seen if e["type"] == event_types.SNAPSHOT_RESTORED][0]["restored_step"] == 10
+        assert not [e for e in seen if e["type"] in (event_types.SNAPSHOT_FALLBACK, event_types.SNAPSHOT_INVALID)]
+        assert seen[-1] == {"type": event_types.RUN_END, "reason": "completed", "step": STEPS}
     assert {r["generation"] for r in restarts} == {1}
     assert list(shm.glob("*/*/rank-*")) == []        # a completed run clears its snapshots

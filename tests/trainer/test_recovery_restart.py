@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainguard import events, policy
+from trainguard import event_types, policy
 from trainguard.protect import TrainState
 from trainguard.trainer.resilience import restore, sockets
 from trainguard.trainer.resilience.component import Recovery
@@ -72,7 +72,7 @@ def test_after_a_failure_the_newest_snapshot_at_or_after_the_checkpoint_is_resto
     store = store_with(tmp_path, 15, 20)
     loaded = restore.after_failure(protector, store, device="cpu", world_size=1)
     assert loaded["source"] == restore.SNAPSHOT and loaded["restored_step"] == 20
-    assert protector.kinds() == [events.SNAPSHOT_RESTORED]
+    assert protector.kinds() == [event_types.SNAPSHOT_RESTORED]
 
 
 def test_a_checkpoint_newer_than_every_snapshot_wins_quietly(tmp_path):
@@ -88,7 +88,7 @@ def test_a_snapshot_that_does_not_verify_falls_back_to_the_checkpoint_loudly(tmp
     store.path(20, ".snap").write_bytes(b"not what was hashed")
     loaded = restore.after_failure(protector, store, device="cpu", world_size=1)
     assert loaded == {**loaded, "source": restore.CHECKPOINT, "restored_step": 10}
-    assert protector.kinds() == [events.SNAPSHOT_INVALID, events.SNAPSHOT_FALLBACK]
+    assert protector.kinds() == [event_types.SNAPSHOT_INVALID, event_types.SNAPSHOT_FALLBACK]
     assert protector.events[0][1]["reason"] == "size" and protector.loaded is None
 
 
@@ -199,7 +199,7 @@ def test_goodput_splits_an_in_process_restart_and_counts_what_the_snapshot_kept(
 
     records = [step(n, float(n)) for n in range(1, 13)]          # steps 1..12, one second each
     records.append({"timestamp": 16.0, "step": 10, "event": {
-        "type": events.IN_PROCESS_RESTART, "restored_step": 10, "durable_step": 5, "source": "snapshot",
+        "type": event_types.IN_PROCESS_RESTART, "restored_step": 10, "durable_step": 5, "source": "snapshot",
         "teardown_seconds": 0.5, "barrier_seconds": 0.5, "reform_seconds": 0.25, "restore_seconds": 0.75,
         "recovery_seconds": 3.0}})
     records += [step(n, 17.0 + n - 11) for n in range(11, 14)]   # 11, 12 again, then 13

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from trainguard import events, signed
+from trainguard import event_types, signed
 from trainguard.trainer.resilience.snapshot import (PURPOSE, SnapshotRefused, SnapshotStore, Snapshotter,
                                                     snapshot_root)
 
@@ -154,7 +154,7 @@ def test_snapshotter_takes_every_n_steps_and_a_step_back_drops_newer(tmp_path):
     taker.wait()
     assert store.steps() == [6, 4, 2]
     assert torch.equal(store.load(4)[1]["c"]["value"], torch.full((3,), 4.0))   # the copy, not the live tensor
-    saved = [f for kind, f in seen if kind == events.SNAPSHOT_SAVED]
+    saved = [f for kind, f in seen if kind == event_types.SNAPSHOT_SAVED]
     assert [f["step"] for f in saved] == [2, 4, 6] and all(f["blocking_seconds"] >= 0 for f in saved)
     taker.after_step(3, base_step=None)        # rolled back to step 3: 4 and 6 are another timeline
     taker.wait()
@@ -170,4 +170,4 @@ def test_a_snapshot_over_the_bound_is_not_written_and_says_so(tmp_path):
     taker.after_step(1, base_step=None)
     taker.close(completed=False)
     assert store.steps() == []
-    assert [(kind, f["reason"]) for kind, f in seen] == [(events.SNAPSHOT_SKIPPED, "too_large")]
+    assert [(kind, f["reason"]) for kind, f in seen] == [(event_types.SNAPSHOT_SKIPPED, "too_large")]

@@ -46,7 +46,7 @@ def test_crash_restart_by_the_launcher_skips_a_corrupt_checkpoint_and_matches(tm
 
 
 def test_time_interval_and_async_saves_end_on_a_verified_checkpoint(tmp_path):
-    from trainguard.trainer.checkpoint.manager import CheckpointManager
+    from trainguard.runtime.checkpoint.manager import CheckpointManager
 
     run = tmp_path / "run"
     assert train(run, "--steps", "6", "--checkpoint-every-seconds", "1e-9", "--async-checkpoint",

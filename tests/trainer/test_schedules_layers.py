@@ -13,7 +13,7 @@ from trainguard.decide.guard import Guard, StepStats
 from trainguard.policy import GuardPolicy
 from trainguard.trainer.config import TrainConfig, load_file
 from trainguard.trainer.loop import DistInfo, Trainer
-from trainguard.trainer.telemetry import StepTimer
+from trainguard.runtime.telemetry import StepTimer
 
 
 def trainer(run_dir, **optim) -> Trainer:

@@ -17,7 +17,7 @@ from trainguard.actions import SHADOW_ACTION, shadow_event
 from trainguard.metrics.training import families
 from trainguard.metrics.training_state import TrainingState
 from trainguard.report import data as report_data
-from trainguard.report import status as status_mod
+from trainguard.report import status_cli as status_mod
 from trainguard.report.summary import sentences
 
 TOKENS_PER_STEP = 8 * 64          # the tiny preset's batch x block size

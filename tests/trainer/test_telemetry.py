@@ -14,7 +14,7 @@ import torch
 from tests.trainer.helpers import events, records, step_records, train
 from trainguard import tls
 from trainguard.trainer.loop import Trainer
-from trainguard.trainer.telemetry import StepTelemetry, StepTimer
+from trainguard.runtime.telemetry import StepTelemetry, StepTimer
 
 METRICS = ("loss", "grad_norm", "grad_norm_by_layer", "learning_rate", "tokens_per_second",
            "samples_per_second", "step_time_seconds", "data_wait_seconds", "forward_backward_seconds",

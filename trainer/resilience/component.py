@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from trainguard import events
+from trainguard import event_types
 from trainguard.trainer.resilience import restore
 from trainguard.trainer.resilience.inprocess import ProcessGroups, RecoveryFailed
 from trainguard.trainer.resilience.snapshot import SnapshotStore, Snapshotter
@@ -44,7 +44,7 @@ class Recovery:
         a private directory on the tmpfs; without either they are off, said once in the log and the TLS."""
         store = snapshots = None
         if settings.mode == IN_PROCESS and settings.snapshot_every:
-            from trainguard.trainer.checkpoint import keys
+            from trainguard.runtime.checkpoint import keys
 
             why = "the run has no signing key" if protector.key is None else None
             if why is None:
@@ -57,7 +57,7 @@ class Recovery:
                                         emit=protector.telemetry.event, log=log)
             else:
                 store = None
-                protector.event(events.SNAPSHOT_SKIPPED, reason="unavailable", why=why)
+                protector.event(event_types.SNAPSHOT_SKIPPED, reason="unavailable", why=why)
                 log.error("in-memory snapshots are off; recovery restores the durable checkpoint", why=why)
         return cls(protector, store=store, snapshots=snapshots,
                    groups=groups if settings.mode == IN_PROCESS else None,
@@ -112,7 +112,7 @@ class Recovery:
                   "steps_lost": from_step - restored["restored_step"], "restart": self.restarts,
                   "recovery_seconds": total}
         record = {key: round(value, 6) if isinstance(value, float) else value for key, value in record.items()}
-        self.protector.event(events.IN_PROCESS_RESTART, **record)
+        self.protector.event(event_types.IN_PROCESS_RESTART, **record)
         self.log.warning("recovered in-process", **record)
         return record
 

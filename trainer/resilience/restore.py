@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from trainguard import events
+from trainguard import event_types
 from trainguard.trainer.resilience.snapshot import SnapshotRefused, SnapshotStore
 
 SNAPSHOT, CHECKPOINT = "snapshot", "checkpoint"
@@ -83,7 +83,7 @@ def _agreed_snapshot(protector: Any, store: SnapshotStore | None, world_size: in
         refusal = None
     except SnapshotRefused as exc:
         parts, refusal = None, exc
-        protector.event(events.SNAPSHOT_INVALID, snapshot_step=step, reason=exc.reason, why=str(exc))
+        protector.event(event_types.SNAPSHOT_INVALID, snapshot_step=step, reason=exc.reason, why=str(exc))
         protector.log.error("in-memory snapshot refused", snapshot_step=step, reason=exc.reason, why=str(exc))
     verdicts = _exchange(None if refusal is None else refusal.reason, world_size)
     refused = {rank: reason for rank, reason in enumerate(verdicts) if reason is not None}
@@ -93,7 +93,7 @@ def _agreed_snapshot(protector: Any, store: SnapshotStore | None, world_size: in
     from_step = protector.state.step
     protector.load_states(parts)
     seconds = time.perf_counter() - began
-    protector.event(events.SNAPSHOT_RESTORED, restored_step=protector.state.step, from_step=from_step,
+    protector.event(event_types.SNAPSHOT_RESTORED, restored_step=protector.state.step, from_step=from_step,
                     seconds=round(seconds, 6), path=str(store.path(step, ".snap")))
     protector.log.info("restored from the in-memory snapshot", step=protector.state.step, seconds=seconds)
     return {"source": SNAPSHOT, "restored_step": protector.state.step, "restore_seconds": seconds}
@@ -106,7 +106,7 @@ def _candidates(store: SnapshotStore, accept: Callable[[int, dict], bool], prote
         try:
             manifest = store.manifest(step)
         except SnapshotRefused as exc:
-            protector.event(events.SNAPSHOT_INVALID, snapshot_step=step, reason=exc.reason, why=str(exc))
+            protector.event(event_types.SNAPSHOT_INVALID, snapshot_step=step, reason=exc.reason, why=str(exc))
             continue
         if accept(step, manifest):
             found.append(step)
@@ -125,5 +125,5 @@ def _exchange(value: Any, world_size: int) -> list[Any]:
 
 
 def _fallback(protector: Any, why: str) -> None:
-    protector.event(events.SNAPSHOT_FALLBACK, why=why)
+    protector.event(event_types.SNAPSHOT_FALLBACK, why=why)
     protector.log.error("no in-memory snapshot to restore: the durable checkpoint instead", why=why)

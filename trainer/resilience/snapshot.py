@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainguard import events, safe_read, signed
+from trainguard import event_types, safe_read, signed
 
 PURPOSE = "snapshot/1"
 DIR_PURPOSE = "snapshot-dir/1"
@@ -224,7 +224,7 @@ class Snapshotter:
 
     def __init__(self, store: SnapshotStore, states: dict[str, Any], *, every: int,
                  emit: Callable[..., Any], log: Any):
-        from trainguard.trainer.checkpoint.state import Stager
+        from trainguard.runtime.checkpoint.state import Stager
 
         self.store, self.states, self.every = store, states, every
         self.emit, self.log = emit, log
@@ -281,11 +281,11 @@ class Snapshotter:
             self._skipped(step, "error", f"{type(exc).__name__}: {exc}")
             return
         self.taken += 1
-        self.emit(events.SNAPSHOT_SAVED, step=step, bytes=len(payload), blocking_seconds=round(blocking, 6),
+        self.emit(event_types.SNAPSHOT_SAVED, step=step, bytes=len(payload), blocking_seconds=round(blocking, 6),
                   write_seconds=round(time.perf_counter() - began, 6), path=str(path))
 
     def _skipped(self, step: int, reason: str, why: str) -> None:
-        self.emit(events.SNAPSHOT_SKIPPED, step=step, reason=reason, why=why)
+        self.emit(event_types.SNAPSHOT_SKIPPED, step=step, reason=reason, why=why)
         self.log.warning("in-memory snapshot not written; recovery falls back to the checkpoint", step=step,
                          reason=reason, why=why)
 

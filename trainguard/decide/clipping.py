@@ -33,14 +33,30 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from trainguard.policy import ClippingPolicy
+from trainguard.config import WINDOW, above, at_least, between, key
 
 RULES = ("fixed", "zscore", "percentile")
 TORCH_EPS = 1e-6      # torch.nn.utils.clip_grads_with_norm_ divides by norm + 1e-6
 ZCLIP_EPS = 1e-6      # ZClip's z-score divides by std + 1e-6
 
+
+
+@dataclass(frozen=True)
+class ClippingPolicy:
+    """Adaptive clipping (optim.clip_rule): `zscore` clips at the EMA mean + z_thresh x EMA std of the
+    gradient norm (ZClip, arXiv 2504.02507), `percentile` at that percentile of the last `history` norms
+    (AutoClip, arXiv 2007.14469). Before `warmup_steps` norms have been seen, optim.grad_clip applies."""
+
+    warmup_steps: int = key(25, WINDOW, "norms seen before the adaptive threshold applies (optim.grad_clip until then)")
+    ema_alpha: float = key(0.97, between(0, 1, low_open=True, high_open=True), "zscore: weight of the old EMA mean "
+                           "and variance")
+    z_thresh: float = key(2.5, above(0), "zscore: clip at the EMA mean + this many EMA standard deviations")
+    percentile: float = key(10.0, between(0, 100), "percentile: clip at this percentile of the last `history` norms")
+    history: int = key(1000, WINDOW, "percentile: norms held")
+    max_norm: float = key(0.0, at_least(0), "a fixed ceiling on top of the adaptive threshold; 0 = none")
 
 class Clipped(NamedTuple):
     threshold: float

@@ -13,12 +13,41 @@ Replay meters its blocks of records with array screens beside this loop (`traing
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, TypeVar
 
 from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN
+from trainguard.config import WINDOW, above, at_least, key
 from trainguard.decide.decision import Decision
-from trainguard.policy import CostPolicy
+
+@dataclass(frozen=True)
+class CostTiers:
+    """Cost tiers: the overrun of cost per 1000 steps over the budget at which each cost action is taken."""
+
+    warn: float = key(0.30, above(0, 1000), "overrun over the budget that warns (cost_warn)")
+    throttle: float = key(0.60, above(0, 1000), "overrun that throttles (cost_throttle)")
+    stop: float = key(1.00, above(0, 1000), "overrun that stops the run (cost_stop)")
+
+    def cross_check(self, where: str) -> str | None:
+        if self.warn <= self.throttle <= self.stop:
+            return None
+        return f"{where}: expected warn <= throttle <= stop, got {self}"
+
+
+@dataclass(frozen=True)
+class CostPolicy:
+    """The cost meter: price, budget and the window it judges the spend over."""
+
+    price_per_gpu_hour: float = key(2.0, above(0), "USD per GPU-hour")
+    budget_per_1k_steps: float = key(120.0, above(0), "USD per 1000 steps")
+    tiers: CostTiers = field(default_factory=CostTiers)
+    # Cost per 1000 steps is judged over this many recent steps, so start-up does not trip a tier.
+    window_steps: int = key(50, WINDOW, "recent steps the cost per 1000 steps is judged over")
+    min_steps: int = key(20, at_least(1, 10**6), "steps needed in the window before any tier may act")
+    # CPU-only runs (demo, tests) report no GPUs and are billed as this many devices.
+    gpu_count_override: int = key(0, at_least(0, 10**7), "billable devices when not 0; else the GPU count from "
+                                  "the records")
+
 
 TIER_ACTIONS = ((COST_WARN, "warn"), (COST_THROTTLE, "throttle"), (COST_STOP, "stop"))
 Clock = tuple[Any, float]  # (source, monotonic seconds) of a record: the clock is comparable within one source only

@@ -26,6 +26,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from trainguard.actions import EVICT, RESTORE
+
 # A frame where a rank waits for a collective (py-spy prints "function (file:line)"): anything inside the
 # torch.distributed package (all_reduce, barrier, wait, recv, ...), DDP's own code (its buffer broadcast,
 # its join), or autograd's backward, where DDP's reducer waits for its gradient all-reduce (the collective
@@ -223,9 +225,6 @@ def _list(items: Iterable[object]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ eviction
-
-EVICT, RESTORE = "evict", "restore"
-
 
 @dataclass(frozen=True)
 class Job:

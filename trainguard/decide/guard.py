@@ -30,11 +30,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple, Protocol
 
 from trainguard.actions import ROLLBACK, SKIP_STEP, STOP
+from trainguard.config import WINDOW, above, at_least, between, key
 from trainguard.decide.decision import CARRY_ON, Decision
-from trainguard.policy import GuardPolicy
+from trainguard.decide.replica import ReplicaCheckConfig
 
 HOUR = 3600.0
 Detail = dict[str, Any]
@@ -216,6 +218,24 @@ class WindowRule:
         self.recent = deque(state.get(self.keys[0] + "_recent", []))
 
 
+@dataclass(frozen=True)
+class LossSpikeConfig:
+    """`LossSpike`, as OLMo-core's stability monitor: above mean + sigma * std of the last `window` losses,
+    once `min_steps` have been seen. The `LossSpike` alert uses the same sigma over its robust spread."""
+
+    spike_sigma: float = key(6.0, above(0), "a loss above mean + this many standard deviations of the band is a "
+                             "spike (the LossSpike alert's sigma too)", alias="alerts.loss_spike_sigma")
+    spike_window: int = key(128, at_least(2, 10**6), "healthy losses the spike band holds")
+    spike_min_steps: int = key(64, at_least(2, 10**6), "losses the band needs before it judges (the warm-up rule "
+                               "watches until then)")
+
+    def cross_check(self, where: str) -> str | None:
+        if self.spike_min_steps > self.spike_window:
+            return (f"{where}.spike_min_steps: {self.spike_min_steps} is more than {where}.spike_window "
+                    f"({self.spike_window}) holds")
+        return None
+
+
 class LossSpike(WindowRule):
     """A loss above the band of the recent healthy losses (as OLMo-core's stability monitor)."""
 
@@ -232,6 +252,19 @@ class LossSpike(WindowRule):
         losses, and is silent until it holds `min_steps` again (the warm-up rule watches meanwhile)."""
         self.window.load(losses, None)
         self.recent.clear()
+
+
+@dataclass(frozen=True)
+class GradExplosionConfig:
+    """`GradExplosion`: the global (and per-layer) norm above `factor` times its EMA."""
+
+    grad_ema_beta: float = key(0.98, between(0, 1, high_open=True), "weight of the old EMA at each healthy step")
+    grad_explode_factor: float = key(10.0, above(1), "a global gradient norm above this many times its EMA explodes "
+                                     "(the GradNormExplosion alert's factor too, over its median)",
+                                     alias="alerts.grad_explode_factor")
+    layer_explode_factor: float = key(25.0, above(1), "a layer's gradient norm above this many times its own EMA "
+                                      "explodes")
+    grad_min_steps: int = key(20, WINDOW, "healthy norms the EMA needs before it judges")
 
 
 class GradExplosion:
@@ -273,6 +306,18 @@ class GradExplosion:
         self.layer_ema = dict(state.get("layer_ema", {}))
 
 
+@dataclass(frozen=True)
+class GradClimbConfig:
+    """`GradClimb`: the global norm above mean + sigma * std of the last `window` healthy norms (once
+    `min_steps` are seen) for `steps` steps in a row, against norms at least `lag` steps old."""
+
+    grad_climb_sigma: float = key(6.0, above(0), "standard deviations above the norms' band that count as climbing")
+    grad_climb_window: int = key(128, at_least(2, 10**6), "healthy gradient norms the band holds")
+    grad_climb_min_steps: int = key(64, at_least(2, 10**6), "norms the band needs before it judges")
+    grad_climb_steps: int = key(6, at_least(1, 10**4), "steps in a row above the band that make a climb")
+    grad_climb_lag: int = key(32, at_least(0, 10**6), "steps a healthy norm waits before it joins the band")
+
+
 class GradClimb(WindowRule):
     """The global gradient norm above mean + `sigma` standard deviations of the recent healthy norms for
     `sustain` steps in a row, against norms at least `lag` steps old: a norm that climbs smoothly (0.8 to
@@ -287,6 +332,15 @@ class GradClimb(WindowRule):
 
     def detail(self, value: float, threshold: float) -> Detail:
         return {"grad_norm": value, "threshold": threshold, "steps": self.sustain}
+
+
+@dataclass(frozen=True)
+class WarmupSpikeConfig:
+    """`WarmupSpike`: before the spike band has `spike_min_steps` losses (one real run jumps x3.6 at
+    iteration 3)."""
+
+    warmup_spike_factor: float = key(1.8, above(1), "before the band is armed, a loss above this many times the "
+                                     "highest healthy loss so far is a spike")
 
 
 class WarmupSpike:
@@ -328,6 +382,25 @@ class WarmupSpike:
         # A checkpoint from before this rule was written after its warm-up: the rule stays asleep.
         self.seen = int(state.get("warmup_seen", self.until))
         self.peak = float(state.get("warmup_peak", -math.inf))
+
+
+@dataclass(frozen=True)
+class LossDriftConfig:
+    """`LossDrift`: a slow divergence, judged on the means of chunks of healthy steps."""
+
+    drift_chunk: int = key(32, at_least(1, 10**6), "healthy steps whose mean loss and gradient norm make one chunk")
+    drift_chunks: int = key(16, at_least(1, 10**6), "chunk means held: the floor is the least of them")
+    drift_min_chunks: int = key(4, at_least(1, 10**6), "chunk means needed before the rule judges")
+    drift_loss_ratio: float = key(0.10, above(0), "a chunk's mean loss this far (relative) above the floor ...")
+    drift_grad_ratio: float = key(0.25, above(0), "... while its mean gradient norm is this far above its own floor ...")
+    drift_steadiness: float = key(2.0, above(0), "... and the rise is more than this many times the largest move "
+                                  "between two chunk means: a rollback at once")
+
+    def cross_check(self, where: str) -> str | None:
+        if self.drift_min_chunks > self.drift_chunks:
+            return (f"{where}.drift_min_chunks: {self.drift_min_chunks} is more than {where}.drift_chunks "
+                    f"({self.drift_chunks}) holds")
+        return None
 
 
 class LossDrift:
@@ -404,6 +477,46 @@ class LossDrift:
         self.loss_sum, self.grad_sum, self.count = float(loss_sum), float(grad_sum), int(count)
         self.loss_means = deque(state.get("drift_loss_means", []), maxlen=self.loss_means.maxlen)
         self.grad_means = deque(state.get("drift_grad_means", []), maxlen=self.grad_means.maxlen)
+
+
+@dataclass(frozen=True)
+class EscalationConfig:
+    """The guard's escalation (`Guard._escalate`): bad steps to a rollback, rollbacks to a stop, and the
+    healthy shapes that are skipped without counting (see the module's docstring)."""
+
+    rollback_after: int = key(3, WINDOW, "bad (skipped) steps within rollback_window that ask for a rollback")
+    rollback_window: int = key(50, WINDOW, "steps over which bad steps are counted")
+    max_rollbacks_per_hour: int = key(3, at_least(0, 10**6), "rollbacks an hour beyond which the run is stopped "
+                                      "(the webhook's ledger holds the alerts' rollbacks to it too)")
+    overflow_burst: int = key(8, at_least(1, 10**6), "loss-scaler overflows in a row (non-finite norm, finite loss) "
+                              "before they count toward a rollback")
+    shift_steps: int = key(8, at_least(1, 10**6), "losses above the band in a row, gradients normal, that make a "
+                           "new level (the band starts again from it)")
+    shift_grad_factor: float = key(2.0, above(1), "gradients are normal while the norm is under this many times "
+                                   "its EMA")
+    shift_loss_factor: float = key(2.0, above(1), "a new level is at most this many times the band's mean loss")
+
+    def cross_check(self, where: str) -> str | None:
+        if self.rollback_after > self.rollback_window:
+            return (f"{where}.rollback_after: {self.rollback_after} bad steps can never fit in "
+                    f"{where}.rollback_window ({self.rollback_window})")
+        return None
+
+
+@dataclass(frozen=True)
+class RollbackResponseConfig:
+    """What a rollback does to the learning rate in the trainer (protect/protector.py carries it out)."""
+
+    rollback_lr_factor: float = key(0.5, between(0, 1, low_open=True), "the LR is multiplied by this at a rollback")
+    rewarmup_steps: int = key(20, at_least(0, 10**7), "steps over which the lowered LR warms up again")
+
+
+# The `guard` section of the policy file: every rule's keys, the escalation's and the replica check's.
+# dataclasses collect fields from the last base first, so the file lists them from LossSpikeConfig down.
+@dataclass(frozen=True)
+class GuardPolicy(ReplicaCheckConfig, LossDriftConfig, WarmupSpikeConfig, RollbackResponseConfig, GradClimbConfig,
+                  EscalationConfig, GradExplosionConfig, LossSpikeConfig):
+    """The gradient-health guard's thresholds and its escalation (each rule's own config, assembled)."""
 
 
 def rules(policy: GuardPolicy) -> tuple[Rule, ...]:

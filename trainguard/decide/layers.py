@@ -13,11 +13,20 @@ guard's LR cut for the whole model applies to every rollback). Pure.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from trainguard.actions import ROLLBACK
+from trainguard.config import SHARE, key
 from trainguard.decide.decision import Decision
-from trainguard.policy import LayerResponsePolicy
+
+
+@dataclass(frozen=True)
+class LayerResponsePolicy:
+    """A rollback caused by one layer's gradient norm lowers that layer's LR multiplier."""
+
+    lr_factor: float = key(0.5, SHARE, "the layer's LR multiplier is multiplied by this at such a rollback")
+    min_multiplier: float = key(0.05, SHARE, "... never under this")
 
 
 class LayerCut(NamedTuple):

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from trainguard import actions
+from trainguard.config import at_least, key
 from trainguard.decide.decision import Decision
-from trainguard.policy import Policy
+
+if TYPE_CHECKING:      # the policy assembles this module's LedgerConfig: imported for the annotation only
+    from trainguard.policy import Policy
 
 FIRING, RESOLVED_STATUS = "firing", "resolved"
 
@@ -44,7 +47,6 @@ COALESCED = "coalesced"        # joins an action of the same kind within the coo
 RESOLVED = "resolved"          # an alert closed; never acts
 NO_ACTION = "no_action"        # an alert without an action label: recorded, routed to humans only
 
-PAGE = actions.PAGE            # the escalation of a restore: no action on the run, a human must look
 HOUR = 3600.0
 
 
@@ -75,7 +77,7 @@ class Verdict:
 
     notice: Notice
     outcome: str
-    action: str | None             # what executes (ACT, ESCALATED); None otherwise, or PAGE
+    action: str | None             # what executes (ACT, ESCALATED); None otherwise, or actions.PAGE
     reason: str
     decided_at: float
     shadow: bool = False
@@ -111,6 +113,16 @@ class Verdict:
 
 
 @dataclass(frozen=True)
+class LedgerConfig:
+    """The webhook ledger's keys, in the policy's `alerts` section: a second rollback or restore within the
+    cooldown joins the first (one incident, several alerts); restores beyond the hourly limit page a human."""
+
+    action_cooldown_seconds: float = key(120.0, at_least(0, 10**7), "a second rollback or restore within this "
+                                         "joins the first")
+    max_restores_per_hour: int = key(3, at_least(0, 10**4), "restores an hour beyond which a human is paged")
+
+
+@dataclass(frozen=True)
 class Limits:
     """The ledger's cooldown and hourly limits (from the policy's alerts and guard sections)."""
 
@@ -120,9 +132,17 @@ class Limits:
 
     @classmethod
     def from_policy(cls, policy: Policy) -> "Limits":
-        return cls(cooldown_seconds=policy.alerts.action_cooldown_seconds,
-                   max_rollbacks_per_hour=policy.guard.max_rollbacks_per_hour,
-                   max_restores_per_hour=policy.alerts.max_restores_per_hour)
+        """Each rate-limited action's `hourly_limit` (a policy key, trainguard/actions.py) read from the policy."""
+        per_hour = {}
+        for name in actions.LIMITED:
+            section, key = str(actions.BY_NAME[name].hourly_limit).split(".")
+            per_hour[key] = getattr(getattr(policy, section), key)
+        return cls(cooldown_seconds=policy.alerts.action_cooldown_seconds, **per_hour)
+
+    def per_hour(self, action: str) -> int:
+        """The most `action`s an hour before the ledger escalates (its `hourly_limit` in the action table)."""
+        key = str(actions.BY_NAME[action].hourly_limit).split(".")[-1]
+        return int(getattr(self, key))
 
 
 def job_level(notice: Notice) -> bool:
@@ -131,9 +151,6 @@ def job_level(notice: Notice) -> bool:
     carries it out - the executor's claim in the shared run directory decides which (docs/scale.md)."""
     return notice.source == "alertmanager" and "instance" not in notice.labels
 
-
-# A rollback past its limit stops the run cleanly; a restore past its limit pages a human.
-ESCALATION = {actions.ROLLBACK: actions.COST_STOP, actions.RESTORE: PAGE}
 
 # What `Ledger.snapshot()` copies: seen keys, open keys, the cost level, executed times by action.
 Snapshot = tuple[set[str], set[str], int, dict[str, deque[float]]]
@@ -146,7 +163,7 @@ class Ledger:
         self.seen: set[str] = set()               # keys of firing notices already decided
         self.open: set[str] = set()               # firing alerts not resolved yet
         self.cost_level = 0                       # COST_ORDER of the strongest tier that acted
-        self.executed: dict[str, deque[float]] = {actions.ROLLBACK: deque(), actions.RESTORE: deque()}
+        self.executed: dict[str, deque[float]] = {action: deque() for action in actions.LIMITED}
 
     # ------------------------------------------------------------------------------------ decide
     def decide_all(self, notices: Iterable[Notice], now: float) -> list[Verdict]:
@@ -168,7 +185,9 @@ class Ledger:
             return self._verdict(notice, NO_ACTION, None, "no action label", now)
         if action in actions.COST_ORDER:
             return self._cost(notice, action, now)
-        return self._limited(notice, action, now)
+        if action in self.executed:
+            return self._limited(notice, action, now)
+        return self._verdict(notice, ACT, action, notice.reason or notice.alertname, now)
 
     def _cost(self, notice: Notice, action: str, now: float) -> Verdict:
         level = actions.COST_ORDER[action]
@@ -180,22 +199,22 @@ class Ledger:
         return self._verdict(notice, ACT, action, notice.reason or notice.alertname, now)
 
     def _limited(self, notice: Notice, action: str, now: float) -> Verdict:
-        """rollback and restore: coalesce within the cooldown, escalate past the hourly limit."""
+        """Rate-limited actions (rollback, restore): coalesce within the cooldown, escalate past the hourly
+        limit (the action table's `hourly_limit` and `escalation`: a rollback past its limit stops the run
+        cleanly, a restore past its limit pages a human)."""
         history = self.executed[action]
         while history and history[0] <= now - HOUR:
             history.popleft()
         # 0 <= elapsed: after the agent's clock steps back, a new incident is not "within" the old one's cooldown.
         if history and 0 <= now - history[-1] < self.limits.cooldown_seconds:
             return self._verdict(notice, COALESCED, None, f"{action} {now - history[-1]:.0f}s ago", now)
-        limit = (self.limits.max_rollbacks_per_hour if action == actions.ROLLBACK
-                 else self.limits.max_restores_per_hour)
-        if len(history) >= limit:
+        if len(history) >= self.limits.per_hour(action):
             return self._escalate(notice, action, len(history), now)
         history.append(now)
         return self._verdict(notice, ACT, action, notice.reason or notice.alertname, now)
 
     def _escalate(self, notice: Notice, action: str, count: int, now: float) -> Verdict:
-        stronger = ESCALATION[action]
+        stronger = actions.ESCALATION[action]
         detail = {f"{action}s_last_hour": count}
         reason = f"{action}_limit"
         if stronger in actions.COST_ORDER:

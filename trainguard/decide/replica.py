@@ -37,6 +37,9 @@ from dataclasses import dataclass, field
 
 from typing import Any, Iterable, Iterator
 
+from trainguard.actions import ROLLBACK, STOP
+from trainguard.config import at_least, key
+
 WEIGHTS, GRADIENTS = "weights", "gradients"
 MISMATCH, ARBITRATION = "replica_mismatch", "arbitration"
 CHECK_EVENT = "replica_check"      # the TLS event every check writes: the fingerprints it decided on
@@ -69,10 +72,21 @@ class Verdict:
     nodes: tuple[str, ...]        # their hosts
     confidence: float
     reasons: tuple[str, ...]
-    action: str | None = "rollback"
+    action: str | None = ROLLBACK
     cordon: tuple[str, ...] = ()  # hosts to cordon now (a second mismatch within the window)
     values: dict[str, Any] = field(default_factory=dict)   # {"weights": [...], "gradients": [...]} per rank
     timestamp: float = 0.0        # of the check that mismatched (an arbitration: of the first one)
+
+
+@dataclass(frozen=True)
+class ReplicaCheckConfig:
+    """The replica check's keys in the policy's `guard` section (the trainer runs the check; `ReplicaPolicy`
+    is what `ReplicaMonitor` reads of them)."""
+
+    replica_check_every: int = key(50, at_least(0, 10**7), "steps between two fingerprints of every replica's "
+                                   "weights and gradients (0: never; bench/bench_sdc.py measures a check)")
+    replica_cordon_window_seconds: float = key(86400.0, at_least(0, 10**9), "a node named in a replica mismatch "
+                                               "twice within this many seconds is cordoned")
 
 
 @dataclass(frozen=True)
@@ -157,7 +171,7 @@ class ReplicaMonitor:
         if repeated:
             reasons.append(f"step {check.step} mismatched before and again after the replay: not transient, "
                            "stopping (a rollback would only repeat it)")
-            return self._verdict(MISMATCH, check, what, ranks, confidence, reasons, values, action="stop")
+            return self._verdict(MISMATCH, check, what, ranks, confidence, reasons, values, action=STOP)
         return self._verdict(MISMATCH, check, what, ranks, confidence, reasons, values)
 
     def _arbitrate(self, check: ReplicaCheck) -> Verdict | None:
@@ -182,7 +196,7 @@ class ReplicaMonitor:
                              timestamp=pending["timestamp"])
 
     def _verdict(self, kind: str, check: ReplicaCheck, what: str, ranks: tuple[int, ...], confidence: float,
-                 reasons: list[str], values: tuple[int, ...], action: str | None = "rollback",
+                 reasons: list[str], values: tuple[int, ...], action: str | None = ROLLBACK,
                  timestamp: float | None = None) -> Verdict:
         nodes = tuple(n for n in (check.node_of(r) for r in ranks) if n is not None)
         cordon = self._cordon(nodes, check.timestamp)

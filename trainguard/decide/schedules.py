@@ -32,8 +32,51 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from trainguard.decide.trends import GradientStability, LossPlateau, grad_param_ratio
-from trainguard.policy import BreathingPolicy, DynamicsPolicy, PhasePolicy, PlateauPolicy, StabilityPolicy
+from trainguard.config import FRACTION, SHARE, WINDOW, above, at_least, key
+from trainguard.decide.clipping import ClippingPolicy
+from trainguard.decide.layers import LayerResponsePolicy
+from trainguard.decide.trends import GradientStability, LossPlateau, PlateauPolicy, StabilityPolicy, grad_param_ratio
+
+@dataclass(frozen=True)
+class BreathingPolicy:
+    """Seed 000 section 3.2: inhale (hold the peak), exhale (decay per step), pause (freeze, evaluate)."""
+
+    peak_lr: float = key(0.0015, above(0, 10), "the LR held while inhaling")
+    inhale_steps: int = key(10_000, at_least(0, 10**9), "steps the peak is held")
+    exhale_factor: float = key(0.9995, SHARE, "LR multiplied by this per applied step while exhaling")
+    pause_ratio: float = key(0.003, above(0), "grad_norm / param_norm under this ...")
+    pause_window: int = key(500, WINDOW, "... for this many consecutive exhale steps: pause")
+    freeze_steps: int = key(2000, at_least(1, 10**9), "LR held this long, validation loss before and after")
+    restart_factor: float = key(1.2, at_least(1, 100), "val loss fell on its own during the freeze: LR x this, inhale")
+    min_improvement: float = key(0.0, FRACTION, "relative val-loss fall that counts as \"fell\"")
+
+
+@dataclass(frozen=True)
+class PhasePolicy:
+    """Seed 004 section 4.1: warmup, exploration, development, refinement (thresholds: stability, plateau)."""
+
+    peak_lr: float = key(0.0015, above(0, 10), "the exploration LR is peak x exploration_factor")
+    exploration_factor: float = key(1.0, above(0, 100), "exploration LR = peak x this")
+    development_decay: float = key(0.9998, SHARE, "development: LR x this per applied step ...")
+    development_floor: float = key(0.3, FRACTION, "... down to peak x this")
+    refinement_factor: float = key(0.3, SHARE, "refinement LR = the LR at the plateau x this ...")
+    refinement_embed_factor: float = key(0.5, SHARE, "... and the embedding group's x this again (blocks, ln_f x 1)")
+    min_phase_steps: int = key(500, at_least(0, 10**9), "applied steps a phase lasts at least before it may change")
+
+
+@dataclass(frozen=True)
+class DynamicsPolicy:
+    """Training dynamics (docs/dynamics.md): the LR schedules' statistics and phases, adaptive clipping, the
+    layer response. The defaults are the seeds' numbers, meant for long runs; `trainguard train
+    --schedule-preset cpu` scales the spans down (`CPU_PRESET`)."""
+
+    stability: StabilityPolicy = field(default_factory=StabilityPolicy)
+    plateau: PlateauPolicy = field(default_factory=PlateauPolicy)
+    breathing: BreathingPolicy = field(default_factory=BreathingPolicy)
+    phase: PhasePolicy = field(default_factory=PhasePolicy)
+    clipping: ClippingPolicy = field(default_factory=ClippingPolicy)
+    layers: LayerResponsePolicy = field(default_factory=LayerResponsePolicy)
+
 
 SCHEDULES = ("cosine", "breathing", "phase")
 PRESETS = ("seed", "cpu")

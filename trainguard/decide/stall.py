@@ -20,10 +20,22 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from trainguard import actions
+from trainguard.config import above, key
 
 
 # A rank whose log ends with one of these has finished (or was stopped) and is leaving: never a stall.
-ENDED_EVENTS = ("run_end", "stop")
+ENDED_EVENTS = ("run_end", actions.STOP)
+
+
+@dataclass(frozen=True)
+class StallConfig:
+    """The stall rule's keys, in the policy's `alerts` section (TrainingStalled renders the same number)."""
+
+    stall_seconds: float = key(60.0, above(0, 10**7), "no rank's step advanced for this long: the ranks are "
+                               "stalled (TrainingStalled; the agent's watchdog)")
+    # Start-up (imports, rendezvous, resume) takes minutes on big models.
+    startup_grace_seconds: float = key(900.0, above(0, 10**7), "ranks that started this long ago and reached no "
+                                       "step since are stalled too")
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,32 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
-from trainguard.policy import PlateauPolicy, StabilityPolicy
+from trainguard.config import above, at_least, between, key
+
+
+@dataclass(frozen=True)
+class StabilityPolicy:
+    """Gradient stability: the coefficient of variation (std / mean) of the global gradient norm over the
+    last `window` applied steps. At or under `cv_max` the gradients are stable; over `cv_max *
+    unstable_margin` they are unstable again (the margin keeps a phase from flapping at the border)."""
+
+    window: int = key(200, at_least(2, 10**6), "applied steps whose gradient norms the stability is measured over")
+    cv_max: float = key(0.25, above(0), "std / mean of the norms at or under which the gradients are stable")
+    unstable_margin: float = key(1.5, at_least(1), "unstable again over cv_max x this (no flapping at the border)")
+
+
+@dataclass(frozen=True)
+class PlateauPolicy:
+    """Loss plateau: the median training loss of the second half of the last `window` applied steps
+    improves on the first half's by less than `min_improvement` (relative), as `trainguard diagnose`
+    judges a plateau (its own window, diagnose.plateau_window_steps, is over a finished log's last steps)."""
+
+    window: int = key(1000, at_least(2, 10**6), "applied steps whose two halves' median losses are compared")
+    min_improvement: float = key(0.01, between(-1, 1), "relative loss improvement under which the loss has a "
+                                 "plateau")
 
 
 class GradientStability:

@@ -33,7 +33,7 @@ RANK_FIELDS = {
     "grad_norm": ("metrics",),
     "tokens_trained": ("metrics",),
     "tokens_loaded": ("metrics",),
-    "mfu": ("metrics",),            # only where the peak is documented (trainer/mfu.py): read, never estimated
+    "mfu": ("metrics",),            # only where the peak is documented (runtime/mfu.py): read, never estimated
     "mem_allocated_bytes": ("hardware", "metrics"),
     "mem_reserved_bytes": ("hardware", "metrics"),
 }

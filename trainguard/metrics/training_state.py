@@ -14,7 +14,7 @@ from trainguard import actions
 
 # What a shadow_action event of a rank can name: the guard's decisions, the agent's requests, the replica
 # check's cordon (a bounded label set; anything else is "other").
-SHADOWED_ACTIONS = (*actions.DECISIONS, "cordon")
+SHADOWED_ACTIONS = (*actions.DECISIONS, actions.CORDON)
 MAX_EVENT_TYPES = 64      # distinct event types kept per rank; any further type is counted as "other"
 
 # TLS metric key -> (metric name, help). Values are the rank's latest step; absent keys export nothing.

@@ -91,7 +91,7 @@ def choose_policy(inputs: list[str], given: str | None, key_file: str | None) ->
                                 "several run directories given: pass --policy")
     if not os.path.lexists(rundir.policy_path(runs[0])):
         return runpolicy.choose(runs[0], None, None)
-    from trainguard.cordon_cli import run_key
+    from trainguard.cordon.cli import run_key
 
     key, where = run_key(key_file)
     if key is None and key_file is not None:

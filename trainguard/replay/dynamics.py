@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainguard import tls
+from trainguard.actions import ROLLBACK, SKIP_STEP, STOP
 from trainguard.decide import schedules
 from trainguard.decide.schedules import EVENT, StepSignals
 
 HEAD_LINES = 64        # the opening lr_phase event is among a log's first records (after run_start)
-NOT_APPLIED = ("skip_step", "stop")
+NOT_APPLIED = (SKIP_STEP, STOP)
 
 
 @dataclass
@@ -105,12 +106,12 @@ class _Walk:
         record, tail, self.pending, self.tail = self.pending, self.tail, None, []
         step, metrics = int(record["step"]), record["metrics"]
         ours = [e for e in tail if e.get("step", step) == step]
-        rollback = next((e for e in ours if e.get("type") == "rollback" and e.get("restored_step") is not None), None)
-        decided = any(e.get("type") in NOT_APPLIED or e.get("type") == "rollback" and e.get("source") == "guard"
+        rollback = next((e for e in ours if e.get("type") == ROLLBACK and e.get("restored_step") is not None), None)
+        decided = any(e.get("type") in NOT_APPLIED or e.get("type") == ROLLBACK and e.get("source") == "guard"
                       for e in ours)
         changes = []
         if rollback is not None:
-            changes += self._restore(int(rollback["restored_step"]), step, "rollback")
+            changes += self._restore(int(rollback["restored_step"]), step, ROLLBACK)
         elif not decided:
             signals = StepSignals(step, _number(metrics.get("loss")), _number(metrics.get("grad_norm")),
                                   _number(metrics.get("param_norm")))
@@ -130,7 +131,7 @@ class _Walk:
             self.out.missing_snapshots += 1
             return []
         change = self.machine.restore(copy.deepcopy(state), step, reason)
-        return [change] if change is not None and reason == "rollback" else []
+        return [change] if change is not None and reason == ROLLBACK else []
 
 
 def _key(event: dict, record: dict) -> tuple:

@@ -21,7 +21,7 @@ from typing import Iterable
 from trainguard import actions, rundir, tls
 from trainguard.decide import schedules, stall
 from trainguard.decide import ledger as tgledger
-from trainguard.decide.embedded import ALERT_OF, cost_notice   # the agent's own notices
+from trainguard.decide.embedded import cost_notice   # the agent's own notices
 from trainguard.decide.cost import CostMeter
 from trainguard.policy import Policy
 from trainguard.replay import dynamics, engine, expect, replica, rules, source, stall_pass
@@ -293,7 +293,7 @@ def stall_notices(stream: source.Stream, outcome: engine.Outcome, policy: Policy
     if not outcome.may_have_stalled(stall_seconds):
         return []
     entries = stall_pass.entries(stream, stall_seconds, outcome.records)
-    return [tgledger.Notice(alertname=ALERT_OF[actions.RESTORE], status=tgledger.FIRING,
+    return [tgledger.Notice(alertname=actions.ALERT_OF[actions.RESTORE], status=tgledger.FIRING,
                             action=actions.RESTORE, key=f"stall@{found.since:.3f}",
                             starts_at=found.since + stall_seconds, source="embedded", reason="stall",
                             step=found.step)

@@ -350,7 +350,7 @@ def share_bar(parts: Sequence[tuple[str, float, str]], unit: str = "s") -> str:
 
 
 # Why a run has no MFU when it recorded none and said no reason (a library loop, an older trainer): MFU is
-# written only where the device's peak is documented or given (trainer/mfu.py), never estimated.
+# written only where the device's peak is documented or given (runtime/mfu.py), never estimated.
 MFU_UNKNOWN = "no documented peak FLOPs for the device, or no model FLOPs per token"
 
 

@@ -472,7 +472,7 @@ def _add_goodput(run: Run, records: list[dict]) -> None:
     """Goodput and badput by cause, by trainguard.goodput (the same numbers `trainguard goodput` prints)."""
     from trainguard import goodput
 
-    from trainguard.goodput_cli import read_incidents
+    from trainguard.goodput.cli import read_incidents
 
     try:
         config = goodput.GoodputConfig(stall_seconds=run.policy.alerts.stall_seconds)

@@ -161,7 +161,7 @@ def throughput_section(page: Page) -> str:
                                    f"times this." if ranks > 1 else "")
     body += page.series_figure("Model FLOPs utilisation (MFU)", [("mfu", "MFU")], "ratio", marks=False,
                                empty=f"MFU {mfu_na(page.run.mfu_unavailable)}: it is recorded only where the "
-                                     "device's peak FLOPs are documented (trainer/mfu.py) or given.",
+                                     "device's peak FLOPs are documented (runtime/mfu.py) or given.",
                                y_min=0)
     body += page.series_figure("Step time breakdown", [("step_time_seconds", "step time"), *STEP_PARTS], "s",
                                empty="No step timing recorded.", y_min=0, marks=False,

@@ -9,7 +9,8 @@ from trainguard.report.charts import format_elapsed, format_value
 from trainguard.report.charts import mfu_na
 from trainguard.report.data import Run, final
 
-GUARD_ACTIONS = (actions.SKIP_STEP, actions.ROLLBACK, actions.RESTORE, actions.STOP)
+# The report groups actions as the action table does (its `group`): the guard's and recovery's, and cost's.
+GUARD_ACTIONS = actions.REPORTED_GUARD_ACTIONS
 COST_ACTIONS = actions.COST_ACTIONS
 
 

@@ -211,3 +211,14 @@ def test_goodput_splits_an_in_process_restart_and_counts_what_the_snapshot_kept(
     assert bad["in_process_recovery"] == pytest.approx((16 - 12 - 2.0) + 2)
     assert result.restarts == 0 and result.in_process_restarts == 1 and result.snapshot_steps_saved == 5
     assert result.productive_seconds + sum(bad.values()) == pytest.approx(result.total_seconds)
+
+
+def test_a_failure_the_run_is_told_to_end_on_is_not_retried_in_process():
+    from trainguard.exits import BadInput
+    from trainguard.runtime.checkpoint import CheckpointError
+
+    recovery = Recovery(None, store=None, snapshots=None, groups=SimpleNamespace(), max_restarts=3, device="cpu",
+                        world_size=2, log=Log())
+    assert recovery.can_recover(RuntimeError("Connection closed by peer"))
+    assert not recovery.can_recover(CheckpointError("disk full", code="write_failed"))
+    assert not recovery.can_recover(BadInput("bad config"))

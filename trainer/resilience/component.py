@@ -82,7 +82,15 @@ class Recovery:
         if self.snapshots is not None:
             self.snapshots.wait()
 
-    def can_recover(self) -> bool:
+    def can_recover(self, failure: BaseException | None = None) -> bool:
+        """Whether `failure` is recovered in-process. Not a checkpoint that failed under
+        `checkpoint_on_error: raise` (the run is told to end on it) nor bad input (it fails the same way
+        again): those end the process as before."""
+        from trainguard.exits import BadInput
+        from trainguard.runtime.checkpoint import CheckpointError
+
+        if isinstance(failure, (CheckpointError, BadInput)):
+            return False
         return self.groups is not None and self.restarts < self.max_restarts
 
     def recover(self, failure: BaseException, rebuild: Callable[[], None]) -> dict:
@@ -90,7 +98,7 @@ class Recovery:
         the old group (DDP). Re-raises `failure` when this rank may not (restart mode, a world of one, the
         budget spent); RecoveryFailed when the ranks cannot meet or no state can be restored: either way
         the process ends and the launcher restarts every worker, as the restart mode does."""
-        if not self.can_recover():
+        if not self.can_recover(failure):
             raise failure
         self.restarts += 1
         state = self.protector.state

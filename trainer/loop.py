@@ -120,7 +120,8 @@ class Trainer:
             sharded_checkpoints=self.sharded, checkpoint_compress=run.checkpoint_compress)
         self.schedule.bind(self.model, self.optimizer, self.telemetry.event)
         self.recovery = Recovery.build(policy.recovery, self.protector, run_dir=self.run_dir, rank=self.rank,
-                                       world_size=self.world, device=self.device, groups=groups, log=self.log)
+                                       world_size=self.world, device=self.device, groups=groups, log=self.log,
+                                       sharded=self.sharded)
         callbacks.stop = lambda reason: self.recovery.settle()    # no snapshot event after a stop's run_end
         self.progress = Progress(run.steps, run.log_every, self.log) if self.rank == 0 else None
 

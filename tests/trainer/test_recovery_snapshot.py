@@ -171,3 +171,17 @@ def test_a_snapshot_over_the_bound_is_not_written_and_says_so(tmp_path):
     taker.close(completed=False)
     assert store.steps() == []
     assert [(kind, f["reason"]) for kind, f in seen] == [(event_types.SNAPSHOT_SKIPPED, "too_large")]
+
+
+class Unstageable:
+    def state_dict(self):
+        raise RuntimeError("no state today")
+
+
+def test_a_snapshot_that_cannot_be_staged_never_stops_training(tmp_path):
+    seen = []
+    taker = Snapshotter(store_at(tmp_path), {"x": Unstageable()}, every=1,
+                        emit=lambda kind, **f: seen.append((kind, f)), log=Log())
+    taker.after_step(1, base_step=None)             # no exception
+    taker.close(completed=False)
+    assert [(kind, f["reason"]) for kind, f in seen] == [(event_types.SNAPSHOT_SKIPPED, "error")]

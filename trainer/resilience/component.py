@@ -39,11 +39,12 @@ class Recovery:
 
     @classmethod
     def build(cls, settings: Any, protector: Any, *, run_dir: Path, rank: int, world_size: int, device: Any,
-              groups: ProcessGroups | None, log: Any) -> "Recovery":
+              groups: ProcessGroups | None, log: Any, sharded: bool = False) -> "Recovery":
         """From the policy's `recovery` section. Snapshots need the run's key (they are signed with it) and
-        a private directory on the tmpfs; without either they are off, said once in the log and the TLS."""
+        a private directory on the tmpfs; without either they are off, said once in the log and the TLS.
+        `sharded` (FSDP2: DTensor states, a device mesh): the restart path, no snapshots (docs/recovery.md)."""
         store = snapshots = None
-        if settings.mode == IN_PROCESS and settings.snapshot_every:
+        if settings.mode == IN_PROCESS and settings.snapshot_every and not sharded:
             from trainguard.runtime.checkpoint import keys
 
             why = "the run has no signing key" if protector.key is None else None

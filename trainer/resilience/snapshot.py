@@ -246,7 +246,11 @@ class Snapshotter:
     def take(self, step: int, *, base_step: int | None) -> None:
         began = time.perf_counter()
         self.wait()                      # the previous write still reads the staged buffers
-        staged = self._stager.stage({key: obj.state_dict() for key, obj in self.states.items()})
+        try:
+            staged = self._stager.stage({key: obj.state_dict() for key, obj in self.states.items()})
+        except Exception as exc:         # a snapshot never stops training: the previous one stands
+            self._skipped(step, "error", f"staging: {type(exc).__name__}: {exc}")
+            return
         blocking = time.perf_counter() - began
         self._thread = threading.Thread(target=self._write, args=(step, staged, blocking, base_step),
                                         name=f"trainguard-snapshot-{step}", daemon=True)

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from trainguard import actions, rundir, safe_read, signed, tls
-from trainguard.decide.ledger import Notice, Verdict
+from trainguard import actions, event_types, rundir, safe_read, signed, tls
+from trainguard.decide.ledger import Notice, NoticeVerdict
 
 ACTIONS_LOG_PURPOSE = "agent-actions/1"    # each record of RUN/tls/node-<node>-actions.jsonl, signed
 
 
-def request_id(verdict: Verdict) -> str:
+def request_id(verdict: NoticeVerdict) -> str:
     """Stable per incident: a cost tier acts once per run, any other action once per ledger key."""
     if verdict.action in actions.COST_ORDER:
         return f"cost-{verdict.action}"
@@ -110,13 +110,13 @@ class ActionLog:
         intent and the result), and the claims of other agents recorded as ``claimed`` with no end seen
         (the watching lived in the process that ended)."""
         events = self.events()
-        results = [e for e in events if e.get("type") == "action"]
+        results = [e for e in events if e.get("type") == event_types.ACTION]
         done = {e.get("id") for e in results if e.get("outcome") != "failed"}
         claimed = {e.get("id") for e in results if e.get("outcome") == "claimed"}
         carried_out = {e.get("id") for e in results if e.get("outcome") != "claimed"}
         found, decided = Recovery(), {}
         for event in events:
-            if event.get("type") != "alert":
+            if event.get("type") != event_types.ALERT:
                 continue
             found.alerts.append(event)
             request = event.get("request_id")
@@ -129,26 +129,26 @@ class ActionLog:
         return found
 
 
-def verdict_of(event: dict) -> Verdict:
+def verdict_of(event: dict) -> NoticeVerdict:
     """The verdict an ``alert`` record of this log holds (as decided before a restart)."""
     notice = Notice(alertname=event.get("alertname", ""), status="firing", action=event.get("requested"),
                     key=event["key"], starts_at=event.get("starts_at"), source=event.get("source", ""),
                     labels=dict(event.get("labels") or {}))
-    return Verdict(notice, event["outcome"], event["action"], event.get("reason", ""),
+    return NoticeVerdict(notice, event["outcome"], event["action"], event.get("reason", ""),
                    float(event.get("decided_at") or 0.0))
 
 
-def alert_record(verdict: Verdict, now: float, node: str) -> dict:
+def alert_record(verdict: NoticeVerdict, now: float, node: str) -> dict:
     """The intent: the ledger's verdict, with the request id it will carry out (if it executes)."""
     event = verdict.as_event()
     event.pop("type")
     step = event.pop("step", None)
     if verdict.executes:
         event["request_id"] = request_id(verdict)
-    return {**tls.event("alert", step=step, timestamp=now, **event), "node": node}
+    return {**tls.event(event_types.ALERT, step=step, timestamp=now, **event), "node": node}
 
 
-def shadow_record(verdict: Verdict, now: float, node: str) -> dict:
+def shadow_record(verdict: NoticeVerdict, now: float, node: str) -> dict:
     """Shadow mode: the action this verdict would carry out, with its evidence; nothing is carried out
     (no control request, no rank ended, no claim taken)."""
     n = verdict.notice

@@ -33,7 +33,7 @@ from typing import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from trainguard import actions, rundir, safe_read
+from trainguard import actions, event_types, rundir, safe_read
 from trainguard import incidents
 from trainguard import log as tglog
 from trainguard.agent import claims, evict, evidence, restore
@@ -169,7 +169,7 @@ class Investigator:
         self.verdicts[key] = self.verdicts.get(key, 0) + 1
         if self.record is None:
             return
-        event = {"type": "culprit", "incident": incident.id, "rank": culprit.get("rank"),
+        event = {"type": event_types.CULPRIT, "incident": incident.id, "rank": culprit.get("rank"),
                  "node": culprit.get("node"), "kind": incident.kind, "confidence": incident.confidence,
                  "reasons": incident.reasons, "action": incident.action}
         self.record([{**tls.make_record(timestamp=incident.detected_at, event=event), "node": self.host}])

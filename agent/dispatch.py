@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainguard import rundir, tls
+from trainguard import event_types, rundir, tls
 from trainguard import log as tglog
 from trainguard.agent import claims, handlers, restore
 from trainguard.agent.action_log import ActionLog, request_id
 from trainguard.agent.action_metrics import ActionCounts
-from trainguard.decide.ledger import Verdict, job_level
+from trainguard.decide.ledger import NoticeVerdict, job_level
 from trainguard.runtime import cordon_key
 from trainguard.runtime.checkpoint import keys
 
@@ -47,7 +47,7 @@ class NodeActions:
         self.redone = redone if redone is not None else set()   # request ids redone after a restart
         self.log = tglog.get("agent.executor", node=node)
 
-    def execute(self, verdict: Verdict, now: float, watch: Callable[[Verdict, claims.Claim, float], None]) -> dict:
+    def execute(self, verdict: NoticeVerdict, now: float, watch: Callable[[NoticeVerdict, claims.Claim, float], None]) -> dict:
         """The ``action`` record of carrying `verdict` out here (or of another agent's claim on it, which
         `watch` looks at again later). A failure is the record's ``outcome: failed``, never raised."""
         n = verdict.notice
@@ -81,7 +81,7 @@ class NodeActions:
         self.log.warning("action issued", **{k: v for k, v in result.items() if k != "issued_at"})
         return self.record(result, now)
 
-    def _carry_out(self, verdict: Verdict, request: dict, result: dict) -> None:
+    def _carry_out(self, verdict: NoticeVerdict, request: dict, result: dict) -> None:
         """The signed control request, then the action's own handler on this node; sets `outcome`."""
         result["appended"] = rundir.append_request(self.run_dir, self._signed(request))
         handler = handlers.HANDLERS.get(str(verdict.action))
@@ -98,7 +98,7 @@ class NodeActions:
                                 f"set webhook.checkpoint_key_file to the trainer's key)")
         return rundir.sign_request(key, request, self.run_dir, by=f"agent:{self.node}", key_id=keys.key_id(key))
 
-    def kept_out(self, verdict: Verdict, now: float) -> dict:
+    def kept_out(self, verdict: NoticeVerdict, now: float) -> dict:
         """The record of a restore not carried out here: the incident's culprit node is kept out instead."""
         n = verdict.notice
         result = {"id": request_id(verdict), "action": verdict.action, "alertname": n.alertname,
@@ -108,13 +108,13 @@ class NodeActions:
         return self.record(result, now)
 
     def record(self, result: dict, now: float) -> dict:
-        return {**tls.event("action", timestamp=now, **result), "node": self.node}
+        return {**tls.event(event_types.ACTION, timestamp=now, **result), "node": self.node}
 
     def trust(self) -> restore.Trust:
         """Built at each restore: the run directory (whose owner root trusts) may appear after the agent."""
         return restore.Trust.for_run(self.run_dir, self.entry_points, self.launchers)
 
-    def live(self, verdict: Verdict) -> list:
+    def live(self, verdict: NoticeVerdict) -> list:
         """This node's live ranks a restore would end: those started before the alert began (a rank the
         elastic launcher restarted since, after a crash of this agent, is spared, and no evidence of it is
         taken: it is not the hang's)."""
@@ -136,21 +136,21 @@ class ClaimWatch:
         self.node_actions, self.records, self.lock, self.clock, self.counts = node_actions, records, lock, clock, counts
         self.log = node_actions.log
 
-    def watch(self, verdict: Verdict, claim: claims.Claim, now: float) -> None:
+    def watch(self, verdict: NoticeVerdict, claim: claims.Claim, now: float) -> None:
         self._after(self.node_actions.claims.check_after(claim, now), verdict)
 
-    def watch_again(self, verdict: Verdict) -> None:
+    def watch_again(self, verdict: NoticeVerdict) -> None:
         """A claim another agent held when this one last ran: look at it now (done: nothing to do; still
         renewed: watch it; neither for the timeout: take it over, agent/claims.py)."""
         self.log.info("watching again a job-level claim recorded before a restart", id=request_id(verdict))
         self._after(0.0, verdict)
 
-    def _after(self, seconds: float, verdict: Verdict) -> None:
+    def _after(self, seconds: float, verdict: NoticeVerdict) -> None:
         timer = threading.Timer(seconds, self._check, (verdict,))
         timer.daemon = True
         timer.start()
 
-    def _check(self, verdict: Verdict) -> None:
+    def _check(self, verdict: NoticeVerdict) -> None:
         with self.lock:
             now = self.clock()
             try:

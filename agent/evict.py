@@ -31,9 +31,6 @@ from trainguard import rundir, safe_read
 from trainguard.agent import restore
 from trainguard.runtime import cordon_key
 
-cordon_dir = rundir.cordon_dir
-check_host = cordon_mod.check_host
-
 
 class CannotCordon(RuntimeError):
     """The agent holds no checkpoint key, so it cannot sign a cordon any launcher would honour."""
@@ -59,11 +56,6 @@ def cordoned(run_dir: str | os.PathLike, key_file: str | os.PathLike | None = No
     """host -> its cordon record, for the honoured cordons only: a forged one keeps no node out, counts
     toward no eviction limit, and takes no node out of a verdict."""
     return {host: found.record for host, found in cordons(run_dir, key_file).items() if found.honoured}
-
-
-def uncordon(run_dir: str | os.PathLike, host: str) -> bool:
-    """Remove the node's cordon, honoured or not; False when it had none."""
-    return cordon_mod.remove(run_dir, host)
 
 
 def evictions_since(run_dir: str | os.PathLike, since: float, key_file: str | os.PathLike | None = None) -> int:

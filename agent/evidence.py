@@ -192,7 +192,7 @@ def nccl_lines(run_dir: Path, host: str | None = None, live: list = ()) -> list[
 
 
 def _rank_logs(run_dir: Path, host: str | None, live: list) -> list[Path]:
-    logs = run_dir / "logs"
+    logs = rundir.logs_dir(run_dir)
     if host is None or not _shared(run_dir, host):
         return sorted(logs.glob("**/*.log"))
     root = os.path.realpath(logs)

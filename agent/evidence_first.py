@@ -18,7 +18,7 @@ from trainguard.agent import handlers
 from trainguard.agent.action_log import ActionLog, request_id
 from trainguard.agent.action_metrics import ActionCounts
 from trainguard.agent.dispatch import ClaimWatch, NodeActions
-from trainguard.decide.ledger import Notice, Verdict
+from trainguard.decide.ledger import Notice, NoticeVerdict
 
 RETRY_SECONDS = 5.0             # a result that could not be recorded is tried again this often
 
@@ -34,16 +34,16 @@ class EvidenceFirst:
         self.threads: list[threading.Thread] = []   # restores gathering evidence (tests join them)
 
     @staticmethod
-    def may_need(verdict: Verdict) -> bool:
+    def may_need(verdict: NoticeVerdict) -> bool:
         """An action that ends processes (its handler `gathers_evidence`), not decided by the embedded
         watchdog (which gathered the evidence before deciding), carried out (not shadowed)."""
         return handlers.gathers_evidence(verdict.action) and verdict.notice.source != "embedded" and not verdict.shadow
 
-    def needed(self, verdict: Verdict) -> bool:
+    def needed(self, verdict: NoticeVerdict) -> bool:
         """With no live rank here there is nothing to take stacks of and nothing to end: carried out at once."""
         return self.may_need(verdict) and self.investigator is not None and bool(self.node_actions.live(verdict))
 
-    def start(self, verdict: Verdict) -> None:
+    def start(self, verdict: NoticeVerdict) -> None:
         """Gather, then carry out, on a thread: the time it takes is bounded by the Investigator's waits
         (py-spy's timeout, the Flight Recorder and verdict waits)."""
         thread = threading.Thread(target=self._investigate_and_restore, args=(verdict,),
@@ -51,7 +51,7 @@ class EvidenceFirst:
         thread.start()
         self.threads = [t for t in self.threads if t.is_alive()] + [thread]
 
-    def _investigate_and_restore(self, verdict: Verdict) -> None:
+    def _investigate_and_restore(self, verdict: NoticeVerdict) -> None:
         assert self.investigator is not None
         live = self.node_actions.live(verdict)
         self.log.warning("restore: gathering evidence before ending ranks", alertname=verdict.notice.alertname,
@@ -60,7 +60,7 @@ class EvidenceFirst:
         after = self.investigator(verdict.notice, live, fallback=lambda notice: self._finish(verdict, notice))
         self._finish(verdict, after)
 
-    def _finish(self, verdict: Verdict, after: Notice | None, attempts: int = 12) -> None:
+    def _finish(self, verdict: NoticeVerdict, after: Notice | None, attempts: int = 12) -> None:
         """Record the restore's result: carried out, or (`after` None) the culprit's node kept out instead
         (agent/culprit.py ended its launcher, or will restore here if the ranks outlive it)."""
         for _ in range(attempts):

@@ -54,7 +54,7 @@ from trainguard.agent.dispatch import ActionNotDone, ClaimWatch, NodeActions
 from trainguard.agent.evidence_first import EvidenceFirst, Investigator
 from trainguard.runtime import cordon_key
 from trainguard.node import node_name
-from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, Verdict
+from trainguard.decide.ledger import ACT, ESCALATED, Ledger, Limits, Notice, NoticeVerdict
 
 __all__ = ["ActionNotDone", "Executor", "WebhookSettings", "request_id"]
 
@@ -189,7 +189,7 @@ class Executor:
                    checkpoint_key_file=settings.checkpoint_key_file, investigator=investigator, records=records)
 
     # ------------------------------------------------------------------------------------- submit
-    def submit(self, notices: list[Notice]) -> list[Verdict]:
+    def submit(self, notices: list[Notice]) -> list[NoticeVerdict]:
         """Decide, record, execute, record: returns when every decision is on disk and carried out.
 
         Raises `ActionNotDone` (the ledger as it was) when something could not be written or done.
@@ -208,7 +208,7 @@ class Executor:
                 self._failing = None
             return verdicts
 
-    def _decide_and_act(self, notices: list[Notice], now: float) -> list[Verdict]:
+    def _decide_and_act(self, notices: list[Notice], now: float) -> list[NoticeVerdict]:
         verdicts = self.ledger.decide_all(notices, now)
         shadowed = [v for v in verdicts if v.would_execute and v.shadow]
         self.records.append([alert_record(v, now, self.node) for v in verdicts]
@@ -230,7 +230,7 @@ class Executor:
             self.evidence.start(verdict)
         return verdicts
 
-    def _log_verdict(self, verdict: Verdict) -> None:
+    def _log_verdict(self, verdict: NoticeVerdict) -> None:
         n = verdict.notice
         fields = dict(alertname=n.alertname, status=n.status, outcome=verdict.outcome, action=verdict.action,
                       requested=n.action, reason=verdict.reason, key=n.key, source=n.source, shadow=verdict.shadow)
@@ -290,7 +290,7 @@ class Executor:
             self.claim_watch.watch_again(verdict_of(event))
         return len(found.redo)
 
-    def _redo(self, verdict: Verdict) -> None:
+    def _redo(self, verdict: NoticeVerdict) -> None:
         with self._lock:
             try:
                 self.records.append([self.node_actions.execute(verdict, self.clock(), self.claim_watch.watch)])

@@ -20,9 +20,9 @@ from trainguard.agent import restore
 
 if TYPE_CHECKING:
     from trainguard.agent.dispatch import NodeActions
-    from trainguard.decide.ledger import Verdict
+    from trainguard.decide.ledger import NoticeVerdict
 
-HandlerFunction = Callable[["NodeActions", "Verdict", dict], None]
+HandlerFunction = Callable[["NodeActions", "NoticeVerdict", dict], None]
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ def gathers_evidence(action: str | None) -> bool:
 
 
 @handles(RESTORE, gathers_evidence=True)
-def restore_ranks(node: NodeActions, verdict: Verdict, result: dict) -> None:
+def restore_ranks(node: NodeActions, verdict: NoticeVerdict, result: dict) -> None:
     """End this node's proven ranks that started before the alert, so torch's elastic launcher starts them
     again from the latest verified checkpoint (agent/restore.py); a launcher with no restarts left pages."""
     result.update(restore.end_local_ranks(node.run_dir, node.host, started_before=verdict.notice.starts_at,

@@ -210,7 +210,7 @@ class Webhook:
     """The route handler: checks a request, hands the alerts to `executor.submit`, answers."""
 
     token: bytes
-    executor: Any                     # agent/executor.py Executor: submit(list[Notice]) -> list[Verdict]
+    executor: Any                     # agent/executor.py Executor: submit(list[Notice]) -> list[NoticeVerdict]
     max_body_bytes: int = MAX_BODY_BYTES
 
     def __post_init__(self) -> None:

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 warnings.filterwarnings("ignore")
 
-from trainguard.runtime.checkpoint import CheckpointManager  # noqa: E402
+from trainguard.runtime.checkpoint import CheckpointManager, archive  # noqa: E402
 from trainguard.trainer.config import ModelConfig  # noqa: E402
 from trainguard.trainer.model import GPT  # noqa: E402
 
@@ -236,7 +236,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
                 results["lossless bit-exact"] = [float(exact)]
         resharded(args, root, results)
         plain = CheckpointManager(root / "size-none")
-        export = plain.export_checkpoint(plain.latest_verified(), root / "export")
+        export = archive.export_checkpoint(plain, plain.latest_verified(), root / "export")
         results["size fp16-zlib (bytes)"] = [tensor_file_bytes(export.path)]
         results["fp16-zlib max abs error"] = [export.manifest["layout"]["max_abs_error"]]
     return results

@@ -1,4 +1,4 @@
-"""How right trainguard is: a labelled corpus scored through replay's own engine (issue 27 §3).
+"""How right trainguard is: a labelled corpus scored through replay's own engine.
 
     .venv/bin/python bench/bench_efficacy.py                     # embedded path: guard, cost meter, stall watchdog
     .venv/bin/python bench/bench_efficacy.py --rules alerts      # and the alert rules, by promtool (Prometheus's engine)

@@ -67,7 +67,7 @@ def one_case(run_dir: Path, updates: int, every_node: bool) -> dict:
 
     agent = TrainingCollector(Context(run_dir=run_dir, node=node_name(0), options={"save_every_seconds": 5.0}))
     if every_node:
-        agent.follower.select = None          # the agent before issue 21: every rank file in RUN/tls
+        agent.follower.select = None          # the agent before it followed only its node's: every rank file in RUN/tls
     catch_up = timed_update(agent)
     times, after_change = [], []
     for round_ in range(updates):

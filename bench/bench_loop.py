@@ -8,7 +8,7 @@ and one with it on, and their steps are interleaved (A B, B A, A B, ...) so that
 machine does slows both alike. Reported: the median step time of each, the paired median difference
 (on - off) as a share of the step, and the time spent inside ``StepTelemetry.step`` itself measured
 directly. Both pay for the guard's single host sync; telemetry reads what that sync already brought.
-Target (issue 2): telemetry overhead under 1% of step time.
+Target: telemetry overhead under 1% of step time.
 """
 
 from __future__ import annotations

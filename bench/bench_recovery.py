@@ -18,8 +18,8 @@ same run: a new interpreter that imports torch and loads the same checkpoint (fo
 through torch.distributed.checkpoint, extra.pt with torch.load; no verification, no launcher, no model,
 no first step), from spawn to exit.
 
-Targets: crash to training again under 10 s for the tiny model on CPU (issue 3), and at most 1.5x the
-peer (issue 18).
+Targets: crash to training again under 10 s for the tiny model on CPU, and at most 1.5x the
+peer.
 
 `--side-by-side` (issue 31, docs/recovery.md): 2 simulated nodes x 2 ranks on loopback (two `trainguard
 train --nnodes 2 --nproc 2` launchers and a rendezvous store, tests/culprit/cluster.py), checkpoint every 10

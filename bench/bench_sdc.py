@@ -16,7 +16,7 @@ bundled GPT under DDP on random tokens. Each round interleaves, on the same weig
 
 Reported (medians over the rounds, rank 0's clock; every timed part ends in a collective, so the ranks
 are in step): cost per check, the check's share of a step at the policy's default interval
-(`guard.replica_check_every`), and peer / ours. Targets (issue 16): <= 0.5 % of step time at the default
+(`guard.replica_check_every`), and peer / ours. Targets: <= 0.5 % of step time at the default
 interval; >= 20x cheaper per check than the peer.
 """
 
@@ -185,7 +185,7 @@ def report(results: list[dict], world: int, rounds: int) -> str:
               "check ends in its collective, which every rank reaches. *Alone*: the weights' fingerprint (to "
               "the host as one int64) against the SHA-1 digests (device to host, then hashed), without the "
               "collective both share.",
-              "", "Targets (issue 16): <= 0.5 % of a step at the default interval; >= 20x cheaper per check "
+              "", "Targets: <= 0.5 % of a step at the default interval; >= 20x cheaper per check "
               "than the peer (a GPU target: there the peer pays a device-to-host copy and a CPU hash; on a "
               "CPU it pays neither copy nor more than the shared all-gather)."]
     return "\n".join(lines) + "\n"

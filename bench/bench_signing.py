@@ -1,4 +1,4 @@
-"""What authentication costs (issue 29; docs/reliability.md): the trainer's check of a signed control
+"""What authentication costs (docs/reliability.md): the trainer's check of a signed control
 request, and the agent's actions-log record signed beside the same record unsigned, in one run:
 
     .venv/bin/python bench/bench_signing.py [--n 20000]

@@ -13,7 +13,7 @@ Per step, each writer gets what a training loop hands it:
   peer   wandb.log({5 scalars}) with mode="offline"
 
 Rounds interleave the three writers so that a busy machine slows all of them alike; the figure is the
-median per-step cost over rounds. Target (issue 2): at most 20 us per record.
+median per-step cost over rounds. Target: at most 20 us per record.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def agent(out: str) -> list[Figure]:
 
 
 def checkpoint(out: str) -> list[Figure]:
-    """bench_checkpoint.py's table: ours, the peer, the ratio, the target (issue 18)."""
+    """bench_checkpoint.py's table: ours, the peer, the ratio, the target."""
     figures = []
     for label, starts, limit in (("verified sync save (s)", "verified sync save", 1.0),   # the first such row
                                  ("async save, blocked vs DCP async_save (s)", "async save blocked vs DCP", 1.0),

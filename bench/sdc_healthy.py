@@ -1,4 +1,4 @@
-"""The issue's healthy 2,000-step run with replica checks (issue 16): raises nothing. A long form of
+"""A healthy 2,000-step run with replica checks: raises nothing. A long form of
 tests/sdc/test_sdc_train.py::test_a_healthy_run_raises_nothing (400 steps there), the same run and checks.
 
     .venv/bin/python bench/sdc_healthy.py                 # 2,000 steps, 2 ranks (about 40 s on 2 quiet cores)

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from trainguard import actions
+from trainguard import actions, event_types
 from trainguard.alerts.mixin import Mixin
 from trainguard.policy import Policy
 from trainguard.dashboards.grafana import (ORANGE, RED, YELLOW, Annotation, Board, Query, Row, Threshold,
@@ -83,6 +83,12 @@ GPU_ID = Variable("gpu", "GPU", 'label_values(DCGM_FI_DEV_GPU_UTIL{job=~"$job", 
 
 # ---------------------------------------------------------------------------------------- annotations
 
+# The events of the actions panel: those that lose steps and the restores they restart from, the cost tiers
+# and the agent's requests carried out.
+ACTION_EVENTS = "|".join([*(name for name, _ in actions.STEPS_LOST), event_types.CHECKPOINT_RESTORED,
+                          *actions.COST_ACTIONS, event_types.ACTION])
+
+
 def event_annotation(name: str, types: str, color: str, why: str = "") -> Annotation:
     expr = (f'sum by (run_id, type) (increase(trainguard_training_events_total{{job=~"$job", run_id=~"$run_id",'
             f' type=~"{types}"}}[1m])) > 0')
@@ -90,7 +96,7 @@ def event_annotation(name: str, types: str, color: str, why: str = "") -> Annota
 
 
 ANNOTATIONS = (
-    event_annotation("Checkpoints", "checkpoint_saved", "green"),
+    event_annotation("Checkpoints", event_types.CHECKPOINT_SAVED, "green"),
     event_annotation("Skipped steps", actions.SKIP_STEP, "orange",
                      "only when the guard skips a bad step (the test run injects faults to cause them)"),
     event_annotation("Rollbacks", actions.ROLLBACK, "red",
@@ -102,7 +108,7 @@ ANNOTATIONS = (
 )
 
 
-LR_PHASES = event_annotation("LR phase changes", "lr_phase", "yellow",
+LR_PHASES = event_annotation("LR phase changes", event_types.LR_PHASE, "yellow",
                              "only when the LR schedule changes phase (after warm-up at the earliest)")
 
 
@@ -362,7 +368,7 @@ def alerts_actions(policy: Policy) -> Board:
         Row("Actions"),
         timeseries("Guard and recovery events", q(
             f'sum by (type) (increase(trainguard_training_events_total{{job=~"$job",'
-            f' type=~"skip_step|rollback|restore|checkpoint_restored|cost_warn|cost_throttle|cost_stop|action"}}[{RATE}]))',
+            f' type=~"{ACTION_EVENTS}"}}[{RATE}]))',
             "{{type}}", only_when="only when the guard or an alert acts (the test run injects faults)"), width=12),
         timeseries("Actions the agent carried out",
                    q(f"sum by (action) (trainguard_actions_executed_total{AGENT}) or vector(0)", "{{action}}"),

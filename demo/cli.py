@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard import actions
+from trainguard import actions, event_types
 from trainguard import policy as policy_mod
 from trainguard import rundir, safe_read
 from trainguard import tls
@@ -163,8 +163,8 @@ def finish(run_dir: Path, code: int) -> int:
         say(f"training exited with code {code}; see the messages above")
         return code or 1
     print_story(run_dir)
-    say(f"TLS logs          {run_dir / 'tls'}")
-    say(f"checkpoints       {run_dir / 'checkpoints'}   (trainguard checkpoint list {run_dir})")
+    say(f"TLS logs          {rundir.tls_dir(run_dir)}")
+    say(f"checkpoints       {rundir.checkpoints_dir(run_dir)}   (trainguard checkpoint list {run_dir})")
     say(f"report            {report}")
     say(f"replay it         trainguard replay {run_dir}")
     if code != 0:
@@ -174,14 +174,14 @@ def finish(run_dir: Path, code: int) -> int:
 
 # Events that tell the demo's story; checkpoints and evaluations are in the report.
 STORY = {
-    "run_start": ("resumed_from", "restart_count"),
-    "fault_injected": ("fault",),
+    event_types.RUN_START: ("resumed_from", "restart_count"),
+    event_types.FAULT_INJECTED: ("fault",),
     actions.SKIP_STEP: ("reason",),
     actions.ROLLBACK: ("reason", "restored_step", "steps_lost", "lr_scale"),
     actions.RESTORE: ("reason", "restored_step"),
-    "action": ("action", "alertname", "reason"),
-    "alert": ("alertname", "status"),
-    "run_end": ("reason",),
+    event_types.ACTION: ("action", "alertname", "reason"),
+    event_types.ALERT: ("alertname", "status"),
+    event_types.RUN_END: ("reason",),
 }
 
 
@@ -198,7 +198,7 @@ def print_story(run_dir: Path) -> None:
             say(f"  unreadable line: {line.error}")
             continue
         event = record.get("event")
-        if event and event["type"] == "run_start" and not event.get("resumed_from"):
+        if event and event["type"] == event_types.RUN_START and not event.get("resumed_from"):
             continue
         if event and event["type"] in STORY:
             fields = ", ".join(f"{k}={event[k]}" for k in STORY[event["type"]] if event.get(k) is not None)

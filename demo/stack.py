@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from trainguard import rundir
+from trainguard import event_types, rundir
 from trainguard.demo import cli as demo
 
 # Short intervals so the story plays out in a minute or two; a real run keeps the defaults.
@@ -153,6 +153,6 @@ def print_alert_actions(run_dir: Path) -> None:
     for path in sorted(rundir.tls_dir(run_dir).glob("node-*-actions.jsonl")):
         for line in tls.iter_lines(path):
             event = (line.record or {}).get("event") or {}
-            if event.get("type") in ("alert", "action"):
+            if event.get("type") in (event_types.ALERT, event_types.ACTION):
                 demo.say(f"  agent  {event['type']:<7} {event.get('alertname', '')} "
                          f"{event.get('action') or event.get('status') or ''} {event.get('outcome') or ''}".rstrip())

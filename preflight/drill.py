@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 import structlog
 
+from trainguard import event_types, rundir
 from trainguard.runtime.preflight_result import FAIL, PASS, CheckResult
 
 GOOD, BAD = 1, 2
@@ -68,10 +69,10 @@ def run_drill(base: Path | None = None, corrupt_steps: Iterable[int] = (BAD,)) -
             faults.after_checkpoint(step, handle.path, wait=handle.wait)
         restored = manager.load_latest()
         manager.close()
-        corrupted = [e for e in events if e["type"] == "fault_injected"]
+        corrupted = [e for e in events if e["type"] == event_types.FAULT_INJECTED]
         refused = [{"step": e.get("step"), "code": e.get("code"),
                     "reason": str(e.get("reason", "")).removeprefix(f"{e.get('path')}: ")}
-                   for e in events if e["type"] == "checkpoint_invalid"]
+                   for e in events if e["type"] == event_types.CHECKPOINT_INVALID]
         details = {"directory": str(root.parent), "corrupted": [{"step": e["step"], "file": Path(e["file"]).name,
                                                                   "offset": e["offset"]} for e in corrupted],
                    "refused": refused}
@@ -84,20 +85,20 @@ def run_drill(base: Path | None = None, corrupt_steps: Iterable[int] = (BAD,)) -
 
 
 def _verdict(restored: Any, details: dict) -> CheckResult:
-    reasons = "; ".join(f"step_{r['step']}: {r['reason']}" for r in details["refused"]) or "none given"
+    reasons = "; ".join(f"{rundir.step_dir_name(r['step'])}: {r['reason']}" for r in details["refused"]) or "none given"
     if restored is None:
         return CheckResult("checkpoint_drill", FAIL, "restore found no verified checkpoint after corruption "
                                                      f"(refused: {reasons})", details)
     ckpt, state = restored
     details["restored_step"] = ckpt.step
     if ckpt.step != GOOD:
-        return CheckResult("checkpoint_drill", FAIL, f"restore picked step_{ckpt.step}, expected the intact "
-                                                     f"step_{GOOD} (refused: {reasons})", details)
+        return CheckResult("checkpoint_drill", FAIL, f"restore picked {rundir.step_dir_name(ckpt.step)}, expected the intact "
+                                                     f"{rundir.step_dir_name(GOOD)} (refused: {reasons})", details)
     if not _same(state, _state(GOOD)):
-        return CheckResult("checkpoint_drill", FAIL, f"restored step_{GOOD} loads, but its tensors differ from "
+        return CheckResult("checkpoint_drill", FAIL, f"restored {rundir.step_dir_name(GOOD)} loads, but its tensors differ from "
                                                      "what was saved", details)
     if not details["refused"]:
-        return CheckResult("checkpoint_drill", FAIL, f"restore picked step_{GOOD} without refusing the corrupted "
-                                                     f"step_{BAD}: corruption went unnoticed", details)
-    return CheckResult("checkpoint_drill", PASS, f"corrupted step_{BAD} refused ({reasons}); restored step_{GOOD} "
+        return CheckResult("checkpoint_drill", FAIL, f"restore picked {rundir.step_dir_name(GOOD)} without refusing the corrupted "
+                                                     f"{rundir.step_dir_name(BAD)}: corruption went unnoticed", details)
+    return CheckResult("checkpoint_drill", PASS, f"corrupted {rundir.step_dir_name(BAD)} refused ({reasons}); restored {rundir.step_dir_name(GOOD)} "
                                                  "intact", details)

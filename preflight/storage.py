@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainguard import rundir
 from trainguard.policy import PreflightPolicy
 from trainguard.runtime.preflight_result import FAIL, PASS, SKIP, CheckResult
 
@@ -25,7 +26,7 @@ BYTES_PER_PARAMETER = 12
 
 def newest_checkpoint_bytes(checkpoint_dir: Path) -> tuple[int, str] | None:
     """Size of the newest step_<N> directory, the best estimate of the next checkpoint."""
-    from trainguard.runtime.checkpoint.manifest import step_of_dir
+    from trainguard.rundir import step_of_dir
 
     found = [(step_of_dir(p.name), p) for p in checkpoint_dir.iterdir()] if checkpoint_dir.is_dir() else []
     found = [(step, p) for step, p in found if step is not None and p.is_dir()]
@@ -54,9 +55,9 @@ def checkpoint_estimate(run_dir: Path | None, checkpoint_dir: Path) -> tuple[int
     found = newest_checkpoint_bytes(checkpoint_dir)
     if found is None and run_dir is not None:
         try:
-            found = config_checkpoint_bytes(run_dir / "config.yaml")
+            found = config_checkpoint_bytes(rundir.config_path(run_dir))
         except (OSError, ValueError) as exc:   # ConfigError is a ValueError naming file and key
-            return 0, f"cannot size one from {run_dir / 'config.yaml'}: {exc}"
+            return 0, f"cannot size one from {rundir.config_path(run_dir)}: {exc}"
     return found
 
 

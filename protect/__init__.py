@@ -8,9 +8,9 @@ public API only.
 """
 
 from trainguard.protect.callbacks import Callbacks
-from trainguard.protect.protector import (EXIT_OK, EXIT_STOPPED, KEPT_ON_ROLLBACK, Begun, Outcome, Protector,
-                                          Verdict)
+from trainguard.protect.protector import (EXIT_OK, EXIT_STOPPED, KEPT_ON_ROLLBACK, Begun, StepOutcome, Protector,
+                                          StepVerdict)
 from trainguard.protect.state import RNGState, TrainState
 
-__all__ = ["Begun", "Callbacks", "EXIT_OK", "EXIT_STOPPED", "KEPT_ON_ROLLBACK", "Outcome", "Protector",
-           "RNGState", "TrainState", "Verdict"]
+__all__ = ["Begun", "Callbacks", "EXIT_OK", "EXIT_STOPPED", "KEPT_ON_ROLLBACK", "StepOutcome", "Protector",
+           "RNGState", "TrainState", "StepVerdict"]

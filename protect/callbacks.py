@@ -13,7 +13,7 @@ needs no callback for them. What a callback returns (a dict) is added to the dec
 | `cut_micro_batch(size)` | cost_throttle, after `TrainState.micro_batch = size` | nothing more (the loop reads the state)  |
 | `pause()`         | cost_warn, after `TrainState.eval_paused = True` | nothing more                            |
 | `saved(step, path, wait)` | rank 0, after a checkpoint was written (`wait()`: until durable) | nothing |
-| `stop(reason)`    | before the guard's stop or a cost stop ends the run | nothing (the loop ends on `Outcome.stop`) |
+| `stop(reason)`    | before the guard's stop or a cost stop ends the run | nothing (the loop ends on `StepOutcome.stop`) |
 | `checkpoint_meta()` | every rank, before a checkpoint (may run a collective); a dict joins the manifest's `meta`, None refuses the save | nothing added |
 """
 

@@ -1,7 +1,7 @@
 """The trainer's side of the action table: one handler per action the Protector carries out in the step.
 
 The action table (trainguard/actions.py) names each action the Protector carries out (``carried_by``
-PROTECTOR); each is registered here with ``@handles(NAME)`` as ``handler(protector, order) -> Outcome``.
+PROTECTOR); each is registered here with ``@handles(NAME)`` as ``handler(protector, order) -> StepOutcome``.
 An `Order` is one action to carry out: the guard's decision on this step, or a control request every rank
 learned of in the step's sync (`control_order`). The Protector passes every order through its one gate,
 `Protector._carry_out`: in shadow mode it records a ``shadow_action`` event instead and no handler runs.
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from trainguard import rundir, safe_read, signed, tls
+from trainguard import event_types, rundir, safe_read, signed, tls
 from trainguard.actions import ACTIONS_BY_CODE, COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SKIP_STEP, STOP
 from trainguard.decide.decision import Decision
 from trainguard.protect.callbacks import scale_optimizers
@@ -41,7 +41,7 @@ THROTTLE_UNAVAILABLE = ("the loop keeps no micro-batch in TrainState and has no 
 
 
 @dataclass(frozen=True)
-class Outcome:
+class StepOutcome:
     """What `after_step` did. `stop`: end the loop now, with `exit_code` (0: cost stop, 3: guard stop)."""
 
     exit_code: int | None = None
@@ -80,7 +80,7 @@ def control_order(protector: Protector, code: int, lineno: int) -> Order:
     return Order(ACTIONS_BY_CODE[code], CONTROL, ids["reason"], ids, {"id": ids["id"], "alertname": ids["alertname"]})
 
 
-Handler = Callable[["Protector", Order], Outcome]
+Handler = Callable[["Protector", Order], StepOutcome]
 HANDLERS: dict[str, Handler] = {}
 
 
@@ -96,22 +96,22 @@ def handles(action: str) -> Callable[[Handler], Handler]:
 
 # ---------------------------------------------------------------------------------------- skip_step
 @handles(SKIP_STEP)
-def skip_step(protector: Protector, order: Order) -> Outcome:
+def skip_step(protector: Protector, order: Order) -> StepOutcome:
     protector.event(SKIP_STEP, **order.fields)
     protector.log.warning("step skipped by the guard", step=protector.state.step, reason=order.reason)
-    return Outcome()
+    return StepOutcome()
 
 
 # ----------------------------------------------------------------------------------------- rollback
 @handles(ROLLBACK)
-def rollback(protector: Protector, order: Order) -> Outcome:
+def rollback(protector: Protector, order: Order) -> StepOutcome:
     """The guard's (see `guard_rollback`) or a control request's: back to the newest stable checkpoint."""
     if order.decision is not None:
         guard_rollback(protector, order.decision, order.fields)
     else:
-        protector.event("action", action=ROLLBACK, **order.fields)
+        protector.event(event_types.ACTION, action=ROLLBACK, **order.fields)
         protector.restore(rollback=True, source=CONTROL, **order.fields)
-    return Outcome()
+    return StepOutcome()
 
 
 def guard_rollback(protector: Protector, decision: Decision, event: dict) -> None:
@@ -157,12 +157,12 @@ def after_rollback(protector: Protector, checkpoint, saved: dict, saved_lr_scale
 
 # --------------------------------------------------------------------------------------------- stop
 @handles(STOP)
-def stop(protector: Protector, order: Order) -> Outcome:
+def stop(protector: Protector, order: Order) -> StepOutcome:
     assert order.decision is not None       # only the guard decides a stop
     return stop_run(protector, order.decision, order.fields)
 
 
-def stop_run(protector: Protector, decision: Decision, event: dict) -> Outcome:
+def stop_run(protector: Protector, decision: Decision, event: dict) -> StepOutcome:
     """The guard's stop (or the replica check's): nothing new is saved; ``RUN/control/stopped.json`` keeps
     restarted workers from starting again."""
     step, run_dir, key = protector.state.step, protector.run_dir, protector.key
@@ -170,7 +170,7 @@ def stop_run(protector: Protector, decision: Decision, event: dict) -> Outcome:
     protector.event(STOP, **event)
     message = (f"the guard stopped the run at step {step} ({decision.reason}: "
                f"{json.dumps(decision.detail, default=str)}); nothing new was saved. Look at "
-               f"{run_dir / 'tls'}, fix the cause (data, LR, policy), then delete {stop_path} "
+               f"{rundir.tls_dir(run_dir)}, fix the cause (data, LR, policy), then delete {stop_path} "
                "to resume from the last verified checkpoint")
     if protector.rank == 0:
         stop_path.parent.mkdir(parents=True, exist_ok=True)
@@ -183,8 +183,8 @@ def stop_run(protector: Protector, decision: Decision, event: dict) -> Outcome:
     protector.log.error(message)
     if protector.callbacks.stop is not None:
         protector.callbacks.stop(decision.reason)
-    protector.event("run_end", reason="guard_stop")
-    return Outcome(EXIT_STOPPED, decision.reason)
+    protector.event(event_types.RUN_END, reason="guard_stop")
+    return StepOutcome(EXIT_STOPPED, decision.reason)
 
 
 def stopped_marker(protector: Protector) -> dict | None:
@@ -202,24 +202,24 @@ def stopped_marker(protector: Protector) -> dict | None:
         return marker
     why = signed.refusal_message(reason, f"the stop marker {stop_path}")
     protector.log.error(f"{why}: not honoured, the run starts", reason=reason)
-    protector.event("stop_marker_refused", reason=reason, path=str(stop_path), why=why)
+    protector.event(event_types.STOP_MARKER_REFUSED, reason=reason, path=str(stop_path), why=why)
     return None
 
 
 # --------------------------------------------------------------------------------------------- cost
 @handles(COST_WARN)
-def cost_warn(protector: Protector, order: Order) -> Outcome:
+def cost_warn(protector: Protector, order: Order) -> StepOutcome:
     """Pause evaluation (the loop reads `TrainState.eval_paused`, or its `pause` callback does more)."""
     protector.state.eval_paused = True
     pause = protector.callbacks.pause
     fields = pause() or {} if pause else {}
-    protector.event("action", action=COST_WARN, evaluation="paused", **fields, **order.fields)
+    protector.event(event_types.ACTION, action=COST_WARN, evaluation="paused", **fields, **order.fields)
     protector.log.warning("cost warning: evaluation paused", **order.fields)
-    return Outcome()
+    return StepOutcome()
 
 
 @handles(COST_THROTTLE)
-def cost_throttle(protector: Protector, order: Order) -> Outcome:
+def cost_throttle(protector: Protector, order: Order) -> StepOutcome:
     """Cut the micro-batch by 25% (the loop keeps its batch per optimizer step, so the tokens per step
     stay the same) and hand the device's cached memory back. A loop that keeps no micro-batch in the
     state and gave no `cut_micro_batch` (the Transformers and Lightning Trainers build their DataLoader
@@ -229,36 +229,36 @@ def cost_throttle(protector: Protector, order: Order) -> Outcome:
     if protector.device.type == "cuda":
         torch.cuda.empty_cache()
     if not before and cut is None:
-        protector.event("action", action=COST_THROTTLE, micro_batch="unchanged", not_applied=THROTTLE_UNAVAILABLE,
+        protector.event(event_types.ACTION, action=COST_THROTTLE, micro_batch="unchanged", not_applied=THROTTLE_UNAVAILABLE,
                         **ids)
         protector.log.warning("cost throttle not applied: this loop's micro-batch cannot be cut", **ids)
-        return Outcome()
+        return StepOutcome()
     state.micro_batch = max(1, (before * 3) // 4) if before else 0   # 0: the loop keeps none here
     fields = cut(state.micro_batch) or {} if cut else {}
-    protector.event("action", action=COST_THROTTLE, micro_batch_before=before,
+    protector.event(event_types.ACTION, action=COST_THROTTLE, micro_batch_before=before,
                     micro_batch_size=state.micro_batch, **fields, **ids)
     protector.log.warning("cost throttle: smaller micro-batch", micro_batch_before=before,
                           micro_batch_size=state.micro_batch, **ids)
-    return Outcome()
+    return StepOutcome()
 
 
 @handles(COST_STOP)
-def cost_stop(protector: Protector, order: Order) -> Outcome:
+def cost_stop(protector: Protector, order: Order) -> StepOutcome:
     """Save a checkpoint, check that it verifies, write RUN/cost_summary.json, end cleanly (exit 0)."""
     step, ids, run_dir = protector.state.step, order.fields, protector.run_dir
-    protector.event("action", action=COST_STOP, **ids)
+    protector.event(event_types.ACTION, action=COST_STOP, **ids)
     protector.save()
     if protector.rank == 0:
         verified = protector.checkpoints.verified_step() == step   # the checkpoint the run ends on must verify
-        path = run_dir / "cost_summary.json"
+        path = rundir.cost_summary_path(run_dir)
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(cost_summary(protector, ids, verified), indent=2) + "\n")
         os.replace(tmp, path)
     if protector.callbacks.stop is not None:
         protector.callbacks.stop(COST_STOP)
-    protector.event("run_end", reason=COST_STOP, alertname=ids["alertname"])
+    protector.event(event_types.RUN_END, reason=COST_STOP, alertname=ids["alertname"])
     protector.log.warning("cost stop: checkpoint saved, run ended", step=step, **ids)
-    return Outcome(EXIT_OK, COST_STOP)
+    return StepOutcome(EXIT_OK, COST_STOP)
 
 
 def cost_summary(protector: Protector, ids: dict, verified: bool) -> dict:
@@ -267,7 +267,7 @@ def cost_summary(protector: Protector, ids: dict, verified: bool) -> dict:
     started = _first_timestamp(protector.telemetry.path) or time.time()
     price = cost.price_per_gpu_hour
     return {"run_id": protector.run_id, "step": state.step, "stopped_by": ids,
-            "checkpoint": f"step_{state.step}", "checkpoint_verified": verified,
+            "checkpoint": rundir.step_dir_name(state.step), "checkpoint_verified": verified,
             "tokens_trained": state.tokens_trained, "world_size": protector.world,
             "gpu_count": protector.meter.gpus(None), "wall_hours": (time.time() - started) / 3600,
             "gpu_hours": metered.cost_usd / price if price else 0.0, "price_per_gpu_hour": price,

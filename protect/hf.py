@@ -42,6 +42,7 @@ import torch
 from accelerate.state import GradientState
 from transformers import TrainerCallback
 
+from trainguard import event_types
 from trainguard.protect import hf_checkpoints
 from trainguard.protect.callbacks import Callbacks
 from trainguard.protect.held_schedule import HeldSchedule
@@ -185,13 +186,13 @@ class ProtectCallback(TrainerCallback):
         if self.protector is None or args.process_index != 0 or not folder.is_dir():
             return
         hf_checkpoints.sign_folder(folder, self.options.get("key_file") or None)
-        self.protector.event("trainer_checkpoint_signed", path=str(folder), trainer_step=state.global_step)
+        self.protector.event(event_types.TRAINER_CHECKPOINT_SIGNED, path=str(folder), trainer_step=state.global_step)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.protector is None or not logs:
             return
         numbers = {key: float(value) for key, value in logs.items() if isinstance(value, (int, float))}
-        self.protector.event("trainer_log", trainer_step=state.global_step, **numbers)
+        self.protector.event(event_types.TRAINER_LOG, trainer_step=state.global_step, **numbers)
 
     # --------------------------------------------------------------------------------------- LR scale
 

@@ -21,7 +21,7 @@ go through `save` and `restore`: signed, verified checkpoints of the `state_dict
 
 Shadow mode (`actions.mode: shadow` in the policy, or `shadow=True`): every decision is taken as it would
 be and recorded as a `shadow_action` event with its evidence, and none is carried out. The guard's
-decision is moved to `Verdict.shadowed` in `check`, so no loop can skip a step on it; `_carry_out` is
+decision is moved to `StepVerdict.shadowed` in `check`, so no loop can skip a step on it; `_carry_out` is
 the one place an action that `after_step` would take (a guard decision, an agent's request) is carried
 out or shadowed.
 
@@ -41,16 +41,17 @@ from typing import Any
 
 import torch
 
+from trainguard import event_types
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
-from trainguard import runpolicy
+from trainguard import rundir, runpolicy
 from trainguard.actions import ROLLBACK, SHADOW_ACTION, STOP, shadow_event
 from trainguard.decide.cost import CostMeter, clock_of
 from trainguard.decide.decision import CARRY_ON, Decision
 from trainguard.decide.guard import Guard, StepStats
 from trainguard.protect import handlers
 from trainguard.protect.callbacks import Callbacks, load_states
-from trainguard.protect.handlers import EXIT_OK, EXIT_STOPPED, Order, Outcome
+from trainguard.protect.handlers import EXIT_OK, EXIT_STOPPED, Order, StepOutcome
 from trainguard.protect.checkpoints import RankCheckpoints
 from trainguard.protect.state import TrainState
 from trainguard.protect.sync import HealthSync
@@ -59,7 +60,7 @@ from trainguard.runtime.checkpoint import keys
 from trainguard.runtime.control import ControlChannel, write_rank_file
 from trainguard.runtime.telemetry import StepTelemetry
 
-__all__ = ["EXIT_OK", "EXIT_STOPPED", "Outcome", "Protector", "Verdict", "Begun", "KEPT_ON_ROLLBACK"]
+__all__ = ["EXIT_OK", "EXIT_STOPPED", "StepOutcome", "Protector", "StepVerdict", "Begun", "KEPT_ON_ROLLBACK"]
 # The checkpoint keys the Protector adds to the loop's `states`.
 GUARD_KEY, COST_KEY, STATE_KEY = "guard", "cost", "trainer"
 # What a rollback leaves as it is: the data position (the window that led to trouble is skipped, not read
@@ -69,7 +70,7 @@ KEPT_ON_ROLLBACK = ("data", "rng", GUARD_KEY, COST_KEY)
 
 
 @dataclass(frozen=True)
-class Verdict:
+class StepVerdict:
     """What `check` found, identical on every rank. `skip`: do not step the optimizer."""
 
     step: int
@@ -162,7 +163,7 @@ class Protector:
         """The loop ran to its end: a last checkpoint (unless this step has one), `run_end`, durable."""
         if self.state.last_saved_step != self.state.step:
             self.save()
-        self.telemetry.event("run_end", step=self.state.step, reason="completed")
+        self.telemetry.event(event_types.RUN_END, step=self.state.step, reason="completed")
         self.checkpoints.wait()
 
     def close(self) -> None:
@@ -175,10 +176,10 @@ class Protector:
 
     # --------------------------------------------------------------------------------- the two calls
     def check(self, step: int, loss, grad_norm, layer_norms: torch.Tensor | None = None,
-              extra: torch.Tensor | None = None) -> Verdict:
+              extra: torch.Tensor | None = None) -> StepVerdict:
         """After backward (and clipping): the step's one host sync, and the guard's decision on it.
         `extra`: more values of the loop's (a 1-d tensor, e.g. the parameter norm), averaged over ranks
-        like the norms and returned as `Verdict.extra`, so they cost no sync of their own."""
+        like the norms and returned as `StepVerdict.extra`, so they cost no sync of their own."""
         control = self.control.poll() if self.rank == 0 else (0, 0)
         carried = layer_norms.numel() if layer_norms is not None else 0
         if extra is not None:
@@ -189,12 +190,12 @@ class Protector:
         loss_seen = health.loss if health.nonfinite_ranks == 0 else math.nan
         decision = self.guard.observe(StepStats(step, loss_seen, health.grad_norm, layers, health.timestamp))
         shadowed = decision if self.shadow and decision else None      # the step is not skipped in shadow
-        return Verdict(step, loss_seen, health.grad_norm, layers, health.timestamp,
+        return StepVerdict(step, loss_seen, health.grad_norm, layers, health.timestamp,
                        CARRY_ON if shadowed or not decision else decision, health.control_code,
                        health.control_line, tuple(health.layer_norms[carried:]), shadowed)
 
-    def after_step(self, verdict: Verdict, *, tokens: int, samples: int, timings: dict[str, float],
-                   learning_rate: float | None = None, **metrics: Any) -> Outcome:
+    def after_step(self, verdict: StepVerdict, *, tokens: int, samples: int, timings: dict[str, float],
+                   learning_rate: float | None = None, **metrics: Any) -> StepOutcome:
         """After the optimizer step (or its skip): the TLS record, the cost meter, the guard's decision,
         the agent's request, and the checkpoint when one is due. `tokens`, `samples`: this rank's."""
         state = self.state
@@ -219,7 +220,7 @@ class Protector:
                 handlers.control_order(self, verdict.control_code, verdict.control_line))).stop:
             return outcome
         self._checkpoint_if_due(verdict.timestamp)
-        return Outcome(restored_step=state.step if state.step != verdict.step else None)
+        return StepOutcome(restored_step=state.step if state.step != verdict.step else None)
 
     # -------------------------------------------------------------------------------------- checkpoints
     def evaluate(self, purpose: str, **fields: Any) -> float | None:
@@ -228,7 +229,7 @@ class Protector:
             return None
         began = time.perf_counter()
         val = self.callbacks.validate()
-        self.event("evaluation", val_loss=val, purpose=purpose, seconds=time.perf_counter() - began, **fields)
+        self.event(event_types.EVALUATION, val_loss=val, purpose=purpose, seconds=time.perf_counter() - began, **fields)
         return val
 
     def save(self) -> Path | None:
@@ -252,7 +253,7 @@ class Protector:
             if path is not None and self.rank == 0 and self.callbacks.saved is not None:
                 self.callbacks.saved(state.step, path, self.checkpoints.wait)
         if path is not None or self.rank != 0:   # a failed save (on_error "warn"): the previous one stands
-            self.telemetry.last_checkpoint = f"step_{state.step}"
+            self.telemetry.last_checkpoint = rundir.step_dir_name(state.step)
         # the same on every rank whatever rank 0's save did, so all ranks keep taking the same decisions
         state.last_saved_step = state.step
         state.trouble_since_checkpoint = False
@@ -296,7 +297,7 @@ class Protector:
         _reload(self.states, self.callbacks.reload, parts)
         state.last_saved_step = state.step
         state.trouble_since_checkpoint = False
-        self.telemetry.last_checkpoint = f"step_{state.step}"
+        self.telemetry.last_checkpoint = rundir.step_dir_name(state.step)
         if not rollback:
             self.log.info("resumed", step=state.step, tokens_trained=state.tokens_trained)
             return state.step
@@ -312,7 +313,7 @@ class Protector:
         return self.state.step
 
     # ---------------------------------------------------------------------- carried out or shadowed
-    def _carry_out(self, order: Order) -> Outcome:
+    def _carry_out(self, order: Order) -> StepOutcome:
         """The one gate of the actions `after_step` takes (a guard decision, an agent's request): its handler
         (protect/handlers.py) carries `order` out; in shadow mode a `shadow_action` event records it with its
         evidence instead, and nothing else happens."""
@@ -320,12 +321,12 @@ class Protector:
             return handlers.HANDLERS[order.action](self, order)
         if order.action == STOP:
             if self._shadow_stopped:
-                return Outcome()
+                return StepOutcome()
             self._shadow_stopped = True
         self.event(SHADOW_ACTION, **shadow_event(order.action, order.reason, order.source, **order.evidence))
         self.log.warning("shadow: would have acted", action=order.action, source=order.source, reason=order.reason,
                          step=self.state.step)
-        return Outcome()
+        return StepOutcome()
 
     def stopped_marker(self) -> dict | None:
         """The guard's stop marker when rank 0 of this run signed it (protect/handlers.py `stopped_marker`)."""

@@ -27,7 +27,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from trainguard import rundir, signed
+from trainguard import event_types, rundir, signed
 from trainguard.node import node_name
 from trainguard import actions
 from trainguard.actions import CODES
@@ -96,7 +96,7 @@ class ControlChannel:
                   "refused_total": sum(self.refused.values()), "why": why}
         self._warn("control request refused: not acted on", **fields)
         if self.on_event is not None:
-            self.on_event("control_refused", **fields)
+            self.on_event(event_types.CONTROL_REFUSED, **fields)
 
     def request_at(self, lineno: int) -> dict:
         """The request on line `lineno` (1-based): how ranks other than 0 learn the id to acknowledge. Rank 0

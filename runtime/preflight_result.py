@@ -18,7 +18,6 @@ from typing import Any
 from trainguard import rundir, safe_read
 
 SCHEMA = "trainguard.preflight/1"
-FILENAME = "preflight.json"
 PASS, FAIL, SKIP = "pass", "fail", "skip"
 
 
@@ -61,7 +60,7 @@ def default_path(run_dir: str | os.PathLike | None) -> Path:
     if run_dir is not None:
         return rundir.preflight_path(run_dir)
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "trainguard" / FILENAME
+    return rundir.preflight_path(Path(cache) / "trainguard")     # no run: the same file in the user's cache
 
 
 def write(report: Report, path: Path) -> None:

@@ -15,7 +15,8 @@ if str(ROOT) not in sys.path:
 SHARED_SCOPES = ("session", "package", "module", "class")
 
 
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(tryfirst=True)     # before xdist's own, which reads the groups when it runs
+def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's command) each worker makes its own session-
     and module-scoped fixtures: a module's real run (tests/e2e/test_two_nodes.py's two-node job, the `hung_run`
     session) would be made once per worker that gets one of its tests. A test using such a fixture joins the
@@ -24,6 +25,24 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None and (group := _shared_fixture_group(item)):
             item.add_marker(pytest.mark.xdist_group(group))
+        if getattr(config.option, "loadgroup", False):     # set on each worker by xdist under --dist loadgroup
+            _group_in_node_id(item)
+
+
+def _group_in_node_id(item) -> None:
+    """What xdist's `--dist loadgroup` does on a worker, done where pytest 9 reads it: the groups appended to
+    the node id (`<id>@<group>`), which the controller schedules by. xdist 3.8 writes `item._nodeid`;
+    pytest 9 keeps a node's id in `item._id` (a NodeId) and reads `_nodeid` no more, so no test was grouped:
+    every module- or session-scoped run was made again on each worker that got one of its tests (measured:
+    tests/e2e/test_fail_slow.py's two-rank run set up on both workers, 52 s and 40 s). On a pytest that still
+    reads `_nodeid` xdist's own hook does it and this does nothing."""
+    groups = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                     for mark in item.iter_markers("xdist_group")})
+    node_id = getattr(item, "_id", None)
+    if not groups or node_id is None or isinstance(node_id, str) or not hasattr(type(node_id), "parse") \
+            or "@" in item.nodeid:
+        return
+    item._id = type(node_id).parse(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 def _shared_fixture_group(item) -> str | None:

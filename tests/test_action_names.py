@@ -13,7 +13,7 @@ from pathlib import Path
 from trainguard import actions
 
 ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("trainguard", "agent", "trainer", "protect", "preflight", "alerts", "dashboards")
+PRODUCT = ("trainguard", "agent", "trainer", "runtime", "protect", "preflight", "alerts", "dashboards", "demo")
 OWNER = "trainguard/actions.py"
 
 # (file, word): the same word in another vocabulary, owned there. Each entry says which.
@@ -37,8 +37,6 @@ ALLOWED = {
     ("trainguard/report/charts.py", "restore"),
     ("trainguard/report/data.py", "rollback"),
     ("trainguard/report/data.py", "restore"),
-    # goodput's badput causes (docs/goodput.md): the steps a rollback threw away
-    ("trainguard/goodput/__init__.py", "rollback"),
     # a field of an incident's record and of replay's replica verdict: the hosts cordoned
     ("trainer/replica_check.py", "cordon"),
     ("trainguard/replay/replica.py", "cordon"),

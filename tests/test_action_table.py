@@ -28,7 +28,7 @@ def test_each_action_the_agent_carries_out_has_one_agent_handler_and_no_other_ha
 
 def test_a_remote_action_for_the_ranks_has_a_control_code_and_no_other_action_has_one():
     """The control channel is how a remote action reaches the ranks: its code travels in the step's
-    all-reduce (trainer/control.py), so codes are distinct and never 0 ("nothing this step")."""
+    all-reduce (runtime/control.py), so codes are distinct and never 0 ("nothing this step")."""
     for_the_ranks = {a.name for a in actions.TABLE if a.remote and a.carried_by == actions.PROTECTOR}
     assert set(actions.CODES) == for_the_ranks
     assert len(set(actions.CODES.values())) == len(actions.CODES) and 0 not in actions.CODES.values()
@@ -61,14 +61,34 @@ def test_the_alert_an_embedded_decision_stands_in_for_exists_with_that_action():
         assert alerts[alertname].action == action
 
 
+# The actions before the table (issue 30), in the order every view listed them: a new action is a row after them.
+ORIGINAL = ("skip_step", "rollback", "restore", "cost_warn", "cost_throttle", "cost_stop", "stop", "page", "evict",
+            "cordon")
+
+
 def test_the_derived_views_keep_the_vocabulary_they_always_had():
-    """The report's and dashboards' groups, the webhook's and the guard's sets, as the table derives them."""
-    assert actions.REMOTE_ACTIONS == ("rollback", "restore", "cost_warn", "cost_throttle", "cost_stop")
-    assert actions.GUARD_ACTIONS == ("skip_step", "rollback", "stop")
-    assert actions.DECISIONS == ("skip_step", "rollback", "restore", "cost_warn", "cost_throttle", "cost_stop", "stop")
-    assert actions.REPORTED_GUARD_ACTIONS == ("skip_step", "rollback", "restore", "stop")
-    assert actions.COST_ORDER == {"cost_warn": 1, "cost_throttle": 2, "cost_stop": 3}
-    assert actions.ESCALATION == {"rollback": "cost_stop", "restore": "page"}
+    """The report's and dashboards' groups, the webhook's and the guard's sets, as the table derives them: for
+    the original actions exactly what the modules spelled before the table (so the report, the rendered rules
+    and the dashboards stay byte for byte the same); a newer row joins the views its fields put it in."""
+    assert tuple(action.name for action in actions.TABLE[:len(ORIGINAL)]) == ORIGINAL
+
+    def original(view):
+        return tuple(name for name in view if name in ORIGINAL)
+
+    assert original(actions.REMOTE_ACTIONS) == ("rollback", "restore", "cost_warn", "cost_throttle", "cost_stop")
+    assert original(actions.GUARD_ACTIONS) == ("skip_step", "rollback", "stop")
+    assert original(actions.DECISIONS) == ("skip_step", "rollback", "restore", "cost_warn", "cost_throttle",
+                                           "cost_stop", "stop")
+    assert original(actions.REPORTED_GUARD_ACTIONS) == ("skip_step", "rollback", "restore", "stop")
+    assert original(actions.COST_ACTIONS) == ("cost_warn", "cost_throttle", "cost_stop")
+    assert {name: tier for name, tier in actions.COST_ORDER.items() if name in ORIGINAL} == {
+        "cost_warn": 1, "cost_throttle": 2, "cost_stop": 3}
+    assert {name: to for name, to in actions.ESCALATION.items() if name in ORIGINAL} == {
+        "rollback": "cost_stop", "restore": "page"}
+    assert [name for name, _ in actions.STEPS_LOST if name in ORIGINAL] == ["skip_step", "rollback", "restore"]
+    for view in (actions.REMOTE_ACTIONS, actions.GUARD_ACTIONS, actions.DECISIONS, actions.REPORTED_GUARD_ACTIONS):
+        newer = view[len(original(view)):]
+        assert original(view) + newer == view, f"a newer action listed before the original ones in {view}"
 
 
 @pytest.mark.parametrize("register", [trainer_handlers.handles, agent_handlers.handles])

@@ -13,6 +13,7 @@ it and a cycle between top-level packages (declared or found) each fail, naming 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,6 +89,7 @@ def commands(root: Path = ROOT) -> set[str]:
     return {module for module, _ in ast.literal_eval(table).values()}
 
 
+@functools.lru_cache(maxsize=None)   # the tree is read once per session, however many tests ask
 def imports(root: Path = ROOT) -> list[tuple[str, str, str, bool]]:
     """(importer, imported, "file:line: imports module", by a command when it runs) of every import of
     one top-level package by another."""
@@ -154,7 +156,7 @@ def test_every_import_between_packages_follows_the_layers():
 def test_no_cycle_between_top_level_packages():
     """Implied by the two tests above while BUILDS_ON is acyclic; checked on the imports themselves so a
     cycle is named as one, path and all, whatever the declaration says."""
-    found = imports()
+    found = imports(ROOT)
     edges = {(importer, target) for importer, target, _, by_command in found if not by_command}
     assert [" -> ".join(cycle) + ": " + "; ".join(sorted({where for i, t, where, c in found if not c
                                                           and (i, t) in zip(cycle, cycle[1:])}))
@@ -173,6 +175,18 @@ def test_the_architecture_page_shows_this_matrix():
             rows[cells[0]] = (built_on, below)
     allowed = may_import()
     assert rows == {package: (set(row), allowed[package] - {package}) for package, row in BUILDS_ON.items()}
+
+
+def test_every_command_is_the_cli_module_of_its_package():
+    """Where a command lives (docs/architecture.md): its package's `cli.py`, a second one `<command>_cli.py`
+    beside it; none in the core's root, whose one command module is the dispatcher."""
+    table = commands()
+    for module in sorted(table):
+        package, _, name = module.rpartition(".")
+        assert package != "trainguard", f"{module}: a command in the core's root"
+        assert name == "cli" or (name.endswith("_cli") and f"{package}.cli" in table), module
+    stray = [path.name for path in (ROOT / "trainguard").glob("*cli.py") if path.name != "cli.py"]
+    assert stray == []
 
 
 def test_the_packages_are_folders_of_their_own():

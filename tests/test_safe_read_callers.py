@@ -1,7 +1,7 @@
 """Every product module reads run-directory files through trainguard/safe_read.py, and nothing else.
 
 A reader that opens a file its own way can be frozen by a FIFO put in the file's place, or made to read
-/dev/zero until memory runs out (issue 29: `incident.json`, `manifest.json`, `extra.pt`). This test scans
+/dev/zero until memory runs out (`incident.json`, `manifest.json`, `extra.pt`). This test scans
 the product's source for every way Python opens or reads a file (open(), Path.read_text/read_bytes/open,
 json.load, yaml loading, gzip/zstd/mmap openers, os.open for reading, shutil.copyfile) and fails on any
 call not in ALLOWED below, where each entry says why that call may read outside safe_read: it writes, or
@@ -24,7 +24,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("trainguard/safe_read.py", "open_append", "os.fdopen"): "the safe reader itself, over a checked descriptor",
     ("trainguard/replay/replica.py", "_may_hold_checks", "mmap.mmap"): "maps a file safe_read opened",
     ("trainguard/formats/tensorboard.py", "records", "mmap.mmap"): "maps an event file safe_read opened",
-    ("trainguard/tls.py", "load_schema", "read_text"): "the JSON Schema shipped in the package",
     ("trainguard/report/html.py", "render", "read_text"): "the report's CSS, shipped in the package",
     ("trainguard/report/html.py", "render", "read_text#2"): "the report's JS, shipped in the package",
     ("trainguard/cli.py", "main", "os.open"): "os.devnull, for writing (stdout of a closed pipe)",
@@ -138,7 +137,7 @@ def test_every_reader_of_a_run_directory_file_goes_through_safe_read():
 
 
 def test_the_scan_finds_a_plain_open_and_a_read_text(tmp_path):
-    """The scan is not blind: the shapes issue 29's readers had are found."""
+    """The scan is not blind: the shapes the unsafe readers once had are found."""
     tree = ast.parse("import json\n"
                      "def read(path):\n"
                      "    with open(path, 'rb') as f:\n        return f.read()\n"

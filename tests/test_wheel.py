@@ -24,6 +24,7 @@ import pytest
 
 import trainguard
 from tests.servers import require_binary
+from tests.test_layers import roots
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -86,14 +87,18 @@ def installed(tmp_path_factory) -> Installed:
     return where
 
 
-def test_the_wheel_and_the_sdist_hold_every_data_file_the_product_reads(installed):
+def test_the_wheel_and_the_sdist_hold_every_module_and_data_file_the_product_reads(installed):
+    """Every tracked file of every package folder: a data file pyproject.toml's package-data leaves out, a
+    module in a folder without __init__.py, a package setup.py's ROOTS does not map, each fails here."""
+    assert set(PACKAGE_FOLDERS) == set(roots().values())
     tracked = subprocess.run(["git", "ls-files", *PACKAGE_FOLDERS], cwd=ROOT, capture_output=True, text=True)
     if tracked.returncode != 0:
         pytest.skip("not a git checkout: the tracked files are unknown")
-    data = [Path(p) for p in tracked.stdout.split() if not p.endswith(".py")]
+    files = [Path(p) for p in tracked.stdout.split()]
     wheel = set(zipfile.ZipFile(installed.wheel).namelist())
-    expected = {f"{PACKAGE_FOLDERS[p.parts[0]]}/{Path(*p.parts[1:]).as_posix()}" for p in data}
+    expected = {f"{PACKAGE_FOLDERS[p.parts[0]]}/{Path(*p.parts[1:]).as_posix()}" for p in files}
     assert expected - wheel == set()
+    assert {"trainguard/runtime/checkpoint/manager.py", "trainguard/demo/stack.py"} <= wheel
     assert {"trainguard/schema/tls-v1.schema.json", "trainguard/report/assets/report.css",
             "trainguard/trainer/configs/tiny.yaml", "trainguard/agent/configs/agent.yaml",
             "trainguard/alerts/tests/training.test.yml"} <= wheel

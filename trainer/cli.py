@@ -210,7 +210,7 @@ def _absolute_paths(config: cfg.TrainConfig) -> None:
 def _check_checkpoint_key(config: cfg.TrainConfig, run_dir: Path, start_over: bool) -> str | None:
     """Before any rank starts: checkpoints signed with another key stop the run (a silent start from
     step 0 would let retention destroy them), unless --start-over sets them aside. The message, or None."""
-    from trainguard.runtime.checkpoint import CheckpointError, CheckpointManager
+    from trainguard.runtime.checkpoint import CheckpointError, CheckpointManager, archive
     from trainguard.runtime.checkpoint.manager import KeyMismatchError
 
     if not rundir.checkpoints_dir(run_dir).is_dir():
@@ -218,7 +218,7 @@ def _check_checkpoint_key(config: cfg.TrainConfig, run_dir: Path, start_over: bo
     try:
         manager = CheckpointManager(run_dir, key_file=config.run.key_file or None, inspect_only=True)
         if start_over:
-            for path in manager.set_aside_foreign():
+            for path in archive.set_aside_foreign(manager):
                 print(f"trainguard train: --start-over: set aside {path}", file=sys.stderr)
         manager.check_key()
     except KeyMismatchError as exc:
@@ -253,7 +253,7 @@ def _current(path: Path) -> str | None:
 
 def write_resolved(config: cfg.TrainConfig, run_dir: Path) -> Path:
     """``RUN/config.yaml``: the configuration every rank trains with (atomic; untouched when unchanged)."""
-    path = run_dir / "config.yaml"
+    path = rundir.config_path(run_dir)
     text = config.dump()
     if not path.exists() or _current(path) != text:
         tmp = path.with_name(f".config.yaml.{os.getpid()}.tmp")
@@ -330,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         resolved = write_resolved(config, run_dir)
     except OSError as exc:
-        print(f"trainguard train: {run_dir / 'config.yaml'}: cannot write: {exc.strerror or exc} "
+        print(f"trainguard train: {rundir.config_path(run_dir)}: cannot write: {exc.strerror or exc} "
               f"({len(config.dump().encode())} bytes needed)", file=sys.stderr)
         return 2
     max_restarts = default_max_restarts(config, args.nproc) if args.max_restarts is None else args.max_restarts

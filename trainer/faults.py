@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainguard import rundir, safe_read
+from trainguard import event_types, rundir, safe_read
 
 KINDS = ("nan", "spike", "gradexplode", "hang", "crash", "slowio", "corrupt-checkpoint",
          "slowrank", "bitflip", "gradflip", "commhang", "error")
@@ -130,7 +130,7 @@ class FaultInjector:
             os.fsync(fd)
         finally:
             os.close(fd)
-        self.emit("fault_injected", step=step, kind=fault.kind, fault=fault.key, **detail)
+        self.emit(event_types.FAULT_INJECTED, step=step, kind=fault.kind, fault=fault.key, **detail)
 
     # ---------------------------------------------------------------------------------- the hooks
     def loss_factors(self, step: int) -> tuple[float, float]:
@@ -183,7 +183,7 @@ class FaultInjector:
         if not (fault := self._take("corrupt-checkpoint", step, at_or_after=True)):
             return
         wait()
-        victim = max((p for p in directory.iterdir() if p.is_file() and p.name != "manifest.json"),
+        victim = max((p for p in directory.iterdir() if p.is_file() and p.name != rundir.CHECKPOINT_MANIFEST),
                      key=lambda p: p.stat().st_size)
         offset = victim.stat().st_size // 2
         with open(victim, "r+b") as handle:

@@ -132,7 +132,7 @@ def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: in
         monitor_interval=0.5, start_method="spawn",
         # Each rank's output is also kept under RUN/logs (as torchrun --log-dir --tee 3 does), where the
         # agent's nccl collector reads NCCL warnings and watchdog timeouts.
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs"), tee=Std.ALL))
+        logs_specs=DefaultLogsSpecs(log_dir=str(rundir.logs_dir(run_dir)), tee=Std.ALL))
     worker = ("-m", "trainguard.trainer.train", "--run-dir", str(run_dir), "--config", str(resolved_config),
               *(("--config-sha256", config_sha256) if config_sha256 else ()))
     try:

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainguard import log, policy as policy_mod
+from trainguard import event_types, log, policy as policy_mod
 from trainguard.actions import STOP
-from trainguard.protect import EXIT_OK, EXIT_STOPPED, Outcome, Protector, TrainState, Verdict, handlers
+from trainguard.protect import EXIT_OK, EXIT_STOPPED, StepOutcome, Protector, TrainState, StepVerdict, handlers
 from trainguard.trainer import parallel
 from trainguard.trainer import schedules as dynamics
 from trainguard.trainer.config import TrainConfig
@@ -165,7 +165,7 @@ class Trainer:
             return None
         outcome = self.replicas.respond(
             verdict, restore=lambda: self.protector.restore(rollback=False),
-            stop=lambda event: handlers.stop_run(self.protector, Decision(STOP, "replica_mismatch", step,
+            stop=lambda event: handlers.stop_run(self.protector, Decision(STOP, event_types.REPLICA_MISMATCH, step,
                                                                            detail=event), event))
         return outcome.exit_code if outcome is not None else None
 
@@ -178,7 +178,7 @@ class Trainer:
         if begun.refused is not None:
             self.protector.close()
             return EXIT_STOPPED
-        self.protector.event("run_start", resumed_from=begun.resumed_from,
+        self.protector.event(event_types.RUN_START, resumed_from=begun.resumed_from,
                              restart_count=self.info.restart_count, world_size=self.world,
                              device=self.device.type, **self.telemetry.mfu_basis(),
                              params=self.model.num_params(), actions_mode=self.protector.policy.actions.mode)
@@ -268,14 +268,14 @@ class Trainer:
         torch.nn.utils.clip_grads_with_norm_(self.model.parameters(), self.schedule.clip_threshold(), grad_norm)
         return grad_norm, layer_norms
 
-    def apply_update(self, verdict: Verdict) -> None:
+    def apply_update(self, verdict: StepVerdict) -> None:
         """The optimizer and the schedule move unless the guard skipped the step."""
         if not verdict.skip:
             self.optimizer.step()
             self.schedule.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
 
-    def after_step(self, verdict: Verdict, lr: float, timings: dict) -> Outcome:
+    def after_step(self, verdict: StepVerdict, lr: float, timings: dict) -> StepOutcome:
         """The Protector's second call (record, decision, request, checkpoint), and the progress line."""
         batch = self.cfg.optim.batch_size
         tokens = batch * self.cfg.model.block_size

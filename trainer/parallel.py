@@ -63,13 +63,6 @@ def load_train_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
                    optim_state_dict=state["optim"])
 
 
-def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole, on every rank (a collective under FSDP2): to compare models across layouts."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(_unwrapped(model), options=StateDictOptions(full_state_dict=True))
-
-
 def local_shards(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     """Each parameter's storage on this rank: its shard under FSDP2 (the same memory the optimizer
     updates), the parameter itself otherwise."""

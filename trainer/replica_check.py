@@ -22,10 +22,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from trainguard import incidents, rundir, safe_read
+from trainguard import event_types, incidents, rundir, safe_read
 from trainguard.actions import CORDON, ROLLBACK, SHADOW_ACTION, STOP, shadow_event
-from trainguard.decide.replica import (ARBITRATION, CHECK_EVENT, MISMATCH, ReplicaCheck, ReplicaMonitor,
-                                       ReplicaPolicy, Verdict, agree, check_fields)
+from trainguard.decide.replica import (ARBITRATION, MISMATCH, ReplicaCheck, ReplicaMonitor,
+                                       ReplicaPolicy, ReplicaVerdict, agree, check_fields)
 from trainguard.trainer import fingerprint as fp
 
 META_KEY = "replica_fingerprint"
@@ -59,7 +59,7 @@ class ReplicaChecks:
         self._grads: tuple[int, torch.Tensor] | None = None   # (step, gradients' fingerprint) to check
         self.checked: int | None = None               # step of the last check, whatever it found
         self.last: tuple[int, int] | None = None      # (step, weights fingerprint) of the last agreed check
-        self.refusal: Verdict | None = None           # why before_checkpoint said no (acted on next)
+        self.refusal: ReplicaVerdict | None = None           # why before_checkpoint said no (acted on next)
 
     @property
     def enabled(self) -> bool:
@@ -78,7 +78,7 @@ class ReplicaChecks:
     def _weights(self) -> torch.Tensor:
         return self.fingerprints.fingerprint(self.params)
 
-    def after_step(self, step: int) -> Verdict | None:
+    def after_step(self, step: int) -> ReplicaVerdict | None:
         """After the optimizer step and the step's record: a verdict to act on, or None. At check steps
         (unless the checkpoint before this already checked it), and any refusal of a checkpoint."""
         if self.refusal is not None:
@@ -88,7 +88,7 @@ class ReplicaChecks:
             return None
         return self.check(step)
 
-    def check(self, step: int) -> Verdict | None:
+    def check(self, step: int) -> ReplicaVerdict | None:
         """One all-gather of every rank's (weights, gradients, clock) — recorded and decided. Rank 0's
         clock is the check's time on every rank, so their records and incident ids agree."""
         grads = self._grads[1] if self._grads is not None and self._grads[0] == step else None
@@ -106,7 +106,7 @@ class ReplicaChecks:
             recomputed = tuple(fp.gather(self._weights().reshape(1), self.world).reshape(-1).tolist())
             tensors = fp.gather(self.fingerprints.many(self.params), self.world).tolist()
         check = ReplicaCheck(step, rows[0][2] / 1e9, weights, gradients, recomputed, self.nodes)
-        self.emit(CHECK_EVENT, step=step, **check_fields(check))
+        self.emit(event_types.REPLICA_CHECK, step=step, **check_fields(check))
         verdict = self.monitor.observe(check)
         if agree(weights) and (verdict is None or verdict.action is None):
             self.last = (step, weights[0])
@@ -130,7 +130,7 @@ class ReplicaChecks:
         return {META_KEY: {"step": step, "weights": fp.hex64(self.last[1]), "replicas": self.world}}
 
     # ---------------------------------------------------------------------------------- acting
-    def respond(self, verdict: Verdict, *, restore: Callable[[], int | None],
+    def respond(self, verdict: ReplicaVerdict, *, restore: Callable[[], int | None],
                 stop: Callable[[dict], Any]) -> Any:
         """Record the verdict everywhere it belongs, then roll back (or stop). Returns what `stop` returned,
         or None when training goes on."""
@@ -156,7 +156,7 @@ class ReplicaChecks:
         self.rollback(verdict, ident, restore)
         return None
 
-    def rollback(self, verdict: Verdict, ident: str, restore: Callable[[], int | None]) -> None:
+    def rollback(self, verdict: ReplicaVerdict, ident: str, restore: Callable[[], int | None]) -> None:
         """Every rank to the newest verified checkpoint, then proof that the replicas are one again."""
         from_step = verdict.step
         restored = restore()
@@ -173,7 +173,7 @@ class ReplicaChecks:
             self.last = (restored, rows[0]) if restored is not None else None
 
     # ------------------------------------------------------------------------------- incidents
-    def _incident(self, verdict: Verdict, ident: str, when: float) -> incidents.Incident:
+    def _incident(self, verdict: ReplicaVerdict, ident: str, when: float) -> incidents.Incident:
         culprit = None
         if len(verdict.ranks) == 1:
             culprit = {"rank": verdict.ranks[0], "node": verdict.nodes[0] if verdict.nodes else None}
@@ -186,7 +186,7 @@ class ReplicaChecks:
             extra={"step": verdict.step, "what": verdict.what, "ranks": list(verdict.ranks),
                    "cordon": list(verdict.cordon)})
 
-    def _write_incident(self, verdict: Verdict, ident: str) -> None:
+    def _write_incident(self, verdict: ReplicaVerdict, ident: str) -> None:
         from trainguard.runtime import cordon_key
         from trainguard.runtime.checkpoint import keys
 
@@ -199,30 +199,30 @@ class ReplicaChecks:
         except (OSError, incidents.IncidentError) as exc:   # the rollback matters more than the record
             self.log.error("could not write the incident", incident=ident, error=str(exc))
 
-    def _record_culprit(self, verdict: Verdict, ident: str) -> None:
+    def _record_culprit(self, verdict: ReplicaVerdict, ident: str) -> None:
         """A two-replica mismatch arbitrated by the replay: the incident of that mismatch names the rank."""
         for rank, node in zip(verdict.ranks, verdict.nodes):
-            self.emit("culprit", step=verdict.step, incident=ident, rank=rank, node=node, kind="sdc",
+            self.emit(event_types.CULPRIT, step=verdict.step, incident=ident, rank=rank, node=node, kind="sdc",
                       what=verdict.what, confidence=verdict.confidence, reasons=list(verdict.reasons))
         if self.rank == 0:
             self._write_incident(verdict, ident)
             for host in verdict.cordon:
                 self._cordon(host, verdict, ident)
 
-    def _shadow(self, action: str, verdict: Verdict, ident: str, **evidence: Any) -> None:
+    def _shadow(self, action: str, verdict: ReplicaVerdict, ident: str, **evidence: Any) -> None:
         self.emit(SHADOW_ACTION, step=verdict.step, **shadow_event(
             action, MISMATCH, DETECTED_BY, incident=ident, ranks=list(verdict.ranks), what=verdict.what,
             **evidence))
         self.log.warning("shadow: would have acted", action=action, incident=ident, **evidence)
 
-    def _cordon(self, host: str, verdict: Verdict, ident: str) -> None:
+    def _cordon(self, host: str, verdict: ReplicaVerdict, ident: str) -> None:
         """RUN/control/cordon/<host>: kept out of the job until `trainguard uncordon` (the reason inside)."""
         from trainguard.runtime import cordon_key
 
         if self.shadow:
             self._shadow(CORDON, verdict, ident, host=host)
             return
-        reason = {"reason": "replica_mismatch", "detected_by": DETECTED_BY, "incident": ident,
+        reason = {"reason": event_types.REPLICA_MISMATCH, "detected_by": DETECTED_BY, "incident": ident,
                   "step": verdict.step, "ranks": list(verdict.ranks), "what": verdict.what, "time": time.time(),
                   "why": list(verdict.reasons), "by": f"rank:{self.rank}"}
         key, where = cordon_key.signing_key(self.key_file, create=True)
@@ -234,7 +234,7 @@ class ReplicaChecks:
         except OSError as exc:
             self.log.error("could not write the cordon file", host=host, error=str(exc))
             return
-        self.emit(CORDON, step=verdict.step, host=host, incident=ident, reason="replica_mismatch")
+        self.emit(CORDON, step=verdict.step, host=host, incident=ident, reason=event_types.REPLICA_MISMATCH)
         self.log.error("node cordoned: named in a second replica mismatch", host=host, incident=ident)
 
 
@@ -258,7 +258,7 @@ def recorded_fingerprint(run_dir: Path, step: int) -> str | None:
     from trainguard.runtime.checkpoint.manifest import MANIFEST_NAME
 
     try:
-        manifest = safe_read.read_json(rundir.checkpoints_dir(run_dir) / f"step_{step}" / MANIFEST_NAME,
+        manifest = safe_read.read_json(rundir.step_dir(run_dir, step) / MANIFEST_NAME,
                                        safe_read.MANIFEST_BYTES, "manifest")
         if not isinstance(manifest, dict):
             return None

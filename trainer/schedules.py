@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from trainguard import event_types
 from trainguard.actions import ROLLBACK
 from trainguard.decide import clipping
 from trainguard.decide import schedules as machines
@@ -128,7 +129,7 @@ class Dynamics(LRSchedule):
         if self.machine.waiting:
             began = time.perf_counter()
             val = validate()
-            self._evaluation = {"val_loss": val, "purpose": "lr_phase", "wanted": self.machine.waiting,
+            self._evaluation = {"val_loss": val, "purpose": event_types.LR_PHASE, "wanted": self.machine.waiting,
                                 "seconds": time.perf_counter() - began}
             self._observed += self.machine.evaluated(signals.step, val)
 
@@ -138,14 +139,14 @@ class Dynamics(LRSchedule):
         changes, self._observed = self._observed, []
         evaluation, self._evaluation = self._evaluation, None
         if evaluation is not None:
-            self.emit("evaluation", step=step, **evaluation)
+            self.emit(event_types.EVALUATION, step=step, **evaluation)
         if rolled_back:
             changes = []
             restored, self.restored = self.restored, None
             if restored is not None and restored.phase != self.phase_before:
                 changes.append(dataclasses.replace(restored, step=step, previous=self.phase_before))
             if self.pending_reinit is not None and (layer := self.reinit_layer()) is not None:
-                self.emit("layer_reinit", step=step, layer=layer)
+                self.emit(event_types.LAYER_REINIT, step=step, layer=layer)
         for change in changes:
             _write(self.emit, change)
 
@@ -202,7 +203,7 @@ class Dynamics(LRSchedule):
 
 
 def _write(emit: Callable[..., Any], change: PhaseChange) -> None:
-    emit(machines.EVENT, step=change.step, **change.as_event())
+    emit(event_types.LR_PHASE, step=change.step, **change.as_event())
 
 
 def param_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """`trainguard` command line: a thin dispatcher.
 
-Each command lives beside the code it drives, in a module with `add_arguments(parser)` and
-`run(args) -> int`; they are imported only when used, so `trainguard replay` never imports torch.
+Each command lives in the package that does its work, as its `cli.py` (a second command of the same
+package: `<command>_cli.py`), a module with `add_arguments(parser)` and `run(args) -> int`; they are
+imported only when used, so `trainguard replay` never imports torch (docs/architecture.md, "Where a
+command lives").
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ COMMANDS = {
     "cordon": ("trainguard.cordon.cli", "keep a node out of the job by hand (a signed cordon)"),
     "uncordon": ("trainguard.cordon.uncordon_cli", "let a node kept out of the job join it again"),
     "convert": ("trainguard.formats.cli", "TensorBoard, trainer_state.json, Megatron or torchtitan logs as TLS"),
+    "policy": ("trainguard.replay.policy_cli", "the policy a run acts under, every key; check a policy file"),
 }
 
 

@@ -4,7 +4,8 @@ A TLS v1 record's `event` section is ``{"type": <one of these>, ...}`` (docs/tra
 schema trainguard/schema/tls-v1.schema.json). Writers and readers import the name from here rather than
 spelling it; tests/test_vocabulary.py rejects the literal elsewhere in the product. A decision of the guard,
 the cost policy or the webhook is recorded as an event whose type is the action's own name (`skip_step`,
-`rollback`, `restore`, `stop`, `cost_*`): those names belong to trainguard/actions.py.
+`rollback`, `restore`, `stop`, `cost_*`): those names belong to trainguard/actions.py, and so do the two
+types below that are the action table's (`cordon`, `shadow_action`).
 
 Pure: no I/O. A new event type: its constant and one line here, then its writer and its readers.
 """
@@ -38,7 +39,7 @@ IN_PROCESS_RESTART = "in_process_restart"  # the ranks re-formed their group in-
 # -------------------------------------------------------------------- decisions and what was done
 ALERT = "alert"                    # an alert notification the agent decided on: alertname, status, outcome
 ACTION = "action"                  # an action carried out, claimed, refused or failed: action, outcome
-SHADOW_ACTION = "shadow_action"    # an action decided and not carried out (shadow mode): action, evidence
+SHADOW_ACTION = actions.SHADOW_ACTION  # an action decided and not carried out (shadow mode): action, evidence
 CONTROL_REFUSED = "control_refused"            # a control request that did not prove who wrote it: why
 STOP_MARKER_REFUSED = "stop_marker_refused"    # a RUN/control/stopped.json rank 0 did not sign: why
 LOSS_LEVEL_SHIFT = "loss_level_shift"          # the guard accepted a new loss level: loss_before, loss_after

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from trainguard import actions as actions_mod, paths, safe_read
-from trainguard.config import (ABSOLUTE_PATH, DURATION, FRACTION, SHARE, WINDOW, Choice, Key, Range, above, at_least,
+from trainguard.config import (ABSOLUTE_PATH, DURATION, SHARE, WINDOW, Choice, Key, Range, above, at_least,
                                cross_checks, declared, key, leaves, parse_duration, shown)
 from trainguard.decide.clipping import ClippingPolicy
 from trainguard.decide.cost import CostPolicy, CostTiers
@@ -213,7 +213,7 @@ RULES: dict[str, Range | Choice | str] = {name: declaration.check for name, decl
 # An older key that means the same number as a declared one: alias -> the key.
 ALIASES: dict[str, str] = {d.alias: name for name, d in DECLARED.items() if d.alias}
 FALLBACK = at_least(0)      # a field declared without `key` (the property test names it): finite, >= 0
-_ = FRACTION                # (FRACTION, SHARE ... are the declarations' words; re-exported with them)
+ABSENT = object()           # no value at a dotted key of a decoded file
 
 
 def _check_value(name: str, default: Any, value: Any) -> Any:
@@ -270,24 +270,42 @@ def _resolve_aliases(data: Any, source: str) -> tuple[Any, dict[str, str]]:
     its key given, with different values, is an error: one number cannot be two."""
     spelled: dict[str, str] = {}
     for alias, name in ALIASES.items():
-        alias_section, alias_key = alias.split(".")
-        section, key_name = name.split(".")
-        given = data.get(alias_section) if isinstance(data, dict) else None
-        if not isinstance(given, dict) or alias_key not in given:
+        given = _at(data, alias)
+        if given is ABSENT:
             continue
-        data = dict(data)
-        data[alias_section] = {k: v for k, v in given.items() if k != alias_key}
-        target = data.get(section, {})
-        if not isinstance(target, dict):
-            continue        # `section` is not a mapping: _build names it
-        target = data[section] = dict(target)
-        if key_name in target and target[key_name] != given[alias_key]:
+        present = _at(data, name)
+        if present is not ABSENT and present != given:
             raise PolicyError(f"{source}: {alias}: an alias of {name}, which is given too with another value "
-                              f"({shown(given[alias_key])} and {shown(target[key_name])}): give {name} only")
-        if key_name not in target:
-            target[key_name] = given[alias_key]
+                              f"({shown(given)} and {shown(present)}): give {name} only")
+        data = _placed(_placed(data, alias, ABSENT), name, given)
+        if present is ABSENT:
             spelled[name] = alias
     return data, spelled
+
+
+def _at(data: Any, dotted: str) -> Any:
+    """The value at a dotted key of decoded YAML, or ABSENT."""
+    for part in dotted.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return ABSENT
+        data = data[part]
+    return data
+
+
+def _placed(data: Any, dotted: str, value: Any) -> Any:
+    """A copy of `data` with `value` at the dotted key (ABSENT: removed); `data` as it is where a section on
+    the way is not a mapping (`_build` names that)."""
+    head, _, rest = dotted.partition(".")
+    if not isinstance(data, dict):
+        return data
+    copy = dict(data)
+    if rest:
+        copy[head] = _placed(copy.get(head, {}), rest, value)
+    elif value is ABSENT:
+        copy.pop(head, None)
+    else:
+        copy[head] = value
+    return copy
 
 
 def from_mapping(data: Any, source: str = "policy") -> Policy:

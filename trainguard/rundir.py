@@ -25,10 +25,12 @@
     RUN/control/faults-fired.jsonl         injected faults that already fired (trainer/faults.py)
     RUN/control/stopped.json               the run stopped for good, signed by rank 0 (protect/protector.py)
     RUN/config.yaml                        what every worker trains with (trainer/cli.py; its digest on their command line)
+    RUN/logs/                              each rank's output, as torchrun --log-dir keeps it (trainer/launch.py)
+    RUN/cost_summary.json                  what a cost_stop spent and kept (protect/protector.py)
 
 Who writes and reads each, how a reader knows it is genuine, and what a forged one does: docs/reliability.md,
-"Every file under RUN". The layout is the on-disk contract of /work/shared/design.md ("Run directory"); every module asks here for a
-path instead of spelling it. Files whose content another module owns (claims, cordons, launchers, dumps)
+"Every file under RUN". The layout is the on-disk contract (docs/architecture.md, "Run directory and the
+control channel"); every module asks here for a path instead of spelling it (tests/test_vocabulary.py). Files whose content another module owns (claims, cordons, launchers, dumps)
 get their path here and their content there. No torch, no psutil: the core, the agent and the trainer all
 import this module.
 """
@@ -47,6 +49,10 @@ from trainguard import safe_read, signed
 
 PathLike = str | os.PathLike
 CHECKPOINT_STATUS_FILE = "status.json"
+CHECKPOINT_MANIFEST = "manifest.json"      # in each step_<N>/ (its content: trainer/checkpoint/manifest.py)
+STEP_DIR_PREFIX = "step_"                  # a checkpoint's directory is step_<N>
+_STEP_DIR = re.compile(r"step_([0-9]+)")
+LOGS_DIR = "logs"                          # relative to the run directory (the nccl collector's default globs)
 
 
 # ------------------------------------------------------------------------------------------- paths
@@ -71,6 +77,21 @@ def checkpoints_dir(run_dir: PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def step_dir_name(step: int) -> str:
+    """`step_<N>`: the name of step N's checkpoint directory, also how a TLS record names its last checkpoint."""
+    return f"{STEP_DIR_PREFIX}{step}"
+
+
+def step_of_dir(name: str) -> int | None:
+    """N of a `step_<N>` directory name (ASCII digits only); None for any other name."""
+    match = _STEP_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def step_dir(run_dir: PathLike, step: int) -> Path:
+    return checkpoints_dir(run_dir) / step_dir_name(step)
+
+
 def checkpoint_status_path(run_dir: PathLike) -> Path:
     return checkpoints_dir(run_dir) / CHECKPOINT_STATUS_FILE
 
@@ -81,6 +102,10 @@ def policy_path(run_dir: PathLike) -> Path:
 
 def policy_signature_path(run_dir: PathLike) -> Path:
     return Path(run_dir) / "policy.sig.json"
+
+
+def config_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "config.yaml"
 
 
 def preflight_path(run_dir: PathLike) -> Path:
@@ -180,6 +205,14 @@ def stopped_path(run_dir: PathLike) -> Path:
     return control_dir(run_dir) / "stopped.json"
 
 
+def logs_dir(run_dir: PathLike) -> Path:
+    return Path(run_dir) / LOGS_DIR
+
+
+def cost_summary_path(run_dir: PathLike) -> Path:
+    return Path(run_dir) / "cost_summary.json"
+
+
 def run_dir_of(path: PathLike) -> Path:
     """The run directory of `path`, which names either it or its tls/ folder."""
     path = Path(path)
@@ -212,14 +245,14 @@ def checkpoint_manifest(step_dir: PathLike) -> dict:
     from trainguard import safe_read
 
     step_dir = Path(step_dir)
-    match = re.fullmatch(r"step_(\d+)", step_dir.name)
-    manifest = safe_read.read_json(step_dir / "manifest.json", safe_read.MANIFEST_BYTES, "manifest")
+    step_of_name = step_of_dir(step_dir.name)
+    manifest = safe_read.read_json(step_dir / CHECKPOINT_MANIFEST, safe_read.MANIFEST_BYTES, "manifest")
     if not isinstance(manifest, dict):
         raise ValueError("not a JSON object")
     if not str(manifest.get("format", "")).startswith(CHECKPOINT_FORMAT_PREFIX):
         raise ValueError(f"format: not a trainguard checkpoint manifest ({str(manifest.get('format'))[:40]!r})")
     step = manifest.get("step")
-    if match is None or type(step) is not int or step != int(match.group(1)):
+    if step_of_name is None or type(step) is not int or step != step_of_name:
         raise ValueError(f"step: {str(step)[:40]!r} is not the directory's step")
     signature = manifest.get("signature")
     if not isinstance(signature, dict) or not re.fullmatch(r"[0-9a-f]{64}", str(signature.get("value"))):

@@ -357,11 +357,3 @@ def lines(handle: IO[bytes], path: PathLike) -> Iterator[bytes]:
         yield b"".join(pieces)
 
 
-def is_regular(path: PathLike) -> bool:
-    """`path` is a regular file (a link to one counts): what a directory scan may hand to a reader."""
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
-
-

@@ -458,7 +458,3 @@ def event(kind: str, *, step: int | None = None, timestamp: float | None = None,
     """A TLS record carrying one event (``{"type": kind, ...}``)."""
     return make_record(step=step, timestamp=timestamp, event={"type": kind, **fields})
 
-
-def load_schema() -> dict[str, Any]:
-    schema: dict[str, Any] = json.loads(SCHEMA_PATH.read_text())
-    return schema

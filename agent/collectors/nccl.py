@@ -28,6 +28,7 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from ..collector import Collector, Sample, register
+from trainguard import rundir
 from trainguard.metrics.families import LabelCache, Spec
 from ..procfs import RankPids, process_start, read_environ
 from ..tail import Follower
@@ -55,7 +56,7 @@ ENV_VARS = (
     "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_IB_TIMEOUT", "NCCL_IB_RETRY_CNT",
 )
 MAX_LABEL_CHARS = 64          # an environment value is the user's: keep the label bounded
-DEFAULT_LOGS = ["logs/**/*.log"]
+DEFAULT_LOGS = [f"{rundir.LOGS_DIR}/**/*.log"]
 # The globs walk the whole log tree (torchrun adds a directory per restart attempt and rank), so new
 # directories are looked for this often, not every update. A follower found late reads its files from the
 # start: nothing is lost, a new rank's first lines are only counted up to this much later.

@@ -3,7 +3,7 @@
     from trainguard.runtime.checkpoint import CheckpointManager, verify
 
 Layout: `manager` (CheckpointManager: save, verify, keep, restore, composed of `saving`, `status`,
-`retention`, `restore`, `directory`, `group`, `events`), `manifest` (pure: manifest, signature, reasons),
+`retention`, `restore`, `directory`, `group`, `events`; `archive`: the commands' set aside, import, export), `manifest` (pure: manifest, signature, reasons),
 `keys` (the signing key), `store` (files on disk: hashing writer, atomic publish), `verification` (the one
 verification), `sharded` / `sharded_load` (DCP shards written hashed / read verified and resharded),
 `state` (what goes in which file, copy off the device), `compress`. User guide: docs/checkpoints.md.

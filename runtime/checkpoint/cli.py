@@ -19,10 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-from trainguard import paths
+from trainguard import event_types, paths, rundir
 from trainguard.progress import Progress
 from trainguard.tls import parse_timestamp
 from trainguard.runtime.checkpoint import Checkpoint, CheckpointError, CheckpointInfo, CheckpointManager
+from trainguard.runtime.checkpoint import archive
 from trainguard.runtime.checkpoint.restore import GONE
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     skipped: list[dict] = []
 
     def collect(kind: str, **fields: object) -> None:
-        if kind == "checkpoint_invalid":
+        if kind == event_types.CHECKPOINT_INVALID:
             skipped.append({"path": fields["path"], "code": fields["code"], "reason": fields["reason"]})
 
     command = {"list": _list, "verify": _verify, "restore": _restore, "export": _export}[args.action]
@@ -129,7 +130,7 @@ def _list(manager: CheckpointManager, args: argparse.Namespace, skipped: list) -
 
 def _verify(manager: CheckpointManager, args: argparse.Namespace, skipped: list) -> int:
     if args.step is not None and args.step not in manager.steps():
-        raise _Exit(EXIT_USAGE, f"{manager.root}: no step_{args.step}")
+        raise _Exit(EXIT_USAGE, f"{manager.root}: no {rundir.step_dir_name(args.step)}")
     with Progress("checkpoint verify", unit="checkpoints") as shown:
         rows = [r for r in manager.list(deep=True, progress=shown) if args.step is None or r.step == args.step]
     ok = all(r.ok or r.code == GONE for r in rows)      # one retention removed meanwhile failed nothing
@@ -151,7 +152,7 @@ def _restore(manager: CheckpointManager, args: argparse.Namespace, skipped: list
     if chosen is not None:
         if args.to:
             target = CheckpointManager(args.to, key_file=args.key_file, log=_quiet_log())
-            chosen = target.import_checkpoint(chosen)
+            chosen = archive.import_checkpoint(target, chosen)
             report["exported_to"] = str(chosen.path)
         else:
             report["superseded"] = [str(p) for p in manager.supersede_after(chosen.step, pinned=True)]
@@ -167,7 +168,7 @@ def _export(manager: CheckpointManager, args: argparse.Namespace, skipped: list)
     chosen = manager.latest_verified() if args.step is None else _requested(manager, args.step, False)
     if chosen is None:
         raise _Exit(EXIT_FAILED, f"{manager.root}: no checkpoint verifies; nothing to export")
-    exported = manager.export_checkpoint(chosen, args.to, compress=args.compress)
+    exported = archive.export_checkpoint(manager, chosen, args.to, compress=args.compress)
     layout = exported.manifest["layout"]
     report = {"step": exported.step, "path": str(exported.path), "compress": args.compress,
               "bytes": sum(e["bytes"] for e in exported.manifest["files"].values()),
@@ -175,7 +176,7 @@ def _export(manager: CheckpointManager, args: argparse.Namespace, skipped: list)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"exported step_{report['step']} to {report['path']} ({args.compress}, {_size(report['bytes'])}, "
+        print(f"exported {rundir.step_dir_name(report['step'])} to {report['path']} ({args.compress}, {_size(report['bytes'])}, "
               f"max abs error {report['max_abs_error']:.3g}, max rel error {report['max_rel_error']:.3g}); "
               "an export is never resumed from")
     return EXIT_OK
@@ -183,7 +184,7 @@ def _export(manager: CheckpointManager, args: argparse.Namespace, skipped: list)
 
 def _requested(manager: CheckpointManager, step: int, stable_only: bool) -> Checkpoint:
     if step not in manager.steps():
-        raise _Exit(EXIT_USAGE, f"{manager.root}: no step_{step}")
+        raise _Exit(EXIT_USAGE, f"{manager.root}: no {rundir.step_dir_name(step)}")
     result = manager.verify_step(step, deep=True)
     if not result.ok:
         raise _Exit(EXIT_FAILED, f"{result.path}: {result.reason}")
@@ -201,8 +202,8 @@ def _print_restore(report: dict, run_dir: Path) -> None:
         print("no checkpoint verifies; a resumed run would start from scratch")
         return
     if report["exported_to"]:
-        print(f"copied step_{report['step']} to {report['exported_to']} (verified)")
-    print(f"a run resumed on {run_dir} starts from step_{report['step']}")
+        print(f"copied {rundir.step_dir_name(report['step'])} to {report['exported_to']} (verified)")
+    print(f"a run resumed on {run_dir} starts from {rundir.step_dir_name(report['step'])}")
 
 
 def _size(n: int) -> str:

@@ -35,13 +35,13 @@ class CheckpointDirs:
         self._key = key
 
     def path_of(self, step: int) -> Path:
-        return self.root / f"step_{step}"
+        return self.root / rundir.step_dir_name(step)
 
     def newest_first(self) -> Iterator[tuple[int, Path]]:
         """(step, path) of every step_<N> directory, newest first."""
         found = []
         for path in self.root.iterdir() if self.root.is_dir() else ():
-            step = mf.step_of_dir(path.name)
+            step = rundir.step_of_dir(path.name)
             if step is not None and path.is_dir():
                 found.append((step, path))
         return iter(sorted(found, reverse=True))

@@ -10,6 +10,7 @@ It composes the parts, each a module with one job:
     status.py     what became of each save: the log, the event, RUN/checkpoints/status.json, failures in a row
     retention.py  keep the newest that verify (and the newest stable one); move aside, never delete, the rest
     restore.py    the newest checkpoint that verifies, and its state (resharded into `into` when given)
+    archive.py    what the commands do beside it: set aside foreign checkpoints, import one, export one
     directory.py  RUN/checkpoints/: the step directories, each verified (verification.verify_dir)
     group.py      the ranks a distributed manager saves and loads with (its own gloo group)
 
@@ -27,13 +28,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainguard import log as tglog
+from trainguard import rundir
 from trainguard.runtime.checkpoint import compress as compress_mod
-from trainguard.runtime.checkpoint import keys, saving, store
-from trainguard.runtime.checkpoint import manifest as mf
+from trainguard.runtime.checkpoint import keys, store
 from trainguard.runtime.checkpoint.directory import INVALID, STATUS_FILE, SUPERSEDED, CheckpointDirs, KeyMismatchError
 from trainguard.runtime.checkpoint.events import EventSink, Events
 from trainguard.runtime.checkpoint.group import RankGroup
-from trainguard.runtime.checkpoint.manifest import CheckpointError, VerifyResult
+from trainguard.runtime.checkpoint.manifest import VerifyResult
 from trainguard.runtime.checkpoint.restore import Checkpoint, CheckpointInfo, Restorer, info_of
 from trainguard.runtime.checkpoint.retention import Retention
 from trainguard.runtime.checkpoint.saving import ENGINES, TENSOR_PARTS, SaveHandle, Saver, versions
@@ -61,7 +62,7 @@ class CheckpointManager:
         """
         _check_options(keep_last, on_error, engine, compress)
         self.run_dir = Path(run_dir)
-        self.root = self.run_dir / "checkpoints"
+        self.root = rundir.checkpoints_dir(self.run_dir)
         if not inspect_only:
             self.root.mkdir(parents=True, exist_ok=True)
         self.key_path = keys.resolve_key_path(key_file)
@@ -75,7 +76,9 @@ class CheckpointManager:
         self._dirs = CheckpointDirs(self.root, self._key, keys.key_id(self._key))
         self._saver = Saver(self.root, self._key, self.key_id, self._group, engine=engine, compress=compress,
                             async_save=async_save, world_size=world_size, lock=lock, finished=self._save_ended)
-        self._report = SaveReport(self.root, self.rank, self.events, async_save=async_save, on_error=on_error)
+        # what became of the saves: `report.failures` (consecutive failed saves, 0 after a durable one),
+        # `report.durable_step` (the newest step this manager made durable)
+        self.report = SaveReport(self.root, self.rank, self.events, async_save=async_save, on_error=on_error)
         self._retention = Retention(self._dirs, keep_last, self.events, lock)
         self._restorer = Restorer(self._dirs, self._group, self.events, lock)
         self._lock = lock
@@ -94,16 +97,16 @@ class CheckpointManager:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._finish_pending()
         handle = self._saver.start(step, state, stable=stable, meta=dict(meta or {}))
-        if not self.async_save:
-            self._surface(handle)
+        if not self.async_save and handle.error is not None and self.on_error == "raise":
+            raise handle.error
         return handle
 
     def _save_ended(self, handle: SaveHandle, error: BaseException | None, bytes_needed: int) -> None:
         """The saver's `finished`: report the outcome; after a durable save, keep what retention keeps."""
         if error is not None:
-            self._report.failed(handle, error, bytes_needed, newest=self._dirs.newest_name())
+            self.report.failed(handle, error, bytes_needed, newest=self._dirs.newest_name())
             return
-        self._report.durable(handle)
+        self.report.durable(handle)
         if self.rank == 0:
             self._retention.retain_quietly()
 
@@ -114,34 +117,11 @@ class CheckpointManager:
     def close(self) -> None:
         self.wait()
 
-    def __enter__(self) -> "CheckpointManager":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _finish_pending(self) -> None:
+        """The save in flight, finished; its error raised (on_error="raise")."""
         handle = self._saver.finish_pending()
-        if handle is not None:
-            self._surface(handle)
-
-    def _surface(self, handle: SaveHandle) -> None:
-        if handle.error is not None and self.on_error == "raise":
+        if handle is not None and handle.error is not None and self.on_error == "raise":
             raise handle.error
-
-    @property
-    def failures(self) -> int:
-        """Consecutive failed saves (0 after a durable one)."""
-        return self._report.failures
-
-    @property
-    def durable_step(self) -> int | None:
-        """The newest step this manager made durable."""
-        return self._report.durable_step
-
-    def is_durable(self, step: int) -> bool:
-        """A checkpoint of `step` exists under its final name and its manifest and sizes check out."""
-        return self.durable_step == step or self.verify_step(step, deep=False).ok
 
     # ---------------------------------------------------------------------------------------- verify
 
@@ -162,20 +142,11 @@ class CheckpointManager:
         """The fingerprint of the key in use (the `key_id` a manifest it signs carries)."""
         return self._dirs.key_id
 
-    def foreign_checkpoints(self) -> list[tuple[Path, str]]:
-        """(path, key id) of every checkpoint whose manifest names another signing key than ours."""
-        return self._dirs.foreign()
-
     def check_key(self) -> None:
         """Refuse to train on checkpoints signed under another key (KeyMismatchError says what to do)."""
         self._dirs.check_key(self.key_path)
 
     # ------------------------------------------------------------------------------------------ keep
-
-    def set_aside_foreign(self) -> list[Path]:
-        """--start-over: move the checkpoints signed with another key to checkpoints/invalid/ (kept)."""
-        return [self._retention.quarantine(path, mf.WRONG_KEY, f"signed with key id {key}, not {self.key_id}")
-                for path, key in self.foreign_checkpoints()]
 
     def supersede_after(self, step: int, *, pinned: bool = False) -> list[Path]:
         """Move every checkpoint newer than `step` to checkpoints/superseded/ (after a rollback to `step`,
@@ -183,35 +154,6 @@ class CheckpointManager:
         `pinned`: a person's restore; what it sets aside is never deleted (retention.py)."""
         self._finish_pending()
         return self._retention.supersede_after(step, pinned=pinned) if self.rank == 0 else []
-
-    def import_checkpoint(self, ckpt: Checkpoint) -> Checkpoint:
-        """Copy a verified checkpoint (of another run) into this run as its newest, and verify the copy:
-        a run started on this run directory resumes from it."""
-        self._finish_pending()
-        with self._lock:
-            final = self.root / ckpt.path.name
-            store.copy_dir(ckpt.path, [mf.MANIFEST_NAME, *ckpt.manifest["files"]], final)
-            self.supersede_after(ckpt.step, pinned=True)
-            result = self._dirs.verify(final, deep=True)
-        if not result.ok:
-            raise CheckpointError(f"{final}: the copy does not verify: {result.reason}", code=result.code,
-                                  path=final)
-        return Checkpoint.of(result)
-
-    def export_checkpoint(self, ckpt: Checkpoint, target: Path, *, compress: str = compress_mod.FP16_ZLIB
-                          ) -> Checkpoint:
-        """Write a verified checkpoint's state as an *export* under `target` (a run directory) with
-        `compress` (fp16-zlib: lossy, its largest absolute and relative error in the manifest). A resume
-        never picks an export."""
-        state = self.load(ckpt)
-        out = CheckpointManager(target, key_file=self.key_path, log=self.events.log)
-        final = out.root / ckpt.path.name
-        meta = {**ckpt.manifest.get("meta", {}), "exported_from": str(ckpt.path)}
-        saving.write_export(ckpt.step, ckpt.stable, state, meta, final, out._key, out.key_id, compress=compress)
-        result = out._dirs.verify(final, deep=True)
-        if not result.ok:
-            raise CheckpointError(f"{final}: the export does not verify: {result.reason}", code=result.code)
-        return Checkpoint.of(result)
 
     # --------------------------------------------------------------------------------------- restore
 

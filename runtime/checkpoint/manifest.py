@@ -16,15 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard import rundir
+
 # /1: whole files written by rank 0 (model.pt, optim.pt, extra.pt); still verified and restored.
 # /2: the tensors through torch.distributed.checkpoint (DCP shards of every rank and its `.metadata`),
 #     the rest in extra.pt; `layout` says how to read them.
 FORMAT_V1 = "trainguard-checkpoint/1"
 FORMAT = "trainguard-checkpoint/2"
 FORMATS = (FORMAT_V1, FORMAT)
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME = rundir.CHECKPOINT_MANIFEST
 ALGORITHM = "HMAC-SHA256"
-STEP_DIR = re.compile(r"\Astep_([0-9]+)\Z")
 _SAFE_NAME = re.compile(r"\A(?:[A-Za-z0-9_][A-Za-z0-9_.-]*|\.metadata)\Z")   # DCP names its index .metadata
 _HEX64 = re.compile(r"\A[0-9a-f]{64}\Z")
 
@@ -69,11 +70,6 @@ class FileEntry:
     name: str
     sha256: str
     bytes: int
-
-
-def step_of_dir(name: str) -> int | None:
-    match = STEP_DIR.match(name)
-    return int(match.group(1)) if match else None
 
 
 def build(*, step: int, files: list[FileEntry], stable: bool, world_size: int, created_at: str,
@@ -175,7 +171,7 @@ def check_signature(manifest: dict, key: bytes, key_id: str) -> tuple[str, str] 
 
 def check_step(manifest: dict, dir_name: str) -> tuple[str, str] | None:
     """A signed checkpoint copied under another step's name is still refused."""
-    if dir_name != f"step_{manifest['step']}":
+    if dir_name != rundir.step_dir_name(manifest['step']):
         return STEP_MISMATCH, f"directory {dir_name} holds a manifest for step {manifest['step']}"
     return None
 

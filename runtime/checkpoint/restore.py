@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from trainguard import event_types, rundir
 from trainguard.runtime.checkpoint import manifest as mf
 from trainguard.runtime.checkpoint import verification
 from trainguard.runtime.checkpoint.directory import CheckpointDirs
@@ -145,13 +146,13 @@ class Restorer:
         if result.ok:
             seconds = time.perf_counter() - began
             self.events.log.info("checkpoint_restored", step=result.step, path=str(path), seconds=round(seconds, 3))
-            self.events.emit("checkpoint_restored", step=result.step, path=str(path),
+            self.events.emit(event_types.CHECKPOINT_RESTORED, step=result.step, path=str(path),
                              stable=result.manifest["stable"], seconds=seconds)
         return result, state
 
     def _skipped(self, path: Path, code: str, reason: str) -> None:
         self.events.log.warning("checkpoint_skipped", path=str(path), code=code, reason=reason)
-        self.events.emit("checkpoint_invalid", step=mf.step_of_dir(path.name), path=str(path), code=code,
+        self.events.emit(event_types.CHECKPOINT_INVALID, step=rundir.step_of_dir(path.name), path=str(path), code=code,
                          reason=reason)
 
 

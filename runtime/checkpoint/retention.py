@@ -18,8 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from trainguard import event_types, rundir
 from trainguard.tls import format_timestamp
-from trainguard.runtime.checkpoint import manifest as mf
 from trainguard.runtime.checkpoint import store
 from trainguard.runtime.checkpoint.directory import INVALID, SUPERSEDED, CheckpointDirs
 from trainguard.runtime.checkpoint.events import Events
@@ -62,10 +62,10 @@ class Retention:
         self._prune_superseded()
 
     def _delete(self, path: Path) -> None:
-        step = mf.step_of_dir(path.name)
+        step = rundir.step_of_dir(path.name)
         store.remove_dir(path)
         self.events.log.info("checkpoint_deleted", step=step, path=str(path), reason="retention")
-        self.events.emit("checkpoint_deleted", step=step, path=str(path), reason="retention")
+        self.events.emit(event_types.CHECKPOINT_DELETED, step=step, path=str(path), reason="retention")
 
     def _prune_superseded(self) -> None:
         superseded = self.dirs.root / SUPERSEDED
@@ -73,10 +73,10 @@ class Retention:
             by_rollback = [path for path in superseded.iterdir() if not path.name.endswith(PINNED_SUFFIX)]
             newest_first = sorted(by_rollback, key=lambda p: p.stat().st_mtime, reverse=True)
             for path in newest_first[self.keep_last:]:
-                step = mf.step_of_dir(path.name.rsplit("-", 1)[0])
+                step = rundir.step_of_dir(path.name.rsplit("-", 1)[0])
                 shutil.rmtree(path, ignore_errors=True)
                 self.events.log.info("checkpoint_deleted", step=step, path=str(path), reason="superseded")
-                self.events.emit("checkpoint_deleted", step=step, path=str(path), reason="superseded")
+                self.events.emit(event_types.CHECKPOINT_DELETED, step=step, path=str(path), reason="superseded")
 
     def quarantine(self, path: Path, code: str, reason: str) -> Path:
         """Move a checkpoint that does not verify to checkpoints/invalid/<name>-<ns>/, with reason.json."""
@@ -88,14 +88,14 @@ class Retention:
         store.fsync_dir(root)
         try:
             store.write_bytes(destination / "reason.json", json.dumps(
-                {"step": mf.step_of_dir(path.name), "code": code, "reason": reason, "key_in_use": self.dirs.key_id,
+                {"step": rundir.step_of_dir(path.name), "code": code, "reason": reason, "key_in_use": self.dirs.key_id,
                  "moved_at": format_timestamp(time.time())}, indent=2).encode() + b"\n")
         except OSError:
             pass  # a full disk: the move is what protects it; the reason is in the log and the event
         store.fsync_dir(target)
-        self.events.log.warning("checkpoint_quarantined", step=mf.step_of_dir(path.name), path=str(destination),
+        self.events.log.warning("checkpoint_quarantined", step=rundir.step_of_dir(path.name), path=str(destination),
                                 code=code, reason=reason)
-        self.events.emit("checkpoint_quarantined", step=mf.step_of_dir(path.name), path=str(destination),
+        self.events.emit(event_types.CHECKPOINT_QUARANTINED, step=rundir.step_of_dir(path.name), path=str(destination),
                          code=code, reason=reason)
         return destination
 
@@ -113,7 +113,7 @@ class Retention:
                 destination = target / f"{path.name}-{time.time_ns()}{PINNED_SUFFIX if pinned else ''}"
                 path.rename(destination)
                 moved.append(destination)
-                self.events.emit("checkpoint_superseded", step=newer, path=str(destination), kept_step=step)
+                self.events.emit(event_types.CHECKPOINT_SUPERSEDED, step=newer, path=str(destination), kept_step=step)
             if moved:
                 store.fsync_dir(self.dirs.root)
                 store.fsync_dir(target)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager
 
 import trainguard
+from trainguard import rundir
 from trainguard.tls import format_timestamp
 from trainguard.runtime.checkpoint import compress as compress_mod
 from trainguard.runtime.checkpoint import manifest as mf
@@ -103,7 +104,7 @@ class Saver:
             mf.canonical(meta)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"meta must be JSON-serialisable: {exc}", code="bad_state") from None
-        handle = SaveHandle(step, self.root / f"step_{step}", bool(stable))
+        handle = SaveHandle(step, self.root / rundir.step_dir_name(step), bool(stable))
         if not self.async_save:
             self._write(handle, parts, meta, began)
             return handle

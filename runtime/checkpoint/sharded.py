@@ -30,7 +30,6 @@ METADATA = ".metadata"
 # also from its async upload thread, where a catch_warnings around the call does not reach: that is our
 # intent, so this one message is ignored process-wide.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled|unavailable)")
-SHARD_SUFFIX = ".distcp"
 
 
 def dcp():

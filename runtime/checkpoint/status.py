@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainguard import rundir, safe_read
+from trainguard import event_types, rundir, safe_read
 from trainguard.tls import format_timestamp
 from trainguard.runtime.checkpoint.directory import STATUS_FILE
 from trainguard.runtime.checkpoint.events import Events
@@ -50,7 +50,7 @@ class SaveReport:
                  bytes=handle.bytes, seconds=round(handle.seconds, 3))
         if recovered:
             log.warning("checkpoint_save_recovered", step=handle.step, failed_saves=recovered)
-        self.events.emit("checkpoint_saved", step=handle.step, path=str(handle.path), stable=handle.stable,
+        self.events.emit(event_types.CHECKPOINT_SAVED, step=handle.step, path=str(handle.path), stable=handle.stable,
                          bytes=handle.bytes, seconds=handle.seconds, blocking_seconds=handle.blocking_seconds,
                          started_at=handle.started_at, **{"async": self.async_save})
         self.status.write(ok=True, step=handle.step, path=str(handle.path), durable_step=handle.step)
@@ -66,7 +66,7 @@ class SaveReport:
             self.events.log.error("checkpoint_save_failed", step=handle.step, path=str(handle.path),
                                   bytes_needed=needed, bytes_free=free, error=str(handle.error),
                                   on_error=self.on_error)
-            self.events.emit("checkpoint_failed", step=handle.step, path=str(handle.path),
+            self.events.emit(event_types.CHECKPOINT_FAILED, step=handle.step, path=str(handle.path),
                              reason=str(handle.error), bytes_needed=needed, bytes_free=free)
         else:
             self.events.log.info("checkpoint_save_failed_again", step=handle.step, failed_saves=self.failures)
@@ -127,7 +127,8 @@ class SaveStatus:
 def final_checkpoint_code(manager: "CheckpointManager", step: int, code: int, rank: int = 0) -> int:
     """The trainer's exit code once it has ended at `step`: EXIT_NO_DURABLE_CHECKPOINT (rank 0) when it
     completed but no durable checkpoint of that step exists (its saves failed: status.json says why)."""
-    if code != 0 or rank != 0 or manager.is_durable(step):
+    if (code != 0 or rank != 0 or manager.report.durable_step == step
+            or manager.verify_step(step, deep=False).ok):   # a durable checkpoint of `step` under its final name
         return code
     manager.events.log.error("run_ended_without_a_durable_checkpoint", step=step,
                              exit_code=EXIT_NO_DURABLE_CHECKPOINT, status=str(manager.root / STATUS_FILE))

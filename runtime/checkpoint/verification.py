@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import IO, Any
 
-from trainguard import safe_read
+from trainguard import rundir, safe_read
 from trainguard.runtime.checkpoint import manifest as mf
 from trainguard.runtime.checkpoint import store
 from trainguard.runtime.checkpoint.manifest import CheckpointError, FileEntry, VerifyResult
@@ -131,7 +131,7 @@ def verify_and_load(path: Path, key: bytes, key_id: str, *, deep: bool = True, i
     layout (a collective over `process_group` when given: every rank calls). `agree(ok) -> all_ok` lets
     the ranks of such a load agree that every rank's files verified before any of them loads.
     """
-    step = mf.step_of_dir(path.name)
+    step = rundir.step_of_dir(path.name)
     try:
         manifest = read_manifest(path)
     except CheckpointError as exc:

@@ -1,4 +1,4 @@
-"""Where the agent and `trainguard replay RUN` take their policy from (issue 29 High 5, issue 28).
+"""Where the agent and `trainguard replay RUN` take their policy from.
 
 Before: the agent used ``RUN/policy.yaml`` whenever it was there and no policy was configured, so a file anyone
 dropped there chose its cost budget; `replay RUN` ignored the run's policy altogether. Now both use it only
@@ -74,7 +74,7 @@ def test_the_agents_own_policy_wins(tmp_path, key):
 
 
 def test_the_trainer_signs_the_policy_it_trains_with_and_replay_uses_it(tmp_path, key, capsys):
-    """Issue 28: `replay RUN` uses the run's own policy when it can be authenticated, and prints which."""
+    """`replay RUN` uses the run's own policy when it can be authenticated, and prints which."""
     from tests.trainer.helpers import train
     from trainguard.cli import main
 

@@ -49,7 +49,7 @@ def test_a_copy_of_an_uncordoned_cordon_put_back_is_refused_as_revoked(run, key_
     assert launch.cordon_refusal(run) is None                      # before: kept out again
     err = capsys.readouterr().err
     assert "was revoked by `trainguard uncordon`" in err and "NOT honoured" in err
-    [event] = [json.loads(line)["event"] for line in cordon.launcher_log(run, host).read_text().splitlines()]
+    [event] = [json.loads(line)["event"] for line in rundir.launcher_log(run, host).read_text().splitlines()]
     assert (event["type"], event["reason"]) == ("cordon_ignored", cordon.REVOKED)
     assert cli.main(["incidents", str(run)]) == 0
     assert f"REVOKED: cordon of {host}" in capsys.readouterr().out
@@ -103,7 +103,7 @@ def test_revocations_of_expired_cordons_are_forgotten_and_a_round_2_cordon_is_re
     cordon.revoke(checker(), run, stale, by="test")
     legacy = signed.sign(key, cordon.PURPOSE, {"host": "n9", "incident": "i0", "reason": "r", "by": "rank:0",
                                                "cordoned_at": time.time()}, key_id=keys.key_id(key))
-    rundir.cordon_path(run, "n9").write_text(json.dumps(legacy))  # as round 2 wrote it: no id, no expiry
+    rundir.cordon_path(run, "n9").write_text(json.dumps(legacy))  # as cordons were once written: no id, no expiry
     found = cordon.read_one(run, "n9", checker())
     assert found.honoured and found.ident.startswith("sig:")
     cordon.revoke(checker(), run, found, by="test", now=time.time() + 5)

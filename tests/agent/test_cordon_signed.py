@@ -52,7 +52,7 @@ def cli(*args, timeout=240):
 def test_only_a_cordon_signed_with_the_runs_key_for_its_own_host_is_honoured(tmp_path, key_file):
     key = keys.load_key(key_file)
     write_cordon(tmp_path, "good", key, incident="i1", reason="hang culprit", by="agent:n1")
-    forge(tmp_path, "unsigned")                                                # round 1's form, or a stranger's
+    forge(tmp_path, "unsigned")                                                # the unsigned form cordons once had, or a stranger's
     cordon.write(tmp_path, "otherkey", b"k" * 40, incident="i2", reason="x", by="y")
     rundir.cordon_path(tmp_path, "copied").write_bytes(rundir.cordon_path(tmp_path, "good").read_bytes())
     changed = json.loads(rundir.cordon_path(tmp_path, "good").read_text())
@@ -97,7 +97,7 @@ def test_a_forged_cordon_is_ignored_loudly_and_a_signed_one_keeps_the_node_out(t
     assert joined.returncode == 0, joined.stderr                   # before: exit 4, the node kept out
     assert f"the cordon file {rundir.cordon_path(run, host)} is not signed" in joined.stderr
     assert "NOT honoured" in joined.stderr and "Traceback" not in joined.stderr
-    [event] = [json.loads(line)["event"] for line in cordon.launcher_log(run, host).read_text().splitlines()]
+    [event] = [json.loads(line)["event"] for line in rundir.launcher_log(run, host).read_text().splitlines()]
     assert (event["type"], event["host"], event["reason"], event["ignored_total"]) == \
         ("cordon_ignored", host, "unsigned", 1)
     status = cli("status", str(run))

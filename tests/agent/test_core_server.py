@@ -236,7 +236,7 @@ def test_connections_beyond_the_limit_get_503():
 
 
 def test_sixteen_slow_clients_lock_out_neither_healthz_nor_the_webhook_and_are_cut_at_the_deadline():
-    """One byte every second per connection (issue 14 item 7): a per-read timeout never fires; the
+    """One byte every second per connection: a per-read timeout never fires; the
     whole-request deadline does, and the loopback slot kept for /healthz and the webhook stays usable."""
     import socket
     import threading

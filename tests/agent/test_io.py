@@ -133,7 +133,7 @@ def test_bad_input_names_file_line_and_field(tmp_path):
 
 @pytest.mark.parametrize("damage", ["missing", "unparsable"])
 def test_a_broken_net_dev_costs_the_network_series_only(tmp_path, damage):
-    """node_exporter keeps diskstats and netdev apart; so does the io collector (issue 14)."""
+    """node_exporter keeps diskstats and netdev apart; so does the io collector."""
     procfs = tmp_path / "proc"
     shutil.copytree(FIXTURES / "proc", procfs, symlinks=True)
     net_dev = procfs / "net" / "dev"

@@ -205,7 +205,7 @@ def test_cost_state_and_decisions(run_dir, tmp_path):
 
 
 def test_a_policy_planted_in_the_run_directory_decides_nothing(run_dir):
-    """Issue 29 High 5: a RUN/policy.yaml with a tiny budget, dropped by anyone who can write the run directory,
+    """A RUN/policy.yaml with a tiny budget, dropped by anyone who can write the run directory,
     made the agent issue all three cost tiers (the trainer stopped at step 23 of 400). Unsigned, it is not used."""
     rundir.policy_path(run_dir).write_text(TINY_BUDGET)
     decisions = []

@@ -207,7 +207,7 @@ def test_event_log_fsyncs_whole_records(tmp_path):
 
 
 def test_a_decision_appended_to_the_actions_log_by_anyone_else_is_not_redone(tmp_path):
-    """Issue 29: recover() redoes what the log says was decided and not done. A stranger's line there (a
+    """`recover()` redoes what the log says was decided and not done. A stranger's line there (a
     cost_stop "decided before a restart") was carried out at the agent's next start, signed by the agent."""
     Executor(tmp_path, "n1", Ledger()).submit([notice("CostBudgetWarn", actions.COST_WARN, "c1")])
     forged = {"timestamp": 1.0, "node": "n1", "event": {

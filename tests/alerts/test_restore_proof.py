@@ -68,7 +68,7 @@ def refused_counts(executor):
 
 
 def test_the_issues_sleep_900_through_the_cli_agent_is_refused_counted_and_never_killed(tmp_path, victim):
-    """The reproduction of issue 14: a rank file naming `sleep 900`, a TLS file gone quiet, the agent."""
+    """A forged restore target, reproduced: a rank file naming `sleep 900`, a TLS file gone quiet, the agent."""
     run = tmp_path / "R"
     register(run, victim.pid)
     time.sleep(1.0)                  # the repro's sleep had been running a while: its record comes after

@@ -171,7 +171,7 @@ def test_a_token_file_others_can_read_is_refused(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
 def test_a_token_file_planted_by_another_user_is_refused(tmp_path):
-    """Issue 29: the default token lives in RUN/agent/; a stranger who can write the run directory planted
+    """The default token lives in RUN/agent/; a stranger who can write the run directory planted
     one they knew before the agent's first start, then could post any alert to the webhook."""
     path = tmp_path / "agent" / "webhook.token"
     path.parent.mkdir()

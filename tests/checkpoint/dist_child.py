@@ -47,6 +47,14 @@ def train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: int = 2) 
         optim.zero_grad(set_to_none=True)
 
 
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, on every rank (a collective under FSDP2): to compare models across layouts."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    inner = getattr(model, "module", model) if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True))
+
+
 def moments(model, optim) -> dict:
     """exp_avg of every parameter, whole (the optimizer state a reshard must get right too)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -76,7 +84,7 @@ def save_and_restore(run_dir: Path, key_file: str, mode: str, async_save: bool) 
     train(model, optim)
     manager.save(2, {**parallel.train_state(model, optim), "data": {"position": [dist.get_rank()]}}, stable=True)
     manager.wait()
-    weights, exp_avg = parallel.full_weights(model), moments(model, optim)
+    weights, exp_avg = full_weights(model), moments(model, optim)
     if dist.get_rank() == 0:
         torch.save({"weights": weights, "exp_avg": exp_avg}, run_dir / "expected.pt")
     dist.barrier()
@@ -86,7 +94,7 @@ def save_and_restore(run_dir: Path, key_file: str, mode: str, async_save: bool) 
     ckpt, state = manager.load_latest(into=parallel.train_state(model, optim))
     parallel.load_train_state(model, optim, state)
     for name, tensor in weights.items():
-        assert torch.equal(parallel.full_weights(model)[name], tensor), f"{mode}: {name} differs after restore"
+        assert torch.equal(full_weights(model)[name], tensor), f"{mode}: {name} differs after restore"
     for name, tensor in moments(model, optim).items():
         assert torch.equal(exp_avg[name], tensor), f"{mode}: exp_avg of {name} differs after restore"
     assert state["data"] == {"position": [0]}

@@ -109,8 +109,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path, key_fil
     assert failed[0]["bytes_needed"] == 4 << 20
 
     manager.save(3, {"model": {"w": torch.zeros(10)}}, stable=False)  # the run can go on saving
-    assert manager.latest_verified().step == 3 and manager.durable_step == 3
-    assert read_status(disk / "run")["ok"] is True and manager.failures == 0
+    assert manager.latest_verified().step == 3 and manager.report.durable_step == 3
+    assert read_status(disk / "run")["ok"] is True and manager.report.failures == 0
 
 
 def test_a_full_disk_during_an_async_save_surfaces_on_wait(tmp_path, key_file, small_tmpfs):

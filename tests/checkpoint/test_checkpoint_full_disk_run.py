@@ -1,4 +1,4 @@
-"""Issue 14.6, the checkpoint half, through the CLI: a run whose checkpoints cannot be written trains on,
+"""A full disk, the checkpoint half, through the CLI: a run whose checkpoints cannot be written trains on,
 retries at every interval, reports the failure once with the path and the bytes needed, shows it in
 `trainguard status`, and ends non-zero (4) without a durable final checkpoint. Before: exit 0."""
 

@@ -1,4 +1,4 @@
-"""Issue 14.3: checkpoints signed with another key stop a run instead of being silently replaced.
+"""Checkpoints signed with another key stop a run instead of being silently replaced.
 
 Before: `train` with another key started from step 0 (exit 0) and retention deleted the old checkpoints.
 """

@@ -1,4 +1,4 @@
-"""Issue 29: `checkpoint list`/`verify` beside a live run's retention, and what retention may delete after a
+"""`checkpoint list`/`verify` beside a live run's retention, and what retention may delete after a
 `checkpoint restore` (docs/checkpoints.md: "Nothing is deleted")."""
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def test_retention_keeps_the_last_n_and_the_newest_stable(tmp_path, key_file):
 
 
 def test_retention_never_deletes_or_counts_a_checkpoint_it_cannot_verify(tmp_path, key_file):
-    """Issue 14.3: one that does not verify is moved to checkpoints/invalid/ with its reason, reported,
+    """One that does not verify is moved to checkpoints/invalid/ with its reason, reported,
     never counted toward keep_last; before, retention deleted it."""
     events = []
     manager = CheckpointManager(tmp_path, key_file=key_file, keep_last=1,

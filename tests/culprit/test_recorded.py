@@ -14,7 +14,8 @@ from tests.culprit.cluster import TRAINGUARD
 from trainguard import incidents, tls
 from trainguard.agent import evidence
 from trainguard.decide import culprit
-from trainguard.decide.stall import stall_actions
+from trainguard.decide.stall import replay
+from trainguard.replay import stall_pass
 from trainguard.runtime.checkpoint import keys
 
 RECORDED = Path(__file__).parent / "recorded"
@@ -72,11 +73,22 @@ def _records(name: str) -> list[dict]:
         return [tls.decode(line) for line in handle if line.strip()]
 
 
-def test_a_recorded_hang_replays_to_restore_from_the_node_log_that_kept_coming():
-    node_log = _records("hang-node-n1.jsonl.gz")
-    assert all("event" not in r for r in node_log)            # hardware/step samples only, every second
-    first = stall_actions(node_log, stall_seconds=6.0)[0]
-    assert (first["action"], first["step"]) == ("restore", 24)
-    merged = sorted(node_log + _records("hang-rank-0.jsonl.gz"), key=lambda r: r["timestamp"])
-    actions = stall_actions(merged, stall_seconds=6.0)        # with the rank's log, the end is known
-    assert [(a["action"], a["step"]) for a in actions] == [("restore", 24)]
+def _stalls(logs: list[Path], stall_seconds: float) -> list:
+    """The stalls replay decides over these logs (its stall pass, merged as it merges them)."""
+    return replay(stall_pass.streamed(logs, False, stall_seconds), stall_seconds)
+
+
+def _unpacked(name: str, folder: Path) -> Path:
+    path = folder / name.removesuffix(".gz")
+    path.write_bytes(gzip.decompress((RECORDED / name).read_bytes()))
+    return path
+
+
+def test_a_recorded_hang_replays_to_restore_from_the_node_log_that_kept_coming(tmp_path):
+    node_log = _unpacked("hang-node-n1.jsonl.gz", tmp_path)
+    assert all("event" not in r for r in _records("hang-node-n1.jsonl.gz"))   # hardware/step samples, every second
+    first = _stalls([node_log], 6.0)[0]
+    assert (first.action, first.step) == ("restore", 24)
+    rank_log = _unpacked("hang-rank-0.jsonl.gz", tmp_path)
+    stalls = _stalls([node_log, rank_log], 6.0)               # with the rank's log, the end is known
+    assert [(s.action, s.step) for s in stalls] == [("restore", 24)]

@@ -1,4 +1,4 @@
-"""Incident evidence decides only when it proves which agent gathered it (issue 29, High 2).
+"""Incident evidence decides only when it proves which agent gathered it.
 
 Before: the verdict read every ``node-*.json`` of the incident folder and took the host from the file's own
 ``"node"`` field, and "a hardware signal beats everything": a stranger who dropped a file claiming an XID

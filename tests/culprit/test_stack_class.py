@@ -2,7 +2,7 @@
 py-spy 0.4 prints them for a Hugging Face GPT-2 wrapped in DDP under the HF Trainer (Python 3.11: qualified
 function names, paths relative to sys.path, innermost frame first).
 
-Issue 29: a rank sleeping in its own forward hook was classed "in a collective" because DDP's forward was
+A rank sleeping in its own forward hook was classed "in a collective" because DDP's forward was
 further down its stack, and the verdict said "no culprit: all ranks in the same collective (a network or
 job-wide problem)" while py-spy showed the hook.
 """

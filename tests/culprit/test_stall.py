@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from trainguard.decide.stall import RankProgress, StallTracker, decide, stall_actions
+import json
+
+from trainguard.decide.stall import RankProgress, StallTracker, decide, replay
+from trainguard.replay import stall_pass
 
 
 def test_no_step_for_stall_seconds_is_a_stall_and_recent_progress_is_not():
@@ -31,7 +34,7 @@ def test_a_node_log_that_keeps_coming_while_the_step_stands_still_is_a_stall_onc
     assert tracker.observe(33.0, 1) is None and tracker.advanced_at == 33.0              # back at step 1: progress
 
 
-def test_replay_of_records_decides_restore_and_nothing_after_the_run_ends():
+def test_replay_of_records_decides_restore_and_nothing_after_the_run_ends(tmp_path):
     m = {"loss": 1.0}
     records = [{"timestamp": float(t), "step": t, "metrics": m} for t in range(1, 11)]
     records += [{"timestamp": 10.0 + t, "step": 10, "metrics": m} for t in range(1, 40)]      # hung at step 10
@@ -40,6 +43,8 @@ def test_replay_of_records_decides_restore_and_nothing_after_the_run_ends():
     records += [{"timestamp": 61.5, "step": 2, "event": {"type": "checkpoint_deleted"}}]   # not a step record
     records += [{"timestamp": 62.0, "step": 9, "event": {"type": "run_end"}}]
     records += [{"timestamp": 62.0 + t, "step": 9, "metrics": m} for t in range(1, 60)]  # node log after the end
-    actions = stall_actions(records, stall_seconds=15.0)
-    assert [(a["action"], a["step"], a["reason"]) for a in actions] == [("restore", 10, "stall")]
-    assert actions[0]["timestamp"] == 25.0
+    path = tmp_path / "rank-0.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    stalls = replay(stall_pass.streamed([path], False, 15.0), stall_seconds=15.0)    # as replay reads the log
+    assert [(s.action, s.step) for s in stalls] == [("restore", 10)]
+    assert stalls[0].since + 15.0 == 25.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainguard.decide import culprit
-from trainguard.decide.culprit import Job, NodeSignals, RankEvidence, Verdict, decide, eviction
+from trainguard.decide.culprit import Job, NodeSignals, RankEvidence, CulpritVerdict, decide, eviction
 
 WAITING = '''Thread 100 (idle): "MainThread"
     _engine_run_backward (torch/autograd/graph.py:979)
@@ -124,7 +124,7 @@ def test_culprits_on_several_nodes_name_no_node():
 
 # ----------------------------------------------------------------------------------- eviction
 
-NAMED = Verdict([1], "n2", 0.9, [])
+NAMED = CulpritVerdict([1], "n2", 0.9, [])
 ELASTIC = Job(("n1", "n2"), min_nodes=1, max_nodes=2)
 
 
@@ -134,10 +134,10 @@ ELASTIC = Job(("n1", "n2"), min_nodes=1, max_nodes=2)
     (NAMED, Job(("n1", "n2"), 2, 2), "auto", 2, "restore"),                 # not elastic
     (NAMED, Job(("n1", "n2"), 2, 2), "on", 2, "restore"),                   # would go below MIN
     (NAMED, Job(("n1", "n2", "n3"), 2, 3), "on", 2, "evict"),
-    (Verdict([], None, 0.8, []), ELASTIC, "on", 2, "restore"),              # no culprit
-    (Verdict([1, 2], None, 0.8, []), ELASTIC, "on", 2, "restore"),          # no single node
+    (CulpritVerdict([], None, 0.8, []), ELASTIC, "on", 2, "restore"),              # no culprit
+    (CulpritVerdict([1, 2], None, 0.8, []), ELASTIC, "on", 2, "restore"),          # no single node
     (NAMED, Job(("n1", "n2"), 1, 2, evictions_last_hour=2), "on", 2, "restore"),   # hourly limit
-    (Verdict([1], "n9", 0.9, []), ELASTIC, "on", 2, "restore"),            # not in the job
+    (CulpritVerdict([1], "n9", 0.9, []), ELASTIC, "on", 2, "restore"),            # not in the job
     (NAMED, Job(("n2",), 1, 2), "on", 2, "restore"),                        # the last node
 ])
 def test_eviction_only_with_a_culprit_node_above_min_and_under_the_limit(verdict, job, setting, limit, expected):

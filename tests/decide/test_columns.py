@@ -275,7 +275,7 @@ def test_steps_going_back_near_the_end_of_a_block_leave_a_short_window():
 
 
 class Climb:
-    """A rule with no screen in batch.py: the grad norm above 2 after step 100 is "too high"."""
+    """A rule with no screen of its own: the grad norm above 2 after step 100 is "too high"."""
 
     reason = "too_high"
 
@@ -297,7 +297,7 @@ class Climb:
 
 def test_a_rule_without_a_screen_is_decided_step_by_step_and_correctly(stepped):
     """The trap the old guard had (forget a screen, and replay skips the rule in bulk) cannot happen:
-    a guard with a rule batch.py has no screen for goes through the rules' loop for every step."""
+    a guard with a rule that has no screen goes through the rules' loop for every step."""
     run = healthy(3_000)
     run["grads"][2_000] = 3.0
     guard, by_steps = Guard(), Guard()

@@ -1,5 +1,5 @@
 """`straggler_windows` names a rank that stayed under the threshold for a stretch, not one whose dips on a
-busy machine add up (issue 29: the fail-slow e2e run named rank 0 beside the injected rank 1)."""
+busy machine add up (the fail-slow e2e run named rank 0 beside the injected rank 1)."""
 
 from __future__ import annotations
 

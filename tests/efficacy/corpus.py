@@ -1,4 +1,4 @@
-"""The labelled corpus that scores how right trainguard is (issue 27 §3): generated shapes of healthy
+"""The labelled corpus that scores how right trainguard is: generated shapes of healthy
 training and of faults, many seeds and sizes, plus the real logs of ../shared/real-logs with labels read
 from their numbers (SOURCES.md).
 

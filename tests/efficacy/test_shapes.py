@@ -1,4 +1,4 @@
-"""The shapes of issue 27 §2, each through `trainguard replay`'s own engine (the embedded path: the guard,
+"""The failure shapes, each through `trainguard replay`'s own engine (the embedded path: the guard,
 the cost meter, the stall watchdog, the ledger) on a case of the efficacy corpus (tests/efficacy/corpus.py),
 and the replay screens of the rules they added held to the rules' own step loop."""
 
@@ -145,7 +145,7 @@ def test_a_drift_found_across_blocks_is_found_at_the_same_step(split):
 
 @pytest.mark.parametrize("make", [corpus.spike, corpus.nan_burst, corpus.warmup_spike])
 def test_loss_faults_in_a_log_without_gradient_norms_are_caught(make, tmp_path):
-    """The same faults as with norms (issue 27's MoE/random_ltd logs print none, DeepSpeed's is a
+    """The same faults as with norms (the real MoE/random_ltd logs print none, DeepSpeed's is a
     placeholder): the right actions at the right steps, found from the loss alone."""
     case = corpus.loss_only(make(seed=1, steps=400 if make is corpus.warmup_spike else 3000))
     assert not any("grad_norm" in record["metrics"] for record in case.files["rank-0.jsonl"])

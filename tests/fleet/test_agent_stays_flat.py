@@ -1,4 +1,4 @@
-"""Issue 21: nothing an agent keeps or reads per update grows with the cluster.
+"""Nothing an agent keeps or reads per update grows with the cluster.
 
 On a shared run directory of N nodes x 8 ranks, the training collector of one node holds the same memory
 at 1,000 nodes as at 1 (tracemalloc of what its follower, node-file selection and registrations allocated

@@ -24,7 +24,7 @@ from trainguard.agent import claims
 from trainguard.agent.config import AgentConfig, ConfigError
 from trainguard.agent.executor import Executor, WebhookSettings, request_id
 from trainguard.policy import Policy
-from trainguard.decide.ledger import Ledger, Notice, Verdict
+from trainguard.decide.ledger import Ledger, Notice, NoticeVerdict
 
 TOKEN = b"the-job-webhook-token"
 
@@ -36,7 +36,7 @@ def job_alert(key="fp-job@1") -> Notice:
 
 
 def the_id(notice: Notice) -> str:
-    return request_id(Verdict(notice, "act", notice.action or "", "", 0.0))
+    return request_id(NoticeVerdict(notice, "act", notice.action or "", "", 0.0))
 
 
 def outcomes(run, node) -> list[str]:

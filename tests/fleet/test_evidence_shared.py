@@ -1,4 +1,4 @@
-"""Issue 21: at an incident on a run directory other nodes share, a node's evidence holds the NCCL lines of
+"""At an incident on a run directory other nodes share, a node's evidence holds the NCCL lines of
 the logs its own ranks write (/proc/<pid>/fd/1 and 2), not every node's (each agent read them all)."""
 
 from __future__ import annotations

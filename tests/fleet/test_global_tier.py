@@ -1,4 +1,4 @@
-"""A job-level alert fires on a global Prometheus from node-level data (issue 21, docs/scale.md).
+"""A job-level alert fires on a global Prometheus from node-level data (docs/scale.md).
 
 Three real agents (one node each, 8 ranks of step records; node 2 steps five times slower) scraped by
 two real shard Prometheus servers, which record fleet-shard.rules.yml and remote-write their per-node

@@ -1,4 +1,4 @@
-"""On a shared run directory an agent follows only its own node's rank files (issue 21).
+"""On a shared run directory an agent follows only its own node's rank files.
 
 The ownership comes from RUN/control/ranks/ (the host each rank registered) and, for a file nobody
 registered, from its first record's `node`; records written by another node are skipped. At 1,000 nodes

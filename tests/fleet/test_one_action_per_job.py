@@ -1,4 +1,4 @@
-"""A job-level alert delivered to every agent of the job is carried out once (issue 21, docs/scale.md).
+"""A job-level alert delivered to every agent of the job is carried out once (docs/scale.md).
 
 Four real agents on one shared run directory behind one real Alertmanager route (the generated config,
 every agent a receiver); a JobStalledEverywhere alert (no instance: about the whole job) is posted to

@@ -5,7 +5,7 @@ names at their steps, and nothing malformed: by `trainguard.formats`, `trainguar
 replay`. The files are read where they lie (never copied into the repository); the module skips, saying so,
 where the folder is absent. Set TRAINGUARD_REAL_LOGS to read them from elsewhere.
 
-Before (issue 27 §1): 5 of the 12 Megatron files were "not a Megatron log" (detection read 64 KiB), BLOOM's
+Before: 5 of the 12 Megatron files were "not a Megatron log" (detection read 64 KiB), BLOOM's
 11 lines were 11 malformed ones (the `[default7]: ` prefix), torchtitan's log was not recognised, a
 trainer_state.json with per-dataset evaluations was 186 malformed entries, `predict_*` entries 10 more, and
 a trainer_state.json replayed to "restore" (a stall: its steps read as seconds)."""

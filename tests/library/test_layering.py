@@ -1,5 +1,6 @@
-"""Where the library sits: the core package `trainguard/` imports neither torch, the trainer nor the library
-at import time (the agent, replay and the report run without torch), so the library lives beside it."""
+"""Where the library sits: the core package `trainguard/` imports neither torch, the trainer, the library
+nor its runtime at import time (the agent, replay and the report run without torch), so the library lives
+beside it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pkgutil, sys, importlib, trainguard
 for info in pkgutil.walk_packages(trainguard.__path__, "trainguard."):
     if info.name.split(".")[1] not in ("agent", "trainer", "protect", "alerts", "dashboards"):
         importlib.import_module(info.name)
-print(sorted(m for m in sys.modules if m == "torch" or m.startswith(("trainguard.protect", "trainguard.trainer"))))
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith(("trainguard.protect", "trainguard.trainer",
+                                                                     "trainguard.runtime"))))
 """
 
 

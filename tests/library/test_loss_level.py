@@ -1,6 +1,6 @@
 """A loss that moves to a new level for good (a planned data-mix change) in a real protected loop: the
 guard rolls back once, the retry meets the same loss at the same data position, and the new level is
-accepted and told (issue 27 §2), never a rollback loop or a stop. And an impossible rollback (no stable
+accepted and told, never a rollback loop or a stop. And an impossible rollback (no stable
 checkpoint yet) is not counted toward the limit that stops a run."""
 
 from __future__ import annotations

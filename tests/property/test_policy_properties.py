@@ -1,5 +1,5 @@
 """The policy loader: any YAML value at any key is a clear error naming file and key, or a policy that
-the guard, the cost meter and the rule renderer all accept (issue 14, item 4).
+the guard, the cost meter and the rule renderer all accept.
 
 Values are drawn for the policy's own keys (so the ranges are really exercised, not only unknown keys):
 numbers of every size and sign, NaN and infinities, booleans, strings (durations, bananas), lists, maps
@@ -108,10 +108,11 @@ def test_any_bytes_are_a_named_error_or_a_policy(tmp_path_factory, data):
 
 
 def test_every_numeric_and_duration_key_has_a_rule_row():
-    """A new key needs one row in policy.RULES: this names any that has none."""
+    """A new key is declared with `key(default, range, doc)` (trainguard/config.py), which gives it its
+    row in policy.RULES: this names any field declared without one."""
     missing = [name for name, default in leaf_keys()
                if isinstance(default, (int, float, str)) and not isinstance(default, bool) and name not in policy_mod.RULES]
-    assert missing == [], f"add a row to trainguard/policy.py RULES for: {', '.join(missing)}"
+    assert missing == [], f"declare with trainguard.config.key(default, range, doc): {', '.join(missing)}"
 
 
 @pytest.mark.parametrize("text, named", [

@@ -1,5 +1,5 @@
 """A full disk must not lose an action: a decision that could not be recorded leaves the ledger as it
-was, so Alertmanager's retry (after space is freed) acts exactly once (issue 14, item 2).
+was, so Alertmanager's retry (after space is freed) acts exactly once.
 
 The agent runs as a real `trainguard agent` process on a run directory on a real 20 MiB tmpfs (root is
 needed to mount it; skipped otherwise, failed under CI=true as root).

@@ -1,4 +1,4 @@
-"""The command line against hostile input (issue 29): exit statuses, terminal escapes, refused arguments.
+"""The command line against hostile input: exit statuses, terminal escapes, refused arguments.
 
 - Exit statuses (trainguard/exits.py): 0 ok, 1 an answer ("found something"), 2 bad input with a message
   naming file/line/field and no traceback, 70 a crash (one line; the traceback only with

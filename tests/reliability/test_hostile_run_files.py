@@ -1,4 +1,4 @@
-"""Issue 29, "one safe way to read a file from the run directory": what a stranger who can write RUN puts
+"""One safe way to read a file from the run directory: what a stranger who can write RUN puts
 under a name trainguard reads (a FIFO, /dev/zero, a 2 GB line, a decompression bomb, an alias bomb, a
 garbage manifest) is refused, named, and never waited on.
 

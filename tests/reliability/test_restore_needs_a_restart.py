@@ -1,4 +1,4 @@
-"""A restore must never turn a recoverable hang into a dead run (issue 22).
+"""A restore must never turn a recoverable hang into a dead run.
 
 `trainguard train --nproc 2` with default flags gives its launcher room for the agent's restores, so a
 hung run next to `trainguard agent` is restored and completes; launched with `--max-restarts 0`, its ranks

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.replay.run_dirs import LAYERS, T0, both_ways, build_run, document, rank_records, write_lines
-from trainguard import tls
+from trainguard import event_types, tls
 from trainguard.replay import columns, parallel, timeline
 
 CASES = {
@@ -154,7 +154,7 @@ def test_replica_checks_in_a_run_directory_replay_alike(tmp_path, monkeypatch):
                                      nodes=("a", "b", "c"))
         log.write_bytes(log.read_bytes() + tls.encode(
             {"timestamp": T0 + 600 + step, "rank": 0, "step": step,
-             "event": {"type": replica.CHECK_EVENT, "step": step, **replica.check_fields(check)}}))
+             "event": {"type": event_types.REPLICA_CHECK, "step": step, **replica.check_fields(check)}}))
     found = json.loads(both_ways([run], monkeypatch))
     assert ("rollback", 20, "replica_mismatch") in [(a["action"], a["step"], a["reason"]) for a in found["actions"]]
 

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from trainguard import tls
+from trainguard import event_types, tls
 
 T0 = 1_700_000_000.0
 
@@ -62,7 +62,7 @@ def test_recorded_replica_checks_replay_to_the_same_rollbacks(tmp_path):
         check = replica.ReplicaCheck(step, T0 + step, weights, gradients=(7, 7, 7), recomputed=weights,
                                      nodes=("a", "b", "c"))
         records.append({"timestamp": T0 + step + 0.5, "rank": 0, "step": step,
-                        "event": {"type": replica.CHECK_EVENT, "step": step, **replica.check_fields(check)}})
+                        "event": {"type": event_types.REPLICA_CHECK, "step": step, **replica.check_fields(check)}})
     _write(run / "tls" / "rank-0.jsonl", sorted(records, key=lambda r: r["timestamp"]))
     found = [(a["action"], a["step"], a["reason"]) for a in _replay(run)["actions"]]
     assert ("rollback", 20, "replica_mismatch") in found and ("rollback", 10, "replica_mismatch") not in found

@@ -97,7 +97,7 @@ def test_two_ranks_gradient_flip_named_by_the_replay_weight_flip_repaired(tmp_pa
 
 def test_a_healthy_run_raises_nothing(tmp_path):
     # 400 steps, 40 replica checks per rank: any check that differs fails it (a replica check has no
-    # warm-up: the first check is as strict as the 200th). The 2,000-step form is
+    # warm-up: the first check is as strict as the 200th). The 2,000-step form is
     # bench/sdc_healthy.py (the same run and the same checks, 5x longer).
     run = healthy.train(tmp_path, steps=healthy.TEST_STEPS)
     assert healthy.false_alarms(run, healthy.TEST_STEPS) == []

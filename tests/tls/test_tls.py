@@ -19,7 +19,7 @@ def test_seed_example_is_valid_and_normalised():
     assert record["hardware"] == {"gpu_util": 78.0, "mem_util": 62.0}
     assert record["system"] == {"last_checkpoint": "step_125000", "data_throughput": 18e9}
     assert record["metrics"]["learning_rate"] == 1e-5
-    jsonschema.validate(json.loads(SEED), tls.load_schema())
+    jsonschema.validate(json.loads(SEED), json.loads(tls.SCHEMA_PATH.read_text()))
 
 
 def test_round_trip_keeps_unknown_keys_and_non_finite_values():
@@ -105,7 +105,7 @@ def test_writer_appends_whole_lines(tmp_path):
     assert [r.get("step") for r in records] == [0, 1, 2, 2]
     assert records[-1]["event"] == {"type": "checkpoint_saved", "path": "step_2"}
     for line in path.read_text().splitlines():
-        jsonschema.validate(json.loads(line), tls.load_schema())
+        jsonschema.validate(json.loads(line), json.loads(tls.SCHEMA_PATH.read_text()))
 
 
 def test_non_finite_values_nested_in_a_section_survive_the_round_trip():

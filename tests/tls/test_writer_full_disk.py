@@ -1,6 +1,6 @@
 """The TLS writer never stops training: a full disk drops and counts records, reported once with the
 file and the bytes needed; a torn last line is ended on open so the next record is not glued onto it
-(issue 14, item 6). The full disk is a real 1 MiB tmpfs (root needed; skipped otherwise)."""
+(as it once was). The full disk is a real 1 MiB tmpfs (root needed; skipped otherwise)."""
 
 from __future__ import annotations
 

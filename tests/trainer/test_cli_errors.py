@@ -1,4 +1,4 @@
-"""`trainguard train` answers bad input with a message and exit 2, never a traceback (issue 14, Low)."""
+"""`trainguard train` answers bad input with a message and exit 2, never a traceback."""
 
 from __future__ import annotations
 

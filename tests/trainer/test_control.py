@@ -110,7 +110,7 @@ def test_channel_reads_only_new_complete_lines_and_reports_bad_ones(tmp_path):
     assert ControlChannel(tmp_path, rank=0, key=key).poll() == (2, 1)      # a restart skips only acknowledged ids
 
 
-# ------------------------------------------------------------------ issue 29: the control channel is signed
+# ------------------------------------------------------------------ The control channel is signed
 
 def stranger_appends(run, *lines: dict) -> None:
     """What anyone who can write the run directory can do: append request lines by hand."""
@@ -122,7 +122,7 @@ def stranger_appends(run, *lines: dict) -> None:
 
 
 def test_a_strangers_rollback_and_stop_are_refused_counted_and_shown(tmp_path, capsys):
-    """The attack of issue 29: two lines appended to RUN/control/actions.jsonl rolled the run back 25 steps
+    """The attack this prevents: two lines appended to RUN/control/actions.jsonl rolled the run back 25 steps
     and stopped it with cost_stop. Unsigned, they are refused; the run trains to its end."""
     from trainguard.cli import main
 

@@ -84,7 +84,7 @@ def test_rollback_limit_stops_the_run_and_a_restart_refuses(tmp_path):
 
 
 def test_a_stop_marker_anyone_wrote_stops_nothing(tmp_path, capsys):
-    """Issue 29: RUN/control/stopped.json keeps every restarted worker from starting; a stranger's copy (or one
+    """RUN/control/stopped.json keeps every restarted worker from starting; a stranger's copy (or one
     of another run) did the same. Only the marker rank 0 signed is honoured; another is named and recorded."""
     from trainguard.cli import main
 
@@ -100,7 +100,7 @@ def test_a_stop_marker_anyone_wrote_stops_nothing(tmp_path, capsys):
 
 
 def test_a_worker_refuses_a_config_changed_after_the_launcher_wrote_it(tmp_path):
-    """Issue 29: every rank re-reads RUN/config.yaml at each restart; whoever could write it chose what the
+    """Every rank re-reads RUN/config.yaml at each restart; whoever could write it chose what the
     run trained with (the steps, the LR, the policy file). Workers now get the launcher's digest of it."""
     import argparse
     import hashlib

@@ -45,7 +45,7 @@ def test_train_shadow_records_the_guards_actions_and_carries_out_none(tmp_path):
     assert events(run, "run_start")[0]["actions_mode"] == "shadow"
     for line in (run / "tls" / "rank-0.jsonl").read_text().splitlines():
         if SHADOW_ACTION in line:
-            jsonschema.validate(json.loads(line), tls.load_schema())
+            jsonschema.validate(json.loads(line), json.loads(tls.SCHEMA_PATH.read_text()))
 
     # ... and nothing of it happened
     assert not events(run, "skip_step") and not events(run, "rollback") and not events(run, "stop")
@@ -89,6 +89,6 @@ def test_shadow_from_the_policy_records_one_stop_and_trains_on(tmp_path):
 
 def test_the_schema_holds_a_shadow_action_to_would_have():
     record = tls.event(SHADOW_ACTION, step=3, timestamp=1.0, **shadow_event("rollback", "repeated_nan", "guard"))
-    jsonschema.validate(record, tls.load_schema())
+    jsonschema.validate(record, json.loads(tls.SCHEMA_PATH.read_text()))
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({**record, "event": {**record["event"], "would_have": False}}, tls.load_schema())
+        jsonschema.validate({**record, "event": {**record["event"], "would_have": False}}, json.loads(tls.SCHEMA_PATH.read_text()))

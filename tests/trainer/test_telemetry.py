@@ -32,7 +32,7 @@ def test_forty_steps_loss_falls_and_every_record_validates(tmp_path):
     start = events(run, "run_start")[0]
     # a CPU has no documented peak: no MFU (tests/trainer/test_mfu.py), whatever the FLOPs per token
     assert start["peak_flops"] is None and start["flops_per_token"] > 0 and start["mfu_unavailable"]
-    validator = jsonschema.Draft202012Validator(tls.load_schema())
+    validator = jsonschema.Draft202012Validator(json.loads(tls.SCHEMA_PATH.read_text()))
     lines = (run / "tls" / "rank-0.jsonl").read_text().splitlines()
     for line in lines:
         validator.validate(json.loads(line))

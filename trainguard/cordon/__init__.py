@@ -11,8 +11,8 @@ default the same place the trainer looks: ``$TRAINGUARD_CHECKPOINT_KEY`` or
 A cordon that is not signed, signed with another key, changed since, or copied from another host's is
 *not honoured*: the launcher joins and says so (stderr, a ``cordon_ignored`` TLS event in
 ``RUN/tls/node-<host>-launcher.jsonl``, which `trainguard status` shows), the agent exports it
-(``trainguard_cordon_refused{node,reason}``), `trainguard incidents` lists it. Cordons of round 1 carry
-no signature: they are not honoured either (docs/incidents.md). `trainguard uncordon` removes either kind.
+(``trainguard_cordon_refused{node,reason}``), `trainguard incidents` lists it. Cordons written before cordons were
+signed carry no signature: they are not honoured either (docs/incidents.md). `trainguard uncordon` removes either kind.
 
 **An uncordon cannot be rolled back from the run directory.** Whoever can write RUN/ can put back a copy
 of a genuine cordon after `trainguard uncordon` removed it, and can delete anything kept in RUN/. So each
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard import rundir, safe_read, signed, tls
+from trainguard import event_types, rundir, safe_read, signed, tls
 
 PURPOSE = "cordon/1"
 REVOCATIONS_PURPOSE = "cordon-revocations/1"
@@ -265,14 +265,14 @@ def _write_private(path: Path, text: str) -> None:
 
 # ------------------------------------------------------------------------- the launcher's record
 
-launcher_log = rundir.launcher_log     # a node log: `trainguard status` and `replay` read it with the others
+_IGNORED_MARK = b'"%s"' % event_types.CORDON_IGNORED.encode()
 
 
 def record_ignored(run_dir: str | os.PathLike, found: Cordon, key_path: str) -> int:
     """Append a ``cordon_ignored`` event; returns how many times this node's launchers ignored one."""
-    path = launcher_log(run_dir, found.host)
-    count = 1 + sum(1 for line in _lines(path) if b'"cordon_ignored"' in line)
-    record = {**tls.event("cordon_ignored", host=found.host, reason=found.refused, path=str(found.path),
+    path = rundir.launcher_log(run_dir, found.host)     # a node log: `status` and `replay` read it with the others
+    count = 1 + sum(1 for line in _lines(path) if _IGNORED_MARK in line)
+    record = {**tls.event(event_types.CORDON_IGNORED, host=found.host, reason=found.refused, path=str(found.path),
                           key_file=key_path, key_id=found.record.get(signed.KEY_ID), ignored_total=count,
                           why=found.why_refused()), "node": found.host}
     path.parent.mkdir(parents=True, exist_ok=True)

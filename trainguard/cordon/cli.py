@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         paths.run_dir(args.run_dir)
         cordon.check_host(args.host)
-        from trainguard.runtime.cordon_key import checker, write_cordon   # a command may reach the trainer's key
+        from trainguard.runtime.cordon_key import checker, write_cordon   # the runtime, when it runs (Layers)
 
         signer = checker(args.key_file)
         key, where = signer.key, signer.where
@@ -54,6 +54,6 @@ def run(args: argparse.Namespace) -> int:
 def run_key(key_file: str | None) -> tuple[bytes | None, str]:
     """The run's checkpoint key as a command reads it (never created: a key only the reader held checks
     nothing), and where it is or why none: what `replay` checks the run's signed policy with."""
-    from trainguard.runtime.cordon_key import signing_key   # a command may reach the trainer's key
+    from trainguard.runtime.cordon_key import signing_key   # the runtime, when it runs (Layers)
 
     return signing_key(key_file)

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 def checker(key_file: str | None) -> cordon.CordonKey:
     """The key and its revocation list; ValueError naming the path for a --key-file that cannot be used."""
-    from trainguard.runtime.cordon_key import checker as find   # a command may reach the trainer's key
+    from trainguard.runtime.cordon_key import checker as find   # the runtime, when it runs (Layers)
 
     key = find(key_file)
     if key_file is not None and key.key is None:

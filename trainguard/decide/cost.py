@@ -7,14 +7,15 @@ are the recording rules behind the `CostBudget*` alerts, so whichever path sees 
 the executor de-duplicates the other.
 
 Pure: time comes from the records, so a replay of a log meters exactly what the live run metered.
-Replay meters its blocks of records with array screens beside this loop (`trainguard.decide.batch`).
+Replay meters its blocks of records with the meter's own screen beside this loop (`CostMeter.screen`,
+`metered_block`; trainguard/decide/batch.py drives them).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping, TypeVar
+from typing import Any, Mapping, Sequence, TypeVar
 
 from trainguard.actions import COST_STOP, COST_THROTTLE, COST_WARN
 from trainguard.config import WINDOW, above, at_least, key
@@ -173,6 +174,64 @@ class CostMeter:
                         "overrun_ratio": round(overrun, 4), "cost_usd": round(state.cost_usd, 4),
                     }))
         return decisions
+
+    # ----------------------------------------------- replay's blocks of records (trainguard/decide/batch.py)
+    def metered_block(self, timestamps: Any, codes: Any, seconds: Any, nodes: Sequence[Any]) -> Any:
+        """`metered` over a block of records as numpy columns (codes: index into `nodes`, -1 without a clock;
+        seconds: their monotonic seconds): the same times, the same anchor after them."""
+        import numpy as np      # replay's: the live meter takes one record at a time and starts without numpy
+
+        from trainguard.decide.arrays import metered_runs
+
+        found = metered_runs(self.anchor, timestamps, codes, seconds, nodes)
+        if found is None:       # clocks flapping: many short runs, the loop is the cheaper way
+            return np.array([self.metered(timestamp, None if code < 0 else (nodes[code], at)) for timestamp, code, at
+                             in zip(timestamps.tolist(), codes.tolist(), seconds.tolist())])
+        when, self.anchor = found
+        return when
+
+    def screen(self, columns: tuple[Any, ...], start: int, end: int) -> int:
+        """Takes records [start, end) of (steps, timestamps, metered times, GPU counts) into the meter in bulk,
+        up to the first that might cross a tier not crossed before (or has no finite time), and returns where
+        they end, leaving the state `take` would have left (tiers held already may be reached again: they
+        only set the tier). Every running number is built by the loop's own operations, in its order."""
+        import numpy as np      # replay's: the live meter takes one record at a time and starts without numpy
+
+        from trainguard.decide.arrays import billable, held_samples, last_where, spent, window_after, window_starts
+
+        policy, state = self.policy, self.state
+        steps, when = columns[0][start:end], columns[2][start:end]
+        gpus = billable(columns[3][start:end], policy.gpu_count_override, state.gpu_count)
+        first, restarts = window_starts(self.window, steps)
+        held_times, held_steps = held_samples(self.window)
+        first_time = np.concatenate((held_times, when))[first]
+        steps_in_window = steps - np.concatenate((held_steps, steps))[first]
+        with np.errstate(all="ignore"):
+            cost = cost_per_1k_steps(when - first_time, gpus, policy.price_per_gpu_hour, steps_in_window)
+            overrun = cost / policy.budget_per_1k_steps - 1.0
+        measured = (steps_in_window > 0) & (when > first_time)
+        judged = measured & (steps_in_window >= self.min_steps)
+        unfired = min((threshold for action, _, threshold in self.tiers if action not in self.fired), default=np.inf)
+        doubtful = ~np.isfinite(when) | (judged & ~(overrun < unfired))
+        healthy = int(doubtful.argmax()) if doubtful.any() else len(steps)
+        if not healthy:
+            return start
+        state.cost_usd, self.last_time = spent(state.cost_usd, self.last_time, when[:healthy], gpus,
+                                               policy.price_per_gpu_hour)
+        cleared, samples = window_after(self.window, steps[:healthy], when[:healthy], restarts[:healthy])
+        if cleared:
+            self.window.clear()
+        self.window.extend(samples)
+        last = last_where(measured[:healthy])
+        if last is not None:
+            state.cost_per_1k_steps, state.overrun_ratio = float(cost[last]), float(overrun[last])
+        last = last_where(judged[:healthy])
+        if last is not None:    # reaches no tier not fired yet (the screen's test): sets the tier, fires nothing
+            self.cross_tiers(int(steps[last]), 0.0, float(overrun[last]))
+        if not policy.gpu_count_override:
+            state.gpu_count = int(gpus[healthy - 1])
+        state.steps_in_window = self.window[-1][1] - self.window[0][1]
+        return start + healthy
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data, so a restarted agent meters on exactly where it stopped."""

@@ -82,7 +82,7 @@ class NodeSignals:
 
 
 @dataclass
-class Verdict:
+class CulpritVerdict:
     ranks: list[int] = field(default_factory=list)    # the culprit ranks; empty: no culprit
     node: str | None = None                           # their node, when they share one
     confidence: float = 0.0
@@ -95,7 +95,7 @@ class Verdict:
         return {"rank": self.ranks[0] if self.ranks else None, "node": self.node, "ranks": list(self.ranks)}
 
 
-def decide(ranks: list[RankEvidence], nodes: list[NodeSignals]) -> Verdict:
+def decide(ranks: list[RankEvidence], nodes: list[NodeSignals]) -> CulpritVerdict:
     """The culprit (or none) from every rank's evidence and every node's signals."""
     node_of = {r.rank: r.node for r in ranks}
     lagging, wave_reasons = wavefront(ranks)
@@ -121,10 +121,10 @@ def decide(ranks: list[RankEvidence], nodes: list[NodeSignals]) -> Verdict:
                    "while every other rank waits in a collective"]
         return _named(silent, node_of, SILENT_RANK, reasons + wave_reasons + stack_reasons)
     if ranks and len(waiting) == len(ranks):
-        return Verdict([], None, NO_CULPRIT_SAME_COLLECTIVE,
+        return CulpritVerdict([], None, NO_CULPRIT_SAME_COLLECTIVE,
                        ["no culprit: all ranks in the same collective (a network or job-wide problem)"]
                        + wave_reasons + stack_reasons)
-    return Verdict([], None, NO_CULPRIT_THIN, ["no culprit: the evidence names no rank"]
+    return CulpritVerdict([], None, NO_CULPRIT_THIN, ["no culprit: the evidence names no rank"]
                    + wave_reasons + stack_reasons)
 
 
@@ -197,7 +197,7 @@ def stack_class(stack: str | None) -> str:
     return IN_COLLECTIVE if COLLECTIVE_FRAME.search(innermost) else ELSEWHERE
 
 
-def _hardware(nodes: list[NodeSignals], lagging: list[int], node_of: dict[int, str]) -> Verdict | None:
+def _hardware(nodes: list[NodeSignals], lagging: list[int], node_of: dict[int, str]) -> CulpritVerdict | None:
     faulty = [n for n in nodes if n.hardware]
     if not faulty:
         return None
@@ -209,15 +209,15 @@ def _hardware(nodes: list[NodeSignals], lagging: list[int], node_of: dict[int, s
     ranks = sorted(r for r, host in node_of.items() if host == chosen.node and (r in lagging or not lagging))
     reasons = [f"node {chosen.node}: {', '.join(chosen.hardware)}: a hardware fault beats everything"]
     reasons += [f"node {n.node} also reports {', '.join(n.hardware)}" for n in suspects if n is not chosen]
-    return Verdict(ranks, chosen.node, HARDWARE_CONFIDENCE, reasons)
+    return CulpritVerdict(ranks, chosen.node, HARDWARE_CONFIDENCE, reasons)
 
 
-def _named(culprits: list[int], node_of: dict[int, str], confidence: float, reasons: list[str]) -> Verdict:
+def _named(culprits: list[int], node_of: dict[int, str], confidence: float, reasons: list[str]) -> CulpritVerdict:
     nodes = sorted({str(node_of.get(r)) for r in culprits})
     node = nodes[0] if len(nodes) == 1 else None
     if node is None:
         reasons = reasons + [f"the culprit ranks span several nodes ({_list(nodes)}): no single node to keep out"]
-    return Verdict(sorted(culprits), node, confidence, reasons)
+    return CulpritVerdict(sorted(culprits), node, confidence, reasons)
 
 
 def _list(items: Iterable[object]) -> str:
@@ -235,7 +235,7 @@ class Job:
     evictions_last_hour: int = 0
 
 
-def eviction(verdict: Verdict, job: Job, evict: str, max_per_hour: int) -> tuple[str, str]:
+def eviction(verdict: CulpritVerdict, job: Job, evict: str, max_per_hour: int) -> tuple[str, str]:
     """(``evict`` | ``restore``, why): keep the culprit's node out, or the usual restore in place.
 
     `evict` is the policy's ``restore.evict``: ``auto`` (only when the job is elastic), ``on``, ``off``.

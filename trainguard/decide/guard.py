@@ -21,25 +21,33 @@ Healthy shapes that look bad step by step are the escalation's to tell apart (do
 - a rollback that could not be carried out is taken back (`Guard.rollback_not_done`), so it never counts
   toward the limit that stops the run.
 
-Replay decides blocks of recorded steps with array screens beside these rules (`trainguard.decide.batch`);
-a rule without a screen is decided there by `Guard.observe` itself, so it is correct the moment it exists.
+Replay decides blocks of recorded steps with each rule's own array screen (`screen`, beside `check` and
+`learn`: see `Screened`), driven by `trainguard.decide.batch`; a rule without one is decided there by
+`Guard.observe` itself, so it is correct the moment it exists.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, NamedTuple, Protocol
 
+from trainguard import event_types
 from trainguard.actions import ROLLBACK, SKIP_STEP, STOP
 from trainguard.config import WINDOW, above, at_least, between, key
 from trainguard.decide.decision import CARRY_ON, Decision
 from trainguard.decide.replica import ReplicaCheckConfig
 
+if TYPE_CHECKING:       # a block's columns, as replay hands them to the screens (batch.py imports this module)
+    from trainguard.decide.batch import Rows
+
 HOUR = 3600.0
 Detail = dict[str, Any]
+Array = Any                     # a numpy array (the screens': numpy is imported by replay only)
+Learn = Callable[[int], None]   # takes the first `count` steps of a screened stretch into the rule
 
 
 class StepStats(NamedTuple):
@@ -66,6 +74,26 @@ class Rule(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class Screened(Rule, Protocol):
+    """A rule replay can decide in blocks (trainguard/decide/batch.py): beside `check` and `learn`, its own
+    screen, so the rule's state is written by the rule alone. Without these two a rule is decided there
+    step by step through `Guard.observe`: correct the moment it exists, fast once it has a screen.
+
+    ``screens(rows)``: whether the screen's argument holds for this rule's parameters and this block.
+    ``screen(rows, start, end)``: where in steps [start, end) `check` might find a step bad, were the steps
+    before it healthy (a bool array, or False for nowhere; it may flag more than `check` would, never
+    fewer), and how the rule then learns a healthy prefix of the stretch, leaving the very state `learn`
+    would have, to the bit (trainguard/decide/arrays.py holds the elementwise arithmetic)."""
+
+    def screens(self, rows: Rows) -> bool: ...
+
+    def screen(self, rows: Rows, start: int, end: int) -> tuple[Array, Learn]: ...
+
+
+def _learns_nothing(count: int) -> None:
+    pass
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -95,7 +123,7 @@ class RollingWindow:
         return len(self.values)
 
     def exceeds(self, value: float, sigma: float, floor_ratio: float) -> bool:
-        """value > threshold(sigma), without the square root (batch.spikes is this, elementwise). The spread
+        """value > threshold(sigma), without the square root (arrays.spikes is this, elementwise). The spread
         is floored: a series flat for a while must not turn noise into spikes."""
         mean = self.total / len(self.values)
         excess = value - mean
@@ -112,6 +140,12 @@ class RollingWindow:
 
     def state(self) -> tuple[list[float], list[float]]:
         return list(self.values), [self.total, self.total_sq]
+
+    def take(self, values: list[float], total: float, total_sq: float) -> None:
+        """These values pushed in bulk, with the running sums their pushes make (a screen computes them in
+        the loop's order: `arrays.window_sums`)."""
+        self.values.extend(values)
+        self.total, self.total_sq = total, total_sq
 
     def load(self, values: Iterable[float], sums: list[float] | None) -> None:
         self.values.clear()
@@ -156,6 +190,15 @@ class NonFinite:
 
     def learn(self, stats: StepStats) -> None:
         pass
+
+    def screens(self, rows: Rows) -> bool:
+        return True
+
+    def screen(self, rows: Rows, start: int, end: int) -> tuple[Array, Learn]:
+        import numpy as np      # replay's: the live guard judges one step at a time and starts without numpy
+
+        finite = np.isfinite(rows.losses[start:end]) & np.isfinite(rows.grad_norms[start:end])
+        return ~finite, _learns_nothing
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -205,6 +248,38 @@ class WindowRule:
         self.recent.append(value)
         if len(self.recent) > self.lag:
             self.window.push(self.recent.popleft())
+
+    def screens(self, rows: Rows) -> bool:
+        return (self.window.values.maxlen or 0) >= 1 and self.min_steps >= 1
+
+    def screen(self, rows: Rows, start: int, end: int) -> tuple[Array, Learn]:
+        """`check` over the stretch: the window's running sums as `learn` keeps them, each step's least of
+        its last `sustain` values, the test elementwise (`arrays.spikes` is `RollingWindow.exceeds`)."""
+        import numpy as np      # replay's: the live guard judges one step at a time and starts without numpy
+
+        from trainguard.decide.arrays import spikes, trailing_min, window_sums
+
+        values, window, lag, count = getattr(rows, self.column)[start:end], self.window, self.lag, end - start
+        held, waiting = window.values, len(self.recent)
+        # What enters the window, in order, were every step healthy: the values held back, then the block's;
+        # before step i, `pushed[i]` of them have entered (none while `lag` or fewer are held back).
+        entering = np.concatenate((np.fromiter(self.recent, np.float64, waiting), values))
+        pushed = np.maximum(np.arange(waiting, waiting + count) - lag, 0)
+        last = max(waiting + count - lag, 0)
+        totals, squares = window_sums(entering[:last], held, window.total, window.total_sq)
+        size = np.minimum(len(held) + pushed, held.maxlen or 0)
+        least = trailing_min(entering, waiting, count, self.sustain)
+        flagged = (size >= self.min_steps) & spikes(least, size, totals[2 * pushed], squares[2 * pushed], self.sigma,
+                                                    self.FLOOR_RATIO)
+
+        def learn(healthy: int) -> None:
+            enter = int(max(waiting + healthy - lag, 0))
+            if enter:
+                window.take(entering[max(0, enter - (held.maxlen or 0)):enter].tolist(), float(totals[2 * enter]),
+                            float(squares[2 * enter]))
+            self.recent = deque(entering[enter:waiting + healthy].tolist())
+
+        return flagged, learn
 
     def state_dict(self) -> dict[str, Any]:
         values, sums = self.window.state()
@@ -297,6 +372,48 @@ class GradExplosion:
             if math.isfinite(norm):
                 self.layer_ema[name] = ema_step(self.layer_ema.get(name), norm, self.keep)
 
+    def screens(self, rows: Rows) -> bool:
+        return (0 < self.keep <= 1 - 2 ** -50 and self.factor >= 0 and self.layer_factor >= 0
+                and len(set(rows.names)) == len(rows.names))
+
+    def screen(self, rows: Rows, start: int, end: int) -> tuple[Array, Learn]:
+        """Where a step might explode (the global norm or a layer's), were the steps before it healthy; or
+        False where none can. First one floor for the whole stretch (two reductions a row); where that does
+        not clear it, a floor for each step (`arrays.ema_floors`: trainguard/decide/batch.py says why a floor
+        under each EMA is exact)."""
+        import numpy as np      # replay's: the live guard judges one step at a time and starts without numpy
+
+        from trainguard.decide.arrays import ema_floors, none_can_explode, under
+
+        learn: Learn = functools.partial(self._learn_block, rows, start)
+        norms = rows.norm_rows[:, start:end]
+        emas = np.array([self.ema, *map(self.layer_ema.get, rows.names)], dtype=np.float64)  # None: NaN
+        factors = np.array([self.factor] + [self.layer_factor] * len(rows.names))
+        if none_can_explode(norms, emas, factors):
+            return False, learn
+        armed = np.arange(self.good, self.good + end - start) >= self.min_steps
+        floors = ema_floors(emas, norms)
+        # A norm with no EMA yet (a layer's first): step by step, so the EMAs are made in the loop's order.
+        unsure = ~np.isnan(norms) & ((armed & ~under(norms, floors, factors[:, None])) | np.isnan(floors))
+        return unsure.any(axis=0), learn
+
+    def _learn_block(self, rows: Rows, start: int, count: int) -> None:
+        """`learn` over the first `count` steps from `start`: each EMA in a tight loop (`arrays.ema`)."""
+        import numpy as np
+
+        from trainguard.decide.arrays import ema
+
+        self.ema = ema(self.ema, rows.grad_norms[start:start + count], self.keep)
+        layers = rows.norm_rows[1:, start:start + count]
+        finite_rows: Array = np.isfinite(layers).all(axis=1)
+        for name, norms, clean in zip(rows.names, layers, finite_rows.tolist()):
+            if not clean:
+                norms = np.ascontiguousarray(norms[np.isfinite(norms)])   # a missing (NaN) norm teaches nothing
+            learned = ema(self.layer_ema.get(name), norms, self.keep)
+            if learned is not None:         # a layer with a norm here has an EMA already (see the screen)
+                self.layer_ema[name] = learned
+        self.good += count
+
     def state_dict(self) -> dict[str, Any]:
         return {"grad_ema": self.ema, "good_grad_steps": self.good, "layer_ema": dict(self.layer_ema)}
 
@@ -368,6 +485,32 @@ class WarmupSpike:
         if self.seen < self.until:
             self.seen += 1
             self.peak = max(self.peak, stats.loss)
+
+    def screens(self, rows: Rows) -> bool:
+        return True
+
+    def screen(self, rows: Rows, start: int, end: int) -> tuple[Array, Learn]:
+        """`check` over the stretch: the count of healthy losses and their running maximum (exact), the test
+        elementwise. Asleep once the count reaches `until`: nothing to screen, only the count."""
+        import numpy as np      # replay's: the live guard judges one step at a time and starts without numpy
+
+        awake = max(0, min(end - start, self.until - self.seen))     # steps the rule still learns
+        losses = rows.losses[start:start + awake]
+
+        def learn(count: int) -> None:
+            taken = min(count, awake)
+            if taken:
+                self.seen += taken
+                self.peak = max(self.peak, float(losses[:taken].max()))
+
+        if not awake:
+            return False, learn
+        flagged = np.zeros(end - start, dtype=bool)
+        with np.errstate(all="ignore"):
+            peaks = np.maximum.accumulate(np.concatenate(([self.peak], losses)))[:-1]
+            seen = np.arange(self.seen, self.seen + awake)
+            flagged[:awake] = (seen >= 1) & (losses > self.factor * peaks) & (peaks > 0)
+        return flagged, learn
 
     def restart(self, losses: Iterable[float]) -> None:
         """Watch again from these losses (the spike band starts again from a new level)."""
@@ -460,6 +603,49 @@ class LossDrift:
             self.grad_means.append(self.grad_sum / self.chunk)
             self.loss_sum = self.grad_sum = 0.0
             self.count = 0
+
+    def screens(self, rows: Rows) -> bool:
+        return self.chunk >= 1 and (self.loss_means.maxlen or 0) >= 1 and 0 <= self.count < self.chunk
+
+    def screen(self, rows: Rows, start: int, end: int) -> tuple[Array, Learn]:
+        """`check` at every step that would complete a chunk: each chunk's sums as `learn` adds them
+        (`np.cumsum` along the chunk, from the sums held for the first), its means, the least of the chunk
+        means held before it (a sliding minimum), the test elementwise."""
+        import numpy as np      # replay's: the live guard judges one step at a time and starts without numpy
+
+        from trainguard.decide.arrays import chunk_sums, largest_moves, running_sum, sliding_min
+
+        chunk, count = self.chunk, end - start
+        first = chunk - self.count                      # steps to the end of the chunk being filled
+        ends = np.arange(first - 1, count, chunk)       # positions that complete a chunk
+        columns = (rows.losses[start:end], rows.grad_norms[start:end])
+        with np.errstate(all="ignore"):
+            sums = [chunk_sums(column, held, first, len(ends), chunk)
+                    for column, held in zip(columns, (self.loss_sum, self.grad_sum))]
+            means = [total / chunk for total in sums]
+            flagged = np.zeros(count, dtype=bool)
+            if len(ends):
+                held = len(self.loss_means)
+                loss_floor = sliding_min(self.loss_means, means[0])
+                grad_floor = sliding_min(self.grad_means, means[1])
+                size = np.minimum(np.arange(held, held + len(ends)), self.loss_means.maxlen or 0)
+                rise = means[0] - loss_floor
+                flagged[ends] = ((size >= self.min_chunks)
+                                 & (rise > self.loss_ratio * np.abs(loss_floor))
+                                 & (means[1] - grad_floor > self.grad_ratio * np.abs(grad_floor))
+                                 & (rise > self.steadiness * largest_moves(self.loss_means, means[0])))
+
+        def learn(healthy: int) -> None:
+            done = int(np.searchsorted(ends, healthy))    # chunks completed within the healthy prefix
+            self.loss_means.extend(means[0][:done].tolist())
+            self.grad_means.extend(means[1][:done].tolist())
+            begin = int(ends[done - 1]) + 1 if done else 0
+            held_loss, held_grad = (self.loss_sum, self.grad_sum) if not done else (0.0, 0.0)
+            self.count = (self.count if not done else 0) + healthy - begin
+            self.loss_sum = running_sum(held_loss, columns[0][begin:healthy])
+            self.grad_sum = running_sum(held_grad, columns[1][begin:healthy])
+
+        return flagged, learn
 
     def rolled_back(self) -> None:
         """The run went back to an earlier state: the floor is measured again from there."""
@@ -616,6 +802,12 @@ class Guard:
         for rule in self.rules:
             rule.learn(stats)
 
+    def learned_in_bulk(self, count: int, last_step: int) -> None:
+        """`count` healthy steps, the last of them `last_step`, were taken into every rule by its screen
+        (replay's blocks, trainguard/decide/batch.py): the guard's own count moves as `observe` would move it."""
+        self.observed += count
+        self.last_step = last_step
+
     def _escalate(self, stats: StepStats, rule: Rule, detail: Detail) -> Decision:
         """A bad step: skip it; too many in a window: roll back; too many rollbacks an hour: stop. Loss-scaler
         overflows and level shifts are skipped without counting (see the module's docstring)."""
@@ -680,7 +872,7 @@ class Guard:
         warmup = self._rule_of(WarmupSpike)
         if warmup is not None:
             warmup.restart(losses[:-1])
-        self.notices.append({"type": "loss_level_shift", "step": stats.step, "timestamp": stats.timestamp,
+        self.notices.append({"type": event_types.LOSS_LEVEL_SHIFT, "step": stats.step, "timestamp": stats.timestamp,
                              "loss_before": before, "loss_after": sum(losses) / len(losses), "steps": len(losses)})
         self._learn(stats)
         return CARRY_ON
@@ -696,7 +888,7 @@ class Guard:
             warmup.restart(losses)
         self.recent_spikes.clear()
         self.bad.clear()
-        self.notices.append({"type": "loss_level_shift", "step": step, "timestamp": timestamp,
+        self.notices.append({"type": event_types.LOSS_LEVEL_SHIFT, "step": step, "timestamp": timestamp,
                              "loss_after": sum(losses) / len(losses) if losses else math.nan,
                              "steps": len(losses), "source": "rollback_retry"})
 

@@ -16,7 +16,7 @@ keeps failing must not loop. The ledger turns that stream into at most one actio
 - shadow (`actions.mode: shadow`; once called dry-run) decides exactly as a live ledger, but nothing executes:
   the executor records each action a verdict would carry out as a `shadow_action` event instead.
 
-Pure: no clock (the caller passes `now`), no files. The agent records every verdict (`Verdict.as_event`)
+Pure: no clock (the caller passes `now`), no files. The agent records every verdict (`NoticeVerdict.as_event`)
 before it replies to Alertmanager, and rebuilds the ledger after a restart with `remember()`. A verdict
 counts only once it is durably recorded and carried out: the executor takes a `snapshot()` before it
 decides and puts it back (`restore()`) when a write or the action fails, so the retry decides afresh and
@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from trainguard import actions
+from trainguard import actions, event_types
 from trainguard.config import at_least, key
 from trainguard.decide.decision import Decision
 
@@ -72,7 +72,7 @@ class Notice:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class NoticeVerdict:
     """The ledger's answer to one notice: its outcome, the action that executes (if any) and why."""
 
     notice: Notice
@@ -96,7 +96,7 @@ class Verdict:
     def as_event(self) -> dict[str, Any]:
         """The TLS `alert` event that records this verdict (and lets a restarted ledger `remember` it)."""
         n = self.notice
-        event: dict[str, Any] = {"type": "alert", "alertname": n.alertname, "status": n.status, "key": n.key,
+        event: dict[str, Any] = {"type": event_types.ALERT, "alertname": n.alertname, "status": n.status, "key": n.key,
                  "source": n.source, "requested": n.action, "outcome": self.outcome, "action": self.action,
                  "reason": self.reason, "decided_at": self.decided_at}
         if n.starts_at is not None:
@@ -166,12 +166,12 @@ class Ledger:
         self.executed: dict[str, deque[float]] = {action: deque() for action in actions.LIMITED}
 
     # ------------------------------------------------------------------------------------ decide
-    def decide_all(self, notices: Iterable[Notice], now: float) -> list[Verdict]:
+    def decide_all(self, notices: Iterable[Notice], now: float) -> list[NoticeVerdict]:
         """Verdicts for one webhook payload: closes first, then firing alerts with cost tiers in order."""
         ordered = sorted(notices, key=lambda n: (n.status == FIRING, actions.COST_ORDER.get(n.action or "", 0)))
         return [self.decide(notice, now) for notice in ordered]
 
-    def decide(self, notice: Notice, now: float) -> Verdict:
+    def decide(self, notice: Notice, now: float) -> NoticeVerdict:
         if notice.status == RESOLVED_STATUS:
             closed = notice.key in self.open
             self.open.discard(notice.key)
@@ -189,7 +189,7 @@ class Ledger:
             return self._limited(notice, action, now)
         return self._verdict(notice, ACT, action, notice.reason or notice.alertname, now)
 
-    def _cost(self, notice: Notice, action: str, now: float) -> Verdict:
+    def _cost(self, notice: Notice, action: str, now: float) -> NoticeVerdict:
         level = actions.COST_ORDER[action]
         if level == self.cost_level:
             return self._verdict(notice, DUPLICATE, None, "tier already acted", now)
@@ -198,7 +198,7 @@ class Ledger:
         self.cost_level = level
         return self._verdict(notice, ACT, action, notice.reason or notice.alertname, now)
 
-    def _limited(self, notice: Notice, action: str, now: float) -> Verdict:
+    def _limited(self, notice: Notice, action: str, now: float) -> NoticeVerdict:
         """Rate-limited actions (rollback, restore): coalesce within the cooldown, escalate past the hourly
         limit (the action table's `hourly_limit` and `escalation`: a rollback past its limit stops the run
         cleanly, a restore past its limit pages a human)."""
@@ -213,7 +213,7 @@ class Ledger:
         history.append(now)
         return self._verdict(notice, ACT, action, notice.reason or notice.alertname, now)
 
-    def _escalate(self, notice: Notice, action: str, count: int, now: float) -> Verdict:
+    def _escalate(self, notice: Notice, action: str, count: int, now: float) -> NoticeVerdict:
         stronger = actions.ESCALATION[action]
         detail = {f"{action}s_last_hour": count}
         reason = f"{action}_limit"
@@ -224,8 +224,8 @@ class Ledger:
         return self._verdict(notice, ESCALATED, stronger, reason, now, detail)
 
     def _verdict(self, notice: Notice, outcome: str, action: str | None, reason: str, now: float,
-                 detail: Mapping[str, Any] | None = None) -> Verdict:
-        return Verdict(notice, outcome, action, reason, now, self.shadow, detail or {})
+                 detail: Mapping[str, Any] | None = None) -> NoticeVerdict:
+        return NoticeVerdict(notice, outcome, action, reason, now, self.shadow, detail or {})
 
     # ------------------------------------------------------------------------------- persistence
     def snapshot(self) -> Snapshot:
@@ -239,7 +239,7 @@ class Ledger:
         self.executed = {action: deque(times) for action, times in executed.items()}
 
     def remember(self, event: Mapping[str, Any]) -> None:
-        """Fold a recorded verdict (`Verdict.as_event()`) back in, so a restarted agent does not act twice."""
+        """Fold a recorded verdict (`NoticeVerdict.as_event()`) back in, so a restarted agent does not act twice."""
         key, status, outcome = event.get("key"), event.get("status"), event.get("outcome")
         shadowed = event.get("shadow") or event.get("dry_run")      # dry_run: records of older agents
         if not key or shadowed and not self.shadow:

@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 
 from typing import Any, Iterable, Iterator
 
+from trainguard import event_types
 from trainguard.actions import ROLLBACK, STOP
 from trainguard.config import at_least, key
 
 WEIGHTS, GRADIENTS = "weights", "gradients"
-MISMATCH, ARBITRATION = "replica_mismatch", "arbitration"
-CHECK_EVENT = "replica_check"      # the TLS event every check writes: the fingerprints it decided on
+MISMATCH, ARBITRATION = event_types.REPLICA_MISMATCH, "arbitration"
 MASK64 = (1 << 64) - 1
 
 
@@ -62,7 +62,7 @@ class ReplicaCheck:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class ReplicaVerdict:
     """A replica check's finding: which ranks hold wrong weights or gradients, how sure, what to do."""
 
     kind: str                     # "replica_mismatch" | "arbitration"
@@ -124,7 +124,7 @@ def what_differed(check: ReplicaCheck) -> str | None:
 
 
 class ReplicaMonitor:
-    """Fed every check in step order; returns a Verdict when one is due, else None."""
+    """Fed every check in step order; returns a ReplicaVerdict when one is due, else None."""
 
     def __init__(self, policy: ReplicaPolicy | None = None):
         self.policy = policy or ReplicaPolicy()
@@ -132,7 +132,7 @@ class ReplicaMonitor:
         self.named: dict[str, list[float]] = {}   # host -> times it was named wrong
         self.mismatched: list[int] = []           # steps that mismatched (a replay reaching one again)
 
-    def observe(self, check: ReplicaCheck) -> Verdict | None:
+    def observe(self, check: ReplicaCheck) -> ReplicaVerdict | None:
         verdict = self._arbitrate(check) if self.pending and self.pending["step"] == check.step else None
         if verdict is not None:
             return verdict
@@ -144,7 +144,7 @@ class ReplicaMonitor:
         return self._mismatch(check, what, repeated)
 
     # --------------------------------------------------------------------------------- the rules
-    def _mismatch(self, check: ReplicaCheck, what: str, repeated: bool) -> Verdict:
+    def _mismatch(self, check: ReplicaCheck, what: str, repeated: bool) -> ReplicaVerdict:
         values = check.gradients if what == GRADIENTS else check.weights
         reasons = [f"{what} fingerprints differ at step {check.step}: " + _spell(values)]
         ranks: tuple[int, ...] = ()
@@ -174,7 +174,7 @@ class ReplicaMonitor:
             return self._verdict(MISMATCH, check, what, ranks, confidence, reasons, values, action=STOP)
         return self._verdict(MISMATCH, check, what, ranks, confidence, reasons, values)
 
-    def _arbitrate(self, check: ReplicaCheck) -> Verdict | None:
+    def _arbitrate(self, check: ReplicaCheck) -> ReplicaVerdict | None:
         """The step of a two-replica mismatch, checked again after the replay."""
         pending, self.pending = self.pending, None
         assert pending is not None      # observe() calls this only with one pending
@@ -197,13 +197,13 @@ class ReplicaMonitor:
 
     def _verdict(self, kind: str, check: ReplicaCheck, what: str, ranks: tuple[int, ...], confidence: float,
                  reasons: list[str], values: tuple[int, ...], action: str | None = ROLLBACK,
-                 timestamp: float | None = None) -> Verdict:
+                 timestamp: float | None = None) -> ReplicaVerdict:
         nodes = tuple(n for n in (check.node_of(r) for r in ranks) if n is not None)
         cordon = self._cordon(nodes, check.timestamp)
         if cordon:
             reasons.append(f"named again within {self.policy.cordon_window_seconds:g}s: cordon "
                            + ", ".join(cordon))
-        return Verdict(kind, check.step, what, ranks, nodes, confidence, tuple(reasons), action, cordon,
+        return ReplicaVerdict(kind, check.step, what, ranks, nodes, confidence, tuple(reasons), action, cordon,
                        {"weights": list(check.weights), "gradients": list(check.gradients),
                         what + "_recorded": list(values)},
                        check.timestamp if timestamp is None else timestamp)
@@ -266,14 +266,14 @@ def check_from_event(event: dict[str, Any], step: int, timestamp: float) -> Repl
                         tuple(event.get("nodes") or ()))
 
 
-def replay(records: Iterable[dict[str, Any]], policy: ReplicaPolicy | None = None) -> Iterator[Verdict]:
+def replay(records: Iterable[dict[str, Any]], policy: ReplicaPolicy | None = None) -> Iterator[ReplicaVerdict]:
     """The verdicts a run took, from its TLS records: the lead rank's `replica_check` events, in order,
     through a fresh monitor (every rank records the same gathered fingerprints; one rank's suffice).
     `records`: decoded TLS records (timestamps as Unix seconds), any mix of ranks, in file order."""
     monitor, lead = ReplicaMonitor(policy), None
     for record in records:
         event = record.get("event")
-        if not isinstance(event, dict) or event.get("type") != CHECK_EVENT:
+        if not isinstance(event, dict) or event.get("type") != event_types.REPLICA_CHECK:
             continue
         rank = record.get("rank", 0)
         lead = rank if lead is None else min(lead, rank)

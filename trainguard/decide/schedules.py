@@ -80,7 +80,6 @@ class DynamicsPolicy:
 
 SCHEDULES = ("cosine", "breathing", "phase")
 PRESETS = ("seed", "cpu")
-EVENT = "lr_phase"
 
 # The seeds' numbers are for runs of 100k+ steps; the `cpu` preset shrinks the spans so every phase shows
 # in a CPU run of a few thousand steps of the tiny model (its grad_norm / param_norm sits near 0.02-0.06,

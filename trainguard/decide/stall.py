@@ -17,14 +17,14 @@ Two entry points, one rule:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
-from trainguard import actions
+from trainguard import actions, event_types
 from trainguard.config import above, key
 
 
 # A rank whose log ends with one of these has finished (or was stopped) and is leaving: never a stall.
-ENDED_EVENTS = ("run_end", actions.STOP)
+ENDED_EVENTS = (event_types.RUN_END, actions.STOP)
 
 
 @dataclass(frozen=True)
@@ -123,20 +123,3 @@ def replay(records: Iterable[tuple[float, int | None, bool, bool]], stall_second
     tracker = StallTracker(stall_seconds)
     return [stall for timestamp, step, ended, started in records
             if (stall := tracker.observe(timestamp, step, ended, started)) is not None]
-
-
-def stall_actions(records: Iterable[dict[str, Any]], stall_seconds: float) -> list[dict[str, Any]]:
-    """``replay --json`` actions from TLS records (dicts with ``timestamp`` in Unix seconds and ``step``).
-
-    Only step records (with ``metrics``: a rank's, or a node log's joined sample) say which step the run is
-    at; an event's ``step`` may name another (the checkpoint it deleted)."""
-    entries = ((r["timestamp"], r.get("step") if isinstance(r.get("metrics"), dict) else None,
-                _event_is(r, ENDED_EVENTS), _event_is(r, ("run_start",)))
-               for r in records if isinstance(r.get("timestamp"), (int, float)))
-    return [{"action": s.action, "step": s.step, "timestamp": s.since + stall_seconds, "reason": "stall",
-             "detail": s.reason} for s in replay(entries, stall_seconds)]
-
-
-def _event_is(record: dict[str, Any], kinds: tuple[str, ...]) -> bool:
-    event = record.get("event")
-    return isinstance(event, dict) and event.get("type") in kinds

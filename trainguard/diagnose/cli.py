@@ -7,7 +7,7 @@ import json
 import math
 import sys
 
-from trainguard import policy as policy_mod
+from trainguard import event_types, policy as policy_mod
 from trainguard.diagnose import diagnose
 from trainguard.diagnose.finding import NO_DATA, OK, PROBLEM, Finding
 from trainguard.diagnose.loader import RunData, load_run
@@ -45,7 +45,7 @@ def mfu_summary(data: RunData) -> dict:
         if values:
             return {"rank": rank, "mean": sum(values) / len(values)}
     reasons = [e["event"]["mfu_unavailable"] for e in data.events
-               if e["event"].get("type") == "run_start" and isinstance(e["event"].get("mfu_unavailable"), str)]
+               if e["event"].get("type") == event_types.RUN_START and isinstance(e["event"].get("mfu_unavailable"), str)]
     return {"unavailable": reasons[-1][:200] if reasons else MFU_UNKNOWN}
 
 

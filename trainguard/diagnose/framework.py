@@ -105,7 +105,7 @@ def straggler_windows(run: RunData, policy: Policy) -> Finding:
     lead = min(run.ranks) if run.ranks else None
     # rank -> its longest stretch of consecutive lead-rank steps scored under the threshold. Consecutive: a
     # rank that dips under it for a few steps now and then (a busy machine's jitter) did not straggle for
-    # a stretch, however many such steps add up to (issue 29: rank 0 was named beside the injected rank 1).
+    # a stretch, however many such steps add up to (without it, rank 0 was named beside the injected rank 1).
     low: dict[int, list[int]] = {}
     streak: dict[int, list[int]] = {}
     worst: dict[int, straggler.Score] = {}

@@ -1,5 +1,6 @@
 """Logs users already have, read as TLS records: TensorBoard event files, Hugging Face `trainer_state.json`,
-Megatron-LM (and Megatron-DeepSpeed) training logs and torchtitan's metric lines. User guide: docs/replay.md
+Megatron-LM (and Megatron-DeepSpeed) training logs and torchtitan's metric lines; and the Git LFS pointer a
+clone without git-lfs leaves in a log's place, read as the one problem it is. User guide: docs/replay.md
 ("Other tools' logs").
 
 `detect(path)` names a file's format by its content (never its name), scanning at most `SCAN_BYTES` for a
@@ -26,6 +27,7 @@ from typing import Iterator, Union
 from trainguard import safe_read
 
 TLS, TENSORBOARD, HF_STATE, MEGATRON, TORCHTITAN = "tls", "tensorboard", "hf_trainer_state", "megatron", "torchtitan"
+LFS_POINTER = "git_lfs_pointer"    # not a log: what a clone without git-lfs leaves in its place (lfs_pointer.py)
 HEAD_BYTES = 1 << 16            # the binary and JSON formats say what they are in their first bytes
 SCAN_BYTES = 64 << 20           # a text log's first record line is looked for this far (bounded: never the whole file)
 SCAN_BLOCK = 1 << 20
@@ -121,8 +123,8 @@ def _first_line_is_a_record(head: bytes) -> bool:
 
 
 def _readers() -> dict:
-    from trainguard.formats import hf_state, tensorboard
-    return {TENSORBOARD: tensorboard, HF_STATE: hf_state}
+    from trainguard.formats import hf_state, lfs_pointer, tensorboard
+    return {TENSORBOARD: tensorboard, HF_STATE: hf_state, LFS_POINTER: lfs_pointer}
 
 
 def _all_readers() -> dict:

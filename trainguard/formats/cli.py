@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
 def output_refusal(source: Path, output: Path) -> str | None:
     """Why `-o OUTPUT` cannot be written, or None. The output replaces its path when done, so the input
-    itself, by any name (a symlink, a hard link: the same inode), would be destroyed (issue 29)."""
+    itself, by any name (a symlink, a hard link: the same inode), would be destroyed."""
     if output.is_dir():
         return f"-o {output}: is a directory; name the .jsonl file to write"
     if not output.parent.is_dir():

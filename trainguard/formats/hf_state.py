@@ -27,7 +27,7 @@ import os
 import re
 from typing import Iterator
 
-from trainguard import safe_read, tls
+from trainguard import event_types, safe_read, tls
 from trainguard.formats import CLOCK_KEY, NO_CLOCK, Item, Notes, Unmapped, step_of
 
 MAX_BYTES = 1 << 30             # a trainer_state.json of 5M logged steps is ~1 GB; larger is not one
@@ -83,15 +83,6 @@ def _history(path, source: str) -> list | Unmapped:
     return history
 
 
-def record_of(entry: dict) -> dict | None:
-    """The first record of one log_history entry (None when it maps to none): for callers of one entry."""
-    try:
-        records = _records_of(entry, None, Notes(), 0)
-    except ValueError:
-        return None
-    return records[0] if records else None
-
-
 def _records_of(entry, last_step: int | None, notes: Notes, index: int) -> list[dict]:
     if not isinstance(entry, dict):
         raise ValueError(f"an entry that is a {type(entry).__name__}, not an object")
@@ -99,7 +90,7 @@ def _records_of(entry, last_step: int | None, notes: Notes, index: int) -> list[
     if any(key.startswith("predict_") for key in numbers):
         step = step_of(entry["step"]) if "step" in entry else last_step
         at = step if step is not None else 0
-        return [tls.event("prediction", step=step, timestamp=float(at),
+        return [tls.event(event_types.PREDICTION, step=step, timestamp=float(at),
                           **{key[len("predict_"):]: v for key, v in numbers.items() if key.startswith("predict_")})]
     step = step_of(entry.get("step"))
     if step is None:
@@ -122,9 +113,9 @@ def _records_of(entry, last_step: int | None, notes: Notes, index: int) -> list[
     if evaluations:
         return evaluations
     if "train_runtime" in entry or "train_loss" in entry:
-        return [tls.event("run_summary", step=step, timestamp=float(step), **numbers)]
+        return [tls.event(event_types.RUN_SUMMARY, step=step, timestamp=float(step), **numbers)]
     if numbers:
-        return [tls.event("trainer_log", step=step, timestamp=float(step), **numbers)]
+        return [tls.event(event_types.TRAINER_LOG, step=step, timestamp=float(step), **numbers)]
     raise ValueError("an entry with a step and no numbers")
 
 
@@ -145,7 +136,7 @@ def _evaluations(entry: dict, numbers: dict, step: int) -> list[dict]:
         if "epoch" in numbers:
             values["epoch"] = numbers["epoch"]
         named = {"dataset": dataset} if dataset is not None else {}
-        events.append(tls.event("evaluation", step=step, timestamp=float(step), **named, **values))
+        events.append(tls.event(event_types.EVALUATION, step=step, timestamp=float(step), **named, **values))
     return events
 
 

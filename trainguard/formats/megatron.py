@@ -37,7 +37,7 @@ import os
 import re
 from typing import Iterator
 
-from trainguard import tls
+from trainguard import event_types, tls
 from trainguard.formats import CLOCK_KEY, NO_CLOCK, Item, Notes, Unmapped, metric_lines, step_of
 
 ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
@@ -235,4 +235,4 @@ def _validation(text: str, lineno: int, previous: int | None, clock: _Clock, sou
         yield Unmapped(source, lineno, "a validation line without `lm loss value`")
         return
     when = clock.now if clock.now is not None else float(step or 0)
-    yield _marked(tls.event("evaluation", step=step, timestamp=when, **values), clock)
+    yield _marked(tls.event(event_types.EVALUATION, step=step, timestamp=when, **values), clock)

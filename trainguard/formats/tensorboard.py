@@ -30,7 +30,7 @@ import os
 import struct
 from typing import Iterator
 
-from trainguard import safe_read, tls
+from trainguard import event_types, safe_read, tls
 from trainguard.formats import Item, Notes, Unmapped, step_of
 
 MAGIC = b"brain.Event:"
@@ -303,9 +303,9 @@ class _Step:
             values = dict(self.evaluation)
             if "loss" in values:
                 values["val_loss"] = values.pop("loss")
-            out.append(tls.event("evaluation", step=self.step, timestamp=self.when, **extra, **values))
+            out.append(tls.event(event_types.EVALUATION, step=self.step, timestamp=self.when, **extra, **values))
         if self.summary:
-            out.append(tls.event("run_summary", step=self.step, timestamp=self.when, **extra, **self.summary))
+            out.append(tls.event(event_types.RUN_SUMMARY, step=self.step, timestamp=self.when, **extra, **self.summary))
         return out
 
 

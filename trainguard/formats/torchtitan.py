@@ -24,7 +24,7 @@ import os
 import re
 from typing import Iterator
 
-from trainguard import tls
+from trainguard import event_types, tls
 from trainguard.formats import CLOCK_KEY, NO_CLOCK, Item, Notes, Unmapped, metric_lines, step_of
 
 ANSI = metric_lines.ANSI
@@ -79,7 +79,7 @@ def read(path: str | os.PathLike, notes: Notes | None = None) -> Iterator[Item]:
         when = prefix.time if prefix.time is not None else float(step)
         timed, untimed = timed + (prefix.time is not None), untimed + (prefix.time is None)
         if match.group(1) == "validate step":
-            record = tls.event("evaluation", step=step, timestamp=when, val_loss=metrics["loss"])
+            record = tls.event(event_types.EVALUATION, step=step, timestamp=when, val_loss=metrics["loss"])
         elif step == last_step and prefix.rank is None:
             repeats, repeats_at = repeats + 1, repeats_at or lineno
             continue

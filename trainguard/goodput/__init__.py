@@ -48,7 +48,7 @@ from typing import Iterable
 
 from trainguard import actions, event_types
 
-CAUSES = ("startup", "checkpoint_save", "evaluation", "rollback", "restart_recovery", "stall", "slow_steps",
+CAUSES = ("startup", "checkpoint_save", "evaluation", actions.ROLLBACK, "restart_recovery", "stall", "slow_steps",
           "data_wait", "skipped_steps", "other", "in_process_teardown", "in_process_reform", "in_process_restore",
           "in_process_recovery")
 IN_PROCESS = "in_process_recovery"
@@ -57,12 +57,11 @@ IN_PROCESS_PARTS = {"in_process_teardown": ("teardown_seconds", "barrier_seconds
                     "in_process_reform": ("reform_seconds",), "in_process_restore": ("restore_seconds",)}
 # Events that say how long they held training up: type -> (cause, field with the seconds). The time is
 # charged to the stretch in which the event started (`started_at`, else its time minus `seconds`).
-TIMED_EVENTS = {"checkpoint_saved": ("checkpoint_save", "blocking_seconds"),
+TIMED_EVENTS = {event_types.CHECKPOINT_SAVED: ("checkpoint_save", "blocking_seconds"),
                 "evaluation": ("evaluation", "seconds")}
-RUN_START = "run_start"
 # Events a process writes before its first step. If a restart is confirmed, the previous process ended
 # at the record before the first of them.
-_PROCESS_START = ("checkpoint_invalid", "checkpoint_restored", RUN_START)
+_PROCESS_START = (event_types.CHECKPOINT_INVALID, event_types.CHECKPOINT_RESTORED, event_types.RUN_START)
 # An incident is matched to a hang when it was detected between the last progress and this long after
 # the first step after the restart (evidence is gathered before the kill, written a moment later).
 INCIDENT_SLACK_SECONDS = 5.0
@@ -164,7 +163,7 @@ class _Timeline:
     def feed(self, record: dict) -> None:
         ts = float(record["timestamp"])
         event = record.get("event")
-        if isinstance(event, dict) and event.get("type") in ("alert", "action"):
+        if isinstance(event, dict) and event.get("type") in (event_types.ALERT, event_types.ACTION):
             self._note_decision(event, ts)   # a decision (often the agent's): it says when, it is not the run's time
             return
         if self.cursor is None:
@@ -180,14 +179,14 @@ class _Timeline:
         kind, step = event.get("type"), event.get("step", record.get("step"))
         if kind in _PROCESS_START and self.boundary is None:
             self.boundary = self.last_ts if self.last_ts is not None else ts
-        if kind == RUN_START and self.lead_in is None:
+        if kind == event_types.RUN_START and self.lead_in is None:
             self._restart()
         elif kind == actions.ROLLBACK:
             self.rollbacks += 1
             self.rollback_pending = True
             if isinstance(event.get("restored_step"), int):
                 self.restored = event["restored_step"]
-        elif kind == "checkpoint_restored" and isinstance(step, int):
+        elif kind == event_types.CHECKPOINT_RESTORED and isinstance(step, int):
             self.restored = step
         elif kind == event_types.SNAPSHOT_RESTORED and isinstance(event.get("restored_step"), int):
             self.restored = event["restored_step"]   # after the checkpoint: a fresher in-memory state
@@ -214,14 +213,14 @@ class _Timeline:
 
     def _note_decision(self, event: dict, ts: float) -> None:
         """The agent's restore decision: its `action` event (issued_at), or its verdict to act on an alert."""
-        if event.get("action") != actions.RESTORE or event.get("type") == "alert" and event.get("outcome") != "act":
+        if event.get("action") != actions.RESTORE or event.get("type") == event_types.ALERT and event.get("outcome") != "act":
             return
         when = event.get("issued_at", event.get("decided_at"))
         when = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else ts
         if self.cursor is not None and when < self.cursor:
             return
         # The action's id names the decision best; the alert verdict (written a moment before) gives its time.
-        name = event.get("id") or event.get("request_id") if event.get("type") == "action" else None
+        name = event.get("id") or event.get("request_id") if event.get("type") == event_types.ACTION else None
         if self.decision is None:
             self.decision = (when, str(name or event.get("request_id") or event.get("alertname") or actions.RESTORE))
         elif name:
@@ -260,8 +259,8 @@ class _Timeline:
             self.lead_in, self.in_process_pending = IN_PROCESS, False
         elif self.rollback_pending:
             kept = self.restored if self.restored is not None else step - 1
-            self._throw_away_after(kept, "rollback")
-            self.lead_in = "rollback"
+            self._throw_away_after(kept, actions.ROLLBACK)     # the badput cause named after the action
+            self.lead_in = actions.ROLLBACK
         elif self.restored is not None:
             if self.lead_in is None:   # restored with no rollback in a process that had stepped: a new one
                 self._restart()

@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from trainguard import rundir
+from trainguard import event_types, rundir
 from trainguard import paths, tls
 from trainguard import policy as policy_mod
 from trainguard.progress import Progress
@@ -50,7 +50,7 @@ def find_log(run_dir: Path, rank: int | None) -> Path:
     logs = [(int(m.group(1)), p) for p in rundir.tls_dir(run_dir).glob("rank-*.jsonl")
             if (m := re.fullmatch(r"rank-([0-9]+)\.jsonl", p.name))]
     if not logs:
-        raise FileNotFoundError(f"{run_dir / 'tls'}: no rank-*.jsonl log")
+        raise FileNotFoundError(f"{rundir.tls_dir(run_dir)}: no rank-*.jsonl log")
     return min(logs)[1]
 
 
@@ -65,7 +65,7 @@ def agent_decisions(run_dir: Path, malformed: list[str]) -> list[dict]:
                 malformed.append(str(line.error))
                 continue
             event = line.record.get("event")
-            if isinstance(event, dict) and event.get("type") in ("alert", "action"):
+            if isinstance(event, dict) and event.get("type") in (event_types.ALERT, event_types.ACTION):
                 found.append(line.record)
     return found
 

@@ -1,6 +1,6 @@
 """``RUN/incidents/<id>/``: one incident's verdict and the evidence it was decided on.
 
-The layout is a contract (shared/design.md)::
+The layout is a contract (docs/incidents.md)::
 
     RUN/incidents/<id>/incident.json     {"id", "kind", "detected_at", "detected_by",
                                           "culprit": {"rank", "node"} | null, "confidence",
@@ -60,7 +60,7 @@ from trainguard.exits import BadInput
 
 KINDS = ("hang", "slow", "crash", "sdc")
 MAX_FILE_BYTES = 4 * 2**20
-MAX_WRITER_BYTES = 64 * 2**20      # one writer's share of one incident (all of one incident before issue 21)
+MAX_WRITER_BYTES = 64 * 2**20      # one writer's share of one incident (it once was all of one incident)
 MIN_FREE_BYTES = 2**30              # evidence leaves the run at least this much of its filesystem free,
 MIN_FREE_FRACTION = 0.02            # or this share of it, the larger
 BLOCK_BYTES = 4096                  # a file is charged at least a block: a writer's file count is bounded too

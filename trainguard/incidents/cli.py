@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 def cordon_checker(key_file: str | None):
     """The key cordons are checked with (trainguard/cordon/__init__.py CordonKey), or why a --key-file cannot be used."""
-    from trainguard.runtime.cordon_key import checker   # a command may reach the trainer's key
+    from trainguard.runtime.cordon_key import checker   # the runtime, when it runs (Layers)
 
     key = checker(key_file)
     if key_file is not None and key.key is None:

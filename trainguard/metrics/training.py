@@ -7,7 +7,7 @@ Labels are `run_id` and `rank` (bounded by the world size); never step or pid.
 
 from __future__ import annotations
 
-from trainguard import actions
+from trainguard import actions, event_types
 from trainguard.decide.cost import CostMeter
 from trainguard.decide.straggler import StragglerBoard
 from trainguard.metrics.families import LabelCache, Spec
@@ -16,8 +16,8 @@ from trainguard.metrics.training_state import STEP_GAUGES, TrainingState
 TIER_VALUES = {"ok": 0, "warn": 1, "throttle": 2, "stop": 3}
 # Guard and recovery events exported at 0 until they happen (see `families`); replica_mismatch is silent
 # corruption (trainer/replica_check.py): the ReplicaMismatch alert.
-WATCHED_EVENTS = (actions.SKIP_STEP, actions.ROLLBACK, actions.RESTORE, "action", "checkpoint_saved", "fault_injected",
-                  actions.STOP, "replica_mismatch")
+WATCHED_EVENTS = (actions.SKIP_STEP, actions.ROLLBACK, actions.RESTORE, event_types.ACTION, event_types.CHECKPOINT_SAVED, event_types.FAULT_INJECTED,
+                  actions.STOP, event_types.REPLICA_MISMATCH)
 
 
 def families(state: TrainingState, now: float, *, meter: CostMeter | None = None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainguard import actions
+from trainguard import actions, event_types, rundir
 
 # What a shadow_action event of a rank can name: the guard's decisions, the agent's requests, the replica
 # check's cordon (a bounded label set; anything else is "other").
@@ -118,13 +118,13 @@ class TrainingState:
         state.count_event(kind)
         if kind == actions.SHADOW_ACTION:
             state.count_shadowed(event.get("action"))
-        if kind == "checkpoint_saved":
+        if kind == event_types.CHECKPOINT_SAVED:
             step = event.get("step", record.get("step"))
             if self.checkpoint_time is None or record["timestamp"] >= self.checkpoint_time:
                 self.checkpoint_time = record["timestamp"]
                 self.checkpoint_step = step if isinstance(step, int) else self.checkpoint_step
                 if isinstance(step, int):
-                    self.checkpoint_name = f"step_{step}"
+                    self.checkpoint_name = rundir.step_dir_name(step)
 
     def count(self, table: dict[str, int], source: str) -> None:
         table[source] = table.get(source, 0) + 1

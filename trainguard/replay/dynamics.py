@@ -22,10 +22,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainguard import tls
+from trainguard import event_types, tls
 from trainguard.actions import ROLLBACK, SKIP_STEP, STOP
 from trainguard.decide import schedules
-from trainguard.decide.schedules import EVENT, StepSignals
+from trainguard.decide.schedules import StepSignals
 
 HEAD_LINES = 64        # the opening lr_phase event is among a log's first records (after run_start)
 NOT_APPLIED = (SKIP_STEP, STOP)
@@ -56,7 +56,7 @@ def _opening_event(path: Path) -> dict | None:
         if index >= HEAD_LINES:
             return None
         event = (line.record or {}).get("event")
-        if event and event.get("type") == EVENT and event.get("from") is None:
+        if event and event.get("type") == event_types.LR_PHASE and event.get("from") is None:
             return event
     return None
 
@@ -94,7 +94,7 @@ class _Walk:
         return self.out
 
     def _event(self, event: dict, record: dict) -> None:
-        if event.get("type") == EVENT and event.get("from") is not None:
+        if event.get("type") == event_types.LR_PHASE and event.get("from") is not None:
             self.out.recorded.append(_key(event, record))
         if self.pending is not None:
             self.tail.append(event)
@@ -120,9 +120,9 @@ class _Walk:
                 changes += self.machine.evaluated(step, _evaluation(ours))
         self.out.replayed += [(c.step, c.previous, c.phase, c.reason) for c in changes]
         for event in tail:
-            if event.get("type") == "checkpoint_saved" and event.get("step") == step:
+            if event.get("type") == event_types.CHECKPOINT_SAVED and event.get("step") == step:
                 self.snapshots[step] = copy.deepcopy(self.machine.state_dict())
-            elif event.get("type") == "run_start" and event.get("resumed_from") is not None:
+            elif event.get("type") == event_types.RUN_START and event.get("resumed_from") is not None:
                 self._restore(int(event["resumed_from"]), step, "resume")   # the live run writes no change
 
     def _restore(self, to_step: int, step: int, reason: str) -> list:
@@ -139,7 +139,7 @@ def _key(event: dict, record: dict) -> tuple:
 
 
 def _evaluation(events: list[dict]) -> float:
-    found = next((e for e in events if e.get("type") == "evaluation" and e.get("purpose") == "lr_phase"), None)
+    found = next((e for e in events if e.get("type") == event_types.EVALUATION and e.get("purpose") == event_types.LR_PHASE), None)
     return _number(found.get("val_loss")) if found else math.nan
 
 

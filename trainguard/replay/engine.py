@@ -34,7 +34,7 @@ from trainguard.policy import Policy
 from trainguard.replay import columns, parallel
 from trainguard.replay.picking import FIRST_SEEN, Action, Picked, Picker
 
-__all__ = ["Action", "Outcome", "replay", "finite_or_text"]
+__all__ = ["Action", "ReplayOutcome", "replay", "finite_or_text"]
 
 # Called with every stream entry (timestamp, file index, ordinal, typed record, dict or None) in
 # order, before the record is decided: the alert series (series.Exporters) are built this way.
@@ -42,7 +42,7 @@ Observer = Callable[[tuple], None]
 
 
 @dataclass
-class Outcome:
+class ReplayOutcome:
     records: int = 0
     first_timestamp: float | None = None
     last_timestamp: float | None = None
@@ -146,12 +146,12 @@ class _Decider:
 
 
 def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None,
-           meter: CostMeter | None = None) -> Outcome:
+           meter: CostMeter | None = None) -> ReplayOutcome:
     """Feed every training step of `stream` (a source.Stream, or its entries) to a fresh Guard and to
     `meter` (a fresh CostMeter unless given: the alert series read the same one). With an `observer`
     every step is decided before the next entry is observed, since the observer reads the meter."""
     meter = meter or CostMeter(policy.cost)
-    out = Outcome()
+    out = ReplayOutcome()
     decider = _Decider(Guard(policy.guard), meter, out.actions, out.progress)
     if observer is None and columns.fits(stream):
         out.event_lines = {}
@@ -161,7 +161,7 @@ def replay(stream: Iterable, policy: Policy, *, observer: Observer | None = None
             picker, out.event_lines = _replay_parallel(stream, decider)
         except parallel.NotExact:         # only the merged stream can: start again there, afresh
             stream.reread()
-            meter, out = CostMeter(policy.cost), Outcome()
+            meter, out = CostMeter(policy.cost), ReplayOutcome()
             decider = _Decider(Guard(policy.guard), meter, out.actions, out.progress)
             picker = _replay_entries(stream, decider, None)
     else:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import mmap
 from pathlib import Path
 
-from trainguard import safe_read, tls
+from trainguard import event_types, safe_read, tls
 from trainguard.decide import replica
 from trainguard.policy import Policy
 from trainguard.replay import engine, source
 
-MARK = b'"' + replica.CHECK_EVENT.encode() + b'"'
+MARK = b'"%s"' % event_types.REPLICA_CHECK.encode()
 
 
 def actions(files: list[Path], policy: Policy) -> list[engine.Action]:

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from trainguard import event_types
 from trainguard.decide.straggler import StragglerBoard
 from trainguard.metrics import gpu_metrics, training, training_state
 from trainguard.metrics import node as node_families
@@ -66,7 +67,7 @@ class NodeExporter:
         # The host collector checks the rank's pid; a log shows the process from its first record to its
         # `run_end` event (a rank that crashed without one reads as up: a log cannot tell).
         event = raw.get("event")
-        self.ranks_up[rank] = not (isinstance(event, dict) and event.get("type") == "run_end")
+        self.ranks_up[rank] = not (isinstance(event, dict) and event.get("type") == event_types.RUN_END)
 
     def observe_hardware(self, hardware: dict) -> None:
         await_ms = hardware.get("disk_await_ms")

@@ -34,8 +34,7 @@ from typing import Annotated, Any, Callable, Iterable, Iterator, Union
 import msgspec
 import zstandard
 
-from trainguard import formats, safe_read, tls
-from trainguard.decide import replica as decide_replica
+from trainguard import event_types, formats, safe_read, tls
 from trainguard.exits import BadInput
 from trainguard.formats import discover
 
@@ -74,7 +73,7 @@ class Event(msgspec.Struct, kw_only=True, gc=False):
 
 _AwareTime = Annotated[datetime, msgspec.Meta(tz=True)]
 # Steps and ranks become int64 columns: a larger one is refused here, and named by the lenient reader
-# (tls.normalise) as a malformed line, instead of overflowing numpy after the decode (issue 29).
+# (tls.normalise) as a malformed line, instead of overflowing numpy after the decode.
 _Int64 = Annotated[int, msgspec.Meta(ge=tls.INT64_MIN, le=tls.INT64_MAX)]
 
 
@@ -172,7 +171,8 @@ class Problems:
 # The marks of the events replay's recorded pass reads (timeline.recorded_actions), and the replica checks
 # (replica.py): the readers that hold the bytes (parallel.py's workers, columns.py's) hand over the lines
 # naming them, so the recorded pass reads no file again and the replica pass only the files holding a check.
-MARKS = (b'"run_start"', b'"alert"', b'"action"', b'"' + decide_replica.CHECK_EVENT.encode() + b'"')
+MARKS = tuple(b'"%s"' % kind.encode() for kind in (event_types.RUN_START, event_types.ALERT, event_types.ACTION,
+                                                    event_types.REPLICA_CHECK))
 MARKED_TYPES = frozenset(mark.strip(b'"').decode() for mark in MARKS)
 
 

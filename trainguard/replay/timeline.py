@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from trainguard import actions, rundir, tls
-from trainguard.decide import schedules, stall
+from trainguard import actions, event_types, rundir, tls
+from trainguard.decide import stall
 from trainguard.decide import ledger as tgledger
 from trainguard.decide.embedded import cost_notice   # the agent's own notices
 from trainguard.decide.cost import CostMeter
@@ -29,8 +29,9 @@ from trainguard.replay import dynamics, engine, expect, replica, rules, source, 
 DEFAULT_SCRAPE_INTERVAL = 15.0
 # What the live run did, beyond the lead rank's own decisions: only lines naming these are decoded, so
 # a long log is scanned, not parsed, for them.
-_RESTART_MARK, _AGENT_MARKS = b'"run_start"', (b'"alert"', b'"action"')
-_LR_MARK = b'"' + schedules.EVENT.encode() + b'"'   # what opens a log with an LR schedule (replay.dynamics)
+_RESTART_MARK = b'"%s"' % event_types.RUN_START.encode()
+_AGENT_MARKS = (b'"%s"' % event_types.ALERT.encode(), b'"%s"' % event_types.ACTION.encode())
+_LR_MARK = b'"%s"' % event_types.LR_PHASE.encode()   # what opens a log with an LR schedule (replay.dynamics)
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,11 @@ class Recorded:
 @dataclass
 class Result:
     files: list[Path]
-    outcome: engine.Outcome
+    outcome: engine.ReplayOutcome
     problems: source.Problems
     alerts: list[rules.FiredAlert] | None = None     # None: the rules were not evaluated
     actions: list[engine.Action] = field(default_factory=list)      # what executes, in time order
-    verdicts: list[tgledger.Verdict] = field(default_factory=list)  # the ledger's every verdict
+    verdicts: list[tgledger.NoticeVerdict] = field(default_factory=list)  # the ledger's every verdict
     rules_dir: str | None = None
     scrape_interval: float = DEFAULT_SCRAPE_INTERVAL
     lead_rank: int | None = None
@@ -128,7 +129,7 @@ def _recorded(item: Recorded) -> dict:
             "source": item.source, "detail": engine.finite_or_text(item.detail)}
 
 
-def _verdict(verdict: tgledger.Verdict) -> dict:
+def _verdict(verdict: tgledger.NoticeVerdict) -> dict:
     notice = verdict.notice
     return {"alertname": notice.alertname, "source": notice.source, "requested": notice.action,
             "outcome": verdict.outcome, "action": verdict.action, "reason": verdict.reason,
@@ -185,9 +186,9 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
     return result
 
 
-def _may_hold_checks(files: list[Path], outcome: engine.Outcome) -> list[Path]:
+def _may_hold_checks(files: list[Path], outcome: engine.ReplayOutcome) -> list[Path]:
     """The files the replica pass reads: those the replay's own read saw naming a check (all, where it did
-    not look: engine.Outcome.event_lines)."""
+    not look: engine.ReplayOutcome.event_lines)."""
     if outcome.event_lines is None:
         return files
     return [path for path in files if any(replica.MARK in raw for _, raw in outcome.event_lines.get(str(path), ()))]
@@ -200,7 +201,7 @@ def recorded_actions(lead: list[engine.Action], files: list[Path], given: list[P
     """Every action the live run took, from every source, in time order: the lead rank's decisions, its
     restarts (a `run_start` that resumed), the agents' alert verdicts and actions (node logs), and the
     requests of RUN/control/actions.jsonl (merged into the agent's action of the same id). `event_lines`:
-    each file's lines naming the marks, as the replay's own read found them (engine.Outcome), else
+    each file's lines naming the marks, as the replay's own read found them (engine.ReplayOutcome), else
     searched for here."""
     found = [Recorded("action", a.action, a.step, a.timestamp, a.reason, "trainer") for a in lead]
     restarts: dict[tuple, Recorded] = {}
@@ -212,12 +213,12 @@ def recorded_actions(lead: list[engine.Action], files: list[Path], given: list[P
             event = record.get("event")
             if not isinstance(event, dict):
                 continue
-            if event.get("type") == "run_start" and event.get("resumed_from") is not None:
+            if event.get("type") == event_types.RUN_START and event.get("resumed_from") is not None:
                 item = _restart(record, event)
                 restarts.setdefault((item.step, round(item.timestamp)), item)   # every rank says it once
-            elif event.get("type") == "alert" and event.get("status", "firing") == "firing":
+            elif event.get("type") == event_types.ALERT and event.get("status", "firing") == "firing":
                 found.append(_agent_alert(record, event))
-            elif event.get("type") == "action":
+            elif event.get("type") == event_types.ACTION:
                 _merge(by_id, _action_event(record, event))
     for request in _control_requests(given):
         when = request.get("issued_at")
@@ -281,7 +282,7 @@ def _control_requests(given: list[Path]) -> list[dict]:
     return [request for root in given for request in rundir.read_requests(rundir.run_dir_of(root))]
 
 
-def stall_notices(stream: source.Stream, outcome: engine.Outcome, policy: Policy) -> list[tgledger.Notice]:
+def stall_notices(stream: source.Stream, outcome: engine.ReplayOutcome, policy: Policy) -> list[tgledger.Notice]:
     """The agent's stall watchdog over the recorded logs: its `restore` notices, in the log's time.
 
     The rule is trainguard.decide.stall's, over the records replay read (the lines it counts malformed
@@ -307,7 +308,7 @@ def _decided_by(notice: tgledger.Notice) -> str:
 
 
 def _execute(decided: list[engine.Action], alerts: list[rules.FiredAlert], policy: Policy,
-             stalls: list[tgledger.Notice] = ()) -> tuple[list[engine.Action], list[tgledger.Verdict]]:
+             stalls: list[tgledger.Notice] = ()) -> tuple[list[engine.Action], list[tgledger.NoticeVerdict]]:
     """Guard actions as they are; cost decisions, the stall watchdog's restores and acting alerts
     through the agent's ledger (its de-duplication and hourly limits, as live)."""
 

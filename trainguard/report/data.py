@@ -9,13 +9,12 @@ their file and line, never dropped silently. Cost is metered by the very `CostMe
 from __future__ import annotations
 
 import heapq
-import math
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from trainguard import actions, paths
+from trainguard import actions, event_types, paths, rundir
 from trainguard import policy as policy_mod
 from trainguard.progress import Progress
 from trainguard.decide.cost import CostMeter, clock_of
@@ -35,22 +34,22 @@ MAX_KEYS = 64
 # Chart markers: event types (or the `action` of an `action` event) by the kind of mark they get.
 # `checkpoint_restored` gets none: it is a part of a rollback or of a restart, which have their own.
 MARKER_KINDS = {
-    "checkpoint_saved": "checkpoint",
+    event_types.CHECKPOINT_SAVED: "checkpoint",
     actions.SKIP_STEP: "skip",
     actions.ROLLBACK: "rollback",
     actions.RESTORE: "restore",
-    "alert": "alert",
-    "fault_injected": "fault",
-    "lr_phase": "phase",          # LR schedule phase changes (docs/dynamics.md)
+    event_types.ALERT: "alert",
+    event_types.FAULT_INJECTED: "fault",
+    event_types.LR_PHASE: "phase",          # LR schedule phase changes (docs/dynamics.md)
 }
 
 
 def marker_kind(kind: str, event: dict) -> str | None:
-    if kind == "action":
+    if kind == event_types.ACTION:
         kind = str(event.get("action"))
-    if kind == "run_start":   # a process that resumed from a checkpoint: a restart, the end of a restore
+    if kind == event_types.RUN_START:   # a process that resumed from a checkpoint: a restart, the end of a restore
         return MARKER_KINDS[actions.RESTORE] if event.get("resumed_from") is not None else None
-    if kind == "alert" and event.get("status") == "resolved":
+    if kind == event_types.ALERT and event.get("status") == "resolved":
         return None
     return MARKER_KINDS.get(kind)
 
@@ -228,7 +227,7 @@ class _Loader:
                 self.note_pass_cause(record)
                 self.training_record(record, ts)
                 self.keep_for_goodput(record, ts)
-            elif (record.get("event") or {}).get("type") in ("alert", "action"):
+            elif (record.get("event") or {}).get("type") in (event_types.ALERT, event_types.ACTION):
                 self.keep_for_goodput(record, ts)    # the agent's restore decision splits a hang
             self.event(record, ts, source=host_name)
         return handle
@@ -288,7 +287,7 @@ class _Loader:
             return
         if event.get("type") == "rollback":
             self.pass_cause = "rollback"
-        elif event.get("type") == "run_start" and event.get("resumed_from") is not None:
+        elif event.get("type") == event_types.RUN_START and event.get("resumed_from") is not None:
             self.pass_cause = "restart"
 
     def step_pass(self, step: int, ts: float) -> Pass:
@@ -360,22 +359,22 @@ class _Loader:
     def count_event(self, kind: str, event: dict, step: int | None, ts: float, source: str) -> None:
         run = self.run
         run.event_counts[kind] += 1
-        if kind == "checkpoint_saved" and step is not None:
-            self.note_checkpoint(f"step_{step}", ts)
-        if kind == "alert" and event.get("status", "firing") == "firing":
+        if kind == event_types.CHECKPOINT_SAVED and step is not None:
+            self.note_checkpoint(rundir.step_dir_name(step), ts)
+        if kind == event_types.ALERT and event.get("status", "firing") == "firing":
             run.alerts[str(event.get("alertname", "?"))] += 1
-        if kind == "action" or kind in actions.DECISIONS:
+        if kind == event_types.ACTION or kind in actions.DECISIONS:
             run.actions[str(event.get("action", kind))] += 1
         if kind == actions.SHADOW_ACTION:
             run.shadowed[str(event.get("action"))] += 1
-        if kind == "run_start" and event.get("actions_mode") == actions.SHADOW_MODE:
+        if kind == event_types.RUN_START and event.get("actions_mode") == actions.SHADOW_MODE:
             run.shadow_mode = True
-        if kind == "run_start" and isinstance(event.get("mfu_unavailable"), str):
+        if kind == event_types.RUN_START and isinstance(event.get("mfu_unavailable"), str):
             run.mfu_unavailable = event["mfu_unavailable"][:200]
-        if kind == "fault_injected" and len(run.faults) < ERRORS_KEPT:
+        if kind == event_types.FAULT_INJECTED and len(run.faults) < ERRORS_KEPT:
             name = str(event.get("fault") or event.get("kind") or "?")
             run.faults.append(name if "@" in name else f"{name}@{step}")
-        if kind == "run_start" and event.get("resumed_from") is not None:
+        if kind == event_types.RUN_START and event.get("resumed_from") is not None:
             run.restarts += 1
         marker = marker_kind(kind, event)
         if marker:
@@ -484,6 +483,3 @@ def _add_goodput(run: Run, records: list[dict]) -> None:
 def final(series: Series | None) -> float | None:
     return series.last[1] if series and series.last else None
 
-
-def finite_or_none(value: Any) -> float | None:
-    return value if isinstance(value, (int, float)) and math.isfinite(value) else None

@@ -45,9 +45,9 @@ def host_of(path: Path) -> str:
 def read_checkpoints(run_dir: Path) -> list[Checkpoint]:
     root = rundir.checkpoints_dir(run_dir)
     found = []
-    for path in sorted(root.glob("step_*")) if root.is_dir() else []:
-        match = re.fullmatch(r"step_(\d+)", path.name)
-        if not match or not path.is_dir():
+    for path in sorted(root.glob(f"{rundir.STEP_DIR_PREFIX}*")) if root.is_dir() else []:
+        step = rundir.step_of_dir(path.name)
+        if step is None or not path.is_dir():
             continue
         manifest, error = None, None
         try:
@@ -56,5 +56,5 @@ def read_checkpoints(run_dir: Path) -> list[Checkpoint]:
             error = "no manifest.json (incomplete or not verified)"
         except (ValueError, OSError) as exc:     # a FIFO or a device named by safe_read, garbage, a wrong step
             error = f"unreadable manifest.json: {exc}"
-        found.append(Checkpoint(path.name, int(match.group(1)), manifest, error))
+        found.append(Checkpoint(path.name, step, manifest, error))
     return sorted(found, key=lambda c: c.step)

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainguard import paths, rundir, safe_read
+from trainguard import event_types, paths, rundir, safe_read
 from trainguard.actions import PAGE, SHADOW_ACTION, SHADOW_MODE
 from trainguard.exits import int_at_least
 from trainguard.report.charts import event_detail, format_elapsed, format_value, mfu_na
@@ -119,9 +119,9 @@ def _take_checkpoint_save(status: Status, root: Path) -> None:
     if isinstance(saved, dict) and saved.get("ok") is False:
         durable = saved.get("durable_step")
         status.attention.append(
-            f"checkpoint step_{saved.get('step')} failed ({saved.get('failed_saves', 1)} in a row; needs about "
+            f"checkpoint {rundir.step_dir_name(saved.get('step'))} failed ({saved.get('failed_saves', 1)} in a row; needs about "
             f"{saved.get('bytes_needed')} bytes, {saved.get('bytes_free')} free; newest durable: "
-            f"{f'step_{durable}' if durable is not None else 'none from this run'}): {saved.get('error', '')[:300]}")
+            f"{rundir.step_dir_name(durable) if durable is not None else 'none from this run'}): {saved.get('error', '')[:300]}")
 
 
 def _take(status: Status, record: dict, primary: bool, from_node: bool) -> None:
@@ -135,9 +135,9 @@ def _take(status: Status, record: dict, primary: bool, from_node: bool) -> None:
             status.metrics = {**metrics, "_ts": ts}
     last = (record.get("system") or {}).get("last_checkpoint")
     event = record.get("event")
-    if isinstance(event, dict) and event["type"] == "checkpoint_saved":
+    if isinstance(event, dict) and event["type"] == event_types.CHECKPOINT_SAVED:
         step = event.get("step", record.get("step"))
-        last = f"step_{step}" if step is not None else last
+        last = rundir.step_dir_name(step) if step is not None else last
     if isinstance(last, str) and ts >= status.checkpoint_ts:
         status.last_checkpoint, status.checkpoint_ts = last, ts
     gpus = (record.get("hardware") or {}).get("gpus")
@@ -163,11 +163,11 @@ def _take_events(status: Status, events: list[tuple[float, dict, str]], recent: 
         if event["type"] == SHADOW_ACTION:
             action = str(event.get("action"))
             status.shadowed[action] = status.shadowed.get(action, 0) + 1
-        if event["type"] == "run_start" and event.get("actions_mode") == SHADOW_MODE:
+        if event["type"] == event_types.RUN_START and event.get("actions_mode") == SHADOW_MODE:
             status.shadow_mode = True
-        if event["type"] == "run_start" and isinstance(event.get("mfu_unavailable"), str):
+        if event["type"] == event_types.RUN_START and isinstance(event.get("mfu_unavailable"), str):
             status.mfu_unavailable = event["mfu_unavailable"][:200]
-        if event["type"] == "alert" and event.get("alertname"):
+        if event["type"] == event_types.ALERT and event.get("alertname"):
             alert_state[str(event["alertname"])] = str(event.get("status", "firing"))
         _needs_a_human(status, ts, event)
         shown.append({"timestamp": ts, "type": event["type"], "step": event.get("step", record.get("step")),
@@ -180,24 +180,24 @@ def _take_events(status: Status, events: list[tuple[float, dict, str]], recent: 
 def _needs_a_human(status: Status, ts: float, event: dict) -> None:
     """Restores not carried out: a human was paged (no restarts left, past the hourly limit), or the
     agent refused to end processes that did not prove they were ranks of this run."""
-    if event["type"] == "action" and event.get("outcome") == "paged":
+    if event["type"] == event_types.ACTION and event.get("outcome") == "paged":
         paged = event.get("paged") or {}
         status.attention.append(f"{_clock(ts)}  restore NOT done, a human is paged: {paged.get('reason', 'paged')} "
                                 f"(ranks {paged.get('ranks')}); the ranks were left running")
-    elif event["type"] == "alert" and event.get("action") == PAGE:
+    elif event["type"] == event_types.ALERT and event.get("action") == PAGE:
         status.attention.append(f"{_clock(ts)}  {event.get('alertname')}: paged a human ({event.get('reason')})")
-    if event["type"] == "cordon_ignored":     # trainguard/cordon/__init__.py: the launcher joined despite a cordon file
+    if event["type"] == event_types.CORDON_IGNORED:     # trainguard/cordon/__init__.py: the launcher joined despite a cordon file
         status.attention.append(f"{_clock(ts)}  cordon of {event.get('host')} NOT honoured ({event.get('reason')}): "
                                 f"the node joined the job (ignored {event.get('ignored_total')} time(s)); "
                                 f"{event.get('why', '')}")
-    if event["type"] == "control_refused":     # runtime/control.py: a request that did not prove who wrote it
+    if event["type"] == event_types.CONTROL_REFUSED:     # runtime/control.py: a request that did not prove who wrote it
         status.attention.append(f"{_clock(ts)}  control request {event.get('id')} ({event.get('action')}) REFUSED: "
                                 f"{event.get('reason')}, not acted on ({event.get('refused_total')} refused so far); "
                                 f"{event.get('why', '')}")
-    if event["type"] == "stop_marker_refused":   # protect/protector.py: a stop marker rank 0 did not sign
+    if event["type"] == event_types.STOP_MARKER_REFUSED:   # protect/protector.py: a stop marker rank 0 did not sign
         status.attention.append(f"{_clock(ts)}  stop marker NOT honoured ({event.get('reason')}): the run started "
                                 f"anyway; {event.get('why', '')}")
-    if event["type"] == "action" and event.get("refused"):
+    if event["type"] == event_types.ACTION and event.get("refused"):
         reasons = sorted({str(r.get("reason")) for r in event["refused"] if isinstance(r, dict)})
         status.attention.append(f"{_clock(ts)}  restore refused to end {len(event['refused'])} process(es) "
                                 f"that did not prove to be ranks of this run: {', '.join(reasons)}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainguard import actions
+from trainguard import actions, event_types
 from trainguard.report.charts import format_elapsed, format_value
 from trainguard.report.charts import mfu_na
 from trainguard.report.data import Run, final
@@ -73,8 +73,8 @@ def sentences(run: Run) -> list[str]:
     cost = _cost_sentence(run)
     if cost:
         out.append(cost)
-    if run.checkpoints or run.event_counts.get("checkpoint_saved"):
-        saved = run.event_counts.get("checkpoint_saved", 0)
+    if run.checkpoints or run.event_counts.get(event_types.CHECKPOINT_SAVED):
+        saved = run.event_counts.get(event_types.CHECKPOINT_SAVED, 0)
         verified = sum(1 for c in run.checkpoints if c.manifest is not None)
         out.append(f"{saved} checkpoint(s) saved; {len(run.checkpoints)} on disk ({verified} with a manifest),"
                    f" latest {run.last_checkpoint or 'none'}.")

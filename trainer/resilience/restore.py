@@ -38,7 +38,7 @@ def after_failure(protector: Any, store: SnapshotStore | None, *, device: Any, w
     if loaded is not None:
         return loaded
     began = time.perf_counter()
-    step = protector.restore(rollback=False, source="in_process_restart")
+    step = protector.restore(rollback=False, source=event_types.IN_PROCESS_RESTART)
     if step is None:
         raise LookupError("no verified snapshot or checkpoint to restore after the failure")
     return {"source": CHECKPOINT, "restored_step": step, "restore_seconds": time.perf_counter() - began}

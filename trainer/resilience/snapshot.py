@@ -5,7 +5,7 @@
     ...; snaps.after_step(step, base_step=state.last_saved_step)       # after every step
     parts = store.load(step, map_location=device)                    # verified, or SnapshotRefused
 
-Where: ``<root>/trainguard-<uid>/<tag>/rank-<r>/step_<N>.snap`` and its manifest ``step_<N>.json``. The
+Where: ``<root>/trainguard-<uid>/<tag>/rank-<r>/snapshot-<N>.snap`` and its manifest ``snapshot-<N>.json``. The
 root is a tmpfs (/dev/shm): host memory, which outlives the process, so a worker torchrun restarts on the
 same node reads it without touching storage, and an in-process restart reads it at memory speed. The tag
 is an HMAC of the run directory under the run's key: a stranger cannot compute the name ahead of time.
@@ -49,8 +49,8 @@ from trainguard import event_types, safe_read, signed
 PURPOSE = "snapshot/1"
 DIR_PURPOSE = "snapshot-dir/1"
 DATA, MANIFEST = ".snap", ".json"
-NAME = re.compile(r"^step_(\d+)\.(snap|json)$")
-TMP_PREFIX = ".step_"
+NAME = re.compile(r"^snapshot-(\d+)\.(snap|json)$")
+TMP_PREFIX = ".snapshot-"
 # Room left on the tmpfs beyond the snapshot itself: a full /dev/shm breaks NCCL and dataloader workers.
 HEADROOM_BYTES = 64 * 2**20
 
@@ -109,7 +109,7 @@ class SnapshotStore:
         return sorted(found, reverse=True)
 
     def path(self, step: int, suffix: str) -> Path:
-        return self.dir / f"step_{step}{suffix}"
+        return self.dir / f"snapshot-{step}{suffix}"
 
     # ----------------------------------------------------------------------------------------- write
     def write(self, step: int, payload: bytes, *, base_step: int | None) -> Path:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from trainguard.decide.cost import CostMeter, clock_of
+from trainguard.decide.cost import CostMeter, clock_of, usage_of
 from trainguard.decide.decision import Decision
 
 
@@ -27,7 +27,7 @@ class CostFeed:
         if rank != self.rank:
             return   # the run's cost is metered once, from one rank's steps
         for decision in self.meter.observe(step=record["step"], timestamp=record["timestamp"], gpu_count=gpus,
-                                           clock=clock_of(record)):
+                                           clock=clock_of(record), usage=usage_of(record, self.meter.gpus(gpus))):
             self.log.warning("cost decision", action=decision.action, reason=decision.reason, step=decision.step)
             if self.decide is not None:
                 self.decide(decision)

@@ -82,6 +82,9 @@ BENCHES: dict[str, Spec] = {
 BENCHES["hf_preclip"] = Spec("Pre-clip gradient norm (Transformers callback)", [],
                              ["--rounds", "2", "--steps", "20"], hf_preclip)
 BENCHES["sdc"] = Spec("Replica check (silent data corruption)", [], ["--configs", "tiny", "--rounds", "4"], sdc)
+# replays of failure traces against fixed intervals, not a speed against a peer: no headline figures
+BENCHES["autopilot"] = Spec("Checkpoint autopilot", [], ["--seeds", "2", "--days", "10", "--grid", "60",
+                                                          "--energy-seconds", "600"], lambda stdout: [])
 
 
 # ------------------------------------------------------------------------------------------- running

@@ -59,7 +59,7 @@ CUDA_WHY = "needs a CUDA device: a CPU run has no caching allocator"
 PROF_WHY = ("needs DCGM's profiling fields (dcgm-exporter with them in its counters CSV: DCGM_FI_PROF_SM_ACTIVE is "
             "commented out in the default one); the agent's NVML collector has no such counters")
 MFU_DESCRIPTION = ("Model FLOPs utilisation: the model's FLOPs per token x tokens/s over the device's documented peak "
-                   "(trainer/mfu.py's table by GPU model, or the peak the run was given). No series, and n/a here, "
+                   "(runtime/mfu.py's table by GPU model, or the peak the run was given). No series, and n/a here, "
                    "where no peak is documented (a CPU, a GPU not in the table) or the model's FLOPs per token are "
                    "unknown: never an estimate.")
 XID_WHY = "the agent exports Xid series once a GPU has had an Xid error (dcgm-exporter exports a 0)"
@@ -298,11 +298,36 @@ def cost_goodput(policy: Policy) -> Board:
             for kind, label in actions.STEPS_LOST], width=12,
                    description="Guard and recovery events so far (counted once per run, not per rank); each "
                                "discards work already paid for."),
-    ]
+    ] + autopilot_panels()
     return Board("trainguard-cost-goodput", "trainguard / Cost and goodput",
                  "Spend, cost per 1000 steps against the policy's budget and tiers, the cost breaker, and "
                  "where step time goes.",
                  [DATASOURCE, job_var("trainguard_training_step"), RUN_ID], items)
+
+
+AUTOPILOT_WHY = "the checkpoint autopilot is on (trainguard train --checkpoint-every auto, checkpoint.autopilot: on)"
+
+
+def autopilot_panels() -> list:
+    """The checkpoint autopilot's intervals and the energy a step costs (docs/checkpoints.md, docs/goodput.md);
+    appended after the board's other panels, which stay as they were."""
+    return [
+        Row("Checkpoint autopilot and energy"),
+        timeseries("Checkpoint interval",
+                   q(f"max by (run_id) ({run('trainguard_checkpoint_interval_seconds')})", "{{run_id}} in force"),
+                   q(f"max by (run_id) ({run('trainguard_checkpoint_interval_recommended_seconds')})",
+                     "{{run_id}} recommended", only_when=AUTOPILOT_WHY),
+                   unit="s", min=0, width=12,
+                   description="The interval by time in force (the autopilot's, or checkpoint_every_seconds), and "
+                               "the autopilot's latest recommendation (Daly's optimum "
+                               "from the measured MTBF, save and restart costs, within the policy's bounds)."),
+        timeseries("GPU energy per step",
+                   q(f"sum(rate(DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{AGENT}[{RATE}])) / 1000"
+                     f" / max(deriv({run('trainguard_training_step')}[{RATE}]))", "joules per step, all GPUs"),
+                   unit="joule", min=0, width=12,
+                   description="Joules drawn by the job's GPUs (NVML's total energy counter) per training step; "
+                               "`trainguard goodput RUN` splits the run's energy by cause and per useful token."),
+    ]
 
 
 def comms_io(policy: Policy) -> Board:

@@ -273,7 +273,10 @@ def cost_summary(protector: Protector, ids: dict, verified: bool) -> dict:
             "gpu_hours": metered.cost_usd / price if price else 0.0, "price_per_gpu_hour": price,
             "cost_usd": metered.cost_usd, "budget_per_1k_steps": cost.budget_per_1k_steps,
             "cost_per_1k_steps": metered.cost_per_1k_steps, "overrun_ratio": metered.overrun_ratio,
-            "tier": metered.tier}
+            "tier": metered.tier, "tokens": metered.tokens, "useful_tokens": metered.useful_tokens,
+            "usd_per_million_useful_tokens": (metered.cost_usd / metered.useful_tokens * 1e6
+                                              if metered.useful_tokens else None),
+            "kwh_per_1k_steps": metered.kwh_per_1k_steps or None}
 
 
 def _first_timestamp(path) -> float | None:

@@ -46,7 +46,8 @@ from trainguard import log as tglog
 from trainguard import policy as policy_mod
 from trainguard import rundir, runpolicy
 from trainguard.actions import ROLLBACK, SHADOW_ACTION, STOP, shadow_event
-from trainguard.decide.cost import CostMeter, clock_of
+from trainguard.decide import checkpoint_interval as autopilot_rule
+from trainguard.decide.cost import CostMeter, clock_of, usage_of
 from trainguard.decide.decision import CARRY_ON, Decision
 from trainguard.decide.guard import Guard, StepStats
 from trainguard.protect import handlers
@@ -61,6 +62,8 @@ from trainguard.runtime.control import ControlChannel, write_rank_file
 from trainguard.runtime.telemetry import StepTelemetry
 
 __all__ = ["EXIT_OK", "EXIT_STOPPED", "StepOutcome", "Protector", "StepVerdict", "Begun", "KEPT_ON_ROLLBACK"]
+AUTO = "auto"                   # checkpoint_every="auto": the checkpoint autopilot
+AUTO_START_SECONDS = 300.0      # its first interval, until a save has been measured
 # The checkpoint keys the Protector adds to the loop's `states`.
 GUARD_KEY, COST_KEY, STATE_KEY = "guard", "cost", "trainer"
 # What a rollback leaves as it is: the data position (the window that led to trouble is skipped, not read
@@ -83,6 +86,7 @@ class StepVerdict:
     control_line: int = 0
     extra: tuple[float, ...] = ()   # the loop's own values carried in the same sync (`check(extra=...)`)
     shadowed: Decision | None = None   # shadow mode: the guard's decision, recorded and not carried out
+    checkpoint_interval: float = 0.0   # the autopilot's interval (rank 0's), the same on every rank
 
     @property
     def skip(self) -> bool:
@@ -100,7 +104,7 @@ class Protector:
                  world_size: int = 1, device: str | torch.device = "cpu", state: TrainState | None = None,
                  policy: policy_mod.Policy | str | os.PathLike | None = None,
                  telemetry: StepTelemetry | None = None, callbacks: Callbacks | None = None,
-                 layer_names: list[str] = (), run_id: str | None = None, checkpoint_every: int = 0,
+                 layer_names: list[str] = (), run_id: str | None = None, checkpoint_every: int | str = 0,
                  checkpoint_every_seconds: float = 0.0, keep_last: int = 3, key_file: str = "",
                  async_checkpoint: bool = False, checkpoint_on_error: str = "warn",
                  stable_val_factor: float = 1.5, log: Any = None, sharded_checkpoints: bool = False,
@@ -112,7 +116,10 @@ class Protector:
         `shadow`: True or False over the policy's `actions.mode` (None: the policy decides).
         `flops_per_token`, `peak_flops`, `precision`: MFU's inputs for the default telemetry (the model's
         training FLOPs per token; the device's peak, 0: runtime/mfu.py's table for `precision`); with no
-        FLOPs per token or no known peak there is no MFU. Give them to your own `telemetry` instead."""
+        FLOPs per token or no known peak there is no MFU. Give them to your own `telemetry` instead.
+        `checkpoint_every="auto"` (or the policy's `checkpoint.autopilot: on`): the checkpoint autopilot
+        chooses the interval by time from the run's measured failures, save and restart costs
+        (trainguard/decide/checkpoint_interval.py), starting from `checkpoint_every_seconds` (300 when 0)."""
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
         self.device = torch.device(device)
         self.run_id = run_id or self.run_dir.name
@@ -123,7 +130,18 @@ class Protector:
         self.state = state or TrainState()
         self.callbacks = callbacks or Callbacks()
         self.layer_names = list(layer_names)
-        self.checkpoint_every, self.checkpoint_every_seconds = checkpoint_every, checkpoint_every_seconds
+        auto = checkpoint_every == AUTO or self.policy.checkpoint.autopilot == "on"
+        if isinstance(checkpoint_every, str) and checkpoint_every != AUTO:
+            raise ValueError(f"Protector: checkpoint_every must be a number of steps or {AUTO!r}, "
+                             f"not {checkpoint_every!r}")
+        self.checkpoint_every = 0 if auto else int(checkpoint_every)
+        self.checkpoint_every_seconds = checkpoint_every_seconds or (AUTO_START_SECONDS if auto else 0.0)
+        # The autopilot decides on rank 0 (it alone sees every save); its interval reaches the other ranks in
+        # the step's sync, so all ranks save at the same steps.
+        self.auto = auto
+        self.autopilot = (autopilot_rule.Autopilot(self.policy.checkpoint, applied=self.checkpoint_every_seconds)
+                          if auto and rank == 0 else None)
+        self._steer_pending = False
         self.stable_val_factor = stable_val_factor
         if telemetry is not None and (flops_per_token or peak_flops or precision != "bf16"):
             raise ValueError("Protector: flops_per_token, peak_flops and precision configure the default "
@@ -131,7 +149,10 @@ class Protector:
         self.telemetry = telemetry or StepTelemetry(self.run_dir, rank=rank, world_size=world_size,
                                                     run_id=self.run_id, device_type=self.device.type,
                                                     flops_per_token=flops_per_token, peak_flops=peak_flops,
-                                                    precision=precision, device_name=_device_name(self.device))
+                                                    precision=precision, device_name=_device_name(self.device),
+                                                    device_index=self.device.index)
+        if self.autopilot is not None:
+            self.autopilot.gpus = int(self.telemetry.system.get("gpu_count") or 0)
         self.guard = Guard(self.policy.guard)
         self.meter = CostMeter(self.policy.cost)
         self.states = {**states, GUARD_KEY: self.guard, COST_KEY: self.meter, STATE_KEY: self.state}
@@ -154,10 +175,35 @@ class Protector:
         write_rank_file(self.run_dir, self.rank, world_size=self.world, **rank_info)
         if self.rank == 0 and self.key is not None:
             _sign_policy(self.run_dir, self.policy, self.key, self.run_id, self.log)
+        if self.autopilot is not None:
+            self._start_autopilot()
+            self._steer_pending = True     # the first step tells whether this start followed a failure
         if (refused := self.stopped_marker()) is not None:
             self.log.error("this run was stopped by the guard; not starting again", **refused)
             return Begun(None, refused)
         return Begun(self.restore(rollback=False))
+
+    def _start_autopilot(self) -> None:
+        """Rank 0: the run's own history (its failures, saves, restarts, the interval last applied) and the
+        earlier runs of the runs root (the prior), then every record this process writes."""
+        from trainguard import autopilot_history
+
+        pilot = self.autopilot
+        for record in autopilot_history.records(self.telemetry.path):
+            pilot.observe(record)
+        pilot.resume()
+        pilot.history = autopilot_history.earlier_runs(self.run_dir, self.policy.checkpoint.history_runs)
+        self.telemetry.observers.append(lambda record: pilot.observe(autopilot_history.timed(record)))
+
+    def _steer_interval(self, now: float) -> None:
+        """Rank 0, at a checkpoint boundary: the autopilot's recommendation, applied when it moved (an event
+        with its inputs)."""
+        if self.autopilot is None:
+            return
+        change = self.autopilot.consider(now)
+        if change is not None:
+            self.event(autopilot_rule.INTERVAL_EVENT, **change)
+            self.log.info("checkpoint interval changed by the autopilot", **change)
 
     def finish(self) -> None:
         """The loop ran to its end: a last checkpoint (unless this step has one), `run_end`, durable."""
@@ -185,14 +231,16 @@ class Protector:
         if extra is not None:
             norms = layer_norms.reshape(-1) if layer_norms is not None else extra.new_zeros(0)
             layer_norms = torch.cat([norms.to(extra.dtype), extra.reshape(-1)])
-        health = self.sync.sync(loss, grad_norm, layer_norms, control)
+        health = self.sync.sync(loss, grad_norm, layer_norms, control,
+                                self.autopilot.applied if self.autopilot is not None else 0.0)
         layers = dict(zip(self.layer_names, health.layer_norms[:carried]))
         loss_seen = health.loss if health.nonfinite_ranks == 0 else math.nan
         decision = self.guard.observe(StepStats(step, loss_seen, health.grad_norm, layers, health.timestamp))
         shadowed = decision if self.shadow and decision else None      # the step is not skipped in shadow
         return StepVerdict(step, loss_seen, health.grad_norm, layers, health.timestamp,
                        CARRY_ON if shadowed or not decision else decision, health.control_code,
-                       health.control_line, tuple(health.layer_norms[carried:]), shadowed)
+                       health.control_line, tuple(health.layer_norms[carried:]), shadowed,
+                       health.checkpoint_interval)
 
     def after_step(self, verdict: StepVerdict, *, tokens: int, samples: int, timings: dict[str, float],
                    learning_rate: float | None = None, **metrics: Any) -> StepOutcome:
@@ -202,6 +250,7 @@ class Protector:
         state.step = verdict.step
         if not verdict.skip:
             state.tokens_trained += tokens
+        metrics = {**metrics, **self._interval_metrics(verdict)}   # step metrics: the agent exports them
         record = self.telemetry.step(
             verdict.step, loss=verdict.loss, grad_norm=verdict.grad_norm,
             grad_norm_by_layer=verdict.layer_norms or None, learning_rate=learning_rate, tokens=tokens,
@@ -209,7 +258,12 @@ class Protector:
             timestamp=verdict.timestamp, **metrics)
         # the cost meter sees the step as the agent's meter sees its record (the same clock)
         clock = clock_of(record) if record else (self.telemetry.envelope["node"], time.monotonic())
-        self.meter.observe(verdict.step, verdict.timestamp, self.telemetry.system["gpu_count"], clock)
+        gpus = self.telemetry.system["gpu_count"]
+        self.meter.observe(verdict.step, verdict.timestamp, gpus, clock,
+                           usage_of(record, self.meter.gpus(gpus)) if record else None)
+        if self._steer_pending:
+            self._steer_pending = False
+            self._steer_interval(verdict.timestamp)
         _tell(self.guard, self.telemetry, state.step, self.log)
         decided = verdict.shadowed or (verdict.decision if verdict.skip else None)
         if decided is not None:
@@ -219,8 +273,15 @@ class Protector:
         if verdict.control_code and (outcome := self._carry_out(
                 handlers.control_order(self, verdict.control_code, verdict.control_line))).stop:
             return outcome
-        self._checkpoint_if_due(verdict.timestamp)
+        self._checkpoint_if_due(verdict.timestamp, verdict.checkpoint_interval)
         return StepOutcome(restored_step=state.step if state.step != verdict.step else None)
+
+    def _interval_metrics(self, verdict: StepVerdict) -> dict[str, float]:
+        """The checkpoint interval by time in force (and, on rank 0, the autopilot's recommendation)."""
+        if self.autopilot is not None:
+            return self.autopilot.metrics()
+        every = verdict.checkpoint_interval if self.auto else self.checkpoint_every_seconds
+        return {"checkpoint_interval_seconds": every} if every else {}
 
     # -------------------------------------------------------------------------------------- checkpoints
     def evaluate(self, purpose: str, **fields: Any) -> float | None:
@@ -263,17 +324,19 @@ class Protector:
         """Until an asynchronous save is durable."""
         self.checkpoints.wait()
 
-    def _checkpoint_if_due(self, now: float) -> None:
-        """By steps or by rank 0's clock (`now`), never twice for one step (a restore has just set it)."""
+    def _checkpoint_if_due(self, now: float, interval: float = 0.0) -> None:
+        """By steps or by rank 0's clock (`now`), never twice for one step (a restore has just set it).
+        With the autopilot, by its interval (`interval`, rank 0's from the sync), steered after each save."""
         state = self.state
         if state.last_checkpoint_time is None:
             state.last_checkpoint_time = now
+        every_seconds = interval if self.auto and interval > 0 else self.checkpoint_every_seconds
         by_steps = self.checkpoint_every and state.step % self.checkpoint_every == 0
-        by_time = (self.checkpoint_every_seconds
-                   and now - state.last_checkpoint_time >= self.checkpoint_every_seconds)
+        by_time = every_seconds and now - state.last_checkpoint_time >= every_seconds
         if (by_steps or by_time) and state.last_saved_step != state.step:
             self.save()
             state.last_checkpoint_time = now
+            self._steer_interval(now)
 
     def restore(self, *, rollback: bool, source: str = "resume", **fields: Any) -> int | None:
         """The one way back to a checkpoint, for resume and rollback alike: the newest verified one (for a

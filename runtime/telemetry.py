@@ -35,7 +35,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trainguard import rundir
 from trainguard import tls
@@ -157,6 +157,46 @@ class MemoryProbe:
             self._statm = -1
 
 
+class EnergyProbe:
+    """This rank's GPU energy counter (NVML's `nvmlDeviceGetTotalEnergyConsumption`, mJ since the driver
+    loaded) as ``hardware.energy_joules`` in each step record: joules per GPU per step are the difference of
+    two records, and the cost meter's energy budget reads it (trainguard/decide/cost.py). Nothing on a CPU
+    run, on a GPU without the counter (pre-Volta) or without NVML: the probe switches itself off, once."""
+
+    def __init__(self, device_type: str, device_index: int | None = None, nvml: Any = None):
+        self.handle = None
+        self.nvml = nvml
+        if device_type != "cuda" and nvml is None:
+            return
+        try:
+            if self.nvml is None:
+                import pynvml as loaded
+
+                self.nvml = loaded
+            self.nvml.nvmlInit()
+            self.handle = self._handle(device_index)
+            self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle)
+        except Exception:      # no driver, no counter, no such device: records carry no energy
+            self.handle = None
+
+    def _handle(self, index: int | None) -> Any:
+        """By the CUDA device's UUID (NVML's index differs from CUDA's under CUDA_VISIBLE_DEVICES)."""
+        if torch is not None and torch.cuda.is_available() and index is not None:
+            uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+            if uuid is not None:
+                return self.nvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        return self.nvml.nvmlDeviceGetHandleByIndex(index or 0)
+
+    def read(self) -> dict[str, float]:
+        if self.handle is None:
+            return {}
+        try:
+            return {"energy_joules": self.nvml.nvmlDeviceGetTotalEnergyConsumption(self.handle) / 1000.0}
+        except Exception:
+            self.handle = None
+            return {}
+
+
 def _has_tensor(values: dict[str, Any]) -> bool:
     if torch is None:
         return False
@@ -200,10 +240,12 @@ class StepTelemetry:
     def __init__(self, run_dir: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
                  run_id: str | None = None, node: str | None = None, device_type: str = "cpu",
                  gpu_count: int | None = None, flops_per_token: float = 0.0, peak_flops: float = 0.0,
-                 precision: str = "bf16", device_name: str | None = None, enabled: bool = True):
+                 precision: str = "bf16", device_name: str | None = None, enabled: bool = True,
+                 device_index: int | None = None, nvml: Any = None):
         """`flops_per_token`: training FLOPs per token of the model (6N plus attention for a GPT; 0: unknown,
         no MFU). `peak_flops`: the device's peak FLOP/s (0: runtime/mfu.py's table for `precision` and the
-        CUDA device's name, `device_name` or ``torch.cuda.get_device_name()``)."""
+        CUDA device's name, `device_name` or ``torch.cuda.get_device_name()``). `device_index`: this rank's
+        CUDA device, whose NVML energy counter each record carries (`nvml`: a pynvml-like module, for tests)."""
         for name, value in (("flops_per_token", flops_per_token), ("peak_flops", peak_flops)):
             if not (isinstance(value, (int, float)) and value >= 0 and value != float("inf")):
                 raise ValueError(f"StepTelemetry: {name} must be a finite number, 0 or more, not {value!r}")
@@ -219,12 +261,15 @@ class StepTelemetry:
         self.mfu_unavailable = self.peak.reason or (
             "" if self.flops_per_token else "no model FLOPs per token given (flops_per_token)")
         self.memory = MemoryProbe(device_type)
+        self.energy = EnergyProbe(device_type, device_index, nvml) if enabled else EnergyProbe("cpu")
         self.envelope = {"run_id": run_id or Path(run_dir).name, "node": node or socket.gethostname(),
                          "rank": rank}
         if gpu_count is None:
             gpu_count = world_size if device_type == "cuda" else 0
         self.system: dict[str, Any] = {"gpu_count": gpu_count, "world_size": world_size}
         self.last_checkpoint: str | None = None
+        # Called with every record written (step and event): the checkpoint autopilot measures from them.
+        self.observers: list[Callable[[dict], None]] = []
 
     def mfu_basis(self) -> dict[str, Any]:
         """What MFU divides by, for a `run_start` event: the peak, where it came from, the FLOPs per token,
@@ -269,8 +314,9 @@ class StepTelemetry:
         record = {"schema": tls.SCHEMA_ID,
                   "timestamp": tls.format_timestamp(time.time() if timestamp is None else timestamp),
                   **self.envelope, "step": step, "metrics": metrics,
-                  "hardware": self.memory.read(), "system": system}
+                  "hardware": {**self.memory.read(), **self.energy.read()}, "system": system}
         self.writer.write(record)
+        self._tell(record)
         return record
 
     def event(self, kind: str, /, step: int | None = None, **fields: Any) -> dict:
@@ -284,7 +330,12 @@ class StepTelemetry:
             record["step"] = step
         record["event"] = body
         self.writer.write(record)
+        self._tell(record)
         return record
+
+    def _tell(self, record: dict) -> None:
+        for observer in self.observers:
+            observer(record)
 
     def close(self) -> None:
         self.writer.close()

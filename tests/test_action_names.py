@@ -1,19 +1,18 @@
 """Action names are spelled once, in the action table (trainguard/actions.py): every other product module
 imports them, so one search finds every place that decides, carries out, records or reads an action.
 
-The scan: every string constant in product code equal to an action's name, outside trainguard/actions.py,
-except docstrings (prose) and the few `ALLOWED` places where the same word names something else.
+The scan (tests/test_vocabulary.py's `stray_literals`): every string constant in product code equal to an
+action's name, outside trainguard/actions.py, except prose (docstrings, log messages, an option's help) and
+the few `ALLOWED` places where the same word names something else.
 """
 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
+from tests.test_vocabulary import stray_literals
 from trainguard import actions
 
-ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("trainguard", "agent", "trainer", "runtime", "protect", "preflight", "alerts", "dashboards", "demo")
 OWNER = "trainguard/actions.py"
 
 # (file, word): the same word in another vocabulary, owned there. Each entry says which.
@@ -43,35 +42,15 @@ ALLOWED = {
 }
 
 
-def _docstrings(tree: ast.AST) -> set[int]:
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                found.add(id(first.value))
-    return found
-
-
-def spelled(source: str, names: set[str]) -> list[tuple[int, str]]:
-    """(line, word) of every string constant of `source` equal to one of `names`, docstrings left out."""
-    tree = ast.parse(source)
-    prose = _docstrings(tree)
-    return [(node.lineno, node.value) for node in ast.walk(tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
-            and id(node) not in prose]
-
-
 def stray_names(names: set[str]) -> list[str]:
-    found = []
-    for path in sorted(p for root in PRODUCT for p in (ROOT / root).rglob("*.py")):
-        relative = path.relative_to(ROOT).as_posix()
-        if relative == OWNER:
-            continue
-        for line, word in spelled(path.read_text(), names):
-            if (relative, word) not in ALLOWED:
-                found.append(f"{relative}:{line}: {word!r}")
-    return found
+    """tests/test_vocabulary.py's scanner (docstrings, log messages and an option's help are prose), less the
+    allowances."""
+    return [found for found in stray_literals(OWNER, names) if _place(found) not in ALLOWED]
+
+
+def _place(found: str) -> tuple[str, str]:
+    path, _, text = found.split(":", 2)
+    return path, ast.literal_eval(text.strip())
 
 
 def test_no_product_module_spells_an_action_name():
@@ -81,12 +60,13 @@ def test_no_product_module_spells_an_action_name():
 
 def test_every_allowed_place_still_spells_its_word():
     """An allowance nothing needs any more is removed, so the list stays the reasoned minimum."""
-    needed = {(path, word) for path, word in ALLOWED
-              if any(w == word for _, w in spelled((ROOT / path).read_text(), {word}))}
+    words = {word for _, word in ALLOWED}
+    needed = {_place(found) for found in stray_literals(OWNER, words)} & ALLOWED
     assert needed == ALLOWED, sorted(ALLOWED - needed)
 
 
-def test_the_scan_finds_a_planted_name_and_leaves_docstrings_alone():
-    source = '"""A rollback module: "rollback" in prose."""\n\ndef f(event):\n    """restore"""\n' \
-             '    return event.get("type") == "rollback"\n'
-    assert spelled(source, set(actions.BY_NAME)) == [(5, "rollback")]
+def test_the_scan_finds_a_planted_name_and_leaves_docstrings_alone(tmp_path):
+    planted = tmp_path / "planted.py"
+    planted.write_text('"""A rollback module: "rollback" in prose."""\n\ndef f(event):\n    """restore"""\n'
+                       '    return event.get("type") == "rollback"\n')
+    assert stray_literals(OWNER, set(actions.BY_NAME), files=[planted], root=tmp_path) == ["planted.py:5: 'rollback'"]

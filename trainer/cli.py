@@ -35,6 +35,19 @@ FLAG_KEYS = {
 }
 
 
+AUTO = "auto"
+
+
+def _steps_or_auto(text: str) -> int | str:
+    """`--checkpoint-every`: a number of steps, or `auto` (the checkpoint autopilot)."""
+    if text == AUTO:
+        return AUTO
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of steps or 'auto', got {text!r}") from None
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every rank understands (also `python -m trainguard.trainer.train` under torchrun)."""
     parser.add_argument("--run-dir", type=Path, required=True, help="run directory (TLS logs, checkpoints, control)")
@@ -45,7 +58,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="optimizer steps to train to")
     parser.add_argument("--seed", type=int)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--checkpoint-every", type=int, metavar="N", help="save a verified checkpoint every N steps")
+    parser.add_argument("--checkpoint-every", type=_steps_or_auto, metavar="N|auto",
+                        help="save a verified checkpoint every N steps; auto: the checkpoint autopilot chooses the "
+                             "interval from the run's measured failures, save and restart costs")
     parser.add_argument("--checkpoint-every-seconds", type=float, metavar="S",
                         help="also save when S seconds have passed since the last checkpoint "
                              "(default 300; 0: by steps only)")
@@ -148,6 +163,8 @@ def build_config(args: argparse.Namespace) -> cfg.TrainConfig:
     cfg.load_file(config, args.config or cfg.default_preset(_default_device(args.device)))
     for assignment in args.set:
         cfg.set_value(config, assignment)
+    if args.checkpoint_every == AUTO:
+        config.run.checkpoint_auto, args.checkpoint_every = True, None
     for flag, (section, key) in FLAG_KEYS.items():
         value = getattr(args, flag, None)
         if value is not None:

@@ -76,6 +76,9 @@ class RunConfig:
     device: str = "auto"         # auto | cpu | cuda
     telemetry: bool = True
     checkpoint_every: int = 0    # steps; 0: by time only (checkpoint_every_seconds)
+    # The checkpoint autopilot (--checkpoint-every auto): the interval by time from the run's measured
+    # failures, save and restart costs, starting from checkpoint_every_seconds (docs/checkpoints.md).
+    checkpoint_auto: bool = False
     # Also by time (rank 0's clock, so all ranks agree); 0 = off. On by default: a first run with no
     # checkpoint until the end has nothing to roll back to, so every guard rollback would be impossible.
     checkpoint_every_seconds: float = 300.0
@@ -241,6 +244,8 @@ def validate(config: TrainConfig, source: str = "config") -> TrainConfig:
         (_finite(o.beta2, 0.0) and o.beta2 < 1, "optim.beta2", "must be in [0, 1)"),
         (_finite(o.grad_clip, 0.0), "optim.grad_clip", "must be a finite number, 0 or more"),
         (r.checkpoint_every >= 0, "run.checkpoint_every", "must not be negative (0 saves only at the end)"),
+        (not (r.checkpoint_auto and r.checkpoint_every), "run.checkpoint_auto",
+         "the autopilot chooses the interval by time: leave run.checkpoint_every at 0"),
         (_finite(r.checkpoint_every_seconds, 0.0), "run.checkpoint_every_seconds",
          "must be a finite number, 0 (off) or more"),
         (r.keep_last >= 1, "run.keep_last", f"must be at least 1, got {r.keep_last}"),

@@ -100,7 +100,8 @@ class Trainer:
             self.run_dir, rank=self.rank, world_size=self.world, run_id=self.run_id,
             device_type=self.device.type, flops_per_token=self.model.flops_per_token(), peak_flops=run.peak_flops,
             precision="bf16", device_name=self._device_name(),
-            gpu_count=run.gpu_count if run.gpu_count >= 0 else None, enabled=run.telemetry)
+            gpu_count=run.gpu_count if run.gpu_count >= 0 else None, enabled=run.telemetry,
+            device_index=self.device.index)
         self.faults = FaultInjector(run.inject, self.run_dir, self.rank, emit=self.telemetry.event)
         self.state = TrainState(micro_batch=config.optim.micro_batch_size or config.optim.batch_size)
         callbacks = trainer_callbacks(schedule=self.schedule, train_data=self.train_data, faults=self.faults,
@@ -114,7 +115,8 @@ class Trainer:
                                                    sharded=self.sharded),
             state=self.state, rank=self.rank, world_size=self.world, device=self.device, policy=policy,
             telemetry=self.telemetry, callbacks=callbacks, layer_names=self.layer_names, run_id=self.run_id,
-            checkpoint_every=run.checkpoint_every, checkpoint_every_seconds=run.checkpoint_every_seconds,
+            checkpoint_every="auto" if run.checkpoint_auto else run.checkpoint_every,
+            checkpoint_every_seconds=run.checkpoint_every_seconds,
             keep_last=run.keep_last, key_file=run.key_file, async_checkpoint=run.async_checkpoint,
             checkpoint_on_error=run.checkpoint_on_error, stable_val_factor=run.stable_val_factor, log=self.log,
             sharded_checkpoints=self.sharded, checkpoint_compress=run.checkpoint_compress)

@@ -26,6 +26,8 @@ CHECKPOINT_INVALID = "checkpoint_invalid"          # one a restore skipped, fail
 CHECKPOINT_DELETED = "checkpoint_deleted"          # retention removed a checkpoint: reason (retention, superseded)
 CHECKPOINT_QUARANTINED = "checkpoint_quarantined"  # one it cannot verify moved aside, never deleted
 CHECKPOINT_SUPERSEDED = "checkpoint_superseded"    # one newer than a rollback's step set aside: kept_step
+CHECKPOINT_INTERVAL = "checkpoint_interval"        # the autopilot applied a new interval: applied_seconds, inputs
+SNAPSHOT_SAVED = "snapshot_saved"          # an in-memory snapshot written: bytes, blocking_seconds, write_seconds
 
 # ------------------------------------------------ recovery in seconds (docs/recovery.md)
 SNAPSHOT_SAVED = "snapshot_saved"          # an in-memory snapshot written: bytes, blocking_seconds, write_seconds
@@ -65,7 +67,8 @@ RUN_SUMMARY = "run_summary"        # a log's closing summary numbers (Hugging Fa
 
 # Every type above: tests/test_vocabulary.py rejects these names spelled anywhere else in the product.
 TYPES = (RUN_START, RUN_END, CHECKPOINT_SAVED, CHECKPOINT_FAILED, CHECKPOINT_RESTORED, CHECKPOINT_INVALID,
-         CHECKPOINT_DELETED, CHECKPOINT_QUARANTINED, CHECKPOINT_SUPERSEDED, ALERT, ACTION, SHADOW_ACTION,
+         CHECKPOINT_DELETED, CHECKPOINT_QUARANTINED, CHECKPOINT_SUPERSEDED, CHECKPOINT_INTERVAL, SNAPSHOT_SAVED,
+         ALERT, ACTION, SHADOW_ACTION,
          CONTROL_REFUSED, STOP_MARKER_REFUSED, LOSS_LEVEL_SHIFT, REPLICA_CHECK, REPLICA_MISMATCH, CULPRIT,
          CORDON, CORDON_IGNORED, EVALUATION, LR_PHASE, LAYER_REINIT, FAULT_INJECTED, TRAINER_LOG,
          TRAINER_CHECKPOINT_SIGNED, PREDICTION, RUN_SUMMARY, SNAPSHOT_SAVED, SNAPSHOT_SKIPPED, SNAPSHOT_INVALID,

@@ -31,6 +31,7 @@ from typing import Any, cast
 from trainguard import actions as actions_mod, paths, safe_read
 from trainguard.config import (ABSOLUTE_PATH, DURATION, SHARE, WINDOW, Choice, Key, Range, above, at_least,
                                cross_checks, declared, key, leaves, parse_duration, shown)
+from trainguard.decide.checkpoint_interval import CheckpointPolicy
 from trainguard.decide.clipping import ClippingPolicy
 from trainguard.decide.cost import CostPolicy, CostTiers
 from trainguard.decide.guard import GuardPolicy
@@ -42,7 +43,7 @@ from trainguard.decide.trends import PlateauPolicy, StabilityPolicy
 from trainguard.exits import BadInput
 
 # Re-exported: the sections' classes are imported from here across the tree (the policy is their one door).
-__all__ = ["BreathingPolicy", "ClippingPolicy", "CostPolicy", "CostTiers", "DynamicsPolicy", "GuardPolicy",
+__all__ = ["BreathingPolicy", "CheckpointPolicy", "ClippingPolicy", "CostPolicy", "CostTiers", "DynamicsPolicy", "GuardPolicy",
            "LayerResponsePolicy", "PhasePolicy", "PlateauPolicy", "Range", "StabilityPolicy", "parse_duration"]
 
 
@@ -195,6 +196,7 @@ class Policy:
     dynamics: DynamicsPolicy = field(default_factory=DynamicsPolicy)
     actions: ActionsPolicy = field(default_factory=ActionsPolicy)
     recovery: RecoveryPolicy = field(default_factory=RecoveryPolicy)
+    checkpoint: CheckpointPolicy = field(default_factory=CheckpointPolicy)
 
     @property
     def shadow(self) -> bool:

@@ -49,7 +49,7 @@ from trainguard import safe_read, signed
 
 PathLike = str | os.PathLike
 CHECKPOINT_STATUS_FILE = "status.json"
-CHECKPOINT_MANIFEST = "manifest.json"      # in each step_<N>/ (its content: trainer/checkpoint/manifest.py)
+CHECKPOINT_MANIFEST = "manifest.json"      # in each step_<N>/ (its content: runtime/checkpoint/manifest.py)
 STEP_DIR_PREFIX = "step_"                  # a checkpoint's directory is step_<N>
 _STEP_DIR = re.compile(r"step_([0-9]+)")
 LOGS_DIR = "logs"                          # relative to the run directory (the nccl collector's default globs)

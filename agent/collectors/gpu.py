@@ -183,6 +183,8 @@ class GPUCollector(Collector):
                                  ("mem_clock_mhz", "mem_clock_mhz")):
                 if key in r:
                     entry[tls_key] = r[key]
+            if "energy_mj" in r:    # NVML's total energy counter (mJ since the driver loaded): trainguard/energy.py
+                entry["energy_joules"] = r["energy_mj"] / 1000.0
             if r.get("mem_total_bytes"):
                 # TLS mem_util: how full the GPU's memory is, in percent (DCGM's MEM_COPY_UTIL is bandwidth)
                 entry["mem_util"] = round(100.0 * r["mem_used_bytes"] / r["mem_total_bytes"], 2)

@@ -337,6 +337,26 @@ def _load(scenario: str | Path | dict) -> tuple[str, dict]:
         raise ScenarioError(f"{path}:{exc.lineno}: not JSON: {exc.msg}") from None
 
 
+def energy_scenario(base: str | Path | dict, watts: list[list[float]], seconds_per_sample: float = 1.0) -> dict:
+    """A recorded scenario with one sample per entry of `watts` (per device, the power drawn over the
+    sample's `seconds_per_sample`): `nvmlDeviceGetPowerUsage` (mW) and the total energy counter
+    `nvmlDeviceGetTotalEnergyConsumption` (mJ, from the base scenario's first value) in recorded-values
+    style, so energy tests know the counter's every value."""
+    _, spec = _load(base)
+    devices = []
+    for device, draws in zip(spec["devices"], watts):
+        counter = int(device["samples"][0]["nvmlDeviceGetTotalEnergyConsumption"])
+        samples = []
+        for draw in draws:
+            samples.append({"nvmlDeviceGetPowerUsage": int(draw * 1000),
+                            "nvmlDeviceGetTotalEnergyConsumption": counter})
+            counter += int(draw * seconds_per_sample * 1000)
+        samples[0] = {**device["samples"][0], **samples[0]}
+        devices.append({**device, "samples": samples})
+    return {**spec, "origin": f"{spec.get('origin', '')}; energy counter synthesised by energy_scenario",
+            "devices": devices}
+
+
 # ------------------------------------------------------------------- the module itself acting as pynvml
 
 _instance: FakeNVML | None = None

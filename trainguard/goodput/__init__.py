@@ -44,13 +44,16 @@ from __future__ import annotations
 import bisect
 import statistics
 from dataclasses import asdict, dataclass, field, replace
-from typing import Iterable
+from typing import Iterable, Protocol
 
 from trainguard import actions, event_types
 
 CAUSES = ("startup", "checkpoint_save", "evaluation", actions.ROLLBACK, "restart_recovery", "stall", "slow_steps",
           "data_wait", "skipped_steps", "other", "in_process_teardown", "in_process_reform", "in_process_restore",
           "in_process_recovery")
+# The causes that are work thrown away or stopped by a failure (rollback, restart_recovery, stall, and an
+# in-process restart's): the energy report names them apart.
+LOST_CAUSES = CAUSES[3:6] + CAUSES[10:]
 IN_PROCESS = "in_process_recovery"
 # An in_process_restart event's parts: cause -> the fields whose seconds it is.
 IN_PROCESS_PARTS = {"in_process_teardown": ("teardown_seconds", "barrier_seconds"),
@@ -97,6 +100,15 @@ class Incident:
     detected_at: float
 
 
+class EnergyCurve(Protocol):
+    """Joules the job's GPUs drew between two times (trainguard/energy.py builds one from NVML's counter)."""
+
+    def joules(self, start: float, end: float) -> float: ...
+
+
+PRODUCTIVE = "productive"
+
+
 @dataclass(frozen=True)
 class Goodput:
     total_seconds: float
@@ -113,6 +125,14 @@ class Goodput:
     in_process_restarts: int = 0
     # Steps an in-process restart kept because it restored a snapshot newer than the durable checkpoint.
     snapshot_steps_saved: int = 0
+    # Tokens of every step the job ran (thrown away or not), and of the productive ones: the useful tokens.
+    tokens: float = 0.0
+    useful_tokens: float = 0.0
+    gpu_count: int = 0                              # the most the records named (system.gpu_count)
+    # With an energy curve: joules by "productive" and by badput cause (time's split, drawn as it was), and the
+    # median joules per GPU of one step.
+    energy_joules: dict[str, float] | None = None
+    energy_per_step_joules: float | None = None
 
     @property
     def badput_ratio(self) -> dict[str, float]:
@@ -132,6 +152,7 @@ class _Segment:
     kind: str                      # "step", or a badput cause for the whole stretch
     step: int | None = None
     data_wait: float = 0.0
+    tokens: float = 0.0            # the job's tokens in this step (tokens/s x step time x world size)
     wasted: str | None = None      # "rollback" / "restart_recovery" / IN_PROCESS: the step was thrown away later
     skipped: bool = False
     timed: list[tuple[str, float]] = field(default_factory=list)   # (cause, seconds) that started here
@@ -159,6 +180,7 @@ class _Timeline:
     in_process_pending: bool = False  # an in-process restart since the last step (no new process)
     in_process_restarts: int = 0
     snapshot_steps_saved: int = 0
+    gpu_count: int = 0
 
     def feed(self, record: dict) -> None:
         ts = float(record["timestamp"])
@@ -245,7 +267,15 @@ class _Timeline:
             self._add(self.cursor, start, self.lead_in)
             self._end_hang(start)
             self.lead_in = None
-        segment = _Segment(start, ts, "step", step, data_wait=_number(metrics.get("data_wait_seconds")))
+        system = record.get("system") if isinstance(record.get("system"), dict) else {}
+        gpus = system.get("gpu_count")
+        if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus > self.gpu_count:
+            self.gpu_count = gpus
+        world = system.get("world_size")
+        world = world if isinstance(world, int) and not isinstance(world, bool) and world > 0 else 1
+        tokens = _number(metrics.get("tokens_per_second")) * _number(metrics.get("step_time_seconds")) * world
+        segment = _Segment(start, ts, "step", step, data_wait=_number(metrics.get("data_wait_seconds")),
+                           tokens=tokens)
         self.segments.append(segment)
         if step in self.pending_skips:
             self.pending_skips.discard(step)
@@ -341,11 +371,12 @@ def _with_incident(hang: Hang, incidents: Iterable[Incident]) -> Hang:
 
 
 def compute(records: Iterable[dict], config: GoodputConfig = GoodputConfig(),
-            incidents: Iterable[Incident] = ()) -> Goodput:
+            incidents: Iterable[Incident] = (), energy: EnergyCurve | None = None) -> Goodput:
     """Goodput of a run from its TLS records (one rank's log is enough; order is restored by time).
 
     Give the agent's records too (its `alert` and `action` events) so a hang is split at the restore
-    decision, and the run's incidents so each hang names the one it belongs to."""
+    decision, and the run's incidents so each hang names the one it belongs to. With `energy` (the GPUs'
+    energy counter), each piece of time is charged the joules drawn during it, the same split as time."""
     incidents = list(incidents)
     timeline = _Timeline()
     for record in sorted(records, key=lambda r: float(r["timestamp"])):
@@ -355,42 +386,63 @@ def compute(records: Iterable[dict], config: GoodputConfig = GoodputConfig(),
     _attribute_timed(segments, timeline.timed)
 
     badput = dict.fromkeys(CAUSES, 0.0)
-    work: list[tuple[_Segment, float]] = []   # step segments with their time left after timed events and data
+    joules = dict.fromkeys((PRODUCTIVE, *CAUSES), 0.0)
+    step_joules: list[float] = []
+    # step segments with their time left after timed events and data, and the joules per second they drew
+    work: list[tuple[_Segment, float, float]] = []
     for segment in segments:
-        left = segment.end - segment.start
+        left = length = segment.end - segment.start
+        drawn = energy.joules(segment.start, segment.end) if energy is not None else 0.0
+        rate = drawn / length if length > 0 else 0.0
         for cause, seconds in segment.timed:
             taken = min(seconds, left)
             badput[cause] += taken
+            joules[cause] += taken * rate
             left -= taken
         if segment.kind != "step":
             badput[segment.kind] += left
+            joules[segment.kind] += left * rate
             continue
+        if energy is not None and length > 0:
+            step_joules.append(drawn)
         waited = min(segment.data_wait, left)
         badput["data_wait"] += waited
-        work.append((segment, left - waited))
+        joules["data_wait"] += waited * rate
+        work.append((segment, left - waited, rate))
 
     # A first step without step_time_seconds has no length of its own; it says nothing about step time.
-    lengths = [seconds for _, seconds in work if seconds > 0]
+    lengths = [seconds for _, seconds, _ in work if seconds > 0]
     median = statistics.median(lengths) if lengths else None
     productive, productive_steps = 0.0, 0
-    for segment, seconds in work:
+    tokens = useful_tokens = 0.0
+    for segment, seconds, rate in work:
+        tokens += segment.tokens
         if median is not None and seconds > config.slow_factor * median:
-            badput["stall" if seconds >= config.stall_seconds else "slow_steps"] += seconds - median
+            cause = "stall" if seconds >= config.stall_seconds else "slow_steps"
+            badput[cause] += seconds - median
+            joules[cause] += (seconds - median) * rate
             seconds = median
-        if segment.wasted:
-            badput[segment.wasted] += seconds
-        elif segment.skipped:
-            badput["skipped_steps"] += seconds
+        cause = segment.wasted or ("skipped_steps" if segment.skipped else None)
+        if cause is not None:
+            badput[cause] += seconds
+            joules[cause] += seconds * rate
         else:
             productive += seconds
+            joules[PRODUCTIVE] += seconds * rate
             productive_steps += 1
+            useful_tokens += segment.tokens
 
     first, last = (segments[0].start, segments[-1].end) if segments else (timeline.cursor, timeline.last_ts)
     total = (last - first) if first is not None and last is not None else 0.0
+    per_step = None
+    if step_joules and timeline.gpu_count:
+        per_step = statistics.median(step_joules) / timeline.gpu_count
     return Goodput(
         total_seconds=total, productive_seconds=productive,
         goodput_ratio=productive / total if total > 0 else 0.0,
         badput_seconds=badput, productive_steps=productive_steps, restarts=timeline.restarts,
         rollbacks=timeline.rollbacks, median_step_seconds=median, first_timestamp=first, last_timestamp=last,
-        hangs=tuple(_with_incident(hang, incidents) for hang in timeline.hangs),
+        hangs=tuple(_with_incident(hang, incidents) for hang in timeline.hangs), tokens=tokens,
+        useful_tokens=useful_tokens, gpu_count=timeline.gpu_count,
+        energy_joules=joules if energy is not None else None, energy_per_step_joules=per_step,
         in_process_restarts=timeline.in_process_restarts, snapshot_steps_saved=timeline.snapshot_steps_saved)

@@ -47,6 +47,11 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
     "param_norm": ("trainguard_training_param_norm", "Global parameter norm of the latest step, before its update."),
     "clip_threshold": ("trainguard_training_clip_threshold", "Gradient-norm threshold the latest step was clipped at."),
     "clip_coef": ("trainguard_training_clip_coef_ratio", "Factor the latest step's gradients were scaled by (1: not clipped)."),
+    # the checkpoint autopilot (trainguard/decide/checkpoint_interval.py, docs/checkpoints.md)
+    "checkpoint_interval_seconds": ("trainguard_checkpoint_interval_seconds",
+                                    "Checkpoint interval in force (seconds between saves), as the autopilot applied it."),
+    "checkpoint_interval_recommended_seconds": ("trainguard_checkpoint_interval_recommended_seconds",
+                                                "The autopilot's latest recommended checkpoint interval (seconds)."),
 }
 _MEMORY_KEYS = frozenset({"mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_bytes", "rss_bytes"})
 

@@ -51,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
         chosen = choose_policy(args.inputs, args.policy, getattr(args, "key_file", None))
         policy = chosen.policy
         print(f"trainguard replay: policy: {chosen.describe()}", file=sys.stderr)
+        if policy.cost.budget_per_million_tokens or policy.cost.energy_budget_kwh_per_1k_steps:
+            print("trainguard replay: the policy's token and energy budgets are not replayed (replay meters "
+                  "cost per 1000 steps; the trainer's and the agent's meters act on them)", file=sys.stderr)
         expected = expect.load(args.expect) if args.expect else None
         options = expected.replay if expected is not None else {}
         scrape_interval = _first(args.scrape_interval, options.get("scrape_interval"), DEFAULT_SCRAPE_INTERVAL)

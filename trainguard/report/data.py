@@ -17,7 +17,7 @@ from typing import Any, Iterable
 from trainguard import actions, event_types, paths, rundir
 from trainguard import policy as policy_mod
 from trainguard.progress import Progress
-from trainguard.decide.cost import CostMeter, clock_of
+from trainguard.decide.cost import CostMeter, clock_of, usage_of
 from trainguard.report.charts import GAP_FACTOR, Span, event_detail
 from trainguard.report.downsample import MAX_POINTS, Sampled, Series
 from trainguard.report.files import Checkpoint, host_of, log_files, rank_of, read_checkpoints
@@ -333,7 +333,8 @@ class _Loader:
         run.first_step = step if run.first_step is None else min(run.first_step, step)
         run.last_step = step if run.last_step is None else max(run.last_step, step)
         gpus = self.rank_gpu_count or sum(self.gpus_by_host.values())
-        for _decision in self.meter.observe(step, ts, gpus or None, clock_of(record)):
+        for _decision in self.meter.observe(step, ts, gpus or None, clock_of(record),
+                                            usage_of(record, self.meter.gpus(gpus or None))):
             run.cost_state = self.meter.state
         state = self.meter.state
         for key in ("cost_usd", "cost_per_1k_steps"):

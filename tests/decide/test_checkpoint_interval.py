@@ -1,0 +1,145 @@
+"""The checkpoint autopilot's rule (trainguard/decide/checkpoint_interval.py): Daly's optimum, the MTBF with
+its prior, the measurements folded from TLS records, the autopilot's changes and the trace replay."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from trainguard.decide import checkpoint_interval as ci
+from trainguard.policy import CheckpointPolicy
+
+POLICY = CheckpointPolicy(min_interval_seconds=1.0, max_interval_seconds=10**6, fleet_mtbf_gpu_hours=1.0,
+                          prior_failures=1.0, window_failures=5, change_ratio=0.1)
+
+
+@pytest.mark.parametrize("save, mtbf", [(30, 11135), (300, 11135), (60, 3600), (1000, 900)])
+def test_daly_is_the_optimum_of_its_model(save, mtbf):
+    """Daly's closed form lands within 0.05% of the goodput of the numerically best interval of his
+    model; Young's first-order estimate falls well short once the save is long against the MTBF."""
+    best = max(ci.expected_goodput(x / 10, save, 60, mtbf) for x in range(1, 40 * mtbf))
+    assert ci.expected_goodput(ci.daly_interval(save, mtbf), save, 60, mtbf) >= 0.9995 * best
+    if save == 1000:
+        assert ci.expected_goodput(ci.young_interval(save, mtbf), save, 60, mtbf) < 0.9 * best
+
+
+def test_daly_long_saves_and_no_failures():
+    assert ci.daly_interval(500, 200) == 200                 # delta >= 2M: checkpoint every M
+    assert ci.daly_interval(10, math.inf) == math.inf
+    assert ci.daly_interval(30, 11135) == pytest.approx(797.5, abs=0.1)
+
+
+def test_mtbf_prior_fades_and_window_follows_a_rate_change():
+    # no failure yet: the prior plus the time survived
+    mtbf, counted, observed = ci.estimate_mtbf([], 0.0, 100.0, prior_mtbf=1000.0, prior_failures=1.0, window=5)
+    assert (mtbf, counted, observed) == (1100.0, 0, 100.0)
+    # five failures: the window holds only them, the prior has faded out
+    failures = [100.0, 200.0, 300.0, 400.0, 500.0]
+    assert ci.estimate_mtbf(failures, 0.0, 500.0, 1e9, 1.0, 5)[0] == pytest.approx(100.0)
+    # the rate changes (every 1000 s, then every 10 s): after five fast failures only they count
+    slow = [1000.0 * i for i in range(1, 11)]
+    fast = [10000.0 + 10.0 * i for i in range(1, 6)]
+    assert ci.estimate_mtbf(slow + fast, 0.0, 10050.0, 1e9, 1.0, 5)[0] == pytest.approx(10.0)
+
+
+def _record(ts, step=None, event=None, **metrics):
+    record = {"timestamp": ts}
+    if step is not None:
+        record["step"] = step
+    if event is not None:
+        record["event"] = event
+    else:
+        record["metrics"] = {"step_time_seconds": 1.0, **metrics}
+    return record
+
+
+def crashed_log():
+    """Steps 1-5, a 2 s save at step 4, a crash after step 5 (no run_end), the restart steps again at t=30."""
+    records = [_record(0.0, event={"type": "run_start"})]
+    records += [_record(float(s), s) for s in range(1, 6)]
+    records.insert(5, _record(4.5, event={"type": "checkpoint_saved", "step": 4, "blocking_seconds": 2.0}))
+    records += [_record(20.0, event={"type": "checkpoint_restored", "step": 4}),
+                _record(21.0, event={"type": "run_start"}), _record(31.0, 5)]
+    return records
+
+
+def test_failure_log_measures_failures_saves_and_restarts():
+    log = ci.FailureLog()
+    for record in crashed_log():
+        log.observe(record)
+    assert log.failures == [5.0]                        # the last record of the dead process
+    assert log.restart_costs == [25.0]                 # to the start of the first step after it (31 - 1)
+    assert list(log.saves) == [2.0]
+    measured = log.measured(31.0, POLICY, gpus=1)
+    assert measured.save_seconds == 2.0 and measured.restart_seconds == 25.0
+    assert measured.failures == 1 and measured.mtbf_source == "measured+prior:policy"
+
+
+def test_a_planned_stop_is_no_failure():
+    log = ci.FailureLog()
+    records = [_record(0.0, event={"type": "run_start"}), _record(1.0, 1),
+               _record(2.0, event={"type": "run_end", "reason": "completed"}),
+               _record(50.0, event={"type": "run_start"}), _record(51.0, 2)]
+    for record in records:
+        log.observe(record)
+    assert log.failures == [] and not log.restart_costs
+
+
+def test_recommend_bounds_and_two_tiers():
+    measured = ci.Measured(3600.0, "measured", 5, 18000.0, 60.0, 120.0)
+    rec = ci.recommend(measured, POLICY)
+    assert rec.interval_seconds == pytest.approx(ci.daly_interval(60, 3600) + 60)
+    assert rec.bound is None and 0.8 < rec.expected_goodput < 1
+    bounded = ci.recommend(measured, dataclasses.replace(POLICY, max_interval_seconds=300.0))
+    assert (bounded.interval_seconds, bounded.bound) == (300.0, "max")
+    assert ci.recommend(dataclasses.replace(measured, save_seconds=None), POLICY) is None
+    # snapshots every few seconds cover 90% of failures: durable checkpoints can be much rarer
+    tiers = ci.recommend(dataclasses.replace(measured, snapshot_seconds=0.5, snapshot_share=0.9), POLICY)
+    assert tiers.snapshot_interval_seconds == pytest.approx(ci.daly_interval(0.5, 4000) + 0.5)
+    assert tiers.interval_seconds == pytest.approx(ci.daly_interval(60, 36000) + 60)
+    assert tiers.snapshot_interval_seconds < rec.interval_seconds < tiers.interval_seconds
+
+
+def test_autopilot_changes_once_per_move_and_records_inputs():
+    pilot = ci.Autopilot(dataclasses.replace(POLICY, min_interval_seconds=60.0), applied=300.0, gpus=1)
+    first = pilot.consider(10.0)                        # no save measured yet: save at the lower bound to measure one
+    assert (first["applied_seconds"], first["reason"], pilot.applied) == (60.0, "no save measured yet", 60.0)
+    assert pilot.consider(11.0) is None
+    pilot.policy = POLICY
+    for record in crashed_log():
+        pilot.observe(record)
+    change = pilot.consider(31.0)
+    assert change["previous_seconds"] == 60.0 and change["applied_seconds"] == pilot.applied
+    for key in ("mtbf_seconds", "save_seconds", "restart_seconds", "failures", "mtbf_source", "expected_goodput"):
+        assert key in change
+    assert pilot.consider(31.5) is None                 # nothing moved: no event
+    assert pilot.metrics() == {"checkpoint_interval_seconds": pilot.applied,
+                               "checkpoint_interval_recommended_seconds": pilot.recommended}
+    # a run resumed after a restart goes on with the interval its log last applied
+    again = ci.Autopilot(POLICY, applied=300.0)
+    again.observe(_record(40.0, event={"type": ci.INTERVAL_EVENT, **change}))
+    again.resume()
+    assert again.applied == change["applied_seconds"]
+
+
+def test_history_prior_uses_earlier_runs_failures():
+    history = ci.history_of([crashed_log(), [_record(0.0, 1), _record(100.0, 2)]])
+    assert (history.runs, history.failures, history.gpu_seconds) == (2, 1, 131.0)
+    assert ci.prior_mtbf_seconds(POLICY, 1, history) == (131.0, "prior:history")
+    assert ci.prior_mtbf_seconds(POLICY, 4, ci.History(3, 0, 10.0)) == (900.0, "prior:policy")
+
+
+def test_replay_trace_accounts_for_every_second():
+    failures, restarts, total = [250.0, 1000.0], [50.0, 50.0], 2000.0
+    for interval in (60.0, 200.0, 700.0):
+        result = ci.replay_trace(failures, restarts, total, interval, save_seconds=10.0)
+        assert result.useful_seconds + result.save_seconds + result.lost_seconds + result.restart_seconds == \
+            pytest.approx(total)
+    # no failures: only saves cost; one interval that is all saves keeps nothing
+    clean = ci.replay_trace([], [], 1000.0, 100.0, 10.0)
+    assert clean.goodput == pytest.approx(0.9) and clean.saves == 10
+    # a failure just before a save loses the whole interval's work
+    result = ci.replay_trace([89.0], [11.0], 200.0, 100.0, 10.0)
+    assert result.lost_seconds == pytest.approx(89.0)

@@ -1,0 +1,70 @@
+"""The library's checkpoint autopilot: `Protector(checkpoint_every="auto")` in a plain loop, a process that
+dies without `finish()` and a new one on the same run directory (a failure, as a crash and a restart look
+in the log): the interval moves as the rule says, from the run's own measurements."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from tests.trainer.helpers import events, step_records
+from trainguard.decide import checkpoint_interval as ci
+from trainguard.policy import from_mapping
+from trainguard.protect import Protector
+
+POLICY = {"checkpoint": {"fleet_mtbf_gpu_hours": 1.0, "min_interval_seconds": 0.01}}
+
+
+def steps(protector, model, optimizer, count):
+    for _ in range(count):
+        loss = model(torch.ones(4, 4)).square().mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        verdict = protector.check(protector.state.step + 1, loss.detach(), norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        protector.after_step(verdict, tokens=16, samples=4, timings={"step_time_seconds": 0.01})
+
+
+def process(run, policy_file, count, finish=False):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    protector = Protector(run, states={"model": model, "optim": optimizer}, policy=str(policy_file),
+                          checkpoint_every="auto")
+    protector.begin()
+    steps(protector, model, optimizer, count)
+    if finish:
+        protector.finish()
+    protector.close()        # without finish(): no run_end, as a process killed mid-run
+
+
+def test_a_failure_moves_the_interval(tmp_path):
+    run, policy_file = tmp_path / "run", tmp_path / "policy.yaml"
+    policy_file.write_text(yaml.safe_dump(POLICY))
+    process(run, policy_file, 6)
+    process(run, policy_file, 6)
+    process(run, policy_file, 3, finish=True)
+    changes = events(run, ci.INTERVAL_EVENT)
+    assert changes[0]["reason"] == "no save measured yet"
+    measured = changes[1:]
+    # a change after each failure (more changes may come between, as the measured save time moves on a busy host)
+    failures = [c["failures"] for c in measured]
+    assert failures == sorted(failures) and failures[0] == 0 and {1, 2} <= set(failures)
+    policy = from_mapping(POLICY).checkpoint
+    for change in measured:
+        rule = ci.recommend(ci.Measured(change["mtbf_seconds"], change["mtbf_source"], change["failures"],
+                                        change["observed_seconds"], change["save_seconds"],
+                                        change["restart_seconds"]), policy)
+        assert change["applied_seconds"] == pytest.approx(rule.interval_seconds, rel=2e-3)
+    # more failures in less time: a shorter MTBF (the save cost, measured on a busy host, moves the interval too)
+    first_after = [next(c for c in measured if c["failures"] == n) for n in (0, 1, 2)]
+    assert first_after[0]["mtbf_seconds"] > first_after[1]["mtbf_seconds"] > first_after[2]["mtbf_seconds"]
+    assert step_records(run)[-1]["metrics"]["checkpoint_interval_seconds"] == measured[-1]["applied_seconds"]
+
+
+def test_checkpoint_every_takes_steps_or_auto(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="number of steps or 'auto'"):
+        Protector(tmp_path / "run", states={"model": model}, checkpoint_every="sometimes")

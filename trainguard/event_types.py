@@ -30,7 +30,6 @@ CHECKPOINT_INTERVAL = "checkpoint_interval"        # the autopilot applied a new
 SNAPSHOT_SAVED = "snapshot_saved"          # an in-memory snapshot written: bytes, blocking_seconds, write_seconds
 
 # ------------------------------------------------ recovery in seconds (docs/recovery.md)
-SNAPSHOT_SAVED = "snapshot_saved"          # an in-memory snapshot written: bytes, blocking_seconds, write_seconds
 SNAPSHOT_SKIPPED = "snapshot_skipped"      # a snapshot not taken or not written: why (too large, no room, error)
 SNAPSHOT_INVALID = "snapshot_invalid"      # a snapshot a restore refused, failing verification: snapshot_step, reason
 SNAPSHOT_RESTORED = "snapshot_restored"    # training state loaded from a verified in-memory snapshot: restored_step
@@ -71,5 +70,5 @@ TYPES = (RUN_START, RUN_END, CHECKPOINT_SAVED, CHECKPOINT_FAILED, CHECKPOINT_RES
          ALERT, ACTION, SHADOW_ACTION,
          CONTROL_REFUSED, STOP_MARKER_REFUSED, LOSS_LEVEL_SHIFT, REPLICA_CHECK, REPLICA_MISMATCH, CULPRIT,
          CORDON, CORDON_IGNORED, EVALUATION, LR_PHASE, LAYER_REINIT, FAULT_INJECTED, TRAINER_LOG,
-         TRAINER_CHECKPOINT_SIGNED, PREDICTION, RUN_SUMMARY, SNAPSHOT_SAVED, SNAPSHOT_SKIPPED, SNAPSHOT_INVALID,
+         TRAINER_CHECKPOINT_SIGNED, PREDICTION, RUN_SUMMARY, SNAPSHOT_SKIPPED, SNAPSHOT_INVALID,
          SNAPSHOT_RESTORED, SNAPSHOT_FALLBACK, IN_PROCESS_RESTART)

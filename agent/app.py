@@ -3,6 +3,8 @@
     config ─► Agent          the collector runners, each collector's Context, the /metrics registry
           ─► AgentServer    /metrics, /healthz (and the webhook's route, below)
           ─► NodeLog        RUN/tls/node-<node>.jsonl, from the collectors' TLS fragments
+          ─► NodeRiskWatch  the same fragments through decide/node_risk.py: /metrics, and a flag drains the
+                              node at the next checkpoint (with a run directory)
           ─► Actions        with a run directory: the policy, the ledger and the executor
                               (RUN/control, the action records), the webhook POST /api/v1/alerts, and
                               with `webhook.embedded` the embedded path: the training collector's cost
@@ -33,6 +35,9 @@ from trainguard.agent.config import AgentConfig, ConfigError
 from trainguard.agent.culprit import Investigator
 from trainguard.agent.discovery import Discovery
 from trainguard.agent.executor import Executor, WebhookSettings
+from trainguard.agent import evict
+from trainguard.agent.action_log import request_id
+from trainguard.agent.node_risk import Drain, NodeRiskWatch
 from trainguard.agent.nodelog import NodeLog
 from trainguard.agent.runner import Agent
 from trainguard.agent.server import AgentServer
@@ -64,6 +69,7 @@ class App:
     log: object = field(default=None, repr=False)
     discovery: Discovery | None = None       # --runs-root: the run followed changes as runs come and go
     coexist: Coexistence | None = None       # peer exporters whose families /metrics leaves out
+    node_risk: NodeRiskWatch | None = None   # this node's hardware risk (decide/node_risk.py)
 
     def run(self, stop: threading.Event | None = None) -> int:
         """Serve until SIGTERM/SIGINT (or `stop` is set); returns the exit status."""
@@ -75,6 +81,8 @@ class App:
         self.server.start()
         if self.nodelog:
             self.nodelog.start()
+        if self.node_risk:
+            self.node_risk.start()
         next_look = time.monotonic()
         while not stop.wait(self.agent.check_interval):
             self.agent.check()   # logs a collector that has just hung
@@ -106,15 +114,20 @@ class App:
             self.actions = build_actions(self.config, self.agent, self.server)
         except SystemExit:       # a bad policy in this run: it is logged; the run is watched, not acted on
             self.actions = None
+        self.node_risk = build_node_risk(self.config, self.agent, self.actions)
         self.agent.start()
         if self.nodelog:
             self.nodelog.start()
+        if self.node_risk:
+            self.node_risk.start()
 
     def _stop_run_parts(self) -> None:
         if self.actions and self.actions.watchdog:
             self.actions.watchdog.stop()
         if self.nodelog:
             self.nodelog.stop()
+        if self.node_risk:
+            self.node_risk.stop()
         self.agent.stop()
 
 
@@ -139,9 +152,10 @@ def build(config: AgentConfig) -> App:
     except OSError as exc:
         raise CannotListen(f"cannot listen on {config.listen}: {exc.strerror or exc}") from None
     try:
-        return App(config, agent, server, nodelog=build_nodelog(config, agent),
-                   actions=build_actions(config, agent, server), log=tglog.get("agent", node=config.node),
-                   discovery=discovery, coexist=coexist)
+        actions = build_actions(config, agent, server)
+        return App(config, agent, server, nodelog=build_nodelog(config, agent), actions=actions,
+                   log=tglog.get("agent", node=config.node), discovery=discovery, coexist=coexist,
+                   node_risk=build_node_risk(config, agent, actions))
     except BaseException:
         server.stop()
         raise
@@ -181,6 +195,25 @@ def build_nodelog(config: AgentConfig, agent: Agent) -> NodeLog | None:
                       max_bytes=config.nodelog.max_bytes, keep=config.nodelog.keep)
     agent.add_metrics_source(nodelog.families)
     return nodelog
+
+
+def build_node_risk(config: AgentConfig, agent: Agent, actions: Actions | None) -> NodeRiskWatch:
+    """This node's risk rule at the node log's pace, on /metrics. With a run directory to act on, a flag
+    drains the node at the next checkpoint through the executor (its ledger, its shadow gate), and the
+    circuit breaker counts the node-risk cordons other agents signed in the last hour."""
+    on_flag = known_flags = None
+    if actions is not None:
+        executor = actions.executor
+        on_flag = Drain(config.run_dir, node_name(), executor.submit, request_id,
+                        key_file=executor.node_actions.checkpoint_key_file)
+
+        def known_flags() -> list[float]:
+            found = evict.cordoned(config.run_dir, executor.node_actions.checkpoint_key_file)
+            return [float(r.get("cordoned_at", 0.0)) for r in found.values() if r.get("reason") == "node_risk"]
+    watch = NodeRiskWatch(agent.tls_fragments, config.node, agent.policy_choice.policy.node_risk,
+                          interval=config.nodelog.interval, on_flag=on_flag, known_flags=known_flags)
+    agent.add_metrics_source(watch.families)
+    return watch
 
 
 def build_actions(config: AgentConfig, agent: Agent, server: AgentServer) -> Actions | None:

@@ -28,9 +28,9 @@ from trainguard.trainer.config import TrainConfig, load_file
 from trainguard.trainer.loop import DistInfo, Trainer
 
 
-def make_trainer(run_dir: Path, preset: str, telemetry: bool) -> Trainer:
+def make_trainer(run_dir: Path, preset: str, telemetry: bool, device: str = "cpu") -> Trainer:
     config = load_file(TrainConfig(), preset)
-    config.run.device, config.run.telemetry = "cpu", telemetry
+    config.run.device, config.run.telemetry = device, telemetry
     config.run.checkpoint_every = config.run.eval_every = 0
     config.run.log_every = 10**9
     return Trainer(config, run_dir, DistInfo())
@@ -50,10 +50,13 @@ def timed_telemetry(trainer: Trainer, spent: list[tuple[float, float]]) -> None:
     trainer.telemetry.step = step
 
 
-def run(preset: str, steps: int, warmup: int, base: Path) -> dict[str, list[tuple[float, float]]]:
+def run(preset: str, steps: int, warmup: int, base: Path, device: str = "cpu") -> dict[str, list[tuple[float, float]]]:
     """(wall, process CPU) seconds of each step of each trainer, and inside the telemetry call."""
-    off = make_trainer(base / "off", preset, telemetry=False)
-    on = make_trainer(base / "on", preset, telemetry=True)
+    off = make_trainer(base / "off", preset, telemetry=False, device=device)
+    on = make_trainer(base / "on", preset, telemetry=True, device=device)
+    # on a GPU a step's kernels may still run when train_step returns: each timed step ends synchronised,
+    # so the other trainer's next step is not charged for them (bf16 autocast on CUDA, trainer/loop.py)
+    synchronize = __import__("torch").cuda.synchronize if device == "cuda" else (lambda: None)
     inside: list[tuple[float, float]] = []
     timed_telemetry(on, inside)
     times: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
@@ -62,6 +65,7 @@ def run(preset: str, steps: int, warmup: int, base: Path) -> dict[str, list[tupl
         for trainer, name in pair:
             wall, cpu = time.perf_counter(), time.process_time()
             trainer.train_step()
+            synchronize()
             if i >= warmup:
                 times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
     for trainer in (off, on):
@@ -69,7 +73,8 @@ def run(preset: str, steps: int, warmup: int, base: Path) -> dict[str, list[tupl
     return {**times, "inside": inside[warmup:]}
 
 
-def report(times: dict[str, list[tuple[float, float]]], preset: str, steps: int, command: str) -> str:
+def report(times: dict[str, list[tuple[float, float]]], preset: str, steps: int, command: str,
+           device: str = "cpu") -> str:
     def median(name: str, which: int) -> float:
         return statistics.median(pair[which] for pair in times[name])
 
@@ -81,7 +86,7 @@ def report(times: dict[str, list[tuple[float, float]]], preset: str, steps: int,
     verdict = "meets" if inside / off < 0.01 else "misses"
     return "\n".join([
         "### Loop overhead", "",
-        f"`{command}` — `{preset}` preset on CPU, {steps} interleaved steps of each trainer after warm-up.", "",
+        f"`{command}` — `{preset}` preset on {'CPU' if device == 'cpu' else 'CUDA (bf16 autocast)'}, {steps} interleaved steps of each trainer after warm-up.", "",
         machine_line(), "", "| per step (median) | wall | CPU |", "|---|---:|---:|",
         f"| step, `--telemetry off` | {off * 1e3:.2f} ms | {off_cpu * 1e3:.2f} ms |",
         f"| step, `--telemetry on` | {median('on', 0) * 1e3:.2f} ms | {median('on', 1) * 1e3:.2f} ms |",
@@ -103,18 +108,21 @@ def main() -> int:
     parser.add_argument("--config", default="tiny", help="preset or YAML file (default tiny)")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 on the GPU "
+                        "(scripts/gpu-check)")
     parser.add_argument("--write-docs", action="store_true", help=f"update '{SECTION}' in docs/benchmarks.md")
     args = parser.parse_args()
     log.configure(level="warning")
     os.environ.setdefault("TRAINGUARD_CHECKPOINT_KEY", str(Path(tempfile.gettempdir()) / "tg-bench.key"))
     base = Path(tempfile.mkdtemp(prefix="trainguard-bench-loop-"))
     try:
-        times = run(args.config, args.steps, args.warmup, base)
+        times = run(args.config, args.steps, args.warmup, base, args.device)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     command = "python bench/bench_loop.py" + (f" --config {args.config}" if args.config != "tiny" else "") + (
-        f" --steps {args.steps}" if args.steps != 600 else "")
-    body = report(times, args.config, args.steps, command)
+        f" --steps {args.steps}" if args.steps != 600 else "") + (
+        f" --device {args.device}" if args.device != "cpu" else "")
+    body = report(times, args.config, args.steps, command, args.device)
     print(body)
     if args.write_docs:
         print(f"written to {write_docs(replace_subsection(current_section(), '### Loop overhead', body))}")

@@ -82,6 +82,10 @@ BENCHES: dict[str, Spec] = {
 BENCHES["hf_preclip"] = Spec("Pre-clip gradient norm (Transformers callback)", [],
                              ["--rounds", "2", "--steps", "20"], hf_preclip)
 BENCHES["sdc"] = Spec("Replica check (silent data corruption)", [], ["--configs", "tiny", "--rounds", "4"], sdc)
+# precision and recall of a rule, not a speed against a peer: its section holds the table
+BENCHES["node_risk"] = Spec("Node risk on a synthetic fleet", [], ["--nodes", "16", "--days", "7", "--failures", "40"],
+                            lambda stdout: [])
+# scripts/gpu-check writes bench/out/gpu_check.json itself (on a GPU only): rendered here, never run from here
 # replays of failure traces against fixed intervals, not a speed against a peer: no headline figures
 BENCHES["autopilot"] = Spec("Checkpoint autopilot", [], ["--seeds", "2", "--days", "10", "--grid", "60",
                                                           "--energy-seconds", "600"], lambda stdout: [])

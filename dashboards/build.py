@@ -56,13 +56,12 @@ def node(expr: str) -> str:
 
 
 CUDA_WHY = "needs a CUDA device: a CPU run has no caching allocator"
-PROF_WHY = ("needs DCGM's profiling fields (dcgm-exporter with them in its counters CSV: DCGM_FI_PROF_SM_ACTIVE is "
-            "commented out in the default one); the agent's NVML collector has no such counters")
+IB_WHY = "needs an InfiniBand or RoCE port on the node (the ib collector's counters)"
 MFU_DESCRIPTION = ("Model FLOPs utilisation: the model's FLOPs per token x tokens/s over the device's documented peak "
                    "(runtime/mfu.py's table by GPU model, or the peak the run was given). No series, and n/a here, "
                    "where no peak is documented (a CPU, a GPU not in the table) or the model's FLOPs per token are "
                    "unknown: never an estimate.")
-XID_WHY = "the agent exports Xid series once a GPU has had an Xid error (dcgm-exporter exports a 0)"
+XID_WHY = "DCGM_FI_DEV_XID_ERRORS holds the last Xid, so it has no series before a GPU's first Xid"
 
 
 # ------------------------------------------------------------------------------------------ variables
@@ -221,17 +220,60 @@ def gpu_node(policy: Policy) -> Board:
         timeseries("Framebuffer memory used", q(gpu("DCGM_FI_DEV_FB_USED"), legend), unit="decmbytes", min=0),
         timeseries("Power draw", q(gpu("DCGM_FI_DEV_POWER_USAGE"), legend), unit="watt", min=0),
         timeseries("SM clock", q(f"{gpu('DCGM_FI_DEV_SM_CLOCK')} * 1e6", legend), unit="hertz"),
-        timeseries("SM activity", q(gpu("DCGM_FI_PROF_SM_ACTIVE"), legend, only_when=PROF_WHY), unit="percentunit",
+        timeseries("SM activity", q(gpu("DCGM_FI_PROF_SM_ACTIVE"), legend), unit="percentunit",
                    min=0, max=1, description="Share of cycles an SM has at least one warp assigned, averaged over "
-                                             "the SMs: what GPU utilisation (any kernel running) does not say."),
-        timeseries("Tensor core activity", q(gpu("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"), legend, only_when=PROF_WHY),
+                                             "the SMs: what GPU utilisation (any kernel running) does not say. "
+                                             "From NVML GPM on Hopper and later (or dcgm-exporter's profiling "
+                                             "fields); no series on older GPUs."),
+        timeseries("Tensor core activity", q(gpu("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE"), legend),
                    unit="percentunit", min=0, max=1,
                    description="Share of cycles the tensor (HMMA) pipe is active: the matrix math a model's MFU "
-                               "is made of."),
-        timeseries("Xid errors", q(f"sum by (Hostname, gpu, xid) (increase(trainguard_gpu_xid_errors_total{GPU}[{RATE}]))",
-                                   "{{Hostname}} GPU {{gpu}} Xid {{xid}}", only_when=XID_WHY),
+                               "is made of (NVML GPM, Hopper and later)."),
+        timeseries("Xid errors", q(f"sum by (Hostname, gpu, xid, xid_class) "
+                                   f"(increase(trainguard_gpu_xid_errors_total{GPU}[{RATE}]))",
+                                   "{{Hostname}} GPU {{gpu}} Xid {{xid}} ({{xid_class}})"),
                    q(gpu("DCGM_FI_DEV_XID_ERRORS"), f"{legend} last Xid", only_when=XID_WHY), unit="none",
-                   description="Xid errors by code, and the last code per GPU (see the GPUXidError runbook)."),
+                   description="Xid errors by code and NVIDIA catalogue class (0 on a healthy node: the codes "
+                               "that matter exist from the agent's start), and the last code per GPU (see the "
+                               "GPUXidError runbook)."),
+        Row("Node health"),
+        timeseries("Node risk score", q(f"trainguard_node_risk_score{AGENT}", "{{instance}}"),
+                   unit="none", min=0, max=1, thresholds=(Threshold(policy.node_risk.threshold, RED),),
+                   description="The node-risk rule's score (decide/node_risk.py); at risk once it holds above "
+                               "the line for node_risk.consecutive readings (NodeAtRisk: drain at the next "
+                               "checkpoint)."),
+        timeseries("Risk signals", q(f"trainguard_node_risk_signal{AGENT}", "{{instance}} {{signal}}"),
+                   unit="none", min=0, description="Which signals weigh in each node's score, weighted."),
+        timeseries("ECC errors per hour", q(f"3600 * rate(trainguard_gpu_ecc_correctable_errors_total{GPU}[{RATE}])",
+                                            f"{legend} corrected"),
+                   q(f"3600 * rate(trainguard_gpu_ecc_uncorrectable_errors_total{GPU}[{RATE}])",
+                     f"{legend} uncorrectable"), unit="none", min=0,
+                   description="Corrected and uncorrectable ECC errors per hour (volatile counts: since the "
+                               "driver loaded)."),
+        timeseries("Remapped rows and pending remaps", q(gpu("trainguard_gpu_remapped_rows_total"), f"{legend} rows"),
+                   q(gpu("DCGM_FI_DEV_ROW_REMAP_PENDING"), f"{legend} pending"), unit="none", min=0,
+                   description="Rows remapped for ECC errors; a pending remap needs a GPU reset to apply."),
+        timeseries("PCIe replays per hour and link width",
+                   q(f"3600 * rate(trainguard_gpu_pcie_replays_total{GPU}[{RATE}])", f"{legend} replays/h"),
+                   q(f"{gpu('DCGM_FI_DEV_PCIE_LINK_WIDTH')} / {gpu('DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH')}",
+                     f"{legend} width / max"), unit="none", min=0,
+                   description="PCIe replays (retries) per hour, and the link width as a share of its maximum "
+                               "(below 1: a downgraded link)."),
+        timeseries("NVLink errors per hour",
+                   q(f"3600 * (rate(trainguard_gpu_nvlink_crc_errors_total{GPU}[{RATE}]) "
+                     f"+ rate(trainguard_gpu_nvlink_replay_errors_total{GPU}[{RATE}]))", legend),
+                   unit="none", min=0, description="NVLink CRC and replay errors per hour, all links."),
+        timeseries("Thermal and power slowdown", q(f"rate(trainguard_gpu_thermal_slowdown_seconds_total{GPU}[{RATE}])",
+                                                   f"{legend} thermal"),
+                   q(f"rate(trainguard_gpu_power_slowdown_seconds_total{GPU}[{RATE}])", f"{legend} power"),
+                   unit="percentunit", min=0, max=1,
+                   description="Share of time the clocks were held down by the thermal or the power policy."),
+        timeseries("InfiniBand errors per hour",
+                   q(node(f"3600 * sum by (instance) (rate(node_infiniband_symbol_error_total[{RATE}]))"),
+                     "{{instance}} symbol errors", only_when=IB_WHY),
+                   q(node(f"sum by (instance) (increase(node_infiniband_link_downed_total[{RATE}]))"),
+                     "{{instance}} link downs", only_when=IB_WHY), unit="none", min=0,
+                   description="Symbol errors per hour and link downs over the node's InfiniBand ports."),
         Row("Node"),
         timeseries("CPU busy", q(node(f'1 - avg by (instance) (rate(node_cpu_seconds_total{{mode="idle"}}'
                                       f'[{RATE}]))'), "{{instance}}"),

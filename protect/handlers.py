@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from trainguard import event_types, rundir, safe_read, signed, tls
-from trainguard.actions import ACTIONS_BY_CODE, COST_STOP, COST_THROTTLE, COST_WARN, ROLLBACK, SKIP_STEP, STOP
+from trainguard.actions import ACTIONS_BY_CODE, COST_STOP, COST_THROTTLE, COST_WARN, DRAIN, ROLLBACK, SKIP_STEP, STOP
 from trainguard.decide.decision import Decision
 from trainguard.protect.callbacks import scale_optimizers
 from trainguard.runtime.checkpoint import keys
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 GUARD, CONTROL = "guard", "control"     # who asked: the step's guard, or a control request (the agent, a human)
 EXIT_OK, EXIT_STOPPED = 0, 3
+EXIT_DRAINED = 5     # checkpointed and stopped for a node at risk: the launchers re-form the job (not 0: not done)
 STOPPED_PURPOSE = "run-stopped/1"     # RUN/control/stopped.json, signed by rank 0 with the run's checkpoint key
 # Loss rollbacks whose retry may show the loss is the data's; the same loss again is within this share.
 LOSS_ROLLBACKS = ("repeated_loss_spike", "repeated_warmup_spike")
@@ -286,3 +287,22 @@ def _first_timestamp(path) -> float | None:
             return tls.decode(handle.readline(safe_read.MAX_LINE_BYTES))["timestamp"]
     except (OSError, tls.TLSError):
         return None
+
+
+# -------------------------------------------------------------------------------------------- drain
+@handles(DRAIN)
+def drain_at_checkpoint(protector: Protector, order: Order) -> StepOutcome:
+    """A node at hardware risk (decide/node_risk.py): a verified checkpoint of this very step, then every rank
+    stops, so nothing is trained past it. The flagging node's agent, once that checkpoint verifies, cordons
+    its node and ends its launcher; the other nodes' launchers re-form the job and resume from here."""
+    step, ids = protector.state.step, order.fields
+    path = protector.save()
+    protector.wait()                       # durable before anyone acts on it (an async save included)
+    verified = protector.rank != 0 or protector.checkpoints.verified_step() == step
+    protector.event(event_types.ACTION, action=DRAIN, checkpoint_step=step, checkpoint_verified=verified, **ids)
+    if protector.callbacks.stop is not None:
+        protector.callbacks.stop(DRAIN)
+    protector.event(event_types.RUN_END, reason=DRAIN, alertname=ids["alertname"])
+    protector.log.warning("drained at a checkpoint: a node is at hardware risk", step=step,
+                          checkpoint=str(path) if path else None, verified=verified, **ids)
+    return StepOutcome(EXIT_DRAINED, DRAIN)

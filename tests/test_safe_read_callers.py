@@ -23,6 +23,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("trainguard/safe_read.py", "open_file", "os.fdopen"): "the safe reader itself, over a checked descriptor",
     ("trainguard/safe_read.py", "open_append", "os.fdopen"): "the safe reader itself, over a checked descriptor",
     ("trainguard/replay/replica.py", "_may_hold_checks", "mmap.mmap"): "maps a file safe_read opened",
+    ("trainguard/replay/node_risk.py", "_may_hold_health", "mmap.mmap"): "maps a file safe_read opened",
     ("trainguard/formats/tensorboard.py", "records", "mmap.mmap"): "maps an event file safe_read opened",
     ("trainguard/report/html.py", "render", "read_text"): "the report's CSS, shipped in the package",
     ("trainguard/report/html.py", "render", "read_text#2"): "the report's JS, shipped in the package",

@@ -69,6 +69,7 @@ STOP = "stop"
 PAGE = "page"
 EVICT = "evict"
 CORDON = "cordon"
+DRAIN = "drain_at_checkpoint"   # decide/node_risk.py's verdict on a node at hardware risk (docs/node-risk.md)
 
 # Codes travel in a float64 all-reduce; 0 means "nothing this step".
 TABLE: tuple[Action, ...] = (
@@ -92,6 +93,11 @@ TABLE: tuple[Action, ...] = (
     Action(EVICT, "keep a hang's culprit node out of the job; the job re-forms without it", INVESTIGATOR),
     Action(CORDON, "keep a node out of the job until `trainguard uncordon` (RUN/control/cordon/<host>)",
            REPLICA_CHECK),
+    # every rank checkpoints at the step it is in and stops (nothing trained past it); the flagging node's
+    # agent then cordons its node and ends its launcher once that checkpoint verifies (agent/node_risk.py).
+    # Once per flag: the rule's own circuit breaker (node_risk.max_flags_per_hour) bounds them fleet-wide.
+    Action(DRAIN, "checkpoint now and stop; the node at risk is cordoned and the job re-forms without it",
+           PROTECTOR, remote=True, code=5, group=GUARD_GROUP),
 )
 
 BY_NAME: dict[str, Action] = {action.name: action for action in TABLE}

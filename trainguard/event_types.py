@@ -52,6 +52,10 @@ CULPRIT = "culprit"                    # the rank and node an incident names: in
 CORDON = actions.CORDON                # a node kept out of the job (RUN/control/cordon/<host>): host, incident
 CORDON_IGNORED = "cordon_ignored"      # a launcher joined despite a cordon file it does not honour: why
 
+# ------------------------------------------------------------------------------------- node health
+HEALTH_CHECK = "health_check"    # another tool's finding on a node (dcgmi diag, kernel NVRM): tool, status, gpu
+NODE_AT_RISK = "node_at_risk"    # the node-risk rule flagged this node (decide/node_risk.py): score, signals
+
 # ------------------------------------------------------------------------------------- schedules
 EVALUATION = "evaluation"          # a validation pass: val_loss (and dataset, purpose)
 LR_PHASE = "lr_phase"              # the learning-rate schedule entered a phase: phase, schedule, from
@@ -70,5 +74,5 @@ TYPES = (RUN_START, RUN_END, CHECKPOINT_SAVED, CHECKPOINT_FAILED, CHECKPOINT_RES
          ALERT, ACTION, SHADOW_ACTION,
          CONTROL_REFUSED, STOP_MARKER_REFUSED, LOSS_LEVEL_SHIFT, REPLICA_CHECK, REPLICA_MISMATCH, CULPRIT,
          CORDON, CORDON_IGNORED, EVALUATION, LR_PHASE, LAYER_REINIT, FAULT_INJECTED, TRAINER_LOG,
-         TRAINER_CHECKPOINT_SIGNED, PREDICTION, RUN_SUMMARY, SNAPSHOT_SKIPPED, SNAPSHOT_INVALID,
-         SNAPSHOT_RESTORED, SNAPSHOT_FALLBACK, IN_PROCESS_RESTART)
+         TRAINER_CHECKPOINT_SIGNED, PREDICTION, RUN_SUMMARY, HEALTH_CHECK, NODE_AT_RISK, SNAPSHOT_SKIPPED,
+         SNAPSHOT_INVALID, SNAPSHOT_RESTORED, SNAPSHOT_FALLBACK, IN_PROCESS_RESTART)

@@ -36,6 +36,7 @@ from trainguard.decide.clipping import ClippingPolicy
 from trainguard.decide.cost import CostPolicy, CostTiers
 from trainguard.decide.guard import GuardPolicy
 from trainguard.decide.layers import LayerResponsePolicy
+from trainguard.decide.node_risk import NodeRiskPolicy
 from trainguard.decide.ledger import LedgerConfig
 from trainguard.decide.schedules import BreathingPolicy, DynamicsPolicy, PhasePolicy
 from trainguard.decide.stall import StallConfig
@@ -196,6 +197,7 @@ class Policy:
     dynamics: DynamicsPolicy = field(default_factory=DynamicsPolicy)
     actions: ActionsPolicy = field(default_factory=ActionsPolicy)
     recovery: RecoveryPolicy = field(default_factory=RecoveryPolicy)
+    node_risk: NodeRiskPolicy = field(default_factory=NodeRiskPolicy)    # decide/node_risk.py, docs/node-risk.md
     checkpoint: CheckpointPolicy = field(default_factory=CheckpointPolicy)
 
     @property

@@ -34,6 +34,13 @@ from .xid import KmsgSource, NvmlEventSource, XidCounts, pci_key_from_bus_id
 
 _log = log.get("agent.gpu")
 
+# the health counters and states the node-risk rule reads (decide/node_risk.py), kept in the node's TLS log
+# under their reading names so replay sees what the live agent saw
+HEALTH_READINGS = ("ecc_sbe_volatile", "ecc_dbe_volatile", "retired_pages", "retired_pending", "remapped_rows",
+                   "remap_pending", "remap_failure", "pcie_replays", "pcie_downgrades", "nvlink_crc_errors",
+                   "nvlink_replay_errors", "power_violation_ns", "thermal_violation_ns", "pcie_link_width",
+                   "pcie_max_link_width")
+
 
 @register
 class GPUCollector(Collector):
@@ -113,6 +120,7 @@ class GPUCollector(Collector):
         for gpu in self.gpus:
             gpu.unsupported.clear()
             gpu.nvlink_previous = None      # counters may have restarted with the driver
+            gpu.gpm_sample = None           # a sample of the NVML that was shut down
             try:
                 if gpu.uuid:
                     gpu.handle = nvml.nvmlDeviceGetHandleByUUID(gpu.uuid.encode())
@@ -169,13 +177,20 @@ class GPUCollector(Collector):
 
     def _tls(self, readings: dict[int, dict]) -> dict:
         xid_totals: dict[str, int] = {}
-        for (pci, _), count in self.xids.merged().items():
+        xid_codes: dict[str, dict[str, int]] = {}
+        for (pci, xid), count in self.xids.merged().items():
             xid_totals[pci] = xid_totals.get(pci, 0) + count
+            xid_codes.setdefault(pci, {})[str(xid)] = count
         gpus = []
         for gpu in self.gpus:
             entry: dict[str, Any] = {"gpu": gpu.index, "uuid": gpu.uuid, "lost": gpu.lost,
                                      "xid_errors": xid_totals.get(gpu.pci, 0)}
+            if gpu.pci in xid_codes:
+                entry["xids"] = xid_codes[gpu.pci]       # per code: what the node-risk rule replays
             r = readings.get(gpu.index, {})
+            for key in HEALTH_READINGS:
+                if key in r:
+                    entry[key] = r[key]
             for tls_key, key in (("gpu_util", "gpu_util"), ("mem_copy_util", "mem_copy_util"),
                                  ("gpu_temp_c", "gpu_temp_c"), ("gpu_power_w", "power_w"),
                                  ("power_limit_w", "power_limit_w"), ("mem_used_bytes", "mem_used_bytes"),

@@ -128,4 +128,10 @@ def _tls(devices: list[IBDevice]) -> dict:
     ports = [port for device in devices for port in device.ports]
     if not ports:
         return {}
-    return {"system": {"ib_ports": len(ports), "ib_ports_active": sum(p.state_id == 4 for p in ports)}}
+    system = {"ib_ports": len(ports), "ib_ports_active": sum(p.state_id == 4 for p in ports)}
+    # the node's link health as the node-risk rule reads it (decide/node_risk.py), summed over its ports
+    for tls_key, file in (("ib_symbol_errors", "symbol_error"), ("ib_link_downed", "link_downed")):
+        found = [p.counters.get(file, p.counters_ext.get(file)) for p in ports]
+        if any(v is not None for v in found):
+            system[tls_key] = sum(v for v in found if v is not None)
+    return {"system": system}

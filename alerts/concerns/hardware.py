@@ -1,4 +1,4 @@
-"""Hardware: GPU temperature, Xid errors, allocator fragmentation (hardware.rules.yml)."""
+"""Hardware: GPU temperature, Xid errors, allocator fragmentation, node risk (hardware.rules.yml)."""
 
 from __future__ import annotations
 
@@ -31,5 +31,24 @@ def hardware(policy: Policy) -> list[Group]:
               "allocator holds blocks it cannot reuse, which ends in out-of-memory errors at a "
               "batch that used to fit.",
               for_=a.for_long),
+        Alert("NodeAtRisk",
+              "trainguard_node_risk_score and on (job, instance) (trainguard_node_at_risk == 1)",
+              "critical", "Node {{ $labels.instance }} at hardware risk (score {{ $value }})",
+              f"The node's hardware trends (ECC, remapped rows, XIDs by class, PCIe, NVLink, InfiniBand, "
+              f"thermal) have held its risk score at or above {num(policy.node_risk.threshold)} for "
+              f"{policy.node_risk.consecutive} readings in a row. The agent drains it at the next checkpoint "
+              "(a checkpoint now, a signed cordon, the elastic shrink) unless the run is in shadow mode; "
+              "trainguard_node_risk_signal says which signals weigh."),
+        Alert("GPUUncorrectableECC", f"increase(trainguard_gpu_ecc_uncorrectable_errors_total[{RATE}]) > 0",
+              "critical", "Uncorrectable ECC error on GPU {{ $labels.gpu }} of {{ $labels.instance }}",
+              "The GPU's memory had an error ECC could not correct: the data read was wrong (a contained "
+              "error ends the process that read it, XID 94; an uncontained one, XID 95, the GPU's work). "
+              "The node-risk rule counts it as a hard signal; see the runbook."),
+        Alert("NodeRiskFlagsSuppressed", "increase(trainguard_node_risk_suppressed_total[1h]) > 0",
+              "warning", "Node {{ $labels.instance }} at risk but not drained: the fleet's budget is spent",
+              f"More than {policy.node_risk.max_flags_per_hour} nodes were at hardware risk within an hour, "
+              "so the node-risk rule's circuit breaker stopped draining more. Many nodes at once is "
+              "more often a fleet-wide cause (a driver or firmware roll-out, a cooling or power event) "
+              "than many failing GPUs: a human decides."),
     ))
     return [records, alerts]

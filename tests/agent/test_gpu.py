@@ -173,7 +173,7 @@ def test_gpu_lost_then_recovered_with_reinit(tmp_path, caplog):
     assert nvml.init_calls == 3 and lost_of(v) == 0
     assert v[series("DCGM_FI_DEV_GPU_UTIL", **gpu1)] == 100 - 1 - 3
     # the XID event set was made again after the re-init: XID 79 came through NVML before the loss
-    assert v[series("trainguard_gpu_xid_errors_total", **gpu1, xid="79")] == 1
+    assert v[series("trainguard_gpu_xid_errors_total", **gpu1, xid="79", xid_class="node_drain")] == 1
 
 
 def test_no_nvml_library_disables_with_one_line(tmp_path):

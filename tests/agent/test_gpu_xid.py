@@ -12,6 +12,7 @@ from tests.agent.exposition import series, values
 from tests.fakes.fake_nvml import FakeNVML
 from trainguard.agent.collector import Context
 from trainguard.agent.collectors.gpu import GPUCollector
+from trainguard import xid_catalog
 from trainguard.agent.collectors.xid import KmsgSource, XidCounts, parse_kmsg_xid, pci_key_from_bus_id
 
 FIXTURE_KMSG = Path(__file__).resolve().parents[1] / "fixtures" / "dev" / "kmsg"
@@ -84,16 +85,19 @@ def test_xid_from_nvml_events_counted_per_code(tmp_path):
     nvml = FakeNVML("xid")
     gpu = collector(tmp_path, nvml)
     v = values(gpu.update().families)
-    assert not any(name == "trainguard_gpu_xid_errors_total" for name, _ in v)
+    # the codes that matter exist at 0 on every GPU from the start, each with its catalogue class
+    xids = {labels: value for (name, labels), value in v.items() if name == "trainguard_gpu_xid_errors_total"}
+    assert len(xids) == 2 * len(xid_catalog.WATCHED) and set(xids.values()) == {0}
+    assert v[series("trainguard_gpu_xid_errors_total", **GPU0, xid="79", xid_class="node_drain")] == 0
     assert series("DCGM_FI_DEV_XID_ERRORS", **GPU0) not in v         # blank until an XID, as in DCGM
     nvml.advance()
     v = values(gpu.update().families)
-    assert v[series("trainguard_gpu_xid_errors_total", **GPU0, xid="13")] == 1
+    assert v[series("trainguard_gpu_xid_errors_total", **GPU0, xid="13", xid_class="application_error")] == 1
     assert v[series("DCGM_FI_DEV_XID_ERRORS", **GPU0)] == 13
     nvml.advance()
     v = values(gpu.update().families)
-    assert v[series("trainguard_gpu_xid_errors_total", **GPU0, xid="13")] == 2
-    assert v[series("trainguard_gpu_xid_errors_total", **GPU0, xid="31")] == 1
+    assert v[series("trainguard_gpu_xid_errors_total", **GPU0, xid="13", xid_class="application_error")] == 2
+    assert v[series("trainguard_gpu_xid_errors_total", **GPU0, xid="31", xid_class="application_error")] == 1
     assert v[series("DCGM_FI_DEV_XID_ERRORS", **GPU0)] == 31
     assert v[series("trainguard_gpu_xid_source_available", source="nvml")] == 1
     assert v[series("trainguard_gpu_xid_source_available", source="kmsg")] == 1
@@ -109,10 +113,10 @@ def test_kmsg_and_nvml_seeing_the_same_xid_count_it_once(tmp_path):
         log.write(b"4,1700,98000000000,-;NVRM: Xid (PCI:0000:18:00): 13, Graphics Exception: ESR 0x50df30\n"
                   b"4,1701,98000000100,-;NVRM: Xid (PCI:0000:5d:00): 48, pid=1, DBE on a GPU NVML does not list\n")
     v = values(gpu.update().families)
-    assert v[series("trainguard_gpu_xid_errors_total", **GPU0, xid="13")] == 1
+    assert v[series("trainguard_gpu_xid_errors_total", **GPU0, xid="13", xid_class="application_error")] == 1
     # an XID for a PCI address that is none of this node's GPUs keeps its address, nothing else
     assert v[series("trainguard_gpu_xid_errors_total", gpu="", UUID="", pci_bus_id="0000:5d:00", device="",
-                    model_name="", Hostname="node-a", xid="48")] == 1
+                    model_name="", Hostname="node-a", xid="48", xid_class="gpu_reset")] == 1
 
 
 def test_kmsg_off_by_option(tmp_path):
@@ -127,4 +131,4 @@ def test_fake_steps_by_time_in_agent_processes(tmp_path):
     nvml._started -= 25.0                 # as if 25 s had passed: samples 1 and 2
     v = values(gpu.update().families)
     assert nvml.position == 2
-    assert v[series("trainguard_gpu_xid_errors_total", **GPU0, xid="13")] == 2
+    assert v[series("trainguard_gpu_xid_errors_total", **GPU0, xid="13", xid_class="application_error")] == 2

@@ -57,7 +57,8 @@ def test_rdma_hardware_counters():
 
 
 def test_tls_fragment():
-    assert collect().tls == {"system": {"ib_ports": 2, "ib_ports_active": 1}}
+    # symbol errors and link downs summed over the ports (the fixture: 11 and 7), for the node-risk rule
+    assert collect().tls == {"system": {"ib_ports": 2, "ib_ports_active": 1, "ib_symbol_errors": 11, "ib_link_downed": 7}}
 
 
 def test_no_infiniband_is_no_metrics_and_no_failure(tmp_path):

@@ -57,6 +57,8 @@ DEVICE_CALLS = (
     "nvmlDeviceGetClockInfo", "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons",
     "nvmlDeviceGetPcieThroughput", "nvmlDeviceGetRemappedRows", "nvmlDeviceGetRetiredPages",
     "nvmlDeviceGetRetiredPagesPendingStatus", "nvmlDeviceGetComputeRunningProcesses",
+    "nvmlDeviceGetCurrPcieLinkGeneration", "nvmlDeviceGetMaxPcieLinkGeneration", "nvmlDeviceGetCurrPcieLinkWidth",
+    "nvmlDeviceGetMaxPcieLinkWidth", "nvmlGpmQueryDeviceSupport",
 )
 
 
@@ -286,10 +288,50 @@ class FakeNVML:
 
     nvmlEventSetWait = nvmlEventSetWait_v2
 
+    # ------------------------------------------------------------------------------------- GPM (Hopper+)
+    # A GPM sample remembers the device and the scenario's position when taken; nvmlGpmMetricsGet answers the
+    # percentages recorded under "nvmlGpmMetricsGet" ({"<metric id>": value}) of the second sample's position.
+
+    def nvmlGpmSampleAlloc(self) -> SimpleNamespace:
+        self._sync("nvmlGpmSampleAlloc")
+        self._require_init()
+        return SimpleNamespace(device=None, position=None)
+
+    def nvmlGpmSampleGet(self, handle: Any, sample: SimpleNamespace) -> SimpleNamespace:
+        self._sync("nvmlGpmSampleGet")
+        sample.device, sample.position = self._device(handle), self.position
+        return sample
+
+    def nvmlGpmMetricsGet(self, request: "c_nvmlGpmMetricsGet_t") -> "c_nvmlGpmMetricsGet_t":
+        self._sync("nvmlGpmMetricsGet")
+        self._require_init()
+        device = request.sample2.device
+        recorded = device.sample(request.sample2.position).get("nvmlGpmMetricsGet", {})
+        for metric in request.metrics[:request.numMetrics]:
+            value = recorded.get(str(metric.metricId))
+            metric.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED if value is None else pynvml.NVML_SUCCESS
+            metric.value = float(value or 0.0)
+        return request
+
+    def nvmlGpmSampleFree(self, sample: SimpleNamespace) -> None:
+        self._sync("nvmlGpmSampleFree")
+
     def nvmlEventSetFree(self, event_set: _EventSet) -> None:
         self._sync("nvmlEventSetFree")
         if event_set in self._event_sets:
             self._event_sets.remove(event_set)
+
+
+class c_nvmlGpmMetricsGet_t:
+    """pynvml's struct of the same name, as plain attributes (the fake's samples are no C pointers)."""
+
+    def __init__(self) -> None:
+        self.version = self.numMetrics = 0
+        self.sample1 = self.sample2 = None
+        self.metrics = [SimpleNamespace(metricId=0, nvmlReturn=0, value=0.0) for _ in range(pynvml.NVML_GPM_METRIC_MAX)]
+
+
+FakeNVML.c_nvmlGpmMetricsGet_t = c_nvmlGpmMetricsGet_t
 
 
 def _make_device_call(name: str):

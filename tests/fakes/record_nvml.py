@@ -29,7 +29,8 @@ from .fake_nvml import FORMAT
 # Calls the fake answers by itself (handles, counts, event plumbing); only their errors are worth keeping.
 NOT_RECORDED = {"nvmlInit", "nvmlShutdown", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex",
                 "nvmlDeviceGetHandleByUUID", "nvmlDeviceGetIndex", "nvmlEventSetCreate", "nvmlEventSetFree",
-                "nvmlDeviceRegisterEvents", "nvmlEventSetWait", "nvmlEventSetWait_v2"}
+                "nvmlDeviceRegisterEvents", "nvmlEventSetWait", "nvmlEventSetWait_v2", "nvmlGpmSampleAlloc",
+                "nvmlGpmSampleFree", "nvmlGpmSampleGet", "nvmlGpmMetricsGet"}
 
 
 def to_json(value: Any) -> Any:
@@ -49,6 +50,14 @@ def to_json(value: Any) -> Any:
     raise TypeError(f"cannot record {type(value).__name__}: {value!r}")
 
 
+def _address(pointer: Any) -> int:
+    """The address a ctypes pointer (an NVML GPM sample) points at: the same sample read back from a struct.
+    A sample that is no ctypes pointer (the fake's, when the recorder is tested over it) is itself."""
+    if isinstance(pointer, ctypes._Pointer):
+        return ctypes.cast(pointer, ctypes.c_void_p).value or 0
+    return id(pointer)
+
+
 class Recorder:
     """Stands in for the pynvml module: forwards every call and keeps its answer, per device and phase."""
 
@@ -58,6 +67,7 @@ class Recorder:
         self.system: dict = {}
         self.static: dict[int, dict] = {}
         self.samples: list[dict[int, dict]] = []
+        self._gpm_devices: dict[int, int] = {}      # a GPM sample's address -> the device it was taken on
 
     def begin_sample(self) -> None:
         self.samples.append({})
@@ -85,12 +95,20 @@ class Recorder:
             if not failed and self.samples:
                 index = nvml.nvmlDeviceGetIndex(result.device)
                 self.samples[-1].setdefault(index, {}).setdefault("xid_events", []).append(int(result.eventData))
+        elif name == "nvmlGpmSampleGet":
+            self._gpm_devices[_address(args[1])] = nvml.nvmlDeviceGetIndex(args[0])
+        elif name == "nvmlGpmMetricsGet" and not failed and self.samples:
+            index = self._gpm_devices.get(_address(result.sample2))
+            if index is not None:
+                answers = {str(m.metricId): m.value for m in result.metrics[:result.numMetrics]
+                           if m.nvmlReturn == nvml.NVML_SUCCESS}
+                self.samples[-1].setdefault(index, {})[name] = answers
         elif name == "nvmlDeviceRegisterEvents":
             if failed:
                 self.static.setdefault(nvml.nvmlDeviceGetIndex(args[0]), {})[name] = result
         elif name.startswith("nvmlSystem"):
             self.system[name] = to_json(result)
-        elif name not in NOT_RECORDED and name.startswith("nvmlDevice"):
+        elif name not in NOT_RECORDED and (name.startswith("nvmlDevice") or name == "nvmlGpmQueryDeviceSupport"):
             index = nvml.nvmlDeviceGetIndex(args[0])
             table = (self.samples[-1] if self.samples else self.static).setdefault(index, {})
             if name == "nvmlDeviceGetFieldValues":

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from prometheus_client.core import Metric
 
+from trainguard import xid_catalog
 from trainguard.metrics.families import LabelCache, Spec
 
 MiB = 2**20
@@ -48,7 +49,23 @@ FIELDS = {
     "nvlink_rx_kib": ("NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX", UINT_MAX),
     "pcie_tx_bytes": ("NVML_FI_DEV_PCIE_COUNT_TX_BYTES", 0),
     "pcie_rx_bytes": ("NVML_FI_DEV_PCIE_COUNT_RX_BYTES", 0),
+    # time (ns) the clocks were held down by a power or a thermal policy since the driver loaded: DCGM's
+    # DCGM_FI_DEV_POWER_VIOLATION / _THERMAL_VIOLATION read the same counters (nvmlDeviceGetViolationStatus)
+    "power_violation_ns": ("NVML_FI_DEV_PERF_POLICY_POWER", 0),
+    "thermal_violation_ns": ("NVML_FI_DEV_PERF_POLICY_THERMAL", 0),
 }
+
+# NVML GPM metrics (Hopper and later: nvmlGpmQueryDeviceSupport) -> the DCGM profiling field that reads the same
+# ratio; GPM answers percent (0-100), DCGM's fields are ratios (0-1). On an older GPU, or one whose GPM NVML
+# refuses, the four families are absent (docs/collectors.md), never 0.
+GPM_METRICS = (
+    ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "NVML_GPM_METRIC_GRAPHICS_UTIL", "Ratio of time the graphics engine is active."),
+    ("DCGM_FI_PROF_SM_ACTIVE", "NVML_GPM_METRIC_SM_UTIL", "The ratio of cycles an SM has at least 1 warp assigned."),
+    ("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
+     "Ratio of cycles the tensor (HMMA) pipe is active."),
+    ("DCGM_FI_PROF_DRAM_ACTIVE", "NVML_GPM_METRIC_DRAM_BW_UTIL",
+     "Ratio of cycles the device memory interface is active sending or receiving data."),
+)
 
 # (DCGM name, reading, help) -> one gauge per GPU
 DCGM_GAUGES = (
@@ -67,6 +84,17 @@ DCGM_GAUGES = (
     # DCGM 3.3+'s name (DCGM_FI_DEV_CLOCK_THROTTLE_REASONS before): what current dcgm-exporter dashboards read
     ("DCGM_FI_DEV_CLOCKS_EVENT_REASONS", "throttle_reasons", "Current clock event reasons (bitmask of "
                                                              "nvmlClocksEventReason*)."),
+    # the pre-3.3 name of the same field, kept as DCGM keeps it (dcgm_fields.h: #define DCGM_FI_DEV_CLOCK_THROTTLE_REASONS
+    # DCGM_FI_DEV_CLOCKS_EVENT_REASONS), so dashboards written for older dcgm-exporters still draw
+    ("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "throttle_reasons", "Current clock throttle reasons (bitmask; the "
+                                                              "old name of DCGM_FI_DEV_CLOCKS_EVENT_REASONS)."),
+    ("DCGM_FI_DEV_POWER_VIOLATION", "power_violation_ns", "Throttling duration due to power constraints (in ns)."),
+    ("DCGM_FI_DEV_THERMAL_VIOLATION", "thermal_violation_ns",
+     "Throttling duration due to thermal constraints (in ns)."),
+    ("DCGM_FI_DEV_PCIE_LINK_GEN", "pcie_link_gen", "PCIe link generation now."),
+    ("DCGM_FI_DEV_PCIE_LINK_WIDTH", "pcie_link_width", "PCIe link width now (lanes)."),
+    ("DCGM_FI_DEV_PCIE_MAX_LINK_GEN", "pcie_max_link_gen", "PCIe link generation the GPU and slot support."),
+    ("DCGM_FI_DEV_PCIE_MAX_LINK_WIDTH", "pcie_max_link_width", "PCIe link width the GPU and slot support (lanes)."),
     ("DCGM_FI_DEV_PCIE_TX_THROUGHPUT", "pcie_tx_kbps", "PCIe TX throughput (in KB/s), NVML's 20 ms sample."),
     ("DCGM_FI_DEV_PCIE_RX_THROUGHPUT", "pcie_rx_kbps", "PCIe RX throughput (in KB/s), NVML's 20 ms sample."),
     ("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "nvlink_bandwidth", "NVLink data throughput, TX+RX over all links, "
@@ -123,6 +151,9 @@ class GPU:
     recovering: bool = False       # re-initialised after being lost, not yet confirmed by a good reading
     unsupported: set[tuple] = field(default_factory=set)     # (function name, args) it has no answer for
     nvlink_previous: tuple[float, float] | None = None    # (time, TX+RX KiB) for the bandwidth gauge
+    pcie_narrow: bool = False       # the last reading's link was narrower than its maximum
+    pcie_downgrades: int = 0        # times it went narrow (the trainguard_gpu_pcie_link_downgrades counter)
+    gpm_sample: Any = None          # the previous NVML GPM sample (GPM metrics are rates between two samples)
 
     def labels(self, node: str) -> list[str]:
         return [str(self.index), self.uuid, self.pci_bus_id, f"nvidia{self.index}", self.name, node]
@@ -144,6 +175,9 @@ class Reader:
                        if hasattr(nvml, constant)]
         self.field_ids = tuple((fid, scope) for _, fid, scope in self.fields)    # one batched call per GPU
         self._functions: dict[str, Callable | None] = {}     # looked up once (a module attribute never changes)
+        # (reading, GPM metric id) of the profiling ratios this pynvml knows (it must know the GPM structs too)
+        self.gpm = tuple((dcgm_name, getattr(nvml, metric)) for dcgm_name, metric, _ in GPM_METRICS
+                         if hasattr(nvml, metric) and hasattr(nvml, "c_nvmlGpmMetricsGet_t"))
         self.throttle_call = ("nvmlDeviceGetCurrentClocksEventReasons"
                               if hasattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons")
                               else "nvmlDeviceGetCurrentClocksThrottleReasons")
@@ -191,8 +225,12 @@ class Reader:
         rows = self.call(gpu, "nvmlDeviceGetRemappedRows")
         if rows is not None:
             (r["remapped_correctable"], r["remapped_uncorrectable"], r["remap_pending"], r["remap_failure"]) = rows
+            r["remapped_rows"] = r["remapped_correctable"] + r["remapped_uncorrectable"]
         self._retired_pages(gpu, r)
         self._fields(gpu, r, now)
+        self._pcie_link(gpu, r)
+        if self.gpm:
+            self._gpm(gpu, r)
         processes = self.call(gpu, "nvmlDeviceGetComputeRunningProcesses")
         r["processes"] = [(p.pid, p.usedGpuMemory) for p in processes or () if p.usedGpuMemory is not None]
         return r
@@ -204,6 +242,8 @@ class Reader:
             pages = self.call(gpu, "nvmlDeviceGetRetiredPages", getattr(nvml, cause))
             if pages is not None:
                 r[name] = len(pages)
+        if "retired_sbe" in r or "retired_dbe" in r:
+            r["retired_pages"] = r.get("retired_sbe", 0) + r.get("retired_dbe", 0)
         pending = self.call(gpu, "nvmlDeviceGetRetiredPagesPendingStatus")
         if pending is not None:
             r["retired_pending"] = int(pending)
@@ -213,12 +253,74 @@ class Reader:
         for (name, _, _), value in zip(self.fields, values or ()):
             if value.nvmlReturn == self.nvml.NVML_SUCCESS:
                 r[name] = field_number(self.nvml, value)
+        if "nvlink_crc_flit_errors" in r or "nvlink_crc_data_errors" in r:
+            r["nvlink_crc_errors"] = r.get("nvlink_crc_flit_errors", 0) + r.get("nvlink_crc_data_errors", 0)
         if "nvlink_tx_kib" in r and "nvlink_rx_kib" in r:
             total = r["nvlink_tx_kib"] + r["nvlink_rx_kib"]
             before, gpu.nvlink_previous = gpu.nvlink_previous, (now, total)
             if before is not None and now > before[0] and total >= before[1]:
                 # DCGM's own conversion (DcgmCacheManager): KiB/s divided by 1000, which DCGM calls MB/s
                 r["nvlink_bandwidth"] = (total - before[1]) / (now - before[0]) / 1000.0
+
+
+    def _pcie_link(self, gpu: GPU, r: dict) -> None:
+        """Link generation and width, now and at most; a width below the maximum counts once per time it happens.
+        Only width counts as a downgrade: an idle GPU lowers its link generation to save power, by design."""
+        for key, name in (("pcie_link_gen", "nvmlDeviceGetCurrPcieLinkGeneration"),
+                          ("pcie_max_link_gen", "nvmlDeviceGetMaxPcieLinkGeneration"),
+                          ("pcie_link_width", "nvmlDeviceGetCurrPcieLinkWidth"),
+                          ("pcie_max_link_width", "nvmlDeviceGetMaxPcieLinkWidth")):
+            _set(r, key, self.call(gpu, name))
+        if "pcie_link_width" in r and "pcie_max_link_width" in r:
+            narrow = 0 < r["pcie_link_width"] < r["pcie_max_link_width"]
+            if narrow and not gpu.pcie_narrow:
+                gpu.pcie_downgrades += 1
+            gpu.pcie_narrow = narrow
+            r["pcie_downgrades"] = gpu.pcie_downgrades
+
+    def _gpm(self, gpu: GPU, r: dict) -> None:
+        """DCGM's profiling ratios from two NVML GPM samples (this update's and the last one's); none on a GPU
+        without GPM (before Hopper), and none at the first update (a rate needs two samples)."""
+        nvml = self.nvml
+        support = self.call(gpu, "nvmlGpmQueryDeviceSupport")
+        if support is None or not support.isSupportedDevice:
+            gpu.unsupported.add(("nvmlGpmQueryDeviceSupport", ()))     # not asked again until a re-init
+            return
+        sample = nvml.nvmlGpmSampleAlloc()
+        try:
+            nvml.nvmlGpmSampleGet(gpu.handle, sample)
+        except nvml.NVMLError as exc:
+            _free_gpm(nvml, sample)
+            if exc.value in self.never or exc.value in self.not_now:
+                return
+            raise
+        previous, gpu.gpm_sample = gpu.gpm_sample, sample
+        if previous is None:
+            return
+        request = nvml.c_nvmlGpmMetricsGet_t()
+        request.version, request.numMetrics = nvml.NVML_GPM_METRICS_GET_VERSION, len(self.gpm)
+        request.sample1, request.sample2 = previous, sample
+        for slot, (_, metric_id) in enumerate(self.gpm):
+            request.metrics[slot].metricId = metric_id
+        try:
+            answer = nvml.nvmlGpmMetricsGet(request)
+        except nvml.NVMLError as exc:
+            if exc.value in self.never or exc.value in self.not_now:
+                return
+            raise
+        finally:
+            _free_gpm(nvml, previous)
+        for slot, (key, _) in enumerate(self.gpm):
+            metric = answer.metrics[slot]
+            if metric.nvmlReturn == nvml.NVML_SUCCESS:
+                r[key] = metric.value / 100.0
+
+
+def _free_gpm(nvml, sample: Any) -> None:
+    try:
+        nvml.nvmlGpmSampleFree(sample)
+    except nvml.NVMLError:
+        pass      # a sample of a shut-down NVML went with it
 
 
 def _set(r: dict, key: str, value: Any, per: int = 1) -> None:
@@ -248,6 +350,23 @@ COUNTERS = (
     ("trainguard_gpu_pcie_received_bytes", "pcie_rx_bytes", 1, "Bytes the GPU received over PCIe."),
     # DCGM_FI_DEV_PCIE_REPLAY_COUNTER: promtool rejects a metric name containing "counter"
     ("trainguard_gpu_pcie_replays", "pcie_replays", 1, "PCIe replays (retries) of the GPU's link."),
+    # the health counters again as counters (DCGM's names are gauges here, see the module doc), so rate() and
+    # increase() are what they mean; the node-risk rule and the hardware alerts read these
+    ("trainguard_gpu_ecc_correctable_errors", "ecc_sbe_volatile", 1,
+     "Corrected (single-bit) ECC errors since the driver loaded."),
+    ("trainguard_gpu_ecc_uncorrectable_errors", "ecc_dbe_volatile", 1,
+     "Uncorrectable (double-bit) ECC errors since the driver loaded."),
+    ("trainguard_gpu_retired_pages", "retired_pages", 1, "Memory pages retired (single- and double-bit causes)."),
+    ("trainguard_gpu_remapped_rows", "remapped_rows", 1, "Memory rows remapped (correctable and uncorrectable)."),
+    ("trainguard_gpu_nvlink_crc_errors", "nvlink_crc_errors", 1, "NVLink CRC errors (flit and data), all links."),
+    ("trainguard_gpu_nvlink_replay_errors", "nvlink_replay_errors", 1, "NVLink replays (retries), all links."),
+    ("trainguard_gpu_power_slowdown_seconds", "power_violation_ns", 1e-9,
+     "Time the clocks were held down by the power policy."),
+    ("trainguard_gpu_thermal_slowdown_seconds", "thermal_violation_ns", 1e-9,
+     "Time the clocks were held down by the thermal policy."),
+    ("trainguard_gpu_pcie_link_downgrades", "pcie_downgrades", 1,
+     "Times the PCIe link went narrower than its maximum width (the agent's first reading counts "
+     "when it already is)."),
 )
 
 
@@ -270,13 +389,15 @@ class _Families:
         labels = list(label_names)
         # (spec, reading, scale): one sample per GPU that has the reading
         self.per_gpu = [(Spec("gauge", name, help_, labels), key, 1) for name, key, help_ in DCGM_GAUGES]
+        self.per_gpu += [(Spec("gauge", name, help_, labels), name, 1) for name, _, help_ in GPM_METRICS]
         self.counters = [(Spec("counter", name, help_, labels), key, scale) for name, key, scale, help_ in COUNTERS]
         self.lost = Spec("gauge", "trainguard_gpu_lost", "1 while NVML reports the GPU lost (fell off the bus, "
                          "driver wedged) or cannot reach it; NVML is re-initialised with backoff.", labels)
         self.throttle = Spec("gauge", "trainguard_gpu_clock_throttle_active", "1 while this clock throttle reason "
                              "is active (DCGM_FI_DEV_CLOCKS_EVENT_REASONS decoded).", [*labels, "reason"])
-        self.xid_errors = Spec("counter", "trainguard_gpu_xid_errors", "XID errors by code, from NVML events and "
-                               "the kernel log (the larger count of the two).", [*labels, "xid"])
+        self.xid_errors = Spec("counter", "trainguard_gpu_xid_errors", "XID errors by code and NVIDIA catalogue "
+                               "class, from NVML events and the kernel log (the larger count of the two); the codes "
+                               "that matter exist at 0 from the agent's start.", [*labels, "xid", "xid_class"])
         self.xid_available = Spec("gauge", "trainguard_gpu_xid_source_available", "1 if this XID source (nvml "
                                   "events, kmsg) is readable here.", ["source"])
         self.processes = Spec("gauge", "trainguard_gpu_process_memory_bytes", "GPU memory used by the trainer's "
@@ -326,10 +447,13 @@ class _Families:
     def _xid_families(self, gpus: list[GPU], values: dict[int, tuple], counts: dict[tuple[str, int], int],
                       node: str, sources: dict[str, bool]) -> list[Metric]:
         by_pci = {gpu.pci: values[gpu.index] for gpu in gpus}
+        # every GPU's watched codes at 0 (a lost GPU's too: its XID 79 is the one that matters), then the counts
+        totals = {(gpu.pci, xid): 0 for gpu in gpus if gpu.pci for xid in xid_catalog.WATCHED}
+        totals.update(counts)
         samples = []
-        for (pci, xid), count in counts.items():
+        for (pci, xid), count in sorted(totals.items()):
             gpu_values = by_pci.get(pci) or ("", "", pci, "", "", node)    # a PCI address NVML does not list
-            samples.append((self.xid_labels.get(*gpu_values, str(xid)), count))
+            samples.append((self.xid_labels.get(*gpu_values, str(xid), xid_catalog.class_of(xid)), count))
         errors = self.xid_errors.family(samples)
         available = self.xid_available.family((self.source_labels.get(source), 1 if ok else 0)
                                               for source, ok in sorted(sources.items()))

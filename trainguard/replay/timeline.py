@@ -24,7 +24,7 @@ from trainguard.decide import ledger as tgledger
 from trainguard.decide.embedded import cost_notice   # the agent's own notices
 from trainguard.decide.cost import CostMeter
 from trainguard.policy import Policy
-from trainguard.replay import dynamics, engine, expect, replica, rules, source, stall_pass
+from trainguard.replay import dynamics, engine, expect, node_risk, replica, rules, source, stall_pass
 
 DEFAULT_SCRAPE_INTERVAL = 15.0
 # What the live run did, beyond the lead rank's own decisions: only lines naming these are decoded, so
@@ -177,8 +177,8 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
         stalls = stall_notices(stream, outcome, policy)
     result.extra.update(without_clock=[str(p) for p in stream.without_clock], notes=stream.notes)
     result.actions, result.verdicts = _execute(decided, result.alerts or [], policy, stalls)
-    result.actions = sorted(result.actions + replica.actions(_may_hold_checks(stream.files, outcome), policy),
-                            key=lambda a: a.timestamp)
+    result.actions = sorted(result.actions + replica.actions(_may_hold_checks(stream.files, outcome), policy)
+                            + node_risk.actions(stream.files, policy), key=lambda a: a.timestamp)
     result.recorded = recorded_actions(outcome.recorded, stream.files, paths_given, outcome.event_lines)
     # the LR schedule's machine, again, over the logs that may open with its event (a byte check first)
     opening = [path for path in stream.files if source.head_names(path, _LR_MARK, 2 * dynamics.HEAD_LINES)]

@@ -20,6 +20,20 @@ no first step), from spawn to exit.
 
 Targets: crash to training again under 10 s for the tiny model on CPU, and at most 1.5x the
 peer.
+
+`--side-by-side` (issue 31, docs/recovery.md): 2 simulated nodes x 2 ranks on loopback (two `trainguard
+train --nnodes 2 --nproc 2` launchers and a rendezvous store, tests/culprit/cluster.py), checkpoint every 10
+steps, for each fault (`error`: an exception in rank 3's step; `crash`: rank 3 SIGKILLed) under each
+`recovery.mode` (`restart`: today's path, torchrun restarts every worker from the durable checkpoint;
+`in_process`: snapshots every 5 steps, the group re-formed in the same processes), in one run:
+
+  fault -> next step   the fault's `fault_injected` event (rank 3's log) to rank 0's first step record
+                       after its recovery (the `in_process_restart` event, or the restarted worker's
+                       `run_start`)
+  work lost            steps done before the fault that were trained again (last step done - restored step)
+  healthy ranks ended  the ranks other than 3 whose process was replaced (a second `run_start`)
+
+    .venv/bin/python bench/bench_recovery.py --side-by-side --steps 24 --fault-at 18
 """
 
 from __future__ import annotations
@@ -34,9 +48,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from trainguard import tls
+from trainguard import event_types, tls  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 TRAINGUARD = ROOT / ".venv" / "bin" / "trainguard"
 TARGET_SECONDS = 10.0
 TARGET_RATIO = 1.5
@@ -88,12 +103,97 @@ def bare_restart(checkpoint: Path) -> float:
     return time.perf_counter() - began
 
 
+FAULT_RANK = 3
+MODES = ("restart", "in_process")
+FAULTS = ("error", "crash")
+
+
+def two_node_run(folder: Path, mode: str, fault: str, steps: int, fault_at: int) -> dict:
+    """One 2 x 2 run with `fault` at `fault_at` on rank 3 under `recovery.mode: mode`; its measures."""
+    import yaml
+
+    from tests.culprit.cluster import Cluster
+
+    run_dir = folder / "run"
+    (run_dir / "tls").mkdir(parents=True)
+    policy = folder / "policy.yaml"
+    policy.write_text(yaml.safe_dump({"recovery": {"mode": mode, "snapshot_every": 5}}))
+    cluster = Cluster(folder, run_dir, policy)
+    try:
+        cluster.start_store()
+        cluster.wait_store()
+        args = ("--steps", str(steps), "--checkpoint-every", "10", "--device", "cpu",
+                "--inject", f"{fault}@{fault_at}:{FAULT_RANK}")
+        launchers = [cluster.launch(node, *args, nnodes="2", nproc=2) for node in ("n1", "n2")]
+        codes = [launcher.wait(timeout=900) for launcher in launchers]
+    finally:
+        cluster.stop()
+    if codes != [0, 0]:
+        raise RuntimeError(f"{mode}/{fault}: launchers exited {codes}\n{cluster.diagnostics()}")
+    logs = {rank: tls.read_records(run_dir / "tls" / f"rank-{rank}.jsonl") for rank in range(4)}
+    fault_time = next(r["timestamp"] for r in logs[FAULT_RANK]
+                      if (r.get("event") or {}).get("type") == event_types.FAULT_INJECTED)
+    recovered = restored = None
+    starts = 0       # (a node restarted only because another node's worker failed keeps restart_count 0)
+    for record in logs[0]:
+        event = record.get("event") or {}
+        starts += event.get("type") == event_types.RUN_START
+        if event.get("type") == event_types.IN_PROCESS_RESTART:
+            recovered, restored = record["timestamp"], event["restored_step"]
+        elif event.get("type") == event_types.RUN_START and starts > 1 and recovered is None:
+            recovered, restored = record["timestamp"], event.get("resumed_from") or 0
+        elif event.get("type") == event_types.SNAPSHOT_RESTORED and recovered is not None:
+            restored = event["restored_step"]      # a restarted worker took the fresher in-memory snapshot
+        elif recovered is not None and not event and "metrics" in record:
+            next_step = record["timestamp"]
+            break
+    else:
+        raise RuntimeError(f"{mode}/{fault}: no step after the recovery in {run_dir}")
+    ended = sorted(rank for rank in range(4) if rank != FAULT_RANK and sum(
+        (r.get("event") or {}).get("type") == event_types.RUN_START for r in logs[rank]) > 1)
+    return {"to_next_step": next_step - fault_time, "work_lost": fault_at - 1 - restored,
+            "healthy_ended": ended, "restored_step": restored}
+
+
+def side_by_side(args: argparse.Namespace) -> int:
+    found: dict[tuple[str, str], list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-recovery-") as folder:
+        for run in range(args.runs):
+            for fault in FAULTS:
+                for mode in MODES:
+                    place = Path(folder) / f"{fault}-{mode}-{run}"
+                    place.mkdir()
+                    found.setdefault((fault, mode), []).append(two_node_run(place, mode, fault, args.steps,
+                                                                            args.fault_at))
+    print(f"## Recovery side by side\n\n`.venv/bin/python bench/bench_recovery.py --side-by-side --runs {args.runs} "
+          f"--steps {args.steps} --fault-at {args.fault_at}`: 2 simulated nodes x 2 ranks on loopback, the tiny "
+          f"model on CPU, checkpoint every 10 steps (in_process: snapshot every 5), the fault at step "
+          f"{args.fault_at} on rank {FAULT_RANK}, median of {args.runs}; load average {os.getloadavg()[0]:.1f}.\n")
+    print("| fault | recovery.mode | fault -> next step (s) | work lost (steps) | healthy ranks ended | ratio to restart |")
+    print("|---|---|---:|---:|---|---:|")
+    for fault in FAULTS:
+        base = statistics.median(r["to_next_step"] for r in found[(fault, "restart")])
+        for mode in MODES:
+            runs = found[(fault, mode)]
+            seconds = statistics.median(r["to_next_step"] for r in runs)
+            lost = statistics.median(r["work_lost"] for r in runs)
+            ended = sorted({rank for r in runs for rank in r["healthy_ended"]})
+            print(f"| {fault} | {mode} | {seconds:.2f} | {lost:g} | {ended or 'none'} | {seconds / base:.2f} |")
+    print(json.dumps({f"{fault}/{mode}": runs for (fault, mode), runs in found.items()}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--crash-at", type=int, default=45)
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="2 nodes x 2 ranks: restart against in_process, for an exception and a kill")
+    parser.add_argument("--fault-at", type=int, default=18)
     args = parser.parse_args(argv)
+    if args.side_by_side:
+        return side_by_side(args)
     found: dict[str, list[float]] = {"restored": [], "again": [], "caught_up": [], "peer": []}
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as folder:
         for run in range(args.runs):

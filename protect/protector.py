@@ -339,6 +339,13 @@ class Protector:
                                 source, fields)
         return state.step
 
+    def load_states(self, parts: dict[str, Any]) -> int:
+        """Every state from `parts` (a verified in-memory snapshot: the `state_dict` of each of `states`,
+        trainer/resilience/snapshot.py), as a resume loads a checkpoint's; the newest durable checkpoint
+        stays what it was. Returns the step the state is at now."""
+        _reload(self.states, self.callbacks.reload, parts)
+        return self.state.step
+
     # ---------------------------------------------------------------------- carried out or shadowed
     def _carry_out(self, order: Order) -> StepOutcome:
         """The one gate of the actions `after_step` takes (a guard decision, an agent's request): its handler

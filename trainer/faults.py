@@ -7,6 +7,7 @@
 | `gradexplode`        | gradients are scaled by GRAD_FACTOR; the loss is left alone (all ranks)          |
 | `hang`               | the rank sleeps forever, as a deadlocked collective would look (rank 0)          |
 | `crash`              | the rank kills itself with SIGKILL, no clean-up (rank 0)                         |
+| `error`              | the rank raises an exception in its step, as a bug or a CUDA error would (rank 0) |
 | `slowio`             | the data loader sleeps SLOWIO_SECONDS per batch for SLOWIO_STEPS steps (all)      |
 | `corrupt-checkpoint` | one byte is flipped in the first checkpoint saved at or after STEP (rank 0)      |
 | `commhang`           | every rank blocks in a receive nobody sends: all wait in the same collective op,  |
@@ -39,10 +40,10 @@ from typing import Callable
 from trainguard import event_types, rundir, safe_read
 
 KINDS = ("nan", "spike", "gradexplode", "hang", "crash", "slowio", "corrupt-checkpoint",
-         "slowrank", "bitflip", "gradflip", "commhang")
+         "slowrank", "bitflip", "gradflip", "commhang", "error")
 # Faults of one rank by default; the others hit every rank. A flip on every replica alike would be no
 # corruption, and a slow rank is slow against the others.
-DEFAULT_RANK = {"hang": 0, "crash": 0, "corrupt-checkpoint": 0, "slowrank": 0, "bitflip": 0, "gradflip": 0}
+DEFAULT_RANK = {"hang": 0, "crash": 0, "error": 0, "corrupt-checkpoint": 0, "slowrank": 0, "bitflip": 0, "gradflip": 0}
 
 SPIKE_FACTOR = 100.0
 GRAD_FACTOR = 1e4
@@ -57,6 +58,10 @@ SLOWRANK_MIN_SECONDS = 0.05
 
 class FaultError(ValueError):
     pass
+
+
+class InjectedError(RuntimeError):
+    """The `error` fault: an exception in one rank's step (recovered in-process, docs/recovery.md)."""
 
 
 @dataclass(frozen=True)
@@ -157,10 +162,13 @@ class FaultInjector:
         return SLOWIO_SECONDS if step < self.slow_until else 0.0
 
     def process_faults(self, step: int) -> None:
-        """hang and crash: this process stops making progress, or dies without cleaning up."""
+        """hang, crash and error: this process stops making progress, dies without cleaning up, or raises."""
         if fault := self._take("crash", step):
             self._fire(fault, step)
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault := self._take("error", step):
+            self._fire(fault, step)
+            raise InjectedError(f"injected fault {fault.key}: an exception in rank {self.rank}'s step {step}")
         if fault := self._take("hang", step):
             self._fire(fault, step)
             while True:

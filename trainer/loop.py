@@ -33,6 +33,8 @@ from trainguard.trainer.model import GPT
 from trainguard.trainer.progress import Progress
 from trainguard.trainer.recovery import grad_accum_steps, trainer_callbacks
 from trainguard.trainer.replica_check import ReplicaChecks
+from trainguard.trainer.resilience.component import Recovery
+from trainguard.trainer.resilience.inprocess import ProcessGroups
 from trainguard.runtime.checkpoint.manager import final_checkpoint_code
 from trainguard.trainer.state import checkpoint_states
 from trainguard.trainer.step import GradNorms, forward_backward
@@ -63,7 +65,8 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, run_dir: Path, info: DistInfo):
+    def __init__(self, config: TrainConfig, run_dir: Path, info: DistInfo, groups: ProcessGroups | None = None):
+        """`groups`: the job's process groups when failures are recovered in-process (trainer/train.py)."""
         self.cfg, self.run_dir, self.info = config, Path(run_dir), info
         self.rank, self.world = info.rank, info.world_size
         run = config.run
@@ -118,6 +121,10 @@ class Trainer:
             checkpoint_on_error=run.checkpoint_on_error, stable_val_factor=run.stable_val_factor, log=self.log,
             sharded_checkpoints=self.sharded, checkpoint_compress=run.checkpoint_compress)
         self.schedule.bind(self.model, self.optimizer, self.telemetry.event)
+        self.recovery = Recovery.build(policy.recovery, self.protector, run_dir=self.run_dir, rank=self.rank,
+                                       world_size=self.world, device=self.device, groups=groups, log=self.log,
+                                       sharded=self.sharded)
+        callbacks.stop = lambda reason: self.recovery.settle()    # no snapshot event after a stop's run_end
         self.progress = Progress(run.steps, run.log_every, self.log) if self.rank == 0 else None
 
     def _wrap(self, model: torch.nn.Module, telemetry: bool):
@@ -177,15 +184,20 @@ class Trainer:
                              restart_count=self.info.restart_count, world_size=self.world,
                              device=self.device.type, **self.telemetry.mfu_basis(),
                              params=self.model.num_params(), actions_mode=self.protector.policy.actions.mode)
+        self.recovery.after_begin(begun.resumed_from)   # a fresher snapshot, if any
         self.schedule.start(self.state.step, resumed=begun.resumed_from is not None)
         self.log.info("training", steps=self.cfg.run.steps, start_step=self.state.step, world_size=self.world,
                       device=str(self.device), params=self.model.num_params())
         code = None
         try:
             while self.state.step < self.cfg.run.steps and code is None:
-                code = self.train_step()
+                try:
+                    code = self.train_step()
+                except Exception as failure:     # docs/recovery.md: in-process, or re-raised (restart)
+                    self.recovery.recover(failure, rebuild=self.rebuild_after_recovery)
             if self.progress:
                 self.progress.close()   # end the bar's line before the closing log lines
+            self.recovery.settle()
             if code is None:
                 self.protector.finish()
                 code = EXIT_OK
@@ -194,8 +206,16 @@ class Trainer:
         finally:
             if self.progress:
                 self.progress.close()
+            self.recovery.close(completed=code == EXIT_OK and self.state.step >= self.cfg.run.steps)
             self.protector.close()
         return code
+
+    def rebuild_after_recovery(self) -> None:
+        """After the group was re-formed and the state restored: DDP's reducer held the old group; the
+        gradients and the schedule's phase are those of the restored step."""
+        self.ddp = self._wrap(self.model, self.cfg.run.telemetry)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.start(self.state.step, resumed=True)
 
     def train_step(self) -> int | None:
         """One optimizer step; returns an exit code when the run must end now."""
@@ -221,6 +241,7 @@ class Trainer:
             return outcome.exit_code
         if outcome.restored_step is None and (code := self.replica_check(step)) is not None:   # sdc hook
             return code
+        self.recovery.after_step(last=self.state.step >= self.cfg.run.steps)   # the snapshot when due
         self.evaluate_if_due()
         return None
 

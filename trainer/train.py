@@ -22,6 +22,7 @@ from trainguard.runtime import flight_recorder
 from trainguard.trainer import cli
 from trainguard.trainer.config import ConfigError, TrainConfig
 from trainguard.trainer.loop import DistInfo, Trainer
+from trainguard.trainer.resilience.inprocess import ProcessGroups
 
 # A rank that hangs is found by the agent's TrainingStalled alert and restarted; the collective timeout
 # is the backstop when no agent runs.
@@ -31,16 +32,22 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 def run_worker(config: TrainConfig, run_dir: Path) -> int:
     info = DistInfo.from_env()
     joined = False
+    groups = None
     if info.world_size > 1 and not dist.is_initialized():
         cuda = config.run.device == "cuda" or config.run.device == "auto" and torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(info.local_rank)
         flight_recorder.enable()          # before the process group exists: it reads the buffer size then
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
+        groups = in_process_groups(config, info, "nccl" if cuda else "gloo")
+        if groups is not None:            # docs/recovery.md: the group is re-formed in-process on a failure
+            groups.form()
+            groups.watch()
+        else:
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
         joined = True
         flight_recorder.start(run_dir, info.rank, log.get("trainer.flight_recorder", rank=info.rank))
     try:
-        code = Trainer(config, run_dir, info).run()
+        code = Trainer(config, run_dir, info, groups=groups).run()
         if joined:
             # Leave together: rank 0 may still be writing the final checkpoint, and gloo aborts (SIGABRT)
             # a rank whose peer tears the connection down under it.
@@ -49,6 +56,20 @@ def run_worker(config: TrainConfig, run_dir: Path) -> int:
     finally:
         if joined:
             dist.destroy_process_group()
+
+
+def in_process_groups(config: TrainConfig, info: DistInfo, backend: str) -> ProcessGroups | None:
+    """The job's process groups, re-formable in-process, when the policy's `recovery.mode` is in_process;
+    None for `restart` (today's path) and for FSDP2 (its device mesh is not rebuilt in-process yet)."""
+    from trainguard import policy as policy_mod
+    from trainguard.trainer import parallel
+
+    settings = policy_mod.load(config.run.policy or None).recovery
+    if settings.mode != "in_process" or config.run.parallel == parallel.FSDP2:
+        return None
+    return ProcessGroups.from_env(backend, info.rank, info.world_size, timeout=COLLECTIVE_TIMEOUT,
+                                  barrier_seconds=settings.barrier_seconds,
+                                  log=log.get("trainer.recovery", rank=info.rank))
 
 
 def die_with_launcher() -> None:

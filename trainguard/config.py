@@ -11,7 +11,8 @@ file against them. A key is a field whose default comes from `key`:
 
 - the annotation is the type (int, float or str; an int key refuses 2.5, a float key takes 2);
 - `check` is the range (`at_least`, `above`, `between`, or `FRACTION`, `SHARE`, `WINDOW`), a `Choice` of
-  words, or `DURATION` (a Prometheus duration such as 30s); NaN and infinities never pass a range;
+  words, `DURATION` (a Prometheus duration such as 30s) or `ABSOLUTE_PATH`; NaN and infinities never pass a
+  range;
 - `doc` is one line: docs/policy.md is generated from these (`python -m trainguard.policy`), and
   tests/property/test_policy_doc.py fails when a key is missing there or its default or range differ;
 - `alias` names an older dotted key ("alerts.loss_spike_sigma") that means the same number: it is
@@ -92,6 +93,7 @@ FRACTION = between(0, 1)
 SHARE = between(0, 1, low_open=True)          # a ratio where 0 would switch the check off
 WINDOW = at_least(1, 10**6)                   # steps held in memory: bounded
 DURATION = "duration"                          # a Prometheus duration: 30s, 2m, 1h30m
+ABSOLUTE_PATH = "absolute_path"                # a directory named from the root: /dev/shm
 # re.match compiles it at the first duration checked (and caches it): the built-in policy checks none
 _DURATION = r"^(?:(\d+)y)?(?:(\d+)w)?(?:(\d+)d)?(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?$"
 Check = Range | Choice | str
@@ -106,6 +108,8 @@ class Key:
     alias: str | None = None
 
     def describe(self) -> str:
+        if self.check == ABSOLUTE_PATH:
+            return "an absolute path"
         if isinstance(self.check, str):
             return "a duration (30s, 2m, 1h30m)"
         return self.check.describe() or "any finite number"

@@ -29,6 +29,14 @@ CHECKPOINT_SUPERSEDED = "checkpoint_superseded"    # one newer than a rollback's
 CHECKPOINT_INTERVAL = "checkpoint_interval"        # the autopilot applied a new interval: applied_seconds, inputs
 SNAPSHOT_SAVED = "snapshot_saved"          # an in-memory snapshot written: bytes, blocking_seconds, write_seconds
 
+# ------------------------------------------------ recovery in seconds (docs/recovery.md)
+SNAPSHOT_SKIPPED = "snapshot_skipped"      # a snapshot not taken or not written: why (too large, no room, error)
+SNAPSHOT_INVALID = "snapshot_invalid"      # a snapshot a restore refused, failing verification: snapshot_step, reason
+SNAPSHOT_RESTORED = "snapshot_restored"    # training state loaded from a verified in-memory snapshot: restored_step
+SNAPSHOT_FALLBACK = "snapshot_fallback"    # no snapshot every rank could verify: the durable checkpoint instead, why
+IN_PROCESS_RESTART = "in_process_restart"  # the ranks re-formed their group in-process and restored: teardown,
+                                           # reform and restore seconds, cause, failed_rank, steps_lost
+
 # -------------------------------------------------------------------- decisions and what was done
 ALERT = "alert"                    # an alert notification the agent decided on: alertname, status, outcome
 ACTION = "action"                  # an action carried out, claimed, refused or failed: action, outcome
@@ -66,4 +74,5 @@ TYPES = (RUN_START, RUN_END, CHECKPOINT_SAVED, CHECKPOINT_FAILED, CHECKPOINT_RES
          ALERT, ACTION, SHADOW_ACTION,
          CONTROL_REFUSED, STOP_MARKER_REFUSED, LOSS_LEVEL_SHIFT, REPLICA_CHECK, REPLICA_MISMATCH, CULPRIT,
          CORDON, CORDON_IGNORED, EVALUATION, LR_PHASE, LAYER_REINIT, FAULT_INJECTED, TRAINER_LOG,
-         TRAINER_CHECKPOINT_SIGNED, PREDICTION, RUN_SUMMARY, HEALTH_CHECK, NODE_AT_RISK)
+         TRAINER_CHECKPOINT_SIGNED, PREDICTION, RUN_SUMMARY, HEALTH_CHECK, NODE_AT_RISK, SNAPSHOT_SKIPPED,
+         SNAPSHOT_INVALID, SNAPSHOT_RESTORED, SNAPSHOT_FALLBACK, IN_PROCESS_RESTART)

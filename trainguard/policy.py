@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from trainguard import actions as actions_mod, paths, safe_read
-from trainguard.config import (DURATION, SHARE, WINDOW, Choice, Key, Range, above, at_least, cross_checks,
-                               declared, key, leaves, parse_duration, shown)
+from trainguard.config import (ABSOLUTE_PATH, DURATION, SHARE, WINDOW, Choice, Key, Range, above, at_least,
+                               cross_checks, declared, key, leaves, parse_duration, shown)
 from trainguard.decide.checkpoint_interval import CheckpointPolicy
 from trainguard.decide.clipping import ClippingPolicy
 from trainguard.decide.cost import CostPolicy, CostTiers
@@ -156,6 +156,34 @@ class ActionsPolicy:
                     "and record them, carry out none")
 
 
+RECOVERY_MODES = ("in_process", "restart")
+
+
+@dataclass(frozen=True)
+class RecoveryPolicy:
+    """How a rank's failure is recovered (docs/recovery.md; its component is trainer/resilience/, outside the
+    core). "in_process": the surviving processes tear their process group down, meet in the job's store,
+    re-form it and restore the newest verified in-memory snapshot, in the same interpreters; what cannot be
+    recovered so (a killed process, a barrier not met in time) goes the "restart" way: torchrun restarts
+    every worker from the newest verified state."""
+
+    mode: str = key("in_process", Choice(RECOVERY_MODES), "in_process: re-form the group in the same processes "
+                    "and restore the in-memory snapshot; restart: torchrun restarts every worker (the old path)")
+    # The snapshot tier's interval (the checkpoint autopilot reads it); its cost is each `snapshot_saved`
+    # event's `blocking_seconds`.
+    snapshot_every: int = key(5, at_least(0, 10**7), "steps between in-memory snapshots (host memory, "
+                              "snapshot_dir); 0: none, a failure restores the durable checkpoint")
+    snapshot_keep: int = key(2, at_least(1, 100), "in-memory snapshots kept per rank, the newest")
+    snapshot_max_bytes: int = key(8 * 2**30, at_least(1, 2**50), "a rank's snapshot larger than this is not "
+                                  "written (a snapshot_skipped event)")
+    snapshot_dir: str = key("/dev/shm", ABSOLUTE_PATH, "the tmpfs the snapshots live on (outlives the process); "
+                            "a 0700 directory of this user's per run under it")
+    barrier_seconds: float = key(60.0, above(0, 3600), "how long the surviving ranks wait in the job's store "
+                                 "for every rank; then the launcher restarts every worker")
+    max_in_process_restarts: int = key(3, at_least(0, 10**4), "in-process restarts per worker process; past "
+                                       "it a failure goes the restart way")
+
+
 @dataclass(frozen=True)
 class Policy:
     """Every threshold, by section; `load` reads a YAML file over these defaults."""
@@ -168,6 +196,7 @@ class Policy:
     restore: RestorePolicy = field(default_factory=RestorePolicy)
     dynamics: DynamicsPolicy = field(default_factory=DynamicsPolicy)
     actions: ActionsPolicy = field(default_factory=ActionsPolicy)
+    recovery: RecoveryPolicy = field(default_factory=RecoveryPolicy)
     node_risk: NodeRiskPolicy = field(default_factory=NodeRiskPolicy)    # decide/node_risk.py, docs/node-risk.md
     checkpoint: CheckpointPolicy = field(default_factory=CheckpointPolicy)
 
@@ -196,6 +225,10 @@ def _check_value(name: str, default: Any, value: Any) -> Any:
     rule = RULES.get(name, FALLBACK)
     if isinstance(rule, Choice):
         return rule.check(value)
+    if rule == ABSOLUTE_PATH:
+        if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
+            raise ValueError(f"expected an absolute path (like /dev/shm), got {shown(value)}")
+        return value
     if rule == DURATION:
         if not isinstance(value, str):
             raise ValueError(f"expected a duration string (like 30s, 2m), got {shown(value)}")
@@ -209,7 +242,7 @@ def _check_value(name: str, default: Any, value: Any) -> Any:
             value = type(default)(value)
         except OverflowError:
             raise ValueError(f"must be a finite number, got {shown(value)}") from None
-        problem = cast(Range, rule).problem(value)      # DURATION, the one string rule, returned above
+        problem = cast(Range, rule).problem(value)      # DURATION and ABSOLUTE_PATH, the string rules, returned above
         if problem:
             raise ValueError(f"{problem}, got {shown(value)}")
     return value

@@ -55,7 +55,9 @@ def test_startup_data_wait_checkpoint_stall_and_shutdown():
                                                    "rollback": 0,
                                                    "restart_recovery": 0, "stall": 0, "slow_steps": 5,
                                                    "data_wait": 0.25,
-                                                   "skipped_steps": 0, "other": 0.5})
+                                                   "skipped_steps": 0, "other": 0.5, "in_process_teardown": 0,
+                                                   "in_process_reform": 0, "in_process_restore": 0,
+                                                   "in_process_recovery": 0})
     assert result.goodput_ratio == pytest.approx(9.75 / 20)
     assert result.median_step_seconds == 1 and result.productive_steps == 10
     assert result.badput_ratio["slow_steps"] == pytest.approx(0.25)

@@ -20,6 +20,11 @@ to the whole, so ``productive + sum(badput) == total``.
 - ``restart_recovery``: from the restore decision (else the last record before the restart) to the
   start of the first step after it, plus the steps lost since the checkpoint the restarted run resumed
   from.
+- ``in_process_teardown``, ``in_process_reform``, ``in_process_restore``: an in-process restart's parts
+  (docs/recovery.md), from its ``in_process_restart`` event: aborting the group and meeting the other
+  ranks in the store (``teardown_seconds`` + ``barrier_seconds``), forming the new group, loading the state.
+- ``in_process_recovery``: the rest of an in-process restart's time (from the last step before the failure
+  to the first step after it, less the three parts), plus the steps lost since the state it restored.
 - ``data_wait``: ``metrics.data_wait_seconds`` of each step.
 - ``skipped_steps``: steps whose update the guard skipped (``skip_step`` events).
 - ``other``: what is left, such as shutdown after the last step.
@@ -44,10 +49,15 @@ from typing import Iterable, Protocol
 from trainguard import actions, event_types
 
 CAUSES = ("startup", "checkpoint_save", "evaluation", actions.ROLLBACK, "restart_recovery", "stall", "slow_steps",
-          "data_wait", "skipped_steps", "other")
-# The causes that are work thrown away or stopped by a failure (rollback, restart_recovery, stall): the energy
-# report names them apart.
-LOST_CAUSES = CAUSES[3:6]
+          "data_wait", "skipped_steps", "other", "in_process_teardown", "in_process_reform", "in_process_restore",
+          "in_process_recovery")
+# The causes that are work thrown away or stopped by a failure (rollback, restart_recovery, stall, and an
+# in-process restart's): the energy report names them apart.
+LOST_CAUSES = CAUSES[3:6] + CAUSES[10:]
+IN_PROCESS = "in_process_recovery"
+# An in_process_restart event's parts: cause -> the fields whose seconds it is.
+IN_PROCESS_PARTS = {"in_process_teardown": ("teardown_seconds", "barrier_seconds"),
+                    "in_process_reform": ("reform_seconds",), "in_process_restore": ("restore_seconds",)}
 # Events that say how long they held training up: type -> (cause, field with the seconds). The time is
 # charged to the stretch in which the event started (`started_at`, else its time minus `seconds`).
 TIMED_EVENTS = {event_types.CHECKPOINT_SAVED: ("checkpoint_save", "blocking_seconds"),
@@ -112,6 +122,9 @@ class Goodput:
     first_timestamp: float | None
     last_timestamp: float | None
     hangs: tuple[Hang, ...] = ()
+    in_process_restarts: int = 0
+    # Steps an in-process restart kept because it restored a snapshot newer than the durable checkpoint.
+    snapshot_steps_saved: int = 0
     # Tokens of every step the job ran (thrown away or not), and of the productive ones: the useful tokens.
     tokens: float = 0.0
     useful_tokens: float = 0.0
@@ -140,7 +153,7 @@ class _Segment:
     step: int | None = None
     data_wait: float = 0.0
     tokens: float = 0.0            # the job's tokens in this step (tokens/s x step time x world size)
-    wasted: str | None = None      # "rollback" / "restart_recovery": the step was thrown away later
+    wasted: str | None = None      # "rollback" / "restart_recovery" / IN_PROCESS: the step was thrown away later
     skipped: bool = False
     timed: list[tuple[str, float]] = field(default_factory=list)   # (cause, seconds) that started here
 
@@ -164,6 +177,9 @@ class _Timeline:
     decision: tuple[float, str] | None = None         # (when, by what) the agent decided to restore
     hang: tuple | None = None        # (last progress, decided at, by, stall end): a restart before its first step
     hangs: list[Hang] = field(default_factory=list)
+    in_process_pending: bool = False  # an in-process restart since the last step (no new process)
+    in_process_restarts: int = 0
+    snapshot_steps_saved: int = 0
     gpu_count: int = 0
 
     def feed(self, record: dict) -> None:
@@ -194,11 +210,28 @@ class _Timeline:
                 self.restored = event["restored_step"]
         elif kind == event_types.CHECKPOINT_RESTORED and isinstance(step, int):
             self.restored = step
+        elif kind == event_types.SNAPSHOT_RESTORED and isinstance(event.get("restored_step"), int):
+            self.restored = event["restored_step"]   # after the checkpoint: a fresher in-memory state
         elif kind == actions.SKIP_STEP and isinstance(step, int):
             if not self._mark_skipped(step):
                 self.pending_skips.add(step)
         elif kind in TIMED_EVENTS:
             self._timed(TIMED_EVENTS[kind], event, ts)
+        elif kind == event_types.IN_PROCESS_RESTART and isinstance(event.get("restored_step"), int):
+            self._in_process(event, ts)
+
+    def _in_process(self, event: dict, ts: float) -> None:
+        """An in-process restart: the same processes went back to `restored_step`; its parts are timed."""
+        self.in_process_pending, self.restored = True, event["restored_step"]
+        self.in_process_restarts += 1
+        durable = event.get("durable_step")
+        if event.get("source") == "snapshot" and isinstance(durable, int):
+            self.snapshot_steps_saved += max(0, event["restored_step"] - durable)
+        started = ts - _number(event.get("recovery_seconds"))    # the event is written when it ends
+        for cause, names in IN_PROCESS_PARTS.items():
+            seconds = sum(_number(event.get(name)) for name in names)
+            if seconds > 0:
+                self.timed.append((started, cause, seconds))
 
     def _note_decision(self, event: dict, ts: float) -> None:
         """The agent's restore decision: its `action` event (issued_at), or its verdict to act on an alert."""
@@ -251,7 +284,10 @@ class _Timeline:
 
     def _resolve(self, step: int) -> None:
         """Before a step: what the rollback, restore or restart since the previous step threw away."""
-        if self.rollback_pending:
+        if self.in_process_pending:
+            self._throw_away_after(self.restored if self.restored is not None else step - 1, IN_PROCESS)
+            self.lead_in, self.in_process_pending = IN_PROCESS, False
+        elif self.rollback_pending:
             kept = self.restored if self.restored is not None else step - 1
             self._throw_away_after(kept, actions.ROLLBACK)     # the badput cause named after the action
             self.lead_in = actions.ROLLBACK
@@ -408,4 +444,5 @@ def compute(records: Iterable[dict], config: GoodputConfig = GoodputConfig(),
         rollbacks=timeline.rollbacks, median_step_seconds=median, first_timestamp=first, last_timestamp=last,
         hangs=tuple(_with_incident(hang, incidents) for hang in timeline.hangs), tokens=tokens,
         useful_tokens=useful_tokens, gpu_count=timeline.gpu_count,
-        energy_joules=joules if energy is not None else None, energy_per_step_joules=per_step)
+        energy_joules=joules if energy is not None else None, energy_per_step_joules=per_step,
+        in_process_restarts=timeline.in_process_restarts, snapshot_steps_saved=timeline.snapshot_steps_saved)

@@ -327,6 +327,9 @@ def render(result: Goodput, path: Path, records: int, malformed: int) -> str:
     median = f"{result.median_step_seconds:.3f}s" if result.median_step_seconds is not None else "n/a"
     lines.append(f"  steps {result.productive_steps}, restarts {result.restarts}, rollbacks {result.rollbacks}, "
                  f"median step {median}")
+    if result.in_process_restarts:
+        lines.append(f"  in-process restarts {result.in_process_restarts}: the snapshots kept "
+                     f"{result.snapshot_steps_saved} step(s) a restore from the checkpoint would have lost")
     for number, hang in enumerate(result.hangs, 1):
         decided = (f"restore decided {_duration(hang.stall_seconds)} after the last step"
                    + (f" ({hang.decided_by})" if hang.decided_by else "")) if hang.decided_at is not None else \

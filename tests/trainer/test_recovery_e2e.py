@@ -1,0 +1,60 @@
+"""End to end through `trainguard train`: two simulated nodes x two ranks on loopback (tests/culprit/cluster.py's
+launchers and rendezvous store, without agents), an exception in one rank of the second node, recovered
+in-process: no rank's process ends, every rank restores the same in-memory snapshot, nothing past it is lost,
+and the run completes."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.culprit.cluster import Cluster
+from trainguard import event_types, tls
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+STEPS, EVERY, FAULT_STEP, FAILING_RANK = 16, 5, 13, 3
+
+
+def rank_events(run_dir, rank):
+    return [r["event"] for r in tls.read_records(run_dir / "tls" / f"rank-{rank}.jsonl") if r.get("event")]
+
+
+def test_an_exception_in_one_rank_recovers_in_process_on_two_nodes(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "tls").mkdir(parents=True)
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    policy_path = tmp_path / "policy.yaml"
+    policy_path.write_text(yaml.safe_dump({"recovery": {"mode": "in_process", "snapshot_every": EVERY,
+                                                        "snapshot_dir": str(shm), "barrier_seconds": 60}}))
+    c = Cluster(tmp_path, run_dir, policy_path)
+    try:
+        c.start_store()
+        c.wait_store()
+        args = ("--steps", str(STEPS), "--checkpoint-every", "100", "--device", "cpu",
+                "--inject", f"error@{FAULT_STEP}:{FAILING_RANK}")
+        launchers = [c.launch(node, *args, nnodes="2", nproc=2) for node in ("n1", "n2")]
+        codes = [launcher.wait(timeout=240) for launcher in launchers]
+        assert codes == [0, 0], c.diagnostics()
+    finally:
+        c.stop()
+
+    restarts = []
+    for rank in range(4):
+        seen = rank_events(run_dir, rank)
+        starts = [e for e in seen if e["type"] == event_types.RUN_START]
+        # One process per rank from start to end: no launcher restart, no new interpreter.
+        assert [s["restart_count"] for s in starts] == [0], (rank, starts)
+        [restart] = [e for e in seen if e["type"] == event_types.IN_PROCESS_RESTART]
+        restarts.append(restart)
+        assert restart["failed_rank"] == FAILING_RANK and "InjectedError" in restart["cause"]
+        assert restart["source"] == "snapshot"
+        # Nothing lost past the newest snapshot before the fault: the one of step 10.
+        assert restart["restored_step"] == (FAULT_STEP - 1) // EVERY * EVERY == 10
+        assert restart["from_step"] in (FAULT_STEP - 1, FAULT_STEP)   # ranks that finished step 13's record or not
+        assert [e for e in seen if e["type"] == event_types.SNAPSHOT_RESTORED][0]["restored_step"] == 10
+        assert not [e for e in seen if e["type"] in (event_types.SNAPSHOT_FALLBACK, event_types.SNAPSHOT_INVALID)]
+        assert seen[-1] == {"type": event_types.RUN_END, "reason": "completed", "step": STEPS}
+    assert {r["generation"] for r in restarts} == {1}
+    assert list(shm.glob("*/*/rank-*")) == []        # a completed run clears its snapshots

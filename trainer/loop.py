@@ -64,6 +64,11 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def device_name(device: torch.device) -> str:
+    """The GPU's model name (MFU's peak table is keyed by it), or "cpu"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, run_dir: Path, info: DistInfo, groups: ProcessGroups | None = None):
         """`groups`: the job's process groups when failures are recovered in-process (trainer/train.py)."""
@@ -99,7 +104,7 @@ class Trainer:
         self.telemetry = StepTelemetry(
             self.run_dir, rank=self.rank, world_size=self.world, run_id=self.run_id,
             device_type=self.device.type, flops_per_token=self.model.flops_per_token(), peak_flops=run.peak_flops,
-            precision="bf16", device_name=self._device_name(),
+            precision="bf16", device_name=device_name(self.device),
             gpu_count=run.gpu_count if run.gpu_count >= 0 else None, enabled=run.telemetry,
             device_index=self.device.index)
         self.faults = FaultInjector(run.inject, self.run_dir, self.rank, emit=self.telemetry.event)
@@ -170,9 +175,6 @@ class Trainer:
             stop=lambda event: handlers.stop_run(self.protector, Decision(STOP, event_types.REPLICA_MISMATCH, step,
                                                                            detail=event), event))
         return outcome.exit_code if outcome is not None else None
-
-    def _device_name(self) -> str:
-        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
 
     # ------------------------------------------------------------------------------------- running
     def run(self) -> int:

@@ -4,6 +4,8 @@ in the log): the interval moves as the rule says, from the run's own measurement
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import yaml
@@ -25,6 +27,7 @@ def steps(protector, model, optimizer, count):
         optimizer.step()
         optimizer.zero_grad()
         protector.after_step(verdict, tokens=16, samples=4, timings={"step_time_seconds": 0.01})
+        time.sleep(0.02)   # longer than the policy's minimum interval, however fast the machine: a save is due
 
 
 def process(run, policy_file, count, finish=False):
@@ -56,7 +59,8 @@ def test_a_failure_moves_the_interval(tmp_path):
     for change in measured:
         rule = ci.recommend(ci.Measured(change["mtbf_seconds"], change["mtbf_source"], change["failures"],
                                         change["observed_seconds"], change["save_seconds"],
-                                        change["restart_seconds"]), policy)
+                                        change["restart_seconds"], change.get("snapshot_seconds"),
+                                        change.get("snapshot_share", 0.0)), policy)
         assert change["applied_seconds"] == pytest.approx(rule.interval_seconds, rel=2e-3)
     # more failures in less time: a shorter MTBF (the save cost, measured on a busy host, moves the interval too)
     first_after = [next(c for c in measured if c["failures"] == n) for n in (0, 1, 2)]

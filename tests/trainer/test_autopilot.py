@@ -20,7 +20,8 @@ POLICY = {"checkpoint": {"fleet_mtbf_gpu_hours": 1.0, "min_interval_seconds": 0.
 def _rule_says(event: dict, policy: CheckpointPolicy) -> float:
     """The interval the rule gives for the inputs the event recorded."""
     measured = ci.Measured(event["mtbf_seconds"], event["mtbf_source"], event["failures"],
-                           event["observed_seconds"], event["save_seconds"], event["restart_seconds"])
+                           event["observed_seconds"], event["save_seconds"], event["restart_seconds"],
+                           event.get("snapshot_seconds"), event.get("snapshot_share", 0.0))
     return ci.recommend(measured, policy).interval_seconds
 
 

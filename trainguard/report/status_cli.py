@@ -149,6 +149,10 @@ def _take(status: Status, record: dict, primary: bool, from_node: bool) -> None:
             {**g, "_host": host} for g in gpus if isinstance(g, dict)]
 
 
+# Events a healthy run writes every few steps (docs/recovery.md): counted by goodput, not listed by status.
+ROUTINE = frozenset({event_types.SNAPSHOT_SAVED})
+
+
 def _take_events(status: Status, events: list[tuple[float, dict, str]], recent: int) -> None:
     alert_state: dict[str, str] = {}
     seen: dict[tuple, float] = {}
@@ -170,6 +174,8 @@ def _take_events(status: Status, events: list[tuple[float, dict, str]], recent: 
         if event["type"] == event_types.ALERT and event.get("alertname"):
             alert_state[str(event["alertname"])] = str(event.get("status", "firing"))
         _needs_a_human(status, ts, event)
+        if event["type"] in ROUTINE:
+            continue                # one every few steps: it would crowd the decisions out of the list
         shown.append({"timestamp": ts, "type": event["type"], "step": event.get("step", record.get("step")),
                       "detail": event_detail(event), "source": source})
     status.events = shown[-recent:] if recent else []

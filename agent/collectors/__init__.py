@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("gpu", "io", "ib", "nccl", "host", "training", "preflight")
+MODULES = ("gpu", "io", "ib", "nccl", "host", "training", "preflight", "health_reports")
 
 # module name -> why it could not be imported
 UNAVAILABLE: dict[str, str] = {}

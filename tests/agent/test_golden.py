@@ -100,6 +100,26 @@ def nccl_families(tmp_path: Path) -> list:
     return nccl.update().families
 
 
+@scenario("health_reports")
+def health_reports_families(tmp_path: Path) -> list:
+    """The dcgmi diag -j and kernel log samples of tests/fixtures/health/ (copied: the diag's mtime is its
+    timestamp), a second update after an Xid line is appended, and a third after the log is rotated."""
+    diag, log = tmp_path / "dcgmi-diag.json", tmp_path / "kern.log"
+    shutil.copy(FIXTURES / "health" / "dcgmi-diag.json", diag)
+    os.utime(diag, (FIXED_NOW - 600, FIXED_NOW - 600))
+    shutil.copy(FIXTURES / "health" / "kern.log", log)
+    collector = REGISTRY["health_reports"](fixture_context(tmp_path, options={"dcgm_diag": str(diag),
+                                                                              "kernel_log": str(log)}))
+    collector.update()
+    with open(log, "a") as kernel:       # counted once more, not the whole file again
+        kernel.write("May 18 19:05:02 kernel: NVRM: Xid (PCI:0000:2b:00): 79, GPU has fallen off the bus.\n")
+    collector.update()
+    log.rename(tmp_path / "kern.log.1")  # rotated: the new file's lines are added to the counts
+    log.write_text("May 18 19:06:00 kernel: NVRM: Xid (PCI:0000:10:1c): 63, pid=1896, Row Remapper: New row "
+                   "marked for remapping, reset gpu to activate.\n")
+    return collector.update().families
+
+
 def owner(stem: str) -> str | None:
     """The registered collector a golden file belongs to (`gpu` for gpu.prom and gpu-lost.prom)."""
     names = [name for name in REGISTRY if stem == name or stem.startswith(name + "-")]

@@ -14,7 +14,9 @@ from trainguard.policy import CheckpointPolicy, from_mapping
 
 # A fleet that fails every hour per device: the prior a CPU run (one device) starts from. Failures every
 # few tens of seconds pull the MTBF (and the interval) down with each crash.
-POLICY = {"checkpoint": {"fleet_mtbf_gpu_hours": 1.0, "min_interval_seconds": 0.05}}
+# Today's restart path (no in-memory snapshots): one tier, whose interval falls as the MTBF falls (with
+# snapshots the durable tier lengthens as they cover more failures: tests/decide/test_checkpoint_interval.py).
+POLICY = {"checkpoint": {"fleet_mtbf_gpu_hours": 1.0, "min_interval_seconds": 0.05}, "recovery": {"mode": "restart"}}
 
 
 def _rule_says(event: dict, policy: CheckpointPolicy) -> float:

@@ -61,7 +61,7 @@ def test_a_failure_moves_the_interval(tmp_path):
                                         change["observed_seconds"], change["save_seconds"],
                                         change["restart_seconds"], change.get("snapshot_seconds"),
                                         change.get("snapshot_share", 0.0)), policy)
-        assert change["applied_seconds"] == pytest.approx(rule.interval_seconds, rel=2e-3)
+        assert change["applied_seconds"] == pytest.approx(rule.interval_seconds, rel=1e-2)   # inputs rounded to ms: a run of 0.1 s
     # more failures in less time: a shorter MTBF (the save cost, measured on a busy host, moves the interval too)
     first_after = [next(c for c in measured if c["failures"] == n) for n in (0, 1, 2)]
     assert first_after[0]["mtbf_seconds"] > first_after[1]["mtbf_seconds"] > first_after[2]["mtbf_seconds"]

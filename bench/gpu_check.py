@@ -313,7 +313,7 @@ def check_flight_recorder(ctx: Context) -> Result:
 def check_dcp_async(ctx: Context) -> Result:
     import torch
 
-    from bench_checkpoint import dcp_async_blocking
+    from bench_checkpoint import _tensors, dcp_async_blocking
     from trainguard.runtime.checkpoint import CheckpointManager
     from trainguard.trainer.config import ModelConfig
     from trainguard.trainer.model import GPT
@@ -352,19 +352,6 @@ def check_dcp_async(ctx: Context) -> Result:
                       f > 0 and o / f <= 1.25)]
     return Result("pass" if all(x.met for x in figures) else "fail", "", figures,
                   {"state_bytes": size, "floor_GBps": round(size / f / 1e9, 1) if f else None})
-
-
-def _tensors(obj):
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
 
 
 def check_fingerprint(ctx: Context) -> Result:

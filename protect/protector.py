@@ -341,7 +341,7 @@ class Protector:
 
     def load_states(self, parts: dict[str, Any]) -> int:
         """Every state from `parts` (a verified in-memory snapshot: the `state_dict` of each of `states`,
-        trainer/resilience/snapshot.py), as a resume loads a checkpoint's; the newest durable checkpoint
+        runtime/resilience/snapshot.py), as a resume loads a checkpoint's; the newest durable checkpoint
         stays what it was. Returns the step the state is at now."""
         _reload(self.states, self.callbacks.reload, parts)
         return self.state.step

@@ -45,8 +45,8 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("runtime/checkpoint/keys.py", "_write_private", "os.open"): "writes the key (outside the run directory)",
     ("trainer/data.py", "tokenize_dir", "read_bytes"): "the user's corpus, outside the run directory",
     ("trainer/data.py", "TokenStream.__init__", "np.memmap"): "the token shards, outside the run directory",
-    ("trainer/resilience/snapshot.py", "_write_new", "os.open"): "writes an in-memory snapshot (O_NOFOLLOW, 0600)",
-    ("trainer/resilience/sockets.py", "established", "open"): "/proc/self/net/tcp: this process's connections",
+    ("runtime/resilience/snapshot.py", "_write_new", "os.open"): "writes an in-memory snapshot (O_NOFOLLOW, 0600)",
+    ("runtime/resilience/sockets.py", "established", "open"): "/proc/self/net/tcp: this process's connections",
     ("trainer/faults.py", "FaultInjector.after_checkpoint", "open"): "the corrupt-checkpoint fault: writes a "
                                                                      "byte into a checkpoint on purpose",
 }

@@ -33,8 +33,8 @@ from trainguard.trainer.model import GPT
 from trainguard.trainer.progress import Progress
 from trainguard.trainer.recovery import grad_accum_steps, trainer_callbacks
 from trainguard.trainer.replica_check import ReplicaChecks
-from trainguard.trainer.resilience.component import Recovery
-from trainguard.trainer.resilience.inprocess import ProcessGroups
+from trainguard.runtime.resilience.component import Recovery
+from trainguard.runtime.resilience.inprocess import ProcessGroups
 from trainguard.runtime.checkpoint.manager import final_checkpoint_code
 from trainguard.trainer.state import checkpoint_states
 from trainguard.trainer.step import GradNorms, forward_backward

@@ -22,7 +22,7 @@ from trainguard.runtime import flight_recorder
 from trainguard.trainer import cli
 from trainguard.trainer.config import ConfigError, TrainConfig
 from trainguard.trainer.loop import DistInfo, Trainer
-from trainguard.trainer.resilience.inprocess import ProcessGroups
+from trainguard.runtime.resilience.inprocess import ProcessGroups
 
 # A rank that hangs is found by the agent's TrainingStalled alert and restarted; the collective timeout
 # is the backstop when no agent runs.

@@ -161,7 +161,7 @@ RECOVERY_MODES = ("in_process", "restart")
 
 @dataclass(frozen=True)
 class RecoveryPolicy:
-    """How a rank's failure is recovered (docs/recovery.md; its component is trainer/resilience/, outside the
+    """How a rank's failure is recovered (docs/recovery.md; its component is runtime/resilience/, outside the
     core). "in_process": the surviving processes tear their process group down, meet in the job's store,
     re-form it and restore the newest verified in-memory snapshot, in the same interpreters; what cannot be
     recovered so (a killed process, a barrier not met in time) goes the "restart" way: torchrun restarts

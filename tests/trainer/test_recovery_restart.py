@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from trainguard import event_types, policy
 from trainguard.protect import TrainState
-from trainguard.trainer.resilience import restore, sockets
-from trainguard.trainer.resilience.component import Recovery
-from trainguard.trainer.resilience.inprocess import ProcessGroups, RecoveryFailed
-from trainguard.trainer.resilience.snapshot import SnapshotStore
+from trainguard.runtime.resilience import restore, sockets
+from trainguard.runtime.resilience.component import Recovery
+from trainguard.runtime.resilience.inprocess import ProcessGroups, RecoveryFailed
+from trainguard.runtime.resilience.snapshot import SnapshotStore
 
 KEY = b"k" * 32
 

@@ -1,4 +1,4 @@
-"""The in-memory snapshot tier (trainer/resilience/snapshot.py): written signed and hashed, loaded only once
+"""The in-memory snapshot tier (runtime/resilience/snapshot.py): written signed and hashed, loaded only once
 verified, kept newest-first within bounds, and never trusted from a directory someone else could write."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainguard import event_types, signed
-from trainguard.trainer.resilience.snapshot import (PURPOSE, SnapshotRefused, SnapshotStore, Snapshotter,
+from trainguard.runtime.resilience.snapshot import (PURPOSE, SnapshotRefused, SnapshotStore, Snapshotter,
                                                     snapshot_root)
 
 KEY, OTHER_KEY = b"k" * 32, b"x" * 32

@@ -4,7 +4,7 @@ that every rank holds and verifies, else the durable checkpoint, loudly.
 Two moments ask:
 
 - after an in-process restart (`after_failure`): any snapshot of this timeline at or after the newest
-  durable checkpoint's step (a rollback deleted the abandoned ones: trainer/resilience/snapshot.py);
+  durable checkpoint's step (a rollback deleted the abandoned ones: runtime/resilience/snapshot.py);
 - after torchrun restarted the workers (`after_resume`): the Protector has resumed from the newest verified
   checkpoint; a snapshot newer than it that was taken *on top of that very checkpoint* (its signed
   `base_step`) continues it; with no checkpoint yet, only a snapshot of the same job (torchrun's run id)
@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable
 
 from trainguard import event_types
-from trainguard.trainer.resilience.snapshot import SnapshotRefused, SnapshotStore
+from trainguard.runtime.resilience.snapshot import SnapshotRefused, SnapshotStore
 
 SNAPSHOT, CHECKPOINT = "snapshot", "checkpoint"
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainguard import event_types
-from trainguard.trainer.resilience import restore
-from trainguard.trainer.resilience.inprocess import ProcessGroups, RecoveryFailed
-from trainguard.trainer.resilience.snapshot import SnapshotStore, Snapshotter
+from trainguard.runtime.resilience import restore
+from trainguard.runtime.resilience.inprocess import ProcessGroups, RecoveryFailed
+from trainguard.runtime.resilience.snapshot import SnapshotStore, Snapshotter
 
 IN_PROCESS, RESTART = "in_process", "restart"
 

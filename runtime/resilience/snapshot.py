@@ -13,7 +13,7 @@ Every directory is this user's, mode 0700, and not a link; a directory that is n
 off, said loudly), never used.
 
 Taking one, as the async checkpoint does: on the step's thread, the state is copied into host buffers that
-are kept from one snapshot to the next (trainer/checkpoint/state.py's `Stager`: pinned for GPU tensors,
+are kept from one snapshot to the next (runtime/checkpoint/state.py's `Stager`: pinned for GPU tensors,
 one synchronize); that copy's time is the step's whole cost (`blocking_seconds` of the `snapshot_saved`
 event). A thread serializes it (torch.save), hashes it (SHA-256), writes the payload, then the manifest
 (the commit point: a payload without a manifest is no snapshot) signed with the run's key under the purpose

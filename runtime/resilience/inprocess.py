@@ -25,7 +25,7 @@ A failure, on the rank it happens to (an exception in its step, a collective's e
    one that does not arrive within `barrier_seconds` (a dead or hung process) fails the recovery:
    RecoveryFailed, the surviving ranks exit, and the launcher restarts every worker as it always did;
 5. generation g+1's group is formed with the same ranks, and the caller restores the state
-   (trainer/resilience/restore.py).
+   (runtime/resilience/restore.py).
 
 What a re-formed group invalidates is the caller's to rebuild: DDP's reducer holds the old group (the
 trainer wraps the model again), and so does any `new_group`.
@@ -40,7 +40,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from trainguard.trainer.resilience import sockets
+from trainguard.runtime.resilience import sockets
 
 PG_PREFIX = "trainguard/pg"
 RECOVERY_PREFIX = "trainguard/recovery"

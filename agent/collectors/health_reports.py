@@ -1,5 +1,6 @@
-"""health_reports: the health verdicts other tools leave on the node, for Prometheus: the last `dcgmi diag -j`
-result and the kernel log's NVRM lines, read with the parsers of trainguard/health_reports.py.
+"""health_reports: the health verdicts other tools leave on the node, for Prometheus and for the node's
+timeline: the last `dcgmi diag -j` result, NCCL's RAS client output and the kernel log's NVRM lines, read with
+the parsers of trainguard/health_reports.py and trainguard/nccl_ras.py.
 
 Off unless configured (`default_enabled = False`), and it reads only the paths its options name:
 
@@ -8,10 +9,22 @@ Off unless configured (`default_enabled = False`), and it reads only the paths i
         enabled: true
         dcgm_diag: /var/lib/dcgm/diag.json       # what `dcgmi diag -r 2 -j > ...` wrote (any DCGM 1.x-4.x shape)
         kernel_log: /var/log/kern.log            # a kernel log the node keeps or an export (dmesg, journalctl -k)
+        nccl_ras: /var/lib/nccl/ras.txt          # what `ncclras -v > ...` (or `ncclras -f json`) saved
+        addresses: []                            # this node's IPs as RAS names them (default: from procfs)
 
 Enabled with neither option set it is disabled (CollectorDisabled, one line). A file that is not there yet
 gives none of its series and no error; a file that is not what it claims fails the update with one line
 naming the file (the runner's failure count), and touches no other collector.
+
+New findings become `health_check` events on the node's timeline (the node log writes them; agent/
+health_timeline.py keeps them once each across restarts, bounded, and labelled with the host they name): a new
+diag document's failed and warned results and its summary, each new RAS finding and a changed RAS summary, each
+NVRM line added to the kernel log after the agent first saw it (the file's history is not replayed). The
+counts the node-risk rule reads ride in the fragment's `system` section (health_diag_isolate,
+health_diag_failures, health_ras_not_responding): cumulative, and kept across restarts.
+
+A line or finding that names another host (a forwarded syslog line, a RAS rank on another node) is put on that
+host's timeline (`node` is its host, `read_by` this node) and counts for nothing here.
 
 The kernel log is followed like `tail -F`: the collector keeps the file's inode and the offset it read to, reads
 only complete new lines (at most READ_BYTES an update), and starts again from the top of a file that was
@@ -24,26 +37,35 @@ counts live in the collector: they are monotonic for the agent's lifetime and st
     trainguard_health_dcgm_diag_timestamp_seconds           when the diag file was written (its mtime)
     trainguard_health_kernel_xid_total{xid, xid_class}      NVRM Xid lines seen, by XID code
     trainguard_health_kernel_gpu_fallen_off_bus_total       NVRM "GPU has fallen off the bus" lines seen
+    trainguard_health_nccl_ras_result{result}               1 for the last RAS report's worst result (pass|warn|fail)
+    trainguard_health_nccl_ras_findings{test}               findings of the last RAS report, by kind
+    trainguard_health_nccl_ras_timestamp_seconds            when the RAS report was written (its mtime)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from trainguard import health_reports, safe_read, xid_catalog
+from trainguard import health_reports, log, nccl_ras, rundir, safe_read, xid_catalog
+from trainguard.agent import health_timeline as timeline
 from trainguard.agent.collector import Collector, CollectorDisabled, Context, Sample, register
 from trainguard.agent.collectors.options import options
 
 DIAG_BYTES = 16 * 1024 * 1024      # a dcgmi diag -j of 8 GPUs is ~30 KB
+RAS_BYTES = 16 * 1024 * 1024       # ncclras -v of a 1,000-node job with every rank listed is a few MB
 READ_BYTES = 16 * 1024 * 1024      # of the kernel log per update; the rest is read by the next updates
 MAX_TESTS = 64                     # DCGM 4.x has ~15 tests: a document with more names is cut, not exported whole
 RESULTS = (health_reports.PASS, health_reports.WARN, health_reports.FAIL)
 TEST_RESULTS = RESULTS + (health_reports.SKIP,)
+RAS_TESTS = ("process_missing", "process_dead", "ranks_missing", "rank_errors", "mismatch", "timeout")
 _SKIPPED = {"skip", "skipped", "not run", "not_run"}
 
 
@@ -84,24 +106,46 @@ def diag_families(events: list[dict], document: dict, mtime: float) -> list:
     return [overall, tests, findings, when]
 
 
-class KernelLogFollower:
-    """The NVRM counts of a kernel log file read incrementally (inode and offset kept; see the module doc)."""
+def ras_families(events: list[dict], mtime: float) -> list:
+    """The families of one NCCL RAS report (its events from nccl_ras.events, the summary last)."""
+    result = GaugeMetricFamily("trainguard_health_nccl_ras_result", "1 for the worst result of the last NCCL RAS "
+                               "report on this node (pass, warn or fail), 0 for the others.", labels=["result"])
+    for name in RESULTS:
+        result.add_metric([name], 1 if events[-1]["status"] == name else 0)
+    by_test = Counter(str(e.get("test")) for e in events[:-1])
+    findings = GaugeMetricFamily("trainguard_health_nccl_ras_findings", "Findings of the last NCCL RAS report, by "
+                                 "kind (ranks or processes not responding, dead, rank errors, mismatches, "
+                                 "timeouts).", labels=["test"])
+    for test in RAS_TESTS:
+        findings.add_metric([test], by_test.get(test, 0))
+    when = GaugeMetricFamily("trainguard_health_nccl_ras_timestamp_seconds", "When the last NCCL RAS report was "
+                             "written (its file's mtime, Unix time).", value=mtime)
+    return [result, findings, when]
 
-    def __init__(self, path: Path):
+
+class KernelLogFollower:
+    """The NVRM lines of a kernel log file read incrementally (inode and offset kept; see the module doc): counts
+    for /metrics from the file's top, and each new line's events with where the line starts."""
+
+    def __init__(self, path: Path, owns: Callable[[str | None], bool] = lambda host: True):
         self.path = path
+        self.owns = owns                              # a line naming another host counts for nothing here
         self.inode: tuple[int, int] | None = None    # (st_dev, st_ino) of the file read
         self.offset = 0
+        self.size = 0                                 # the file's size at the last poll
         self.xids: Counter = Counter()                # xid code -> lines seen
         self.fallen = 0
 
-    def poll(self) -> None:
-        """Count the complete lines added since the last poll; FileNotFoundError when there is no file."""
+    def poll(self) -> list[tuple[int, dict]]:
+        """The complete lines added since the last poll as (offset of the line, event); FileNotFoundError when
+        there is no file."""
         fd, st = safe_read.open_fd(self.path, what="kernel log")
         try:
             if self.inode != (st.st_dev, st.st_ino) or st.st_size < self.offset:
                 self.inode, self.offset = (st.st_dev, st.st_ino), 0      # new file, or truncated: from the top
+            self.size = st.st_size
             if st.st_size == self.offset:
-                return
+                return []
             os.lseek(fd, self.offset, os.SEEK_SET)
             data = _read_some(fd)
         finally:
@@ -110,13 +154,22 @@ class KernelLogFollower:
         if end == 0:
             if len(data) >= READ_BYTES:            # one line longer than a whole read: pass over it
                 self.offset += len(data)
-            return
-        self.offset += end
-        for event in health_reports.kernel_log(data[:end].decode("utf-8", "replace").splitlines()):
+            return []
+        start, self.offset = self.offset, self.offset + end
+        lines = data[:end].split(b"\n")[:-1]
+        starts = [start]
+        for line in lines[:-1]:
+            starts.append(starts[-1] + len(line) + 1)
+        found = []
+        for event in health_reports.kernel_log(line.decode("utf-8", "replace") for line in lines):
+            found.append((starts[event["line"] - 1], event))
+            if not self.owns(event.get("host")):
+                continue
             if event.get("test") == "xid":
                 self.xids[int(event["xid"])] += 1
             elif event.get("test") == "fallen_off_the_bus":
                 self.fallen += 1
+        return found
 
     def families(self) -> list:
         xid = CounterMetricFamily("trainguard_health_kernel_xid_total", "NVRM Xid lines seen in the configured "
@@ -147,52 +200,132 @@ class HealthReportsCollector(Collector):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        opts = options(ctx.options, self.name, dcgm_diag="", kernel_log="")
-        if not opts["dcgm_diag"] and not opts["kernel_log"]:
-            raise CollectorDisabled("health_reports: neither collectors.health_reports.dcgm_diag nor "
-                                    "collectors.health_reports.kernel_log is set")
-        self.diag_path = Path(opts["dcgm_diag"]) if opts["dcgm_diag"] else None
-        self.kernel = KernelLogFollower(Path(opts["kernel_log"])) if opts["kernel_log"] else None
-        self._diag_seen: tuple[int, int, int] | None = None     # (inode, mtime_ns, size) of the diag parsed
-        self._diag_families: list = []
+        opts = options(ctx.options, self.name, dcgm_diag="", kernel_log="", nccl_ras="", addresses=[])
+        if not opts["dcgm_diag"] and not opts["kernel_log"] and not opts["nccl_ras"]:
+            raise CollectorDisabled("health_reports: none of collectors.health_reports.dcgm_diag, .kernel_log, "
+                                    ".nccl_ras is set")
+        self.this_node = timeline.ThisNode(ctx.node, opts["addresses"] or timeline.local_addresses(ctx.procfs))
+        self.diag = WatchedReport(Path(opts["dcgm_diag"]), DIAG_BYTES) if opts["dcgm_diag"] else None
+        self.ras = WatchedReport(Path(opts["nccl_ras"]), RAS_BYTES) if opts["nccl_ras"] else None
+        self.kernel = KernelLogFollower(Path(opts["kernel_log"]), self.this_node.owns) if opts["kernel_log"] else None
+        self.state = timeline.HealthState(rundir.health_state_path(ctx.run_dir, ctx.node) if ctx.run_dir else None)
+        self.outbox = timeline.Outbox(ctx.node)
+        if self.state.load_error:
+            log.get("agent.collector", collector=self.name).warning(
+                "health findings state unreadable: starting again (findings may be put on the timeline twice, "
+                "the node-risk counts restart at 0)", error=self.state.load_error)
 
     def update(self) -> Sample:
+        now = time.time()
         families: list = []
-        error: Exception | None = None
+        errors: list[Exception] = []
+        self.outbox.start_update()
         if self.kernel is not None:
             try:
-                self.kernel.poll()
+                self._kernel_events(self.kernel.poll(), now)
             except FileNotFoundError:
                 pass                                   # not there (yet): the counts stay as they are
             except (OSError, ValueError) as exc:
-                error = _naming(exc, self.kernel.path)
+                errors.append(_naming(exc, self.kernel.path))
             families += self.kernel.families()
-        if self.diag_path is not None:
-            try:
-                families += self._diag()
-            except (OSError, ValueError) as exc:
-                error = error or exc
-        if error is not None:
-            raise error          # after both sources were read: the kernel log's offset has moved on
-        return Sample(families)
+        for report, read in ((self.diag, self._read_diag), (self.ras, self._read_ras)):
+            if report is not None:
+                try:
+                    families += report.families(read, now)
+                except (OSError, ValueError) as exc:
+                    errors.append(_naming(exc, report.path))
+        self.outbox.finish_update(now)
+        self.state.save()
+        if errors:
+            raise errors[0]      # after every source was read: the kernel log's offset has moved on
+        return Sample(families, tls={"system": dict(self.state.counts), "events": self.outbox.fragment()})
 
-    def _diag(self) -> list:
+    def _kernel_events(self, found: list[tuple[int, dict]], now: float) -> None:
+        """New lines' events onto the timeline: past the offset the state says events were made up to (the
+        first time the agent sees a file, its lines so far are history, not news)."""
+        assert self.kernel is not None and self.kernel.inode is not None
+        dev, ino = self.kernel.inode
+        known = self.state.kernel
+        if known is None:
+            since = self.kernel.size                   # never seen: from the end the file has now
+        elif (known["dev"], known["ino"]) == (dev, ino) and known["offset"] <= self.kernel.size:
+            since = known["offset"]
+        else:
+            since = 0                                  # replaced or truncated since: its lines are new
+        for offset, event in found:
+            if offset >= since:
+                event = {key: value for key, value in event.items() if key != "line"}
+                host = event.get("host")
+                self.outbox.add({**event, "offset": offset}, timeline.digest("kernel", dev, ino, offset), now,
+                                None if self.this_node.owns(host) else str(host))
+        self.state.set_kernel(dev, ino, max(since, self.kernel.offset))
+
+    def _read_diag(self, data: bytes, mtime: float, now: float) -> list:
+        document = _json(data)
+        events = health_reports.dcgm_diag(document)
+        report_id = "diag:" + hashlib.sha256(data).hexdigest()[:16]
+        if self.state.is_new(report_id):
+            self.state.remember(report_id)
+            for index, event in enumerate(events):
+                if event["status"] == health_reports.FAIL and event.get("test") != "summary":
+                    drain = event.get("action_class") == xid_catalog.DRAIN
+                    self.state.count(timeline.DIAG_ISOLATE if drain else timeline.DIAG_FAILURES)
+                extra = {"written_at": mtime} if event.get("test") == "summary" else {}
+                self.outbox.add({**event, **extra}, timeline.digest(report_id, index), now)
+        return diag_families(events, document, mtime)
+
+    def _read_ras(self, data: bytes, mtime: float, now: float) -> list:
+        events = nccl_ras.events(nccl_ras.parse(data))
+        for event in events[:-1]:
+            hosts = event.get("hosts") or []
+            mine = not hosts or any(self.this_node.owns(h) for h in hosts)
+            finding = "ras:" + timeline.digest(event.get("test"), event.get("comm_hash"), event.get("count"),
+                                               event.get("ranks"))
+            if not self.state.is_new(finding):
+                continue
+            self.state.remember(finding)
+            if mine and nccl_ras.not_responding(event) and hosts:
+                self.state.count(timeline.RAS_NOT_RESPONDING)
+            # a job-wide report: a finding about other nodes stays on this node's timeline (the IPs do not say
+            # which host name's log it belongs in), marked as not this node's
+            self.outbox.add({**event, "this_node": mine}, finding[4:], now)
+        summary = events[-1]
+        key = timeline.digest(summary["status"], summary.get("findings"), summary.get("complete", True))
+        if key != self.state.ras_summary:
+            self.state.set_ras_summary(key)
+            self.outbox.add({**summary, "written_at": mtime}, timeline.digest("ras summary", data), now)
+        return ras_families(events, mtime)
+
+
+class WatchedReport:
+    """A report file parsed again only when it changes (inode, mtime, size); its families kept till then."""
+
+    def __init__(self, path: Path, limit: int):
+        self.path, self.limit = path, limit
+        self.seen: tuple[int, int, int] | None = None
+        self.cached: list = []
+
+    def families(self, read: Callable[[bytes, float, float], list], now: float) -> list:
         try:
-            st = os.stat(self.diag_path)
+            st = os.stat(self.path)
         except FileNotFoundError:
-            self._diag_seen, self._diag_families = None, []
+            self.seen, self.cached = None, []
             return []
-        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if seen != self._diag_seen:
-            self._diag_seen, self._diag_families = None, []
-            try:
-                document = safe_read.read_json(self.diag_path, DIAG_BYTES, "dcgmi diag -j file")
-                events = health_reports.dcgm_diag(document)
-            except (OSError, ValueError) as exc:
-                raise _naming(exc, self.diag_path) from None
-            self._diag_families = diag_families(events, document, st.st_mtime)
-            self._diag_seen = seen
-        return self._diag_families
+        if (st.st_ino, st.st_mtime_ns, st.st_size) != self.seen:
+            self.seen, self.cached = None, []
+            data = safe_read.read_bytes(self.path, self.limit, "health report")
+            self.cached = read(data, st.st_mtime, now)
+            self.seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        return self.cached
+
+
+def _json(data: bytes):
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc.msg} (line {exc.lineno})") from None
+    except RecursionError:
+        raise ValueError("not JSON this reader accepts: nested too deeply") from None
 
 
 def _naming(exc: Exception, path: Path) -> Exception:

@@ -65,6 +65,9 @@ READ_BYTES = 16 * 1024 * 1024      # of the kernel log per update; the rest is r
 MAX_TESTS = 64                     # DCGM 4.x has ~15 tests: a document with more names is cut, not exported whole
 RESULTS = (health_reports.PASS, health_reports.WARN, health_reports.FAIL)
 TEST_RESULTS = RESULTS + (health_reports.SKIP,)
+# A report written this recently that is cut off or does not parse may still be being written (`ncclras > file`
+# writes the job summary first and the communicators seconds later): read again next update, not an error yet.
+WRITING_SECONDS = 30.0
 RAS_TESTS = ("process_missing", "process_dead", "ranks_missing", "rank_errors", "mismatch", "timeout")
 _SKIPPED = {"skip", "skipped", "not run", "not_run"}
 
@@ -275,7 +278,10 @@ class HealthReportsCollector(Collector):
         return diag_families(events, document, mtime)
 
     def _read_ras(self, data: bytes, mtime: float, now: float) -> list:
-        events = nccl_ras.events(nccl_ras.parse(data))
+        report = nccl_ras.parse(data)
+        if not report.complete and now - mtime < WRITING_SECONDS:
+            raise StillWriting()
+        events = nccl_ras.events(report)
         for event in events[:-1]:
             hosts = event.get("hosts") or []
             mine = not hosts or any(self.this_node.owns(h) for h in hosts)
@@ -297,8 +303,14 @@ class HealthReportsCollector(Collector):
         return ras_families(events, mtime)
 
 
+class StillWriting(Exception):
+    """A report cut off or unreadable that was written moments ago: read it again at the next update."""
+
+
 class WatchedReport:
-    """A report file parsed again only when it changes (inode, mtime, size); its families kept till then."""
+    """A report file parsed again only when it changes (inode, mtime, size); its families kept till then. A file
+    modified within WRITING_SECONDS that is cut off or does not parse is taken as still being written: the
+    previous families stay and it is read again next update; after that it is an error naming the file."""
 
     def __init__(self, path: Path, limit: int):
         self.path, self.limit = path, limit
@@ -312,9 +324,16 @@ class WatchedReport:
             self.seen, self.cached = None, []
             return []
         if (st.st_ino, st.st_mtime_ns, st.st_size) != self.seen:
-            self.seen, self.cached = None, []
             data = safe_read.read_bytes(self.path, self.limit, "health report")
-            self.cached = read(data, st.st_mtime, now)
+            try:
+                self.cached = read(data, st.st_mtime, now)
+            except StillWriting:
+                return self.cached
+            except ValueError:
+                if now - st.st_mtime < WRITING_SECONDS:
+                    return self.cached
+                self.seen, self.cached = None, []
+                raise
             self.seen = (st.st_ino, st.st_mtime_ns, st.st_size)
         return self.cached
 

@@ -160,6 +160,7 @@ def test_a_cut_off_or_garbled_report_fails_in_one_line_and_puts_nothing_on_the_t
                                                                                         message):
     report = tmp_path / "report"
     report.write_bytes(content)
+    written_a_minute_ago(report)
     c = setup(tmp_path, **{option: str(report)})
     with pytest.raises(ValueError) as failed:
         c.update()
@@ -167,6 +168,30 @@ def test_a_cut_off_or_garbled_report_fails_in_one_line_and_puts_nothing_on_the_t
     assert str(report) in text and message in text and "\n" not in text
     state = rundir.health_state_path(tmp_path / "run", "gpu-node-3")
     assert not state.exists() or json.loads(state.read_text())["seen"] == []
+
+
+def written_a_minute_ago(path: Path) -> None:
+    """Past the collector's WRITING_SECONDS: a bad file is an error, not one still being written."""
+    old = path.stat().st_mtime - 60
+    os.utime(path, (old, old))
+
+
+def test_a_report_still_being_written_is_read_again_not_refused(tmp_path):
+    """`ncclras > file` writes the job summary first and the communicators seconds later."""
+    ras = tmp_path / "ras.txt"
+    text = (HEALTH / "ncclras-verbose.txt").read_text()
+    ras.write_text(text[:text.index("\nCommunicators...")])
+    c = setup(tmp_path, nccl_ras=str(ras))
+    sample = c.update()                                          # no error, nothing on the timeline yet
+    assert events(sample) == [] and "trainguard_health_nccl_ras" not in render(sample.families)
+    ras.write_text(text)
+    found = events(c.update())
+    assert found[-1]["test"] == "summary" and "complete" not in found[-1]
+    cut = tmp_path / "cut.txt"                                   # cut off for good: put on the timeline as such
+    cut.write_text(text[:text.index("Warnings\n====")])
+    written_a_minute_ago(cut)
+    (summary,) = [e for e in events(setup(tmp_path / "other", nccl_ras=str(cut)).update()) if e["test"] == "summary"]
+    assert summary["complete"] is False and summary["status"] == "fail"
 
 
 def test_a_huge_report_is_refused_before_it_is_read(tmp_path, monkeypatch):

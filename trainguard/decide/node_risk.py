@@ -56,6 +56,7 @@ STATES = ("remap_pending", "remap_failure")
 # across agent restarts: agent/health_timeline.py)
 NODE_COUNTERS = ("ib_symbol_errors", "ib_link_downed", "health_diag_isolate", "health_diag_failures",
                  "health_ras_not_responding")
+FINDING_KEYS = frozenset(f"node:{k}" for k in NODE_COUNTERS if k.startswith("health_"))
 HARD = ("remap_failure", "xid_drain", "uncorrectable_ecc", "diag_isolate")
 COUNTED_AS_ROWS = frozenset({63})      # the remap event itself: remapped_rows / remap_pending weigh it
 
@@ -166,6 +167,11 @@ class NodeRisk:
         if restarted or gap or back_from_lost:
             state.settle_until = now + p.settle_seconds
             state.history.clear()            # rates across a restart mean nothing
+            # ... but a finding counted while the node was away is news: the report counts survive reboots
+            # (the agent keeps them), so their last values stay the baseline
+            kept = {k: v for k, v in state.previous.items() if k in FINDING_KEYS and v <= values.get(k, -1.0)}
+            if kept:
+                state.history.append((now, kept))
         state.lost = {g.gpu for g in reading.gpus if g.lost}
         state.previous, state.last_timestamp = values, now
         state.history.append((now, values))

@@ -53,7 +53,7 @@ CORDON = actions.CORDON                # a node kept out of the job (RUN/control
 CORDON_IGNORED = "cordon_ignored"      # a launcher joined despite a cordon file it does not honour: why
 
 # ------------------------------------------------------------------------------------- node health
-HEALTH_CHECK = "health_check"    # another tool's finding on a node (dcgmi diag, kernel NVRM): tool, status, gpu
+HEALTH_CHECK = "health_check"    # another tool's finding on a node (dcgmi diag, NCCL RAS, kernel NVRM): tool, status, id
 NODE_AT_RISK = "node_at_risk"    # the node-risk rule flagged this node (decide/node_risk.py): score, signals
 
 # ------------------------------------------------------------------------------------- schedules

@@ -51,9 +51,9 @@ class HealthFinding:
 
     def describe(self) -> str:
         """The finding's own words: what it names (GPU, XID, ranks, host), in one line."""
-        shown = [f"{k}={v}" for k, v in self.detail.items()
-                 if k in ("gpu", "xid", "pci", "action_class", "count", "communicator", "host", "hosts", "findings",
-                          "message") and v not in (None, "", [])]
+        shown = [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in self.detail.items()
+                 if k in ("gpu", "xid", "pci", "action_class", "count", "communicator", "host", "hosts", "this_node",
+                          "findings", "complete", "message") and v not in (None, "", [])]
         return " ".join(shown)[:160]
 
 

@@ -66,8 +66,11 @@ def dcgm_diag(document: Any) -> list[dict[str, Any]]:
                 failed += status == FAIL
                 events.append(_dcgm_finding(category.get("category", ""), name, status, result))
     overall = FAIL if failed else WARN if events else PASS
+    # the document names no host: the GPUs' serial numbers (DCGM 4.x entity_groups) say whose GPUs it tested
+    serials = sorted({str(e["serial_num"]) for g in _list(document.get("entity_groups"), "entity_groups")
+                      for e in _list(g.get("entities"), "entity_groups[].entities") if e.get("serial_num")})
     events.append(_event(DCGMI, overall, test="summary", tests=tests, findings=len(events),
-                         **({"version": version} if version else {})))
+                         **({"version": version} if version else {}), **({"gpu_serials": serials} if serials else {})))
     return events
 
 

@@ -284,17 +284,17 @@ class HealthReportsCollector(Collector):
         events = nccl_ras.events(report)
         for event in events[:-1]:
             hosts = event.get("hosts") or []
-            mine = not hosts or any(self.this_node.owns(h) for h in hosts)
+            mine = any(self.this_node.owns(h) for h in hosts)
             finding = "ras:" + timeline.digest(event.get("test"), event.get("comm_hash"), event.get("count"),
                                                event.get("ranks"))
             if not self.state.is_new(finding):
                 continue
             self.state.remember(finding)
-            if mine and nccl_ras.not_responding(event) and hosts:
+            if mine and nccl_ras.not_responding(event):
                 self.state.count(timeline.RAS_NOT_RESPONDING)
             # a job-wide report: a finding about other nodes stays on this node's timeline (the IPs do not say
             # which host name's log it belongs in), marked as not this node's
-            self.outbox.add({**event, "this_node": mine}, finding[4:], now)
+            self.outbox.add({**event, "this_node": mine} if hosts else event, finding[4:], now)
         summary = events[-1]
         key = timeline.digest(summary["status"], summary.get("findings"), summary.get("complete", True))
         if key != self.state.ras_summary:

@@ -145,3 +145,12 @@ def test_kernel_lines_name_the_host_a_forwarded_log_gives():
     events = kernel_log(["Dec  3 10:00:01 gpu-node-07 kernel: NVRM: Xid (PCI:0000:2b:00): 79, GPU has fallen off "
                          "the bus.", "May 18 19:02:39 kernel: NVRM: Xid (PCI:0000:2b:00): 79, GPU has fallen off."])
     assert [e.get("host") for e in events] == ["gpu-node-07", None]
+
+
+def test_a_diag_names_no_host_but_its_gpus_serials_say_whose_gpus_it_tested():
+    document = json.loads((FIXTURES / "dcgmi-diag.json").read_text())
+    document["entity_groups"] = [{"entity_group": "GPU", "entity_group_id": 1, "entities": [
+        {"entity_id": 0, "device_id": "2330", "serial_num": "1652222014738"},
+        {"entity_id": 1, "device_id": "2330", "serial_num": "1652222014739"}]}]     # the schema's shape
+    assert dcgm_diag(document)[-1]["gpu_serials"] == ["1652222014738", "1652222014739"]
+    assert "gpu_serials" not in dcgm_diag(json.loads((FIXTURES / "dcgmi-diag.json").read_text()))[-1]

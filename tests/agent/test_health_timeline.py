@@ -219,3 +219,27 @@ def test_a_lost_state_file_starts_again_without_failing(tmp_path):
     assert c.state.load_error and str(state) in c.state.load_error
     assert [e["test"] for e in events(c.update())] == ["pcie", "memory", "summary"]
     assert json.loads(state.read_text())["counts"]["health_diag_isolate"] == 1
+
+
+def test_through_a_running_agent_the_findings_reach_the_node_log_once(tmp_path):
+    """The collector in its runner thread, the node log reading the agent's fragments: what an operator runs."""
+    from tests.servers import agent_server, wait_for
+    from trainguard import tls
+    from trainguard.agent.config import CollectorConfig
+
+    paths = files(tmp_path)
+    run_dir = tmp_path / "run"
+    settings = CollectorConfig(enabled=True, interval=0.1, options={
+        "dcgm_diag": str(paths["dcgm_diag"]), "nccl_ras": str(paths["nccl_ras"]), "addresses": [HERE]})
+    with agent_server(run_dir=run_dir, procfs=tmp_path, node="gpu-node-3", only=("health_reports",),
+                      collectors={"health_reports": settings}) as (agent, _):
+        log = NodeLog(agent.tls_fragments, run_dir, "gpu-node-3", interval=0.1).start()
+        path = rundir.node_log(run_dir, "gpu-node-3")
+        try:
+            wait_for(lambda: path.exists() and path.read_text().count('"health_ras_not_responding":5') >= 3, 30,
+                     message="joined records with the counts, after the findings")
+        finally:
+            log.stop()
+    records = list(tls.read_records(path))
+    findings = [r["event"] for r in records if (r.get("event") or {}).get("type") == event_types.HEALTH_CHECK]
+    assert len(findings) == 12 and len({e["id"] for e in findings}) == 12       # each once, however many writes

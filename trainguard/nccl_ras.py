@@ -93,9 +93,9 @@ _GROUP_ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+(?:-\d+)?)\s+(\d+)\s+(
 _NUMBERS = re.compile(r"^\s*\d+(?:\s+\d+)*\s*$")
 _COMM_HEAD = re.compile(r"^#(\d+-\d+) \(([0-9a-fA-F]+)\) (INCOMPLETE|ERROR|MISMATCH)\s*$")
 _PROCESS = re.compile(r"^\s+Process (\d+) on node (\S+) managing GPUs? (.+?)\s*$")
-_RANK = re.compile(r"^\s+Rank (\d+)(?: (?:has status|reported|has launched up to operation) (.+?))? -- "
+_RANK = re.compile(r"^\s+Rank (\d+)(?: (has status|reported|has launched up to operation|has not launched any "
+                   r"operations)(?: (.+?))?)? -- "
                    r"(?:GPU (.+?) managed by process (\d+) on node (\S+)|\[process information not found\])\s*$")
-_RANK_NOT_LAUNCHED = re.compile(r"^\s+Rank (\d+) has not launched any operations -- ")
 _MISSING_LIST = re.compile(r"^\s+The missing ranks?: ([\d,]+)\s*$")       # 2.24
 _COUNT = re.compile(r"(\d+)")
 _NOT_FOUND = re.compile(r"^\s+\[could not find information on (\d+) process")
@@ -158,7 +158,7 @@ def from_text(text: str) -> RasReport:
     return report
 
 
-def _group(found: re.Match) -> dict[str, Any]:
+def _group(found: re.Match[str]) -> dict[str, Any]:
     g = found.groups()
     return {"group": int(g[0]), "comms": int(g[1]), "nodes_per_comm": int(g[2]), "ranks_per_node": g[3],
             "ranks_per_comm": int(g[4]), "ranks_in_group": int(g[5]), "status": g[6], "errors": g[7].split(",")}
@@ -196,7 +196,8 @@ def _block_line(report: RasReport, block: RasBlock | None, line: str) -> RasBloc
         return block
     found = _RANK.match(line)
     if found:
-        rank, reported, gpu, pid, host = found.groups()
+        rank, verb, said, gpu, pid, host = found.groups()
+        reported = "not launched" if verb and verb.startswith("has not") else said
         block.ranks.append(RasRank(rank=int(rank), reported=reported, gpu=gpu,
                                    pid=int(pid) if pid else None, host=host))
         block.not_found += pid is None
@@ -214,8 +215,6 @@ def _block_line(report: RasReport, block: RasBlock | None, line: str) -> RasBloc
         block.count = int(counted.group(1)) if counted else None
     if len(block.lines) < MAX_DETAIL_LINES:
         block.lines.append(line.strip())
-    if _RANK_NOT_LAUNCHED.match(line) and len(block.ranks) < MAX_RANKS:
-        block.ranks.append(RasRank(rank=int(_RANK_NOT_LAUNCHED.match(line).group(1)), reported="not launched"))
     return block
 
 
@@ -224,7 +223,7 @@ def from_json(document: Any) -> RasReport:
     if not isinstance(document, dict) or not isinstance(document.get("communicators"), list):
         raise RasError("NCCL RAS report (JSON): expected an object with a 'communicators' list")
     report = RasReport(version=_text(document.get("nccl_version")))
-    ras = document.get("ras") if isinstance(document.get("ras"), dict) else {}
+    ras: dict[str, Any] = document["ras"] if isinstance(document.get("ras"), dict) else {}
     if isinstance(ras.get("collection_time_sec"), (int, float)):
         report.collection_seconds = float(ras["collection_time_sec"])
     hosts: set[str] = set()
@@ -262,21 +261,21 @@ def from_json(document: Any) -> RasReport:
 _NCCL_IN_PROGRESS = 7     # ncclInProgress: a rank still initialising (ras.rst: init_state 0 or 7 is no error)
 
 
-def _status(rank: dict) -> dict:
+def _status(rank: dict[str, Any]) -> dict[str, Any]:
     return rank["status"] if isinstance(rank.get("status"), dict) else {}
 
 
-def _error_code(rank: dict, key: str) -> int:
+def _error_code(rank: dict[str, Any], key: str) -> int:
     value = _status(rank).get(key)
     return value if isinstance(value, int) and value not in (0, _NCCL_IN_PROGRESS) else 0
 
 
-def _json_error(rank: dict) -> str:
+def _json_error(rank: dict[str, Any]) -> str:
     parts = [f"{key} {_error_code(rank, key)}" for key in ("init_state", "async_error") if _error_code(rank, key)]
     return ", ".join(parts)
 
 
-def _json_rank(rank: dict, reported: str | None) -> RasRank:
+def _json_rank(rank: dict[str, Any], reported: str | None) -> RasRank:
     gpu = rank.get("cuda_dev")
     nvml = rank.get("nvml_dev")
     shown = None if not isinstance(gpu, int) else str(gpu) if nvml in (None, gpu) else f"{gpu} (NVML {nvml})"
@@ -285,7 +284,7 @@ def _json_rank(rank: dict, reported: str | None) -> RasRank:
                    host=rank.get("host") if isinstance(rank.get("host"), str) else None, reported=reported)
 
 
-def _dicts(value: Any) -> list[dict]:
+def _dicts(value: Any) -> list[dict[str, Any]]:
     """The objects of a JSON list; nothing from a field of another type (the rest of the report still reads)."""
     return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
 

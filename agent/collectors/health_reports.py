@@ -246,7 +246,8 @@ class HealthReportsCollector(Collector):
     def _kernel_events(self, found: list[tuple[int, dict]], now: float) -> None:
         """New lines' events onto the timeline: past the offset the state says events were made up to (the
         first time the agent sees a file, its lines so far are history, not news)."""
-        assert self.kernel is not None and self.kernel.inode is not None
+        if self.kernel is None or self.kernel.inode is None:
+            return                                     # no file read yet
         dev, ino = self.kernel.inode
         known = self.state.kernel
         if known is None:

@@ -154,3 +154,22 @@ def test_a_diag_names_no_host_but_its_gpus_serials_say_whose_gpus_it_tested():
         {"entity_id": 1, "device_id": "2330", "serial_num": "1652222014739"}]}]     # the schema's shape
     assert dcgm_diag(document)[-1]["gpu_serials"] == ["1652222014738", "1652222014739"]
     assert "gpu_serials" not in dcgm_diag(json.loads((FIXTURES / "dcgmi-diag.json").read_text()))[-1]
+
+
+def test_ras_mismatch_rank_lines_of_every_form():
+    """client_support.cc's per-rank MISMATCH lines: `has status %s`, `has not launched any operations`,
+    `[process information not found]` (lines 1507, 1628, 1516 at 5067397c)."""
+    text = ("Communicators... (0.012s)\n=============\n\nWarnings\n========\n\n"
+            "#0-0 (9e17999afaa87dbb) MISMATCH\n  Communicator ranks have different status\n"
+            "  26 ranks have status NOCOMM\n"
+            "  Rank 4 has status FINALIZE -- GPU 4 managed by process 507289 on node 172.16.64.210\n"
+            "  Communicator ranks have different AllGather operation counts\n"
+            "  Rank 9 has not launched any operations -- GPU 1 (NVML 3) managed by process 1598389 on node "
+            "172.16.64.212\n"
+            "  Rank 17 -- [process information not found]\n\n")
+    (mismatch, summary) = nccl_ras.events(nccl_ras.parse(text))
+    assert mismatch["ranks"] == [
+        {"rank": 4, "gpu": "4", "pid": 507289, "host": "172.16.64.210", "reported": "FINALIZE"},
+        {"rank": 9, "gpu": "1 (NVML 3)", "pid": 1598389, "host": "172.16.64.212", "reported": "not launched"},
+        {"rank": 17}]
+    assert mismatch["without_process_information"] == 1 and summary["status"] == "warn"

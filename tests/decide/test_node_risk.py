@@ -176,3 +176,13 @@ def test_reading_from_a_node_record_with_only_health_counts():
     found = reading_from_tls(record)
     assert found is not None and found.counters == {"health_diag_isolate": 1.0, "health_diag_failures": 0.0,
                                                     "health_ras_not_responding": 2.0}
+
+
+def test_a_planned_reboot_with_its_ranks_reported_missing_flags_nothing():
+    """A reboot stops the node's ranks: RAS reports them missing before it goes and for 40 minutes after it is
+    back (the gap's settle period, then past it): a soft signal alone, so no drain."""
+    rule = NodeRisk()
+    verdicts = [rule.observe(health("n1", i * STEP, ras=int(i >= 55) * (i - 54))) for i in range(60)]
+    t = 60 * STEP + 480.0
+    verdicts += [rule.observe(health("n1", t + i * STEP, ras=6 + i, reset_xids=0)) for i in range(40)]
+    assert not any(v.at_risk or v.flagged for v in verdicts)

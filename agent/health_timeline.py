@@ -4,7 +4,8 @@ The collector (agent/collectors/health_reports.py) turns a new `dcgmi diag -j` r
 new NVRM kernel lines into `health_check` events. This module keeps them honest:
 
 - **once**: every event carries an `id`; `HealthState` remembers the ids of reports and findings already put on
-  the timeline, and how far into which kernel log file, in RUN/agent/health-<node>.json, so a restarted agent
+  the timeline, and how far into which file each followed log (kernel log, RAS monitor log) was read, in
+  RUN/agent/health-<node>.json, so a restarted agent
   adds only what is new (a cron job rewriting the same RAS finding every minute is one event, not sixty);
 - **bounded**: `Outbox` holds the last EVENTS_KEPT records for the node log (which writes each id once,
   agent/nodelog.py), at most MAX_EVENTS_PER_UPDATE an update (an XID storm of thousands of lines is the first
@@ -32,7 +33,7 @@ from trainguard import event_types, safe_read
 EVENTS_KEPT = 256             # records the collector's fragment holds for the node log
 MAX_EVENTS_PER_UPDATE = 64    # events made in one update; the rest are counted in one `more_findings` event
 SEEN_KEPT = 4096              # report and finding ids remembered (across restarts)
-STATE_BYTES = 1024 * 1024     # the state file: ~4096 ids of 20 bytes, a kernel offset, the counts
+STATE_BYTES = 1024 * 1024     # the state file: ~4096 ids of 20 bytes, two log offsets, the counts
 # What the node-risk rule reads (trainguard/decide/node_risk.py NODE_COUNTERS), cumulative across restarts.
 DIAG_ISOLATE = "health_diag_isolate"          # failed dcgmi diag results whose severity is ISOLATE (node_drain)
 DIAG_FAILURES = "health_diag_failures"        # other failed dcgmi diag results
@@ -51,7 +52,8 @@ class HealthState:
     def __init__(self, path: Path | None):
         self.path = path
         self.seen: dict[str, None] = {}                       # insertion-ordered: the oldest go first
-        self.kernel: dict[str, int] | None = None             # {"dev", "ino", "offset"}: events made up to here
+        # per followed log (its option's name): {"dev", "ino", "offset"}, events made up to there
+        self.offsets: dict[str, dict[str, int]] = {}
         self.counts: dict[str, int] = {name: 0 for name in COUNTS}
         self.ras_summary: str | None = None                   # the last RAS summary put on the timeline
         self.load_error: str | None = None
@@ -71,9 +73,10 @@ class HealthState:
             self.load_error = f"{path}: not a JSON object"
             return
         self.seen = {str(i): None for i in data.get("seen") or () if isinstance(i, str)}
-        kernel = data.get("kernel")
-        if isinstance(kernel, dict) and all(isinstance(kernel.get(k), int) for k in ("dev", "ino", "offset")):
-            self.kernel = {k: int(kernel[k]) for k in ("dev", "ino", "offset")}
+        offsets = data.get("offsets") if isinstance(data.get("offsets"), dict) else {}
+        for name, where in offsets.items():
+            if isinstance(where, dict) and all(isinstance(where.get(k), int) for k in ("dev", "ino", "offset")):
+                self.offsets[str(name)] = {k: int(where[k]) for k in ("dev", "ino", "offset")}
         counts = data.get("counts") if isinstance(data.get("counts"), dict) else {}
         for name in COUNTS:
             value = counts.get(name)
@@ -95,9 +98,9 @@ class HealthState:
             self.counts[name] += by
             self._dirty = True
 
-    def set_kernel(self, dev: int, ino: int, offset: int) -> None:
-        if self.kernel != {"dev": dev, "ino": ino, "offset": offset}:
-            self.kernel = {"dev": dev, "ino": ino, "offset": offset}
+    def set_offset(self, log: str, dev: int, ino: int, offset: int) -> None:
+        if self.offsets.get(log) != {"dev": dev, "ino": ino, "offset": offset}:
+            self.offsets[log] = {"dev": dev, "ino": ino, "offset": offset}
             self._dirty = True
 
     def set_ras_summary(self, key: str) -> None:
@@ -108,7 +111,7 @@ class HealthState:
         """Write the state if it changed (a temporary file renamed over it: a crash leaves the old or the new)."""
         if not self._dirty or self.path is None:
             return
-        document = {"version": 1, "seen": list(self.seen), "kernel": self.kernel, "counts": self.counts,
+        document = {"version": 1, "seen": list(self.seen), "offsets": self.offsets, "counts": self.counts,
                     "ras_summary": self.ras_summary}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")

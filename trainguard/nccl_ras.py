@@ -22,12 +22,22 @@ nc localhost 28028`) asks it for the whole job's state. A node keeps what a cron
   ``init_state``, ``async_error``, ...) and ``missing_ranks`` (``status``: ``unresponsive``,
   ``considered_dead``), ``ras``: ``collection_time_sec``, ``timeouts_count``.
 
+- monitoring mode (``ncclras -m``, 2.29+; rasClientsNotifyEvent): a log of one line per event as it happens,
+  ``[%s] %s: %s %s`` (local time ``%F %T``, the event type, the peer as ``Process %d on node %s managing GPU[s]
+  %s`` (peers.cc rasPeerInfoToString) or ``host<port>`` (ncclSocketToString), the details), after a banner
+  ``RAS Monitor Mode - watching for peer changes (Ctrl+C to exit)...``. Event types from peers.cc and rasnet.cc:
+  PEER_DEAD, PEER_TIMEOUT_DEAD (``peer failed to respond for %lds, declaring dead``), PEER_UNRESPONSIVE (``peer
+  not responding for %lds (...)``), PEER_SEND_STUCK, PEER_INIT_TIMEOUT, PEER_DISCONNECTED; PEER_NEW,
+  PEER_CONNECTING and PEER_RETRY are the job's normal life and are passed over.
+
 Nodes are named by IP address (ncclSocketToHost: no DNS), so each finding says which `host` it is about; whether
 that host is this node is the reader's to say (the collector matches its own addresses).
 
 Events (``tool: "nccl ras"``): ``process_missing`` and ``process_dead`` (fail), ``ranks_missing`` (a
 communicator's ranks not responding, fail), ``rank_errors`` (fail), ``mismatch`` and ``timeout`` (warn), and a
-``summary`` last (the job's size, the communicators' count, the worst status).
+``summary`` last (the job's size, the communicators' count, the worst status). A monitor log's events are
+``peer_dead``, ``peer_timeout_dead`` (fail), ``peer_unresponsive``, ``peer_send_stuck``, ``peer_init_timeout``,
+``peer_disconnected`` (warn), one per line.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from trainguard import event_types
 
@@ -335,7 +345,45 @@ def events(report: RasReport) -> list[dict[str, Any]]:
 
 def not_responding(event: dict[str, Any]) -> bool:
     """A finding that ranks or processes stopped answering RAS (missing, unresponsive or dead)."""
-    return event.get("tool") == TOOL and event.get("test") in ("process_missing", "process_dead", "ranks_missing")
+    return event.get("tool") == TOOL and event.get("test") in ("process_missing", "process_dead", "ranks_missing",
+                                                                "peer_dead", "peer_timeout_dead", "peer_unresponsive")
+
+
+# ------------------------------------------------------------------------------------- monitoring mode
+
+MONITOR_BANNER = "RAS Monitor Mode"
+_MONITOR_STATUS = {"PEER_DEAD": FAIL, "PEER_TIMEOUT_DEAD": FAIL, "PEER_UNRESPONSIVE": WARN, "PEER_SEND_STUCK": WARN,
+                   "PEER_INIT_TIMEOUT": WARN, "PEER_DISCONNECTED": WARN}
+_MONITOR_LINE = re.compile(r"^\s*\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] ([A-Z_]+): ?(.*?)\s*$")
+_MONITOR_PEER = re.compile(r"^Process (\d+) on node (\S+) managing GPUs? ([\d,]+(?: \(NVML [\d,]+\))?)(?: (.*))?$")
+_MONITOR_ADDRESS = re.compile(r"^(\S+?)<(\d+)>(?: (.*))?$")
+
+
+def monitor_events(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """The events of a monitoring-mode log (`ncclras -m`) that say a peer is in trouble, in order, each with
+    ``line`` (1-based) and RAS's own time ``at`` (the node's local time, as RAS prints it)."""
+    out: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, 1):
+        found = _MONITOR_LINE.match(line)
+        if not found or found.group(2) not in _MONITOR_STATUS:
+            continue
+        at, kind, rest = found.groups()
+        fields: dict[str, Any] = {"test": kind.lower(), "at": at, "line": number}
+        peer = _MONITOR_PEER.match(rest)
+        address = None if peer else _MONITOR_ADDRESS.match(rest)
+        if peer:
+            fields.update(hosts=[peer.group(2)], ranks=[{"pid": int(peer.group(1)), "host": peer.group(2),
+                                                         "gpu": peer.group(3)}])
+            details = peer.group(4)
+        elif address:
+            fields.update(hosts=[address.group(1)])
+            details = address.group(3)
+        else:
+            details = rest
+        if details:
+            fields["message"] = details
+        out.append(_event(_MONITOR_STATUS[kind], **fields))
+    return out
 
 
 def _event(status: str, **fields: Any) -> dict[str, Any]:

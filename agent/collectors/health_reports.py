@@ -10,6 +10,7 @@ Off unless configured (`default_enabled = False`), and it reads only the paths i
         dcgm_diag: /var/lib/dcgm/diag.json       # what `dcgmi diag -r 2 -j > ...` wrote (any DCGM 1.x-4.x shape)
         kernel_log: /var/log/kern.log            # a kernel log the node keeps or an export (dmesg, journalctl -k)
         nccl_ras: /var/lib/nccl/ras.txt          # what `ncclras -v > ...` (or `ncclras -f json`) saved
+        nccl_ras_monitor: /var/log/nccl-ras.log  # what `ncclras -m >> ...` keeps appending (NCCL 2.29+)
         addresses: []                            # this node's IPs as RAS names them (default: from procfs)
 
 Enabled with neither option set it is disabled (CollectorDisabled, one line). A file that is not there yet
@@ -19,7 +20,8 @@ naming the file (the runner's failure count), and touches no other collector.
 New findings become `health_check` events on the node's timeline (the node log writes them; agent/
 health_timeline.py keeps them once each across restarts, bounded, and labelled with the host they name): a new
 diag document's failed and warned results and its summary, each new RAS finding and a changed RAS summary, each
-NVRM line added to the kernel log after the agent first saw it (the file's history is not replayed). The
+NVRM line added to the kernel log, and each PEER_* trouble line added to the RAS monitor log, after the agent
+first saw the file (its history is not replayed; both logs are followed like the kernel log below). The
 counts the node-risk rule reads ride in the fragment's `system` section (health_diag_isolate,
 health_diag_failures, health_ras_not_responding): cumulative, and kept across restarts.
 
@@ -50,7 +52,7 @@ import os
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -126,23 +128,21 @@ def ras_families(events: list[dict], mtime: float) -> list:
     return [result, findings, when]
 
 
-class KernelLogFollower:
-    """The NVRM lines of a kernel log file read incrementally (inode and offset kept; see the module doc): counts
-    for /metrics from the file's top, and each new line's events with where the line starts."""
+class LogFollower:
+    """A log file read incrementally, like `tail -F` (inode and offset kept; see the module doc): each poll's
+    complete new lines through `parse` (lines in, events with their 1-based `line` out), as (offset of the
+    line in the file, event)."""
 
-    def __init__(self, path: Path, owns: Callable[[str | None], bool] = lambda host: True):
-        self.path = path
-        self.owns = owns                              # a line naming another host counts for nothing here
+    def __init__(self, path: Path, parse: Callable[[Iterable[str]], list[dict]], what: str):
+        self.path, self.parse, self.what = path, parse, what
         self.inode: tuple[int, int] | None = None    # (st_dev, st_ino) of the file read
         self.offset = 0
         self.size = 0                                 # the file's size at the last poll
-        self.xids: Counter = Counter()                # xid code -> lines seen
-        self.fallen = 0
 
     def poll(self) -> list[tuple[int, dict]]:
         """The complete lines added since the last poll as (offset of the line, event); FileNotFoundError when
         there is no file."""
-        fd, st = safe_read.open_fd(self.path, what="kernel log")
+        fd, st = safe_read.open_fd(self.path, what=self.what)
         try:
             if self.inode != (st.st_dev, st.st_ino) or st.st_size < self.offset:
                 self.inode, self.offset = (st.st_dev, st.st_ino), 0      # new file, or truncated: from the top
@@ -163,16 +163,32 @@ class KernelLogFollower:
         starts = [start]
         for line in lines[:-1]:
             starts.append(starts[-1] + len(line) + 1)
-        found = []
-        for event in health_reports.kernel_log(line.decode("utf-8", "replace") for line in lines):
-            found.append((starts[event["line"] - 1], event))
-            if not self.owns(event.get("host")):
-                continue
-            if event.get("test") == "xid":
-                self.xids[int(event["xid"])] += 1
-            elif event.get("test") == "fallen_off_the_bus":
-                self.fallen += 1
+        found = [(starts[event["line"] - 1], event)
+                 for event in self.parse(line.decode("utf-8", "replace") for line in lines)]
+        for _, event in found:
+            self.count(event)
         return found
+
+    def count(self, event: dict) -> None:
+        """What a subclass keeps of each event (for /metrics)."""
+
+
+class KernelLogFollower(LogFollower):
+    """The kernel log's NVRM lines: counts for /metrics from the file's top (this node's lines only)."""
+
+    def __init__(self, path: Path, owns: Callable[[str | None], bool] = lambda host: True):
+        super().__init__(path, health_reports.kernel_log, "kernel log")
+        self.owns = owns                              # a line naming another host counts for nothing here
+        self.xids: Counter = Counter()                # xid code -> lines seen
+        self.fallen = 0
+
+    def count(self, event: dict) -> None:
+        if not self.owns(event.get("host")):
+            return
+        if event.get("test") == "xid":
+            self.xids[int(event["xid"])] += 1
+        elif event.get("test") == "fallen_off_the_bus":
+            self.fallen += 1
 
     def families(self) -> list:
         xid = CounterMetricFamily("trainguard_health_kernel_xid_total", "NVRM Xid lines seen in the configured "
@@ -203,14 +219,17 @@ class HealthReportsCollector(Collector):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        opts = options(ctx.options, self.name, dcgm_diag="", kernel_log="", nccl_ras="", addresses=[])
-        if not opts["dcgm_diag"] and not opts["kernel_log"] and not opts["nccl_ras"]:
+        opts = options(ctx.options, self.name, dcgm_diag="", kernel_log="", nccl_ras="", nccl_ras_monitor="",
+                       addresses=[])
+        if not any(opts[key] for key in ("dcgm_diag", "kernel_log", "nccl_ras", "nccl_ras_monitor")):
             raise CollectorDisabled("health_reports: none of collectors.health_reports.dcgm_diag, .kernel_log, "
-                                    ".nccl_ras is set")
+                                    ".nccl_ras, .nccl_ras_monitor is set")
         self.this_node = timeline.ThisNode(ctx.node, opts["addresses"] or timeline.local_addresses(ctx.procfs))
         self.diag = WatchedReport(Path(opts["dcgm_diag"]), DIAG_BYTES) if opts["dcgm_diag"] else None
         self.ras = WatchedReport(Path(opts["nccl_ras"]), RAS_BYTES) if opts["nccl_ras"] else None
         self.kernel = KernelLogFollower(Path(opts["kernel_log"]), self.this_node.owns) if opts["kernel_log"] else None
+        self.monitor = (LogFollower(Path(opts["nccl_ras_monitor"]), nccl_ras.monitor_events, "NCCL RAS monitor log")
+                        if opts["nccl_ras_monitor"] else None)
         self.state = timeline.HealthState(rundir.health_state_path(ctx.run_dir, ctx.node) if ctx.run_dir else None)
         self.outbox = timeline.Outbox(ctx.node)
         if self.state.load_error:
@@ -223,13 +242,16 @@ class HealthReportsCollector(Collector):
         families: list = []
         errors: list[Exception] = []
         self.outbox.start_update()
-        if self.kernel is not None:
+        for key, follower in (("kernel_log", self.kernel), ("nccl_ras_monitor", self.monitor)):
+            if follower is None:
+                continue
             try:
-                self._kernel_events(self.kernel.poll(), now)
+                self._followed_events(key, follower, follower.poll(), now)
             except FileNotFoundError:
                 pass                                   # not there (yet): the counts stay as they are
             except (OSError, ValueError) as exc:
-                errors.append(_naming(exc, self.kernel.path))
+                errors.append(_naming(exc, follower.path))
+        if self.kernel is not None:
             families += self.kernel.families()
         for report, read in ((self.diag, self._read_diag), (self.ras, self._read_ras)):
             if report is not None:
@@ -243,26 +265,30 @@ class HealthReportsCollector(Collector):
             raise errors[0]      # after every source was read: the kernel log's offset has moved on
         return Sample(families, tls={"system": dict(self.state.counts), "events": self.outbox.fragment()})
 
-    def _kernel_events(self, found: list[tuple[int, dict]], now: float) -> None:
-        """New lines' events onto the timeline: past the offset the state says events were made up to (the
-        first time the agent sees a file, its lines so far are history, not news)."""
-        if self.kernel is None or self.kernel.inode is None:
+    def _followed_events(self, key: str, follower: LogFollower, found: list[tuple[int, dict]], now: float) -> None:
+        """A followed log's new lines onto the timeline: past the offset the state says events were made up to
+        (the first time the agent sees a file, its lines so far are history, not news)."""
+        if follower.inode is None:
             return                                     # no file read yet
-        dev, ino = self.kernel.inode
-        known = self.state.kernel
+        dev, ino = follower.inode
+        known = self.state.offsets.get(key)
         if known is None:
-            since = self.kernel.size                   # never seen: from the end the file has now
-        elif (known["dev"], known["ino"]) == (dev, ino) and known["offset"] <= self.kernel.size:
+            since = follower.size                      # never seen: from the end the file has now
+        elif (known["dev"], known["ino"]) == (dev, ino) and known["offset"] <= follower.size:
             since = known["offset"]
         else:
             since = 0                                  # replaced or truncated since: its lines are new
         for offset, event in found:
-            if offset >= since:
-                event = {key: value for key, value in event.items() if key != "line"}
+            if offset < since:
+                continue
+            event = {**{k: v for k, v in event.items() if k != "line"}, "offset": offset}
+            ident = timeline.digest(key, dev, ino, offset)
+            if follower is self.kernel:                # a forwarded line goes on its own host's timeline
                 host = event.get("host")
-                self.outbox.add({**event, "offset": offset}, timeline.digest("kernel", dev, ino, offset), now,
-                                None if self.this_node.owns(host) else str(host))
-        self.state.set_kernel(dev, ino, max(since, self.kernel.offset))
+                self.outbox.add(event, ident, now, None if self.this_node.owns(host) else str(host))
+            else:
+                self._ras_finding(event, ident, now)
+        self.state.set_offset(key, dev, ino, max(since, follower.offset))
 
     def _read_diag(self, data: bytes, mtime: float, now: float) -> list:
         document = _json(data)
@@ -284,24 +310,27 @@ class HealthReportsCollector(Collector):
             raise StillWriting()
         events = nccl_ras.events(report)
         for event in events[:-1]:
-            hosts = event.get("hosts") or []
-            mine = any(self.this_node.owns(h) for h in hosts)
             finding = "ras:" + timeline.digest(event.get("test"), event.get("comm_hash"), event.get("count"),
                                                event.get("ranks"))
-            if not self.state.is_new(finding):
-                continue
-            self.state.remember(finding)
-            if mine and nccl_ras.not_responding(event):
-                self.state.count(timeline.RAS_NOT_RESPONDING)
-            # a job-wide report: a finding about other nodes stays on this node's timeline (the IPs do not say
-            # which host name's log it belongs in), marked as not this node's
-            self.outbox.add({**event, "this_node": mine} if hosts else event, finding[4:], now)
+            if self.state.is_new(finding):
+                self.state.remember(finding)
+                self._ras_finding(event, finding[4:], now)
         summary = events[-1]
         key = timeline.digest(summary["status"], summary.get("findings"), summary.get("complete", True))
         if key != self.state.ras_summary:
             self.state.set_ras_summary(key)
             self.outbox.add({**summary, "written_at": mtime}, timeline.digest("ras summary", data), now)
         return ras_families(events, mtime)
+
+    def _ras_finding(self, event: dict, ident: str, now: float) -> None:
+        """A RAS finding (a report's or a monitor line's) onto this node's timeline: RAS speaks for the whole job,
+        and its IPs do not say which host name's log a finding about another node belongs in, so it stays here,
+        marked `this_node`; only this node's ranks not answering are counted for the node-risk rule."""
+        hosts = event.get("hosts") or []
+        mine = any(self.this_node.owns(h) for h in hosts)
+        if mine and nccl_ras.not_responding(event):
+            self.state.count(timeline.RAS_NOT_RESPONDING)
+        self.outbox.add({**event, "this_node": mine} if hosts else event, ident, now)
 
 
 class StillWriting(Exception):

@@ -173,3 +173,18 @@ def test_ras_mismatch_rank_lines_of_every_form():
         {"rank": 9, "gpu": "1 (NVML 3)", "pid": 1598389, "host": "172.16.64.212", "reported": "not launched"},
         {"rank": 17}]
     assert mismatch["without_process_information"] == 1 and summary["status"] == "warn"
+
+
+def test_ras_monitor_log_peer_events():
+    """`ncclras -m` kept as a log: NCCL's documented PEER_DEAD line and lines from the format strings."""
+    events = nccl_ras.monitor_events((FIXTURES / "ncclras-monitor.log").read_text().splitlines())
+    assert [(e["test"], e["status"], e["at"], e["hosts"]) for e in events] == [
+        ("peer_dead", "fail", "2025-12-19 13:07:07", ["172.16.64.245"]),        # PEER_NEW passed over
+        ("peer_unresponsive", "warn", "2025-12-19 13:07:14", ["172.16.64.246"]),
+        ("peer_send_stuck", "warn", "2025-12-19 13:07:19", ["172.16.64.246"]),
+        ("peer_timeout_dead", "fail", "2025-12-19 13:08:15", ["172.16.64.246"])]
+    assert events[0]["ranks"] == [{"pid": 1524345, "host": "172.16.64.245", "gpu": "1"}] and "message" not in events[0]
+    assert events[1]["message"] == "peer not responding for 5s (connect timeout)" and "ranks" not in events[1]
+    assert events[2]["message"] == "send operation stuck for 5s, terminating connection"
+    assert [e["line"] for e in events] == [9, 11, 12, 13]
+    assert [nccl_ras.not_responding(e) for e in events] == [True, True, False, True]

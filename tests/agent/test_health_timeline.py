@@ -67,7 +67,7 @@ def test_new_findings_become_events_once_and_survive_a_restart(tmp_path):
         log.write(XID_79)
     assert [e["test"] for e in events(restarted.update())] == ["xid"]
     state = json.loads(rundir.health_state_path(tmp_path / "run", "gpu-node-3").read_text())
-    assert state["kernel"]["offset"] == paths["kernel_log"].stat().st_size
+    assert state["offsets"]["kernel_log"]["offset"] == paths["kernel_log"].stat().st_size
 
 
 def test_a_rewritten_ras_report_adds_only_its_new_findings(tmp_path):
@@ -243,3 +243,20 @@ def test_through_a_running_agent_the_findings_reach_the_node_log_once(tmp_path):
     records = list(tls.read_records(path))
     findings = [r["event"] for r in records if (r.get("event") or {}).get("type") == event_types.HEALTH_CHECK]
     assert len(findings) == 12 and len({e["id"] for e in findings}) == 12       # each once, however many writes
+
+
+def test_a_ras_monitor_log_is_followed_and_its_lines_about_this_node_counted(tmp_path):
+    monitor = tmp_path / "ras-monitor.log"
+    lines = (HEALTH / "ncclras-monitor.log").read_text().splitlines(keepends=True)
+    monitor.write_text("".join(lines[:8]))                       # the header and banner: history
+    c = HealthReportsCollector(Context(procfs=tmp_path, sysfs=tmp_path, devfs=tmp_path, node="gpu-node-6",
+                                       run_dir=tmp_path / "run", options={"nccl_ras_monitor": str(monitor),
+                                                                          "addresses": ["172.16.64.246"]}))
+    assert events(c.update()) == []
+    monitor.write_text("".join(lines))
+    sample = c.update()
+    found = events(sample)
+    assert [(e["test"], e["this_node"]) for e in found] == [("peer_dead", False), ("peer_unresponsive", True),
+                                                           ("peer_send_stuck", True), ("peer_timeout_dead", True)]
+    assert sample.tls["system"]["health_ras_not_responding"] == 2      # unresponsive and dead: this node's
+    assert events(HealthReportsCollector(c.ctx).update()) == []        # restarted: nothing twice

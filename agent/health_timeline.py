@@ -11,7 +11,8 @@ new NVRM kernel lines into `health_check` events. This module keeps them honest:
   agent/nodelog.py), at most MAX_EVENTS_PER_UPDATE an update (an XID storm of thousands of lines is the first
   ones and a count of the rest), and the state keeps the last SEEN_KEPT ids;
 - **whose**: `ThisNode` says whether a host a finding names is this node (its name, or one of its addresses:
-  NCCL RAS names nodes by IP), so another node's finding is labelled with its own host and counted for none.
+  NCCL RAS names nodes by IP), so another node's finding keeps its own `host`, is marked `this_node: false` and
+  counts for nothing here (it stays in this node's log: that node's own agent speaks for it).
 
 The counts (`COUNTS`) are cumulative and survive restarts with the state: they are what the node-risk rule reads
 from the node record (system.health_*), so an agent restart is not a counter reset (a reset starts its settle
@@ -132,16 +133,13 @@ class Outbox:
     def start_update(self) -> None:
         self._budget, self._over = MAX_EVENTS_PER_UPDATE, 0
 
-    def add(self, event: dict[str, Any], ident: str, now: float, host: str | None = None) -> None:
-        """Put `event` on the timeline of `host` (this node when None: another node's is labelled as its own)."""
+    def add(self, event: dict[str, Any], ident: str, now: float) -> None:
+        """Put `event` on this node's timeline (its own fields say which host it is about)."""
         if self._budget <= 0:
             self._over += 1
             return
         self._budget -= 1
-        labelled = {**event, "id": ident}
-        if host is not None:
-            labelled["read_by"] = self.node
-        self.records.append({"timestamp": now, "node": host or self.node, "event": labelled})
+        self.records.append({"timestamp": now, "node": self.node, "event": {**event, "id": ident}})
 
     def finish_update(self, now: float) -> None:
         """One event for the findings past this update's budget: how many there were."""

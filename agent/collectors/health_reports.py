@@ -25,8 +25,9 @@ first saw the file (its history is not replayed; both logs are followed like the
 counts the node-risk rule reads ride in the fragment's `system` section (health_diag_isolate,
 health_diag_failures, health_ras_not_responding): cumulative, and kept across restarts.
 
-A line or finding that names another host (a forwarded syslog line, a RAS rank on another node) is put on that
-host's timeline (`node` is its host, `read_by` this node) and counts for nothing here.
+A line or finding that names another host (a forwarded syslog line, a RAS rank on another node) keeps its `host`,
+is marked `this_node: false` and counts for nothing here (neither in the node-risk counts nor in the kernel
+series).
 
 The kernel log is followed like `tail -F`: the collector keeps the file's inode and the offset it read to, reads
 only complete new lines (at most READ_BYTES an update), and starts again from the top of a file that was
@@ -283,9 +284,10 @@ class HealthReportsCollector(Collector):
                 continue
             event = {**{k: v for k, v in event.items() if k != "line"}, "offset": offset}
             ident = timeline.digest(key, dev, ino, offset)
-            if follower is self.kernel:                # a forwarded line goes on its own host's timeline
+            if follower is self.kernel:                # a forwarded line is labelled with its own host
                 host = event.get("host")
-                self.outbox.add(event, ident, now, None if self.this_node.owns(host) else str(host))
+                self.outbox.add({**event, "this_node": False} if not self.this_node.owns(host) else event, ident,
+                                now)
             else:
                 self._ras_finding(event, ident, now)
         self.state.set_offset(key, dev, ino, max(since, follower.offset))

@@ -113,7 +113,7 @@ def test_an_xid_storm_is_bounded_per_update(tmp_path):
     assert len(c.update().tls["events"]) <= health_timeline.EVENTS_KEPT
 
 
-def test_another_nodes_lines_go_on_its_own_timeline_and_count_for_nothing_here(tmp_path):
+def test_another_nodes_lines_keep_their_host_and_count_for_nothing_here(tmp_path):
     log = tmp_path / "kern.log"
     log.write_text("")
     c = setup(tmp_path, kernel_log=str(log))
@@ -121,8 +121,9 @@ def test_another_nodes_lines_go_on_its_own_timeline_and_count_for_nothing_here(t
     log.write_text("Dec  3 10:00:01 gpu-node-9 kernel: " + XID_79 + "Dec  3 10:00:02 gpu-node-3 kernel: " + XID_79)
     sample = c.update()
     other, mine = sample.tls["events"]
-    assert (other["node"], other["event"]["read_by"]) == ("gpu-node-9", "gpu-node-3")
-    assert mine["node"] == "gpu-node-3" and "read_by" not in mine["event"]
+    assert other["node"] == "gpu-node-3" and (other["event"]["host"], other["event"]["this_node"]) == \
+        ("gpu-node-9", False)
+    assert mine["node"] == "gpu-node-3" and mine["event"]["host"] == "gpu-node-3" and "this_node" not in mine["event"]
     assert 'trainguard_health_kernel_xid_total{xid="79",xid_class="node_drain"} 1.0' in render(sample.families)
 
 

@@ -163,8 +163,15 @@ def test_launchers_wait_as_spare_returns_the_node_it_replaces_and_records_it(run
 # ------------------------------------------------------------------ the cordon check at each rendezvous
 
 class FakeHandler:
+    """torch's DynamicRendezvousHandler as GuardedRendezvous uses it: the public calls, and the exit operation
+    run through its operation executor."""
+
     def __init__(self):
         self.calls = []
+        self._op_executor = self
+
+    def run(self, op, deadline):
+        self.calls.append(type(op).__name__)
 
     def next_rendezvous(self):
         self.calls.append("next")
@@ -185,7 +192,7 @@ def test_a_cordoned_node_leaves_the_rendezvous_without_closing_it():
     cordoned[0] = True
     with pytest.raises(spare.Cordoned):
         guarded.next_rendezvous()
-    assert guarded.left and guarded.inner.calls == ["next", "stop_heartbeats"]
+    assert guarded.left and guarded.inner.calls == ["next", "stop_heartbeats", "_RendezvousExitOp"]
     assert guarded.shutdown() is True and "shutdown" not in guarded.inner.calls   # the job's rendezvous stays open
 
 

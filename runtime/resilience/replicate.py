@@ -264,6 +264,10 @@ class Replicator:
         """Stop listening; a completed run clears the replicas this rank holds (as its own snapshots)."""
         self._closed.set()
         if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)    # wakes the accept at once (Linux)
+            except OSError:
+                pass
             self._listener.close()
         if self._thread is not None:
             self._thread.join(timeout=2.0)

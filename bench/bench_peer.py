@@ -128,14 +128,16 @@ def _rank(rank: int, folder: str, port: int, args: dict) -> None:
     # The durable checkpoint of the same state (rank 0 writes; every rank verifies and loads it).
     manager = CheckpointManager(root / "run", keep_last=1)
     if rank == 0:
-        manager.save(steps.step, {"model": model, "optim": optimizer}, stable=True)
+        manager.save(steps.step, {"model": model.state_dict(), "optim": optimizer.state_dict()}, stable=True)
         manager.wait()
     dist.barrier()
     checkpoint_seconds = []
     for _ in range(args["runs"]):
         began = time.perf_counter()
-        found = manager.load_latest(into={"model": model, "optim": optimizer})
+        found = manager.load_latest(map_location="cpu")
         assert found is not None
+        model.load_state_dict(found[1]["model"])
+        optimizer.load_state_dict(found[1]["optim"])
         checkpoint_seconds.append(time.perf_counter() - began)
     dist.barrier()
 

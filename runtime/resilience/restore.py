@@ -59,6 +59,8 @@ def after_resume(protector: Any, store: SnapshotStore | None, *, resumed_from: i
         # No checkpoint yet: only this job's own snapshots continue it (a worker it restarted before the
         # first checkpoint); what an earlier job left under this directory's name is deleted.
         store.discard_other_jobs()
+        if held is not None:
+            held.discard_other_jobs()
     return _agreed_snapshot(protector, store, world_size, device,
                             accept=lambda step, manifest: step > (resumed_from or 0)
                             and manifest.get("base_step") == resumed_from

@@ -102,13 +102,15 @@ def fetch(chosen: Plan, local: SnapshotStore, held: SnapshotStore | None, *, dev
     import torch
     import torch.distributed as dist
 
+    # NCCL moves device tensors only: the bytes travel through this rank's GPU there, as they are on gloo
+    wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     pending, inbox = [], None
     for receiver, holder in sorted(chosen.sources.items()):
         if holder == rank:
             outgoing = torch.frombuffer(bytearray(_replica_bytes(held, receiver, chosen)), dtype=torch.uint8)
-            pending.append(dist.isend(outgoing, dst=receiver))
+            pending.append(dist.isend(outgoing.to(wire), dst=receiver))
     if rank in chosen.sources:
-        inbox = torch.empty(sum(chosen.sizes[rank]), dtype=torch.uint8)
+        inbox = torch.empty(sum(chosen.sizes[rank]), dtype=torch.uint8, device=wire)
         pending.append(dist.irecv(inbox, src=chosen.sources[rank]))
     for work in pending:
         work.wait()
@@ -116,7 +118,7 @@ def fetch(chosen: Plan, local: SnapshotStore, held: SnapshotStore | None, *, dev
         record, state = local.load(chosen.step, map_location=device)
         return record, state, 0
     manifest_bytes, _ = chosen.sizes[rank]
-    received = inbox.numpy().tobytes()
+    received = inbox.cpu().numpy().tobytes()
     manifest, payload = received[:manifest_bytes], received[manifest_bytes:]
     where = f"snapshot {chosen.step} received from rank {chosen.sources[rank]}"
     try:

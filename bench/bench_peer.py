@@ -117,11 +117,13 @@ def _rank(rank: int, folder: str, port: int, args: dict) -> None:
         snaps.take(steps.step, base_step=None)      # the step goes on while it is written and replicated
         beside.append(time.perf_counter() - began)
         snaps.wait()
+        replicator.wait()
         dist.barrier()
         steps.step += 1
         began = time.perf_counter()
         snaps.take(steps.step, base_step=None)
         snaps.wait()                                 # as if the step waited for the copy and the replica
+        replicator.wait()
         synchronous.append(time.perf_counter() - began)
         dist.barrier()
     replicated = [f for k, f in events if k == event_types.SNAPSHOT_REPLICATED]

@@ -103,7 +103,8 @@ def fetch(chosen: Plan, local: SnapshotStore, held: SnapshotStore | None, *, dev
     import torch.distributed as dist
 
     # NCCL moves device tensors only: the bytes travel through this rank's GPU there, as they are on gloo
-    wire = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    nccl = bool(chosen.sources) and dist.is_initialized() and dist.get_backend() == "nccl"
+    wire = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     pending, inbox = [], None
     for receiver, holder in sorted(chosen.sources.items()):
         if holder == rank:

@@ -10,11 +10,12 @@ a node, W in all), so losing one node loses no snapshot: its ranks' replicas liv
 and the replicas it held are of the node before it, which still has its own. With one node (L >= W) there
 is no other node: no replica, said once in the log.
 
-How: beside training, on the snapshot's own writing thread (runtime/resilience/snapshot.py), after the
-local copy is committed: the rank connects to its holder's listener (its address published in the job's
+How: beside training, on a thread of its own started once the local copy is committed
+(runtime/resilience/snapshot.py): the rank connects to its holder's listener (its address published in the job's
 c10d store under ``trainguard/replica/<rank>``, overwritten by each new process of that rank) and streams the signed manifest, then the
-payload, then waits for the holder's answer. The step never waits for it; the next snapshot does (one in
-flight per rank: memory stays bounded by one snapshot). A plain TCP stream rather than the process group:
+payload, then waits for the holder's answer. Neither the step nor the next snapshot waits for it: one is
+in flight per rank (memory: one payload), and a snapshot that finds the previous one still being sent is
+not replicated (said). A plain TCP stream rather than the process group:
 it does not take part in the group's abort and re-forming (runtime/resilience/inprocess.py), does not
 need the ranks in lockstep, and a dead peer is a refused connection, not a collective that hangs.
 
@@ -101,6 +102,7 @@ class Replicator:
         self._closed = threading.Event()
         self._listener: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        self._sender: threading.Thread | None = None
 
     @classmethod
     def build(cls, local: SnapshotStore, job_store: Any, *, rank: int, world_size: int, local_world_size: int,
@@ -216,9 +218,28 @@ class Replicator:
             self.held.retain()
 
     # -------------------------------------------------------------------------------------- sending
+    def submit(self, step: int, payload: bytes) -> None:
+        """Send snapshot `step` on a thread of its own: neither the step nor the next snapshot waits for a
+        slow or stopped peer. One in flight (memory: one payload); a snapshot that finds the previous one
+        still being sent is not replicated, said as a `snapshot_replica_failed`."""
+        if self._sender is not None and self._sender.is_alive():
+            why = "the previous snapshot's replica is still being sent"
+            self.emit(event_types.SNAPSHOT_REPLICA_FAILED, step=step, peer_rank=self.peer, why=why, seconds=0.0)
+            self.log.warning("snapshot not replicated: losing this node would lose it", step=step,
+                             peer_rank=self.peer, why=why)
+            return
+        self._sender = threading.Thread(target=self.send, args=(step, payload), daemon=True,
+                                        name=f"trainguard-replicate-{step}")
+        self._sender.start()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the replica being sent is held (or failed)."""
+        if self._sender is not None:
+            self._sender.join(timeout)
+
     def send(self, step: int, payload: bytes) -> bool:
         """Stream this rank's snapshot `step` (just committed locally) to its holder; whether it holds it
-        now. Runs on the snapshot's writing thread, never on the step's."""
+        now. Runs on `submit`'s thread (a test or a bench may call it directly), never on the step's."""
         began = time.perf_counter()
         try:
             manifest = safe_read.read_bytes(self.local.path(step, MANIFEST), safe_read.CONTROL_BYTES,
@@ -262,6 +283,7 @@ class Replicator:
 
     def close(self, *, completed: bool) -> None:
         """Stop listening; a completed run clears the replicas this rank holds (as its own snapshots)."""
+        self.wait(TIMEOUT_SECONDS)
         self._closed.set()
         if self._listener is not None:
             try:

@@ -292,8 +292,8 @@ class Snapshotter:
         self.taken += 1
         self.emit(event_types.SNAPSHOT_SAVED, step=step, bytes=len(payload), blocking_seconds=round(blocking, 6),
                   write_seconds=round(time.perf_counter() - began, 6), path=str(path))
-        if self.replicator is not None:      # beside training still: the next snapshot waits for it
-            self.replicator.send(step, payload)
+        if self.replicator is not None:      # on a thread of its own: a slow peer holds up nothing here
+            self.replicator.submit(step, payload)
 
     def _skipped(self, step: int, reason: str, why: str) -> None:
         self.emit(event_types.SNAPSHOT_SKIPPED, step=step, reason=reason, why=why)

@@ -202,6 +202,7 @@ def _rank(rank: int, root: str, port: int, scenario: str) -> None:
         steps.step = step
         snaps.after_step(step, base_step=None)
         snaps.wait()
+        replicator.wait()
         dist.barrier()                    # every replica is committed on its holder (the send waits for it)
 
     def lose_node_1() -> None:            # ranks 2 and 3 come back with an empty /dev/shm

@@ -232,6 +232,12 @@ def _rank(rank: int, root: str, port: int, scenario: str) -> None:
         result["restored"] = next(f for k, f in protector.events if k == event_types.SNAPSHOT_RESTORED)
         result["fingerprint"] = int(prints.fingerprint(list(model.state_dict().values())))
         result["local_again"] = local.steps()       # a received copy is this rank's own again
+        snapshot(10)                                 # then node 1 comes back empty after torchrun's restart
+        lose_node_1()
+        resumed = Protector(model, steps, checkpoint_step=0)
+        result["resumed"] = restore.after_resume(resumed, local, resumed_from=None, device="cpu", world_size=WORLD,
+                                                 held=replicator.held,
+                                                 fingerprint=lambda t: int(prints.fingerprint(t)))
     else:
         snapshot(5)
         lose_node_1()
@@ -278,6 +284,9 @@ def test_a_node_that_lost_its_snapshots_restores_them_from_its_peers_verified(tm
         restored = results[rank]["restored"]
         assert results[rank]["loaded"]["source"] == restore.PEER and restored["peer_rank"] == rank - LOCAL
         assert restored["bytes_received"] > 1000 and results[rank]["local_again"] == [5]
+    # a worker torchrun restarted on an empty node continues the same job's snapshot from its peer too
+    assert [found["resumed"]["source"] for found in results] == ["snapshot", "snapshot", "peer", "peer"]
+    assert {found["resumed"]["restored_step"] for found in results} == {10}
     assert len({found["fingerprint"] for found in results}) == 1     # every rank on the snapshot's weights
 
 

@@ -301,3 +301,33 @@ def test_a_changed_or_differing_peer_copy_falls_back_to_the_checkpoint_on_every_
         assert event_types.SNAPSHOT_RESTORED not in mismatched["kinds"]
         assert "fingerprints differ" in mismatched["why"][0] and "rank(s) [2] differ from the majority" in mismatched["why"][0]
     assert event_types.SNAPSHOT_INVALID in results[3]["tampered"]["kinds"]      # the rank that refused says why
+
+
+def test_the_switch_and_the_node_count_decide_whether_snapshots_are_replicated(tmp_path, monkeypatch):
+    import dataclasses
+    from types import SimpleNamespace
+
+    from trainguard import policy
+    from trainguard.runtime.resilience.component import Recovery
+
+    (tmp_path / "shm").mkdir()
+    events = Events()
+    protector = SimpleNamespace(key=KEY, states={}, event=events, telemetry=SimpleNamespace(event=events))
+    groups = SimpleNamespace(store=dist.HashStore(), close=lambda: None)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)     # the listener on the loopback
+
+    def built(replicate_setting: str, local_world: int) -> Recovery:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+        settings = dataclasses.replace(policy.from_mapping({"recovery": {"replicate": replicate_setting}}).recovery,
+                                       snapshot_dir=str(tmp_path / "shm"))
+        return Recovery.build(settings, protector, run_dir=tmp_path / "run", rank=1, world_size=4, device="cpu",
+                              groups=groups, log=Log())
+
+    two_nodes = built("on", 2)
+    replicator = two_nodes.snapshots.replicator
+    assert (replicator.peer, replicator.origin) == (3, 3) and two_nodes._held().dir.name == "replica-3"
+    assert groups.store.get("trainguard/replica/1").decode().startswith("127.0.0.1:")
+    two_nodes.close(completed=True)
+    assert built("on", 4).snapshots.replicator is None         # one node: nobody else to hold it
+    assert built("off", 2).snapshots.replicator is None
+    assert policy.from_mapping({"recovery": {"replicate": False}}).recovery.replicate == "off"   # YAML's bare off

@@ -17,6 +17,17 @@ Then the restore, on every rank, of the newest snapshot after ranks 2 and 3 (nod
 tmpfs (ranks 0, 1) and from its peer over the process group (ranks 2, 3), against every rank loading the
 same state from the durable checkpoint (runtime/checkpoint CheckpointManager.load_latest: verified, then
 loaded into the model and the optimizer).
+
+`--replaced-node`: the same through `trainguard train` (2 launchers x 2 ranks on loopback, tests/culprit/
+cluster.py, checkpoint every 10, snapshot every 5): rank 3 SIGKILLed at step 18, and as soon as its
+`fault_injected` event is written, node 1's tmpfs is emptied (its ranks' snapshot directories and the
+replicas they held: a node that comes back empty, or a spare with the same rank numbers). torchrun restarts
+every worker; node 1's ranks take their snapshot from node 0 (`snapshot_restored`, `source: peer`) with
+`recovery.replicate: on`, and every rank goes back to the checkpoint with `off`. Per run: fault -> next step
+(rank 3's `fault_injected` to rank 0's first step record after its restart), the restored step and the work
+lost, the bytes node 1 received.
+
+    .venv/bin/python bench/bench_peer.py --replaced-node
 """
 
 from __future__ import annotations
@@ -168,12 +179,106 @@ def _rank(rank: int, folder: str, port: int, args: dict) -> None:
     dist.destroy_process_group()
 
 
+FAULT_RANK, FAULT_AT, STEPS = 3, 18, 24
+
+
+def replaced_node_run(folder: Path, replicate: str) -> dict:
+    """One 2 x 2 `trainguard train` run: rank 3 killed at FAULT_AT, node 1's tmpfs emptied; its measures."""
+    import shutil
+
+    import yaml
+
+    from tests.culprit.cluster import Cluster
+    from trainguard import event_types, tls
+
+    run_dir, shm = folder / "run", folder / "shm"
+    (run_dir / "tls").mkdir(parents=True)
+    shm.mkdir(mode=0o700)
+    policy = folder / "policy.yaml"
+    policy.write_text(yaml.safe_dump({"recovery": {"mode": "in_process", "snapshot_every": 5, "snapshot_dir": str(shm),
+                                                   "replicate": replicate}}))
+    cluster = Cluster(folder, run_dir, policy)
+    fault_log = run_dir / "tls" / f"rank-{FAULT_RANK}.jsonl"
+    try:
+        cluster.start_store()
+        cluster.wait_store()
+        args = ("--steps", str(STEPS), "--checkpoint-every", "10", "--device", "cpu",
+                "--inject", f"crash@{FAULT_AT}:{FAULT_RANK}")
+        launchers = [cluster.launch(node, *args, nnodes="2", nproc=2) for node in ("n1", "n2")]
+        deadline = time.monotonic() + 600
+        while not (fault_log.exists() and event_types.FAULT_INJECTED in fault_log.read_text()):
+            if time.monotonic() > deadline or any(launcher.poll() is not None for launcher in launchers):
+                raise RuntimeError(f"no fault in {fault_log}\n{cluster.diagnostics()}")
+            time.sleep(0.05)
+        # node 1 (ranks 2, 3) back empty: its ranks' own snapshots and the replicas of node 0 it held
+        for rank_dir in [*shm.glob("*/*/rank-2"), *shm.glob("*/*/rank-3"), *shm.glob("*/*/replica-0"),
+                         *shm.glob("*/*/replica-1")]:
+            shutil.rmtree(rank_dir)
+        codes = [launcher.wait(timeout=900) for launcher in launchers]
+    finally:
+        cluster.stop()
+    if codes != [0, 0]:
+        raise RuntimeError(f"replicate {replicate}: launchers exited {codes}\n{cluster.diagnostics()}")
+    logs = {rank: tls.read_records(run_dir / "tls" / f"rank-{rank}.jsonl") for rank in range(4)}
+    fault_time = next(r["timestamp"] for r in logs[FAULT_RANK]
+                      if (r.get("event") or {}).get("type") == event_types.FAULT_INJECTED)
+    sources, received = {}, {}
+    for rank, records in logs.items():
+        starts = 0
+        for record in records:
+            event = record.get("event") or {}
+            starts += event.get("type") == event_types.RUN_START
+            if starts > 1 and event.get("type") == event_types.SNAPSHOT_RESTORED:
+                sources[rank], received[rank] = event.get("source"), event.get("bytes_received", 0)
+            elif starts > 1 and event.get("type") == event_types.RUN_START:
+                sources.setdefault(rank, "checkpoint")
+    restored_steps = set()
+    next_step = None
+    starts = 0
+    for record in logs[0]:
+        event = record.get("event") or {}
+        starts += event.get("type") == event_types.RUN_START
+        if starts > 1 and event.get("type") == event_types.RUN_START:
+            restored_steps.add(event.get("resumed_from") or 0)
+        elif starts > 1 and event.get("type") == event_types.SNAPSHOT_RESTORED:
+            restored_steps = {event["restored_step"]}
+        elif starts > 1 and not event and "metrics" in record:
+            next_step = record["timestamp"]
+            break
+    [restored_step] = restored_steps
+    return {"replicate": replicate, "to_next_step": next_step - fault_time, "restored_step": restored_step,
+            "work_lost": FAULT_AT - 1 - restored_step, "sources": sources, "received": received}
+
+
+def replaced_node(runs: int) -> int:
+    found = []
+    with tempfile.TemporaryDirectory(prefix="bench-peer-node-") as folder:
+        for run in range(runs):
+            for replicate in ("on", "off"):
+                place = Path(folder) / f"{replicate}-{run}"
+                place.mkdir()
+                found.append(replaced_node_run(place, replicate))
+    print(f"## A node back empty after a kill\n\n`.venv/bin/python bench/bench_peer.py --replaced-node --runs {runs}`: "
+          f"2 x 2 through `trainguard train`, rank 3 SIGKILLed at step {FAULT_AT}, node 1's tmpfs emptied; load "
+          f"average {os.getloadavg()[0]:.1f}\n")
+    print("| recovery.replicate | fault -> next step (s) | restored step | work lost (steps) | sources (rank: where) "
+          "| bytes received (rank 2, 3) |\n|---|---:|---:|---:|---|---|")
+    for r in found:
+        print(f"| {r['replicate']} | {r['to_next_step']:.2f} | {r['restored_step']} | {r['work_lost']} | "
+              f"{r['sources']} | {r['received'].get(2, 0)}, {r['received'].get(3, 0)} |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--n-embd", type=int, default=64)
     parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--replaced-node", action="store_true",
+                        help="through `trainguard train`: a node back empty after a kill, replicate on and off")
     args = parser.parse_args(argv)
+    if args.replaced_node:
+        return replaced_node(args.runs)
     import torch.multiprocessing as tmp
 
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as folder:

@@ -128,7 +128,8 @@ class Trainer:
         self.schedule.bind(self.model, self.optimizer, self.telemetry.event)
         self.recovery = Recovery.build(policy.recovery, self.protector, run_dir=self.run_dir, rank=self.rank,
                                        world_size=self.world, device=self.device, groups=groups, log=self.log,
-                                       sharded=self.sharded)
+                                       sharded=self.sharded,   # a peer's state checked with the replica fingerprint
+                                       fingerprint=lambda tensors: int(self.replicas.fingerprints.fingerprint(tensors)))
         callbacks.stop = lambda reason: self.recovery.settle()    # no snapshot event after a stop's run_end
         self.progress = Progress(run.steps, run.log_every, self.log) if self.rank == 0 else None
 

@@ -36,6 +36,9 @@ SNAPSHOT_RESTORED = "snapshot_restored"    # training state loaded from a verifi
 SNAPSHOT_FALLBACK = "snapshot_fallback"    # no snapshot every rank could verify: the durable checkpoint instead, why
 IN_PROCESS_RESTART = "in_process_restart"  # the ranks re-formed their group in-process and restored: teardown,
                                            # reform and restore seconds, cause, failed_rank, steps_lost
+SNAPSHOT_REPLICATED = "snapshot_replicated"   # a snapshot held by a rank of another node: peer_rank, bytes, seconds
+SNAPSHOT_REPLICA_FAILED = "snapshot_replica_failed"   # a snapshot its peer does not hold: peer_rank, why
+REPLICA_REFUSED = "replica_refused"        # a received replica that did not verify, kept nowhere: origin_rank, reason
 
 # -------------------------------------------------------------------- decisions and what was done
 ALERT = "alert"                    # an alert notification the agent decided on: alertname, status, outcome
@@ -77,3 +80,4 @@ TYPES = (RUN_START, RUN_END, CHECKPOINT_SAVED, CHECKPOINT_FAILED, CHECKPOINT_RES
          CORDON, CORDON_IGNORED, SPARE_JOINED, EVALUATION, LR_PHASE, LAYER_REINIT, FAULT_INJECTED, TRAINER_LOG,
          TRAINER_CHECKPOINT_SIGNED, PREDICTION, RUN_SUMMARY, HEALTH_CHECK, NODE_AT_RISK, SNAPSHOT_SKIPPED,
          SNAPSHOT_INVALID, SNAPSHOT_RESTORED, SNAPSHOT_FALLBACK, IN_PROCESS_RESTART)
+TYPES += (SNAPSHOT_REPLICATED, SNAPSHOT_REPLICA_FAILED, REPLICA_REFUSED)   # peer replication

@@ -91,7 +91,7 @@ class LoopRecovery:
         self.mode = settings.mode if settings is not None else None
         self.snapshot_step: int | None = None     # the snapshot `begin` loaded on top of the checkpoint
         self._completed = False
-        self._said: set[str] = set()
+        self.said: set[str] = set()      # the frameworks said once (not_in_process)
 
     @classmethod
     def build(cls, protector: Any, recovery: Any, groups: ProcessGroups | None, *, sharded: bool) -> "LoopRecovery":
@@ -190,9 +190,9 @@ class LoopRecovery:
     def not_in_process(self, framework: str, why: str) -> None:
         """Said once in the log, when the policy asks for in_process: `framework` owns the loop and the
         process group, so a failure takes the restart path (the snapshots serve the restarted workers)."""
-        if self.mode != IN_PROCESS or framework in self._said:
+        if self.mode != IN_PROCESS or framework in self.said:
             return
-        self._said.add(framework)
+        self.said.add(framework)
         snapshots = "on" if self.component is not None and self.component.snapshots is not None else "off"
         self.protector.log.warning(
             f"recovery.mode in_process: no in-process restart under {framework} ({why}); a failure takes the "

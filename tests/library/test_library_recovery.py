@@ -116,6 +116,19 @@ def test_a_rollback_deletes_the_snapshots_of_the_abandoned_steps(tmp_path):
     p.close()
 
 
+def test_a_snapshot_directory_that_is_not_private_turns_snapshots_off_loudly(tmp_path):
+    shared = private_dir(tmp_path) / f"trainguard-{os.geteuid()}"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)                # others may read it: refused, never used
+    p, model = protector(tmp_path)
+    assert p.begin().snapshot is None
+    steps(p, model, 6)
+    p.close()
+    (skipped,) = events(tmp_path / "run", event_types.SNAPSHOT_SKIPPED)
+    assert skipped["reason"] == "unavailable" and "mode 755" in skipped["why"]
+    assert events(tmp_path / "run", event_types.SNAPSHOT_SAVED) == [] and list(shared.iterdir()) == []
+
+
 # ------------------------------------------------------------------------------- where it is not possible
 class Log:
     def __init__(self):

@@ -50,21 +50,23 @@ def dcgm_diag(document: Any) -> list[dict[str, Any]]:
     root = document.get("DCGM Diagnostic", document.get("DCGM GPU Diagnostic"))
     if not isinstance(root, dict):
         raise ReportError("dcgmi diag -j: no 'DCGM Diagnostic' (or 'DCGM GPU Diagnostic') object")
-    version = (document.get("metadata") or {}).get("version") or root.get("version")
+    metadata = document.get("metadata") if isinstance(document.get("metadata"), dict) else {}
+    version = metadata.get("version") or root.get("version")
+    version = version if isinstance(version, str) else None
     events: list[dict[str, Any]] = []
     tests = failed = 0
     if isinstance(root.get("runtime_error"), str):
         events.append(_event(DCGMI, FAIL, test="runtime", message=root["runtime_error"]))
     for c, category in enumerate(_list(root.get("test_categories"), "test_categories")):
         for t, test in enumerate(_list(category.get("tests"), f"test_categories[{c}].tests")):
-            name = test.get("name", f"test {t}")
+            name = str(test.get("name", f"test {t}"))
             tests += 1
             for result in _list(test.get("results"), f"test_categories[{c}].tests[{t}].results"):
                 status = _status(result.get("status"))
                 if status in (PASS, SKIP):
                     continue
                 failed += status == FAIL
-                events.append(_dcgm_finding(category.get("category", ""), name, status, result))
+                events.append(_dcgm_finding(str(category.get("category", "")), name, status, result))
     overall = FAIL if failed else WARN if events else PASS
     # the document names no host: the GPUs' serial numbers (DCGM 4.x entity_groups) say whose GPUs it tested
     serials = sorted({str(e["serial_num"]) for g in _list(document.get("entity_groups"), "entity_groups")
@@ -82,9 +84,11 @@ def _dcgm_finding(category: str, test: str, status: str, result: dict) -> dict[s
         fields["gpu"] = result["gpu_ids"]
     warnings = []
     classes = set()
-    for warning in result.get("warnings") or ():
+    given = result.get("warnings")
+    for warning in given if isinstance(given, list) else ():
         if isinstance(warning, dict):
             severity = warning.get("error_severity")
+            severity = severity if isinstance(severity, int) else None      # a list or object is no severity
             name, action_class = DCGM_SEVERITY.get(severity, ("unknown", None))
             if action_class:
                 classes.add(action_class)

@@ -212,3 +212,33 @@ def test_ras_any_cut_or_flipped_byte_is_a_report_or_a_named_refusal(name):
             continue
         assert found[-1]["test"] == "summary" and all(e["type"] == event_types.HEALTH_CHECK for e in found)
         nccl_ras.monitor_events(variant.decode("utf-8", "replace").splitlines())
+
+
+def test_dcgm_any_corrupted_document_is_events_or_a_named_refusal():
+    """Seeded corruptions of the DCGM 4.x fixture's JSON values (types swapped at random): events or
+    ReportError, never another exception, and the collector's families of what was read."""
+    import random
+
+    from trainguard.agent.collectors.health_reports import diag_families
+
+    rng = random.Random(0)
+    odd = [None, 7, "x", [1], {"a": 1}, True, 1.5, []]
+
+    def corrupt(value):
+        if rng.random() < 0.08:
+            return rng.choice(odd)
+        if isinstance(value, dict):
+            return {k: corrupt(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [corrupt(v) for v in value]
+        return value
+
+    base = json.loads((FIXTURES / "dcgmi-diag.json").read_text())
+    for _ in range(300):
+        document = corrupt(base)
+        try:
+            events = dcgm_diag(document)
+        except ReportError:
+            continue
+        assert events[-1]["test"] == "summary"
+        assert len(diag_families(events, document, 0.0)) == 4           # what the collector exports of it

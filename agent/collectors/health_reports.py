@@ -13,12 +13,13 @@ Off unless configured (`default_enabled = False`), and it reads only the paths i
         nccl_ras_monitor: /var/log/nccl-ras.log  # what `ncclras -m >> ...` keeps appending (NCCL 2.29+)
         addresses: []                            # this node's IPs as RAS names them (default: from procfs)
 
-Enabled with neither option set it is disabled (CollectorDisabled, one line). A file that is not there yet
-gives none of its series and no error; a file that is not what it claims fails the update with one line
-naming the file (the runner's failure count), and touches no other collector.
+Enabled with none of the four paths set it is disabled (CollectorDisabled, one line). A file that is not there
+yet gives none of its series and no error; a file that is not what it claims fails the update with one line
+naming the file (the runner's failure count), and touches no other collector. A report written in the last
+WRITING_SECONDS that is cut off or does not parse is read again next update instead (`ncclras` streams).
 
 New findings become `health_check` events on the node's timeline (the node log writes them; agent/
-health_timeline.py keeps them once each across restarts, bounded, and labelled with the host they name): a new
+health_timeline.py keeps them once each across restarts, bounded, and says whose they are): a new
 diag document's failed and warned results and its summary, each new RAS finding and a changed RAS summary, each
 NVRM line added to the kernel log, and each PEER_* trouble line added to the RAS monitor log, after the agent
 first saw the file (its history is not replayed; both logs are followed like the kernel log below). The

@@ -63,3 +63,19 @@ def test_a_run_without_findings_says_nothing_of_them(tmp_path):
     result = replay_logs([run], Policy())
     assert result.health == [] and "node health" not in render(result)
     assert "Node health findings" not in render_report(run)
+
+
+def test_replay_drains_on_a_recorded_isolate_verdict_as_the_live_rule_would(tmp_path):
+    """The node log's joined records carry the collector's counts (system.health_*): replay's node-risk pass
+    reads them through the same rule, so a dcgmi diag ISOLATE verdict is a drain in replay too."""
+    from trainguard import tls
+    from trainguard.decide.node_risk import DRAIN_AT_CHECKPOINT
+
+    log = tmp_path / "node-gpu-node-3.jsonl"
+    with open(log, "wb") as out:
+        for i in range(8):
+            counts = {"health_diag_isolate": int(i >= 3), "health_diag_failures": 0, "health_ras_not_responding": 0}
+            out.write(tls.encode({"schema": "tls/1", "timestamp": tls.format_timestamp(T0 + 60.0 * i),
+                                  "node": "gpu-node-3", "system": counts}))
+    drains = [a for a in replay_logs([log], Policy()).actions if a.action == DRAIN_AT_CHECKPOINT]
+    assert [(a.timestamp, a.detail["signals"]) for a in drains] == [(T0 + 300.0, {"diag_isolate": 1.0})]

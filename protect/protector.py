@@ -169,9 +169,10 @@ class Protector:
         self.loss_rollback: float | None = None    # the loss that caused the last loss rollback (its retry)
 
     # ------------------------------------------------------------------------------------ start, end
-    def begin(self, **rank_info: Any) -> Begun:
+    def begin(self, *, resume: bool = True, **rank_info: Any) -> Begun:
         """Describe this rank for the agent's `restore`, refuse a run the guard stopped, resume from the
-        newest verified checkpoint if there is one."""
+        newest verified checkpoint if there is one. `resume=False`: a standby in a killed rank's place
+        (runtime/resilience/standby.py), whose state comes with the surviving ranks' restore."""
         write_rank_file(self.run_dir, self.rank, world_size=self.world, **rank_info)
         if self.rank == 0 and self.key is not None:
             _sign_policy(self.run_dir, self.policy, self.key, self.run_id, self.log)
@@ -181,7 +182,7 @@ class Protector:
         if (refused := self.stopped_marker()) is not None:
             self.log.error("this run was stopped by the guard; not starting again", **refused)
             return Begun(None, refused)
-        return Begun(self.restore(rollback=False))
+        return Begun(self.restore(rollback=False) if resume else None)
 
     def finish(self) -> None:
         """The loop ran to its end: a last checkpoint (unless this step has one), `run_end`, durable."""

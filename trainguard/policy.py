@@ -182,6 +182,8 @@ class RecoveryPolicy:
                                  "for every rank; then the launcher restarts every worker")
     max_in_process_restarts: int = key(3, at_least(0, 10**4), "in-process restarts per worker process; past "
                                        "it a failure goes the restart way")
+    standbys: int = key(1, at_least(0, 1), "warm standby processes per rank (torch imported, waiting): one "
+                        "takes a killed rank's place in-process; 0: a killed rank restarts every worker")
 
 
 @dataclass(frozen=True)

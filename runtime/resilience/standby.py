@@ -42,8 +42,19 @@ from typing import Any, Callable
 SUPERVISOR_ENV = "TRAINGUARD_SUPERVISOR_PID"   # set in the rank and the standby: their registration reads it
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 IDENTITY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# What the rank's path imports on first use, imported once in the supervisor before it forks, so neither the
+# rank nor a promoted standby pays for it (torch.optim's first optimizer imports torch._dynamo: seconds).
+# Imports only: no tensor op (it could start a thread pool that a forked child would inherit broken).
+WARM_MODULES = ("torch._dynamo", "torch.nn.parallel", "torch.distributed.checkpoint")
 REMEMBERED = "trainguard/standby"     # the job store's keys of what the ranks gathered at start
 MAX_STANDBY_FAILURES = 3      # standbys that died unpromoted before the supervisor stops forking them
+
+
+def warm_up(modules: tuple[str, ...] = WARM_MODULES) -> None:
+    import importlib
+
+    for name in modules:
+        importlib.import_module(name)
 
 
 def remember(groups: Any, name: str, value: Any) -> None:
@@ -82,6 +93,7 @@ class Supervisor:
         """Fork the rank and its standby, supervise them; the rank's exit code. A rank that died by a
         signal and cannot be replaced ends this process by the same signal (it does not return)."""
         os.environ[SUPERVISOR_ENV] = str(os.getpid())
+        warm_up()
         for sig in FORWARDED:
             signal.signal(sig, self._forward)
         self.rank_pid = self._fork(self.run_rank)

@@ -76,10 +76,10 @@ def hand_over(environ: Any = os.environ) -> dict[str, str]:
 
 class Supervisor:
     def __init__(self, run_rank: Callable[[], int], replace_rank: Callable[[dict], int], *,
-                 max_promotions: int, log: Any, standbys: int = 1):
+                 max_promotions: int, log: Any, standbys: int = 1, warm_modules: tuple[str, ...] = WARM_MODULES):
         """`run_rank()`: the rank's whole life in the forked child, returning its exit code;
         `replace_rank(identity)`: the same for a standby promoted in a dead rank's place."""
-        self.run_rank, self.replace_rank = run_rank, replace_rank
+        self.run_rank, self.replace_rank, self.warm_modules = run_rank, replace_rank, warm_modules
         self.max_promotions, self.log, self.standbys = max_promotions, log, standbys
         self.rank_pid: int | None = None
         self.standby_pid: int | None = None
@@ -93,7 +93,7 @@ class Supervisor:
         """Fork the rank and its standby, supervise them; the rank's exit code. A rank that died by a
         signal and cannot be replaced ends this process by the same signal (it does not return)."""
         os.environ[SUPERVISOR_ENV] = str(os.getpid())
-        warm_up()
+        warm_up(self.warm_modules)
         for sig in FORWARDED:
             signal.signal(sig, self._forward)
         self.rank_pid = self._fork(self.run_rank)
@@ -114,8 +114,8 @@ class Supervisor:
         """Hand the dead rank's place to the standby; whether it was handed."""
         why = ("the supervisor is stopping" if self._stopping is not None
                else f"it was told to stop ({signal.Signals(sig).name})" if sig in FORWARDED
-               else "no standby" if self.standby_pid is None
                else f"{self.promotions} promotions (the budget) spent" if self.promotions >= self.max_promotions
+               else "no standby" if self.standby_pid is None
                else None)
         if why is not None:
             self.log.error("the rank was killed and is not replaced: the launcher restarts every worker",
@@ -251,7 +251,8 @@ def _die_by(sig: int) -> None:
     """End this process by `sig`, as its rank ended: the launcher sees the same death."""
     sys.stdout.flush()
     sys.stderr.flush()
-    signal.signal(sig, signal.SIG_DFL)
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):     # the two that cannot be handled
+        signal.signal(sig, signal.SIG_DFL)
     os.kill(os.getpid(), sig)
     time.sleep(5)                      # a signal that does not end a process by default (none forwarded here)
     os._exit(128 + sig)

@@ -163,9 +163,9 @@ RECOVERY_MODES = ("in_process", "restart")
 class RecoveryPolicy:
     """How a rank's failure is recovered (docs/recovery.md; its component is runtime/resilience/, outside the
     core). "in_process": the surviving processes tear their process group down, meet in the job's store,
-    re-form it and restore the newest verified in-memory snapshot, in the same interpreters; what cannot be
-    recovered so (a killed process, a barrier not met in time) goes the "restart" way: torchrun restarts
-    every worker from the newest verified state."""
+    re-form it and restore the newest verified in-memory snapshot, in the same interpreters (a killed
+    process's place taken by its warm standby, `standbys`); what cannot be recovered so (a barrier not met in
+    time) goes the "restart" way: torchrun restarts every worker from the newest verified state."""
 
     mode: str = key("in_process", Choice(RECOVERY_MODES), "in_process: re-form the group in the same processes "
                     "and restore the in-memory snapshot; restart: torchrun restarts every worker (the old path)")

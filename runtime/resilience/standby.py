@@ -31,6 +31,7 @@ it, and two ranks of one node killed at once (the OOM killer) are both replaced.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -94,6 +95,7 @@ class Supervisor:
         signal and cannot be replaced ends this process by the same signal (it does not return)."""
         os.environ[SUPERVISOR_ENV] = str(os.getpid())
         warm_up(self.warm_modules)
+        gc.freeze()     # what is here now is the children's too: their collections must not copy its pages
         for sig in FORWARDED:
             signal.signal(sig, self._forward)
         self.rank_pid = self._fork(self.run_rank)

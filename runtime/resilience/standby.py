@@ -165,12 +165,12 @@ class Supervisor:
     def _wait_for_the_call(self, read_end: int) -> int:
         """The standby's life: block until the supervisor hands it a rank (or closes the pipe: exit 0)."""
         line = b""
-        with os.fdopen(read_end, "rb", buffering=0) as pipe:
-            while not line.endswith(b"\n"):
-                chunk = pipe.read(4096)
-                if not chunk:
-                    return 0            # never called: the rank's job is over
-                line += chunk
+        while not line.endswith(b"\n"):
+            chunk = os.read(read_end, 4096)     # a pipe from the supervisor: no file is read
+            if not chunk:
+                return 0            # never called: the rank's job is over
+            line += chunk
+        os.close(read_end)
         identity = json.loads(line)
         os.environ.update(identity)
         return self.replace_rank(identity)

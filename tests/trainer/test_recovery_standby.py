@@ -168,6 +168,7 @@ def test_the_rank_and_the_standby_die_with_their_supervisor(tmp_path):
     assert gone(rank_and_standby)
 
 
+@pytest.mark.slow     # imports torch._dynamo: seconds
 def test_warming_up_starts_no_thread_the_forked_children_would_lack():
     code = ("import os, torch\nfrom trainguard.runtime.resilience import standby\n"
             "before = len(os.listdir('/proc/self/task'))\nstandby.warm_up()\n"
@@ -288,6 +289,7 @@ sys.stdout.flush(); os._exit(code)
 """
 
 
+@pytest.mark.slow     # two processes on a gloo group
 def test_a_standby_takes_a_killed_ranks_place_in_the_survivors_group(tmp_path):
     """Rank 1 (under its supervisor) is SIGKILLed mid-training; rank 0 never ends: it recovers in-process and
     its next collective is with rank 1's standby, in the re-formed group."""

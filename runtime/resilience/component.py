@@ -146,6 +146,32 @@ class Recovery:
         self.log.warning("recovered in-process", **record)
         return record
 
+    def take_over(self, rebuild: Callable[[], None]) -> dict:
+        """A standby promoted in a killed rank's place (runtime/resilience/standby.py), after the Protector's
+        begin: meet the surviving ranks at their barrier, form the group with them, restore what they
+        restore (the agreement is theirs: the same collectives in the same order), and `rebuild` as they
+        do. RecoveryFailed when they are not there: the process ends and the launcher restarts every worker."""
+        began = time.perf_counter()
+        dead = self.groups.rank
+        timings = self.groups.join(f"rank {dead}'s process died; a standby took its place")
+        try:
+            restored = restore.after_failure(self.protector, self.store, device=self.device, world_size=self.world,
+                                             held=self._held(), fingerprint=self.fingerprint)
+        except LookupError as exc:
+            raise RecoveryFailed(str(exc)) from None
+        state = self.protector.state
+        if restored["source"] == restore.SNAPSHOT and state.last_saved_step is None:
+            # the durable checkpoint this state builds on (the survivors' own, as they accepted this step):
+            # what the next snapshots are signed on top of and the next checkpoint is counted from
+            state.last_saved_step = self.store.manifest(restored["restored_step"]).get("base_step")
+        rebuild()
+        record = {**timings, **restored, "replaced_rank": dead, "standby": True,
+                  "recovery_seconds": time.perf_counter() - began}
+        record = {key: round(value, 6) if isinstance(value, float) else value for key, value in record.items()}
+        self.protector.event(event_types.IN_PROCESS_RESTART, **record)
+        self.log.warning("a standby took a killed rank's place", **record)
+        return record
+
     def _held(self) -> Any:
         """The replicas this rank holds of another rank's snapshots (runtime/resilience/replicate.py)."""
         replicator = self.snapshots.replicator if self.snapshots is not None else None

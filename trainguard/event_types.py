@@ -36,6 +36,8 @@ SNAPSHOT_RESTORED = "snapshot_restored"    # training state loaded from a verifi
 SNAPSHOT_FALLBACK = "snapshot_fallback"    # no snapshot every rank could verify: the durable checkpoint instead, why
 IN_PROCESS_RESTART = "in_process_restart"  # the ranks re-formed their group in-process and restored: teardown,
                                            # reform and restore seconds, cause, failed_rank, steps_lost
+RECOVERY_REQUEST = "recovery_request"      # a rank took an agent's signed request to recover in-process: request, by
+RECOVERY_REQUEST_REFUSED = "recovery_request_refused"   # a request no rank acts on (unsigned, forged, copied): why
 
 # -------------------------------------------------------------------- decisions and what was done
 ALERT = "alert"                    # an alert notification the agent decided on: alertname, status, outcome
@@ -75,4 +77,5 @@ TYPES = (RUN_START, RUN_END, CHECKPOINT_SAVED, CHECKPOINT_FAILED, CHECKPOINT_RES
          CONTROL_REFUSED, STOP_MARKER_REFUSED, LOSS_LEVEL_SHIFT, REPLICA_CHECK, REPLICA_MISMATCH, CULPRIT,
          CORDON, CORDON_IGNORED, EVALUATION, LR_PHASE, LAYER_REINIT, FAULT_INJECTED, TRAINER_LOG,
          TRAINER_CHECKPOINT_SIGNED, PREDICTION, RUN_SUMMARY, HEALTH_CHECK, NODE_AT_RISK, SNAPSHOT_SKIPPED,
-         SNAPSHOT_INVALID, SNAPSHOT_RESTORED, SNAPSHOT_FALLBACK, IN_PROCESS_RESTART)
+         SNAPSHOT_INVALID, SNAPSHOT_RESTORED, SNAPSHOT_FALLBACK, IN_PROCESS_RESTART,
+         RECOVERY_REQUEST, RECOVERY_REQUEST_REFUSED)

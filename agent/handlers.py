@@ -65,7 +65,8 @@ def restore_ranks(node: NodeActions, verdict: NoticeVerdict, result: dict) -> No
             return
     elif node.recovery is not None and node.recovery.mode == recover_in_process.IN_PROCESS:
         result["in_process"] = {"result": "not_tried", "why": why}
-    result["recovery"] = "restart"
+    if "in_process" in result:
+        result["recovery"] = "restart"      # said where in-process was the policy's choice
     result.update(restore.end_local_ranks(node.run_dir, node.host, started_before=verdict.notice.starts_at,
                                           grace_seconds=node.grace, trust=node.trust()))
     for refusal in result["refused"]:

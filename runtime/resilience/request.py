@@ -86,8 +86,8 @@ def write(run_dir: rundir.PathLike, record: dict) -> bool:
     already (another node's agent asked first: both wait for the same recovery)."""
     path = request_path(run_dir, record["id"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(temporary, "w") as handle:
+    temporary = path.with_name(f".{path.name}.{os.urandom(8).hex()}.tmp")
+    with os.fdopen(_create(temporary), "w") as handle:
         json.dump(record, handle, sort_keys=True)
         handle.flush()
         os.fsync(handle.fileno())
@@ -106,8 +106,18 @@ def read(run_dir: rundir.PathLike, request_id: str) -> Any:
 
 
 def acknowledge(run_dir: rundir.PathLike, request_id: str, rank: int, at: float) -> None:
-    path = ack_path(run_dir, request_id, rank)
-    path.write_text(json.dumps({"request": request_id, "rank": rank, "at": at}))
+    """Rank `rank` took the request (one ack per rank and request; one already there stands)."""
+    try:
+        fd = _create(ack_path(run_dir, request_id, rank))
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as handle:
+        handle.write(json.dumps({"request": request_id, "rank": rank, "at": at}))
+
+
+def _create(path: Path) -> int:
+    """A new file, never through a link planted under a predictable name (raises FileExistsError)."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
 
 
 def acknowledged(run_dir: rundir.PathLike, request_id: str) -> set[int]:

@@ -73,6 +73,7 @@ class ProcessGroups:
         self.requests: requests_mod.RequestWatch | None = None
         self.interrupt: requests_mod.MainThreadInterrupt | None = None
         self._entered = -1                 # the newest generation whose recovery this rank's main thread began
+        self._recovering = False           # from an abort to the end of the re-forming
         self._aborted_at: float | None = None
         self._nudged_at = 0.0
 
@@ -124,8 +125,8 @@ class ProcessGroups:
 
     def _requested(self, generation: int) -> bool:
         """An agent's signed request taken now: written as the generation's fault, as a failing rank would."""
-        if self.requests is None or self._entered >= generation:
-            return False        # none, or this generation's recovery is under way: it serves the request
+        if self.requests is None or self._recovering:
+            return False        # none, or a recovery is under way: it serves the request
         taken = self.requests.poll()
         if taken is None:
             return False
@@ -163,6 +164,9 @@ class ProcessGroups:
                 return False
             self._aborted = generation
             self._aborted_at = time.monotonic()
+            self._recovering = True
+            if self.requests is not None:
+                self.requests.settled()    # a request issued before this abort is served by its recovery
             if dist.is_initialized():
                 try:
                     c10d._abort_process_group()     # the default group and every group made from it
@@ -207,6 +211,7 @@ class ProcessGroups:
             self.interrupt.disarm()
         if self.requests is not None:
             self.requests.settled()
+        self._recovering = False
         asked = {"request": first["request"]} if first.get("request") else {}
         return {"generation": self.generation, "failed_rank": first.get("rank"), "cause": first.get("cause"),
                 "teardown_seconds": torn_down - began, "barrier_seconds": met - torn_down,

@@ -204,3 +204,24 @@ def test_a_hung_rank_is_interrupted_and_both_recover_in_the_same_processes(tmp_p
     assert all(r["generation"] == 1 and r["sum"] == 2.0 for r in results)
     assert requests.acknowledged(run, "restore-step7-attempt0")        # one taker is enough: the store tells the rest
     assert "interrupting it" in errs[0].read_text()
+
+
+def test_a_request_issued_before_a_recovery_ended_is_served_by_it_not_taken_again(tmp_path):
+    """Seen in the bench: rank 2 saw another rank's fault in the store first, re-formed, then read the same
+    request and started a second recovery. A request issued before the abort (or while the group re-forms)
+    is the one this recovery serves."""
+    import torch.distributed as dist
+
+    run = run_dir(tmp_path)
+    store = dist.HashStore()
+    groups = ProcessGroups(store, "gloo", 2, 4, timeout=None, barrier_seconds=5, log=Log())
+    groups.requests, _, events = watch(run)
+    ask(run, "restore-y", issued_at=time.time() - 0.5)
+    groups.requests.since = time.time() - 1                            # the process began before the request
+    store.set("trainguard/recovery/0/fault", json.dumps({"rank": 1, "request": "restore-y", "cause": "x"}))
+    assert groups.abort(0)                                             # the watcher saw the store's fault first
+    assert not groups._requested(0)                                    # mid-recovery: nothing is taken
+    store.add("trainguard/recovery/0/arrived", 3)
+    groups.form = lambda: None
+    groups.recover(RuntimeError("Connection closed by peer"))
+    assert not groups._requested(1) and events == []                   # served: generation 1 stays healthy

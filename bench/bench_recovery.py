@@ -170,7 +170,7 @@ def two_node_run(folder: Path, mode: str, fault: str, steps: int, fault_at: int,
     found = {"to_next_step": next_step - fault_time, "work_lost": fault_at - 1 - restored,
              "healthy_ended": ended, "restored_step": restored}
     if agents:      # the verdict: the first agent's restore action (the evidence was gathered before it)
-        restores = [r["event"] for node in ("n1", "n2")
+        restores = [{**r["event"], "node": node} for node in ("n1", "n2")
                     for r in tls.read_records(run_dir / "tls" / f"node-{node}-actions.jsonl")
                     if (r.get("event") or {}).get("type") == event_types.ACTION and r["event"].get("action") == "restore"]
         found.update(verdict_to_next_step=next_step - min(e["issued_at"] for e in restores),

@@ -234,6 +234,7 @@ class MainThreadInterrupt:
         self.signum = signum
         self.armed = False
         self.main = threading.main_thread().ident
+        self.previous: Any = None         # the handler this one replaced (a loop's own use of the signal)
 
     @classmethod
     def install(cls, signum: int = INTERRUPT_SIGNAL) -> "MainThreadInterrupt | None":
@@ -241,7 +242,7 @@ class MainThreadInterrupt:
         if threading.current_thread() is not threading.main_thread():
             return None
         interrupt = cls(signum)
-        signal.signal(signum, interrupt._handle)
+        interrupt.previous = signal.signal(signum, interrupt._handle)
         return interrupt
 
     def interrupt(self) -> None:
@@ -252,7 +253,11 @@ class MainThreadInterrupt:
         self.armed = False
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if not self.armed or sys.exc_info()[1] is not None:
+        if not self.armed:
+            if callable(self.previous):   # not ours: the handler the loop had set before gets it
+                self.previous(signum, frame)
+            return
+        if sys.exc_info()[1] is not None:
             return
         self.armed = False
         raise RecoveryInterrupted("interrupted by the recovery's watcher: this rank was stuck outside any "

@@ -225,3 +225,16 @@ def test_a_request_issued_before_a_recovery_ended_is_served_by_it_not_taken_agai
     groups.form = lambda: None
     groups.recover(RuntimeError("Connection closed by peer"))
     assert not groups._requested(1) and events == []                   # served: generation 1 stays healthy
+
+
+def test_a_signal_not_ours_goes_to_the_handler_the_loop_had():
+    import signal
+
+    seen = []
+    before = signal.signal(requests.INTERRUPT_SIGNAL, lambda signum, frame: seen.append(signum))
+    try:
+        interrupt = requests.MainThreadInterrupt.install()
+        interrupt._handle(requests.INTERRUPT_SIGNAL, None)
+        assert seen == [requests.INTERRUPT_SIGNAL]
+    finally:
+        signal.signal(requests.INTERRUPT_SIGNAL, before)

@@ -39,6 +39,9 @@ class Recovery:
         self.protector, self.store, self.snapshots, self.groups = protector, store, snapshots, groups
         self.max_restarts, self.device, self.world, self.log = max_restarts, device, world_size, log
         self.restarts = 0
+        # The policy gives this rank snapshots (the same answer on every rank), whether or not its own
+        # could be set up: such a rank still takes part in the resume's exchange (restore.after_resume).
+        self.snapshots_wanted = snapshots is not None
         self.fingerprint: Callable[[list], int] | None = None   # a peer's state checked with it (peer.py)
 
     @classmethod
@@ -82,12 +85,13 @@ class Recovery:
                     groups=groups if settings.mode == IN_PROCESS else None,
                     max_restarts=settings.max_in_process_restarts, device=device, world_size=world_size, log=log)
         built.fingerprint = fingerprint
+        built.snapshots_wanted = settings.mode == IN_PROCESS and bool(settings.snapshot_every) and not sharded
         return built
 
     # ------------------------------------------------------------------------------------ the hooks
     def after_begin(self, resumed_from: int | None) -> dict | None:
         """After the Protector's resume: a fresher snapshot of the same timeline, if every rank holds one."""
-        if self.snapshots is None:
+        if not self.snapshots_wanted:
             return None
         return restore.after_resume(self.protector, self.store, resumed_from=resumed_from, device=self.device,
                                     world_size=self.world, held=self._held(), fingerprint=self.fingerprint)

@@ -75,7 +75,7 @@ PREDICTION = "prediction"          # a Hugging Face predict_* entry (no step of 
 RUN_SUMMARY = "run_summary"        # a log's closing summary numbers (Hugging Face, TensorBoard)
 
 # Every type above: tests/test_vocabulary.py rejects these names spelled anywhere else in the product.
-TYPES = (RUN_START, RUN_END, CHECKPOINT_SAVED, CHECKPOINT_FAILED, CHECKPOINT_RESTORED, CHECKPOINT_INVALID,
+TYPES: tuple[str, ...] = (RUN_START, RUN_END, CHECKPOINT_SAVED, CHECKPOINT_FAILED, CHECKPOINT_RESTORED, CHECKPOINT_INVALID,
          CHECKPOINT_DELETED, CHECKPOINT_QUARANTINED, CHECKPOINT_SUPERSEDED, CHECKPOINT_INTERVAL, SNAPSHOT_SAVED,
          ALERT, ACTION, SHADOW_ACTION,
          CONTROL_REFUSED, STOP_MARKER_REFUSED, LOSS_LEVEL_SHIFT, REPLICA_CHECK, REPLICA_MISMATCH, CULPRIT,

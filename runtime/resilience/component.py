@@ -27,6 +27,7 @@ from trainguard import event_types
 from trainguard.runtime.resilience import restore
 from trainguard.runtime.resilience.inprocess import ProcessGroups, RecoveryFailed
 from trainguard.runtime.resilience.replicate import Replicator
+from trainguard.runtime.resilience.request import RequestWatch
 from trainguard.runtime.resilience.snapshot import SnapshotStore, Snapshotter
 
 IN_PROCESS, RESTART = "in_process", "restart"
@@ -77,6 +78,9 @@ class Recovery:
                 store = None
                 protector.event(event_types.SNAPSHOT_SKIPPED, reason="unavailable", why=why)
                 log.error("in-memory snapshots are off; recovery restores the durable checkpoint", why=why)
+        if groups is not None and settings.mode == IN_PROCESS and protector.key is not None:
+            # the agent's signed requests (a hang, a restore) reach the ranks through the watcher
+            groups.requests = RequestWatch(run_dir, protector.key, rank, log=log, emit=protector.event)
         built = cls(protector, store=store, snapshots=snapshots,
                     groups=groups if settings.mode == IN_PROCESS else None,
                     max_restarts=settings.max_in_process_restarts, device=device, world_size=world_size, log=log)

@@ -27,7 +27,8 @@ from trainguard import event_types
 from trainguard.runtime.resilience import restore
 from trainguard.runtime.resilience.inprocess import ProcessGroups, RecoveryFailed
 from trainguard.runtime.resilience.replicate import Replicator
-from trainguard.runtime.resilience.snapshot import SnapshotStore, Snapshotter
+from trainguard.runtime.resilience.request import RequestWatch
+from trainguard.runtime.resilience.snapshot import SnapshotRefused, SnapshotStore, Snapshotter
 
 IN_PROCESS, RESTART = "in_process", "restart"
 
@@ -77,6 +78,9 @@ class Recovery:
                 store = None
                 protector.event(event_types.SNAPSHOT_SKIPPED, reason="unavailable", why=why)
                 log.error("in-memory snapshots are off; recovery restores the durable checkpoint", why=why)
+        if groups is not None and settings.mode == IN_PROCESS and protector.key is not None:
+            # the agent's signed requests (a hang, a restore) reach the ranks through the watcher
+            groups.requests = RequestWatch(run_dir, protector.key, rank, log=log, emit=protector.event)
         built = cls(protector, store=store, snapshots=snapshots,
                     groups=groups if settings.mode == IN_PROCESS else None,
                     max_restarts=settings.max_in_process_restarts, device=device, world_size=world_size, log=log)
@@ -144,6 +148,36 @@ class Recovery:
         record = {key: round(value, 6) if isinstance(value, float) else value for key, value in record.items()}
         self.protector.event(event_types.IN_PROCESS_RESTART, **record)
         self.log.warning("recovered in-process", **record)
+        return record
+
+    def take_over(self, rebuild: Callable[[], None]) -> dict:
+        """A standby promoted in a killed rank's place (runtime/resilience/standby.py), after the Protector's
+        begin: meet the surviving ranks at their barrier, form the group with them, restore what they
+        restore (the agreement is theirs: the same collectives in the same order), and `rebuild` as they
+        do. RecoveryFailed when they are not there: the process ends and the launcher restarts every worker."""
+        began = time.perf_counter()
+        dead = self.groups.rank
+        timings = self.groups.join(f"rank {dead}'s process died; a standby took its place")
+        try:
+            restored = restore.after_failure(self.protector, self.store, device=self.device, world_size=self.world,
+                                             held=self._held(), fingerprint=self.fingerprint)
+        except LookupError as exc:
+            raise RecoveryFailed(str(exc)) from None
+        state = self.protector.state
+        # (a state received from a peer was kept as this rank's own snapshot: its manifest is here too)
+        if restored["source"] in (restore.SNAPSHOT, restore.PEER) and state.last_saved_step is None:
+            # the durable checkpoint this state builds on (the survivors' own, as they accepted this step):
+            # what the next snapshots are signed on top of and the next checkpoint is counted from
+            try:
+                state.last_saved_step = self.store.manifest(restored["restored_step"]).get("base_step")
+            except SnapshotRefused:    # a peer's copy this rank could not keep: the base stays unknown
+                pass
+        rebuild()
+        record = {**timings, **restored, "replaced_rank": dead, "standby": True,
+                  "recovery_seconds": time.perf_counter() - began}
+        record = {key: round(value, 6) if isinstance(value, float) else value for key, value in record.items()}
+        self.protector.event(event_types.IN_PROCESS_RESTART, **record)
+        self.log.warning("a standby took a killed rank's place", **record)
         return record
 
     def _held(self) -> Any:

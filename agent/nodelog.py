@@ -5,6 +5,10 @@ step metrics, the hardware (GPUs, disks) and the system (host, checkpoint, cost)
 design's TLS example shows. A background thread writes it; when the file would pass `max_bytes` it is
 rotated to node-<host>.jsonl.1.gz (older segments shift to .2.gz ..., `keep` of them are kept).
 
+A collector's fragment may also carry `events`: TLS records (`timestamp`, `node`, `event` with an `id`) the
+collector wants on the timeline (agent/health_timeline.py: health findings). Each id is written once, as its
+own record, before the joined record of that interval.
+
 The log must never hurt the agent or the run: a write that fails (disk full, read-only filesystem) is
 logged once per streak and counted, and the next interval tries again.
 """
@@ -28,6 +32,7 @@ from trainguard.agent.stop_signal import StopSignal
 
 SECTIONS = ("metrics", "hardware", "system")
 ENVELOPE = ("run_id", "step")
+WRITTEN_KEPT = 4096     # event ids remembered as written (a fragment holds at most a few hundred)
 
 
 def join_fragments(fragments: Mapping[str, dict], node: str, now: float) -> dict:
@@ -122,6 +127,7 @@ class NodeLog:
         self.fragments, self.node, self.interval = fragments, node, interval
         self.file = RotatingFile(rundir.node_log(run_dir, node), max_bytes, keep)
         self.records = self.errors = 0
+        self._written: dict[str, None] = {}       # ids of fragment events already written, oldest first
         self._failing = False
         self._log = tglog.get("agent.nodelog", path=str(self.file.path))
         self._stop = StopSignal()
@@ -130,7 +136,13 @@ class NodeLog:
     def write_once(self, now: float | None = None) -> bool:
         """Join and append one record; False (logged once per streak, counted) when it could not be written."""
         try:
-            record = join_fragments(self.fragments(), self.node, time.time() if now is None else now)
+            fragments = self.fragments()
+            for ident, record in self._new_events(fragments):
+                self.file.write(tls.encode(record))
+                self._written[ident] = None
+                while len(self._written) > WRITTEN_KEPT:
+                    del self._written[next(iter(self._written))]
+            record = join_fragments(fragments, self.node, time.time() if now is None else now)
             self.file.write(tls.encode(record))
         except (OSError, ValueError, TypeError) as exc:
             self.errors += 1
@@ -143,6 +155,19 @@ class NodeLog:
             self._failing = False
             self._log.info("node log writes recovered", failed_writes=self.errors)
         return True
+
+    def _new_events(self, fragments: Mapping[str, dict]) -> list[tuple[str, dict]]:
+        """The fragments' event records not written yet, as TLS records, oldest first."""
+        found = []
+        for name in sorted(fragments):
+            for entry in fragments[name].get("events") or ():
+                event = entry.get("event") if isinstance(entry, dict) else None
+                ident = event.get("id") if isinstance(event, dict) else None
+                if not isinstance(ident, str) or ident in self._written:
+                    continue
+                found.append((ident, {"schema": tls.SCHEMA_ID, "timestamp": tls.format_timestamp(entry["timestamp"]),
+                                      "node": str(entry.get("node") or self.node), "event": event}))
+        return sorted(found, key=lambda item: item[1]["timestamp"])
 
     def start(self) -> "NodeLog":
         self._thread = threading.Thread(target=self._loop, name="agent-nodelog", daemon=True)

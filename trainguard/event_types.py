@@ -59,7 +59,7 @@ CORDON_IGNORED = "cordon_ignored"      # a launcher joined despite a cordon file
 SPARE_JOINED = "spare_joined"          # a spare node took a cordoned node's place: host, replaces, cordon_id
 
 # ------------------------------------------------------------------------------------- node health
-HEALTH_CHECK = "health_check"    # another tool's finding on a node (dcgmi diag, kernel NVRM): tool, status, gpu
+HEALTH_CHECK = "health_check"    # another tool's finding on a node (dcgmi diag, NCCL RAS, kernel NVRM): tool, status, id
 NODE_AT_RISK = "node_at_risk"    # the node-risk rule flagged this node (decide/node_risk.py): score, signals
 
 # ------------------------------------------------------------------------------------- schedules

@@ -19,7 +19,7 @@ Formats, from their sources:
   off the bus.``, ``NVRM: GPU 0000:2b:00.0: GPU has fallen off the bus.``, ``NVRM: GPU at PCI:0000:2b:00:
   GPU-<uuid>`` (which GPU a PCI address is).
 
-NCCL's RAS client (``ncclras``, NCCL 2.24+) is not read yet (docs/node-risk.md, "Not done").
+NCCL's RAS client (``ncclras``, NCCL 2.24+) is read by trainguard/nccl_ras.py.
 """
 
 from __future__ import annotations
@@ -50,24 +50,29 @@ def dcgm_diag(document: Any) -> list[dict[str, Any]]:
     root = document.get("DCGM Diagnostic", document.get("DCGM GPU Diagnostic"))
     if not isinstance(root, dict):
         raise ReportError("dcgmi diag -j: no 'DCGM Diagnostic' (or 'DCGM GPU Diagnostic') object")
-    version = (document.get("metadata") or {}).get("version") or root.get("version")
+    metadata = document.get("metadata") if isinstance(document.get("metadata"), dict) else {}
+    version = metadata.get("version") or root.get("version")
+    version = version if isinstance(version, str) else None
     events: list[dict[str, Any]] = []
     tests = failed = 0
     if isinstance(root.get("runtime_error"), str):
         events.append(_event(DCGMI, FAIL, test="runtime", message=root["runtime_error"]))
     for c, category in enumerate(_list(root.get("test_categories"), "test_categories")):
         for t, test in enumerate(_list(category.get("tests"), f"test_categories[{c}].tests")):
-            name = test.get("name", f"test {t}")
+            name = str(test.get("name", f"test {t}"))
             tests += 1
             for result in _list(test.get("results"), f"test_categories[{c}].tests[{t}].results"):
                 status = _status(result.get("status"))
                 if status in (PASS, SKIP):
                     continue
                 failed += status == FAIL
-                events.append(_dcgm_finding(category.get("category", ""), name, status, result))
+                events.append(_dcgm_finding(str(category.get("category", "")), name, status, result))
     overall = FAIL if failed else WARN if events else PASS
+    # the document names no host: the GPUs' serial numbers (DCGM 4.x entity_groups) say whose GPUs it tested
+    serials = sorted({str(e["serial_num"]) for g in _list(document.get("entity_groups"), "entity_groups")
+                      for e in _list(g.get("entities"), "entity_groups[].entities") if e.get("serial_num")})
     events.append(_event(DCGMI, overall, test="summary", tests=tests, findings=len(events),
-                         **({"version": version} if version else {})))
+                         **({"version": version} if version else {}), **({"gpu_serials": serials} if serials else {})))
     return events
 
 
@@ -79,9 +84,11 @@ def _dcgm_finding(category: str, test: str, status: str, result: dict) -> dict[s
         fields["gpu"] = result["gpu_ids"]
     warnings = []
     classes = set()
-    for warning in result.get("warnings") or ():
+    given = result.get("warnings")
+    for warning in given if isinstance(given, list) else ():
         if isinstance(warning, dict):
             severity = warning.get("error_severity")
+            severity = severity if isinstance(severity, int) else None      # a list or object is no severity
             name, action_class = DCGM_SEVERITY.get(severity, ("unknown", None))
             if action_class:
                 classes.add(action_class)
@@ -103,11 +110,16 @@ _FALLEN = re.compile(r"NVRM: GPU (?:at )?(?:PCI:)?" + _PCI + r":? (?:has fallen|
 _IDENTITY = re.compile(r"NVRM: GPU at PCI:" + _PCI + r": (GPU-[0-9a-fA-F-]+)")
 _KMSG_HEAD = re.compile(r"^\d+,\d+,(\d+),[^;]*;")                  # /dev/kmsg: level,seq,usec,flags;
 _DMESG_TIME = re.compile(r"^\[\s*(\d+\.\d+)\]\s*")                 # dmesg: [seconds since boot]
+# The host a forwarded or aggregated log names: syslog's "Mar 15 14:22:18 gpu-node-01 kernel: ...", RFC 3339
+# "2026-04-22T21:25:20.45Z gpu-node-01 kernel: ...", Talos' "192.168.11.119: kern: warning: [...]: ..."
+_HOST = (re.compile(r"^(?:[A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d|\d{4}-\d\d-\d\dT\S+) (\S+) kernel:"),
+         re.compile(r"^(\S+): kern:\s"))
 
 
 def kernel_log(lines: Iterable[str]) -> list[dict[str, Any]]:
     """The NVRM lines of a kernel log as health_check events, in order; other lines are passed over.
-    ``uptime_seconds`` is the kernel's clock where the line has one (dmesg, /dev/kmsg)."""
+    ``uptime_seconds`` is the kernel's clock where the line has one (dmesg, /dev/kmsg); ``host`` the host a
+    forwarded line names (syslog, Talos), so a log gathered from several nodes says whose line it is."""
     events: list[dict[str, Any]] = []
     uuids: dict[str, str] = {}
     for number, raw in enumerate(lines, 1):
@@ -124,13 +136,13 @@ def kernel_log(lines: Iterable[str]) -> list[dict[str, Any]]:
             pci = _pci(found)
             events.append(_event(KERNEL, FAIL if xid_catalog.class_of(code) in (xid_catalog.DRAIN, xid_catalog.RESET)
                                  else WARN, test="xid", xid=code, pci=pci, action_class=xid_catalog.class_of(code),
-                                 message=found.group(5).strip(), line=number, **_extra(pci, uuids, clock)))
+                                 message=found.group(5).strip(), line=number, **_extra(pci, uuids, clock, raw)))
             continue
         found = _FALLEN.search(line)
         if found:
             pci = _pci(found)
             events.append(_event(KERNEL, FAIL, test="fallen_off_the_bus", pci=pci, action_class=xid_catalog.DRAIN,
-                                 message="GPU has fallen off the bus", line=number, **_extra(pci, uuids, clock)))
+                                 message="GPU has fallen off the bus", line=number, **_extra(pci, uuids, clock, raw)))
     return events
 
 
@@ -154,8 +166,18 @@ def _pci(found: re.Match) -> str:
     return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(device, 16):02x}"
 
 
-def _extra(pci: str, uuids: dict[str, str], clock: float | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def host_of(line: str) -> str | None:
+    """The host a forwarded kernel log line names in its header, None where it names none."""
+    for pattern in _HOST:
+        found = pattern.match(line)
+        if found:
+            return found.group(1)
+    return None
+
+
+def _extra(pci: str, uuids: dict[str, str], clock: float | None, raw: str) -> dict[str, Any]:
+    host = host_of(raw)
+    out: dict[str, Any] = {"host": host} if host else {}
     if pci in uuids:
         out["uuid"] = uuids[pci]
     if clock is not None:

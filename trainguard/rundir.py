@@ -133,6 +133,12 @@ def offsets_path(run_dir: PathLike, node: str) -> Path:
     return agent_dir(run_dir) / f"offsets-{node}.json"
 
 
+def health_state_path(run_dir: PathLike, node: str) -> Path:
+    """RUN/agent/health-<node>.json: which health findings the node's agent already put on its timeline (ids,
+    the kernel log's offset, the node-risk counts), so a restarted agent adds only new ones."""
+    return agent_dir(run_dir) / f"health-{node}.json"
+
+
 def webhook_token_path(run_dir: PathLike) -> Path:
     return agent_dir(run_dir) / "webhook.token"
 

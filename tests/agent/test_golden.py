@@ -102,14 +102,17 @@ def nccl_families(tmp_path: Path) -> list:
 
 @scenario("health_reports")
 def health_reports_families(tmp_path: Path) -> list:
-    """The dcgmi diag -j and kernel log samples of tests/fixtures/health/ (copied: the diag's mtime is its
-    timestamp), a second update after an Xid line is appended, and a third after the log is rotated."""
-    diag, log = tmp_path / "dcgmi-diag.json", tmp_path / "kern.log"
+    """The dcgmi diag -j, NCCL RAS and kernel log samples of tests/fixtures/health/ (copied: a report's mtime is
+    its timestamp), a second update after an Xid line is appended, and a third after the log is rotated."""
+    diag, log, ras = tmp_path / "dcgmi-diag.json", tmp_path / "kern.log", tmp_path / "ras.txt"
     shutil.copy(FIXTURES / "health" / "dcgmi-diag.json", diag)
     os.utime(diag, (FIXED_NOW - 600, FIXED_NOW - 600))
+    shutil.copy(FIXTURES / "health" / "ncclras-verbose.txt", ras)
+    os.utime(ras, (FIXED_NOW - 300, FIXED_NOW - 300))
     shutil.copy(FIXTURES / "health" / "kern.log", log)
     collector = REGISTRY["health_reports"](fixture_context(tmp_path, options={"dcgm_diag": str(diag),
-                                                                              "kernel_log": str(log)}))
+                                                                              "kernel_log": str(log),
+                                                                              "nccl_ras": str(ras)}))
     collector.update()
     with open(log, "a") as kernel:       # counted once more, not the whole file again
         kernel.write("May 18 19:05:02 kernel: NVRM: Xid (PCI:0000:2b:00): 79, GPU has fallen off the bus.\n")

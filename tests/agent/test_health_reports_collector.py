@@ -48,6 +48,7 @@ def test_absent_files_give_only_the_kernel_counter_and_no_error(tmp_path):
 def test_a_bad_diag_file_fails_the_update_in_one_line_naming_it(tmp_path, content):
     diag = tmp_path / "diag.json"
     diag.write_text(content)
+    os.utime(diag, (diag.stat().st_mtime - 60,) * 2)        # not one still being written (WRITING_SECONDS)
     log = tmp_path / "kern.log"
     log.write_text(XID_79)
     c = collector(tmp_path, dcgm_diag=str(diag), kernel_log=str(log))

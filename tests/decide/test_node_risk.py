@@ -130,3 +130,59 @@ def test_replay_gives_the_live_verdicts():
 @pytest.mark.parametrize("field, value", [("threshold", 0.6), ("consecutive", 3), ("max_flags_per_hour", 2)])
 def test_documented_defaults(field, value):
     assert getattr(NodeRiskPolicy(), field) == value
+
+
+def health(node: str, t: float, *, isolate: int = 0, failures: int = 0, ras: int = 0, reset_xids: int = 0,
+           base: int = 0) -> NodeReading:
+    """A healthy GPU and the health_reports collector's cumulative counts (system.health_*), from `base`."""
+    gpu = GpuHealth("0", {"ecc_sbe_volatile": 0, "ecc_dbe_volatile": 0}, xids={48: reset_xids} if reset_xids else {})
+    return NodeReading(node, t, (gpu,), {"health_diag_isolate": base + isolate, "health_diag_failures": base + failures,
+                                         "health_ras_not_responding": base + ras})
+
+
+def test_a_dcgmi_isolate_verdict_drains_even_while_settling_and_another_failure_needs_company():
+    rule = NodeRisk()
+    verdicts = [rule.observe(health("n1", i * STEP)) for i in range(5)]
+    t = 5 * STEP + 900.0                                  # back from a gap: settling; the boot-time diag fails
+    verdicts += [rule.observe(health("n1", t + i * STEP, isolate=1)) for i in range(4)]
+    assert verdicts[6].settling and verdicts[6].signals == {"diag_isolate": 1.0}
+    assert [v.flagged for v in verdicts[5:]] == [False, False, True, False]
+    soft = NodeRisk()
+    alone = [soft.observe(health("n2", i * STEP, failures=int(i >= 5))) for i in range(20)]
+    assert not any(v.at_risk for v in alone) and alone[10].signals == {"diag_failed": 0.4}
+
+
+def test_ras_ranks_not_responding_corroborate_and_never_decide_alone():
+    quiet = NodeRisk()
+    alone = [quiet.observe(health("n1", i * STEP, ras=i)) for i in range(30)]       # a hang, every minute
+    assert not any(v.at_risk for v in alone) and alone[20].signals == {"ras_not_responding": 0.2}
+    rule = NodeRisk()
+    both = [rule.observe(health("n1", i * STEP, ras=int(i >= 5), reset_xids=int(i >= 5))) for i in range(12)]
+    assert any(v.flagged for v in both)
+    assert set(next(v for v in both if v.flagged).signals) == {"ras_not_responding", "xid_reset"}
+
+
+def test_health_counts_kept_across_an_agent_restart_are_not_a_reboot():
+    rule = NodeRisk()
+    verdicts = [rule.observe(health("n1", i * STEP, base=3)) for i in range(20)]
+    assert not any(v.settling for v in verdicts)
+    lost = rule.observe(health("n1", 20 * STEP))                 # the state file lost: counts back to 0
+    assert lost.settling
+
+
+def test_reading_from_a_node_record_with_only_health_counts():
+    record = {"timestamp": 100.0, "node": "n1", "system": {"health_diag_isolate": 1, "health_diag_failures": 0,
+                                                          "health_ras_not_responding": 2}}
+    found = reading_from_tls(record)
+    assert found is not None and found.counters == {"health_diag_isolate": 1.0, "health_diag_failures": 0.0,
+                                                    "health_ras_not_responding": 2.0}
+
+
+def test_a_planned_reboot_with_its_ranks_reported_missing_flags_nothing():
+    """A reboot stops the node's ranks: RAS reports them missing before it goes and for 40 minutes after it is
+    back (the gap's settle period, then past it): a soft signal alone, so no drain."""
+    rule = NodeRisk()
+    verdicts = [rule.observe(health("n1", i * STEP, ras=int(i >= 55) * (i - 54))) for i in range(60)]
+    t = 60 * STEP + 480.0
+    verdicts += [rule.observe(health("n1", t + i * STEP, ras=6 + i, reset_xids=0)) for i in range(40)]
+    assert not any(v.at_risk or v.flagged for v in verdicts)

@@ -19,6 +19,9 @@ Signals (each a contribution in [0, 1] times its weight; the score is their sum,
 | `nvlink` | NVLink CRC and replay errors per hour | rate / limit, at most 1 | 0.2 | a flaky link retrains and stalls collectives |
 | `infiniband` | IB symbol errors per hour, link downs in the window | rate / limit; a link down 1 | 0.2 | the node's fabric port degrading |
 | `xid_driver` | XIDs of class driver_firmware in the window | 1 | 0.2 | GSP / firmware faults recur; a reset clears them |
+| `diag_isolate` | a dcgmi diag result failed with severity ISOLATE in the window | 1 | 1.0 | DCGM's own verdict: take the GPU out of use |
+| `diag_failed` | another failed dcgmi diag result in the window | 1 | 0.4 | a GPU failed a test (memory, PCIe, stress); with one more signal, at risk |
+| `ras_not_responding` | NCCL RAS reported this node's ranks or processes not answering, in the window | 1 | 0.2 | the job saw the node go quiet: a hang or a stopped process more often than hardware, so it corroborates, never decides |
 | `thermal` | share of the window held down by thermal slowdown | share / limit, at most 1 | 0.15 | a cooling fault ages the part and slows the whole job |
 
 Application-error XIDs (13, 31, 43, 45, ...) weigh nothing: the job that hit them is at fault, not the node.
@@ -29,7 +32,7 @@ Debounce: a node is at risk only when its score has been at or above `threshold`
 in a row. Reboot transient: a counter that goes backwards (a reboot or a driver reload resets the volatile
 counters), a reading after a gap longer than `gap_seconds`, or a GPU coming back from lost starts a settle
 period of `settle_seconds` in which only the hard signals count (remap failure, drain-class XIDs,
-uncorrectable ECC): link downs, narrow links and lost GPUs while a node boots are its boot, not its failure
+uncorrectable ECC, a dcgmi diag ISOLATE verdict): link downs, narrow links and lost GPUs while a node boots are its boot, not its failure
 (NVSentinel #1701: 214 of 288 nodes flagged after planned reboots). Circuit breaker: at most
 `max_flags_per_hour` nodes flagged in any hour (fleet-wide: the caller passes the flags it knows of); a node
 past the budget is reported `suppressed`, not flagged, so a fleet-wide event (a bad driver roll-out) cannot
@@ -49,14 +52,18 @@ from trainguard.config import above, at_least, between, key as declare
 COUNTERS = ("ecc_sbe_volatile", "ecc_dbe_volatile", "remapped_rows", "retired_pages", "pcie_replays",
             "pcie_downgrades", "nvlink_crc_errors", "nvlink_replay_errors", "thermal_violation_ns")
 STATES = ("remap_pending", "remap_failure")
-NODE_COUNTERS = ("ib_symbol_errors", "ib_link_downed")
-HARD = ("remap_failure", "xid_drain", "uncorrectable_ecc")
+# node-level: the ib collector's, and the health findings the health_reports collector counts (cumulative, kept
+# across agent restarts: agent/health_timeline.py)
+NODE_COUNTERS = ("ib_symbol_errors", "ib_link_downed", "health_diag_isolate", "health_diag_failures",
+                 "health_ras_not_responding")
+FINDING_KEYS = frozenset(f"node:{k}" for k in NODE_COUNTERS if k.startswith("health_"))
+HARD = ("remap_failure", "xid_drain", "uncorrectable_ecc", "diag_isolate")
 COUNTED_AS_ROWS = frozenset({63})      # the remap event itself: remapped_rows / remap_pending weigh it
 
 WEIGHTS: dict[str, float] = {
     "remap_failure": 1.0, "xid_drain": 1.0, "uncorrectable_ecc": 0.7, "xid_reset": 0.5, "remapped_rows": 0.4,
     "correctable_ecc": 0.3, "pcie_link": 0.3, "pcie_replays": 0.3, "remap_pending": 0.2, "nvlink": 0.2, "infiniband": 0.2,
-    "xid_driver": 0.2, "thermal": 0.15,
+    "xid_driver": 0.2, "thermal": 0.15, "diag_isolate": 1.0, "diag_failed": 0.4, "ras_not_responding": 0.2,
 }
 SIGNALS = tuple(WEIGHTS)
 
@@ -160,6 +167,11 @@ class NodeRisk:
         if restarted or gap or back_from_lost:
             state.settle_until = now + p.settle_seconds
             state.history.clear()            # rates across a restart mean nothing
+            # ... but a finding counted while the node was away is news: the report counts survive reboots
+            # (the agent keeps them), so their last values stay the baseline
+            kept = {k: v for k, v in state.previous.items() if k in FINDING_KEYS and v <= values.get(k, -1.0)}
+            if kept:
+                state.history.append((now, kept))
         state.lost = {g.gpu for g in reading.gpus if g.lost}
         state.previous, state.last_timestamp = values, now
         state.history.append((now, values))
@@ -230,6 +242,9 @@ class NodeRisk:
                                                       / p.ib_symbol_errors_per_hour)
         thermal_share = increase(":thermal_violation_ns") / 1e9 / (hours * 3600.0) / max(len(reading.gpus), 1)
         raw["thermal"] = min(1.0, thermal_share / p.thermal_share) if len(history) > 1 else 0.0
+        raw["diag_isolate"] = 1.0 if increase("node:health_diag_isolate") > 0 else 0.0
+        raw["diag_failed"] = 1.0 if increase("node:health_diag_failures") > 0 else 0.0
+        raw["ras_not_responding"] = 1.0 if increase("node:health_ras_not_responding") > 0 else 0.0
         return {name: WEIGHTS[name] * value for name, value in raw.items() if value > 0}
 
 
@@ -266,7 +281,8 @@ def _section(record: Mapping[str, Any], name: str) -> Mapping[str, Any]:
 
 def reading_from_tls(record: Mapping[str, Any]) -> NodeReading | None:
     """A node's reading from one of its TLS records (the agent's joined node log: hardware.gpus from the gpu
-    collector, system.ib_* from the ib collector); None for a record that carries no GPU or IB health."""
+    collector, system.ib_* from the ib collector, system.health_* from the health_reports collector); None for a
+    record that carries no GPU, IB or health-report counts."""
     hardware = _section(record, "hardware")
     system = _section(record, "system")
     gpus: list[GpuHealth] = []

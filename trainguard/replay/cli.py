@@ -20,6 +20,7 @@ from trainguard.replay import dynamics, expect, rules, source
 from trainguard.replay.timeline import DEFAULT_SCRAPE_INTERVAL, Result, replay_logs
 
 MALFORMED_SHOWN = 20
+HEALTH_SHOWN = 40      # node-health findings in the human form (--json lists up to node_risk.HEALTH_KEPT)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,6 +138,11 @@ def render(result: Result) -> str:
     if result.recorded:
         lines += ["", "recorded in the log (what the live run did: trainer, agents, control channel)"]
         lines += [_recorded_line(r, origin) for r in result.recorded]
+    if result.health:
+        lines += ["", "node health (other tools' findings on the nodes' timelines: dcgmi diag, NCCL RAS, kernel NVRM)"]
+        lines += [_health_line(f, origin) for f in result.health[:HEALTH_SHOWN]]
+        if result.health_total > HEALTH_SHOWN:
+            lines.append(f"  ... and {result.health_total - HEALTH_SHOWN} more (--json lists {len(result.health)})")
     if result.extra.get("notes"):
         lines += ["", "passed over on purpose (recognised, not mapped to TLS)"]
         lines += [f"  {note}" for note in result.extra["notes"]]
@@ -187,6 +193,11 @@ def _recorded_line(item, origin: float) -> str:
     reason = item.reason + (f" -> {item.detail['action']} ({then})" if item.kind == "alert" and item.detail.get("action")
                             else f" ({then})" if then else "")
     return f"  {expect.offset_text(item.timestamp, origin):>12}  {step:>12}  {name:24} {reason:44} {item.source}"
+
+
+def _health_line(finding, origin: float) -> str:
+    return (f"  {expect.offset_text(finding.timestamp, origin):>12}  {finding.node:16} {finding.tool:11} "
+            f"{finding.test:18} {finding.status:5} {finding.describe()}")
 
 
 def _alert_line(alert, origin: float) -> str:

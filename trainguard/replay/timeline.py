@@ -63,6 +63,8 @@ class Result:
     expect_file: str | None = None
     extra: dict = field(default_factory=dict)
     recorded: list[Recorded] = field(default_factory=list)   # what the live run did, every source
+    health: list[node_risk.HealthFinding] = field(default_factory=list)   # other tools' findings on node timelines
+    health_total: int = 0
 
     # ---------------------------------------------------------------------------------- expectations
     def found(self) -> list[expect.Found]:
@@ -104,6 +106,7 @@ class Result:
             "recorded_alerts": [_recorded(r) for r in self.recorded if r.kind == "alert"],
             "ledger": [_verdict(v) for v in self.verdicts],
             "cost": out.cost,
+            "node_health": {"findings": [f.to_json() for f in self.health], "total": self.health_total},
             "rules": None if self.alerts is None else {"dir": self.rules_dir,
                                                        "scrape_interval_seconds": self.scrape_interval},
         }
@@ -180,6 +183,7 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
     result.actions = sorted(result.actions + replica.actions(_may_hold_checks(stream.files, outcome), policy)
                             + node_risk.actions(stream.files, policy), key=lambda a: a.timestamp)
     result.recorded = recorded_actions(outcome.recorded, stream.files, paths_given, outcome.event_lines)
+    result.health, result.health_total = node_risk.health_events(stream.files)
     # the LR schedule's machine, again, over the logs that may open with its event (a byte check first)
     opening = [path for path in stream.files if source.head_names(path, _LR_MARK, 2 * dynamics.HEAD_LINES)]
     result.extra["lr_phases"] = dynamics.replay_phases(opening)

@@ -118,6 +118,7 @@ class Run:
     event_counts: Counter = field(default_factory=Counter)
     markers: dict[str, Sampled] = field(default_factory=dict)
     events: Sampled = field(default_factory=lambda: Sampled(RECENT_EVENTS))
+    health: Sampled = field(default_factory=lambda: Sampled(RECENT_EVENTS))   # health_check events, by host
     alerts: Counter = field(default_factory=Counter)
     actions: Counter = field(default_factory=Counter)
     shadowed: Counter = field(default_factory=Counter)    # shadow mode: actions decided, not carried out
@@ -382,6 +383,10 @@ class _Loader:
             label = event_label(kind, event, step)
             run.markers.setdefault(marker, Sampled(400)).add(Marker(ts, marker, label, step))
         run.events.add(EventRow(ts, kind, step, event_detail(event), source))
+        if kind == event_types.HEALTH_CHECK:     # other tools' findings, kept apart for the node section
+            run.health.add(EventRow(ts, f"{event.get('tool', '?')} {event.get('test', '')}".strip(), None,
+                                    event_detail({k: v for k, v in event.items() if k not in ("tool", "test", "id")}),
+                                    source))
 
 
 def event_label(kind: str, event: dict, step: int | None) -> str:

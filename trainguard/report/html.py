@@ -186,7 +186,7 @@ def gpu_section(page: Page) -> str:
         where = "no agent node logs (RUN/tls/node-*.jsonl)" if not run.hosts else "no per-GPU records"
         body = (f'<p class="absent">No per-GPU data: this run has {where}. That is expected for a CPU run; '
                 f'on GPU nodes the agent records utilisation, memory and temperature per GPU.</p>')
-        return _section("GPUs", body + _host_memory(page), "gpus")
+        return _section("GPUs", body + _host_memory(page) + _health_findings(run), "gpus")
     body = ""
     for title, key, unit, extra in (("GPU utilisation", "gpu_util", "percent", {"y_min": 0, "y_max": 100}),
                                     ("GPU memory used", "mem_used_bytes", "bytes", {"y_min": 0}),
@@ -198,7 +198,16 @@ def gpu_section(page: Page) -> str:
                   if key == "gpu_temp_c" else [])
         body += page.figure(title, lines, unit, empty=f"No {title.lower()} recorded.", note=note, hlines=hlines,
                             **extra)
-    return _section("GPUs", body, "gpus")
+    return _section("GPUs", body + _health_findings(run), "gpus")
+
+
+def _health_findings(run: Run) -> str:
+    """Other tools' findings on the nodes' timelines (dcgmi diag, NCCL RAS, kernel NVRM lines), by host."""
+    if not run.health.items:
+        return ""
+    thinned = " (evenly thinned to fit)" if run.health.thinned else ""
+    return _event_table(sorted(run.health, key=lambda r: (r.timestamp, r.source)),
+                        f"Node health findings{thinned}", "")
 
 
 def _host_memory(page: Page) -> str:

@@ -1,8 +1,10 @@
 """End to end through `trainguard train`: two simulated nodes x two ranks on loopback (tests/culprit/cluster.py's
-launchers and rendezvous store, without agents), an exception in one rank of the second node, recovered
+launchers and rendezvous store, an agent beside each node), an exception in one rank of the second node, recovered
 in-process: no rank's process ends, every rank restores the same in-memory snapshot, nothing past it is lost;
 then a SIGKILL of another rank of that node, whose warm standby takes its place (runtime/resilience/standby.py):
-no healthy rank's process ends, every rank restores the next snapshot, and the run completes."""
+no healthy rank's process ends, every rank restores the next snapshot, and the run completes. The agents
+watch it all (their stall watchdog, the training collector) and take no action: a recovery in seconds is not
+a stall, and nothing is restored or ended behind the ranks' backs."""
 
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ def test_an_exception_in_one_rank_recovers_in_process_on_two_nodes(tmp_path):
     try:
         c.start_store()
         c.wait_store()
+        for node in ("n1", "n2"):
+            c.start_agent(node)
+        for node in ("n1", "n2"):
+            c.wait_agent(node)
         args = ("--steps", str(STEPS), "--checkpoint-every", "100", "--device", "cpu",
                 "--inject", f"error@{FAULT_STEP}:{FAILING_RANK}", "--inject", f"crash@{CRASH_STEP}:{KILLED_RANK}")
         launchers = [c.launch(node, *args, nnodes="2", nproc=2) for node in ("n1", "n2")]
@@ -72,6 +78,11 @@ def test_an_exception_in_one_rank_recovers_in_process_on_two_nodes(tmp_path):
         assert {e["step"] for e in replicated} >= {5, 10} and {e["peer_rank"] for e in replicated} == {(rank + 2) % 4}
         assert not [e for e in seen if e["type"] in (event_types.SNAPSHOT_REPLICA_FAILED, event_types.REPLICA_REFUSED)]
     assert {r["generation"] for r in restarts} == {1} and len(takeovers) == 1
+    for node in ("n1", "n2"):   # the agents beside watched (their node log) and did nothing
+        assert c.records(f"node-{node}.jsonl"), node
+        acted = c.events(f"node-{node}-actions.jsonl", event_types.ACTION) + \
+            c.events(f"node-{node}-actions.jsonl", event_types.SHADOW_ACTION)
+        assert acted == [], (node, acted)
     fired = [e for e in rank_events(run_dir, KILLED_RANK) if e["type"] == event_types.FAULT_INJECTED]
     assert [e["kind"] for e in fired] == ["crash"], fired
     assert list(shm.glob("*/*/rank-*")) == []        # a completed run clears its snapshots

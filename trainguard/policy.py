@@ -180,8 +180,9 @@ class RecoveryPolicy:
                             "a 0700 directory of this user's per run under it")
     barrier_seconds: float = key(60.0, above(0, 3600), "how long the surviving ranks wait in the job's store "
                                  "for every rank; then the launcher restarts every worker")
-    max_in_process_restarts: int = key(3, at_least(0, 10**4), "in-process restarts per worker process; past "
-                                       "it a failure goes the restart way")
+    max_in_process_restarts: int = key(3, at_least(0, 10**4), "in-process restarts in a row without the run "
+                                       "getting past the step that failed (the count starts again once it "
+                                       "does); past it a failure goes the restart way")
     replicate: str = key("on", Choice(("on", "off")), "on: every snapshot is also held by the same local rank "
                          "on the next node (runtime/resilience/replicate.py), and a rank without its own receives "
                          "it from there (peer.py); off: each node keeps its own only")

@@ -39,6 +39,9 @@ class Recovery:
         self.protector, self.store, self.snapshots, self.groups = protector, store, snapshots, groups
         self.max_restarts, self.device, self.world, self.log = max_restarts, device, world_size, log
         self.restarts = 0
+        # The step the last failure happened at: the budget (max_restarts) counts failures that come back
+        # before the run gets past it (a fault that repeats at the same step), not every fault of a long run.
+        self.failed_at: int | None = None
         # The policy gives this rank snapshots (the same answer on every rank), whether or not its own
         # could be set up: such a rank still takes part in the resume's exchange (restore.after_resume).
         self.snapshots_wanted = snapshots is not None
@@ -98,8 +101,10 @@ class Recovery:
 
     def after_step(self, *, last: bool = False) -> None:
         """After a completed step; `last`: the run's final step (its checkpoint follows: no snapshot)."""
+        state = self.protector.state
+        if self.failed_at is not None and state.step > self.failed_at:
+            self.restarts, self.failed_at = 0, None    # past the step that failed: it did not come back
         if self.snapshots is not None:
-            state = self.protector.state
             self.snapshots.after_step(state.step, base_step=state.last_saved_step, take=not last)
 
     def settle(self) -> None:
@@ -128,6 +133,7 @@ class Recovery:
         self.restarts += 1
         state = self.protector.state
         from_step, durable_step = state.step, state.last_saved_step
+        self.failed_at = from_step
         began = time.perf_counter()
         self.log.error("a rank failed: recovering in-process", step=from_step, restart=self.restarts,
                        error=f"{type(failure).__name__}: {failure}",

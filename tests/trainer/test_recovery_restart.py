@@ -172,6 +172,22 @@ def test_restart_mode_and_a_spent_budget_give_the_failure_back():
     assert not spent.can_recover()
 
 
+def test_the_budget_counts_failures_that_come_back_before_the_run_gets_past_them():
+    """A fault that repeats at the same step spends the budget (then the restart path); a long run's faults
+    that each let it go on past the step that failed do not add up to it."""
+    protector = FakeProtector(step=12, last_saved_step=10)
+    recovery = Recovery(protector, store=None, snapshots=None, groups=SimpleNamespace(), max_restarts=2,
+                        device="cpu", world_size=2, log=Log())
+    recovery.restarts, recovery.failed_at = 2, 12      # failed twice at step 13 (12 completed)
+    for step in (11, 12):                              # replayed up to the step that failed: not past it
+        protector.state.step = step
+        recovery.after_step()
+        assert not recovery.can_recover()
+    protector.state.step = 13                          # step 13 completed this time
+    recovery.after_step()
+    assert recovery.restarts == 0 and recovery.failed_at is None and recovery.can_recover()
+
+
 def test_the_policy_switch_is_checked_and_defaults_to_in_process():
     assert policy.Policy().recovery.mode == "in_process"
     assert policy.from_mapping({"recovery": {"mode": "restart"}}).recovery.mode == "restart"

@@ -76,6 +76,8 @@ class Recovery:
         """After a completed step; `last`: the run's final step (its checkpoint follows: no snapshot)."""
         if self.snapshots is not None:
             state = self.protector.state
+            # the checkpoint autopilot's snapshot interval (docs/checkpoints.md), the same on every rank
+            self.snapshots.every = self.protector.snapshot_every or self.snapshots.every
             self.snapshots.after_step(state.step, base_step=state.last_saved_step, take=not last)
 
     def settle(self) -> None:

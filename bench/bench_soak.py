@@ -314,8 +314,9 @@ def _faults(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="the window each path runs (default 30)")
-    parser.add_argument("--warmup", type=float, default=120.0, help="seconds from the launch to the window's "
-                        "start (default 120: every run is training and has saved by then)")
+    parser.add_argument("--warmup", type=float, default=180.0, help="seconds from the launch to the window's "
+                        "start (default 180: every run is training by then, and has saved a checkpoint by the "
+                        "first fault)")
     parser.add_argument("--fault-every", type=float, default=300.0, help="seconds between faults (default 300)")
     parser.add_argument("--faults", type=_faults, default=["error", "crash"],
                         help=f"the fault mix, taken in turn (default error,crash; of {', '.join(SUPPORTED_FAULTS)})")

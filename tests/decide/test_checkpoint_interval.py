@@ -208,3 +208,12 @@ def test_the_autopilot_steers_the_snapshot_tier_in_steps():
     again.observe(_record(200.0, event={"type": ci.INTERVAL_EVENT, **slower}))
     again.resume()
     assert again.snapshot_every == slower["snapshot_every"]
+
+
+def test_no_snapshot_taken_no_snapshot_tier_in_the_event():
+    """A loop configured for snapshots that takes none (the library's, say): nothing said of the tier."""
+    pilot = ci.Autopilot(POLICY, applied=300.0, snapshot_every=5)
+    for record in crashed_log():
+        pilot.observe(record)
+    change = pilot.consider(31.0)
+    assert "snapshot_every" not in change and "snapshot_every_steps" not in pilot.metrics()

@@ -409,15 +409,19 @@ class Autopilot:
         previous, self.applied = self.applied, interval
         self.changes += 1
         change = {"applied_seconds": self.applied, "previous_seconds": round(previous, 3), **recommendation.inputs()}
-        if self.snapshot_every:
+        if self._steers_snapshots():
             change.update(snapshot_every=every or self.snapshot_every, previous_snapshot_every=self.snapshot_every,
                           step_seconds=_rounded(self.log.step_seconds()))
             self.snapshot_every = every or self.snapshot_every
         return change
 
+    def _steers_snapshots(self) -> bool:
+        """A snapshot tier to steer, and snapshots taken (a loop may be configured for them and take none)."""
+        return bool(self.snapshot_every and self.log.snapshots)
+
     def _snapshot_every(self, recommendation: Recommendation, interval: float) -> int | None:
         """The snapshot tier's new interval in steps when it moved more than `change_ratio`, else None."""
-        if not self.snapshot_every or recommendation.snapshot_interval_seconds is None:
+        if not self._steers_snapshots() or recommendation.snapshot_interval_seconds is None:
             return None
         every = snapshot_every_steps(recommendation.snapshot_interval_seconds, self.log.step_seconds(), interval)
         if every is None or every == self.snapshot_every:
@@ -442,7 +446,7 @@ class Autopilot:
         out = {"checkpoint_interval_seconds": self.applied}
         if self.recommended is not None:
             out["checkpoint_interval_recommended_seconds"] = self.recommended
-        if self.snapshot_every:
+        if self._steers_snapshots():
             out["snapshot_every_steps"] = float(self.snapshot_every)
         return out
 

@@ -169,6 +169,10 @@ def summarise(path: str, run: dict, reference_steps: int, window_seconds: float)
     }
 
 
+def _shown(value: object, absent: str = "-") -> str:
+    return absent if value is None else str(value)
+
+
 def render(result: dict) -> str:
     """The markdown for docs/benchmarks.md."""
     a = result["args"]
@@ -190,7 +194,7 @@ def render(result: dict) -> str:
         unrecovered = f" ({row['unrecovered']} not recovered in the window)" if row["unrecovered"] else ""
         lines.append(f"| {row['path']} | {row['steps_done']} | **{row['effective'] * 100:.1f}%**"
                      f"{'' if row['goal_met'] else ' (goal 95%: not met)'} | {row['faults']}{unrecovered} | "
-                     f"{row['seconds_lost_per_fault']} | {row['mean_to_next_step_seconds']} | {lost} | "
+                     f"{_shown(row['seconds_lost_per_fault'])} | {_shown(row['mean_to_next_step_seconds'])} | {lost} | "
                      f"{row['healthy_ranks_ended']} |")
     lines += ["", "Each fault:", "", "| recovery.mode | kind | rank | at step | fault -> next step (s) | "
               "work lost (steps) | source | healthy ranks ended |", "|---|---|---:|---:|---:|---:|---|---|"]
@@ -198,8 +202,9 @@ def render(result: dict) -> str:
         if path == REFERENCE:
             continue
         for f in run["faults"]:
-            lines.append(f"| {path} | {f['kind']} | {f['rank']} | {f['step']} | {f['to_next_step_seconds']} | "
-                         f"{f['work_lost_steps']} | {f.get('source', '-')} | {f['healthy_ranks_ended'] or 'none'} |")
+            lines.append(f"| {path} | {f['kind']} | {f['rank']} | {f['step']} | "
+                         f"{_shown(f['to_next_step_seconds'], 'no step in the window')} | "
+                         f"{_shown(f['work_lost_steps'])} | {f.get('source', '-')} | {f['healthy_ranks_ended'] or 'none'} |")
     if result.get("notes"):
         lines += [""] + [f"- {note}" for note in result["notes"]]
     return "\n".join(lines) + "\n"

@@ -42,6 +42,7 @@ handled by the path under test; the bench says so in its output.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -249,7 +250,10 @@ def run_soak(args: argparse.Namespace) -> dict:
     import yaml
 
     paths = [REFERENCE, *args.paths]
-    with tempfile.TemporaryDirectory(prefix="bench-soak-") as folder:
+    keep = args.workdir is not None
+    if keep:
+        args.workdir.mkdir(parents=True, exist_ok=False)
+    with contextlib.nullcontext(str(args.workdir)) if keep else tempfile.TemporaryDirectory(prefix="bench-soak-") as folder:
         clusters = {}
         try:
             for path in paths:
@@ -333,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="durable checkpoint every S seconds (the trainer's default, 300)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a policy value for the in-process path (e.g. recovery.snapshot_every=10)")
+    parser.add_argument("--workdir", type=Path, help="a new directory to run in and keep (the runs' logs, "
+                        "checkpoints); default: a temporary one, removed at the end")
     parser.add_argument("--out", type=Path, help="write the JSON result here (and the markdown beside it, .md)")
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])

@@ -10,7 +10,8 @@ public API only.
 from trainguard.protect.callbacks import Callbacks
 from trainguard.protect.protector import (EXIT_OK, EXIT_STOPPED, KEPT_ON_ROLLBACK, Begun, StepOutcome, Protector,
                                           StepVerdict)
+from trainguard.protect.recovery import init_process_group
 from trainguard.protect.state import RNGState, TrainState
 
 __all__ = ["Begun", "Callbacks", "EXIT_OK", "EXIT_STOPPED", "KEPT_ON_ROLLBACK", "StepOutcome", "Protector",
-           "RNGState", "TrainState", "StepVerdict"]
+           "RNGState", "TrainState", "StepVerdict", "init_process_group"]

@@ -15,6 +15,7 @@ needs no callback for them. What a callback returns (a dict) is added to the dec
 | `saved(step, path, wait)` | rank 0, after a checkpoint was written (`wait()`: until durable) | nothing |
 | `stop(reason)`    | before the guard's stop or a cost stop ends the run | nothing (the loop ends on `StepOutcome.stop`) |
 | `checkpoint_meta()` | every rank, before a checkpoint (may run a collective); a dict joins the manifest's `meta`, None refuses the save | nothing added |
+| `rebuild()`       | after an in-process restart (the group re-formed, the state restored, the gradients cleared) | nothing more: a loop with DDP must wrap the model again (its reducer holds the old group) |
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Callbacks:
     saved: Callable[[int, Path, Callable[[], None]], None] | None = None
     stop: Callable[[str], None] | None = None
     checkpoint_meta: Callable[[], dict | None] | None = None   # the replica check's (trainer/replica_check.py)
+    rebuild: Callable[[], None] | None = None     # after an in-process restart (protect/recovery.py)
 
 
 def load_states(states: dict[str, Any], parts: dict[str, Any]) -> None:

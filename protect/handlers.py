@@ -182,6 +182,7 @@ def stop_run(protector: Protector, decision: Decision, event: dict) -> StepOutco
                                  key_id=keys.key_id(key))
         stop_path.write_text(json.dumps(marker))
     protector.log.error(message)
+    protector.recovery.settle()        # no snapshot event after the run's end
     if protector.callbacks.stop is not None:
         protector.callbacks.stop(decision.reason)
     protector.event(event_types.RUN_END, reason="guard_stop")
@@ -255,6 +256,7 @@ def cost_stop(protector: Protector, order: Order) -> StepOutcome:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(cost_summary(protector, ids, verified), indent=2) + "\n")
         os.replace(tmp, path)
+    protector.recovery.settle()        # no snapshot event after the run's end
     if protector.callbacks.stop is not None:
         protector.callbacks.stop(COST_STOP)
     protector.event(event_types.RUN_END, reason=COST_STOP, alertname=ids["alertname"])
@@ -300,6 +302,7 @@ def drain_at_checkpoint(protector: Protector, order: Order) -> StepOutcome:
     protector.wait()                       # durable before anyone acts on it (an async save included)
     verified = protector.rank != 0 or protector.checkpoints.verified_step() == step
     protector.event(event_types.ACTION, action=DRAIN, checkpoint_step=step, checkpoint_verified=verified, **ids)
+    protector.recovery.settle()        # no snapshot event after the run's end
     if protector.callbacks.stop is not None:
         protector.callbacks.stop(DRAIN)
     protector.event(event_types.RUN_END, reason=DRAIN, alertname=ids["alertname"])

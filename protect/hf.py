@@ -29,6 +29,11 @@ written to `RUN/checkpoints/`, hashed and signed, and `train()` resumes from the
 Trainer's own `checkpoint-N` folders (`save_strategy`) are signed as they are written (`on_save`,
 trainguard.protect.hf_checkpoints); `hf_checkpoints.latest_verified(output_dir)` picks the newest that
 verifies, for `resume_from_checkpoint`.
+
+Recovery (docs/library.md "Recovery"): the Protector's in-memory snapshots are taken in `on_step_end`
+(its `after_step`), and `on_train_begin` resumes from the newest verified checkpoint and then the snapshot
+taken on top of it. No in-process restart: the Trainer holds the process group and the DDP wrapper, and a
+failure propagates out of `train()`; with `recovery.mode: in_process` that is said once in the log.
 """
 
 from __future__ import annotations
@@ -49,6 +54,12 @@ from trainguard.protect.held_schedule import HeldSchedule
 from trainguard.protect.protector import Protector
 from trainguard.protect.state import RNGState
 from trainguard.runtime.telemetry import StepTimer
+
+
+# Why a failure under the Trainer takes the restart path (docs/library.md "Recovery"), said once in the log.
+NOT_IN_PROCESS = ("the Trainer, through accelerate, creates and holds the process group and the DDP wrapper, and "
+                  "a rank's failure propagates out of trainer.train(): no callback can re-form the group, wrap "
+                  "the model again or re-enter the step")
 
 
 class ProtectCallback(TrainerCallback):
@@ -87,6 +98,7 @@ class ProtectCallback(TrainerCallback):
                                    world_size=args.world_size, device=args.device, callbacks=callbacks,
                                    **self.options)
         self._warn_on_two_checkpointers(args)
+        self.protector.recovery.not_in_process("the Transformers Trainer", NOT_IN_PROCESS)
         begun = self.protector.begin(integration="transformers")
         if begun.refused is not None:
             self.exit_code = 3

@@ -23,6 +23,12 @@ Checkpoints (the module, the first optimizer, the random generators and the libr
 `RUN/checkpoints/`, hashed and signed; `fit` resumes from the newest verified one. A rollback scales the
 optimizer's LR by the policy's factor (the default `scale_lr`); a loop with an LR scheduler registers its
 own `scale_lr` in `callbacks`.
+
+Recovery (docs/library.md "Recovery"): the Protector's in-memory snapshots are taken in
+`on_train_batch_end` (its `after_step`), and `on_train_start` resumes from the newest verified checkpoint
+and then the snapshot taken on top of it. No in-process restart: the Strategy holds the process group and
+the DDP wrapper, and a failure propagates out of `fit()`; with `recovery.mode: in_process` that is said
+once in the log.
 """
 
 from __future__ import annotations
@@ -43,6 +49,12 @@ from trainguard.protect.held_schedule import HeldSchedule
 from trainguard.protect.protector import Protector
 from trainguard.protect.state import RNGState
 from trainguard.runtime.telemetry import StepTimer
+
+
+# Why a failure under Lightning takes the restart path (docs/library.md "Recovery"), said once in the log.
+NOT_IN_PROCESS = ("Lightning's Strategy creates and holds the process group and the DDP wrapper, and a rank's "
+                  "failure propagates out of trainer.fit(): no callback can re-form the group, wrap the model "
+                  "again or re-enter the step")
 
 
 class ProtectCallback(Callback):
@@ -79,6 +91,7 @@ class ProtectCallback(Callback):
                        f"{trainer.max_steps}) and Trainer(max_steps=-1).")
             warnings.warn(message, UserWarning, stacklevel=2)
             self.protector.log.warning("lightning max_steps without steps=", max_steps=trainer.max_steps)
+        self.protector.recovery.not_in_process("Lightning", NOT_IN_PROCESS)
         begun = self.protector.begin(integration="lightning")
         if begun.refused is not None:
             self.exit_code = 3

@@ -54,6 +54,7 @@ from trainguard.protect import handlers
 from trainguard.protect.callbacks import Callbacks, load_states
 from trainguard.protect.handlers import EXIT_OK, EXIT_STOPPED, Order, StepOutcome
 from trainguard.protect.checkpoints import RankCheckpoints
+from trainguard.protect.recovery import LoopRecovery, settings_of
 from trainguard.protect.state import TrainState
 from trainguard.protect.sync import HealthSync
 from trainguard.runtime import cordon_key
@@ -97,6 +98,7 @@ class StepVerdict:
 class Begun:
     resumed_from: int | None            # the checkpoint's step, or None for a fresh start
     refused: dict | None = None         # the stop marker's content when the run must not start again
+    snapshot: int | None = None         # the step of the in-memory snapshot loaded on top of it, if any
 
 
 class Protector:
@@ -109,7 +111,8 @@ class Protector:
                  async_checkpoint: bool = False, checkpoint_on_error: str = "warn",
                  stable_val_factor: float = 1.5, log: Any = None, sharded_checkpoints: bool = False,
                  checkpoint_compress: str = "none", shadow: bool | None = None,
-                 flops_per_token: float = 0.0, peak_flops: float = 0.0, precision: str = "bf16"):
+                 flops_per_token: float = 0.0, peak_flops: float = 0.0, precision: str = "bf16",
+                 recovery: Any = None, process_groups: Any = None):
         """`sharded_checkpoints`: every rank saves (and loads in place) its own shards of the `model` and
         `optim` states (FSDP2: their state dicts hold DTensors); otherwise rank 0 saves the whole state.
         `checkpoint_compress`: "none" or "lossless" (bit-exact byte planes + zstd, runtime/checkpoint/compress.py).
@@ -119,7 +122,11 @@ class Protector:
         FLOPs per token or no known peak there is no MFU. Give them to your own `telemetry` instead.
         `checkpoint_every="auto"` (or the policy's `checkpoint.autopilot: on`): the checkpoint autopilot
         chooses the interval by time from the run's measured failures, save and restart costs
-        (trainguard/decide/checkpoint_interval.py), starting from `checkpoint_every_seconds` (300 when 0)."""
+        (trainguard/decide/checkpoint_interval.py), starting from `checkpoint_every_seconds` (300 when 0).
+        `recovery`: over the policy's `recovery` section (None: the section as it is; "in_process" or
+        "restart"; a mapping of its keys; False: none here, the loop runs runtime/resilience itself).
+        `process_groups`: the groups of `trainguard.protect.init_process_group`, re-formed in-process on a
+        rank's failure (protect/recovery.py)."""
         self.run_dir, self.rank, self.world = Path(run_dir), rank, world_size
         self.device = torch.device(device)
         self.run_id = run_id or self.run_dir.name
@@ -140,7 +147,8 @@ class Protector:
         # the step's sync, so all ranks save at the same steps.
         self.auto = auto
         self.autopilot = (autopilot_rule.Autopilot(self.policy.checkpoint, applied=self.checkpoint_every_seconds,
-                                                   snapshot_every=_steered_snapshots(self.policy, sharded_checkpoints))
+                                                   snapshot_every=_steered_snapshots(self.policy, recovery,
+                                                                                  sharded_checkpoints))
                           if auto and rank == 0 else None)
         # The snapshot tier's interval in steps as the autopilot applied it (rank 0's, the same on every rank
         # through the sync); 0: the policy's recovery.snapshot_every stands. The recovery component reads it.
@@ -171,6 +179,9 @@ class Protector:
             keep_last=keep_last, async_save=async_checkpoint, on_error=checkpoint_on_error,
             distributed=sharded_checkpoints, compress=checkpoint_compress)
         self.loss_rollback: float | None = None    # the loss that caused the last loss rollback (its retry)
+        # snapshots of `states` and the in-process restart (docs/library.md "Recovery"); built last: it
+        # uses the key, the states and the telemetry
+        self.recovery = LoopRecovery.build(self, recovery, process_groups, sharded=sharded_checkpoints)
 
     # ------------------------------------------------------------------------------------ start, end
     def begin(self, **rank_info: Any) -> Begun:
@@ -185,16 +196,19 @@ class Protector:
         if (refused := self.stopped_marker()) is not None:
             self.log.error("this run was stopped by the guard; not starting again", **refused)
             return Begun(None, refused)
-        return Begun(self.restore(rollback=False))
+        resumed = self.restore(rollback=False)
+        return Begun(resumed, snapshot=self.recovery.after_begin(resumed))
 
     def finish(self) -> None:
         """The loop ran to its end: a last checkpoint (unless this step has one), `run_end`, durable."""
         if self.state.last_saved_step != self.state.step:
             self.save()
+        self.recovery.finish()
         self.telemetry.event(event_types.RUN_END, step=self.state.step, reason="completed")
         self.checkpoints.wait()
 
     def close(self) -> None:
+        self.recovery.close()
         self.checkpoints.close()
         self.telemetry.close()
 
@@ -258,6 +272,7 @@ class Protector:
                 handlers.control_order(self, verdict.control_code, verdict.control_line))).stop:
             return outcome
         self._checkpoint_if_due(verdict.timestamp, verdict.checkpoint_interval)
+        self.recovery.after_step()
         return StepOutcome(restored_step=state.step if state.step != verdict.step else None)
 
     # -------------------------------------------------------------------------------------- checkpoints
@@ -429,11 +444,13 @@ def _start_autopilot(protector: Protector) -> None:
     protector.telemetry.observers.append(lambda record: pilot.observe(autopilot_history.timed(record)))
 
 
-def _steered_snapshots(policy: policy_mod.Policy, sharded: bool) -> int:
+def _steered_snapshots(policy: policy_mod.Policy, recovery: Any, sharded: bool) -> int:
     """The snapshot interval the autopilot starts from and steers (issue 32's second tier), 0 for none:
-    only under `recovery.mode: in_process` with snapshots on and not sharded (FSDP2 takes none)."""
-    recovery = policy.recovery
-    return recovery.snapshot_every if recovery.mode == "in_process" and not sharded else 0
+    only under `recovery.mode: in_process` with snapshots on and not sharded (FSDP2 takes none). The
+    settings are the Protector's `recovery=` over the policy's, or (recovery=False: the bundled trainer runs
+    runtime/resilience itself, from the policy's section) the policy's."""
+    settings = policy.recovery if recovery is False else settings_of(recovery, policy)
+    return settings.snapshot_every if settings is not None and settings.mode == "in_process" and not sharded else 0
 
 
 def _steer_interval(protector: Protector, now: float) -> None:

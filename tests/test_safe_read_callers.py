@@ -46,6 +46,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("trainer/data.py", "tokenize_dir", "read_bytes"): "the user's corpus, outside the run directory",
     ("trainer/data.py", "TokenStream.__init__", "np.memmap"): "the token shards, outside the run directory",
     ("runtime/resilience/snapshot.py", "_write_new", "os.open"): "writes an in-memory snapshot (O_NOFOLLOW, 0600)",
+    ("runtime/resilience/replicate.py", "Replicator._commit", "os.open"): "writes a received replica (O_NOFOLLOW, 0600, hashed while written)",
     ("runtime/resilience/sockets.py", "established", "open"): "/proc/self/net/tcp: this process's connections",
     ("trainer/faults.py", "FaultInjector.after_checkpoint", "open"): "the corrupt-checkpoint fault: writes a "
                                                                      "byte into a checkpoint on purpose",

@@ -130,6 +130,9 @@ def add_node_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rdzv-id", metavar="ID", help="the job's rendezvous id (the same on every node)")
     parser.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
                         help="rendezvous option, e.g. last_call_timeout=5 or is_host=false (repeatable)")
+    parser.add_argument("--spare", action="store_true",
+                        help="a hot spare: wait outside the rendezvous and join only in the place of a node of the "
+                             "job that is cordoned (signed), so the world size stays (docs/recovery.md)")
 
 
 def build_nodes(args: argparse.Namespace):
@@ -139,6 +142,8 @@ def build_nodes(args: argparse.Namespace):
     if not getattr(args, "nnodes", None):
         if getattr(args, "rdzv_endpoint", None):
             raise cfg.ConfigError("--rdzv-endpoint needs --nnodes")
+        if getattr(args, "spare", False):
+            raise cfg.ConfigError("--spare needs --nnodes MIN:MAX and --rdzv-endpoint: a spare joins a multi-node job")
         return None
     try:
         low, high = parse_nnodes(args.nnodes)
@@ -146,6 +151,9 @@ def build_nodes(args: argparse.Namespace):
         raise cfg.ConfigError(str(exc)) from None
     if high > 1 and not args.rdzv_endpoint:
         raise cfg.ConfigError(f"--nnodes {args.nnodes}: several nodes need --rdzv-endpoint HOST:PORT")
+    if getattr(args, "spare", False) and high < 2:
+        raise cfg.ConfigError(f"--spare with --nnodes {args.nnodes}: a spare takes the place of another node, "
+                              f"so the job has at least 2 nodes (MAX)")
     conf = {}
     for item in args.rdzv_conf:
         key, sep, value = item.partition("=")
@@ -358,7 +366,8 @@ def run(args: argparse.Namespace) -> int:
         from trainguard.trainer.launch import launch
 
         return launch(run_dir, resolved, nproc=args.nproc, max_restarts=max_restarts, nodes=nodes,
-                      key_file=config.run.key_file or None, config_sha256=config_digest(config))
+                      key_file=config.run.key_file or None, config_sha256=config_digest(config),
+                      spare=getattr(args, "spare", False))
     from trainguard.trainer.train import run_worker
 
     return run_worker(config, run_dir)

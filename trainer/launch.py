@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import uuid
@@ -91,26 +92,57 @@ def _ignored_hint(run_dir: Path, reason: str | None) -> str:
     return f"if it is genuine, it was signed with another key (--key-file); remove it with {uncordon}"
 
 
-def write_launcher_file(run_dir: Path, nodes: Nodes) -> Path:
-    """``RUN/control/launchers/<node>.json``: this launcher, for the agent (the job's elastic bounds)."""
+def write_launcher_file(run_dir: Path, nodes: Nodes, replaces: str | None = None) -> Path:
+    """``RUN/control/launchers/<node>.json``: this launcher, for the agent (the job's elastic bounds); a
+    spare that joined says whose place it took (``spare``, ``replaces``)."""
     path = rundir.launcher_path(run_dir, node_name())
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{node_name()}.{os.getpid()}.tmp"
+    spare = {"spare": True, "replaces": replaces} if replaces is not None else {}
     tmp.write_text(json.dumps({"host": node_name(), "pid": os.getpid(), "started_at": time.time(),
-                               "min_nodes": nodes.min_nodes, "max_nodes": nodes.max_nodes}))
+                               "min_nodes": nodes.min_nodes, "max_nodes": nodes.max_nodes, **spare}))
     os.replace(tmp, path)
     return path
 
 
+def honoured_cordon(run_dir: Path, key_file: str | None = None) -> bool:
+    """This node has a cordon that is honoured (signed, not revoked, not expired); quiet, for polling."""
+    from trainguard import cordon
+    from trainguard.runtime.cordon_key import checker
+
+    found = cordon.read_one(run_dir, node_name(), checker(key_file))
+    return found is not None and found.honoured
+
+
+def wait_as_spare(run_dir: Path, key_file: str | None) -> "int | str":
+    """A spare's wait outside the rendezvous (trainer/spare.py): the node it replaces, or the exit status."""
+    from trainguard.runtime.cordon_key import checker
+    from trainguard.trainer import spare
+
+    log.get("launch").info("spare: waiting for a node of the job to be cordoned", host=node_name())
+    outcome = spare.wait_for_vacancy(run_dir, node_name(), lambda: checker(key_file))
+    if outcome.cordoned:
+        log.get("launch").error(f"spare {node_name()} is cordoned: it does not join the job")
+        return EXIT_CORDONED
+    if outcome.completed or outcome.vacancy is None:
+        log.get("launch").info("spare: the job completed; nothing to join", host=node_name())
+        return 0
+    spare.record_joined(run_dir, node_name(), outcome)
+    return outcome.vacancy.node
+
+
 def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: int,
-           nodes: "Nodes | None" = None, key_file: str | None = None, config_sha256: str | None = None) -> int:
+           nodes: "Nodes | None" = None, key_file: str | None = None, config_sha256: str | None = None,
+           spare: bool = False) -> int:
     """`config_sha256`: the digest of the configuration this launcher resolved, on every worker's command
     line (trainer/train.py checks it): anyone who can write RUN/config.yaml could otherwise change what the
-    ranks train with at their next restart."""
+    ranks train with at their next restart. `spare`: a hot spare (trainer/spare.py), which joins the job
+    only in the place of a node the job's cordon keeps out."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from trainguard.trainer import spare as spare_role
 
     # torch shares the rendezvous TCP store across restart attempts; restarted gloo workers then read stale
     # peer addresses ("connectFullMesh ... Connection refused") and may hang for good, so an agent's
@@ -123,10 +155,24 @@ def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: in
     if (refusal := cordon_refusal(run_dir, key_file)) is not None:
         log.get("launch").error(refusal)
         return EXIT_CORDONED
-    write_launcher_file(run_dir, nodes)
+    replaces = None
+    if spare:
+        if not isinstance(waited := wait_as_spare(run_dir, key_file), str):
+            return waited
+        replaces = waited
+    write_launcher_file(run_dir, nodes, replaces)
+    # Several nodes: this node's cordon is looked at before each rendezvous round and while it trains
+    # (trainer/spare.py): a cordoned node leaves and does not come back, whoever ends its launcher.
+    guarded = nodes.max_nodes > 1
+
+    def cordoned() -> bool:
+        return honoured_cordon(run_dir, key_file)
+
+    watch = spare_role.CordonWatch(cordoned, lambda: os.kill(os.getpid(), signal.SIGTERM)) if guarded else None
     config = LaunchConfig(
         min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, nproc_per_node=nproc,
-        run_id=nodes.rdzv_id or str(uuid.uuid4()), rdzv_backend="c10d",
+        run_id=nodes.rdzv_id or str(uuid.uuid4()),
+        rdzv_backend=spare_role.guarded_rendezvous_backend(cordoned) if guarded else "c10d",
         rdzv_endpoint=nodes.rdzv_endpoint or "127.0.0.1:0", rdzv_configs=dict(nodes.rdzv_configs),
         max_restarts=max_restarts,
         monitor_interval=0.5, start_method="spawn",
@@ -136,10 +182,24 @@ def launch(run_dir: Path, resolved_config: Path, *, nproc: int, max_restarts: in
     worker = ("-m", "trainguard.trainer.train", "--run-dir", str(run_dir), "--config", str(resolved_config),
               *(("--config-sha256", config_sha256) if config_sha256 else ()))
     try:
+        if watch is not None:
+            watch.start()
         elastic_launch(config, entrypoint=sys.executable)(*worker)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         log.get("launch").error("training failed", restarts_allowed=max_restarts, rank=rank,
                                 exitcode=failure.exitcode, error_file=failure.error_file or None)
         return failure.exitcode if failure.exitcode > 0 else 1
+    except spare_role.Cordoned:
+        log.get("launch").error(f"node {node_name()} is cordoned: it left the job's rendezvous")
+        return EXIT_CORDONED
+    except SignalException:
+        if not guarded or not cordoned():
+            raise
+        spare_role.leave_rendezvous()      # ended because cordoned (the agent, or the watch): out at once
+        log.get("launch").error(f"node {node_name()} is cordoned: its launcher ended and left the rendezvous")
+        return EXIT_CORDONED
+    finally:
+        if watch is not None:
+            watch.stop()
     return 0

@@ -124,11 +124,13 @@ class Trainer:
             checkpoint_every_seconds=run.checkpoint_every_seconds,
             keep_last=run.keep_last, key_file=run.key_file, async_checkpoint=run.async_checkpoint,
             checkpoint_on_error=run.checkpoint_on_error, stable_val_factor=run.stable_val_factor, log=self.log,
-            sharded_checkpoints=self.sharded, checkpoint_compress=run.checkpoint_compress)
+            sharded_checkpoints=self.sharded, checkpoint_compress=run.checkpoint_compress,
+            recovery=False)    # the loop runs runtime/resilience's Recovery itself (self.recovery)
         self.schedule.bind(self.model, self.optimizer, self.telemetry.event)
         self.recovery = Recovery.build(policy.recovery, self.protector, run_dir=self.run_dir, rank=self.rank,
                                        world_size=self.world, device=self.device, groups=groups, log=self.log,
-                                       sharded=self.sharded)
+                                       sharded=self.sharded,   # a peer's state checked with the replica fingerprint
+                                       fingerprint=lambda tensors: int(self.replicas.fingerprints.fingerprint(tensors)))
         callbacks.stop = lambda reason: self.recovery.settle()    # no snapshot event after a stop's run_end
         self.progress = Progress(run.steps, run.log_every, self.log) if self.rank == 0 else None
 

@@ -36,6 +36,9 @@ SNAPSHOT_RESTORED = "snapshot_restored"    # training state loaded from a verifi
 SNAPSHOT_FALLBACK = "snapshot_fallback"    # no snapshot every rank could verify: the durable checkpoint instead, why
 IN_PROCESS_RESTART = "in_process_restart"  # the ranks re-formed their group in-process and restored: teardown,
                                            # reform and restore seconds, cause, failed_rank, steps_lost
+SNAPSHOT_REPLICATED = "snapshot_replicated"   # a snapshot held by a rank of another node: peer_rank, bytes, seconds
+SNAPSHOT_REPLICA_FAILED = "snapshot_replica_failed"   # a snapshot its peer does not hold: peer_rank, why
+REPLICA_REFUSED = "replica_refused"        # a received replica that did not verify, kept nowhere: origin_rank, reason
 
 # -------------------------------------------------------------------- decisions and what was done
 ALERT = "alert"                    # an alert notification the agent decided on: alertname, status, outcome
@@ -51,6 +54,7 @@ REPLICA_MISMATCH = "replica_mismatch"  # replicas that should agree did not: ran
 CULPRIT = "culprit"                    # the rank and node an incident names: incident, rank, node, kind
 CORDON = actions.CORDON                # a node kept out of the job (RUN/control/cordon/<host>): host, incident
 CORDON_IGNORED = "cordon_ignored"      # a launcher joined despite a cordon file it does not honour: why
+SPARE_JOINED = "spare_joined"          # a spare node took a cordoned node's place: host, replaces, cordon_id
 
 # ------------------------------------------------------------------------------------- node health
 HEALTH_CHECK = "health_check"    # another tool's finding on a node (dcgmi diag, kernel NVRM): tool, status, gpu
@@ -73,6 +77,7 @@ TYPES = (RUN_START, RUN_END, CHECKPOINT_SAVED, CHECKPOINT_FAILED, CHECKPOINT_RES
          CHECKPOINT_DELETED, CHECKPOINT_QUARANTINED, CHECKPOINT_SUPERSEDED, CHECKPOINT_INTERVAL, SNAPSHOT_SAVED,
          ALERT, ACTION, SHADOW_ACTION,
          CONTROL_REFUSED, STOP_MARKER_REFUSED, LOSS_LEVEL_SHIFT, REPLICA_CHECK, REPLICA_MISMATCH, CULPRIT,
-         CORDON, CORDON_IGNORED, EVALUATION, LR_PHASE, LAYER_REINIT, FAULT_INJECTED, TRAINER_LOG,
+         CORDON, CORDON_IGNORED, SPARE_JOINED, EVALUATION, LR_PHASE, LAYER_REINIT, FAULT_INJECTED, TRAINER_LOG,
          TRAINER_CHECKPOINT_SIGNED, PREDICTION, RUN_SUMMARY, HEALTH_CHECK, NODE_AT_RISK, SNAPSHOT_SKIPPED,
          SNAPSHOT_INVALID, SNAPSHOT_RESTORED, SNAPSHOT_FALLBACK, IN_PROCESS_RESTART)
+TYPES += (SNAPSHOT_REPLICATED, SNAPSHOT_REPLICA_FAILED, REPLICA_REFUSED)   # peer replication

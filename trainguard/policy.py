@@ -183,6 +183,9 @@ class RecoveryPolicy:
                                  "for every rank; then the launcher restarts every worker")
     max_in_process_restarts: int = key(3, at_least(0, 10**4), "in-process restarts per worker process; past "
                                        "it a failure goes the restart way")
+    replicate: str = key("on", Choice(("on", "off")), "on: every snapshot is also held by the same local rank "
+                         "on the next node (runtime/resilience/replicate.py), and a rank without its own receives "
+                         "it from there (peer.py); off: each node keeps its own only")
 
 
 @dataclass(frozen=True)

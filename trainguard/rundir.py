@@ -193,6 +193,11 @@ def launcher_path(run_dir: PathLike, host: str) -> Path:
     return launchers_dir(run_dir) / f"{host}.json"
 
 
+def spare_claims_dir(run_dir: PathLike) -> Path:
+    """A hot spare's claim of a cordoned node's place, one file per cordon (trainer/spare.py)."""
+    return control_dir(run_dir) / "spares"
+
+
 def dump_dir(run_dir: PathLike) -> Path:
     return control_dir(run_dir) / "dump"
 

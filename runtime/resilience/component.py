@@ -17,6 +17,7 @@ worker, which resume from the newest verified checkpoint). `in_process` takes sn
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any, Callable
 from trainguard import event_types
 from trainguard.runtime.resilience import restore
 from trainguard.runtime.resilience.inprocess import ProcessGroups, RecoveryFailed
+from trainguard.runtime.resilience.replicate import Replicator
 from trainguard.runtime.resilience.snapshot import SnapshotStore, Snapshotter
 
 IN_PROCESS, RESTART = "in_process", "restart"
@@ -36,13 +38,17 @@ class Recovery:
         self.protector, self.store, self.snapshots, self.groups = protector, store, snapshots, groups
         self.max_restarts, self.device, self.world, self.log = max_restarts, device, world_size, log
         self.restarts = 0
+        self.fingerprint: Callable[[list], int] | None = None   # a peer's state checked with it (peer.py)
 
     @classmethod
     def build(cls, settings: Any, protector: Any, *, run_dir: Path, rank: int, world_size: int, device: Any,
-              groups: ProcessGroups | None, log: Any, sharded: bool = False) -> "Recovery":
+              groups: ProcessGroups | None, log: Any, sharded: bool = False,
+              fingerprint: Callable[[list], int] | None = None) -> "Recovery":
         """From the policy's `recovery` section. Snapshots need the run's key (they are signed with it) and
         a private directory on the tmpfs; without either they are off, said once in the log and the TLS.
-        `sharded` (FSDP2: DTensor states, a device mesh): the restart path, no snapshots (docs/recovery.md)."""
+        `sharded` (FSDP2: DTensor states, a device mesh): the restart path, no snapshots (docs/recovery.md).
+        `fingerprint`: the replica fingerprint of a list of tensors (trainer/fingerprint.py), which checks a
+        state received from a peer against the other replicas' (runtime/resilience/peer.py)."""
         store = snapshots = None
         if settings.mode == IN_PROCESS and settings.snapshot_every and not sharded:
             from trainguard.runtime.checkpoint import keys
@@ -54,15 +60,25 @@ class Recovery:
                                       keep=settings.snapshot_keep, max_bytes=settings.snapshot_max_bytes)
                 why = store.prepare()
             if why is None:
+                replicator = None
+                if settings.replicate == "on" and groups is not None:   # the job's store finds the peer
+                    replicator = Replicator.build(
+                        store, groups.store, rank=rank, world_size=world_size,
+                        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+                        emit=protector.telemetry.event, log=log)
+                    if replicator is not None:
+                        replicator.start()
                 snapshots = Snapshotter(store, protector.states, every=settings.snapshot_every,
-                                        emit=protector.telemetry.event, log=log)
+                                        emit=protector.telemetry.event, log=log, replicator=replicator)
             else:
                 store = None
                 protector.event(event_types.SNAPSHOT_SKIPPED, reason="unavailable", why=why)
                 log.error("in-memory snapshots are off; recovery restores the durable checkpoint", why=why)
-        return cls(protector, store=store, snapshots=snapshots,
-                   groups=groups if settings.mode == IN_PROCESS else None,
-                   max_restarts=settings.max_in_process_restarts, device=device, world_size=world_size, log=log)
+        built = cls(protector, store=store, snapshots=snapshots,
+                    groups=groups if settings.mode == IN_PROCESS else None,
+                    max_restarts=settings.max_in_process_restarts, device=device, world_size=world_size, log=log)
+        built.fingerprint = fingerprint
+        return built
 
     # ------------------------------------------------------------------------------------ the hooks
     def after_begin(self, resumed_from: int | None) -> dict | None:
@@ -70,7 +86,7 @@ class Recovery:
         if self.snapshots is None:
             return None
         return restore.after_resume(self.protector, self.store, resumed_from=resumed_from, device=self.device,
-                                    world_size=self.world)
+                                    world_size=self.world, held=self._held(), fingerprint=self.fingerprint)
 
     def after_step(self, *, last: bool = False) -> None:
         """After a completed step; `last`: the run's final step (its checkpoint follows: no snapshot)."""
@@ -114,7 +130,8 @@ class Recovery:
         if self.snapshots is not None:
             self.snapshots.wait()
         try:
-            restored = restore.after_failure(self.protector, self.store, device=self.device, world_size=self.world)
+            restored = restore.after_failure(self.protector, self.store, device=self.device, world_size=self.world,
+                                             held=self._held(), fingerprint=self.fingerprint)
         except LookupError as exc:
             raise RecoveryFailed(str(exc)) from failure
         rebuild()
@@ -126,6 +143,11 @@ class Recovery:
         self.protector.event(event_types.IN_PROCESS_RESTART, **record)
         self.log.warning("recovered in-process", **record)
         return record
+
+    def _held(self) -> Any:
+        """The replicas this rank holds of another rank's snapshots (runtime/resilience/replicate.py)."""
+        replicator = self.snapshots.replicator if self.snapshots is not None else None
+        return replicator.held if replicator is not None else None
 
     def close(self, *, completed: bool) -> None:
         if self.snapshots is not None:

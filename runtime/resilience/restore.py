@@ -23,29 +23,34 @@ import time
 from typing import Any, Callable
 
 from trainguard import event_types
+from trainguard.runtime.resilience import peer
 from trainguard.runtime.resilience.snapshot import SnapshotRefused, SnapshotStore
 
-SNAPSHOT, CHECKPOINT = "snapshot", "checkpoint"
+SNAPSHOT, CHECKPOINT, PEER = "snapshot", "checkpoint", peer.PEER
 
 
-def after_failure(protector: Any, store: SnapshotStore | None, *, device: Any, world_size: int) -> dict[str, Any]:
+def after_failure(protector: Any, store: SnapshotStore | None, *, device: Any, world_size: int,
+                  held: SnapshotStore | None = None, fingerprint: Callable | None = None) -> dict[str, Any]:
     """Load the state to go on from after an in-process restart; what was loaded ({"source", "restored_step",
     "restore_seconds"}). None restored (no snapshot, no checkpoint) raises LookupError: the caller hands
     the failure to the launcher."""
     durable = protector.state.last_saved_step
     loaded = _agreed_snapshot(protector, store, world_size, device,
-                              accept=lambda step, manifest: durable is None or step >= durable)
+                              accept=lambda step, manifest: durable is None or step >= durable,
+                              held=held, fingerprint=fingerprint)
     if loaded is not None:
         return loaded
     began = time.perf_counter()
     step = protector.restore(rollback=False, source=event_types.IN_PROCESS_RESTART)
     if step is None:
         raise LookupError("no verified snapshot or checkpoint to restore after the failure")
-    return {"source": CHECKPOINT, "restored_step": step, "restore_seconds": time.perf_counter() - began}
+    return {"source": CHECKPOINT, "restored_step": step, "restore_seconds": time.perf_counter() - began,
+            "bytes_received": 0}
 
 
 def after_resume(protector: Any, store: SnapshotStore | None, *, resumed_from: int | None, device: Any,
-                 world_size: int) -> dict[str, Any] | None:
+                 world_size: int, held: SnapshotStore | None = None,
+                 fingerprint: Callable | None = None) -> dict[str, Any] | None:
     """After `Protector.begin` on a worker torchrun started: a fresher snapshot of the same timeline, loaded
     (what was loaded, as `after_failure`), or None (the checkpoint's state stands)."""
     if store is None:
@@ -54,21 +59,31 @@ def after_resume(protector: Any, store: SnapshotStore | None, *, resumed_from: i
         # No checkpoint yet: only this job's own snapshots continue it (a worker it restarted before the
         # first checkpoint); what an earlier job left under this directory's name is deleted.
         store.discard_other_jobs()
+        if held is not None:
+            held.discard_other_jobs()
     return _agreed_snapshot(protector, store, world_size, device,
                             accept=lambda step, manifest: step > (resumed_from or 0)
                             and manifest.get("base_step") == resumed_from
-                            and (resumed_from is not None or manifest.get("job") == store.job))
+                            and (resumed_from is not None or manifest.get("job") == store.job),
+                            held=held, fingerprint=fingerprint)
 
 
 def _agreed_snapshot(protector: Any, store: SnapshotStore | None, world_size: int, device: Any,
-                     accept: Callable[[int, dict], bool]) -> dict[str, Any] | None:
+                     accept: Callable[[int, dict], bool], held: SnapshotStore | None = None,
+                     fingerprint: Callable | None = None) -> dict[str, Any] | None:
+    """`held`: the replicas this rank holds of another rank's snapshots (runtime/resilience/peer.py: a rank
+    without the chosen step receives it from its holder)."""
     began = time.perf_counter()
-    mine = _candidates(store, accept, protector) if store is not None else []
-    everyone = _exchange(mine, world_size)
+    mine = peer.listing(_candidates(store, accept, protector), held, accept, lambda step, exc: protector.event(
+        event_types.SNAPSHOT_INVALID, snapshot_step=step, reason=exc.reason, why=str(exc))) \
+        if store is not None else None
+    listings = _exchange(mine, world_size)
     if store is None:
         return None
-    common = set(everyone[0]).intersection(*everyone[1:]) if everyone else set()
-    if not common:
+    everyone = [listed["local"] if listed is not None else [] for listed in listings]
+    # a rank without snapshots (None) takes part in nothing after this exchange: no plan includes it
+    chosen = peer.plan(listings, max_bytes=store.max_bytes) if None not in listings else None
+    if chosen is None:
         # No rank holding one is the ordinary case (no snapshot since the checkpoint); some ranks holding
         # one and others not (a refused manifest, a snapshot not written) is a fallback, said loudly.
         missing = [rank for rank, steps in enumerate(everyone) if not steps]
@@ -77,9 +92,9 @@ def _agreed_snapshot(protector: Any, store: SnapshotStore | None, world_size: in
                    else "the ranks hold no snapshot of the same step")
             _fallback(protector, why)
         return None
-    step = max(common)
+    step, received = chosen.step, 0
     try:
-        _, parts = store.load(step, map_location=device)
+        _, parts, received = peer.fetch(chosen, store, held, device=device, rank=store.rank)
         refusal = None
     except SnapshotRefused as exc:
         parts, refusal = None, exc
@@ -90,13 +105,20 @@ def _agreed_snapshot(protector: Any, store: SnapshotStore | None, world_size: in
     if refused:
         _fallback(protector, f"the snapshot of step {step} did not verify on rank(s) {refused}")
         return None
+    if chosen.sources and (why := peer.fingerprints_differ(parts, fingerprint, lambda v: _exchange(v, world_size))):
+        _fallback(protector, f"step {step}, received from a peer by rank(s) {sorted(chosen.sources)}: {why}")
+        return None
     from_step = protector.state.step
     protector.load_states(parts)
     seconds = time.perf_counter() - began
+    source = PEER if received else SNAPSHOT
     protector.event(event_types.SNAPSHOT_RESTORED, restored_step=protector.state.step, from_step=from_step,
-                    seconds=round(seconds, 6), path=str(store.path(step, ".snap")))
-    protector.log.info("restored from the in-memory snapshot", step=protector.state.step, seconds=seconds)
-    return {"source": SNAPSHOT, "restored_step": protector.state.step, "restore_seconds": seconds}
+                    seconds=round(seconds, 6), path=str(store.path(step, ".snap")), source=source,
+                    bytes_received=received, peer_rank=chosen.sources.get(store.rank))
+    protector.log.info("restored from the in-memory snapshot", step=protector.state.step, seconds=seconds,
+                       source=source, bytes_received=received)
+    return {"source": source, "restored_step": protector.state.step, "restore_seconds": seconds,
+            "bytes_received": received}
 
 
 def _candidates(store: SnapshotStore, accept: Callable[[int, dict], bool], protector: Any) -> list[int]:

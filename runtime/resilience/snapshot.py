@@ -73,7 +73,9 @@ class SnapshotStore:
     """One rank's snapshots on the tmpfs: write, list, verify and load, keep the newest, clear."""
 
     def __init__(self, root: Path, run_dir: Path, *, rank: int, world_size: int, key: bytes, key_id: str,
-                 keep: int = 2, max_bytes: int = 8 * 2**30):
+                 keep: int = 2, max_bytes: int = 8 * 2**30, directory: str | None = None):
+        """`directory`: the folder's name under the run's (default ``rank-<rank>``); a peer holding this
+        rank's replicas names its own (runtime/resilience/replicate.py), bound to `rank` all the same."""
         self.run = str(Path(os.path.abspath(run_dir)))
         # The launcher's job (torchrun's rendezvous run id, the same across its restarts): a fresh start of
         # the run directory by another job does not take what an earlier job left (restore.after_resume).
@@ -82,7 +84,7 @@ class SnapshotStore:
         self.key, self.key_id = key, key_id
         self.keep, self.max_bytes = keep, max_bytes
         self.base = snapshot_root(run_dir, key, root)
-        self.dir = self.base / f"rank-{rank}"
+        self.dir = self.base / (directory or f"rank-{rank}")
 
     # ---------------------------------------------------------------------------------- the directory
     def prepare(self) -> str | None:
@@ -115,11 +117,15 @@ class SnapshotStore:
     def write(self, step: int, payload: bytes, *, base_step: int | None) -> Path:
         """The payload, then its signed manifest (the commit point). OSError when it cannot be written."""
         digest = hashlib.sha256(payload).hexdigest()
-        _write_new(self.path(step, DATA), payload)
         manifest = signed.sign(self.key, PURPOSE, {
             "run": self.run, "rank": self.rank, "world_size": self.world, "step": step, "bytes": len(payload),
             "sha256": digest, "base_step": base_step, "job": self.job, "created": time.time()}, key_id=self.key_id)
-        _write_new(self.path(step, MANIFEST), json.dumps(manifest).encode())
+        return self.commit(step, payload, json.dumps(manifest).encode())
+
+    def commit(self, step: int, payload: bytes, manifest: bytes) -> Path:
+        """The payload, then the manifest's bytes as they are (a peer's replica keeps its origin's signature)."""
+        _write_new(self.path(step, DATA), payload)
+        _write_new(self.path(step, MANIFEST), manifest)
         return self.path(step, DATA)
 
     def free_bytes(self) -> int:
@@ -136,12 +142,18 @@ class SnapshotStore:
             raise SnapshotRefused("missing", f"{path}: no such snapshot") from None
         except (OSError, ValueError) as exc:
             raise SnapshotRefused("unreadable", f"{path}: {exc}") from None
+        return self.check_record(step, record, str(path))
+
+    def check_record(self, step: int, record: Any, where: str) -> dict:
+        """A manifest's signature, its binding to this run, rank, world size and `step`, and its size."""
+        if not isinstance(record, dict):
+            raise SnapshotRefused("unreadable", f"{where}: not a manifest")
         bound = {"run": self.run, "rank": self.rank, "world_size": self.world, "step": step}
         if (why := signed.check(self.key, PURPOSE, record, bound)) is not None:
-            raise SnapshotRefused(why, f"{path}: {signed.refusal_message(why, 'the snapshot manifest')}")
+            raise SnapshotRefused(why, f"{where}: {signed.refusal_message(why, 'the snapshot manifest')}")
         size = record.get("bytes")
         if not isinstance(size, int) or not 0 < size <= self.max_bytes:
-            raise SnapshotRefused("too_large", f"{path}: a snapshot of {size!r} bytes (at most {self.max_bytes})")
+            raise SnapshotRefused("too_large", f"{where}: a snapshot of {size!r} bytes (at most {self.max_bytes})")
         return record
 
     def load(self, step: int, map_location: Any = "cpu") -> tuple[dict, dict]:
@@ -155,19 +167,7 @@ class SnapshotStore:
             raise SnapshotRefused("missing", f"{path}: the manifest's payload is missing") from None
         except OSError as exc:
             raise SnapshotRefused("unreadable", f"{path}: {exc}") from None
-        if len(payload) != record["bytes"]:
-            raise SnapshotRefused("size", f"{path}: {len(payload)} bytes, the manifest says {record['bytes']}")
-        if hashlib.sha256(payload).hexdigest() != record["sha256"]:
-            raise SnapshotRefused("hash", f"{path}: its SHA-256 is not the manifest's (changed after it was written)")
-        import torch
-
-        try:
-            state = torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
-        except Exception as exc:   # hashed and signed, yet not loadable: written by another torch?
-            raise SnapshotRefused("unloadable", f"{path}: torch.load refused it: {exc}") from None
-        if not isinstance(state, dict):
-            raise SnapshotRefused("unloadable", f"{path}: not a dict of states")
-        return record, state
+        return record, decode(record, payload, str(path), map_location)
 
     # ----------------------------------------------------------------------------------- retention
     def retain(self) -> list[int]:
@@ -223,10 +223,13 @@ class Snapshotter:
     """Takes a snapshot of `states` (every object's `state_dict`) every `every` steps, beside training."""
 
     def __init__(self, store: SnapshotStore, states: dict[str, Any], *, every: int,
-                 emit: Callable[..., Any], log: Any):
+                 emit: Callable[..., Any], log: Any, replicator: Any = None):
+        """`replicator`: sends each snapshot to a rank of another node once written
+        (runtime/resilience/replicate.py); None: this node's copy only."""
         from trainguard.runtime.checkpoint.state import Stager
 
         self.store, self.states, self.every = store, states, every
+        self.replicator = replicator
         self.emit, self.log = emit, log
         self._stager = Stager()
         self._thread: threading.Thread | None = None
@@ -239,6 +242,8 @@ class Snapshotter:
         if self._last_step is not None and step < self._last_step:
             self.wait()
             self.store.discard_after(step)
+            if self.replicator is not None:
+                self.replicator.discard_after(step)
         self._last_step = step
         if take and self.every and step % self.every == 0:
             self.take(step, base_step=base_step)
@@ -287,6 +292,8 @@ class Snapshotter:
         self.taken += 1
         self.emit(event_types.SNAPSHOT_SAVED, step=step, bytes=len(payload), blocking_seconds=round(blocking, 6),
                   write_seconds=round(time.perf_counter() - began, 6), path=str(path))
+        if self.replicator is not None:      # on a thread of its own: a slow peer holds up nothing here
+            self.replicator.submit(step, payload)
 
     def _skipped(self, step: int, reason: str, why: str) -> None:
         self.emit(event_types.SNAPSHOT_SKIPPED, step=step, reason=reason, why=why)
@@ -297,8 +304,27 @@ class Snapshotter:
         """At the end of this process: a completed run clears its snapshots (the final checkpoint holds
         that state); any other end keeps them for the restart."""
         self.wait()
+        if self.replicator is not None:
+            self.replicator.close(completed=completed)
         if completed:
             self.store.clear(directories=True)
+
+
+def decode(record: dict, payload: bytes, where: str, map_location: Any = "cpu") -> dict:
+    """The state in `payload` once its size and SHA-256 are the checked manifest's; weights_only."""
+    if len(payload) != record["bytes"]:
+        raise SnapshotRefused("size", f"{where}: {len(payload)} bytes, the manifest says {record['bytes']}")
+    if hashlib.sha256(payload).hexdigest() != record["sha256"]:
+        raise SnapshotRefused("hash", f"{where}: its SHA-256 is not the manifest's (changed after it was written)")
+    import torch
+
+    try:
+        state = torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+    except Exception as exc:   # hashed and signed, yet not loadable: written by another torch?
+        raise SnapshotRefused("unloadable", f"{where}: torch.load refused it: {exc}") from None
+    if not isinstance(state, dict):
+        raise SnapshotRefused("unloadable", f"{where}: not a dict of states")
+    return state
 
 
 def _not_private(path: Path) -> str | None:

@@ -13,8 +13,9 @@ import torch
 pytest.importorskip("transformers")
 
 from examples.hf_trainer import build, faults_of  # noqa: E402
+from tests.integrations.policies import recovery_policy  # noqa: E402
 from tests.library.test_plain_loop import GUARD, request_when_step_written  # noqa: E402
-from tests.trainer.helpers import events, step_records, write_policy  # noqa: E402
+from tests.trainer.helpers import events, step_records  # noqa: E402
 from trainguard.runtime.checkpoint import CheckpointManager  # noqa: E402
 
 
@@ -25,7 +26,7 @@ def weights(model) -> list[torch.Tensor]:
 @pytest.mark.slow
 def test_trainer_skips_a_nan_rolls_back_spikes_and_obeys_cost_stop(tmp_path):
     run = tmp_path / "run"
-    policy = write_policy(tmp_path / "policy.yaml", **GUARD)
+    policy = recovery_policy(tmp_path)
     trainer, callback = build(str(run), 60, faults_of(["nan@5", "spike@22"]), str(policy))
     before_nan = {}
 
@@ -58,11 +59,28 @@ def test_trainer_skips_a_nan_rolls_back_spikes_and_obeys_cost_stop(tmp_path):
 
     saved = CheckpointManager(run).load(CheckpointManager(run).latest_verified())
     assert {"model", "optim", "sched", "rng", "guard", "cost", "trainer"} <= set(saved)
-    again, callback = build(str(run), ack["step"] + 2, {}, str(policy))
+    # Snapshots (docs/library.md "Recovery") through on_step_end; no in-process restart, said once.
+    assert [e["step"] for e in events(run, "snapshot_saved")][:4] == [5, 10, 15, 20]
+    assert callback.protector.recovery.said == {"the Transformers Trainer"}
+
+    # A failure propagates out of train(); the restarted run resumes from the cost stop's checkpoint, then
+    # from the snapshot taken on top of it (no other checkpoint in between: checkpoint_every=100).
+    snap = (ack["step"] // 5 + 1) * 5
+    crashing, callback = build(str(run), snap + 3, {}, str(policy), checkpoint_every=100)
+
+    def fail(module, args, output):
+        if module.training and crashing.state.global_step == snap + 1:
+            raise RuntimeError("injected failure")
+    crashing.model.register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        crashing.train()
+    callback.protector.close()                     # the process ends; its snapshots stay for the restart
+    again, callback = build(str(run), snap + 3, {}, str(policy), checkpoint_every=100)
     again.train()
     assert callback.exit_code is None
     assert events(run, "checkpoint_restored")[-1]["step"] == ack["step"]
-    assert [r["step"] for r in step_records(run)][-2:] == [ack["step"] + 1, ack["step"] + 2]
+    assert events(run, "snapshot_restored")[-1]["restored_step"] == snap
+    assert [r["step"] for r in step_records(run)][-3:] == [snap + 1, snap + 2, snap + 3]
 
 
 def test_the_trainers_checkpoint_folders_are_signed_and_verified_before_use(tmp_path):

@@ -13,15 +13,16 @@ pytest.importorskip("lightning")
 
 from examples.hf_trainer import faults_of  # noqa: E402
 from examples.lightning_module import batches, build  # noqa: E402
+from tests.integrations.policies import recovery_policy  # noqa: E402
 from tests.library.test_plain_loop import GUARD, request_when_step_written  # noqa: E402
-from tests.trainer.helpers import events, step_records, write_policy  # noqa: E402
+from tests.trainer.helpers import events, step_records  # noqa: E402
 from trainguard.runtime.checkpoint import CheckpointManager  # noqa: E402
 
 
 @pytest.mark.slow
 def test_lightning_skips_a_nan_rolls_back_spikes_and_obeys_cost_stop(tmp_path):
     run = tmp_path / "run"
-    policy = write_policy(tmp_path / "policy.yaml", **GUARD)
+    policy = recovery_policy(tmp_path)
     trainer, module, callback = build(str(run), 60, faults_of(["nan@5", "spike@22"]), str(policy))
     seen = {}
     def remember(_, args):                                   # the weights as step 5 and step 6 begin
@@ -49,11 +50,28 @@ def test_lightning_skips_a_nan_rolls_back_spikes_and_obeys_cost_stop(tmp_path):
     saved = CheckpointManager(run).load(CheckpointManager(run).latest_verified())
     assert {"model", "optim", "rng", "guard", "cost", "trainer"} <= set(saved)
 
-    again, module, callback = build(str(run), ack["step"] + 2, {}, str(policy))
+    # Snapshots (docs/library.md "Recovery") through on_train_batch_end; no in-process restart, said once.
+    assert [e["step"] for e in events(run, "snapshot_saved")][:4] == [5, 10, 15, 20]
+    assert callback.protector.recovery.said == {"Lightning"}
+
+    # A failure propagates out of fit(); the restarted run resumes from the cost stop's checkpoint, then
+    # from the snapshot taken on top of it (no other checkpoint in between: checkpoint_every=100).
+    snap = (ack["step"] // 5 + 1) * 5
+    crashing, module, callback = build(str(run), snap + 3, {}, str(policy), checkpoint_every=100)
+
+    def fail(_, args):
+        if callback.protector.state.step == snap + 1:
+            raise RuntimeError("injected failure")
+    module.embed.register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        crashing.fit(module, batches(20))
+    callback.protector.close()                     # the process ends; its snapshots stay for the restart
+    again, module, callback = build(str(run), snap + 3, {}, str(policy), checkpoint_every=100)
     again.fit(module, batches(10))
     assert callback.exit_code is None
     assert events(run, "checkpoint_restored")[-1]["step"] == ack["step"]
-    assert [r["step"] for r in step_records(run)][-2:] == [ack["step"] + 1, ack["step"] + 2]
+    assert events(run, "snapshot_restored")[-1]["restored_step"] == snap
+    assert [r["step"] for r in step_records(run)][-3:] == [snap + 1, snap + 2, snap + 3]
 
 
 @pytest.mark.parametrize("steps, warned", [(0, True), (3, False)])

@@ -86,7 +86,12 @@ def test_the_snapshot_interval_rank_0_applied_reaches_every_rank_through_the_syn
     assert restart.autopilot.snapshot_every == 0                  # today's path: no snapshot tier to steer
     sharded = Protector(tmp_path / "b", states={"model": model}, policy=from_mapping(on), sharded_checkpoints=True)
     assert sharded.autopilot.snapshot_every == 0                  # FSDP2 takes no snapshots
-    protector = Protector(tmp_path / "c", states={"model": model}, policy=from_mapping(on))
+    overridden = Protector(tmp_path / "d", states={"model": model}, policy=from_mapping(on), recovery="restart")
+    assert overridden.autopilot.snapshot_every == 0               # the Protector's recovery= over the policy's
+    overridden = Protector(tmp_path / "e", states={"model": model}, policy=from_mapping(on),
+                           recovery={"snapshot_every": 10})
+    assert overridden.autopilot.snapshot_every == 10
+    protector = Protector(tmp_path / "c", states={"model": model}, policy=from_mapping(on), recovery=False)
     assert (protector.autopilot.snapshot_every, protector.snapshot_every) == (5, 0)   # the policy's stands
     protector.autopilot.snapshot_every = 9
     protector.check(1, torch.tensor(1.0), torch.tensor(0.5))

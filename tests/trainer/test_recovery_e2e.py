@@ -56,5 +56,10 @@ def test_an_exception_in_one_rank_recovers_in_process_on_two_nodes(tmp_path):
         assert [e for e in seen if e["type"] == event_types.SNAPSHOT_RESTORED][0]["restored_step"] == 10
         assert not [e for e in seen if e["type"] in (event_types.SNAPSHOT_FALLBACK, event_types.SNAPSHOT_INVALID)]
         assert seen[-1] == {"type": event_types.RUN_END, "reason": "completed", "step": STEPS}
+        # Every snapshot is also held by the same local rank of the other node (runtime/resilience/replicate.py).
+        replicated = [e for e in seen if e["type"] == event_types.SNAPSHOT_REPLICATED]
+        assert {e["step"] for e in replicated} >= {5, 10} and {e["peer_rank"] for e in replicated} == {(rank + 2) % 4}
+        assert not [e for e in seen if e["type"] in (event_types.SNAPSHOT_REPLICA_FAILED, event_types.REPLICA_REFUSED)]
     assert {r["generation"] for r in restarts} == {1}
     assert list(shm.glob("*/*/rank-*")) == []        # a completed run clears its snapshots
+    assert list(shm.glob("*/*/replica-*")) == []     # and the replicas each rank held

@@ -225,7 +225,7 @@ class _Timeline:
         self.in_process_pending, self.restored = True, event["restored_step"]
         self.in_process_restarts += 1
         durable = event.get("durable_step")
-        if event.get("source") == "snapshot" and isinstance(durable, int):
+        if event.get("source") in ("snapshot", "peer") and isinstance(durable, int):   # memory, own or a peer's
             self.snapshot_steps_saved += max(0, event["restored_step"] - durable)
         started = ts - _number(event.get("recovery_seconds"))    # the event is written when it ends
         for cause, names in IN_PROCESS_PARTS.items():

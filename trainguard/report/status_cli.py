@@ -150,7 +150,7 @@ def _take(status: Status, record: dict, primary: bool, from_node: bool) -> None:
 
 
 # Events a healthy run writes every few steps (docs/recovery.md): counted by goodput, not listed by status.
-ROUTINE = frozenset({event_types.SNAPSHOT_SAVED})
+ROUTINE = frozenset({event_types.SNAPSHOT_SAVED, event_types.SNAPSHOT_REPLICATED})
 
 
 def _take_events(status: Status, events: list[tuple[float, dict, str]], recent: int) -> None:

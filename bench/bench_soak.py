@@ -54,7 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from trainguard import event_types, tls  # noqa: E402
+from trainguard import actions, event_types, tls  # noqa: E402
 
 PATHS = ("restart", "in_process")
 REFERENCE = "fault-free"
@@ -100,11 +100,24 @@ def furthest_step(records: list[dict], until: float) -> int:
     return max((r["step"] for r in records if _is_step(r) and r["timestamp"] <= until), default=0)
 
 
+def last_step(records: list[dict], until: float) -> int:
+    """Rank 0's step at `until`: its latest step record by then (not its furthest: a guard rollback
+    before it is not this fault's loss)."""
+    return next((r["step"] for r in reversed(records) if _is_step(r) and r["timestamp"] <= until), 0)
+
+
+def rollbacks(records: list[dict], start: float, end: float) -> list[dict]:
+    """The guard's rollbacks in the window (rank 0's): work thrown away that no fault caused."""
+    return [{"step": r["event"].get("step"), "restored_step": r["event"].get("restored_step"),
+             "steps_lost": r["event"].get("steps_lost", 0), "reason": r["event"].get("reason")}
+            for r in records if _event(r).get("type") == actions.ROLLBACK and start <= r["timestamp"] <= end]
+
+
 def per_fault(rank0: list[dict], by_rank: dict[int, list[dict]], fired: dict, until: float) -> dict:
     """The measures of one fault that fired at `fired["time"]` on `fired["rank"]`, up to `until` (the next
     fault or the window's end)."""
     at, failed = fired["time"], fired["rank"]
-    done = furthest_step(rank0, at)
+    done = last_step(rank0, at)
     recovered = restored = next_step = None
     parts: dict = {}
     for record in rank0:
@@ -147,7 +160,7 @@ def measure(by_rank: dict[int, list[dict]], start: float, end: float) -> dict:
     measured = [per_fault(rank0, by_rank, fault, faults[k + 1]["time"] if k + 1 < len(faults) else end)
                 for k, fault in enumerate(faults)]
     return {"steps_done": furthest_step(rank0, end) - furthest_step(rank0, start), "faults": measured,
-            "window_seconds": round(end - start, 3)}
+            "rollbacks": rollbacks(rank0, start, end), "window_seconds": round(end - start, 3)}
 
 
 def summarise(path: str, run: dict, reference_steps: int, window_seconds: float) -> dict:
@@ -167,6 +180,7 @@ def summarise(path: str, run: dict, reference_steps: int, window_seconds: float)
         "mean_work_lost_seconds": round(sum(lost) / len(lost) / rate, 2) if lost and rate else None,
         "healthy_ranks_ended": sum(len(f["healthy_ranks_ended"]) for f in faults),
         "unrecovered": sum(f["to_next_step_seconds"] is None for f in faults),
+        "rollback_steps": sum(r["steps_lost"] or 0 for r in run.get("rollbacks", [])),
     }
 
 
@@ -187,8 +201,8 @@ def render(result: dict) -> str:
              f"{result['reference_steps']} steps ({result['reference_steps'] / result['window_seconds']:.2f} "
              f"steps/s).", ""]
     lines += ["| recovery.mode | steps done | effective training time | faults | time lost per fault (s) | "
-              "fault -> next step (s, mean) | work lost per fault (steps / s) | healthy ranks ended |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "fault -> next step (s, mean) | work lost per fault (steps / s) | healthy ranks ended | "
+              "steps lost to guard rollbacks |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in result["paths"]:
         lost = ("-" if row["mean_work_lost_steps"] is None else
                 f"{row['mean_work_lost_steps']:g} / {row['mean_work_lost_seconds']:g}")
@@ -196,7 +210,7 @@ def render(result: dict) -> str:
         lines.append(f"| {row['path']} | {row['steps_done']} | **{row['effective'] * 100:.1f}%**"
                      f"{'' if row['goal_met'] else ' (goal 95%: not met)'} | {row['faults']}{unrecovered} | "
                      f"{_shown(row['seconds_lost_per_fault'])} | {_shown(row['mean_to_next_step_seconds'])} | {lost} | "
-                     f"{row['healthy_ranks_ended']} |")
+                     f"{row['healthy_ranks_ended']} | {row.get('rollback_steps', 0)} |")
     lines += ["", "Each fault:", "", "| recovery.mode | kind | rank | at step | fault -> next step (s) | "
               "work lost (steps) | source | healthy ranks ended |", "|---|---|---:|---:|---:|---:|---|---|"]
     for path, run in result["runs"].items():
@@ -206,8 +220,12 @@ def render(result: dict) -> str:
             lines.append(f"| {path} | {f['kind']} | {f['rank']} | {f['step']} | "
                          f"{_shown(f['to_next_step_seconds'], 'no step in the window')} | "
                          f"{_shown(f['work_lost_steps'])} | {f.get('source', '-')} | {f['healthy_ranks_ended'] or 'none'} |")
-    if result.get("notes"):
-        lines += [""] + [f"- {note}" for note in result["notes"]]
+    notes = list(result.get("notes") or [])
+    notes += [f"{path}: the guard rolled back from step {r['step']} to {r['restored_step']} ({r['steps_lost']} "
+              f"steps, {r['reason']}): counted in its steps done, in no fault's work lost"
+              for path, run in result["runs"].items() for r in run.get("rollbacks", [])]
+    if notes:
+        lines += [""] + [f"- {note}" for note in notes]
     return "\n".join(lines) + "\n"
 
 
@@ -284,10 +302,7 @@ def run_soak(args: argparse.Namespace) -> dict:
                 cluster.stop()
         runs = {}
         for path, cluster in clusters.items():
-            run_dir = cluster.run_dir
-            by_rank = {rank: tls.read_records(run_dir / "tls" / f"rank-{rank}.jsonl") for rank in range(WORLD)
-                       if (run_dir / "tls" / f"rank-{rank}.jsonl").exists()}
-            runs[path] = measure(by_rank, start, end)
+            runs[path] = measure(_logs(cluster.run_dir), start, end)
             if path in ended_early:
                 runs[path]["ended_early"] = ended_early[path]
                 runs[path]["diagnostics"] = cluster.diagnostics()[-4000:]
@@ -305,10 +320,29 @@ def run_soak(args: argparse.Namespace) -> dict:
                  "checkpoint_every": args.checkpoint_every, "checkpoint_every_seconds": args.checkpoint_every_seconds,
                  "set": args.set},
         "plan": [asdict(f) | {"spec": f.spec} for f in plan], "window_seconds": window,
+        "start": start, "end": end, "workdir": str(args.workdir) if args.workdir else None,
         "load_average": [load_start, load_end], "reference_steps": reference,
         "paths": [summarise(path, runs[path], reference, window) for path in args.paths],
         "runs": runs, "notes": notes,
     }
+
+
+def _logs(run_dir: Path) -> dict[int, list[dict]]:
+    return {rank: tls.read_records(run_dir / "tls" / f"rank-{rank}.jsonl") for rank in range(WORLD)
+            if (run_dir / "tls" / f"rank-{rank}.jsonl").exists()}
+
+
+def remeasure(saved: dict, workdir: Path) -> dict:
+    """A result measured again from the logs its run kept (`--workdir`), as this version of the bench
+    measures: the same window, plan and paths."""
+    a = saved["args"]
+    start = saved.get("start") or saved["plan"][0]["at"] - a["fault_every"]
+    end = saved.get("end") or start + a["minutes"] * 60
+    runs = {path: {**old, **measure(_logs(workdir / path / "run"), start, end)} for path, old in saved["runs"].items()}
+    reference = runs[REFERENCE]["steps_done"]
+    return {**saved, "start": start, "end": end, "workdir": str(workdir), "runs": runs, "reference_steps": reference,
+            "paths": [summarise(row["path"], runs[row["path"]], reference, saved["window_seconds"])
+                      for row in saved["paths"]]}
 
 
 def _faults(text: str) -> list[str]:
@@ -339,9 +373,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="a policy value for the in-process path (e.g. recovery.snapshot_every=10)")
     parser.add_argument("--workdir", type=Path, help="a new directory to run in and keep (the runs' logs, "
                         "checkpoints); default: a temporary one, removed at the end")
+    parser.add_argument("--remeasure", type=Path, metavar="RESULT.json", help="no run: measure a kept run "
+                        "(its --workdir, or --workdir) again, and print it as the run would have")
     parser.add_argument("--out", type=Path, help="write the JSON result here (and the markdown beside it, .md)")
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
+    if args.remeasure:
+        saved = json.loads(args.remeasure.read_text())
+        result = remeasure(saved, args.workdir or Path(saved.get("workdir") or saved["command"].split("--workdir ")[1].split()[0]))
+        print(render(result))
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+            args.out.with_suffix(".md").write_text(render(result))
+        return 0
     if unknown := [p for p in args.paths if p not in PATHS]:
         parser.error(f"--paths: {', '.join(unknown)}: each must be one of {', '.join(PATHS)}")
     if args.minutes * 60 <= args.fault_every:

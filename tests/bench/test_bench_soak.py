@@ -108,3 +108,16 @@ def test_the_markdown_has_a_row_per_path_and_per_fault():
     assert "- a note" in text
     runs["restart"] = bench_soak.measure(restart_run(), 0.0, 32.0)      # back after the window's end
     assert "| restart | error | 3 | 11 | no step in the window | - | - | none |" in bench_soak.render(result)
+
+
+def test_a_guard_rollback_is_no_faults_work_lost():
+    """A rollback of the guard's before a fault: the fault loses the steps since its own restore point, from
+    the step the run was at (not its furthest); the rollback is listed apart."""
+    logs = in_process_run()
+    logs[0] = [r for r in logs[0] if r["timestamp"] < 8.0] + [
+        ev(8.0, "rollback", step=7, restored_step=2, steps_lost=5, reason="loss_drift"),
+        step(8.5, 3), step(9.0, 4), step(10.0, 5)] + [r for r in logs[0] if r["timestamp"] >= 11.0]
+    run = bench_soak.measure(logs, start=0.0, end=32.0)
+    assert run["faults"][0]["done_at_fault"] == 5 and run["faults"][0]["work_lost_steps"] == 0
+    assert run["rollbacks"] == [{"step": 7, "restored_step": 2, "steps_lost": 5, "reason": "loss_drift"}]
+    assert bench_soak.summarise("in_process", run, 32, 32.0)["rollback_steps"] == 5

@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -300,6 +301,7 @@ def run_soak(args: argparse.Namespace) -> dict:
         finally:
             for cluster in clusters.values():
                 cluster.stop()
+                _clear_snapshots(cluster.run_dir, args.set)
         runs = {}
         for path, cluster in clusters.items():
             runs[path] = measure(_logs(cluster.run_dir), start, end)
@@ -325,6 +327,16 @@ def run_soak(args: argparse.Namespace) -> dict:
         "paths": [summarise(path, runs[path], reference, window) for path in args.paths],
         "runs": runs, "notes": notes,
     }
+
+
+def _clear_snapshots(run_dir: Path, policy: list[str]) -> None:
+    """The in-memory snapshots a stopped run leaves on the tmpfs (a run that does not complete keeps them
+    for its restart): this run's only, found by the run directory its manifests name."""
+    root = next((Path(v.partition("=")[2]) for v in policy if v.startswith("recovery.snapshot_dir=")), Path("/dev/shm"))
+    for manifest in (root / f"trainguard-{os.getuid()}").glob("*/rank-*/snapshot-*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(manifest.read_text()).get("run") == str(run_dir):
+                shutil.rmtree(manifest.parents[1], ignore_errors=True)
 
 
 def _logs(run_dir: Path) -> dict[int, list[dict]]:

@@ -121,3 +121,15 @@ def test_a_guard_rollback_is_no_faults_work_lost():
     assert run["faults"][0]["done_at_fault"] == 5 and run["faults"][0]["work_lost_steps"] == 0
     assert run["rollbacks"] == [{"step": 7, "restored_step": 2, "steps_lost": 5, "reason": "loss_drift"}]
     assert bench_soak.summarise("in_process", run, 32, 32.0)["rollback_steps"] == 5
+
+
+def test_a_stopped_runs_snapshots_are_cleared_and_no_one_elses(tmp_path):
+    import json
+    import os
+
+    user = tmp_path / f"trainguard-{os.getuid()}"
+    for tag, run in (("mine", "/tmp/x/in_process/run"), ("theirs", "/tmp/other/run")):
+        (user / tag / "rank-0").mkdir(parents=True)
+        (user / tag / "rank-0" / "snapshot-5.json").write_text(json.dumps({"run": run}))
+    bench_soak._clear_snapshots(Path("/tmp/x/in_process/run"), [f"recovery.snapshot_dir={tmp_path}"])
+    assert sorted(p.name for p in user.iterdir()) == ["theirs"]

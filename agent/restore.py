@@ -175,6 +175,7 @@ class Proof:
     process: psutil.Process
     launcher: psutil.Process
     evidence: dict = field(default_factory=dict)
+    supervisor: psutil.Process | None = None     # the rank's supervisor, ended with it (`_supervisor`)
 
 
 def prove_rank(info: RankInfo, trust: Trust) -> Proof | None:
@@ -215,8 +216,9 @@ def prove_rank(info: RankInfo, trust: Trust) -> Proof | None:
         if named != trust.run_dir and not _same_dir_seen_from(process, named, trust.run_dir):
             raise Refused("other_run", f"{entry_point} names {named or 'no run directory'}, not {trust.run_dir}")
     launcher = _launcher(process, trust, info)
-    return Proof(process, launcher, {"entry_point": entry_point, "launcher_pid": launcher.pid,
-                                     "uid": trust.uid})
+    supervisor = _supervisor(process, launcher, trust)
+    return Proof(process, launcher, {"entry_point": entry_point, "launcher_pid": launcher.pid, "uid": trust.uid,
+                                     **({"supervisor_pid": supervisor.pid} if supervisor else {})}, supervisor)
 
 
 def holds_rank_log(pid: int, run_dir: Path, rank: int) -> bool:
@@ -376,6 +378,30 @@ def _launcher(process: psutil.Process, trust: Trust, info: RankInfo) -> psutil.P
     raise Refused("no_launcher")
 
 
+def _supervisor(process: psutil.Process, launcher: psutil.Process, trust: Trust) -> psutil.Process | None:
+    """The proven rank's supervisor (runtime/resilience/standby.py), when a supervisor forked it: its
+    parent, itself this run's worker entry point under the same uid, whose own parent is the rank's
+    launcher. It is ended with the rank: alive, it would put its warm standby in the rank's place instead
+    of letting the launcher restart the workers, which is what a restore asks for. None when the parent
+    is the launcher or anything else (a shell between them is left alone, as before)."""
+    try:
+        parent = process.parent()
+        if parent is None or parent.pid == launcher.pid:
+            return None
+        above = parent.parent()
+        if above is None or above.pid != launcher.pid or parent.uids().real != trust.uid:
+            return None
+        cmdline, environ = parent.cmdline(), parent.environ()
+    except psutil.Error:
+        return None
+    if worker_entry_point(cmdline, trust.entry_points) is None:
+        return None
+    named = _named_run_dir(cmdline, environ, parent)
+    if named != trust.run_dir and not _same_dir_seen_from(parent, named, trust.run_dir):
+        return None
+    return parent
+
+
 def is_launcher(cmdline: list[str], launchers: tuple[str, ...]) -> bool:
     """torchrun (or a registered launcher) by program, or a tool's launching subcommand
     (`SUBCOMMAND_LAUNCHERS`: ``trainguard train``, ``accelerate launch``, ``fabric run``)."""
@@ -426,7 +452,7 @@ def end_local_ranks(run_dir: str | Path, host: str, started_before: float | None
     stuck = [info for info, _ in proven if not info.restarts_left]
     if stuck:
         return {**result, "ended": [], "paged": _page(stuck, log)}
-    return {**result, "ended": _signal([proof.process for _, proof in proven], [i for i, _ in proven],
+    return {**result, "ended": _signal([proof for _, proof in proven], [i for i, _ in proven],
                                        grace_seconds, log, skipped)}
 
 
@@ -438,17 +464,22 @@ def _page(stuck: list[RankInfo], log) -> dict:
     return evidence
 
 
-def _signal(victims: list[psutil.Process], infos: list[RankInfo], grace_seconds: float, log,
+def _signal(proofs: list[Proof], infos: list[RankInfo], grace_seconds: float, log,
             skipped: list) -> list[dict]:
     ended, signalled = [], []
-    for process, info in zip(victims, infos):
-        try:
-            process.kill() if grace_seconds <= 0 else process.terminate()
-        except psutil.NoSuchProcess:
+    for proof, info in zip(proofs, infos):
+        # the supervisor first: it must not hand the rank's place to its standby (it ends both as it ends)
+        for process in (proof.supervisor, proof.process) if proof.supervisor else (proof.process,):
+            try:
+                process.kill() if grace_seconds <= 0 else process.terminate()
+            except psutil.NoSuchProcess:
+                continue
+            signalled.append(process)
+        if proof.process not in signalled:
             skipped.append({"rank": info.rank, "pid": info.pid, "why": "exited"})
             continue
-        signalled.append(process)
-        ended.append({"rank": info.rank, "pid": info.pid})
+        ended.append({"rank": info.rank, "pid": info.pid,
+                      **({"supervisor_pid": proof.supervisor.pid} if proof.supervisor else {})})
     if signalled and grace_seconds > 0:
         timer = threading.Timer(grace_seconds, _kill_survivors, (signalled, log))
         timer.daemon = True

@@ -195,8 +195,10 @@ def replaced_node_run(folder: Path, replicate: str) -> dict:
     (run_dir / "tls").mkdir(parents=True)
     shm.mkdir(mode=0o700)
     policy = folder / "policy.yaml"
+    # no warm standby: the killed rank's node comes back empty through torchrun's restart of every worker
+    # (a standby would take the rank's place in-process: runtime/resilience/standby.py)
     policy.write_text(yaml.safe_dump({"recovery": {"mode": "in_process", "snapshot_every": 5, "snapshot_dir": str(shm),
-                                                   "replicate": replicate}}))
+                                                   "replicate": replicate, "standbys": 0}}))
     cluster = Cluster(folder, run_dir, policy)
     fault_log = run_dir / "tls" / f"rank-{FAULT_RANK}.jsonl"
     try:

@@ -25,7 +25,8 @@ peer.
 train --nnodes 2 --nproc 2` launchers and a rendezvous store, tests/culprit/cluster.py), checkpoint every 10
 steps, for each fault (`error`: an exception in rank 3's step; `crash`: rank 3 SIGKILLed) under each
 `recovery.mode` (`restart`: today's path, torchrun restarts every worker from the durable checkpoint;
-`in_process`: snapshots every 5 steps, the group re-formed in the same processes), in one run:
+`in_process`: snapshots every 5 steps, the group re-formed in the same processes, no standby; and for the
+kill `standby`: in_process with a warm standby per rank, runtime/resilience/standby.py), in one run:
 
   fault -> next step   the fault's `fault_injected` event (rank 3's log) to rank 0's first step record
                        after its recovery (the `in_process_restart` event, or the restarted worker's
@@ -106,6 +107,11 @@ def bare_restart(checkpoint: Path) -> float:
 FAULT_RANK = 3
 MODES = ("restart", "in_process")
 FAULTS = ("error", "crash")
+STANDBY = "standby"     # in_process with a warm standby per rank (recovery.standbys: 1): for the kill
+CASES = {"error": MODES, "crash": (*MODES, STANDBY)}
+# recovery.mode (and standbys) of each compared path: in_process alone keeps no standby, so a kill restarts
+POLICIES = {"restart": {"mode": "restart"}, "in_process": {"mode": "in_process", "standbys": 0},
+            STANDBY: {"mode": "in_process", "standbys": 1}}
 
 
 def two_node_run(folder: Path, mode: str, fault: str, steps: int, fault_at: int) -> dict:
@@ -117,7 +123,7 @@ def two_node_run(folder: Path, mode: str, fault: str, steps: int, fault_at: int)
     run_dir = folder / "run"
     (run_dir / "tls").mkdir(parents=True)
     policy = folder / "policy.yaml"
-    policy.write_text(yaml.safe_dump({"recovery": {"mode": mode, "snapshot_every": 5}}))
+    policy.write_text(yaml.safe_dump({"recovery": {**POLICIES[mode], "snapshot_every": 5}}))
     cluster = Cluster(folder, run_dir, policy)
     try:
         cluster.start_store()
@@ -160,7 +166,7 @@ def side_by_side(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as folder:
         for run in range(args.runs):
             for fault in FAULTS:
-                for mode in MODES:
+                for mode in CASES[fault]:
                     place = Path(folder) / f"{fault}-{mode}-{run}"
                     place.mkdir()
                     found.setdefault((fault, mode), []).append(two_node_run(place, mode, fault, args.steps,
@@ -173,7 +179,7 @@ def side_by_side(args: argparse.Namespace) -> int:
     print("|---|---|---:|---:|---|---:|")
     for fault in FAULTS:
         base = statistics.median(r["to_next_step"] for r in found[(fault, "restart")])
-        for mode in MODES:
+        for mode in CASES[fault]:
             runs = found[(fault, mode)]
             seconds = statistics.median(r["to_next_step"] for r in runs)
             lost = statistics.median(r["work_lost"] for r in runs)

@@ -184,9 +184,10 @@ class Protector:
         self.recovery = LoopRecovery.build(self, recovery, process_groups, sharded=sharded_checkpoints)
 
     # ------------------------------------------------------------------------------------ start, end
-    def begin(self, **rank_info: Any) -> Begun:
+    def begin(self, *, resume: bool = True, **rank_info: Any) -> Begun:
         """Describe this rank for the agent's `restore`, refuse a run the guard stopped, resume from the
-        newest verified checkpoint if there is one."""
+        newest verified checkpoint if there is one. `resume=False`: a standby in a killed rank's place
+        (runtime/resilience/standby.py), whose state comes with the surviving ranks' restore."""
         write_rank_file(self.run_dir, self.rank, world_size=self.world, **rank_info)
         if self.rank == 0 and self.key is not None:
             _sign_policy(self.run_dir, self.policy, self.key, self.run_id, self.log)
@@ -196,6 +197,8 @@ class Protector:
         if (refused := self.stopped_marker()) is not None:
             self.log.error("this run was stopped by the guard; not starting again", **refused)
             return Begun(None, refused)
+        if not resume:
+            return Begun(None)
         resumed = self.restore(rollback=False)
         return Begun(resumed, snapshot=self.recovery.after_begin(resumed))
 

@@ -34,7 +34,6 @@ from typing import Any, Callable, Mapping
 
 from trainguard import log as tglog
 from trainguard import policy as policy_mod
-from trainguard.runtime.resilience import restore
 from trainguard.runtime.resilience.component import IN_PROCESS, RESTART, Recovery
 from trainguard.runtime.resilience.inprocess import ProcessGroups
 
@@ -87,12 +86,9 @@ class LoopRecovery:
     does nothing."""
 
     def __init__(self, protector: Any, settings: policy_mod.RecoveryPolicy | None, component: Recovery | None,
-                 groups: ProcessGroups | None, *, sharded: bool = False):
+                 groups: ProcessGroups | None):
         self.protector, self.settings, self.component, self.groups = protector, settings, component, groups
         self.mode = settings.mode if settings is not None else None
-        # what the policy asks of every rank alike (whether this rank's snapshot directory works or not)
-        self.snapshots_wanted = bool(settings is not None and settings.mode == IN_PROCESS
-                                     and settings.snapshot_every and not sharded)
         self.snapshot_step: int | None = None     # the snapshot `begin` loaded on top of the checkpoint
         self._completed = False
         self.said: set[str] = set()      # the frameworks said once (not_in_process)
@@ -117,19 +113,15 @@ class LoopRecovery:
             component.groups = None
             protector.log.warning("in-process restart is off with sharded checkpoints (FSDP2: its device mesh is "
                                   "not rebuilt in-process); a failure takes the restart path")
-        return cls(protector, settings, component, groups, sharded=sharded)
+        return cls(protector, settings, component, groups)
 
     # --------------------------------------------------------------------- the Protector's three points
     def after_begin(self, resumed_from: int | None) -> int | None:
         """After the resume: the newest snapshot every rank holds that was taken on top of the checkpoint
         resumed from (or, with none, of this job), loaded; its step, or None."""
-        if self.component is None or not self.snapshots_wanted:
+        if self.component is None:
             return None
-        # Every rank that the policy gives snapshots joins the agreement, also one whose snapshots could not
-        # be set up (no private directory on its node): it brings no candidate, so the others fall back
-        # (loudly), where skipping the exchange there would leave them waiting in it.
-        loaded = restore.after_resume(self.protector, self.component.store, resumed_from=resumed_from,
-                                      device=self.protector.device, world_size=self.protector.world)
+        loaded = self.component.after_begin(resumed_from)
         self.snapshot_step = loaded["restored_step"] if loaded else None
         return self.snapshot_step
 

@@ -142,14 +142,22 @@ def write_rank_file(run_dir: str | os.PathLike, rank: int, **extra) -> Path:
 
 
 def process_identity() -> dict:
-    """This process's uid and start time, and its parent's (the launcher under torchrun), as psutil reads them."""
+    """This process's uid and start time, and its launcher's (its parent under torchrun), as psutil reads
+    them. A rank forked by its supervisor (runtime/resilience/standby.py: the process torchrun started)
+    names the supervisor's parent as its launcher, and the supervisor as `supervisor_pid`."""
     import psutil
+
+    from trainguard.runtime.resilience.standby import SUPERVISOR_ENV
 
     me = psutil.Process()
     identity = {"uid": os.getuid(), "create_time": me.create_time()}
     try:
         parent = psutil.Process(os.getppid())
-        identity.update(launcher_pid=parent.pid, launcher_create_time=parent.create_time())
+        if os.environ.get(SUPERVISOR_ENV) == str(parent.pid):
+            identity.update(supervisor_pid=parent.pid, supervisor_create_time=parent.create_time())
+            parent = parent.parent()
+        if parent is not None:
+            identity.update(launcher_pid=parent.pid, launcher_create_time=parent.create_time())
     except psutil.Error:
         pass
     return identity

@@ -1,6 +1,7 @@
 """Shared by every test directory: the repository root on sys.path, so ``tests.servers`` and other
 helpers import the same way under ``pytest`` and ``python -m pytest``."""
 
+import resource
 import sys
 from pathlib import Path
 
@@ -13,6 +14,62 @@ if str(ROOT) not in sys.path:
 
 
 SHARED_SCOPES = ("session", "package", "module", "class")
+CPU_PROPERTY = "cpu_seconds"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-durations", type=int, default=None, metavar="N",
+                     help="list the N tests that used the most CPU (0: all): user+system seconds of the test's "
+                          "process and of the subprocesses it waited for, setup and teardown included; unlike "
+                          "--durations' wall times, about the same on a quiet machine and a loaded one")
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _count_cpu(item, "setup")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _count_cpu(item, "call")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield from _count_cpu(item, "teardown")
+
+
+def _count_cpu(item, phase: str):
+    """The phase's CPU seconds, put in the item's user_properties before its report is made: the report
+    carries them to the controller under xdist, where `pytest_terminal_summary` lists them."""
+    if item.config.getoption("cpu_durations") is None:
+        yield
+        return
+    before = _cpu_seconds()
+    yield
+    item.user_properties.append((CPU_PROPERTY, (phase, _cpu_seconds() - before)))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    count = config.getoption("cpu_durations")
+    if count is None:
+        return
+    per_test: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) != "teardown":      # the last report holds every phase's
+                continue
+            phases = dict(value for name, value in report.user_properties if name == CPU_PROPERTY)
+            per_test[report.nodeid] = sum(phases.values())
+    ranked = sorted(per_test.items(), key=lambda entry: -entry[1])
+    terminalreporter.write_sep("=", f"CPU seconds per test (total {sum(per_test.values()):.1f})")
+    for nodeid, seconds in ranked[:count or None]:
+        terminalreporter.write_line(f"{seconds:8.2f}s  {nodeid}")
 
 
 @pytest.hookimpl(tryfirst=True)     # before xdist's own, which reads the groups when it runs

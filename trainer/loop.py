@@ -33,6 +33,7 @@ from trainguard.trainer.model import GPT
 from trainguard.trainer.progress import Progress
 from trainguard.trainer.recovery import grad_accum_steps, trainer_callbacks
 from trainguard.trainer.replica_check import ReplicaChecks
+from trainguard.runtime.resilience import standby
 from trainguard.runtime.resilience.component import Recovery
 from trainguard.runtime.resilience.inprocess import ProcessGroups
 from trainguard.runtime.checkpoint.manager import final_checkpoint_code
@@ -73,6 +74,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, run_dir: Path, info: DistInfo, groups: ProcessGroups | None = None):
         """`groups`: the job's process groups when failures are recovered in-process (trainer/train.py)."""
         self.cfg, self.run_dir, self.info = config, Path(run_dir), info
+        self.groups = groups
         self.rank, self.world = info.rank, info.world_size
         run = config.run
         self.run_id = run.run_id or self.run_dir.name
@@ -137,7 +139,8 @@ class Trainer:
     def _wrap(self, model: torch.nn.Module, telemetry: bool):
         self.comm_timer = None
         self.sharded = self.cfg.run.parallel == parallel.FSDP2 and self.world > 1
-        if self.world == 1:
+        # a standby in a killed rank's place has no group until it meets the survivors; it wraps after their restore
+        if self.world == 1 or self.groups is not None and self.groups.replacing:
             return model
         if self.sharded:   # run.parallel fsdp2: every rank holds (and checkpoints) a shard of each parameter
             return parallel.wrap(model, parallel.FSDP2, self.world, self.device)
@@ -156,12 +159,16 @@ class Trainer:
         names = [name for name, _ in self.model.named_parameters()]
         every = 0 if self.sharded else policy.guard.replica_check_every   # FSDP2: no replicas to compare
         params = parallel.local_shards(list(self.model.parameters()))   # FSDP2: this rank's shards
-        return ReplicaChecks(params, names, every=every,
-                             world_size=self.world, rank=self.rank, node=self.telemetry.envelope["node"],
-                             run_dir=self.run_dir, emit=self.telemetry.event, log=self.log,
-                             policy=ReplicaPolicy(policy.guard.replica_cordon_window_seconds),
-                             key_file=self.key_file,   # signs its cordons (trainguard/cordon/__init__.py)
-                             shadow=policy.shadow)
+        replacing = self.groups is not None and self.groups.replacing
+        checks = ReplicaChecks(params, names, every=every,
+                               world_size=self.world, rank=self.rank, node=self.telemetry.envelope["node"],
+                               run_dir=self.run_dir, emit=self.telemetry.event, log=self.log,
+                               policy=ReplicaPolicy(policy.guard.replica_cordon_window_seconds),
+                               key_file=self.key_file,   # signs its cordons (trainguard/cordon/__init__.py)
+                               shadow=policy.shadow, nodes=standby.recall(self.groups, "nodes") if replacing else None)
+        if self.groups is not None and self.rank == 0 and not replacing:   # for a standby in a rank's place
+            standby.remember(self.groups, "nodes", checks.nodes)
+        return checks
 
     def replica_check(self, step: int) -> int | None:
         """sdc hook: at check steps, after the step's record; a mismatch rolls every rank back to the newest
@@ -180,7 +187,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- running
     def run(self) -> int:
-        begun = self.protector.begin(local_rank=self.info.local_rank, restart_count=self.info.restart_count)
+        replacing = self.groups is not None and self.groups.replacing    # runtime/resilience/standby.py
+        begun = self.protector.begin(local_rank=self.info.local_rank, restart_count=self.info.restart_count,
+                                     resume=not replacing)
         if begun.refused is not None:
             self.protector.close()
             return EXIT_STOPPED
@@ -188,8 +197,11 @@ class Trainer:
                              restart_count=self.info.restart_count, world_size=self.world,
                              device=self.device.type, **self.telemetry.mfu_basis(),
                              params=self.model.num_params(), actions_mode=self.protector.policy.actions.mode)
-        self.recovery.after_begin(begun.resumed_from)   # a fresher snapshot, if any
-        self.schedule.start(self.state.step, resumed=begun.resumed_from is not None)
+        if replacing:   # the survivors' group, their state, DDP and the LR phase, as theirs after a recovery
+            self.recovery.take_over(rebuild=self.rebuild_after_recovery)
+        else:
+            self.recovery.after_begin(begun.resumed_from)   # a fresher snapshot, if any
+            self.schedule.start(self.state.step, resumed=begun.resumed_from is not None)
         self.log.info("training", steps=self.cfg.run.steps, start_step=self.state.step, world_size=self.world,
                       device=str(self.device), params=self.model.num_params())
         code = None

@@ -44,9 +44,10 @@ class ReplicaChecks:
     def __init__(self, params: list[torch.nn.Parameter], names: list[str], *, every: int, world_size: int,
                  rank: int, node: str, run_dir: str | os.PathLike, emit: Callable[..., Any], log: Any,
                  policy: ReplicaPolicy | None = None, key_file: str | os.PathLike | None = None,
-                 shadow: bool = False):
+                 shadow: bool = False, nodes: tuple[str, ...] | None = None):
         """`shadow`: a mismatch is recorded (its events, its incident) and its rollback, stop and cordons
-        are `shadow_action` events, not carried out (the policy's actions.mode)."""
+        are `shadow_action` events, not carried out (the policy's actions.mode). `nodes`: every rank's node,
+        known already (a standby in a killed rank's place cannot gather them: the others do not)."""
         self.params, self.names = params, names
         self.shadow = shadow
         self.key_file = key_file      # the run's checkpoint key signs the cordon (trainguard/cordon/__init__.py)
@@ -54,7 +55,7 @@ class ReplicaChecks:
         self.run_dir, self.emit, self.log = Path(run_dir), emit, log
         self.monitor = ReplicaMonitor(policy)
         self.fingerprints = fp.Fingerprinter()
-        self.nodes = gather_nodes(node, world_size)
+        self.nodes = tuple(nodes) if nodes is not None else gather_nodes(node, world_size)
         self.step = 0                                 # the step being trained (after_backward's)
         self._grads: tuple[int, torch.Tensor] | None = None   # (step, gradients' fingerprint) to check
         self.checked: int | None = None               # step of the last check, whatever it found

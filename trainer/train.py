@@ -23,13 +23,15 @@ from trainguard.trainer import cli
 from trainguard.trainer.config import ConfigError, TrainConfig
 from trainguard.trainer.loop import DistInfo, Trainer
 from trainguard.runtime.resilience.inprocess import ProcessGroups
+from trainguard.runtime.resilience.standby import Supervisor
 
 # A rank that hangs is found by the agent's TrainingStalled alert and restarted; the collective timeout
 # is the backstop when no agent runs.
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
 
-def run_worker(config: TrainConfig, run_dir: Path) -> int:
+def run_worker(config: TrainConfig, run_dir: Path, *, replacing: bool = False) -> int:
+    """`replacing`: a standby promoted in a killed rank's place (runtime/resilience/standby.py)."""
     info = DistInfo.from_env()
     joined = False
     groups = None
@@ -39,7 +41,9 @@ def run_worker(config: TrainConfig, run_dir: Path) -> int:
             torch.cuda.set_device(info.local_rank)
         flight_recorder.enable()          # before the process group exists: it reads the buffer size then
         groups = in_process_groups(config, info, "nccl" if cuda else "gloo")
-        if groups is not None:            # docs/recovery.md: the group is re-formed in-process on a failure
+        if groups is not None and replacing:   # it forms the group when it meets the survivors (take_over)
+            groups.replacing = True
+        elif groups is not None:          # docs/recovery.md: the group is re-formed in-process on a failure
             groups.form()
             groups.watch()
         else:
@@ -70,6 +74,27 @@ def in_process_groups(config: TrainConfig, info: DistInfo, backend: str) -> Proc
     return ProcessGroups.from_env(backend, info.rank, info.world_size, timeout=COLLECTIVE_TIMEOUT,
                                   barrier_seconds=settings.barrier_seconds,
                                   log=log.get("trainer.recovery", rank=info.rank))
+
+
+def standby_supervisor(config: TrainConfig, run_dir: Path) -> Supervisor | None:
+    """This process as the supervisor of its rank and a warm standby (runtime/resilience/standby.py), when
+    the policy keeps standbys and a killed rank can be replaced: under torch's elastic launcher, a world of
+    several, in-process recovery, and the job's store not served by this very process (torchrun's
+    agent serves it, or another rank does). None: the rank runs in this process, as before."""
+    from trainguard import policy as policy_mod
+    from trainguard.trainer import parallel
+
+    info = DistInfo.from_env()
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if "TORCHELASTIC_RUN_ID" not in os.environ or info.world_size < 2 or info.rank == 0 and not agent_store:
+        return None
+    settings = policy_mod.load(config.run.policy or None).recovery
+    if settings.mode != "in_process" or settings.standbys < 1 or config.run.parallel == parallel.FSDP2:
+        return None
+    return Supervisor(run_rank=lambda: run_worker(config, run_dir),
+                      replace_rank=lambda identity: run_worker(config, run_dir, replacing=True),
+                      max_promotions=settings.max_in_process_restarts, standbys=settings.standbys,
+                      log=log.get("trainer.standby", rank=info.rank))
 
 
 def die_with_launcher() -> None:
@@ -113,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     if DistInfo.from_env().rank == 0:   # started by torchrun directly: record what the ranks train with
         cli.write_resolved(config, run_dir)
+    supervisor = standby_supervisor(config, run_dir)
+    if supervisor is not None:        # the rank and its standby are its children; it reports the rank's exit
+        return supervisor.run()
     return run_worker(config, run_dir)
 
 

@@ -163,9 +163,9 @@ RECOVERY_MODES = ("in_process", "restart")
 class RecoveryPolicy:
     """How a rank's failure is recovered (docs/recovery.md; its component is runtime/resilience/, outside the
     core). "in_process": the surviving processes tear their process group down, meet in the job's store,
-    re-form it and restore the newest verified in-memory snapshot, in the same interpreters; what cannot be
-    recovered so (a killed process, a barrier not met in time) goes the "restart" way: torchrun restarts
-    every worker from the newest verified state."""
+    re-form it and restore the newest verified in-memory snapshot, in the same interpreters (a killed
+    process's place taken by its warm standby, `standbys`); what cannot be recovered so (a barrier not met in
+    time) goes the "restart" way: torchrun restarts every worker from the newest verified state."""
 
     mode: str = key("in_process", Choice(RECOVERY_MODES), "in_process: re-form the group in the same processes "
                     "and restore the in-memory snapshot; restart: torchrun restarts every worker (the old path)")
@@ -186,6 +186,8 @@ class RecoveryPolicy:
     replicate: str = key("on", Choice(("on", "off")), "on: every snapshot is also held by the same local rank "
                          "on the next node (runtime/resilience/replicate.py), and a rank without its own receives "
                          "it from there (peer.py); off: each node keeps its own only")
+    standbys: int = key(1, at_least(0, 1), "warm standby processes per rank (torch imported, waiting): one "
+                        "takes a killed rank's place in-process; 0: a killed rank restarts every worker")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,9 @@ class Recovery:
         self.protector, self.store, self.snapshots, self.groups = protector, store, snapshots, groups
         self.max_restarts, self.device, self.world, self.log = max_restarts, device, world_size, log
         self.restarts = 0
+        # The policy gives this rank snapshots (the same answer on every rank), whether or not its own
+        # could be set up: such a rank still takes part in the resume's exchange (restore.after_resume).
+        self.snapshots_wanted = snapshots is not None
         self.fingerprint: Callable[[list], int] | None = None   # a peer's state checked with it (peer.py)
 
     @classmethod
@@ -78,12 +81,13 @@ class Recovery:
                     groups=groups if settings.mode == IN_PROCESS else None,
                     max_restarts=settings.max_in_process_restarts, device=device, world_size=world_size, log=log)
         built.fingerprint = fingerprint
+        built.snapshots_wanted = settings.mode == IN_PROCESS and bool(settings.snapshot_every) and not sharded
         return built
 
     # ------------------------------------------------------------------------------------ the hooks
     def after_begin(self, resumed_from: int | None) -> dict | None:
         """After the Protector's resume: a fresher snapshot of the same timeline, if every rank holds one."""
-        if self.snapshots is None:
+        if not self.snapshots_wanted:
             return None
         return restore.after_resume(self.protector, self.store, resumed_from=resumed_from, device=self.device,
                                     world_size=self.world, held=self._held(), fingerprint=self.fingerprint)
@@ -142,6 +146,32 @@ class Recovery:
         record = {key: round(value, 6) if isinstance(value, float) else value for key, value in record.items()}
         self.protector.event(event_types.IN_PROCESS_RESTART, **record)
         self.log.warning("recovered in-process", **record)
+        return record
+
+    def take_over(self, rebuild: Callable[[], None]) -> dict:
+        """A standby promoted in a killed rank's place (runtime/resilience/standby.py), after the Protector's
+        begin: meet the surviving ranks at their barrier, form the group with them, restore what they
+        restore (the agreement is theirs: the same collectives in the same order), and `rebuild` as they
+        do. RecoveryFailed when they are not there: the process ends and the launcher restarts every worker."""
+        began = time.perf_counter()
+        dead = self.groups.rank
+        timings = self.groups.join(f"rank {dead}'s process died; a standby took its place")
+        try:
+            restored = restore.after_failure(self.protector, self.store, device=self.device, world_size=self.world,
+                                             held=self._held(), fingerprint=self.fingerprint)
+        except LookupError as exc:
+            raise RecoveryFailed(str(exc)) from None
+        state = self.protector.state
+        if restored["source"] == restore.SNAPSHOT and state.last_saved_step is None:
+            # the durable checkpoint this state builds on (the survivors' own, as they accepted this step):
+            # what the next snapshots are signed on top of and the next checkpoint is counted from
+            state.last_saved_step = self.store.manifest(restored["restored_step"]).get("base_step")
+        rebuild()
+        record = {**timings, **restored, "replaced_rank": dead, "standby": True,
+                  "recovery_seconds": time.perf_counter() - began}
+        record = {key: round(value, 6) if isinstance(value, float) else value for key, value in record.items()}
+        self.protector.event(event_types.IN_PROCESS_RESTART, **record)
+        self.log.warning("a standby took a killed rank's place", **record)
         return record
 
     def _held(self) -> Any:

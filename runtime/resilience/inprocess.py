@@ -64,6 +64,7 @@ class ProcessGroups:
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
         self._connections: set[int] = set()   # socket inodes of the current group's gloo connections
+        self.replacing = False             # a standby in a dead rank's place: `join`, not `form` (standby.py)
 
     @classmethod
     def from_env(cls, backend: str, rank: int, world_size: int, **kwargs: Any) -> "ProcessGroups":
@@ -160,6 +161,30 @@ class ProcessGroups:
         return {"generation": self.generation, "failed_rank": first.get("rank"), "cause": first.get("cause"),
                 "teardown_seconds": torn_down - began, "barrier_seconds": met - torn_down,
                 "reform_seconds": formed - met}
+
+    def join(self, cause: str) -> dict[str, Any]:
+        """A standby in a dead rank's place (runtime/resilience/standby.py): the surviving ranks are at, or
+        on their way to, the current generation's barrier, waiting for `world_size` arrivals; this process
+        arrives as the dead rank (writing the fault first, which wakes survivors that are not blocked on
+        it), forms the next generation with them and starts its watcher. What `recover` returns."""
+        try:
+            self.generation = self._current_generation()
+        except Exception as exc:
+            raise RecoveryFailed(f"the job's store cannot be reached ({exc}): no in-process restart") from exc
+        self._aborted = self.generation      # nothing of that generation was ever formed in this process
+        timings = self.recover(cause)
+        self.replacing = False
+        self.watch()
+        return timings
+
+    def _current_generation(self) -> int:
+        """The generation the ranks are in: every recovery before it met (all `world_size` arrived), and
+        the ranks re-form together, so it is the first one whose barrier is not complete."""
+        generation = 0
+        while self.store.check([self._key(generation, "fault")]) and \
+                self.store.add(self._key(generation, "arrived"), 0) >= self.world:
+            generation += 1
+        return generation
 
     def _barrier(self, generation: int) -> None:
         key = self._key(generation, "arrived")

@@ -52,10 +52,11 @@ def after_resume(protector: Any, store: SnapshotStore | None, *, resumed_from: i
                  world_size: int, held: SnapshotStore | None = None,
                  fingerprint: Callable | None = None) -> dict[str, Any] | None:
     """After `Protector.begin` on a worker torchrun started: a fresher snapshot of the same timeline, loaded
-    (what was loaded, as `after_failure`), or None (the checkpoint's state stands)."""
-    if store is None:
-        return None
-    if resumed_from is None:
+    (what was loaded, as `after_failure`), or None (the checkpoint's state stands). Every rank the policy
+    gives snapshots calls it, also one whose snapshots could not be set up (`store` None: no private
+    directory on its node): it brings no candidate to the exchange, so the others fall back loudly, where
+    skipping the exchange would leave them waiting in it."""
+    if store is not None and resumed_from is None:
         # No checkpoint yet: only this job's own snapshots continue it (a worker it restarted before the
         # first checkpoint); what an earlier job left under this directory's name is deleted.
         store.discard_other_jobs()

@@ -16,7 +16,9 @@ from tests.servers import free_port, http_get, wait_for
 from trainguard import tls
 
 pytestmark = pytest.mark.slow
-STEPS = 300
+# The agent is killed at step 20 and at step 80: each restart comes while the 2 ranks still have many
+# steps to train (the second leaves 120 of 200), so it resumes from its saved offsets mid-run.
+STEPS, KILL_AT = 200, (20, 80)
 
 
 def agent_steps(url: str) -> dict[str, float] | None:
@@ -55,7 +57,7 @@ def test_agent_killed_and_restarted_during_training(tmp_path):
     agent = start_agent(run_dir, port, agent_log)
     try:
         # Kill the agent twice mid-run, each time once it has counted some steps, and start it again.
-        for kill_at in (20, 120):
+        for kill_at in KILL_AT:
             wait_for(lambda: (agent_steps(url) or {}).get("0", 0) >= kill_at, 120,
                      message=f"agent counting past step {kill_at}")
             agent.send_signal(signal.SIGKILL)

@@ -4,9 +4,11 @@ Each node is a node name (TRAINGUARD_NODE, read by the ranks' files, the launche
 agent), its own torch elastic launcher in the job's c10d rendezvous on loopback, and its own agent with
 the embedded stall watchdog, all sharing one run directory, as nodes share it over a network filesystem.
 
-The rendezvous store is torch's own TCPStore, served by a process of its own (``is_host=false`` on every
-launcher), as a production job puts its endpoint on a stable host: a node kept out must not take the
-store of the job with it. Also used by bench/bench_culprit.py.
+The rendezvous store is torch's own TCPStore, served outside every launcher (``is_host=false`` on each),
+as a production job puts its endpoint on a stable host: a node kept out must not take the store of the
+job with it. It is served by the process that runs the cluster (the test's, the bench's): a process of
+its own would spend a torch import (seconds of CPU) on every test for no other difference.
+Also used by bench/bench_culprit.py.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -28,9 +31,6 @@ from trainguard import tls
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINGUARD = str(Path(sys.executable).with_name("trainguard"))
-STORE = ("import sys, time\nfrom torch.distributed import TCPStore\n"
-         "store = TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True, wait_for_workers=False)\n"
-         "print('ready', flush=True)\ntime.sleep(10**6)\n")
 
 # A node whose launcher was ended leaves the rendezvous once its keep-alive has lapsed: torch's default
 # (every 5 s, dead after 3 missed) holds the survivor's next round 15 s; 1 s x 5 is 5 s, still far above a
@@ -55,18 +55,27 @@ class Cluster:
     agents: dict = field(default_factory=dict)
     addresses: dict = field(default_factory=dict)
     rdzv_conf: tuple = ()
+    store: object = None
 
     def start_store(self) -> None:
+        """The job's rendezvous store, listening once this returns; closed by `stop` (dropping the last
+        reference to a master TCPStore ends its server)."""
+        from torch.distributed import TCPStore
+
         port = free_port()
-        log = open(self.tmp / "store.log", "ab")
-        process = subprocess.Popen([sys.executable, "-c", STORE, str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-        self.processes.append(process)
+        self.store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
         self.endpoint = f"127.0.0.1:{port}"
 
     def wait_store(self) -> None:
-        wait_for(lambda: b"ready" in (self.tmp / "store.log").read_bytes(), timeout=60, interval=0.2,
-                 message="rendezvous store")
+        """The store takes connections (it listens once `start_store` returns: a check, no wait)."""
+        host, port = self.endpoint.rsplit(":", 1)
+
+        def answers() -> bool:
+            with contextlib.suppress(OSError), socket.create_connection((host, int(port)), timeout=5):
+                return True
+            return False
+
+        wait_for(answers, timeout=60, interval=0.2, message="rendezvous store")
 
     def start_agent(self, node: str, nvml_scenario: str | None = None) -> None:
         """The node's agent, started (ready once `wait_agent`); with `nvml_scenario`, its gpu collector reads
@@ -152,6 +161,7 @@ class Cluster:
             kill_tree(process)
         for server in self.agents.values():
             server.stop()
+        self.store = None
 
 
 @contextlib.contextmanager
@@ -163,10 +173,10 @@ def cluster(tmp_path: Path, policy: dict | None = None, nodes=("n1", "n2"), nvml
     policy_path.write_text(yaml.safe_dump(merge(POLICY, policy or {})))
     c = Cluster(tmp_path, run_dir, policy_path, rdzv_conf=rdzv_conf)
     try:
-        c.start_store()                     # the store and the agents start side by side, then are waited for
-        for node in nodes:
-            c.start_agent(node, (nvml or {}).get(node))
+        c.start_store()
         c.wait_store()
+        for node in nodes:                  # the agents start side by side, then are waited for
+            c.start_agent(node, (nvml or {}).get(node))
         for node in nodes:
             c.wait_agent(node)
         yield c

@@ -18,8 +18,10 @@ from trainguard.trainer.data import ShardLoader, open_stream
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-HANG_STEP, CHECKPOINT = 25, 20
-STEPS = ["--steps", "40", "--checkpoint-every", "10"]
+# The hang comes after the checkpoint of step 20; the run ends 10 steps after it, enough to show the
+# survivor (or both nodes) training on from it.
+HANG_STEP, CHECKPOINT, LAST = 25, 20, 30
+STEPS = ["--steps", str(LAST), "--checkpoint-every", "10"]
 
 
 def incident_files(c, incident: dict) -> dict:
@@ -81,8 +83,8 @@ def test_hang_on_a_rank_names_it_cordons_its_node_and_the_run_finishes_on_the_ot
         from trainguard.runtime.checkpoint.manager import CheckpointManager
 
         _, final = CheckpointManager(c.run_dir).load_latest()
-        assert final["trainer"]["step"] == 40
-        assert final["data"] == expected_data_state(c, 40 - CHECKPOINT)
+        assert final["trainer"]["step"] == LAST
+        assert final["data"] == expected_data_state(c, LAST - CHECKPOINT)
 
         event = [r for n in ("n1", "n2") for r in c.events(f"node-{n}-actions.jsonl", "culprit")]
         assert [(e["event"]["rank"], e["event"]["node"], e["event"]["kind"]) for e in event] == [(1, bad, "hang")]

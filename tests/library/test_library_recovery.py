@@ -129,6 +129,32 @@ def test_a_snapshot_directory_that_is_not_private_turns_snapshots_off_loudly(tmp
     assert events(tmp_path / "run", event_types.SNAPSHOT_SAVED) == [] and list(shared.iterdir()) == []
 
 
+def test_a_rank_without_snapshots_still_takes_part_in_the_resume_agreement(tmp_path, monkeypatch):
+    """On several ranks, one whose snapshot directory was refused brings nothing to the exchange instead of
+    skipping it (the others would wait in their all_gather); the ranks that hold one fall back, loudly."""
+    from trainguard.runtime.resilience import restore
+
+    exchanged = []
+
+    def exchange(value, world_size):      # rank 0 without snapshots, rank 1 holding the one of step 15
+        exchanged.append(value)
+        return [value, {"local": [15], "held": {}}] if len(exchanged) == 1 else [value, value]
+    p, model = protector(tmp_path)
+    p.begin()
+    steps(p, model, 17)                   # checkpoint 10; snapshots 10 and 15 (on top of it)
+    p.recovery.settle()
+    monkeypatch.setattr(restore, "_exchange", exchange)
+    assert restore.after_resume(p, None, resumed_from=10, device="cpu", world_size=2) is None
+    assert exchanged == [None]
+    other = p.recovery.component.store
+    exchanged.clear()
+    monkeypatch.setattr(restore, "_exchange", lambda value, world_size: [None, value])   # seen from rank 1
+    assert restore.after_resume(p, other, resumed_from=10, device="cpu", world_size=2) is None
+    (fallback,) = events(tmp_path / "run", event_types.SNAPSHOT_FALLBACK)
+    assert "rank(s) [0]" in fallback["why"]
+    p.close()
+
+
 # ------------------------------------------------------------------------------- where it is not possible
 class Log:
     def __init__(self):

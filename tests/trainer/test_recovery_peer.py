@@ -331,3 +331,17 @@ def test_the_switch_and_the_node_count_decide_whether_snapshots_are_replicated(t
     assert built("on", 4).snapshots.replicator is None         # one node: nobody else to hold it
     assert built("off", 2).snapshots.replicator is None
     assert policy.from_mapping({"recovery": {"replicate": False}}).recovery.replicate == "off"   # YAML's bare off
+
+
+def test_a_rollback_drops_the_replicas_of_the_abandoned_steps_and_a_completed_run_clears_them(pair):
+    origin, holder, _ = pair
+    for step in (5, 10):
+        origin.local.write(step, payload(step), base_step=None)
+        assert origin.send(step, payload(step))
+    assert holder.held.steps() == [10, 5]
+    snaps = Snapshotter(holder.local, {}, every=0, emit=Events(), log=Log(), replicator=holder)
+    snaps.after_step(10, base_step=None)
+    snaps.after_step(6, base_step=None)          # every rank rolled back to step 6: step 10 was abandoned
+    assert holder.held.steps() == [5]
+    snaps.close(completed=True)
+    assert not holder.held.dir.exists()

@@ -106,6 +106,25 @@ def test_a_restarted_worker_takes_a_snapshot_only_on_top_of_the_checkpoint_it_re
     assert loaded["restored_step"] == 25 and protector.state.step == 25
 
 
+def test_a_rank_whose_snapshots_are_off_still_meets_the_others_at_resume(tmp_path, monkeypatch):
+    """A node whose snapshot directory was refused has no store; its ranks still join the exchange (the
+    others wait in it), and the ranks that hold one fall back to the checkpoint, loudly."""
+    exchanged: list = []
+
+    def exchange(value, world_size):      # this rank's view of a 2-rank all_gather: the other rank has none
+        exchanged.append(value)
+        return [value, None]
+
+    monkeypatch.setattr(restore, "_exchange", exchange)
+    without = FakeProtector(step=20, last_saved_step=20)
+    assert restore.after_resume(without, None, resumed_from=20, device="cpu", world_size=2) is None
+    assert exchanged == [None] and without.kinds() == []
+    holder = FakeProtector(step=20, last_saved_step=20)
+    store = store_with(tmp_path, 25, base_step=20)
+    assert restore.after_resume(holder, store, resumed_from=20, device="cpu", world_size=2) is None
+    assert len(exchanged) == 2 and holder.kinds() == [event_types.SNAPSHOT_FALLBACK] and holder.loaded is None
+
+
 def test_before_the_first_checkpoint_only_the_same_jobs_snapshots_count(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
     store_with(tmp_path, 5, base_step=None)

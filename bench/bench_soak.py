@@ -331,12 +331,22 @@ def run_soak(args: argparse.Namespace) -> dict:
 
 def _clear_snapshots(run_dir: Path, policy: list[str]) -> None:
     """The in-memory snapshots a stopped run leaves on the tmpfs (a run that does not complete keeps them
-    for its restart): this run's only, found by the run directory its manifests name."""
+    for its restart): this run's only, found by the run directory its manifests name. Other runs add and
+    delete their own meanwhile: a folder gone while it is listed is skipped."""
     root = next((Path(v.partition("=")[2]) for v in policy if v.startswith("recovery.snapshot_dir=")), Path("/dev/shm"))
-    for manifest in (root / f"trainguard-{os.getuid()}").glob("*/rank-*/snapshot-*.json"):
-        with contextlib.suppress(OSError, ValueError):
-            if json.loads(manifest.read_text()).get("run") == str(run_dir):
-                shutil.rmtree(manifest.parents[1], ignore_errors=True)
+    for tag in _entries(root / f"trainguard-{os.getuid()}"):
+        manifests = [m for rank in _entries(tag) for m in _entries(rank) if m.suffix == ".json"]
+        for manifest in manifests[:1]:
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(manifest.read_text()).get("run") == str(run_dir):
+                    shutil.rmtree(tag, ignore_errors=True)
+
+
+def _entries(folder: Path) -> list[Path]:
+    try:
+        return sorted(folder.iterdir())
+    except OSError:
+        return []
 
 
 def _logs(run_dir: Path) -> dict[int, list[dict]]:

@@ -256,12 +256,12 @@ def stall_key(run_dir: Path) -> str:
     """The same on every node for one stall: the run's newest step and launcher attempt."""
     infos, _ = restore.read_ranks(run_dir)
     steps = [last_step(rundir.rank_log(run_dir, info.rank))[0] for info in infos]
-    attempt = max((_restart_count(info) for info in infos), default=0)
+    attempt = max((restart_count(info) for info in infos), default=0)
     newest = max((s for s in steps if s is not None), default=0)
     return f"step{newest}-attempt{attempt}"
 
 
-def _restart_count(info: restore.RankInfo) -> int:
+def restart_count(info: restore.RankInfo) -> int:
     try:
         return int(safe_read.read_json(info.path, safe_read.CONTROL_BYTES, "rank registration")
                    .get("restart_count") or 0)
@@ -307,8 +307,8 @@ def job_hosts(run_dir: Path, key_file: str | Path | None = None) -> set[str]:
     infos, _ = restore.read_ranks(run_dir)
     if not infos:
         return set()
-    attempt = max(_restart_count(i) for i in infos)
-    hosts = {i.host for i in infos if _restart_count(i) == attempt}
+    attempt = max(restart_count(i) for i in infos)
+    hosts = {i.host for i in infos if restart_count(i) == attempt}
     return hosts - set(evict.cordoned(run_dir, key_file))
 
 

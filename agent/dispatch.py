@@ -38,13 +38,14 @@ class NodeActions:
     def __init__(self, run_dir: str | os.PathLike, node: str, host: str, claims_: claims.Claims,
                  counts: ActionCounts, *, grace_seconds: float = 0.0, entry_points: tuple[str, ...] = (),
                  launchers: tuple[str, ...] = (), checkpoint_key_file: str | os.PathLike | None = None,
-                 redone: set[str] | None = None, clock: Callable[[], float] = time.time):
+                 redone: set[str] | None = None, clock: Callable[[], float] = time.time, recovery: Any = None):
         self.run_dir, self.node, self.host, self.clock = Path(run_dir), node, host, clock
         self.claims, self.counts = claims_, counts
         self.grace = grace_seconds
         self.entry_points, self.launchers = entry_points, launchers   # beyond the bundled ones (restore.Trust)
         self.checkpoint_key_file = checkpoint_key_file   # signs requests and cordons (trainguard/cordon/__init__.py)
         self.redone = redone if redone is not None else set()   # request ids redone after a restart
+        self.recovery = recovery     # the policy's `recovery` section: a restore in-process (agent/recover_in_process.py)
         self.log = tglog.get("agent.executor", node=node)
 
     def execute(self, verdict: NoticeVerdict, now: float, watch: Callable[[NoticeVerdict, claims.Claim, float], None]) -> dict:

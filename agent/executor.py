@@ -159,7 +159,7 @@ class Executor:
                  entry_points: tuple[str, ...] = (), launchers: tuple[str, ...] = (),
                  claim_secret: bytes | None = None, claim_timeout_seconds: float = claims.DEFAULT_TIMEOUT_SECONDS,
                  checkpoint_key_file: str | os.PathLike | None = None, investigator: Investigator | None = None,
-                 records: ActionLog | None = None):
+                 records: ActionLog | None = None, recovery: Any = None):
         self.run_dir, self.node, self.ledger, self.clock = Path(run_dir), node, ledger, clock
         self.records = records or actions_log(run_dir, node, checkpoint_key_file)
         self.log = tglog.get("agent.executor", node=node)
@@ -168,7 +168,8 @@ class Executor:
         self.counts = ActionCounts(self.claims, self.records)
         self.node_actions = NodeActions(run_dir, node, host or node_name(), self.claims, self.counts,
                                         grace_seconds=restore_grace_seconds, entry_points=entry_points,
-                                        launchers=launchers, checkpoint_key_file=checkpoint_key_file, clock=clock)
+                                        launchers=launchers, checkpoint_key_file=checkpoint_key_file, clock=clock,
+                                        recovery=recovery)
         self._lock = threading.Lock()
         self.claim_watch = ClaimWatch(self.node_actions, self.records, self._lock, clock, self.counts)
         self.evidence = EvidenceFirst(self.node_actions, self.records, investigator, self._lock, self.counts,
@@ -186,7 +187,8 @@ class Executor:
         return cls(config.run_dir, config.node, ledger, restore_grace_seconds=settings.restore_grace_seconds,
                    entry_points=settings.restore_entry_points, launchers=settings.restore_launchers,
                    claim_secret=claim_secret, claim_timeout_seconds=settings.claim_timeout_seconds,
-                   checkpoint_key_file=settings.checkpoint_key_file, investigator=investigator, records=records)
+                   checkpoint_key_file=settings.checkpoint_key_file, investigator=investigator, records=records,
+                   recovery=policy.recovery)
 
     # ------------------------------------------------------------------------------------- submit
     def submit(self, notices: list[Notice]) -> list[NoticeVerdict]:

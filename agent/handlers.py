@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from trainguard.actions import RESTORE
-from trainguard.agent import restore
+from trainguard.agent import recover_in_process, restore
 
 if TYPE_CHECKING:
     from trainguard.agent.dispatch import NodeActions
@@ -52,8 +52,21 @@ def gathers_evidence(action: str | None) -> bool:
 
 @handles(RESTORE, gathers_evidence=True)
 def restore_ranks(node: NodeActions, verdict: NoticeVerdict, result: dict) -> None:
-    """End this node's proven ranks that started before the alert, so torch's elastic launcher starts them
-    again from the latest verified checkpoint (agent/restore.py); a launcher with no restarts left pages."""
+    """Under `recovery.mode: in_process`, first ask the job's ranks to recover in their own processes
+    (agent/recover_in_process.py); when they do not (or it is not tried), end this node's proven ranks that
+    started before the alert, so torch's elastic launcher starts them again from the latest verified
+    checkpoint (agent/restore.py); a launcher with no restarts left pages."""
+    why = recover_in_process.why_not(node, verdict)
+    if why is None:
+        outcome = recover_in_process.recover(node, verdict)
+        result["in_process"] = outcome.record
+        if outcome.recovered:
+            result.update(recovery=recover_in_process.IN_PROCESS, ended=[], skipped=[], refused=[])
+            return
+    elif node.recovery is not None and node.recovery.mode == recover_in_process.IN_PROCESS:
+        result["in_process"] = {"result": "not_tried", "why": why}
+    if "in_process" in result:
+        result["recovery"] = "restart"      # said where in-process was the policy's choice
     result.update(restore.end_local_ranks(node.run_dir, node.host, started_before=verdict.notice.starts_at,
                                           grace_seconds=node.grace, trust=node.trust()))
     for refusal in result["refused"]:

@@ -54,7 +54,8 @@ class Scenario:
 
 
 def scenarios(healthy_steps: int) -> list[Scenario]:
-    off = {"restore": {"evict": "off"}}
+    # the restore in place as torchrun's restart (today's path); in-process: bench_recovery.py --hang
+    off = {"restore": {"evict": "off"}, "recovery": {"mode": "restart"}}
     return [
         Scenario("hang-r0", [f"hang@{FAULT_STEP}:0"], "rank:0"),
         Scenario("hang-r1", [f"hang@{FAULT_STEP}:1"], "rank:1"),

@@ -35,6 +35,14 @@ kill `standby`: in_process with a warm standby per rank, runtime/resilience/stan
   healthy ranks ended  the ranks other than 3 whose process was replaced (a second `run_start`)
 
     .venv/bin/python bench/bench_recovery.py --side-by-side --steps 24 --fault-at 18
+
+`--hang` (issue 31): the same 2 x 2 cluster with an agent beside each node (the embedded stall watchdog,
+evidence, the culprit's verdict; eviction off, so its action is the restore), rank 3 hung at the fault's
+step (`--inject hang@K:3`, asleep outside any collective), for each `recovery.mode` (the agent reads the
+same policy): fault -> next step as above, and verdict -> next step (the first agent's `restore` action
+record, after the evidence, to rank 0's next step).
+
+    .venv/bin/python bench/bench_recovery.py --hang --runs 1 --steps 30 --fault-at 18
 """
 
 from __future__ import annotations
@@ -114,20 +122,28 @@ POLICIES = {"restart": {"mode": "restart"}, "in_process": {"mode": "in_process",
             STANDBY: {"mode": "in_process", "standbys": 1}}
 
 
-def two_node_run(folder: Path, mode: str, fault: str, steps: int, fault_at: int) -> dict:
-    """One 2 x 2 run with `fault` at `fault_at` on rank 3 under `recovery.mode: mode`; its measures."""
+def two_node_run(folder: Path, mode: str, fault: str, steps: int, fault_at: int, agents: bool = False) -> dict:
+    """One 2 x 2 run with `fault` at `fault_at` on rank 3 under `recovery.mode: mode`; its measures.
+    `agents`: an agent beside each node (the embedded stall watchdog, evidence, the culprit's verdict; eviction
+    off, so the verdict's action is the restore), as tests/culprit runs them; a hang needs them."""
     import yaml
 
-    from tests.culprit.cluster import Cluster
+    from tests.culprit.cluster import POLICY, Cluster
+    from tests.e2e.stack import merge
 
     run_dir = folder / "run"
     (run_dir / "tls").mkdir(parents=True)
     policy = folder / "policy.yaml"
-    policy.write_text(yaml.safe_dump({"recovery": {**POLICIES[mode], "snapshot_every": 5}}))
+    chosen = {"recovery": {**POLICIES[mode], "snapshot_every": 5}}
+    policy.write_text(yaml.safe_dump(merge(POLICY, {**chosen, "restore": {"evict": "off"}}) if agents else chosen))
     cluster = Cluster(folder, run_dir, policy)
     try:
         cluster.start_store()
+        for node in ("n1", "n2") if agents else ():
+            cluster.start_agent(node)
         cluster.wait_store()
+        for node in ("n1", "n2") if agents else ():
+            cluster.wait_agent(node)
         args = ("--steps", str(steps), "--checkpoint-every", "10", "--device", "cpu",
                 "--inject", f"{fault}@{fault_at}:{FAULT_RANK}")
         launchers = [cluster.launch(node, *args, nnodes="2", nproc=2) for node in ("n1", "n2")]
@@ -157,8 +173,15 @@ def two_node_run(folder: Path, mode: str, fault: str, steps: int, fault_at: int)
         raise RuntimeError(f"{mode}/{fault}: no step after the recovery in {run_dir}")
     ended = sorted(rank for rank in range(4) if rank != FAULT_RANK and sum(
         (r.get("event") or {}).get("type") == event_types.RUN_START for r in logs[rank]) > 1)
-    return {"to_next_step": next_step - fault_time, "work_lost": fault_at - 1 - restored,
-            "healthy_ended": ended, "restored_step": restored}
+    found = {"to_next_step": next_step - fault_time, "work_lost": fault_at - 1 - restored,
+             "healthy_ended": ended, "restored_step": restored}
+    if agents:      # the verdict: the first agent's restore action (the evidence was gathered before it)
+        restores = [{**r["event"], "node": node} for node in ("n1", "n2")
+                    for r in tls.read_records(run_dir / "tls" / f"node-{node}-actions.jsonl")
+                    if (r.get("event") or {}).get("type") == event_types.ACTION and r["event"].get("action") == "restore"]
+        found.update(verdict_to_next_step=next_step - min(e["issued_at"] for e in restores),
+                     agents=[{k: e.get(k) for k in ("node", "recovery", "in_process")} for e in restores])
+    return found
 
 
 def side_by_side(args: argparse.Namespace) -> int:
@@ -189,6 +212,37 @@ def side_by_side(args: argparse.Namespace) -> int:
     return 0
 
 
+def hang_side_by_side(args: argparse.Namespace) -> int:
+    """A hang with a named culprit (rank 3 sleeps forever at `fault_at`), an agent beside each node: the
+    agent's restore today (ends the ranks, torchrun restarts them) against in-process (a signed request,
+    agent/recover_in_process.py), in one run."""
+    found: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-recovery-hang-") as folder:
+        for run in range(args.runs):
+            for mode in MODES:
+                place = Path(folder) / f"hang-{mode}-{run}"
+                place.mkdir()
+                found.setdefault(mode, []).append(two_node_run(place, mode, "hang", args.steps, args.fault_at,
+                                                               agents=True))
+    print(f"## Recovery of a hang side by side\n\n`.venv/bin/python bench/bench_recovery.py --hang --runs {args.runs} "
+          f"--steps {args.steps} --fault-at {args.fault_at}`: 2 simulated nodes x 2 ranks on loopback, an agent "
+          f"beside each (stall after 6 s, evidence up to 8 s, eviction off: the verdict's action is the restore), "
+          f"the tiny model on CPU, checkpoint every 10 steps (in_process: snapshot every 5), rank {FAULT_RANK} "
+          f"hangs at step {args.fault_at}, median of {args.runs}; load average {os.getloadavg()[0]:.1f}.\n")
+    print("| recovery.mode | fault -> next step (s) | verdict -> next step (s) | work lost (steps) | healthy ranks ended "
+          "| ratio to restart (fault / verdict) |")
+    print("|---|---:|---:|---:|---|---:|")
+    base = {key: statistics.median(r[key] for r in found["restart"]) for key in ("to_next_step", "verdict_to_next_step")}
+    for mode in MODES:
+        runs = found[mode]
+        seconds, after = (statistics.median(r[key] for r in runs) for key in ("to_next_step", "verdict_to_next_step"))
+        ended = sorted({rank for r in runs for rank in r["healthy_ended"]})
+        print(f"| {mode} | {seconds:.2f} | {after:.2f} | {statistics.median(r['work_lost'] for r in runs):g} | "
+              f"{ended or 'none'} | {seconds / base['to_next_step']:.2f} / {after / base['verdict_to_next_step']:.2f} |")
+    print(json.dumps(found))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -197,9 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--side-by-side", action="store_true",
                         help="2 nodes x 2 ranks: restart against in_process, for an exception and a kill")
     parser.add_argument("--fault-at", type=int, default=18)
+    parser.add_argument("--hang", action="store_true",
+                        help="2 nodes x 2 ranks, an agent beside each: a hang's restore today against in-process")
     args = parser.parse_args(argv)
     if args.side_by_side:
         return side_by_side(args)
+    if args.hang:
+        return hang_side_by_side(args)
     found: dict[str, list[float]] = {"restored": [], "again": [], "caught_up": [], "peer": []}
     with tempfile.TemporaryDirectory(prefix="bench-recovery-") as folder:
         for run in range(args.runs):

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from tests.e2e.stack import read_records, stack  # noqa: E402
 
 SCENARIOS = {
-    "hang": {"policy": {}, "args": ["--steps", "40", "--checkpoint-every", "10", "--nproc", "2",
+    "hang": {"policy": {"recovery": {"mode": "restart"}}, "args": ["--steps", "40", "--checkpoint-every", "10", "--nproc", "2",
                                     "--max-restarts", "3", "--inject=hang@25"]},
     "cost": {"policy": {"cost": {"budget_per_1k_steps": 0.0001, "gpu_count_override": 1, "min_steps": 20}},
              "args": ["--steps", "2000", "--checkpoint-every", "50"]},

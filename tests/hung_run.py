@@ -27,7 +27,12 @@ def run_with_a_hang(run_dir: Path) -> Path:
     policy = run_dir / "policy.yaml"           # given to the agent (its config) and to the trainer, which signs it
     policy.write_text(yaml.safe_dump({"alerts": {"stall_seconds": STALL_SECONDS}}))
     config = run_dir / "agent" / "agent.yaml"
-    config.write_text(yaml.safe_dump({"policy": str(policy), "nodelog": {"interval": 1},
+    # The agent restores today's way (ends the ranks; the launcher restarts them, which take the in-memory
+    # snapshot): the story the report and goodput tests read. Its own policy says so; the trainer's is the
+    # default (in_process). An in-process restore of a hang: tests/culprit/test_two_nodes_culprit.py.
+    agent_policy = run_dir / "agent" / "policy.yaml"
+    agent_policy.write_text(yaml.safe_dump({"alerts": {"stall_seconds": STALL_SECONDS}, "recovery": {"mode": "restart"}}))
+    config.write_text(yaml.safe_dump({"policy": str(agent_policy), "nodelog": {"interval": 1},
                                       "collectors": {"training": {"interval": 1}, "host": {"interval": 1}}}))
     agent, _ = start_agent(run_dir, config)
     try:

@@ -39,6 +39,8 @@ IN_PROCESS_RESTART = "in_process_restart"  # the ranks re-formed their group in-
 SNAPSHOT_REPLICATED = "snapshot_replicated"   # a snapshot held by a rank of another node: peer_rank, bytes, seconds
 SNAPSHOT_REPLICA_FAILED = "snapshot_replica_failed"   # a snapshot its peer does not hold: peer_rank, why
 REPLICA_REFUSED = "replica_refused"        # a received replica that did not verify, kept nowhere: origin_rank, reason
+RECOVERY_REQUEST = "recovery_request"      # a rank took an agent's signed request to recover in-process: request, by
+RECOVERY_REQUEST_REFUSED = "recovery_request_refused"   # a request no rank acts on (unsigned, forged, copied): why
 
 # -------------------------------------------------------------------- decisions and what was done
 ALERT = "alert"                    # an alert notification the agent decided on: alertname, status, outcome
@@ -73,11 +75,11 @@ PREDICTION = "prediction"          # a Hugging Face predict_* entry (no step of 
 RUN_SUMMARY = "run_summary"        # a log's closing summary numbers (Hugging Face, TensorBoard)
 
 # Every type above: tests/test_vocabulary.py rejects these names spelled anywhere else in the product.
-TYPES = (RUN_START, RUN_END, CHECKPOINT_SAVED, CHECKPOINT_FAILED, CHECKPOINT_RESTORED, CHECKPOINT_INVALID,
+TYPES: tuple[str, ...] = (RUN_START, RUN_END, CHECKPOINT_SAVED, CHECKPOINT_FAILED, CHECKPOINT_RESTORED, CHECKPOINT_INVALID,
          CHECKPOINT_DELETED, CHECKPOINT_QUARANTINED, CHECKPOINT_SUPERSEDED, CHECKPOINT_INTERVAL, SNAPSHOT_SAVED,
          ALERT, ACTION, SHADOW_ACTION,
          CONTROL_REFUSED, STOP_MARKER_REFUSED, LOSS_LEVEL_SHIFT, REPLICA_CHECK, REPLICA_MISMATCH, CULPRIT,
          CORDON, CORDON_IGNORED, SPARE_JOINED, EVALUATION, LR_PHASE, LAYER_REINIT, FAULT_INJECTED, TRAINER_LOG,
          TRAINER_CHECKPOINT_SIGNED, PREDICTION, RUN_SUMMARY, HEALTH_CHECK, NODE_AT_RISK, SNAPSHOT_SKIPPED,
          SNAPSHOT_INVALID, SNAPSHOT_RESTORED, SNAPSHOT_FALLBACK, IN_PROCESS_RESTART,
-         SNAPSHOT_REPLICATED, SNAPSHOT_REPLICA_FAILED, REPLICA_REFUSED)
+         SNAPSHOT_REPLICATED, SNAPSHOT_REPLICA_FAILED, REPLICA_REFUSED, RECOVERY_REQUEST, RECOVERY_REQUEST_REFUSED)

@@ -18,6 +18,8 @@
     RUN/control/claims/<request id>        which agent carries out a job-level action (agent/claims.py, signed)
     RUN/control/claims/<id>.takeover-<g>-<tag>   a claim taken over from a claimant that did not finish
     RUN/tls/node-<host>-launcher.jsonl     the launcher's events (a cordon it did not honour)
+    RUN/control/recovery/<id>.json         an agent's request to recover in-process, signed (runtime/resilience/request.py)
+    RUN/control/recovery/<id>.rank-<r>.ack a rank's watcher took that request (the agent waits for the result then)
     RUN/control/ranks/rank-<r>.json        each rank's registration (`write_rank_file`, `read_ranks`; an agent: `RankFiles`)
     RUN/control/cordon/<host>              a node kept out of the job, when signed (trainguard/cordon/__init__.py)
     RUN/control/launchers/<host>.json      each node's elastic launcher (trainer/launch.py)
@@ -167,6 +169,12 @@ def takeover_claim_path(run_dir: PathLike, request_id: str, generation: int, tag
 def launcher_log(run_dir: PathLike, host: str) -> Path:
     """The node's launcher's own TLS events (a node log: `cordon_ignored`, trainguard/cordon/__init__.py)."""
     return tls_dir(run_dir) / f"node-{host}-launcher.jsonl"
+
+
+def recovery_requests_dir(run_dir: PathLike) -> Path:
+    """The agent's signed requests that the ranks recover in-process, and the ranks' acknowledgements
+    (their content: runtime/resilience/request.py)."""
+    return control_dir(run_dir) / "recovery"
 
 
 def ranks_dir(run_dir: PathLike) -> Path:

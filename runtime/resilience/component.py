@@ -27,7 +27,8 @@ from trainguard import event_types
 from trainguard.runtime.resilience import restore
 from trainguard.runtime.resilience.inprocess import ProcessGroups, RecoveryFailed
 from trainguard.runtime.resilience.replicate import Replicator
-from trainguard.runtime.resilience.snapshot import SnapshotStore, Snapshotter
+from trainguard.runtime.resilience.request import RequestWatch
+from trainguard.runtime.resilience.snapshot import SnapshotRefused, SnapshotStore, Snapshotter
 
 IN_PROCESS, RESTART = "in_process", "restart"
 
@@ -77,6 +78,9 @@ class Recovery:
                 store = None
                 protector.event(event_types.SNAPSHOT_SKIPPED, reason="unavailable", why=why)
                 log.error("in-memory snapshots are off; recovery restores the durable checkpoint", why=why)
+        if groups is not None and settings.mode == IN_PROCESS and protector.key is not None:
+            # the agent's signed requests (a hang, a restore) reach the ranks through the watcher
+            groups.requests = RequestWatch(run_dir, protector.key, rank, log=log, emit=protector.event)
         built = cls(protector, store=store, snapshots=snapshots,
                     groups=groups if settings.mode == IN_PROCESS else None,
                     max_restarts=settings.max_in_process_restarts, device=device, world_size=world_size, log=log)
@@ -162,10 +166,14 @@ class Recovery:
         except LookupError as exc:
             raise RecoveryFailed(str(exc)) from None
         state = self.protector.state
-        if restored["source"] == restore.SNAPSHOT and state.last_saved_step is None:
+        # (a state received from a peer was kept as this rank's own snapshot: its manifest is here too)
+        if restored["source"] in (restore.SNAPSHOT, restore.PEER) and state.last_saved_step is None:
             # the durable checkpoint this state builds on (the survivors' own, as they accepted this step):
             # what the next snapshots are signed on top of and the next checkpoint is counted from
-            state.last_saved_step = self.store.manifest(restored["restored_step"]).get("base_step")
+            try:
+                state.last_saved_step = self.store.manifest(restored["restored_step"]).get("base_step")
+            except SnapshotRefused:    # a peer's copy this rank could not keep: the base stays unknown
+                pass
         rebuild()
         record = {**timings, **restored, "replaced_rank": dead, "standby": True,
                   "recovery_seconds": time.perf_counter() - began}

@@ -20,7 +20,10 @@ A failure, on the rank it happens to (an exception in its step, a collective's e
    sockets.py, as gloo's own abort wakes no operation in flight), so a peer blocked in a collective with
    it gets an error at once instead of waiting for the timeout;
 3. every other rank's watcher thread sees the fault key within `WATCH_SECONDS` and aborts its own groups
-   the same way, which also releases its own main thread from a collective it is blocked in;
+   the same way, which also releases its own main thread from a collective it is blocked in; a main thread
+   that has not begun the recovery a second after the abort (stuck outside any collective) is interrupted
+   (request.py's `MainThreadInterrupt`). The watcher also reads the agent's signed requests (request.py):
+   a request taken is written as the generation's fault, and goes the same way;
 4. every rank adds itself to ``trainguard/recovery/<g>/arrived`` and waits until all `world_size` have;
    one that does not arrive within `barrier_seconds` (a dead or hung process) fails the recovery:
    RecoveryFailed, the surviving ranks exit, and the launcher restarts every worker as it always did;
@@ -40,6 +43,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from trainguard.runtime.resilience import request as requests_mod
 from trainguard.runtime.resilience import sockets
 
 PG_PREFIX = "trainguard/pg"
@@ -65,6 +69,14 @@ class ProcessGroups:
         self._watcher: threading.Thread | None = None
         self._connections: set[int] = set()   # socket inodes of the current group's gloo connections
         self.replacing = False             # a standby in a dead rank's place: `join`, not `form` (standby.py)
+        # The agent's signed requests (request.py), a second source of faults; set by the component once
+        # the run's key is known. And the main thread's interrupt, for a rank stuck outside a collective.
+        self.requests: requests_mod.RequestWatch | None = None
+        self.interrupt: requests_mod.MainThreadInterrupt | None = None
+        self._entered = -1                 # the newest generation whose recovery this rank's main thread began
+        self._recovering = False           # from an abort to the end of the re-forming
+        self._aborted_at: float | None = None
+        self._nudged_at = 0.0
 
     @classmethod
     def from_env(cls, backend: str, rank: int, world_size: int, **kwargs: Any) -> "ProcessGroups":
@@ -92,6 +104,7 @@ class ProcessGroups:
 
     def watch(self) -> None:
         """Start the thread that aborts this rank's groups when another rank reports a failure."""
+        self.interrupt = requests_mod.MainThreadInterrupt.install()
         self._watcher = threading.Thread(target=self._watch, name="trainguard-recovery-watch", daemon=True)
         self._watcher.start()
 
@@ -107,8 +120,40 @@ class ProcessGroups:
                                      error=str(exc))
                     warned = True
                 continue
-            if failed:
+            if failed or self._requested(generation):
                 self.abort(generation)
+                self._nudge(generation)
+
+    def _requested(self, generation: int) -> bool:
+        """An agent's signed request taken now: written as the generation's fault, as a failing rank would."""
+        if self.requests is None or self._recovering:
+            return False        # none, or a recovery is under way: it serves the request
+        taken = self.requests.poll()
+        if taken is None:
+            return False
+        cause = json.dumps({"rank": taken.get("culprit_rank"), "request": taken["id"],
+                            "cause": f"the agent's request {taken['id']}: {taken.get('reason') or 'restore'}"})
+        try:
+            self.store.compare_set(self._key(generation, "fault"), "", cause)
+        except Exception as exc:    # the abort still releases this rank; the barrier decides the rest
+            self.log.warning("cannot write the request's fault in the job's store", error=str(exc))
+        return True
+
+    def _nudge(self, generation: int) -> None:
+        """A main thread that has not begun the recovery `INTERRUPT_SECONDS` after the abort is stuck
+        outside any collective (an abort releases those): interrupt it, again every `INTERRUPT_SECONDS`,
+        until it begins or the barrier's bound has passed."""
+        now = time.monotonic()
+        if self.interrupt is None or self._entered >= generation or self._aborted_at is None:
+            return
+        waited = now - self._aborted_at
+        if waited < requests_mod.INTERRUPT_SECONDS or waited > self.barrier_seconds \
+                or now - self._nudged_at < requests_mod.INTERRUPT_SECONDS:
+            return
+        self._nudged_at = now
+        self.log.warning("the main thread has not begun the recovery: interrupting it", generation=generation,
+                         waited_seconds=round(waited, 3))
+        self.interrupt.interrupt()
 
     def abort(self, generation: int) -> bool:
         """Abort every process group of `generation` (once); whether this call did it."""
@@ -119,6 +164,10 @@ class ProcessGroups:
             if self._aborted >= generation or generation != self.generation:
                 return False
             self._aborted = generation
+            self._aborted_at = time.monotonic()
+            self._recovering = True
+            if self.requests is not None:
+                self.requests.settled()    # a request issued before this abort is served by its recovery
             if dist.is_initialized():
                 try:
                     c10d._abort_process_group()     # the default group and every group made from it
@@ -139,6 +188,7 @@ class ProcessGroups:
         took (teardown_seconds, barrier_seconds, reform_seconds, failed_rank, cause, generation);
         RecoveryFailed when not every rank arrived in time or the group cannot be formed again."""
         generation = self.generation
+        self._entered = generation
         began = time.perf_counter()
         text = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"[:500]
         try:
@@ -158,9 +208,15 @@ class ProcessGroups:
         except Exception as exc:
             raise RecoveryFailed(f"the process group could not be formed again: {exc}") from exc
         formed = time.perf_counter()
+        if self.interrupt is not None:
+            self.interrupt.disarm()
+        if self.requests is not None:
+            self.requests.settled()
+        self._recovering = False
+        asked = {"request": first["request"]} if first.get("request") else {}
         return {"generation": self.generation, "failed_rank": first.get("rank"), "cause": first.get("cause"),
                 "teardown_seconds": torn_down - began, "barrier_seconds": met - torn_down,
-                "reform_seconds": formed - met}
+                "reform_seconds": formed - met, **asked}
 
     def join(self, cause: str) -> dict[str, Any]:
         """A standby in a dead rank's place (runtime/resilience/standby.py): the surviving ranks are at, or

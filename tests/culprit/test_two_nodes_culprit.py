@@ -104,6 +104,9 @@ def test_hang_on_a_rank_names_it_cordons_its_node_and_the_run_finishes_on_the_ot
 
 
 def test_with_eviction_off_the_incident_names_the_rank_and_restore_is_in_place(tmp_path):
+    """recovery.mode in_process (the default): the restore asks the ranks, with a signed request, to recover
+    in their own processes (agent/recover_in_process.py): no process is replaced; the culprit, asleep
+    outside any collective, is interrupted; the others are released from their all-reduce."""
     with cluster(tmp_path, policy={"restore": {"evict": "off"}}, rdzv_conf=FAST_KEEP_ALIVE) as c:
         for node in ("n1", "n2"):
             c.launch(node, *STEPS, f"--inject=hang@{HANG_STEP}:1")
@@ -112,8 +115,24 @@ def test_with_eviction_off_the_incident_names_the_rank_and_restore_is_in_place(t
         assert "restore.evict is off" in incident["reasons"][-1]
         assert not (c.run_dir / "control" / "cordon").exists()
         assert [c.wait(n, 200) for n in ("n1", "n2")] == [0, 0]          # both nodes finish the run
-        starts = [r["event"] for r in c.events("rank-1.jsonl", "run_start")]
-        assert starts[-1]["world_size"] == 2 and starts[-1]["resumed_from"] == CHECKPOINT
+        for rank in range(2):
+            starts = [r["event"] for r in c.events(f"rank-{rank}.jsonl", "run_start")]
+            assert len(starts) == 1 and starts[0]["world_size"] == 2, (rank, starts)   # no process replaced
+        recovered = [c.events(f"rank-{rank}.jsonl", "in_process_restart") for rank in range(2)]
+        assert all(len(events) == 1 for events in recovered), recovered
+        events = [events[0]["event"] for events in recovered]
+        request_id = events[0]["request"]
+        assert request_id.startswith("restore-step") and {e["request"] for e in events} == {request_id}
+        assert all(e["failed_rank"] == 1 and e["restored_step"] >= CHECKPOINT for e in events)
+        assert c.events("rank-1.jsonl", "run_end")[-1]["event"]["reason"] == "completed"
+
+        request = json.loads((c.run_dir / "control" / "recovery" / f"{request_id}.json").read_text())
+        stack = c.run_dir / "incidents" / incident["id"] / "rank-1.stack.txt"
+        assert "process_faults" in stack.read_text() and stack.stat().st_mtime <= request["issued_at"]  # evidence first
+        done = [r["event"] for n in ("n1", "n2") for r in c.events(f"node-{n}-actions.jsonl", "action")
+                if r["event"]["action"] == "restore"]
+        assert {(e["recovery"], e["in_process"]["result"], e["in_process"]["request"]) for e in done} == {
+            ("in_process", "recovered", request_id)} and all(e["ended"] == [] for e in done), done
 
 
 def test_every_rank_in_the_same_collective_is_no_culprit_and_no_eviction(tmp_path):

@@ -29,7 +29,9 @@ ONE_RESTORE_PER_HANG = {"alerts": {"action_cooldown_seconds": 120.0}}
 
 
 def test_hang_is_restored_and_the_run_resumes_from_the_latest_verified_checkpoint(tmp_path):
-    with stack(tmp_path, ONE_RESTORE_PER_HANG) as s:
+    # today's path, the restore's restart (under in_process the ranks recover in their own processes:
+    # tests/culprit/test_two_nodes_culprit.py)
+    with stack(tmp_path, {**ONE_RESTORE_PER_HANG, "recovery": {"mode": "restart"}}) as s:
         s.start_agent("n1", wait=False)
         s.start_servers()
         # the hang comes after the checkpoint of step 20; 10 steps after it show the resumed run finishing

@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 def start(run, *flags):
     run.mkdir(parents=True)
-    (run / "policy.yaml").write_text("alerts: {stall_seconds: 4}\n")
+    # the restart path (ending ranks) is what needs a restart left; in_process would end none
+    (run / "policy.yaml").write_text("alerts: {stall_seconds: 4}\nrecovery: {mode: restart}\n")
     port = demo.free_port()
     agent = demo.start_agent(run, port, "--policy", str(run / "policy.yaml"))   # its own, as the docs say
     command = [sys.executable, "-m", "trainguard.cli", "train", "--run-dir", str(run), "--device", "cpu",

@@ -340,11 +340,31 @@ def cost_goodput(policy: Policy) -> Board:
             for kind, label in actions.STEPS_LOST], width=12,
                    description="Guard and recovery events so far (counted once per run, not per rank); each "
                                "discards work already paid for."),
-    ] + autopilot_panels()
+    ] + recovery_panels() + autopilot_panels()
     return Board("trainguard-cost-goodput", "trainguard / Cost and goodput",
                  "Spend, cost per 1000 steps against the policy's budget and tiers, the cost breaker, and "
                  "where step time goes.",
                  [DATASOURCE, job_var("trainguard_training_step"), RUN_ID], items)
+
+
+def recovery_panels() -> list:
+    """Goodput's in-process causes (docs/recovery.md, "The books"): what each in-process restart cost by part,
+    how many, and the steps the snapshots kept; appended after the goodput panels, which stay as they were."""
+    parts = ("teardown", "reform", "restore", "other")
+    return [
+        timeseries("In-process recovery time by part",
+                   *[q(f"sum(max by (run_id) (increase({run('trainguard_recovery_in_process_seconds_total', part=part)}"
+                       f"[{RATE}])))", f"in_process_{'recovery' if part == 'other' else part}") for part in parts],
+                   unit="s", stack=True, min=0, width=12,
+                   description="Seconds of in-process restarts, as goodput splits them: teardown (abort and the "
+                               "store barrier), re-form, restore, and the rest of the recovery (in_process_recovery)."),
+        stat("In-process restarts", q(f"sum(max by (run_id) ({run('trainguard_recovery_in_process_restarts_total')}))"),
+             width=6, description="Failures recovered in the same processes (no new interpreter, no storage read)."),
+        stat("Steps kept by snapshots",
+             q(f"sum(max by (run_id) ({run('trainguard_recovery_snapshot_steps_saved_total')}))"), width=6,
+             description="Steps the in-memory snapshots kept that a restore of the durable checkpoint would have "
+                         "lost (goodput's snapshot_steps_saved)."),
+    ]
 
 
 AUTOPILOT_WHY = "the checkpoint autopilot is on (trainguard train --checkpoint-every auto, checkpoint.autopilot: on)"
@@ -363,6 +383,12 @@ def autopilot_panels() -> list:
                    description="The interval by time in force (the autopilot's, or checkpoint_every_seconds), and "
                                "the autopilot's latest recommendation (Daly's optimum "
                                "from the measured MTBF, save and restart costs, within the policy's bounds)."),
+        timeseries("Snapshot interval",
+                   q(f"max by (run_id) ({run('trainguard_snapshot_every_steps')})", "{{run_id}} in force",
+                     only_when=AUTOPILOT_WHY + " with recovery.mode: in_process"),
+                   unit="short", min=0, width=12,
+                   description="Steps between in-memory snapshots as the autopilot applied them (its snapshot "
+                               "tier, converted with the measured step time; docs/checkpoints.md)."),
         timeseries("GPU energy per step",
                    q(f"sum(rate(DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{AGENT}[{RATE}])) / 1000"
                      f" / max(deriv({run('trainguard_training_step')}[{RATE}]))", "joules per step, all GPUs"),

@@ -54,7 +54,7 @@ from trainguard.protect import handlers
 from trainguard.protect.callbacks import Callbacks, load_states
 from trainguard.protect.handlers import EXIT_OK, EXIT_STOPPED, Order, StepOutcome
 from trainguard.protect.checkpoints import RankCheckpoints
-from trainguard.protect.recovery import LoopRecovery
+from trainguard.protect.recovery import LoopRecovery, settings_of
 from trainguard.protect.state import TrainState
 from trainguard.protect.sync import HealthSync
 from trainguard.runtime import cordon_key
@@ -146,8 +146,13 @@ class Protector:
         # The autopilot decides on rank 0 (it alone sees every save); its interval reaches the other ranks in
         # the step's sync, so all ranks save at the same steps.
         self.auto = auto
-        self.autopilot = (autopilot_rule.Autopilot(self.policy.checkpoint, applied=self.checkpoint_every_seconds)
+        self.autopilot = (autopilot_rule.Autopilot(self.policy.checkpoint, applied=self.checkpoint_every_seconds,
+                                                   snapshot_every=_steered_snapshots(self.policy, recovery,
+                                                                                  sharded_checkpoints))
                           if auto and rank == 0 else None)
+        # The snapshot tier's interval in steps as the autopilot applied it (rank 0's, the same on every rank
+        # through the sync); 0: the policy's recovery.snapshot_every stands. The recovery component reads it.
+        self.snapshot_every = 0
         self._steer_pending = False
         self.stable_val_factor = stable_val_factor
         if telemetry is not None and (flops_per_token or peak_flops or precision != "bf16"):
@@ -225,8 +230,10 @@ class Protector:
         if extra is not None:
             norms = layer_norms.reshape(-1) if layer_norms is not None else extra.new_zeros(0)
             layer_norms = torch.cat([norms.to(extra.dtype), extra.reshape(-1)])
-        health = self.sync.sync(loss, grad_norm, layer_norms, control,
-                                self.autopilot.applied if self.autopilot is not None else 0.0)
+        pilot = self.autopilot
+        health = self.sync.sync(loss, grad_norm, layer_norms, control, pilot.applied if pilot is not None else 0.0,
+                                pilot.snapshot_every if pilot is not None else 0)
+        self.snapshot_every = health.snapshot_every or self.snapshot_every
         layers = dict(zip(self.layer_names, health.layer_norms[:carried]))
         loss_seen = health.loss if health.nonfinite_ranks == 0 else math.nan
         decision = self.guard.observe(StepStats(step, loss_seen, health.grad_norm, layers, health.timestamp))
@@ -438,6 +445,15 @@ def _start_autopilot(protector: Protector) -> None:
     pilot.resume()
     pilot.history = autopilot_history.earlier_runs(protector.run_dir, protector.policy.checkpoint.history_runs)
     protector.telemetry.observers.append(lambda record: pilot.observe(autopilot_history.timed(record)))
+
+
+def _steered_snapshots(policy: policy_mod.Policy, recovery: Any, sharded: bool) -> int:
+    """The snapshot interval the autopilot starts from and steers (issue 32's second tier), 0 for none:
+    only under `recovery.mode: in_process` with snapshots on and not sharded (FSDP2 takes none). The
+    settings are the Protector's `recovery=` over the policy's, or (recovery=False: the bundled trainer runs
+    runtime/resilience itself, from the policy's section) the policy's."""
+    settings = policy.recovery if recovery is False else settings_of(recovery, policy)
+    return settings.snapshot_every if settings is not None and settings.mode == "in_process" and not sharded else 0
 
 
 def _steer_interval(protector: Protector, now: float) -> None:

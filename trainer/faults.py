@@ -22,6 +22,10 @@ the top (float32: bit 21; bfloat16: 5; float16: 8): a change of an eighth to a q
 silent (no NaN, no spike), as silent data corruption is. The replica check (trainer/replica_check.py)
 is what catches them.
 
+``KIND@tUNIXTIME[:RANK]`` fires at the first step that begins at or after that wall-clock time (seconds since
+the epoch) instead of at a step number: a soak (bench/bench_soak.py) puts its faults minutes apart in wall
+time, the same for a run that recovers in a second and one that restarts for a minute.
+
 A fault fires once per run, across restarts and rollbacks: it is recorded in
 ``RUN/control/faults-fired.jsonl`` (fsynced, before a crash or hang happens), which every rank reads at
 start, so ``crash@50`` does not crash the resumed run again. Each firing is a ``fault_injected`` event.
@@ -69,29 +73,41 @@ class Fault:
     kind: str
     step: int
     rank: int | None    # None: every rank
+    at_time: float | None = None    # the wall-clock form: the first step at or after this time (step is 0)
 
     @property
     def key(self) -> str:
-        return f"{self.kind}@{self.step}" + ("" if self.rank is None else f":{self.rank}")
+        when = f"t{self.at_time!r}" if self.at_time is not None else str(self.step)
+        return f"{self.kind}@{when}" + ("" if self.rank is None else f":{self.rank}")
+
+    def due(self, step: int, at_or_after: bool = False) -> bool:
+        if self.at_time is not None:
+            return time.time() >= self.at_time
+        return self.step == step or at_or_after and step >= self.step
 
     def applies_to(self, rank: int) -> bool:
         return self.rank is None or self.rank == rank
 
 
 def parse(spec: str) -> Fault:
-    """``KIND@STEP`` or ``KIND@STEP:RANK`` (RANK an integer or ``all``)."""
+    """``KIND@STEP`` or ``KIND@STEP:RANK`` (RANK an integer or ``all``); ``KIND@tUNIXTIME[:RANK]`` for a
+    wall-clock time instead of a step."""
     kind, sep, rest = spec.partition("@")
     step_text, _, rank_text = rest.partition(":")
     if not sep or kind not in KINDS:
         raise FaultError(f"--inject {spec!r}: expected KIND@STEP[:RANK] with KIND one of {', '.join(KINDS)}")
+    at_time = None
     try:
-        step = int(step_text)
+        if step_text.startswith("t"):
+            step, at_time = 0, float(step_text[1:])
+        else:
+            step = int(step_text)
         rank = None if rank_text == "all" else int(rank_text) if rank_text else DEFAULT_RANK.get(kind)
     except ValueError:
-        raise FaultError(f"--inject {spec!r}: STEP and RANK must be integers") from None
-    if step < 1 or (rank is not None and rank < 0):
-        raise FaultError(f"--inject {spec!r}: STEP must be >= 1 and RANK >= 0")
-    return Fault(kind, step, rank)
+        raise FaultError(f"--inject {spec!r}: STEP (or tUNIXTIME) and RANK must be numbers") from None
+    if (step < 1 and at_time is None) or (at_time is not None and not at_time > 0) or (rank is not None and rank < 0):
+        raise FaultError(f"--inject {spec!r}: STEP must be >= 1, tUNIXTIME > 0 and RANK >= 0")
+    return Fault(kind, step, rank, at_time)
 
 
 class FaultInjector:
@@ -115,7 +131,7 @@ class FaultInjector:
 
     def _take(self, kind: str, step: int, at_or_after: bool = False) -> Fault | None:
         for fault in self.pending:
-            if fault.kind == kind and (fault.step == step or at_or_after and step >= fault.step):
+            if fault.kind == kind and fault.due(step, at_or_after):
                 self.pending.remove(fault)
                 return fault
         return None

@@ -169,10 +169,11 @@ class RecoveryPolicy:
 
     mode: str = key("in_process", Choice(RECOVERY_MODES), "in_process: re-form the group in the same processes "
                     "and restore the in-memory snapshot; restart: torchrun restarts every worker (the old path)")
-    # The snapshot tier's interval (the checkpoint autopilot reads it); its cost is each `snapshot_saved`
-    # event's `blocking_seconds`.
+    # The snapshot tier's interval (the checkpoint autopilot steers it when on); its cost is each
+    # `snapshot_saved` event's `blocking_seconds`.
     snapshot_every: int = key(5, at_least(0, 10**7), "steps between in-memory snapshots (host memory, "
-                              "snapshot_dir); 0: none, a failure restores the durable checkpoint")
+                              "snapshot_dir); 0: none, a failure restores the durable checkpoint; with the "
+                              "checkpoint autopilot on, where it starts (docs/checkpoints.md)")
     snapshot_keep: int = key(2, at_least(1, 100), "in-memory snapshots kept per rank, the newest")
     snapshot_max_bytes: int = key(8 * 2**30, at_least(1, 2**50), "a rank's snapshot larger than this is not "
                                   "written (a snapshot_skipped event)")

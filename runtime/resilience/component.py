@@ -105,6 +105,8 @@ class Recovery:
         if self.failed_at is not None and state.step > self.failed_at:
             self.restarts, self.failed_at = 0, None    # past the step that failed: it did not come back
         if self.snapshots is not None:
+            # the checkpoint autopilot's snapshot interval (docs/checkpoints.md), the same on every rank
+            self.snapshots.every = self.protector.snapshot_every or self.snapshots.every
             self.snapshots.after_step(state.step, base_step=state.last_saved_step, take=not last)
 
     def settle(self) -> None:

@@ -143,3 +143,77 @@ def test_replay_trace_accounts_for_every_second():
     # a failure just before a save loses the whole interval's work
     result = ci.replay_trace([89.0], [11.0], 200.0, 100.0, 10.0)
     assert result.lost_seconds == pytest.approx(89.0)
+
+
+def test_snapshot_seconds_become_steps_within_bounds():
+    assert ci.snapshot_every_steps(20.0, 0.5, 300.0) == 40
+    assert ci.snapshot_every_steps(0.2, 0.5, 300.0) == 1                  # at least a step
+    assert ci.snapshot_every_steps(400.0, 0.5, 300.0) == 600              # never rarer than the checkpoints
+    assert ci.snapshot_every_steps(20.0, None, 300.0) is None             # no step measured: no change
+    assert ci.snapshot_every_steps(20.0, 0.0, 300.0) is None
+    assert ci.snapshot_every_steps(math.inf, 0.5, 300.0) is None
+
+
+def in_process_log(step_seconds=0.5, snapshot_blocking=0.05):
+    """Steps of `step_seconds`, a durable save, snapshots, and a failure recovered in-process at t=60."""
+    records = [_record(0.0, event={"type": "run_start"})]
+    records += [_record(float(s), s, step_time_seconds=step_seconds) for s in range(1, 50)]
+    records.append(_record(50.0, event={"type": "checkpoint_saved", "step": 49, "blocking_seconds": 2.0}))
+    records += [_record(50.0 + s / 10, event={"type": "snapshot_saved", "step": s,
+                                              "blocking_seconds": snapshot_blocking}) for s in range(3)]
+    records += [_record(60.0, event={"type": "checkpoint_restored", "step": 49}),    # a fallback's restore
+                _record(61.0, event={"type": "in_process_restart", "recovery_seconds": 1.5}),
+                _record(62.0, 50, step_time_seconds=step_seconds)]
+    return records
+
+
+def test_an_in_process_restart_is_one_failure_with_its_recovery_as_cost():
+    log = ci.FailureLog()
+    for record in in_process_log():
+        log.observe(record)
+    assert log.failures == [59.5] and log.restart_costs == [1.5]          # not counted twice for its restore
+    assert log.step_seconds() == 0.5
+
+
+def test_the_autopilot_steers_the_snapshot_tier_in_steps():
+    policy = dataclasses.replace(POLICY, max_interval_seconds=3600.0)
+    off = ci.Autopilot(policy, applied=300.0)                             # restart mode: no snapshot tier
+    for record in in_process_log():
+        off.observe(record)
+    assert "snapshot_every" not in off.consider(63.0) and off.snapshot_every == 0
+    pilot = ci.Autopilot(policy, applied=300.0, snapshot_every=5)
+    for record in in_process_log():
+        pilot.observe(record)
+    change = pilot.consider(63.0)
+    measured = pilot.log.measured(63.0, policy)
+    seconds = ci.recommend(measured, policy).snapshot_interval_seconds
+    expected = ci.snapshot_every_steps(seconds, 0.5, change["applied_seconds"])
+    assert expected != 5 and change["snapshot_every"] == pilot.snapshot_every == expected
+    assert change["previous_snapshot_every"] == 5 and change["step_seconds"] == 0.5
+    assert change["snapshot_interval_seconds"] == pytest.approx(seconds, abs=1e-3)
+    assert pilot.metrics()["snapshot_every_steps"] == expected
+    assert pilot.consider(63.5) is None                                   # nothing moved: no event
+    # the steps got 4x slower: the same seconds are fewer steps; the checkpoint interval stands
+    for s in range(51, 51 + ci.STEP_SAMPLES):
+        pilot.observe(_record(63.0 + s, s, step_time_seconds=2.0))
+    applied = pilot.applied
+    slower = pilot.consider(63.0 + 51 + ci.STEP_SAMPLES)
+    if slower["applied_seconds"] == applied:                              # only the snapshot tier moved
+        assert slower["previous_seconds"] == applied
+    assert slower["previous_snapshot_every"] == expected
+    assert slower["snapshot_every"] == ci.snapshot_every_steps(slower["snapshot_interval_seconds"], 2.0,
+                                                                 slower["applied_seconds"])
+    # a restarted process goes on with the snapshot interval its log last applied
+    again = ci.Autopilot(policy, applied=300.0, snapshot_every=5)
+    again.observe(_record(200.0, event={"type": ci.INTERVAL_EVENT, **slower}))
+    again.resume()
+    assert again.snapshot_every == slower["snapshot_every"]
+
+
+def test_no_snapshot_taken_no_snapshot_tier_in_the_event():
+    """A loop configured for snapshots that takes none (the library's, say): nothing said of the tier."""
+    pilot = ci.Autopilot(POLICY, applied=300.0, snapshot_every=5)
+    for record in crashed_log():
+        pilot.observe(record)
+    change = pilot.consider(31.0)
+    assert "snapshot_every" not in change and "snapshot_every_steps" not in pilot.metrics()

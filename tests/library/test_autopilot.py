@@ -72,3 +72,38 @@ def test_checkpoint_every_takes_steps_or_auto(tmp_path):
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="number of steps or 'auto'"):
         Protector(tmp_path / "run", states={"model": model}, checkpoint_every="sometimes")
+
+
+def test_the_snapshot_interval_rank_0_applied_reaches_every_rank_through_the_sync(tmp_path, monkeypatch):
+    """Issue 32's second tier: rank 0's autopilot steers recovery.snapshot_every; the step's one sync carries
+    it (a slot beside the checkpoint interval) to `Protector.snapshot_every` on every rank."""
+    from trainguard.protect import sync as sync_mod
+
+    model = torch.nn.Linear(2, 2)
+    on = {"checkpoint": {"autopilot": "on"}, "recovery": {"mode": "in_process", "snapshot_every": 5}}
+    restart = Protector(tmp_path / "a", states={"model": model}, policy=from_mapping(
+        {**on, "recovery": {"mode": "restart"}}))
+    assert restart.autopilot.snapshot_every == 0                  # today's path: no snapshot tier to steer
+    sharded = Protector(tmp_path / "b", states={"model": model}, policy=from_mapping(on), sharded_checkpoints=True)
+    assert sharded.autopilot.snapshot_every == 0                  # FSDP2 takes no snapshots
+    overridden = Protector(tmp_path / "d", states={"model": model}, policy=from_mapping(on), recovery="restart")
+    assert overridden.autopilot.snapshot_every == 0               # the Protector's recovery= over the policy's
+    overridden = Protector(tmp_path / "e", states={"model": model}, policy=from_mapping(on),
+                           recovery={"snapshot_every": 10})
+    assert overridden.autopilot.snapshot_every == 10
+    protector = Protector(tmp_path / "c", states={"model": model}, policy=from_mapping(on), recovery=False)
+    assert (protector.autopilot.snapshot_every, protector.snapshot_every) == (5, 0)   # the policy's stands
+    protector.autopilot.snapshot_every = 9
+    protector.check(1, torch.tensor(1.0), torch.tensor(0.5))
+    assert protector.snapshot_every == 9
+
+    # two ranks: rank 1 contributes zeros in rank 0's slots, the sum is what both read
+    ranks = [sync_mod.HealthSync(2, rank, torch.device("cpu")) for rank in (0, 1)]
+    contributed = []
+    monkeypatch.setattr(sync_mod.dist, "all_reduce", lambda vector, op: contributed.append(vector.clone()))
+    for rank, syncer in enumerate(ranks):
+        syncer.sync(torch.tensor(2.0), torch.tensor(1.0), None, (0, 0), 120.0 if rank == 0 else 0.0,
+                    7 if rank == 0 else 0)
+    summed = (contributed[0] + contributed[1]).tolist()
+    health = sync_mod.HealthSync._read(summed)
+    assert (health.checkpoint_interval, health.snapshot_every, health.loss, health.grad_norm) == (120.0, 7, 2.0, 1.0)

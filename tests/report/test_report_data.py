@@ -145,3 +145,31 @@ def test_a_report_of_a_folder_with_no_logs_is_a_clear_error_exit_2(tmp_path, cap
     err = capsys.readouterr().err
     assert f"trainguard report: {tmp_path / 'empty'}: no logs to report" in err and "Traceback" not in err
     assert not (tmp_path / "empty" / "report.html").exists()
+
+
+def test_an_in_process_restart_is_a_pass_of_its_own_and_its_books_are_shown(tmp_path):
+    """docs/recovery.md, "The books": the report names the in-process restart as the cause of the pass that
+    trains steps again, shows its causes in the goodput breakdown, and says what the snapshots kept."""
+    from trainguard.report.html import render
+    from trainguard.tls import event
+
+    with Writer(tmp_path / "tls" / "rank-0.jsonl") as writer:
+        def step(n, ts):
+            writer.write(make_record(step=n, timestamp=ts, run_id="r", rank=0, metrics={
+                "loss": 2.0, "step_time_seconds": 0.5, "data_wait_seconds": 0.0}))
+        writer.write(event("run_start", timestamp=T0, rank=0, restart_count=0))
+        for n in range(1, 13):
+            step(n, T0 + n)
+        writer.write(event("in_process_restart", step=12, timestamp=T0 + 14.0, rank=0, generation=1,
+                           failed_rank=1, cause="InjectedError", teardown_seconds=0.2, barrier_seconds=0.1,
+                           reform_seconds=0.3, restore_seconds=0.4, recovery_seconds=1.5, source="snapshot",
+                           restored_step=10, from_step=12, durable_step=5, steps_lost=2))
+        for n in range(11, 15):
+            step(n, T0 + 14 + (n - 10))
+    run = load_run(tmp_path)
+    assert [p.cause for p in run.passes] == ["start", "in-process restart"]
+    for cause in ("in_process_teardown", "in_process_reform", "in_process_restore", "in_process_recovery"):
+        assert run.goodput.badput_seconds[cause] > 0, cause
+    html = render(run)
+    assert "In-process restarts: 1; the in-memory snapshots kept 5 step(s)" in html
+    assert "in process teardown" in html

@@ -26,6 +26,22 @@ def test_parse_defaults_and_errors():
             parse(bad)
 
 
+def test_the_wall_clock_form_fires_at_the_first_step_after_its_time_once(tmp_path):
+    assert parse("error@t1700000000.5:3") == Fault("error", 0, 3, 1700000000.5)
+    for bad in ("error@t", "error@tx", "error@t0", "error@t-5", "error@tnan"):
+        with pytest.raises(FaultError, match="--inject"):
+            parse(bad)
+    past, future = time.time() - 1, time.time() + 3600
+    specs = [f"error@t{past!r}:0", f"crash@t{future!r}:0"]
+    first = FaultInjector(specs, tmp_path, rank=0, emit=lambda _kind, /, **f: None)
+    with pytest.raises(Exception, match="injected fault error@t"):
+        first.process_faults(7)                                   # any step once the time has come
+    first.process_faults(8)                                       # fired: not again; the crash's time is ahead
+    assert [f.kind for f in first.pending] == ["crash"]
+    restarted = FaultInjector(specs, tmp_path, rank=0, emit=lambda _kind, /, **f: None)
+    assert [f.kind for f in restarted.pending] == ["crash"]       # once per run, across restarts
+
+
 def test_a_fault_fires_once_even_after_a_restart(tmp_path):
     emitted = []
     first = FaultInjector(["nan@3", "spike@3", "slowio@4", "crash@9:1"], tmp_path, rank=0,

@@ -29,7 +29,11 @@ optimises a cluster's availability; a job's goodput is Daly's objective, so this
 Two tiers (in-memory snapshots beside durable checkpoints): a share `p` of failures is recovered from a
 snapshot, the rest only from a checkpoint. Each tier is sized for the failures it alone must cover, the
 usual decoupled approximation of multi-level checkpointing (Moody et al., SC 2010; Di et al., 2014):
-snapshots every Daly(delta_s, M / p), checkpoints every Daly(delta_c, M / (1 - p)).
+snapshots every Daly(delta_s, M / p), checkpoints every Daly(delta_c, M / (1 - p)). The snapshot tier
+is counted in steps (`recovery.snapshot_every`): its interval in seconds over the measured step time (the
+median of the latest steps' `step_time_seconds`), at least one step and at most the checkpoint interval's
+steps (a snapshot rarer than a checkpoint saves nothing), changed, like the checkpoint interval, only when
+it moved more than `change_ratio` (and by a whole step).
 
 The MTBF is measured over the last `window_failures` failures (so a change of the failure rate is
 followed within that many failures), with a prior for a run that has not failed yet: a fleet MTBF
@@ -40,7 +44,9 @@ divided by the job's GPUs, weighted as `prior_failures` failures that fade as re
 
 with `n` failures (at most the window) seen in the last `T` seconds. A failure is a restart of the
 process: a `run_start` or `checkpoint_restored` after steps that no `rollback` explains, when the process
-before did not end with `run_end`. The guard's rollbacks are not failures of the job and do not count.
+before did not end with `run_end`; or an in-process restart (`in_process_restart`, docs/recovery.md: the
+processes lived on, the job failed all the same), whose restart cost is its `recovery_seconds`. The guard's
+rollbacks are not failures of the job and do not count.
 
 Pure: records and numbers in, numbers out. The trainer (protect/protector.py), `trainguard goodput` and
 bench/bench_autopilot.py run these same functions.
@@ -61,9 +67,11 @@ from trainguard.config import FRACTION, Choice, above, at_least, key
 SAVE_EVENT = event_types.CHECKPOINT_SAVED          # blocking_seconds: what a durable save held training up
 SNAPSHOT_EVENT = event_types.SNAPSHOT_SAVED        # the in-memory tier's save (the recovery issue), blocking_seconds
 INTERVAL_EVENT = event_types.CHECKPOINT_INTERVAL   # the autopilot applied a new interval; its inputs beside it
+IN_PROCESS_RESTART = event_types.IN_PROCESS_RESTART  # a failure recovered in the same processes (recovery_seconds)
 RUN_START, RUN_END, ROLLBACK = event_types.RUN_START, event_types.RUN_END, actions.ROLLBACK
 PROCESS_START = (event_types.CHECKPOINT_INVALID, event_types.CHECKPOINT_RESTORED, RUN_START)
 SAVE_SAMPLES = 8                         # the save cost is the median of this many latest saves
+STEP_SAMPLES = 32                        # the step time is the median of this many latest steps
 SECONDS_PER_HOUR = 3600.0
 
 
@@ -209,6 +217,16 @@ def _clamp(value: float, low: float, high: float) -> tuple[float, str | None]:
     return value, None
 
 
+def snapshot_every_steps(interval_seconds: float, step_seconds: float | None,
+                         checkpoint_seconds: float) -> int | None:
+    """The snapshot tier's interval in steps: `interval_seconds` over the step time, rounded, at least one
+    step and at most the checkpoint interval's steps; None without a measured step time."""
+    if step_seconds is None or not step_seconds > 0 or not math.isfinite(interval_seconds):
+        return None
+    most = max(1, int(checkpoint_seconds / step_seconds)) if math.isfinite(checkpoint_seconds) else 10**7
+    return max(1, min(round(interval_seconds / step_seconds), most))
+
+
 def prior_mtbf_seconds(policy: CheckpointPolicy, gpus: int, history: "History | None" = None) -> tuple[float, str]:
     """The job's MTBF before it failed: earlier runs' GPU-hours per failure when they failed, else the
     policy's fleet figure; divided by the job's GPUs (a CPU run counts as one device)."""
@@ -241,6 +259,8 @@ class FailureLog:
     saves: deque[float] = field(default_factory=lambda: deque(maxlen=SAVE_SAMPLES))
     snapshots: deque[float] = field(default_factory=lambda: deque(maxlen=SAVE_SAMPLES))
     applied: float | None = None          # the latest `checkpoint_interval` event's, if any
+    applied_snapshot_every: int | None = None   # ... and its `snapshot_every`, if it carried one
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_SAMPLES))
     gpu_count: int = 0
     stepped: bool = False                 # a step was seen
     ended: bool = False                   # the process before wrote `run_end` (a planned stop, no failure)
@@ -274,10 +294,17 @@ class FailureLog:
             _sample(self.snapshots, event.get("blocking_seconds"))
         elif kind == INTERVAL_EVENT and _number(event.get("applied_seconds")):
             self.applied = float(event["applied_seconds"])
+            if _number(event.get("snapshot_every")):
+                self.applied_snapshot_every = int(event["snapshot_every"])
+        elif kind == IN_PROCESS_RESTART and (cost := _number(event.get("recovery_seconds"))) is not None:
+            self.failures.append(ts - cost)
+            self.restart_costs.append(cost)
+            self.boundary = None        # its restore (a `checkpoint_restored` on the fallback) is this failure's
 
     def _step(self, metrics: dict[str, Any], ts: float) -> None:
         """A step after a new process started (not a rollback): a failure at the last record of the one
         before, unless that one ended cleanly; its restart cost runs to this step's start."""
+        _sample(self.step_times, metrics.get("step_time_seconds"))
         if self.boundary is not None:
             if not self.ended:
                 began = ts - (_number(metrics.get("step_time_seconds")) or 0.0)
@@ -285,6 +312,10 @@ class FailureLog:
                 self.restart_costs.append(max(0.0, began - self.boundary))
             self.boundary = None
         self.stepped, self.ended = True, False
+
+    def step_seconds(self) -> float | None:
+        """The median of the latest steps' times (None before a step)."""
+        return _median(self.step_times)
 
     def measured(self, now: float, policy: CheckpointPolicy, history: History | None = None,
                  gpus: int | None = None) -> Measured:
@@ -339,7 +370,9 @@ def history_of(logs: Iterable[Iterable[dict[str, Any]]]) -> History:
 class Autopilot:
     """Applies the rule at checkpoint boundaries: `consider(now)` after each save returns the fields of a
     `checkpoint_interval` event when the recommendation moved more than `change_ratio` from the interval
-    applied (the first recommendation is always applied), else None."""
+    applied (the first recommendation is always applied), else None. With `snapshot_every` (the in-memory
+    tier's interval in steps in force; 0: no snapshot tier to steer) it steers that tier too: the event then
+    carries `snapshot_every` and `previous_snapshot_every`, and comes when either tier moved."""
 
     policy: CheckpointPolicy
     applied: float                         # the interval in force (the configured one until the first change)
@@ -348,6 +381,7 @@ class Autopilot:
     log: FailureLog = field(default_factory=FailureLog)
     recommended: float | None = None
     changes: int = 0
+    snapshot_every: int = 0
 
     def observe(self, record: dict[str, Any]) -> None:
         self.log.observe(record)
@@ -357,6 +391,8 @@ class Autopilot:
         if self.log.applied is not None:
             self.applied = self.log.applied
             self.changes = 1
+        if self.snapshot_every and self.log.applied_snapshot_every:
+            self.snapshot_every = self.log.applied_snapshot_every
 
     def consider(self, now: float) -> dict[str, Any] | None:
         measured = self.log.measured(now, self.policy, self.history, self.gpus)
@@ -365,12 +401,32 @@ class Autopilot:
             return self._measure_first(measured)
         self.recommended = recommendation.interval_seconds
         moved = abs(recommendation.interval_seconds - self.applied) / self.applied if self.applied > 0 else math.inf
-        if self.changes and moved <= self.policy.change_ratio:
+        interval_moves = not self.changes or moved > self.policy.change_ratio
+        interval = round(recommendation.interval_seconds, 3) if interval_moves else self.applied
+        every = self._snapshot_every(recommendation, interval)
+        if not interval_moves and every is None:
             return None
-        previous, self.applied = self.applied, round(recommendation.interval_seconds, 3)
+        previous, self.applied = self.applied, interval
         self.changes += 1
-        return {"applied_seconds": self.applied, "previous_seconds": round(previous, 3),
-                **recommendation.inputs()}
+        change = {"applied_seconds": self.applied, "previous_seconds": round(previous, 3), **recommendation.inputs()}
+        if self._steers_snapshots():
+            change.update(snapshot_every=every or self.snapshot_every, previous_snapshot_every=self.snapshot_every,
+                          step_seconds=_rounded(self.log.step_seconds()))
+            self.snapshot_every = every or self.snapshot_every
+        return change
+
+    def _steers_snapshots(self) -> bool:
+        """A snapshot tier to steer, and snapshots taken (a loop may be configured for them and take none)."""
+        return bool(self.snapshot_every and self.log.snapshots)
+
+    def _snapshot_every(self, recommendation: Recommendation, interval: float) -> int | None:
+        """The snapshot tier's new interval in steps when it moved more than `change_ratio`, else None."""
+        if not self._steers_snapshots() or recommendation.snapshot_interval_seconds is None:
+            return None
+        every = snapshot_every_steps(recommendation.snapshot_interval_seconds, self.log.step_seconds(), interval)
+        if every is None or every == self.snapshot_every:
+            return None
+        return every if abs(every - self.snapshot_every) / self.snapshot_every > self.policy.change_ratio else None
 
     def _measure_first(self, measured: Measured) -> dict[str, Any] | None:
         """No save measured yet: the first checkpoint comes at the lower bound, so the rule has its cost
@@ -385,10 +441,13 @@ class Autopilot:
                 **{key: _rounded(value) for key, value in asdict(measured).items()}}
 
     def metrics(self) -> dict[str, float]:
-        """The step record's autopilot metrics: the applied and the latest recommended interval."""
+        """The step record's autopilot metrics: the applied and the latest recommended interval, and the
+        snapshot tier's interval in steps when it is steered."""
         out = {"checkpoint_interval_seconds": self.applied}
         if self.recommended is not None:
             out["checkpoint_interval_recommended_seconds"] = self.recommended
+        if self._steers_snapshots():
+            out["snapshot_every_steps"] = float(self.snapshot_every)
         return out
 
 

@@ -11,7 +11,7 @@ from trainguard import actions, event_types
 from trainguard.decide.cost import CostMeter
 from trainguard.decide.straggler import StragglerBoard
 from trainguard.metrics.families import LabelCache, Spec
-from trainguard.metrics.training_state import STEP_GAUGES, TrainingState
+from trainguard.metrics.training_state import RECOVERY_PARTS, STEP_GAUGES, TrainingState
 
 TIER_VALUES = {"ok": 0, "warn": 1, "throttle": 2, "stop": 3}
 # Guard and recovery events exported at 0 until they happen (see `families`); replica_mismatch is silent
@@ -25,6 +25,7 @@ def families(state: TrainingState, now: float, *, meter: CostMeter | None = None
     """Every training family of `state` at `now`: the steps (every rank, or the lead rank only), the files,
     the checkpoint, the cost (when `meter` meters the run) and the straggler scores (when given)."""
     return (step_families(state, per_rank) + file_families(state) + checkpoint_families(state, now)
+            + recovery_families(state)
             + ([] if meter is None else cost_families(state, meter))
             + ([] if stragglers is None else straggler_families(state, stragglers)))
 
@@ -77,6 +78,19 @@ def checkpoint_families(state: TrainingState, now: float) -> list:
     return families
 
 
+def recovery_families(state: TrainingState) -> list:
+    """The lead rank's in-process restarts (every rank recovers together, so one rank's books are the node's),
+    at 0 from the start: Prometheus sees no increase in a series' first sample."""
+    lead = state.lead_rank()
+    if lead is None:
+        return []
+    rs = state.ranks[lead]
+    run, books = _RUN.get(rs.run_id), rs.recovery
+    return [IN_PROCESS_RESTARTS.family([(run, books.get("restarts", 0))]),
+            IN_PROCESS_SECONDS.family((_RUN_PART.get(rs.run_id, part), books.get(part, 0.0)) for part in RECOVERY_PARTS),
+            SNAPSHOT_STEPS_SAVED.family([(run, books.get("snapshot_steps_saved", 0))])]
+
+
 def cost_families(state: TrainingState, meter: CostMeter) -> list:
     cost, run = meter.state, _RUN.get(state.run_id)
     values = (cost.cost_usd, cost.cost_per_1k_steps, cost.overrun_ratio, TIER_VALUES.get(cost.tier, 0),
@@ -97,6 +111,7 @@ _RUN_RANK = LabelCache(["run_id", "rank"])
 _RUN_RANK_TYPE = LabelCache(["run_id", "rank", "type"])
 _RUN_ACTION = LabelCache(["run_id", "action"])
 _RUN = LabelCache(["run_id"])
+_RUN_PART = LabelCache(["run_id", "part"])
 _FILE = LabelCache(["file"])
 _RUN_RANK_NODE = LabelCache(["run_id", "rank", "node"])
 _WATCHED_AT_ZERO = dict.fromkeys(WATCHED_EVENTS, 0)
@@ -124,6 +139,15 @@ STRAGGLER_SCORE = Spec("gauge", "trainguard_rank_straggler_score",
 STRAGGLER_INDIVIDUAL = Spec("gauge", "trainguard_rank_straggler_individual_score",
                             "NVRx individual score: the rank's best median compute time in its history over its "
                             "recent one (0.5 = twice as slow as it was).", ["run_id", "rank", "node"])
+IN_PROCESS_RESTARTS = Spec("counter", "trainguard_recovery_in_process_restarts", "Failures recovered in-process "
+                           "(the group re-formed in the same processes, docs/recovery.md), the lead rank's.",
+                           ["run_id"])
+IN_PROCESS_SECONDS = Spec("counter", "trainguard_recovery_in_process_seconds", "Seconds of in-process restarts "
+                          "by part: teardown (abort and the store barrier), reform, restore, other (the rest of "
+                          "the recovery); the lead rank's.", ["run_id", "part"])
+SNAPSHOT_STEPS_SAVED = Spec("counter", "trainguard_recovery_snapshot_steps_saved", "Steps in-process restarts "
+                            "kept by restoring an in-memory snapshot that a restore of the durable checkpoint "
+                            "would have lost; the lead rank's.", ["run_id"])
 COST_SPECS = [Spec("gauge", name, text, ["run_id"]) for name, text in (
     ("trainguard_cost_usd", "Cost of the run metered so far (GPU-hours x price)."),
     ("trainguard_cost_per_1k_steps_usd", "Cost per 1000 steps over the recent window."),

@@ -8,6 +8,7 @@ agent resumes from offsets and counters that were written together.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from trainguard import actions, event_types, rundir
@@ -52,7 +53,14 @@ STEP_GAUGES: dict[str, tuple[str, str]] = {
                                     "Checkpoint interval in force (seconds between saves), as the autopilot applied it."),
     "checkpoint_interval_recommended_seconds": ("trainguard_checkpoint_interval_recommended_seconds",
                                                 "The autopilot's latest recommended checkpoint interval (seconds)."),
+    "snapshot_every_steps": ("trainguard_snapshot_every_steps",
+                             "In-memory snapshot interval in force (steps), as the autopilot applied it (rank 0)."),
 }
+# An in_process_restart event's seconds (docs/recovery.md), summed by part as goodput splits them
+# (trainguard/goodput: in_process_teardown, _reform, _restore, and the rest of the recovery).
+IN_PROCESS_PARTS = {"teardown": ("teardown_seconds", "barrier_seconds"), "reform": ("reform_seconds",),
+                    "restore": ("restore_seconds",)}
+RECOVERY_PARTS = (*IN_PROCESS_PARTS, "other")
 _MEMORY_KEYS = frozenset({"mem_allocated_bytes", "mem_reserved_bytes", "mem_peak_bytes", "rss_bytes"})
 
 
@@ -61,6 +69,13 @@ def _scalars(section: dict | None, keys) -> dict[str, float]:
     if not section:
         return {}
     return {k: v for k, v in section.items() if k in keys and (type(v) is float or type(v) is int)}
+
+
+def _seconds(value: object) -> float:
+    """A non-negative finite number of seconds from an event's field; 0 for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return 0.0
+    return float(value)
 
 
 @dataclass
@@ -73,10 +88,26 @@ class RankState:
     events: dict[str, int] = field(default_factory=dict)
     gpu_count: int | None = None
     shadowed: dict[str, int] = field(default_factory=dict)    # shadow_action events, by action
+    # in-process restarts: "restarts", "snapshot_steps_saved" and the seconds of each of RECOVERY_PARTS
+    recovery: dict[str, float] = field(default_factory=dict)
 
     def count_shadowed(self, action: object) -> None:
         name = action if isinstance(action, str) and action in SHADOWED_ACTIONS else "other"
         self.shadowed[name] = self.shadowed.get(name, 0) + 1
+
+    def count_in_process(self, event: dict) -> None:
+        """An in_process_restart event: its parts' seconds, and the steps its snapshot kept that a restore
+        of the durable checkpoint would have lost (goodput's snapshot_steps_saved)."""
+        books, total = self.recovery, 0.0
+        for part, names in IN_PROCESS_PARTS.items():
+            seconds = sum(_seconds(event.get(name)) for name in names)
+            books[part] = books.get(part, 0.0) + seconds
+            total += seconds
+        books["other"] = books.get("other", 0.0) + max(0.0, _seconds(event.get("recovery_seconds")) - total)
+        books["restarts"] = books.get("restarts", 0) + 1
+        restored, durable = event.get("restored_step"), event.get("durable_step")
+        if event.get("source") == "snapshot" and isinstance(restored, int) and isinstance(durable, int):
+            books["snapshot_steps_saved"] = books.get("snapshot_steps_saved", 0) + max(0, restored - durable)
 
     def count_event(self, kind: str) -> None:
         if kind not in self.events and len(self.events) >= MAX_EVENT_TYPES:
@@ -123,6 +154,8 @@ class TrainingState:
         state.count_event(kind)
         if kind == actions.SHADOW_ACTION:
             state.count_shadowed(event.get("action"))
+        elif kind == event_types.IN_PROCESS_RESTART:
+            state.count_in_process(event)
         if kind == event_types.CHECKPOINT_SAVED:
             step = event.get("step", record.get("step"))
             if self.checkpoint_time is None or record["timestamp"] >= self.checkpoint_time:

@@ -67,7 +67,7 @@ class Pass:
 
     start_step: int
     timestamp: float
-    cause: str                      # "start" | "rollback" | "restart"
+    cause: str                      # "start" | "rollback" | "restart" | "in-process restart"
     series: dict[str, Series] = field(default_factory=dict)      # metrics.<key> by step
     discarded_from: int | None = None   # steps from here on were thrown away (set after loading)
 
@@ -290,6 +290,8 @@ class _Loader:
             self.pass_cause = "rollback"
         elif event.get("type") == event_types.RUN_START and event.get("resumed_from") is not None:
             self.pass_cause = "restart"
+        elif event.get("type") == event_types.IN_PROCESS_RESTART:
+            self.pass_cause = "in-process restart"      # the same processes went back to a snapshot
 
     def step_pass(self, step: int, ts: float) -> Pass:
         """The pass this step belongs to: a new one when the step does not rise (rollback, restart)."""

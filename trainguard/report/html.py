@@ -294,6 +294,10 @@ def goodput_section(page: Page) -> str:
     body = (f'<figure class="plot" data-chart="{page.charts}"><figcaption>Share of wall time</figcaption>'
             f'{charts.share_bar(parts, "ratio")}</figure><table class="small"><tr><th>time</th><th>share</th></tr>'
             f'{rows}</table>')
+    restarts = getattr(run.goodput, "in_process_restarts", 0)
+    if restarts:    # docs/recovery.md, "The books"
+        body += (f'<p class="small">In-process restarts: {restarts}; the in-memory snapshots kept '
+                 f'{run.goodput.snapshot_steps_saved} step(s) a restore of the checkpoint would have lost.</p>')
     return _section("Goodput and badput", body, "goodput")
 
 

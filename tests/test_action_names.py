@@ -39,6 +39,9 @@ ALLOWED = {
     # a field of an incident's record and of replay's replica verdict: the hosts cordoned
     ("trainer/replica_check.py", "cordon"),
     ("trainguard/replay/replica.py", "cordon"),
+    # a part of an in-process restart's time (teardown, reform, restore: docs/recovery.md, "The books"), a label
+    ("trainguard/metrics/training_state.py", "restore"),
+    ("dashboards/build.py", "restore"),
 }
 
 

@@ -43,6 +43,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from trainguard import actions
 from trainguard.runtime.resilience import request as requests_mod
 from trainguard.runtime.resilience import sockets
 
@@ -132,7 +133,7 @@ class ProcessGroups:
         if taken is None:
             return False
         cause = json.dumps({"rank": taken.get("culprit_rank"), "request": taken["id"],
-                            "cause": f"the agent's request {taken['id']}: {taken.get('reason') or 'restore'}"})
+                            "cause": f"the agent's request {taken['id']}: {taken.get('reason') or actions.RESTORE}"})
         try:
             self.store.compare_set(self._key(generation, "fault"), "", cause)
         except Exception as exc:    # the abort still releases this rank; the barrier decides the rest

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -158,13 +157,7 @@ def record_joined(run_dir: Path, me: str, outcome: Outcome) -> Path:
                           waited_seconds=round(outcome.waited_seconds, 3),
                           after_cordon_seconds=round(max(0.0, time.time() - vacancy.cordoned_at), 3)),
               "node": me}
-    path = rundir.launcher_log(run_dir, me)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = safe_read.open_rw_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "launcher log")
-    try:
-        os.write(fd, tls.encode(record))
-    finally:
-        os.close(fd)
+    path = rundir.append_launcher_log(run_dir, me, tls.encode(record))
     log.get("launch").warning("spare joins the job", host=me, replaces=vacancy.node, cordon_reason=vacancy.reason,
                               waited_seconds=round(outcome.waited_seconds, 3))
     return path

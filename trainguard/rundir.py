@@ -177,6 +177,18 @@ def launcher_log(run_dir: PathLike, host: str) -> Path:
     return tls_dir(run_dir) / f"node-{host}-launcher.jsonl"
 
 
+def append_launcher_log(run_dir: PathLike, host: str, line: bytes) -> Path:
+    """Append one encoded TLS record to the node's launcher log (one write, opened safely: not a link)."""
+    path = launcher_log(run_dir, host)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = safe_read.open_rw_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "launcher log")
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+    return path
+
+
 def recovery_requests_dir(run_dir: PathLike) -> Path:
     """The agent's signed requests that the ranks recover in-process, and the ranks' acknowledgements
     (their content: runtime/resilience/request.py)."""

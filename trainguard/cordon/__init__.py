@@ -275,12 +275,7 @@ def record_ignored(run_dir: str | os.PathLike, found: Cordon, key_path: str) -> 
     record = {**tls.event(event_types.CORDON_IGNORED, host=found.host, reason=found.refused, path=str(found.path),
                           key_file=key_path, key_id=found.record.get(signed.KEY_ID), ignored_total=count,
                           why=found.why_refused()), "node": found.host}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = safe_read.open_rw_fd(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "launcher log")
-    try:
-        os.write(fd, tls.encode(record))
-    finally:
-        os.close(fd)
+    rundir.append_launcher_log(run_dir, found.host, tls.encode(record))
     return count
 
 

@@ -17,6 +17,7 @@ from trainguard import event_types, tls
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 STEPS, EVERY, FAULT_STEP, FAILING_RANK = 21, 5, 13, 3
+CHECKPOINT_STEP = 20     # after both recoveries: a save's collectives on the re-formed checkpoint group
 CRASH_STEP, KILLED_RANK = 18, 2
 
 
@@ -40,7 +41,7 @@ def test_an_exception_in_one_rank_recovers_in_process_on_two_nodes(tmp_path):
             c.start_agent(node)
         for node in ("n1", "n2"):
             c.wait_agent(node)
-        args = ("--steps", str(STEPS), "--checkpoint-every", "100", "--device", "cpu",
+        args = ("--steps", str(STEPS), "--checkpoint-every", str(CHECKPOINT_STEP), "--device", "cpu",
                 "--inject", f"error@{FAULT_STEP}:{FAILING_RANK}", "--inject", f"crash@{CRASH_STEP}:{KILLED_RANK}")
         launchers = [c.launch(node, *args, nnodes="2", nproc=2) for node in ("n1", "n2")]
         codes = [launcher.wait(timeout=240) for launcher in launchers]
@@ -78,6 +79,10 @@ def test_an_exception_in_one_rank_recovers_in_process_on_two_nodes(tmp_path):
         assert {e["step"] for e in replicated} >= {5, 10} and {e["peer_rank"] for e in replicated} == {(rank + 2) % 4}
         assert not [e for e in seen if e["type"] in (event_types.SNAPSHOT_REPLICA_FAILED, event_types.REPLICA_REFUSED)]
     assert {r["generation"] for r in restarts} == {1} and len(takeovers) == 1
+    # A checkpoint after the standby's takeover: every rank, the standby included, saves on the checkpoint
+    # manager's group formed again with the default group (it hung on the old one's connections).
+    saved = [e["step"] for e in rank_events(run_dir, 0) if e["type"] == event_types.CHECKPOINT_SAVED]
+    assert CHECKPOINT_STEP in saved, saved
     for node in ("n1", "n2"):   # the agents beside watched (their node log) and did nothing
         assert c.records(f"node-{node}.jsonl"), node
         acted = c.events(f"node-{node}-actions.jsonl", event_types.ACTION) + \

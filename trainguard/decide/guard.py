@@ -19,11 +19,11 @@ Healthy shapes that look bad step by step are the escalation's to tell apart (do
   normal may be a level shift (a data-mix change, an annealing phase) or a hard batch: not counted, and
   after ``shift_steps`` such steps in a row the band starts again from the new level (`Guard.notices`
   says so, for the human);
-- a loss above its band whose gradient norm is logged and normal is never skipped: the step's update is
-  an ordinary one, so skipping it protects nothing (a healthy run's hard data: a tiny model reading text
-  files in order meets a file that doubles its loss for a dozen steps, the norm unmoved). It is not
-  learned either, and beyond ``shift_loss_factor`` it still counts toward a rollback. Without a norm
-  (a loss-only log) the loss alone decides, and such a step is skipped;
+- a loss above its band, but within ``hard_batch_loss_factor`` of its mean, whose gradient norm is logged
+  and normal is not skipped: the step's update is an ordinary one, so skipping it protects nothing (a
+  healthy run's hard data: a tiny model reading text files in order meets a file that doubles its loss
+  for a dozen steps, the norm unmoved). It is not learned nor counted. Without a norm (a loss-only log)
+  the loss alone decides: such a step is skipped, as a possible level shift or a spike;
 - a rollback that could not be carried out is taken back (`Guard.rollback_not_done`), so it never counts
   toward the limit that stops the run.
 
@@ -727,6 +727,9 @@ class EscalationConfig:
     shift_grad_factor: float = key(2.0, above(1), "gradients are normal while the norm is under this many times "
                                    "its EMA")
     shift_loss_factor: float = key(2.0, above(1), "a new level is at most this many times the band's mean loss")
+    hard_batch_loss_factor: float = key(3.0, above(1), "a loss above its band beside a logged, normal gradient norm "
+                                        "is a hard batch (neither skipped nor counted) up to this many times the "
+                                        "band's mean loss")
 
     def cross_check(self, where: str) -> str | None:
         if self.rollback_after > self.rollback_window:
@@ -858,25 +861,29 @@ class Guard:
         """A bad step: skip it; too many in a window: roll back; too many rollbacks an hour: stop. Loss-scaler
         overflows and level shifts are skipped without counting (see the module's docstring)."""
         policy, step, timestamp, reason = self.policy, stats.step, stats.timestamp, rule.reason
-        # A loss above its band whose gradient norm is there and normal: the update is an ordinary one, so
-        # skipping it protects nothing (a hard batch, a new level); the step is not learned, and counts as below.
-        skip = None if isinstance(rule, LossSpike) and stats.grad_norm is not None and self._gradients_normal(
-            stats) else SKIP_STEP
+        # A loss above its band beside a gradient norm that is logged and normal: the update is an ordinary
+        # one, so skipping it protects nothing (a hard batch, a new level): neither skipped nor learned.
+        hard_batch = (isinstance(rule, LossSpike) and stats.grad_norm is not None and self._gradients_normal(stats)
+                      and self._within_a_shift(stats, rule, policy.hard_batch_loss_factor))
         if isinstance(rule, NonFinite) and math.isfinite(stats.loss) and stats.grad_norm is not None:
             run = self.overflows.extend(self.observed, stats.grad_norm)
             if run < policy.overflow_burst:
                 return Decision(SKIP_STEP, reason, step, timestamp, {**detail, "overflow": run})
-        elif isinstance(rule, LossSpike) and self._gradients_normal(stats) and self._within_a_shift(stats, rule):
+        elif isinstance(rule, LossSpike) and self._gradients_normal(stats) and self._within_a_shift(
+                stats, rule, policy.shift_loss_factor):
             if self.shift.extend(self.observed, stats.loss) < policy.shift_steps:
-                return Decision(skip, reason, step, timestamp, {**detail, "level_shift": len(self.shift.values)})
+                return Decision(None if hard_batch else SKIP_STEP, reason, step, timestamp,
+                                {**detail, "level_shift": len(self.shift.values)})
             return self._accept_shift(stats, rule)
+        elif hard_batch:        # over a level shift's factor, under the hard batch's: not counted either
+            return Decision(None, reason, step, timestamp, {**detail, "hard_batch": True})
         if isinstance(rule, (LossSpike, WarmupSpike)):
             self.recent_spikes.append(stats.loss)
         self.bad.append(self.observed)
         while self.bad and self.bad[0] <= self.observed - policy.rollback_window:
             self.bad.popleft()
         if len(self.bad) < policy.rollback_after and not getattr(rule, "rolls_back", False):
-            return Decision(skip, reason, step, timestamp, detail)
+            return Decision(SKIP_STEP, reason, step, timestamp, detail)
         self.bad.clear()
         while self.rollbacks and self.rollbacks[0] <= timestamp - HOUR:
             self.rollbacks.popleft()
@@ -906,11 +913,12 @@ class Guard:
         return (stats.grad_norm is not None and math.isfinite(stats.grad_norm)
                 and stats.grad_norm <= self.policy.shift_grad_factor * explosion.ema)
 
-    def _within_a_shift(self, stats: StepStats, spike: LossSpike) -> bool:
-        """Whether the loss is at most `shift_loss_factor` times the band's mean: a new data mix moves the
-        loss by tens of percent; a jump beyond is a spike whatever the gradients say."""
+    def _within_a_shift(self, stats: StepStats, spike: LossSpike, factor: float) -> bool:
+        """Whether the loss is at most `factor` times the band's mean: a new data mix moves the loss by tens of
+        percent (`shift_loss_factor`), a hard batch beside a normal gradient norm by up to about twice
+        (`hard_batch_loss_factor`); a jump beyond is a spike whatever the gradients say."""
         window = spike.window
-        return bool(len(window)) and abs(stats.loss) <= self.policy.shift_loss_factor * abs(window.total / len(window))
+        return bool(len(window)) and abs(stats.loss) <= factor * abs(window.total / len(window))
 
     def _accept_shift(self, stats: StepStats, spike: LossSpike) -> Decision:
         """`shift_steps` losses above the band in a row, the gradients normal: the loss has a new level.

@@ -88,6 +88,7 @@ class StepVerdict:
     extra: tuple[float, ...] = ()   # the loop's own values carried in the same sync (`check(extra=...)`)
     shadowed: Decision | None = None   # shadow mode: the guard's decision, recorded and not carried out
     checkpoint_interval: float = 0.0   # the autopilot's interval (rank 0's), the same on every rank
+    checkpoint_clock: float = 0.0      # rank 0's clock at its last checkpoint (0: none yet), the same on every rank
 
     @property
     def skip(self) -> bool:
@@ -232,7 +233,8 @@ class Protector:
             layer_norms = torch.cat([norms.to(extra.dtype), extra.reshape(-1)])
         pilot = self.autopilot
         health = self.sync.sync(loss, grad_norm, layer_norms, control, pilot.applied if pilot is not None else 0.0,
-                                pilot.snapshot_every if pilot is not None else 0)
+                                pilot.snapshot_every if pilot is not None else 0,
+                                self.state.last_checkpoint_time or 0.0)
         self.snapshot_every = health.snapshot_every or self.snapshot_every
         layers = dict(zip(self.layer_names, health.layer_norms[:carried]))
         loss_seen = health.loss if health.nonfinite_ranks == 0 else math.nan
@@ -241,7 +243,7 @@ class Protector:
         return StepVerdict(step, loss_seen, health.grad_norm, layers, health.timestamp,
                        CARRY_ON if shadowed or not decision else decision, health.control_code,
                        health.control_line, tuple(health.layer_norms[carried:]), shadowed,
-                       health.checkpoint_interval)
+                       health.checkpoint_interval, health.checkpoint_clock)
 
     def after_step(self, verdict: StepVerdict, *, tokens: int, samples: int, timings: dict[str, float],
                    learning_rate: float | None = None, **metrics: Any) -> StepOutcome:
@@ -274,7 +276,7 @@ class Protector:
         if verdict.control_code and (outcome := self._carry_out(
                 handlers.control_order(self, verdict.control_code, verdict.control_line))).stop:
             return outcome
-        self._checkpoint_if_due(verdict.timestamp, verdict.checkpoint_interval)
+        self._checkpoint_if_due(verdict.timestamp, verdict.checkpoint_interval, verdict.checkpoint_clock)
         self.recovery.after_step()
         return StepOutcome(restored_step=state.step if state.step != verdict.step else None)
 
@@ -319,11 +321,16 @@ class Protector:
         """Until an asynchronous save is durable."""
         self.checkpoints.wait()
 
-    def _checkpoint_if_due(self, now: float, interval: float = 0.0) -> None:
+    def _checkpoint_if_due(self, now: float, interval: float = 0.0, clock: float = 0.0) -> None:
         """By steps or by rank 0's clock (`now`), never twice for one step (a restore has just set it).
-        With the autopilot, by its interval (`interval`, rank 0's from the sync), steered after each save."""
+        With the autopilot, by its interval (`interval`, rank 0's from the sync), steered after each save.
+        The time since the last checkpoint is rank 0's too (`clock`, from the sync): a rank's own could
+        differ (a standby that took a killed rank's place started its count at the takeover), and a save
+        that some ranks begin and others do not leaves both waiting in different collectives."""
         state = self.state
-        if state.last_checkpoint_time is None:
+        if clock > 0:
+            state.last_checkpoint_time = clock
+        elif state.last_checkpoint_time is None:
             state.last_checkpoint_time = now
         every_seconds = interval if self.auto and interval > 0 else self.checkpoint_every_seconds
         by_steps = self.checkpoint_every and state.step % self.checkpoint_every == 0

@@ -81,7 +81,10 @@ class PlannedFault:
 
 
 def fault_plan(start: float, minutes: float, every: float, kinds: list[str]) -> list[PlannedFault]:
-    """One fault every `every` seconds after `start`, strictly inside the window, kinds and ranks in turn."""
+    """One fault every `every` seconds after `start`, strictly inside the window, kinds and ranks in turn;
+    none for `every` 0 (the paths' steady cost)."""
+    if every <= 0:
+        return []
     count = int(minutes * 60 // every)
     if count * every >= minutes * 60:
         count -= 1                  # a fault at the window's very end would measure nothing
@@ -194,8 +197,10 @@ def render(result: dict) -> str:
     """The markdown for docs/benchmarks.md."""
     a = result["args"]
     lines = [f"`{result['command']}`: 2 simulated nodes x 2 ranks on loopback, the tiny model on CPU, "
-             f"{a['minutes']:g} minutes after a {a['warmup']:g} s warm-up, one fault every {a['fault_every']:g} s ({', '.join(a['faults'])} in "
-             f"turn, on ranks {', '.join(map(str, FAULT_RANKS))} in turn), checkpoint "
+             f"{a['minutes']:g} minutes after a {a['warmup']:g} s warm-up, "
+             + (f"one fault every {a['fault_every']:g} s ({', '.join(a['faults'])} in turn, on ranks "
+                f"{', '.join(map(str, FAULT_RANKS))} in turn)" if a["fault_every"] else "no fault (the steady cost)")
+             + ", checkpoint "
              + (f"every {a['checkpoint_every']} steps" if a["checkpoint_every"] else
                 f"every {a['checkpoint_every_seconds']:g} s") + "; the paths and the fault-free reference ran "
              f"together; load average {result['load_average'][0]:.1f} at the start, "
@@ -391,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=180.0, help="seconds from the launch to the window's "
                         "start (default 180: every run is training by then, and has saved a checkpoint by the "
                         "first fault)")
-    parser.add_argument("--fault-every", type=float, default=300.0, help="seconds between faults (default 300)")
+    parser.add_argument("--fault-every", type=float, default=300.0, help="seconds between faults (default 300; 0: no fault, "
+                        "the paths' steady cost)")
     parser.add_argument("--faults", type=_faults, default=["error", "crash"],
                         help=f"the fault mix, taken in turn (default error,crash; of {', '.join(SUPPORTED_FAULTS)})")
     parser.add_argument("--paths", type=lambda s: s.split(","), default=list(PATHS),
@@ -426,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if unknown := [p for p in args.paths if p not in PATHS]:
         parser.error(f"--paths: {', '.join(unknown)}: each must be one of {', '.join(PATHS)}")
-    if args.minutes * 60 <= args.fault_every:
+    if args.fault_every and args.minutes * 60 <= args.fault_every:
         parser.error("--minutes must be longer than --fault-every: no fault would fire in the window")
     result = run_soak(args)
     markdown = render(result)

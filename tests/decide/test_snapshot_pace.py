@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from trainguard import event_types
-from trainguard.decide.snapshot_pace import MIN_SAMPLES, SnapshotPace, paced_every
+from trainguard.decide.snapshot_pace import MIN_SAMPLES, STEP_SAMPLES, SnapshotPace, paced_every
 
 
 def saved(step: int, blocking: float, write: float) -> dict:
@@ -52,9 +52,9 @@ def test_nothing_moves_before_enough_samples_or_for_a_wobble():
     assert fed(SnapshotPace(0.02), MIN_SAMPLES, MIN_SAMPLES - 1).every(5) == 5
     pace = fed(SnapshotPace(0.02), MIN_SAMPLES, MIN_SAMPLES)
     assert pace.every(5) == 30
-    fed(pace, 0, 16, step_seconds=0.11)                          # steps a little slower: 28 by the rule
+    fed(pace, 0, STEP_SAMPLES, step_seconds=0.075)               # steps faster: 40 by the rule, within 50%
     assert pace.every(5) == 30
-    fed(pace, 0, 16, step_seconds=0.3)                           # three times slower: 10
+    fed(pace, 0, STEP_SAMPLES, step_seconds=0.3)                 # three times slower: 10
     assert pace.every(5) == 10
     assert pace.every(20) == 20                                  # never below the interval given
 

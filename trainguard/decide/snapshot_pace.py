@@ -30,9 +30,12 @@ from typing import Any
 
 from trainguard import event_types
 
-SAMPLES = 16          # the latest snapshots and steps the medians are taken over
-MIN_SAMPLES = 8       # ... and how many of each before the rule moves anything
-CHANGE_RATIO = 0.25   # the interval moves only when the paced one differs by more than this share
+SAMPLES = 16          # the latest snapshots the cost's median is taken over
+STEP_SAMPLES = 64     # the latest steps the step time's median is taken over (a busy host's wander is wide)
+MIN_SAMPLES = 8       # how many of each before the rule moves anything
+# The interval moves only when the paced one differs by more than this share: between 30 and 60 steps the
+# snapshots cost 2% or 1%, and on a busy host the step time's median wanders that much within a minute.
+CHANGE_RATIO = 0.5
 
 
 @dataclass
@@ -40,7 +43,7 @@ class SnapshotPace:
     budget: float                         # the share of training time snapshots may take; 0: off
     counts_beside: bool = True            # the writing and replication beside the step count (a CPU run)
     costs: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
-    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_SAMPLES))
     paced: int = 0                        # the interval last applied by this rule (0: none yet)
     _replicating: dict[int, int] = field(default_factory=dict)   # snapshot step -> index in costs
 

@@ -541,11 +541,11 @@ class LossDriftConfig:
     drift_chunks: int = key(16, at_least(2, 10**6), "chunk means held: the floor is the least mean of two "
                             "consecutive ones among them")
     drift_min_chunks: int = key(4, at_least(2, 10**6), "chunk means needed before the rule judges")
-    drift_loss_ratio: float = key(0.06, above(0), "a chunk's mean loss this far (relative) above the floor ...")
-    drift_grad_ratio: float = key(0.15, above(0), "... while its mean gradient norm is this far above its own floor ...")
-    drift_steadiness: float = key(2.0, above(0), "... the loss's rise more than this many times the largest move "
+    drift_loss_ratio: float = key(0.04, above(0), "a chunk's mean loss this far (relative) above the floor ...")
+    drift_grad_ratio: float = key(0.10, above(0), "... while its mean gradient norm is this far above its own floor ...")
+    drift_steadiness: float = key(2.5, above(0), "... the loss's rise more than this many times the largest move "
                                   "between two chunk means ...")
-    drift_grad_steadiness: float = key(1.5, above(0), "... and the gradient norm's rise more than this many times the "
+    drift_grad_steadiness: float = key(2.0, above(0), "... and the gradient norm's rise more than this many times the "
                                        "largest move of its own: two chunks in a row so make a drift, a rollback "
                                        "at once")
 

@@ -11,9 +11,12 @@ from collections import deque
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.decide.test_columns import block, guard_many, guard_state, healthy
 from tests.efficacy import corpus
+from tests.property.conftest import examples
 from trainguard.decide import batch
 from trainguard.decide.arrays import pair_floors
 from trainguard.decide.guard import Guard, LossDrift, LossSpike, StepStats, pair_floor
@@ -172,3 +175,54 @@ def test_a_resumed_guard_carries_a_climb_begun():
     second.load_state_dict(first.state_dict())
     second.last_step = 36
     assert [(d.step, d.reason) for d in (second.observe(stats) for stats in steps[36:]) if d] == [(40, "loss_drift")]
+
+
+# ------------------------------------------------------------------------------ property: screen == loop
+
+SEGMENTS = ("flat", "climb", "drop", "spike", "hard", "nan", "back")
+
+
+@st.composite
+def drift_runs(draw):
+    """Runs made of segments a drift rule must judge: flat stretches, steady climbs of the loss and the norm
+    (some of the norm only), drops, a spike, a hard stretch beside a normal norm, a NaN, a step going back."""
+    rng = random.Random(draw(st.integers(0, 2 ** 32 - 1)))
+    losses, grads, steps, step, loss, grad = [], [], [], 0, 3.0, 1.0
+    for _ in range(draw(st.integers(2, 12))):
+        kind, length = draw(st.sampled_from(SEGMENTS)), draw(st.integers(1, 120))
+        rise, grad_rise = draw(st.floats(0.0, 0.01)), draw(st.floats(0.0, 0.01))
+        for i in range(length):
+            step = step - 7 if kind == "back" and i == 0 and step > 7 else step + 1
+            if kind == "climb":
+                loss, grad = loss * (1 + rise), grad * (1 + grad_rise)
+            elif kind == "drop":
+                loss = loss * 0.995
+            noise = 1 + rng.gauss(0, 0.01)
+            value = {"spike": loss * 8, "hard": loss * 1.9, "nan": float("nan")}.get(kind, loss) * noise
+            losses.append(value)
+            grads.append(grad * (1 + rng.gauss(0, 0.02)) * (40.0 if kind == "spike" else 1.0))
+            steps.append(step)
+    return np.array(steps, dtype=np.int64), np.array(losses), np.array(grads)
+
+
+@settings(max_examples=examples(60))
+@given(run=drift_runs(), data=st.data(), chunk=st.integers(1, 12), chunks=st.integers(2, 10),
+       ratios=st.tuples(st.sampled_from([0.0001, 0.01, 0.04]), st.sampled_from([0.0001, 0.01, 0.1])),
+       steadiness=st.tuples(st.sampled_from([0.3, 1.0, 2.5]), st.sampled_from([0.3, 1.0, 2.0])))
+def test_the_drift_screen_decides_as_the_rule_over_random_runs(run, data, chunk, chunks, ratios, steadiness):
+    steps, losses, grads = run
+    min_chunks = data.draw(st.integers(2, chunks))
+    policy = GuardPolicy(drift_chunk=chunk, drift_chunks=chunks, drift_min_chunks=min_chunks,
+                         drift_loss_ratio=ratios[0], drift_grad_ratio=ratios[1], drift_steadiness=steadiness[0],
+                         drift_grad_steadiness=steadiness[1], max_rollbacks_per_hour=10**6)
+    columns = healthy(len(steps))
+    columns.update(steps=steps, losses=losses, grads=grads)
+    reference = Guard(policy)
+    expected = guard_many(reference, columns)
+    cuts = sorted(data.draw(st.lists(st.integers(1, max(1, len(steps) - 1)), max_size=5)))
+    guard, found = Guard(policy), []
+    for a, b in zip([0, *cuts], [*cuts, len(steps)]):
+        if b > a:
+            found += [(a + i, d) for i, d in batch.guard_block(guard, block(columns, a, b))]
+    assert repr(found) == repr(expected)
+    assert guard_state(guard) == guard_state(reference)

@@ -38,6 +38,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from trainguard import formats, safe_read
 
@@ -75,11 +76,13 @@ class Run:
         return str(self.files[0]) + (f" (+{len(self.files) - 1} more)" if len(self.files) > 1 else "")
 
 
-def split(files: list[Path]) -> list[Run]:
+def split(files: list[Path], losses: Callable[[Path], dict[int, float]] | None = None) -> list[Run]:
     """`files` (other tools' logs, by content not TLS) as runs, in the order of each run's first file.
 
-    Reads every `trainer_state.json` among them, and the records of the text logs and event files of a format
-    that holds several (one file of a format is its own run, never read here)."""
+    Reads every `trainer_state.json` among them, and the training losses of the text logs and event files of
+    a format that holds several (one file of a format is its own run, never read here) through `losses`
+    (path -> {step: loss}; default `training_losses`, the format's reader: replay passes its conversions,
+    so a file is read once)."""
     kinds = {path: formats.detect(path) for path in files}
     groups = _Groups(files)
     copies: dict[Path, Copy] = {}
@@ -90,7 +93,7 @@ def split(files: list[Path]) -> list[Run]:
         if kind == formats.HF_STATE:
             copies.update(_state_copies(same))
         elif kind != formats.LFS_POINTER:
-            _join_by_content(same, groups)
+            _join_by_content(same, groups, losses or training_losses)
     runs = []
     for members, why in groups.runs(skip=copies):
         runs.append(Run(tuple(members), kinds[members[0]], why,
@@ -102,24 +105,28 @@ def split(files: list[Path]) -> list[Run]:
 
 def _state_copies(states: list[Path]) -> dict[Path, Copy]:
     """Each state whose history is a prefix of a longer (or, for the later of two equal, an earlier
-    given) state's, as a copy of the longest state that holds it."""
+    given) state's, as a copy of the longest state that holds it. Only states that open with the same
+    entry are compared (a folder of a thousand unrelated exports is not a million comparisons)."""
     histories = {path: _history(path) for path in states}
-    by_length = sorted((path for path in states if histories[path]),
-                       key=lambda path: -len(histories[path]))       # stable: equal ones in the order given
+    by_opening: dict[int, list[Path]] = {}
+    for path in sorted((path for path in states if histories[path]), key=lambda path: -len(histories[path])):
+        by_opening.setdefault(histories[path][0], []).append(path)      # stable: equal ones in the order given
     copies: dict[Path, Copy] = {}
-    for index, path in enumerate(by_length):
-        mine = histories[path]
-        holder = next((other for other in by_length[:index] if histories[other][:len(mine)] == mine), None)
-        if holder is not None:
-            root = copies[holder].of if holder in copies else holder
-            copies[path] = Copy(path, root, len(mine), len(histories[root]))
+    for by_length in by_opening.values():
+        for index, path in enumerate(by_length):
+            mine = histories[path]
+            holder = next((other for other in by_length[:index] if histories[other][:len(mine)] == mine), None)
+            if holder is not None:
+                root = copies[holder].of if holder in copies else holder
+                copies[path] = Copy(path, root, len(mine), len(histories[root]))
     return copies
 
 
-def _history(path: Path) -> list[str] | None:
-    """A state's `log_history` entries, each as canonical JSON text (so a NaN loss equals itself); None for
-    a file that is not a readable state or holds no entry (an empty history is a prefix of every other:
-    it names no run), which stays a run of its own (its reader names what is wrong)."""
+def _history(path: Path) -> list[int] | None:
+    """A state's `log_history` entries, each as the hash of its canonical JSON text (so a NaN loss equals
+    itself, and a 1 GiB state is held as 8 bytes an entry); None for a file that is not a readable state or
+    holds no entry (an empty history is a prefix of every other: it names no run), which stays a run of its
+    own (its reader names what is wrong)."""
     from trainguard.formats import hf_state
 
     try:
@@ -129,12 +136,12 @@ def _history(path: Path) -> list[str] | None:
     history = state.get("log_history") if isinstance(state, dict) else None
     if not isinstance(history, list) or not history:
         return None
-    return [json.dumps(entry, sort_keys=True) for entry in history]
+    return [hash(json.dumps(entry, sort_keys=True)) for entry in history]
 
 
 # --------------------------------------------------------------------- text logs and event files
 
-def _join_by_content(paths: list[Path], groups: "_Groups") -> None:
+def _join_by_content(paths: list[Path], groups: "_Groups", losses_of: Callable[[Path], dict[int, float]]) -> None:
     writers: dict[tuple[str, str], Path] = {}
     for path in paths:
         match = EVENT_FILE.match(path.name)
@@ -144,9 +151,15 @@ def _join_by_content(paths: list[Path], groups: "_Groups") -> None:
                 groups.join(writers[writer], path, f"one TensorBoard writer's files (host {writer[0]}, "
                                                    f"pid {writer[1]})")
             writers.setdefault(writer, path)
-    losses = {path: training_losses(path) for path in paths}
+    if len({groups.root(path) for path in paths}) < 2:
+        return          # one writer's files, all of them: nothing left to tell apart
+    losses = {path: losses_of(path) for path in paths}
+    spans = {path: (min(found), max(found)) for path, found in losses.items() if found}
     for index, first in enumerate(paths):
         for second in paths[index + 1:]:
+            if first not in spans or second not in spans or spans[first][1] < spans[second][0] \
+                    or spans[second][1] < spans[first][0]:
+                continue            # no step in common
             common = same_losses(losses[first], losses[second])
             if common:
                 groups.join(first, second, f"the same loss at each of the {common:,} steps they share "

@@ -66,16 +66,19 @@ def run(args: argparse.Namespace) -> int:
         scrape_interval = _first(args.scrape_interval, options.get("scrape_interval"), DEFAULT_SCRAPE_INTERVAL)
         if scrape_interval <= 0:
             raise expect.ExpectError(f"--scrape-interval must be above zero, got {scrape_interval:g}")
-        runs = sections.plan(args.inputs, one_run=getattr(args, "one_run", False))
-        _one_run_only(runs, args)
         results = []
         with Progress("replay", unit="inputs").heartbeat() as shown:
+            shown.step(0, f"{len(args.inputs)} input(s): which runs they are")
+            conversions = source.Conversions()     # each other tool's log converted once, for every pass
+            runs = sections.plan(args.inputs, one_run=getattr(args, "one_run", False), conversions=conversions)
+            _one_run_only(runs, args)
             for number, section in enumerate(runs, 1):
                 shown.step(number - 1, f"{len(section.inputs)} input(s)"
                            + (f" (run {number} of {len(runs)})" if len(runs) > 1 else "")
                            + ": the guard, the cost meter" + (", the alert rules" if args.rules else ""))
                 result = replay_logs(section.inputs, policy, rules_dir=args.rules, scrape_interval=scrape_interval,
-                                     hold=_first(args.hold, options.get("hold"), 0.0), keep_test=args.keep_test)
+                                     hold=_first(args.hold, options.get("hold"), 0.0), keep_test=args.keep_test,
+                                     conversions=conversions)
                 result.extra["notes"] = section.passed_over + result.extra.get("notes", [])
                 results.append(result)
     except (tgpolicy.PolicyError, expect.ExpectError, source.InputError, rules.RulesError, OSError) as exc:

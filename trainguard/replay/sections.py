@@ -51,9 +51,10 @@ class Section:
                  "copy_of_entries": copy.of_entries} for copy in self.run.copies] if self.run is not None else []
 
 
-def plan(inputs: list[str], one_run: bool = False) -> list[Section]:
+def plan(inputs: list[str], one_run: bool = False, conversions: source.Conversions | None = None) -> list[Section]:
     """The runs of `inputs`, in the order of their first input; raises source.InputError for an input that
-    is missing, not a regular file, or a folder without any log (here or one level down)."""
+    is missing, not a regular file, or a folder without any log (here or one level down). Other tools' logs
+    whose losses are compared are converted through `conversions` (pass the replay's, so each is read once)."""
     if one_run:
         source.expand(inputs)          # the same refusals, before anything is read
         return [Section(tuple(inputs))]
@@ -77,7 +78,8 @@ def plan(inputs: list[str], one_run: bool = False) -> list[Section]:
             others.append(path)
     sections = [Section(tuple(given_tls))] if given_tls else []
     sections += [Section((str(folder),)) for folder in dict.fromkeys(folders)]
-    sections += [Section(tuple(map(str, run.files)), run) for run in identity.split(list(dict.fromkeys(others)))]
+    sections += [Section(tuple(map(str, run.files)), run) for run in identity.split(
+        list(dict.fromkeys(others)), losses=conversions.training_losses if conversions is not None else None)]
     return sections
 
 

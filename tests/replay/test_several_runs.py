@@ -239,3 +239,16 @@ def test_a_folder_without_any_log_at_any_level_is_refused(tmp_path, capsys):
     (tmp_path / "sub" / "notes.txt").write_text("not a log\n")
     code, out = replay(tmp_path, capsys=capsys)
     assert code == 2 and "or its subfolders" in out
+
+
+def test_each_log_is_converted_once_to_tell_the_runs_apart_and_to_replay_them(tmp_path, capsys, monkeypatch):
+    from trainguard import formats
+
+    megatron_log(tmp_path / "a.log", {i: 3.0 - i * 0.01 for i in range(1, 41)})
+    megatron_log(tmp_path / "b.log", {i: 7.0 - i * 0.01 for i in range(1, 41)})
+    read = []
+    real_read = formats.read          # what converting a file and reading its losses for itself both call
+    monkeypatch.setattr(formats, "read", lambda path, *a, **k: read.append(path) or real_read(path, *a, **k))
+    code, report = replay(tmp_path, "--json", capsys=capsys)
+    assert code == 0 and len(report["runs"]) == 2
+    assert sorted(read) == [tmp_path / "a.log", tmp_path / "b.log"]

@@ -41,6 +41,8 @@ def test_the_hf_folder_is_five_runs_and_only_t5s_grad_norm_spike_acts(capsys):
                                             "copy_of": str(REAL / "hf" / HF_STATES[4]),
                                             "entries": 850, "copy_of_entries": 867}]
     assert report["passed_over"][0].startswith(f"{output / 'checkpoint-8500' / 'trainer_state.json'}: passed over")
+    merged = replay_json(REAL / "hf", "--one-run", capsys=capsys)            # what the folder did before
+    assert sum(a["reason"] == "loss_spike" for a in merged["actions"]) == 285
 
 
 def test_every_checkpoint_of_the_output_folder_given_by_name_is_one_run(capsys):

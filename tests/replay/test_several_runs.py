@@ -252,3 +252,37 @@ def test_each_log_is_converted_once_to_tell_the_runs_apart_and_to_replay_them(tm
     code, report = replay(tmp_path, "--json", capsys=capsys)
     assert code == 0 and len(report["runs"]) == 2
     assert sorted(read) == [tmp_path / "a.log", tmp_path / "b.log"]
+
+
+def test_a_run_without_records_among_others_is_named_and_only_all_empty_is_bad_input(tmp_path, capsys):
+    state(tmp_path / "a_trainer_state.json", falling(10, 100, 10, 1.0))
+    (tmp_path / "broken.log").write_text(" iteration        1/     100 | lm loss: 1.0.0E+00 |\n")
+    code, out = replay(tmp_path, capsys=capsys)
+    assert code == 0
+    assert f"trainguard replay: run 2 of 2: no records in {tmp_path / 'broken.log'}: 1 malformed lines" in out
+    assert f"=== run 2 of 2: {tmp_path / 'broken.log'}\nno records in" in out
+    (tmp_path / "a_trainer_state.json").unlink()
+    (tmp_path / "other.log").write_text(" iteration        1/     100 | lm loss: 2.0.0E+00 |\n")
+    code, out = replay(tmp_path, capsys=capsys)
+    assert code == 2 and out.count("no records in") == 2
+
+
+def test_trainer_states_converted_to_tls_are_told_apart_as_the_states_are(two_finetunes, tmp_path, capsys):
+    """`trainguard convert` each export, then replay the folder of what it wrote: still two runs, and a
+    checkpoint's conversion is the first lines of the final state's."""
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    sources = {"a.jsonl": two_finetunes / "a_trainer_state.json", "b.jsonl": two_finetunes / "b_trainer_state.json"}
+    for name, path in sources.items():
+        assert cli.main(["convert", str(path), "-o", str(converted / name)]) == 0
+    code, report = replay(converted, "--json", capsys=capsys)
+    assert code == 0 and [run["files"] for run in report["runs"]] == [[str(converted / "a.jsonl")],
+                                                                      [str(converted / "b.jsonl")]]
+    assert report["actions"] == []
+    lines = (converted / "a.jsonl").read_bytes().splitlines(keepends=True)
+    (converted / "a-checkpoint.jsonl").write_bytes(b"".join(lines[:20]))        # an earlier conversion of run a
+    code, report = replay(converted, "--json", capsys=capsys)
+    assert code == 0 and len(report["runs"]) == 2
+    assert report["runs"][0]["copies"] == [{"file": str(converted / "a-checkpoint.jsonl"),
+                                            "copy_of": str(converted / "a.jsonl"), "entries": 20,
+                                            "copy_of_entries": 51}]

@@ -87,6 +87,22 @@ def detect(path: str | os.PathLike) -> str:
         return TLS
 
 
+CLOCKLESS_MARK = b'"' + CLOCK_KEY.encode() + b'":"' + NO_CLOCK.encode() + b'"'
+
+
+def says_no_clock(path: str | os.PathLike) -> bool:
+    """Whether a TLS file's first line carries ``"clock":"none"``: what `trainguard convert` wrote of a
+    trainer_state.json. Convert writes plain files, and the trainer's and the agent's logs (rotated ones
+    compressed) never carry it: one 4 KiB read, no decompression."""
+    if str(path).endswith((".gz", ".zst")):
+        return False
+    try:
+        with safe_read.open_file(path, what="log file") as handle:
+            return CLOCKLESS_MARK in handle.read(4096).split(b"\n", 1)[0]
+    except OSError:
+        return False
+
+
 def _scanned(handle, head: bytes) -> str:
     """A text format's record line anywhere in the first SCAN_BYTES (the overlap keeps a line cut between
     two blocks whole in one of them)."""

@@ -12,7 +12,8 @@ process), so what they are is read from what they hold:
 - **A `trainer_state.json` is one run's whole history.** The Trainer saves it into every
   ``checkpoint-N/``, each a prefix of the next: a state whose ``log_history`` is the first entries of
   another's is an earlier copy of that run, passed over (`Copy`) for the longest; any other two states
-  are two runs (two fine-tunes resumed from the same checkpoint diverge after it: two runs).
+  are two runs (two fine-tunes resumed from the same checkpoint diverge after it: two runs). So is a state
+  that `trainguard convert` wrote as TLS (its first line says ``"clock": "none"``), line for entry.
 - **Text logs and event files of one run carry the same steps with the same losses**: the loss is
   global, every rank prints the same number for a step. Two files of one format are one run when
   they share at least one training step and agree on the loss at every step they share (`same_losses`:
@@ -42,6 +43,9 @@ from typing import Callable
 
 from trainguard import formats, safe_read
 
+# A trainer_state.json as `trainguard convert` wrote it (TLS whose first line says "clock": "none"): still one
+# run's whole history, so a folder of converted states is told apart as the states are.
+CONVERTED_STATE = "tls_converted_trainer_state"
 # A float32 loss (TensorBoard) beside its float64 print agrees to ~6e-8; a printed `%.6E` to 5e-7.
 LOSS_RELATIVE_TOLERANCE = 1e-6
 # torch's and TensorFlow's SummaryWriter: events.out.tfevents.<time>.<hostname>.<pid>.<uid>[.v2]; a host
@@ -56,10 +60,11 @@ class Copy:
     of: Path
     entries: int
     of_entries: int
+    unit: str = "log_history entries"      # "records" for a converted state's lines
 
     def __str__(self) -> str:
         same = "the same history as" if self.entries == self.of_entries else "an earlier copy of the run in"
-        return (f"{self.path}: passed over, {same} {self.of} (its {self.entries:,} log_history entries are the "
+        return (f"{self.path}: passed over, {same} {self.of} (its {self.entries:,} {self.unit} are the "
                 f"first of {self.of_entries:,} there): the run is read once, from the longest")
 
 
@@ -83,15 +88,16 @@ def split(files: list[Path], losses: Callable[[Path], dict[int, float]] | None =
     a format that holds several (one file of a format is its own run, never read here) through `losses`
     (path -> {step: loss}; default `training_losses`, the format's reader: replay passes its conversions,
     so a file is read once)."""
-    kinds = {path: formats.detect(path) for path in files}
+    kinds = {path: kind_of(path) for path in files}
     groups = _Groups(files)
     copies: dict[Path, Copy] = {}
     for kind in dict.fromkeys(kinds.values()):
         same = [path for path in files if kinds[path] == kind]
         if len(same) < 2:
             continue
-        if kind == formats.HF_STATE:
-            copies.update(_state_copies(same))
+        if kind in HISTORIES:
+            copies.update(_state_copies(same, HISTORIES[kind], "records" if kind == CONVERTED_STATE
+                                        else "log_history entries"))
         elif kind != formats.LFS_POINTER:
             _join_by_content(same, groups, losses or training_losses)
     runs = []
@@ -103,11 +109,18 @@ def split(files: list[Path], losses: Callable[[Path], dict[int, float]] | None =
 
 # ------------------------------------------------------------------------------- trainer_state.json
 
-def _state_copies(states: list[Path]) -> dict[Path, Copy]:
+def kind_of(path: Path) -> str:
+    """The format of a log (formats.detect), a converted trainer_state.json told apart from other TLS."""
+    kind = formats.detect(path)
+    return CONVERTED_STATE if kind == formats.TLS and formats.says_no_clock(path) else kind
+
+
+def _state_copies(states: list[Path], history_of: Callable[[Path], list[int] | None],
+                  unit: str) -> dict[Path, Copy]:
     """Each state whose history is a prefix of a longer (or, for the later of two equal, an earlier
     given) state's, as a copy of the longest state that holds it. Only states that open with the same
     entry are compared (a folder of a thousand unrelated exports is not a million comparisons)."""
-    histories = {path: _history(path) for path in states}
+    histories = {path: history_of(path) for path in states}
     by_opening: dict[int, list[Path]] = {}
     for path in sorted((path for path in states if histories[path]), key=lambda path: -len(histories[path])):
         by_opening.setdefault(histories[path][0], []).append(path)      # stable: equal ones in the order given
@@ -118,13 +131,13 @@ def _state_copies(states: list[Path]) -> dict[Path, Copy]:
             holder = next((other for other in by_length[:index] if histories[other][:len(mine)] == mine), None)
             if holder is not None:
                 root = copies[holder].of if holder in copies else holder
-                copies[path] = Copy(path, root, len(mine), len(histories[root]))
+                copies[path] = Copy(path, root, len(mine), len(histories[root]), unit)
     return copies
 
 
 def _history(path: Path) -> list[int] | None:
     """A state's `log_history` entries, each as the hash of its canonical JSON text (so a NaN loss equals
-    itself, and a 1 GiB state is held as 8 bytes an entry); None for a file that is not a readable state or
+    itself, and a 1 GiB state is held as a number an entry); None for a file that is not a readable state or
     holds no entry (an empty history is a prefix of every other: it names no run), which stays a run of its
     own (its reader names what is wrong)."""
     from trainguard.formats import hf_state
@@ -137,6 +150,21 @@ def _history(path: Path) -> list[int] | None:
     if not isinstance(history, list) or not history:
         return None
     return [hash(json.dumps(entry, sort_keys=True)) for entry in history]
+
+
+def _converted_history(path: Path) -> list[int] | None:
+    """A converted state's records, each as the hash of its line (`convert` writes an entry's records the
+    same way every time: a checkpoint's conversion is the first lines of the newest's); None as above."""
+    from trainguard.formats import hf_state
+
+    try:
+        lines = safe_read.read_bytes(path, hf_state.MAX_BYTES, "TLS log").splitlines()
+    except OSError:
+        return None
+    return [hash(line) for line in lines if line.strip()] or None
+
+
+HISTORIES = {formats.HF_STATE: _history, CONVERTED_STATE: _converted_history}
 
 
 # --------------------------------------------------------------------- text logs and event files

@@ -3,7 +3,8 @@
 `plan(inputs)` cuts the inputs into runs before anything is replayed:
 
 - TLS logs are one run as given (a run directory's ranks and nodes, told apart by their records' `rank`
-  and `node`; rank files named on the command line) — as replay has always read them;
+  and `node`; rank files named on the command line) — as replay has always read them — except the
+  trainer_state.json files `trainguard convert` wrote, each still a whole run's history;
 - a folder without TLS logs of its own is looked into one level down (`discover.within`): a subfolder that
   is a run directory is a run of its own, other tools' logs here and in the subfolders are cut into runs by
   `trainguard.formats.identity` (checkpoint copies of a `trainer_state.json` passed over for the longest,
@@ -52,7 +53,8 @@ class Section:
 
 
 def plan(inputs: list[str], one_run: bool = False, conversions: source.Conversions | None = None) -> list[Section]:
-    """The runs of `inputs`, in the order of their first input; raises source.InputError for an input that
+    """The runs of `inputs`: the TLS logs given, the run directories found in folders, then other tools'
+    runs in the order of their first file. Raises source.InputError for an input that
     is missing, not a regular file, or a folder without any log (here or one level down). Other tools' logs
     whose losses are compared are converted through `conversions` (pass the replay's, so each is read once)."""
     if one_run:
@@ -63,6 +65,9 @@ def plan(inputs: list[str], one_run: bool = False, conversions: source.Conversio
     others: list[Path] = []
     for given in inputs:
         path = Path(given)
+        if path.is_dir() and _converted_states(path):
+            others += _converted_states(path)
+            continue
         if path.is_dir() and not discover.tls_logs(path):
             found_folders, found_others = discover.within(path)
             if not found_folders and not found_others:
@@ -72,7 +77,7 @@ def plan(inputs: list[str], one_run: bool = False, conversions: source.Conversio
             others += found_others
             continue
         source.expand([given])         # a missing path, a FIFO: refused with the reader's words
-        if path.is_dir() or formats.detect(path) == formats.TLS:
+        if path.is_dir() or identity.kind_of(path) == formats.TLS:
             given_tls.append(given)
         else:
             others.append(path)
@@ -81,6 +86,16 @@ def plan(inputs: list[str], one_run: bool = False, conversions: source.Conversio
     sections += [Section(tuple(map(str, run.files)), run) for run in identity.split(
         list(dict.fromkeys(others)), losses=conversions.training_losses if conversions is not None else None)]
     return sections
+
+
+def _converted_states(folder: Path) -> list[Path]:
+    """A folder's TLS logs when they are several trainer_state.json files `trainguard convert` wrote (each a
+    whole run's history, told apart as the states are); [] for any other TLS folder (a run's logs)."""
+    logs = discover.tls_logs(folder)
+    if len(logs) < 2 or any(log.kind != discover.FILE for log in logs):
+        return []
+    paths = [log.path for log in logs]
+    return paths if all(formats.says_no_clock(path) for path in paths) else []
 
 
 def heading(sections: list[Section]) -> list[str]:

@@ -42,7 +42,7 @@ BLOCK_BYTES = 1 << 16          # one block of lines per decode call: ~300 traine
 MAX_MALFORMED_KEPT = 1000      # details kept; every malformed line is counted
 # A folder without TLS logs: the logs of other tools it may hold (trainguard.formats, detected by content).
 # A record whose timestamp is its step (a trainer_state.json, converted): the first line of such a file says so.
-CLOCKLESS_MARK = b'"' + formats.CLOCK_KEY.encode() + b'":"' + formats.NO_CLOCK.encode() + b'"'
+CLOCKLESS_MARK = formats.CLOCKLESS_MARK
 
 
 # ----------------------------------------------------------------------------------------- records
@@ -471,15 +471,8 @@ def _all(block: bytes, mark: bytes) -> Iterator[int]:
 
 
 def _says_no_clock(path: Path) -> bool:
-    """Whether a TLS file's first line carries CLOCKLESS_MARK. `trainguard convert` writes plain files; the
-    trainer's and the agent's logs (rotated ones compressed) never carry it: one 4 KiB read, no decompression."""
-    if path.suffix in (".gz", ".zst"):
-        return False
-    try:
-        with safe_read.open_file(path, what="log file") as handle:
-            return CLOCKLESS_MARK in handle.read(4096).split(b"\n", 1)[0]
-    except OSError:
-        return False
+    """Whether a TLS file's first line carries CLOCKLESS_MARK (formats.says_no_clock)."""
+    return formats.says_no_clock(path)
 
 
 # ------------------------------------------------------------------------------ other tools' logs

@@ -98,15 +98,23 @@ def _converted_states(folder: Path) -> list[Path]:
     return paths if all(formats.says_no_clock(path) for path in paths) else []
 
 
+HEADING_FILES = 8      # a run of many files (a run's ranks) names this many in the heading, then a count
+
+
 def heading(sections: list[Section]) -> list[str]:
-    """The human form's opening of several runs: how many, why apart, and each by its files."""
+    """The human form's opening of several runs: how many, why apart, and each by its files (a run of
+    several files: why they are one, and each file on a line of its own)."""
     lines = [f"replay: {len(sections)} runs: these logs are not the ranks or copies of one run, so each is "
              "replayed alone (docs/replay.md, \"Several runs in one folder\"; --one-run reads them as one)"]
     for number, section in enumerate(sections, 1):
         copies = section.run.copies if section.run is not None else ()
-        lines.append(f"  run {number}: {section.name}" + (f" ({section.why})" if section.why else "")
-                     + (f"; read instead of its earlier cop{'y' if len(copies) == 1 else 'ies'} "
-                        + ", ".join(str(copy.path) for copy in copies) if copies else ""))
+        files = section.run.files if section.run is not None else section.inputs
+        lines.append(f"  run {number}: {files[0]}" + (f" and {len(files) - 1} more, one run: {section.why}"
+                                                        if len(files) > 1 else ""))
+        lines += [f"           {path}" for path in files[1:HEADING_FILES]]
+        if len(files) > HEADING_FILES:
+            lines.append(f"           ... and {len(files) - HEADING_FILES} more")
+        lines += [f"           read instead of its earlier copy {copy.path}" for copy in copies]
     return lines
 
 

@@ -286,3 +286,16 @@ def test_trainer_states_converted_to_tls_are_told_apart_as_the_states_are(two_fi
     assert report["runs"][0]["copies"] == [{"file": str(converted / "a-checkpoint.jsonl"),
                                             "copy_of": str(converted / "a.jsonl"), "entries": 20,
                                             "copy_of_entries": 51}]
+
+
+def test_the_heading_names_each_file_of_a_run_of_several_and_why_they_are_one(tmp_path, capsys):
+    losses = {i: 3.0 - i * 0.01 for i in range(1, 41)}
+    for rank in range(2):
+        megatron_log(tmp_path / f"job1_rank{rank}.log", losses, rank_tag=f"[default{rank}]: ")
+    megatron_log(tmp_path / "job2.log", {i: 6.0 - i * 0.01 for i in range(1, 41)})
+    code, out = replay(tmp_path, capsys=capsys)
+    assert code == 0
+    assert (f"  run 1: {tmp_path / 'job1_rank0.log'} and 1 more, one run: the same loss at each of the 40 steps "
+            f"they share (ranks' copies of one run's steps)\n           {tmp_path / 'job1_rank1.log'}\n"
+            f"  run 2: {tmp_path / 'job2.log'}\n") in out
+    assert f"=== run 1 of 2: {tmp_path / 'job1_rank0.log'} (+1 more)\n" in out

@@ -14,7 +14,8 @@ trainer_state.json has no clock; its records are stamped with their step for ord
 ``"clock": "none"``, so replay runs no rule that needs time on them).
 
 `trainguard.replay.source` opens every input through `detect`, so `replay`, `report` and `diagnose` read
-these formats beside TLS, and all three find them in a folder through `trainguard.formats.discover`;
+these formats beside TLS, and all three find them in a folder through `trainguard.formats.discover`
+(replay then tells a folder's unrelated runs apart through `trainguard.formats.identity`);
 `trainguard convert` writes them out as TLS.
 """
 

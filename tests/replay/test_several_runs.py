@@ -231,6 +231,7 @@ def test_a_folder_of_run_directories_is_a_run_each(tmp_path, capsys):
     code, report = replay(tmp_path, "--json", capsys=capsys)
     assert code == 0 and [run["files"] for run in report["runs"]] == [
         [str(tmp_path / name / "tls" / "rank-0.jsonl")] for name in ("exp1", "exp2")]
+    assert [run["format"] for run in report["runs"]] == ["tls", "tls"]
     assert report["actions"] == [] and report["steps"] == 60
 
 

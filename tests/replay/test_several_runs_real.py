@@ -34,6 +34,7 @@ def test_the_hf_folder_is_five_runs_and_only_t5s_grad_norm_spike_acts(capsys):
     assert [(a["run"], a["step"], a["action"], a["reason"]) for a in report["actions"]] == [
         (1, 190000, "skip_step", "grad_explosion")]
     assert [run["steps"] for run in report["runs"]] == [430, 186, 10, 30, 866]
+    assert {run["format"] for run in report["runs"]} == {"hf_trainer_state"}
     assert report["malformed"] == 0 and report["duplicate_steps"] == 0
     # the Trainer output folder beside them is the Mistral run again: its newest checkpoint passed over
     output = REAL / "hf" / "syGOAT_Mistral-v0.2-Translator-bf16_output"

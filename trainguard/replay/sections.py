@@ -37,6 +37,11 @@ class Section:
         return self.run.name if self.run is not None else ", ".join(self.inputs)
 
     @property
+    def format(self) -> str:
+        """The run's format: formats.detect's name (``tls`` for TLS logs as given)."""
+        return self.run.kind if self.run is not None else formats.TLS
+
+    @property
     def why(self) -> str:
         return self.run.why if self.run is not None else ""
 
@@ -129,7 +134,8 @@ def combined(documents: list[dict], sections: list[Section]) -> dict:
     and last timestamps the earliest and latest, every listed item (action, alert, malformed line, ledger
     verdict, node-health finding) with the `run` it is of, numbered from 1 as in `runs`; the run-wide keys
     that do not add up (`lead_rank`, `cost`) empty, as for a log that has none; and `runs`: each run's own
-    document with its `run` number, `why` its files are one run, and the `copies` passed over for it."""
+    document with its `run` number, its `format`, `why` its files are one run, and the `copies` passed over
+    for it."""
     def total(key: str) -> int:
         return sum(document[key] for document in documents)
 
@@ -155,6 +161,6 @@ def combined(documents: list[dict], sections: list[Section]) -> dict:
                         "total": sum(document["node_health"]["total"] for document in documents)},
         "rules": documents[0]["rules"],
         "without_clock": flat("without_clock"), "passed_over": flat("passed_over"),
-        "runs": [{"run": number, "why": section.why, "copies": section.copies, **document}
+        "runs": [{"run": number, "format": section.format, "why": section.why, "copies": section.copies, **document}
                  for number, (section, document) in enumerate(zip(sections, documents), 1)],
     }

@@ -81,7 +81,10 @@ class PlannedFault:
 
 
 def fault_plan(start: float, minutes: float, every: float, kinds: list[str]) -> list[PlannedFault]:
-    """One fault every `every` seconds after `start`, strictly inside the window, kinds and ranks in turn."""
+    """One fault every `every` seconds after `start`, strictly inside the window, kinds and ranks in turn;
+    none for `every` 0 (the paths' steady cost)."""
+    if every <= 0:
+        return []
     count = int(minutes * 60 // every)
     if count * every >= minutes * 60:
         count -= 1                  # a fault at the window's very end would measure nothing
@@ -194,8 +197,10 @@ def render(result: dict) -> str:
     """The markdown for docs/benchmarks.md."""
     a = result["args"]
     lines = [f"`{result['command']}`: 2 simulated nodes x 2 ranks on loopback, the tiny model on CPU, "
-             f"{a['minutes']:g} minutes after a {a['warmup']:g} s warm-up, one fault every {a['fault_every']:g} s ({', '.join(a['faults'])} in "
-             f"turn, on ranks {', '.join(map(str, FAULT_RANKS))} in turn), checkpoint "
+             f"{a['minutes']:g} minutes after a {a['warmup']:g} s warm-up, "
+             + (f"one fault every {a['fault_every']:g} s ({', '.join(a['faults'])} in turn, on ranks "
+                f"{', '.join(map(str, FAULT_RANKS))} in turn)" if a["fault_every"] else "no fault (the steady cost)")
+             + ", checkpoint "
              + (f"every {a['checkpoint_every']} steps" if a["checkpoint_every"] else
                 f"every {a['checkpoint_every_seconds']:g} s") + "; the paths and the fault-free reference ran "
              f"together; load average {result['load_average'][0]:.1f} at the start, "
@@ -232,12 +237,12 @@ def render(result: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------- running
-def _policy(path: str, faults: int, extra: list[str]) -> dict:
-    recovery: dict = {"mode": "restart" if path in ("restart", REFERENCE) else "in_process"}
-    if path == "in_process":
-        recovery["max_in_process_restarts"] = max(3, faults)
-    policy: dict = {"recovery": recovery}
-    for item in extra if path == "in_process" else ():
+def _policy(path: str, extra: list[str], variants: dict[str, list[str]]) -> dict:
+    """The path's policy: restart or in_process on the defaults, with `--set` and a variant's values on top
+    (the in-process paths only)."""
+    in_process = path not in ("restart", REFERENCE)
+    policy: dict = {"recovery": {"mode": "in_process" if in_process else "restart"}}
+    for item in [*extra, *variants.get(path, [])] if in_process else ():
         dotted, _, value = item.partition("=")
         section, _, key = dotted.partition(".")
         policy.setdefault(section, {})[key] = json.loads(value) if value[:1] in "0123456789-[{tf\"" else value
@@ -269,7 +274,7 @@ def _train_args(path: str, plan: list[PlannedFault], args: argparse.Namespace) -
 def run_soak(args: argparse.Namespace) -> dict:
     import yaml
 
-    paths = [REFERENCE, *args.paths]
+    paths = [REFERENCE, *args.paths, *args.variant]
     keep = args.workdir is not None
     if keep:
         args.workdir.mkdir(parents=True, exist_ok=False)
@@ -285,7 +290,7 @@ def run_soak(args: argparse.Namespace) -> dict:
             load_start = os.getloadavg()[0]
             launchers = {}
             for path, cluster in clusters.items():
-                cluster.policy_path.write_text(yaml.safe_dump(_policy(path, len(plan), args.set)))
+                cluster.policy_path.write_text(yaml.safe_dump(_policy(path, args.set, args.variant)))
                 launchers[path] = [cluster.launch(node, *_train_args(path, plan, args), nnodes="2", nproc=2)
                                    for node in ("n1", "n2")]
             end = start + args.minutes * 60
@@ -311,21 +316,20 @@ def run_soak(args: argparse.Namespace) -> dict:
                 runs[path]["diagnostics"] = cluster.diagnostics()[-4000:]
     reference = runs[REFERENCE]["steps_done"]
     window = args.minutes * 60
-    notes = [f"the in-process path ran with recovery.max_in_process_restarts = {max(3, len(plan))} (3 by "
-             f"default) so that each of the {len(plan)} faults went its way"]
-    notes += [f"{path}: launchers ended before the window's end ({codes}, at {at} s)"
+    notes = [f"{path}: launchers ended before the window's end ({codes}, at {at} s)"
               for path, (codes, at) in ended_early.items()]
     if args.set:
         notes.append("in_process policy: " + ", ".join(args.set))
+    notes += [f"{name}: in_process with {', '.join(values)}" for name, values in args.variant.items()]
     return {
         "command": "python bench/bench_soak.py " + " ".join(args.argv),
         "args": {"minutes": args.minutes, "warmup": args.warmup, "fault_every": args.fault_every, "faults": args.faults,
                  "checkpoint_every": args.checkpoint_every, "checkpoint_every_seconds": args.checkpoint_every_seconds,
-                 "set": args.set},
+                 "set": args.set, "variant": args.variant},
         "plan": [asdict(f) | {"spec": f.spec} for f in plan], "window_seconds": window,
         "start": start, "end": end, "workdir": str(args.workdir) if args.workdir else None,
         "load_average": [load_start, load_end], "reference_steps": reference,
-        "paths": [summarise(path, runs[path], reference, window) for path in args.paths],
+        "paths": [summarise(path, runs[path], reference, window) for path in [*args.paths, *args.variant]],
         "runs": runs, "notes": notes,
     }
 
@@ -368,6 +372,15 @@ def remeasure(saved: dict, workdir: Path) -> dict:
                       for row in saved["paths"]]}
 
 
+def _variant(text: str) -> tuple[str, list[str]]:
+    name, _, values = text.partition(":")
+    items = [item for item in values.split(",") if item]
+    if not name.isidentifier() or not items or any("." not in item.partition("=")[0] or "=" not in item
+                                                    for item in items):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:SECTION.KEY=VALUE[,SECTION.KEY=VALUE]")
+    return name, items
+
+
 def _faults(text: str) -> list[str]:
     kinds = [k.strip() for k in text.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in SUPPORTED_FAULTS]
@@ -383,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=180.0, help="seconds from the launch to the window's "
                         "start (default 180: every run is training by then, and has saved a checkpoint by the "
                         "first fault)")
-    parser.add_argument("--fault-every", type=float, default=300.0, help="seconds between faults (default 300)")
+    parser.add_argument("--fault-every", type=float, default=300.0, help="seconds between faults (default 300; 0: no fault, "
+                        "the paths' steady cost)")
     parser.add_argument("--faults", type=_faults, default=["error", "crash"],
                         help=f"the fault mix, taken in turn (default error,crash; of {', '.join(SUPPORTED_FAULTS)})")
     parser.add_argument("--paths", type=lambda s: s.split(","), default=list(PATHS),
@@ -394,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="durable checkpoint every S seconds (the trainer's default, 300)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a policy value for the in-process path (e.g. recovery.snapshot_every=10)")
+    parser.add_argument("--variant", type=_variant, action="append", default=[],
+                        metavar="NAME:SECTION.KEY=VALUE[,SECTION.KEY=VALUE]", help="one more in-process path beside "
+                        "the others, with these policy values (e.g. snap25:recovery.snapshot_every=25): settings "
+                        "compared in one run, under the same load")
     parser.add_argument("--workdir", type=Path, help="a new directory to run in and keep (the runs' logs, "
                         "checkpoints); default: a temporary one, removed at the end")
     parser.add_argument("--remeasure", type=Path, metavar="RESULT.json", help="no run: measure a kept run "
@@ -401,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the JSON result here (and the markdown beside it, .md)")
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
+    args.variant = dict(args.variant)
+    if clash := [name for name in args.variant if name in (*PATHS, REFERENCE)]:
+        parser.error(f"--variant: {', '.join(clash)}: a variant needs a name of its own")
     if args.remeasure:
         saved = json.loads(args.remeasure.read_text())
         result = remeasure(saved, args.workdir or Path(saved.get("workdir") or saved["command"].split("--workdir ")[1].split()[0]))
@@ -411,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if unknown := [p for p in args.paths if p not in PATHS]:
         parser.error(f"--paths: {', '.join(unknown)}: each must be one of {', '.join(PATHS)}")
-    if args.minutes * 60 <= args.fault_every:
+    if args.fault_every and args.minutes * 60 <= args.fault_every:
         parser.error("--minutes must be longer than --fault-every: no fault would fire in the window")
     result = run_soak(args)
     markdown = render(result)

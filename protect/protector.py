@@ -47,6 +47,7 @@ from trainguard import policy as policy_mod
 from trainguard import rundir, runpolicy
 from trainguard.actions import ROLLBACK, SHADOW_ACTION, STOP, shadow_event
 from trainguard.decide import checkpoint_interval as autopilot_rule
+from trainguard.decide import snapshot_pace
 from trainguard.decide.cost import CostMeter, clock_of, usage_of
 from trainguard.decide.decision import CARRY_ON, Decision
 from trainguard.decide.guard import Guard, StepStats
@@ -88,6 +89,7 @@ class StepVerdict:
     extra: tuple[float, ...] = ()   # the loop's own values carried in the same sync (`check(extra=...)`)
     shadowed: Decision | None = None   # shadow mode: the guard's decision, recorded and not carried out
     checkpoint_interval: float = 0.0   # the autopilot's interval (rank 0's), the same on every rank
+    checkpoint_clock: float = 0.0      # rank 0's clock at its last checkpoint (0: none yet), the same on every rank
 
     @property
     def skip(self) -> bool:
@@ -146,10 +148,16 @@ class Protector:
         # The autopilot decides on rank 0 (it alone sees every save); its interval reaches the other ranks in
         # the step's sync, so all ranks save at the same steps.
         self.auto = auto
+        steered = _steered_snapshots(self.policy, recovery, sharded_checkpoints)
         self.autopilot = (autopilot_rule.Autopilot(self.policy.checkpoint, applied=self.checkpoint_every_seconds,
-                                                   snapshot_every=_steered_snapshots(self.policy, recovery,
-                                                                                  sharded_checkpoints))
+                                                   snapshot_every=steered)
                           if auto and rank == 0 else None)
+        # Rank 0 stretches the snapshot interval to what the snapshots cost (decide/snapshot_pace.py); the
+        # interval reaches the other ranks in the sync as the autopilot's does.
+        budget = _snapshot_budget(self.policy, recovery)
+        self.pace = (snapshot_pace.SnapshotPace(budget, counts_beside=self.device.type == "cpu")
+                     if steered and budget > 0 and rank == 0 else None)
+        self.snapshot_given = steered
         # The snapshot tier's interval in steps as the autopilot applied it (rank 0's, the same on every rank
         # through the sync); 0: the policy's recovery.snapshot_every stands. The recovery component reads it.
         self.snapshot_every = 0
@@ -165,6 +173,8 @@ class Protector:
                                                     device_index=self.device.index)
         if self.autopilot is not None:
             self.autopilot.gpus = int(self.telemetry.system.get("gpu_count") or 0)
+        if self.pace is not None:
+            self.telemetry.observers.append(self.pace.observe)
         self.guard = Guard(self.policy.guard)
         self.meter = CostMeter(self.policy.cost)
         self.states = {**states, GUARD_KEY: self.guard, COST_KEY: self.meter, STATE_KEY: self.state}
@@ -232,7 +242,7 @@ class Protector:
             layer_norms = torch.cat([norms.to(extra.dtype), extra.reshape(-1)])
         pilot = self.autopilot
         health = self.sync.sync(loss, grad_norm, layer_norms, control, pilot.applied if pilot is not None else 0.0,
-                                pilot.snapshot_every if pilot is not None else 0)
+                                _snapshot_slot(self), self.state.last_checkpoint_time or 0.0)
         self.snapshot_every = health.snapshot_every or self.snapshot_every
         layers = dict(zip(self.layer_names, health.layer_norms[:carried]))
         loss_seen = health.loss if health.nonfinite_ranks == 0 else math.nan
@@ -241,7 +251,7 @@ class Protector:
         return StepVerdict(step, loss_seen, health.grad_norm, layers, health.timestamp,
                        CARRY_ON if shadowed or not decision else decision, health.control_code,
                        health.control_line, tuple(health.layer_norms[carried:]), shadowed,
-                       health.checkpoint_interval)
+                       health.checkpoint_interval, health.checkpoint_clock)
 
     def after_step(self, verdict: StepVerdict, *, tokens: int, samples: int, timings: dict[str, float],
                    learning_rate: float | None = None, **metrics: Any) -> StepOutcome:
@@ -274,7 +284,7 @@ class Protector:
         if verdict.control_code and (outcome := self._carry_out(
                 handlers.control_order(self, verdict.control_code, verdict.control_line))).stop:
             return outcome
-        self._checkpoint_if_due(verdict.timestamp, verdict.checkpoint_interval)
+        self._checkpoint_if_due(verdict.timestamp, verdict.checkpoint_interval, verdict.checkpoint_clock)
         self.recovery.after_step()
         return StepOutcome(restored_step=state.step if state.step != verdict.step else None)
 
@@ -319,11 +329,16 @@ class Protector:
         """Until an asynchronous save is durable."""
         self.checkpoints.wait()
 
-    def _checkpoint_if_due(self, now: float, interval: float = 0.0) -> None:
+    def _checkpoint_if_due(self, now: float, interval: float = 0.0, clock: float = 0.0) -> None:
         """By steps or by rank 0's clock (`now`), never twice for one step (a restore has just set it).
-        With the autopilot, by its interval (`interval`, rank 0's from the sync), steered after each save."""
+        With the autopilot, by its interval (`interval`, rank 0's from the sync), steered after each save.
+        The time since the last checkpoint is rank 0's too (`clock`, from the sync): a rank's own could
+        differ (a standby that took a killed rank's place started its count at the takeover), and a save
+        that some ranks begin and others do not leaves both waiting in different collectives."""
         state = self.state
-        if state.last_checkpoint_time is None:
+        if clock > 0:
+            state.last_checkpoint_time = clock
+        elif state.last_checkpoint_time is None:
             state.last_checkpoint_time = now
         every_seconds = interval if self.auto and interval > 0 else self.checkpoint_every_seconds
         by_steps = self.checkpoint_every and state.step % self.checkpoint_every == 0
@@ -454,6 +469,26 @@ def _steered_snapshots(policy: policy_mod.Policy, recovery: Any, sharded: bool) 
     runtime/resilience itself, from the policy's section) the policy's."""
     settings = policy.recovery if recovery is False else settings_of(recovery, policy)
     return settings.snapshot_every if settings is not None and settings.mode == "in_process" and not sharded else 0
+
+
+def _snapshot_budget(policy: policy_mod.Policy, recovery: Any) -> float:
+    settings = policy.recovery if recovery is False else settings_of(recovery, policy)
+    return settings.snapshot_budget if settings is not None else 0.0
+
+
+def _snapshot_slot(protector: Protector) -> int:
+    """Rank 0's snapshot interval for this step's sync (0 elsewhere, and where the policy's stands): the
+    autopilot's when it steers one, stretched to the snapshots' cost budget; an event when it moves."""
+    pilot, pace = protector.autopilot, protector.pace
+    steered = pilot.snapshot_every if pilot is not None else 0
+    if pace is None:
+        return steered
+    given, before = steered or protector.snapshot_given, pace.paced
+    every = pace.every(given)
+    if every != (before or given):
+        protector.event(event_types.SNAPSHOT_PACED, snapshot_every=every, given=given, **pace.inputs())
+        protector.log.info("snapshot interval paced to its cost", snapshot_every=every, given=given, **pace.inputs())
+    return every
 
 
 def _steer_interval(protector: Protector, now: float) -> None:

@@ -28,6 +28,8 @@ CHECKPOINT_QUARANTINED = "checkpoint_quarantined"  # one it cannot verify moved 
 CHECKPOINT_SUPERSEDED = "checkpoint_superseded"    # one newer than a rollback's step set aside: kept_step
 CHECKPOINT_INTERVAL = "checkpoint_interval"        # the autopilot applied a new interval: applied_seconds, inputs
 SNAPSHOT_SAVED = "snapshot_saved"          # an in-memory snapshot written: bytes, blocking_seconds, write_seconds
+SNAPSHOT_PACED = "snapshot_paced"          # rank 0 moved the snapshot interval to its cost budget: snapshot_every,
+                                           # given, cost_seconds, step_seconds, budget
 
 # ------------------------------------------------ recovery in seconds (docs/recovery.md)
 SNAPSHOT_SKIPPED = "snapshot_skipped"      # a snapshot not taken or not written: why (too large, no room, error)
@@ -77,6 +79,7 @@ RUN_SUMMARY = "run_summary"        # a log's closing summary numbers (Hugging Fa
 # Every type above: tests/test_vocabulary.py rejects these names spelled anywhere else in the product.
 TYPES: tuple[str, ...] = (RUN_START, RUN_END, CHECKPOINT_SAVED, CHECKPOINT_FAILED, CHECKPOINT_RESTORED, CHECKPOINT_INVALID,
          CHECKPOINT_DELETED, CHECKPOINT_QUARANTINED, CHECKPOINT_SUPERSEDED, CHECKPOINT_INTERVAL, SNAPSHOT_SAVED,
+         SNAPSHOT_PACED,
          ALERT, ACTION, SHADOW_ACTION,
          CONTROL_REFUSED, STOP_MARKER_REFUSED, LOSS_LEVEL_SHIFT, REPLICA_CHECK, REPLICA_MISMATCH, CULPRIT,
          CORDON, CORDON_IGNORED, SPARE_JOINED, EVALUATION, LR_PHASE, LAYER_REINIT, FAULT_INJECTED, TRAINER_LOG,

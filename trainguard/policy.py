@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from trainguard import actions as actions_mod, paths, safe_read
-from trainguard.config import (ABSOLUTE_PATH, DURATION, SHARE, WINDOW, Choice, Key, Range, above, at_least,
+from trainguard.config import (ABSOLUTE_PATH, DURATION, SHARE, WINDOW, Choice, Key, Range, above, at_least, between,
                                cross_checks, declared, key, leaves, parse_duration, shown)
 from trainguard.decide.checkpoint_interval import CheckpointPolicy
 from trainguard.decide.clipping import ClippingPolicy
@@ -174,6 +174,10 @@ class RecoveryPolicy:
     snapshot_every: int = key(5, at_least(0, 10**7), "steps between in-memory snapshots (host memory, "
                               "snapshot_dir); 0: none, a failure restores the durable checkpoint; with the "
                               "checkpoint autopilot on, where it starts (docs/checkpoints.md)")
+    snapshot_budget: float = key(0.02, between(0.0, 0.5), "the share of training time snapshots may take (the "
+                                 "seconds each blocks, writes and replicates, over the step time, measured on "
+                                 "rank 0): past it the interval stretches beyond snapshot_every; 0: "
+                                 "snapshot_every exactly (trainguard/decide/snapshot_pace.py)")
     snapshot_keep: int = key(2, at_least(1, 100), "in-memory snapshots kept per rank, the newest")
     snapshot_max_bytes: int = key(8 * 2**30, at_least(1, 2**50), "a rank's snapshot larger than this is not "
                                   "written (a snapshot_skipped event)")

@@ -28,7 +28,7 @@ from trainguard.runtime.resilience import restore
 from trainguard.runtime.resilience.inprocess import ProcessGroups, RecoveryFailed
 from trainguard.runtime.resilience.replicate import Replicator
 from trainguard.runtime.resilience.request import RequestWatch
-from trainguard.runtime.resilience.snapshot import SnapshotRefused, SnapshotStore, Snapshotter
+from trainguard.runtime.resilience.snapshot import SnapshotStore, Snapshotter
 
 IN_PROCESS, RESTART = "in_process", "restart"
 
@@ -167,19 +167,12 @@ class Recovery:
         dead = self.groups.rank
         timings = self.groups.join(f"rank {dead}'s process died; a standby took its place")
         try:
+            # the survivors' decisions (the checkpoint the state builds on, the guard's trouble since) come
+            # with it: what the next snapshots are signed on top of and the next checkpoint is judged by
             restored = restore.after_failure(self.protector, self.store, device=self.device, world_size=self.world,
-                                             held=self._held(), fingerprint=self.fingerprint)
+                                             held=self._held(), fingerprint=self.fingerprint, standby=True)
         except LookupError as exc:
             raise RecoveryFailed(str(exc)) from None
-        state = self.protector.state
-        # (a state received from a peer was kept as this rank's own snapshot: its manifest is here too)
-        if restored["source"] in (restore.SNAPSHOT, restore.PEER) and state.last_saved_step is None:
-            # the durable checkpoint this state builds on (the survivors' own, as they accepted this step):
-            # what the next snapshots are signed on top of and the next checkpoint is counted from
-            try:
-                state.last_saved_step = self.store.manifest(restored["restored_step"]).get("base_step")
-            except SnapshotRefused:    # a peer's copy this rank could not keep: the base stays unknown
-                pass
         rebuild()
         record = {**timings, **restored, "replaced_rank": dead, "standby": True,
                   "recovery_seconds": time.perf_counter() - began}

@@ -30,22 +30,42 @@ SNAPSHOT, CHECKPOINT, PEER = "snapshot", "checkpoint", peer.PEER
 
 
 def after_failure(protector: Any, store: SnapshotStore | None, *, device: Any, world_size: int,
-                  held: SnapshotStore | None = None, fingerprint: Callable | None = None) -> dict[str, Any]:
+                  held: SnapshotStore | None = None, fingerprint: Callable | None = None,
+                  standby: bool = False) -> dict[str, Any]:
     """Load the state to go on from after an in-process restart; what was loaded ({"source", "restored_step",
     "restore_seconds"}). None restored (no snapshot, no checkpoint) raises LookupError: the caller hands
-    the failure to the launcher."""
+    the failure to the launcher. `standby`: this process took a killed rank's place (standby.py)."""
     durable = protector.state.last_saved_step
     loaded = _agreed_snapshot(protector, store, world_size, device,
                               accept=lambda step, manifest: durable is None or step >= durable,
                               held=held, fingerprint=fingerprint)
-    if loaded is not None:
-        return loaded
-    began = time.perf_counter()
-    step = protector.restore(rollback=False, source=event_types.IN_PROCESS_RESTART)
-    if step is None:
-        raise LookupError("no verified snapshot or checkpoint to restore after the failure")
-    return {"source": CHECKPOINT, "restored_step": step, "restore_seconds": time.perf_counter() - began,
-            "bytes_received": 0}
+    if loaded is None:
+        began = time.perf_counter()
+        step = protector.restore(rollback=False, source=event_types.IN_PROCESS_RESTART)
+        if step is None:
+            raise LookupError("no verified snapshot or checkpoint to restore after the failure")
+        loaded = {"source": CHECKPOINT, "restored_step": step, "restore_seconds": time.perf_counter() - began,
+                  "bytes_received": 0}
+    _align_decisions(protector, world_size, standby)
+    return loaded
+
+
+# TrainState's decisions that no snapshot or checkpoint holds (protect/state.py): what was saved last and
+# whether the guard saw trouble since. The ranks that lived through the failure agree on them (every
+# decision came from the step's sync); a standby's process started with none.
+UNSAVED_DECISIONS = ("last_saved_step", "trouble_since_checkpoint")
+
+
+def _align_decisions(protector: Any, world_size: int, standby: bool) -> None:
+    """Every rank takes the unsaved decisions of the lowest rank that is not a standby (one
+    all_gather_object): a standby that kept its own would mark a checkpoint stable that the others would
+    not, or count the next snapshot from another checkpoint."""
+    state = protector.state
+    mine = None if standby else {name: getattr(state, name) for name in UNSAVED_DECISIONS}
+    survivor = next((held for held in _exchange(mine, world_size) if held is not None), None)
+    if survivor is not None:
+        for name, value in survivor.items():
+            setattr(state, name, value)
 
 
 def after_resume(protector: Any, store: SnapshotStore | None, *, resumed_from: int | None, device: Any,

@@ -112,3 +112,36 @@ def test_the_snapshot_interval_rank_0_applied_reaches_every_rank_through_the_syn
     summed = (contributed[0] + contributed[1]).tolist()
     health = sync_mod.HealthSync._read(summed)
     assert (health.checkpoint_interval, health.snapshot_every, health.loss, health.grad_norm) == (120.0, 7, 2.0, 1.0)
+
+
+def test_a_checkpoint_by_time_is_due_by_rank_0s_clock_on_every_rank(tmp_path, monkeypatch):
+    """The 30-minute soak's stop: a standby that took a killed rank's place began its own count of the time
+    since the last checkpoint at the takeover; at rank 0's due time the other ranks began a save and it did
+    not, and each waited in another collective. The time base is rank 0's, carried in the step's sync."""
+    import dataclasses
+
+    from trainguard.protect import sync as sync_mod
+
+    ranks = [sync_mod.HealthSync(2, rank, torch.device("cpu")) for rank in (0, 1)]
+    contributed = []
+    monkeypatch.setattr(sync_mod.dist, "all_reduce", lambda vector, op: contributed.append(vector.clone()))
+    for rank, syncer in enumerate(ranks):
+        syncer.sync(torch.tensor(2.0), torch.tensor(1.0), None, (0, 0), checkpoint_clock=1000.5 if rank == 0 else 0.0)
+    assert sync_mod.HealthSync._read((contributed[0] + contributed[1]).tolist()).checkpoint_clock == 1000.5
+
+    model = torch.nn.Linear(2, 2)
+    standby = Protector(tmp_path / "run", states={"model": model}, checkpoint_every_seconds=60)
+    standby.begin()
+    assert standby.state.last_checkpoint_time is None          # a fresh process: no count of its own yet
+    rank_0_saved_at = time.time() - 61.0
+    real = standby.sync.sync
+    monkeypatch.setattr(standby.sync, "sync", lambda *args, **kwargs: dataclasses.replace(
+        real(*args, **kwargs), checkpoint_clock=rank_0_saved_at))
+    verdict = standby.check(1, torch.tensor(1.0), torch.tensor(0.5))
+    standby.after_step(verdict, tokens=4, samples=1, timings={"step_time_seconds": 0.01})
+    assert [e["step"] for e in events(tmp_path / "run", "checkpoint_saved")] == [1]   # due by rank 0's clock
+    monkeypatch.setattr(standby.sync, "sync", real)            # rank 0 itself: its own last save, just now
+    verdict = standby.check(2, torch.tensor(1.0), torch.tensor(0.5))
+    standby.after_step(verdict, tokens=4, samples=1, timings={"step_time_seconds": 0.01})
+    assert [e["step"] for e in events(tmp_path / "run", "checkpoint_saved")] == [1]
+    standby.close()

@@ -18,6 +18,7 @@ import yaml
 from tests.servers import free_port
 from tests.trainer.helpers import events, step_records
 from trainguard import event_types, policy as policy_mod
+from trainguard.decide import snapshot_pace
 from trainguard.protect import Protector, RNGState
 from trainguard.protect.recovery import LoopRecovery, settings_of
 from trainguard.runtime import cordon_key
@@ -103,6 +104,27 @@ def test_a_restarted_loop_resumes_from_the_snapshot_on_top_of_its_checkpoint_and
     again.close()
     assert not list(private_dir(tmp_path).rglob("snapshot-*"))     # a completed run clears its snapshots
     assert events(run, event_types.RUN_END)[-1]["step"] == 22
+
+
+def test_snapshots_that_cost_more_than_their_budget_are_taken_less_often(tmp_path):
+    """Rank 0 measures what its snapshots cost against its steps' time (trainguard/decide/snapshot_pace.py)
+    and, once it has enough of both, stretches the interval (a `snapshot_paced` event with its inputs); the
+    interval goes to every rank in the step's sync, and the snapshots follow it. A budget of 0.1% of 10 ms
+    steps: any snapshot (a torch.save and a SHA-256) costs more than that every 5 steps."""
+    p, model = protector(tmp_path, recovery={"snapshot_every": 5, "snapshot_budget": 0.001,
+                                             "snapshot_dir": str(private_dir(tmp_path))})
+    p.begin()
+    steps(p, model, 60)
+    p.close()
+    (paced,) = events(tmp_path / "run", event_types.SNAPSHOT_PACED)
+    assert paced["given"] == 5 and paced["budget"] == 0.001 and paced["step_seconds"] == 0.01
+    # ceil(cost / (budget x step)), from a cost the event rounds to the microsecond
+    assert 5 < paced["snapshot_every"] == pytest.approx(paced["cost_seconds"] / (0.001 * 0.01), abs=1)
+    taken = [e["step"] for e in events(tmp_path / "run", event_types.SNAPSHOT_SAVED)]
+    before = [step for step in taken if step <= paced["step"]]
+    assert before == list(range(5, paced["step"] + 1, 5))[:len(before)] and len(before) >= snapshot_pace.MIN_SAMPLES
+    assert all(step % paced["snapshot_every"] == 0 for step in taken if step > paced["step"])
+    assert p.snapshot_every == paced["snapshot_every"]
 
 
 def test_a_rollback_deletes_the_snapshots_of_the_abandoned_steps(tmp_path):

@@ -97,6 +97,35 @@ def test_nothing_to_restore_hands_the_failure_to_the_launcher(tmp_path):
         restore.after_failure(FakeProtector(step=3, last_saved_step=None), None, device="cpu", world_size=1)
 
 
+def test_a_standby_takes_the_survivors_unsaved_decisions(tmp_path, monkeypatch):
+    """A standby's process starts with no record of the last save or of the guard's trouble since it (no
+    snapshot holds them); after the restore every rank holds those of the lowest rank that lived through
+    the failure, so the next checkpoint is judged stable, and the next snapshot based, the same way."""
+    survived = {"last_saved_step": 20, "trouble_since_checkpoint": True}
+
+    calls: list = []
+
+    def exchange(value, world_size):      # a 2-rank all_gather: rank 0 is the standby, rank 1 survived
+        calls.append(value)
+        if len(calls) == 3:               # listings, refusals, then the decisions (the standby brings none)
+            return [value, survived]
+        return [value, value]             # both hold the same snapshot and refuse nothing
+
+
+    monkeypatch.setattr(restore, "_exchange", exchange)
+    standby = FakeProtector(step=0, last_saved_step=None)
+    loaded = restore.after_failure(standby, store_with(tmp_path, 25, base_step=20), device="cpu", world_size=2,
+                                   standby=True)
+    assert loaded["restored_step"] == 25
+    assert (standby.state.last_saved_step, standby.state.trouble_since_checkpoint) == (20, True)
+    assert calls[2] is None
+    calls.clear()
+    survivor = FakeProtector(step=27, last_saved_step=20, checkpoint_step=20)
+    survivor.state.trouble_since_checkpoint = True
+    restore.after_failure(survivor, store_with(tmp_path, 25, base_step=20), device="cpu", world_size=2)
+    assert (survivor.state.last_saved_step, survivor.state.trouble_since_checkpoint) == (20, True)
+
+
 def test_a_restarted_worker_takes_a_snapshot_only_on_top_of_the_checkpoint_it_resumed(tmp_path):
     store = store_with(tmp_path, 25, base_step=20)
     other_timeline = FakeProtector(step=10, last_saved_step=10)

@@ -14,7 +14,8 @@ trainer_state.json has no clock; its records are stamped with their step for ord
 ``"clock": "none"``, so replay runs no rule that needs time on them).
 
 `trainguard.replay.source` opens every input through `detect`, so `replay`, `report` and `diagnose` read
-these formats beside TLS, and all three find them in a folder through `trainguard.formats.discover`;
+these formats beside TLS, and all three find them in a folder through `trainguard.formats.discover`
+(replay then tells a folder's unrelated runs apart through `trainguard.formats.identity`);
 `trainguard convert` writes them out as TLS.
 """
 
@@ -85,6 +86,22 @@ def detect(path: str | os.PathLike) -> str:
             return _scanned(handle, head)
     except OSError:
         return TLS
+
+
+CLOCKLESS_MARK = b'"' + CLOCK_KEY.encode() + b'":"' + NO_CLOCK.encode() + b'"'
+
+
+def says_no_clock(path: str | os.PathLike) -> bool:
+    """Whether a TLS file's first line carries ``"clock":"none"``: what `trainguard convert` wrote of a
+    trainer_state.json. Convert writes plain files, and the trainer's and the agent's logs (rotated ones
+    compressed) never carry it: one 4 KiB read, no decompression."""
+    if str(path).endswith((".gz", ".zst")):
+        return False
+    try:
+        with safe_read.open_file(path, what="log file") as handle:
+            return CLOCKLESS_MARK in handle.read(4096).split(b"\n", 1)[0]
+    except OSError:
+        return False
 
 
 def _scanned(handle, head: bytes) -> str:

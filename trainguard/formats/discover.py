@@ -14,7 +14,10 @@ In order, the first that finds any:
    files under ``runs/*/`` (the Trainer's default ``logging_dir``). The Trainer's ``runs/`` events beside a
    checkpoint's state are the same steps again, so they are read only where there is no state.
 
-Other tools' logs are one run, as rank 0's steps (the readers turn them into TLS records line by line).
+Other tools' logs are one run here, as rank 0's steps (the readers turn them into TLS records line by line).
+`replay` looks further (`within`): a folder of exports may hold several runs, and its subfolders (a run
+directory each, a Trainer's output folder each) theirs; `trainguard.formats.identity` then says which of
+them are one run.
 """
 
 from __future__ import annotations
@@ -43,8 +46,34 @@ def logs_folder(folder: str | os.PathLike) -> Path:
 def run_logs(folder: str | os.PathLike) -> list[tls.LogFile]:
     """The logs `folder` stands for, in reading order (see the module's doc); empty when it holds none."""
     where = logs_folder(folder)
-    return tls.run_logs(where) or _jsonl_files(where) or [tls.LogFile("rank", "0", 0, path)
-                                                          for path in other_logs(where)]
+    return tls_logs(where) or [tls.LogFile("rank", "0", 0, path) for path in other_logs(where)]
+
+
+def tls_logs(folder: str | os.PathLike) -> list[tls.LogFile]:
+    """The TLS logs of a folder (steps 1 and 2 of the module's doc): a run directory's, else its own."""
+    where = logs_folder(folder)
+    return tls.run_logs(where) or _jsonl_files(where)
+
+
+# The subfolders a folder's own layout already accounts for (a Trainer's checkpoints and logging_dir, a run
+# directory's parts): not separate exports.
+OWN_LAYOUT = re.compile(r"^(checkpoint-\d+|runs|tls|checkpoints|control|incidents|agent)$")
+
+
+def within(folder: str | os.PathLike) -> tuple[list[Path], list[Path]]:
+    """What a folder without TLS logs of its own holds, one level down too (a folder of exports):
+    (its subfolders that are run directories or hold TLS logs, other tools' logs here and in its other
+    subfolders, each subfolder as `other_logs` reads it: a Trainer output folder's newest state).
+    Subfolders in name order; one level only."""
+    root = Path(folder)
+    tls_folders, others = [], list(other_logs(root))
+    for sub in sorted(p for p in root.iterdir() if p.is_dir() and not OWN_LAYOUT.match(p.name)) \
+            if root.is_dir() else ():
+        if tls_logs(sub):
+            tls_folders.append(sub)
+        else:
+            others += other_logs(sub)
+    return tls_folders, others
 
 
 def other_logs(folder: str | os.PathLike) -> list[Path]:

@@ -1,4 +1,7 @@
-"""`trainguard replay LOG_OR_RUN_DIR... [--policy FILE] [--rules DIR] [--json] [--expect FILE]`
+"""`trainguard replay LOG_OR_RUN_DIR... [--policy FILE] [--rules DIR] [--json] [--expect FILE] [--one-run]`
+
+Inputs that are several runs (a folder of other tools' exports: trainguard.replay.sections) are replayed
+each alone, a section per run.
 
 Exit status: 0 done (and the expectation met), 1 the replay does not match --expect, 2 bad input
 (no such log, no record in the inputs, a bad policy, expectation or rules directory, promtool missing). Malformed log lines are
@@ -16,7 +19,7 @@ from pathlib import Path
 from trainguard.progress import Progress
 from trainguard import policy as tgpolicy
 from trainguard import rundir, runpolicy, tls
-from trainguard.replay import dynamics, expect, rules, source
+from trainguard.replay import dynamics, expect, rules, sections, source
 from trainguard.replay.timeline import DEFAULT_SCRAPE_INTERVAL, Result, replay_logs
 
 MALFORMED_SHOWN = 20
@@ -45,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "kept exporting its last values (a log that ends in a hang; default: the --expect "
                              "file's replay.hold, else 0)")
     parser.add_argument("--keep-test", metavar="FILE", help="with --rules: keep the generated promtool test here")
+    parser.add_argument("--one-run", action="store_true",
+                        help="read every input as one run (default: logs of other tools that are not ranks or "
+                             "checkpoint copies of one run, e.g. a folder of exports, are replayed each alone)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,14 +66,27 @@ def run(args: argparse.Namespace) -> int:
         scrape_interval = _first(args.scrape_interval, options.get("scrape_interval"), DEFAULT_SCRAPE_INTERVAL)
         if scrape_interval <= 0:
             raise expect.ExpectError(f"--scrape-interval must be above zero, got {scrape_interval:g}")
+        results = []
         with Progress("replay", unit="inputs").heartbeat() as shown:
-            shown.step(0, f"{len(args.inputs)} input(s): the guard, the cost meter"
-                          + (", the alert rules" if args.rules else ""))
-            result = replay_logs(args.inputs, policy, rules_dir=args.rules, scrape_interval=scrape_interval,
-                                 hold=_first(args.hold, options.get("hold"), 0.0), keep_test=args.keep_test)
+            shown.step(0, f"{len(args.inputs)} input(s): which runs they are")
+            conversions = source.Conversions()     # each other tool's log converted once, for every pass
+            runs = sections.plan(args.inputs, one_run=getattr(args, "one_run", False), conversions=conversions)
+            _one_run_only(runs, args)
+            for number, section in enumerate(runs, 1):
+                shown.step(number - 1, f"{len(section.inputs)} input(s)"
+                           + (f" (run {number} of {len(runs)})" if len(runs) > 1 else "")
+                           + ": the guard, the cost meter" + (", the alert rules" if args.rules else ""))
+                result = replay_logs(section.inputs, policy, rules_dir=args.rules, scrape_interval=scrape_interval,
+                                     hold=_first(args.hold, options.get("hold"), 0.0), keep_test=args.keep_test,
+                                     conversions=conversions)
+                result.extra["notes"] = section.passed_over + result.extra.get("notes", [])
+                results.append(result)
     except (tgpolicy.PolicyError, expect.ExpectError, source.InputError, rules.RulesError, OSError) as exc:
         print(f"trainguard replay: {exc}", file=sys.stderr)
         return 2
+    if len(results) > 1:
+        return _several(runs, results, args.json)
+    (result,) = results
     if not result.outcome.records:
         return _no_records(result)
     diff = result.check(expected) if expected is not None else None
@@ -81,6 +100,38 @@ def run(args: argparse.Namespace) -> int:
         for line in diff:
             print(f"  {line}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _one_run_only(runs: list[sections.Section], args: argparse.Namespace) -> None:
+    """--expect and --keep-test are about one replay: refused for several runs, naming them."""
+    if len(runs) < 2:
+        return
+    for given, flag in ((args.expect, "--expect"), (args.keep_test, "--keep-test")):
+        if given:
+            named = "; ".join(f"run {number}: {section.name}" for number, section in enumerate(runs, 1))
+            raise source.InputError(f"{flag} is about one run, and these inputs are {len(runs)} runs that are not "
+                                    f"ranks or copies of one another ({named}): replay one run's logs, or pass "
+                                    "--one-run to read them all as one")
+
+
+def _several(runs: list[sections.Section], results: list[Result], as_json: bool) -> int:
+    """Several runs, each replayed alone: a section each (--json: one document, sections.combined). Exit 2
+    only when no run holds a record; a run without any is named on stderr and in its section."""
+    empty = [(number, result) for number, result in enumerate(results, 1) if not result.outcome.records]
+    for number, result in empty:
+        print(f"trainguard replay: run {number} of {len(runs)}: " + _no_records_lines(result)[0], file=sys.stderr)
+    if len(empty) == len(results):
+        return 2
+    if as_json:
+        json.dump(sections.combined([result.to_json() for result in results], runs), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    lines = sections.heading(runs)
+    for number, (section, result) in enumerate(zip(runs, results), 1):
+        lines += ["", sections.title(number, len(runs), section)]
+        lines.append(render(result).rstrip("\n") if result.outcome.records else "\n".join(_no_records_lines(result)))
+    sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
 
@@ -105,16 +156,22 @@ def choose_policy(inputs: list[str], given: str | None, key_file: str | None) ->
 
 def _no_records(result: Result) -> int:
     """Bad input, said as such: nothing in the inputs is a record (every line malformed, or none at all)."""
-    files = ", ".join(str(path) for path in result.files[:3]) + (" ..." if len(result.files) > 3 else "")
-    print(f"trainguard replay: no records in {files}: "
-          + (f"{result.problems.count:,} malformed lines, none a TLS record or a line of another tool's log that "
-             "trainguard reads (TensorBoard, trainer_state.json, Megatron-LM, torchtitan)"
-             if result.problems.count else "the input is empty"), file=sys.stderr)
-    for line in result.extra.get("notes", []):
-        print(f"  {line}", file=sys.stderr)
-    for malformed in result.problems.kept[:5]:
-        print(f"  {malformed}", file=sys.stderr)
+    lines = _no_records_lines(result)
+    print(f"trainguard replay: {lines[0]}", file=sys.stderr)
+    for line in lines[1:]:
+        print(line, file=sys.stderr)
     return 2
+
+
+def _no_records_lines(result: Result) -> list[str]:
+    files = ", ".join(str(path) for path in result.files[:3]) + (" ..." if len(result.files) > 3 else "")
+    lines = [f"no records in {files}: "
+             + (f"{result.problems.count:,} malformed lines, none a TLS record or a line of another tool's log that "
+                "trainguard reads (TensorBoard, trainer_state.json, Megatron-LM, torchtitan)"
+                if result.problems.count else "the input is empty")]
+    lines += [f"  {line}" for line in result.extra.get("notes", [])]
+    lines += [f"  {malformed}" for malformed in result.problems.kept[:5]]
+    return lines
 
 
 def _first(*values):

@@ -42,7 +42,7 @@ BLOCK_BYTES = 1 << 16          # one block of lines per decode call: ~300 traine
 MAX_MALFORMED_KEPT = 1000      # details kept; every malformed line is counted
 # A folder without TLS logs: the logs of other tools it may hold (trainguard.formats, detected by content).
 # A record whose timestamp is its step (a trainer_state.json, converted): the first line of such a file says so.
-CLOCKLESS_MARK = b'"' + formats.CLOCK_KEY.encode() + b'":"' + formats.NO_CLOCK.encode() + b'"'
+CLOCKLESS_MARK = formats.CLOCKLESS_MARK
 
 
 # ----------------------------------------------------------------------------------------- records
@@ -471,15 +471,54 @@ def _all(block: bytes, mark: bytes) -> Iterator[int]:
 
 
 def _says_no_clock(path: Path) -> bool:
-    """Whether a TLS file's first line carries CLOCKLESS_MARK. `trainguard convert` writes plain files; the
-    trainer's and the agent's logs (rotated ones compressed) never carry it: one 4 KiB read, no decompression."""
-    if path.suffix in (".gz", ".zst"):
-        return False
-    try:
-        with safe_read.open_file(path, what="log file") as handle:
-            return CLOCKLESS_MARK in handle.read(4096).split(b"\n", 1)[0]
-    except OSError:
-        return False
+    """Whether a TLS file's first line carries CLOCKLESS_MARK (formats.says_no_clock)."""
+    return formats.says_no_clock(path)
+
+
+# ------------------------------------------------------------------------------ other tools' logs
+
+@dataclass(frozen=True)
+class Converted:
+    """Another tool's log as a TLS file: where, how many records, and what its reader said."""
+    target: Path
+    written: int
+    unmapped: tuple                 # formats.Unmapped: each a malformed entry of the original file
+    notes: tuple[str, ...]          # passed over on purpose (formats.Notes.lines)
+    clock: str                      # formats.Notes.clock: "wall", "elapsed" or NO_CLOCK
+
+
+class Conversions:
+    """Other tools' logs converted into TLS files in one scratch folder, each once (by its path), kept as
+    long as this object lives: a replay of several runs reads each file's losses from its conversion to
+    tell the runs apart, then replays the same conversion."""
+
+    def __init__(self) -> None:
+        self._scratch = None
+        self._done: dict[Path, Converted] = {}
+
+    def of(self, path: Path, kind: str | None = None) -> Converted:
+        path = Path(path)
+        if path not in self._done:
+            if self._scratch is None:
+                import tempfile
+                self._scratch = tempfile.TemporaryDirectory(prefix="trainguard-replay-")
+            target = Path(self._scratch.name) / f"{len(self._done)}-{path.name}.jsonl"
+            notes = formats.Notes()
+            with open(target, "wb") as out:
+                written, unmapped = formats.write_tls(path, out, notes=notes)
+            self._done[path] = Converted(target, written, tuple(unmapped), tuple(notes.lines(str(path))),
+                                         notes.clock)
+        return self._done[path]
+
+    def training_losses(self, path: Path) -> dict[int, float]:
+        """{step: loss} of a log's training records, read from its conversion (the typed reader: a record
+        it refuses is the replay's to name, not a loss here)."""
+        losses: dict[int, float] = {}
+        for records, _ in _typed_chunks(self.of(path).target, Problems()):
+            for record in records:
+                if record.step is not None and record.metrics is not None and record.metrics.loss is not None:
+                    losses.setdefault(record.step, record.metrics.loss)
+        return losses
 
 
 # ---------------------------------------------------------------------------------------- stream
@@ -491,9 +530,12 @@ class Stream:
     carry no rank): the engine follows that rank's steps so several ranks' copies count once.
     """
 
-    def __init__(self, paths: Iterable[str | os.PathLike], *, full: bool = False):
+    def __init__(self, paths: Iterable[str | os.PathLike], *, full: bool = False,
+                 conversions: "Conversions | None" = None):
         self.problems = Problems()
-        self._scratch = None
+        # Other tools' logs as TLS: this stream's own (its scratch folder lives as long as it), or those of a
+        # replay of several runs, which converted each file once to tell the runs apart (replay.sections).
+        self.conversions = conversions if conversions is not None else Conversions()
         self.notes: list[str] = []              # what other tools' logs held that was passed over on purpose
         self.without_clock: list[Path] = []     # inputs whose records' times are steps (formats.NO_CLOCK)
         self.sources = expand(paths)             # the inputs as found (what a user names); `files` is what is read
@@ -509,31 +551,25 @@ class Stream:
 
     def _as_tls(self, files: list[Path]) -> list[Path]:
         """The one place other tools' logs enter replay: each file that is not TLS by its content
-        (trainguard.formats) is converted into a TLS file in a scratch folder that lives as long as the
-        stream, and read from there on; what could not be mapped is a malformed entry of the original file."""
+        (trainguard.formats) is converted into a TLS file in a scratch folder (`Conversions`), and read from
+        there on; what could not be mapped is a malformed entry of the original file."""
         converted = []
-        for index, path in enumerate(files):
+        for path in files:
             kind = formats.detect(path)
             if kind == formats.TLS:
                 if _says_no_clock(path):      # what `trainguard convert` wrote of one
                     self.without_clock.append(path)
                 converted.append(path)
                 continue
-            if self._scratch is None:
-                import tempfile
-                self._scratch = tempfile.TemporaryDirectory(prefix="trainguard-replay-")
-            target = Path(self._scratch.name) / f"{index}-{path.name}.jsonl"
-            notes = formats.Notes()
-            with open(target, "wb") as out:
-                written, unmapped = formats.write_tls(path, out, notes=notes)
-            for problem in unmapped:
+            done = self.conversions.of(path, kind)
+            for problem in done.unmapped:
                 self.problems.add(problem.file, problem.position, f"{problem.where}: {problem.error}")
-            self.notes += notes.lines(str(path))
-            if not written:
+            self.notes += done.notes
+            if not done.written:
                 self.notes.append(f"{path}: read as a {kind} log, and no record in it")
-            if notes.clock == formats.NO_CLOCK:
+            if done.clock == formats.NO_CLOCK:
                 self.without_clock.append(path)
-            converted.append(target)
+            converted.append(done.target)
         return converted
 
     def claim(self) -> None:

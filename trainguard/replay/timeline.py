@@ -146,8 +146,10 @@ def _alert(alert: rules.FiredAlert) -> dict:
 
 def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None, *,
                 rules_dir: str | os.PathLike | None = None, scrape_interval: float = DEFAULT_SCRAPE_INTERVAL,
-                hold: float = 0.0, keep_test: str | os.PathLike | None = None) -> Result:
+                hold: float = 0.0, keep_test: str | os.PathLike | None = None,
+                conversions: source.Conversions | None = None) -> Result:
     """Replay the logs through the guard and the cost meter, and the alert rules when `rules_dir` is given.
+    `conversions`: other tools' logs already converted to TLS (a replay of several runs: replay.sections).
 
     Raises source.InputError (no such input), rules.RulesError (rule files, promtool)."""
     policy = policy or Policy()
@@ -156,7 +158,7 @@ def replay_logs(paths: Iterable[str | os.PathLike], policy: Policy | None = None
     if rules_dir is not None:
         rules.rule_files(rules_dir)          # refuse a bad rules directory before reading any log
         rules.promtool()
-    stream = source.Stream(paths, full=rules_dir is not None)
+    stream = source.Stream(paths, full=rules_dir is not None, conversions=conversions)
     if stream.without_clock and rules_dir is not None:
         raise source.InputError(f"{stream.without_clock[0]}: has no wall clock (its records are ordered by step): "
                                 "the alert rules need time; replay it without --rules")

@@ -3,6 +3,8 @@
     .venv/bin/python bench/bench_efficacy.py                     # embedded path: guard, cost meter, stall watchdog
     .venv/bin/python bench/bench_efficacy.py --rules alerts      # and the alert rules, by promtool (Prometheus's engine)
     .venv/bin/python bench/bench_efficacy.py --json score.json   # the per-case findings too
+    .venv/bin/python bench/bench_efficacy.py --phase DIR [DIR ...]    # healthy logs from each chunk phase
+    .venv/bin/python bench/bench_efficacy.py --stress 30 --offsets 8  # more seeds: the soak's shape, slow divergence
 
 The corpus is tests/efficacy/corpus.py: generated shapes of healthy training (plain, heavy-tailed noise,
 loss-scaler overflows, a data-mix change, an annealing phase, a restart appended to the log, warm-up
@@ -175,6 +177,57 @@ def report(summary: dict, findings: list[Finding], path: str, seconds: float, sk
     return "\n".join(lines)
 
 
+def phase_rows(folders: list[str], offsets: int, policy: Policy) -> list[tuple[str, list[int], dict]]:
+    """Healthy recorded runs (a folder of TLS logs each; its rank-0.jsonl, every rank logs the same global loss)
+    replayed from each of `offsets` starting points: the first k step records left out, so the guard's
+    chunks start at another step (the loss-drift rule's verdict once depended on it). Per folder: the offsets
+    at which there was an action, and every action taken by (action, reason); a healthy run should have none."""
+    rows = []
+    for folder in folders:
+        text = (Path(folder) / "rank-0.jsonl").read_text().splitlines(keepends=True)
+        steps = [i for i, line in enumerate(text) if '"metrics"' in line and '"loss"' in line]
+        taken: dict[tuple[str, str], int] = defaultdict(int)
+        acting = []
+        with tempfile.TemporaryDirectory(prefix="phase-") as tmp:
+            for offset in range(offsets):
+                dropped = set(steps[:offset])
+                (Path(tmp) / "rank-0.jsonl").write_text("".join(line for i, line in enumerate(text) if i not in dropped))
+                actions = timeline.replay_logs([tmp], policy).actions
+                for action in actions:
+                    taken[(action.action, action.reason)] += 1
+                if actions:
+                    acting.append(offset)
+        rows.append((folder, acting, dict(taken)))
+    return rows
+
+
+def phase(folders: list[str], offsets: int, policy: Policy) -> str:
+    lines = ["| log | offsets | offsets with an action | actions (all offsets) |", "|---|---|---|---|"]
+    for folder, acting, taken in phase_rows(folders, offsets, policy):
+        lines.append(f"| {folder} | 0..{offsets - 1} | {len(acting)} {acting if acting else ''} | "
+                     f"{', '.join(f'{a} {r}: {n}' for (a, r), n in sorted(taken.items())) or 'none'} |")
+    return "\n".join(lines)
+
+
+def stress(seeds: int, offsets: int, policy: Policy) -> str:
+    """Beyond the corpus's seeds: the soak's healthy shape (corpus.soak_healthy, 9,000 steps) for `seeds` seeds
+    from `offsets` chunk phases each, and slow divergences (corpus.slow_divergence, 3,000 steps) for `seeds`
+    more seeds, scored as the corpus scores them (a rollback after the onset, before the trend is +20%)."""
+    with tempfile.TemporaryDirectory(prefix="stress-") as tmp:
+        folders = [str(corpus.soak_healthy(seed, 9_000).write(Path(tmp))) for seed in range(seeds)]
+        acting = [f"- {Path(folder).name}: offsets {offs}, {taken}" for folder, offs, taken in
+                  phase_rows(folders, offsets, policy) if offs]
+        findings = [score_case(corpus.slow_divergence(seed, 3_000), Path(tmp), policy, None)
+                    for seed in range(6, 6 + seeds)]
+    delays = sorted(d for f in findings for _, _, d in f.hits if d is not None)
+    late = [f.case for f in findings if f.misses]
+    lines = [f"soak_healthy: {seeds} seeds x {offsets} offsets, {len(acting)} seeds with an action"] + acting
+    lines.append(f"slow_divergence: {len(findings)} seeds (6..{5 + seeds}), {len(late)} without a rollback in time "
+                 f"{late if late else ''}; steps from the onset to it: median "
+                 f"{delays[len(delays) // 2] if delays else '-'}, max {delays[-1] if delays else '-'}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rules", help="alert rules directory: score the alerts too (needs promtool)")
@@ -182,7 +235,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="only the cases whose name contains this")
     parser.add_argument("--no-real", action="store_true", help="leave the real logs out")
     parser.add_argument("--json", help="write the summary and every finding here")
+    parser.add_argument("--phase", nargs="+", metavar="DIR", help="instead: these healthy runs' logs replayed from "
+                        "each chunk phase (--offsets starting points); any action is wrong")
+    parser.add_argument("--offsets", type=int, default=32, help="starting points for --phase (default 32)")
+    parser.add_argument("--stress", type=int, default=0, metavar="SEEDS", help="instead: the soak's healthy shape "
+                        "and slow divergence over this many seeds (--offsets phases each for the healthy)")
     args = parser.parse_args(argv)
+    if args.stress:
+        print(stress(args.stress, args.offsets, Policy()))
+        return 0
+    if args.phase:
+        print(phase(args.phase, args.offsets, Policy()))
+        return 0
     cases = list(corpus.generated(args.scale))
     skipped_real = ""
     if args.no_real:

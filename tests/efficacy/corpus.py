@@ -211,6 +211,45 @@ def warmup_healthy(seed: int, steps: int) -> Case:
                 {"rank-0.jsonl": records})
 
 
+def _clustered(rng: random.Random, steps: int, keep: float, sigma: float) -> list[float]:
+    """An AR(1) series: each value `keep` times the one before plus Gaussian noise, `sigma` its spread."""
+    out, value, noise = [], 0.0, sigma * math.sqrt(1 - keep * keep)
+    for _ in range(steps):
+        value = keep * value + rng.gauss(0, noise)
+        out.append(value)
+    return out
+
+
+def soak_healthy(seed: int, steps: int) -> Case:
+    """The soak's fault-free reference (bench/bench_soak.py: `trainguard train`, the tiny byte-level model
+    reading the standard library's source in order, 4 ranks): a loss that falls fast, then wanders by about
+    10% over hundreds of steps (easier and harder files) and by 8% in clusters of a few steps, with 5% noise
+    per step; every 1500-3000 steps a hard stretch of 8-14 steps at 1.4-1.85 times the loss, the gradient
+    norm unmoved; and a gradient norm that climbs from 0.85 towards 2.35 over the run (as the soak's did,
+    at a constant learning rate) with 20% noise in clusters of a step or two and a 3.5% slow wander. Its
+    statistics are those of the soak's logs (docs/benchmarks.md, "LossDrift and hard batches on healthy
+    runs"): the old drift rule rolled back both, and the old spike rule skipped the hard stretches."""
+    rng = random.Random(seed)
+    slow, fast, white = (_clustered(rng, steps, keep, sigma) for keep, sigma in ((0.995, 0.10), (0.8, 0.08),
+                                                                                   (0.0, 0.05)))
+    hard: dict[int, float] = {}
+    at = rng.randint(1500, 3000)
+    while at < steps - 20:
+        hard.update((step, rng.uniform(1.4, 1.85)) for step in range(at, at + rng.randint(8, 14)))
+        at += rng.randint(1500, 3000)
+    wander, clusters = _clustered(rng, steps, 0.99, 0.035), _clustered(rng, steps, 0.45, 0.2)
+    records, when = [], T0
+    for i in range(steps):
+        step = i + 1
+        when += 0.2
+        base = 1.45 + 1.5 * math.exp(-i / 350) - 0.1 * i / steps
+        loss = base * math.exp(slow[i] + fast[i] + white[i]) * hard.get(step, 1.0)
+        grad = (0.85 + 1.5 * (1 - math.exp(-i / 3000))) * math.exp(wander[i] + clusters[i])
+        records.append(_record(step, when, loss, grad, step_time=0.2))
+    return Case(f"soak-healthy-s{seed}-n{steps}", "soak_healthy", True, {"none": True}, {"rank-0.jsonl": records},
+                onset=min(hard) if hard else None)
+
+
 # -------------------------------------------------------------------------------------------- faults
 
 def spike(seed: int, steps: int) -> Case:
@@ -387,6 +426,7 @@ def generated(scale: float = 1.0) -> Iterator[Case]:
             yield explosion(seed, n(steps))
             yield slow_divergence(seed, n(steps) + 1000)
         yield heavy_tailed(seed, n(30_000))
+        yield soak_healthy(seed, n(9_000))
         yield warmup_healthy(seed, 400)
         yield warmup_spike(seed, 400)
         yield hang(seed, 600)

@@ -51,12 +51,20 @@ def test_a_data_mix_change_is_a_new_level_not_a_rollback(tmp_path, anneal):
     assert len(found) < GuardPolicy().shift_steps and all(step >= case.onset for _, step in found)
 
 
-def test_the_guard_accepts_the_new_level_and_says_so():
+@pytest.mark.parametrize("norms", [True, False])
+def test_the_guard_accepts_the_new_level_and_says_so(norms):
+    """With a normal gradient norm beside them the steps of the new level are not skipped (their updates are
+    ordinary ones); in a loss-only log they are, while the guard tells a new level from a spike."""
+    def norm(step: int) -> float | None:
+        return 1.0 + 0.01 * (step % 3) if norms else None
+
     guard, losses = Guard(), [3.0 + 0.01 * (i % 5) for i in range(200)]
     for step, loss in enumerate(losses, 1):
-        assert not guard.observe(StepStats(step, loss, 1.0, None, float(step)))
-    decisions = [guard.observe(StepStats(200 + i, 3.6 + 0.01 * (i % 5), 1.0, None, 200.0 + i)) for i in range(1, 301)]
-    assert [d.action for d in decisions if d] == ["skip_step"] * (GuardPolicy().shift_steps - 1)
+        assert not guard.observe(StepStats(step, loss, norm(step), None, float(step)))
+    decisions = [guard.observe(StepStats(200 + i, 3.6 + 0.01 * (i % 5), norm(i), None, 200.0 + i)) for i in range(1, 301)]
+    shifting = [d for d in decisions if d.reason]
+    assert [d.detail["level_shift"] for d in shifting] == list(range(1, GuardPolicy().shift_steps))
+    assert [d.action for d in shifting] == [None if norms else "skip_step"] * (GuardPolicy().shift_steps - 1)
     (notice,) = guard.notices
     assert notice["type"] == "loss_level_shift" and notice["loss_after"] > 3.5
 
@@ -107,7 +115,7 @@ def drifting(count: int, at: int, seed: int = 0) -> dict:
     return run
 
 
-@pytest.mark.parametrize("case", ["drift", "warmup", "restart", "overflow", "shift"])
+@pytest.mark.parametrize("case", ["drift", "warmup", "restart", "overflow", "shift", "hard_batches"])
 def test_replay_blocks_decide_the_new_shapes_as_the_guard_does(case):
     run = drifting(6_000, 3_000) if case == "drift" else healthy(6_000, seed=3)
     if case == "warmup":
@@ -121,6 +129,12 @@ def test_replay_blocks_decide_the_new_shapes_as_the_guard_does(case):
         run["grads"][[500, 1_700, 1_701, 4_000]] = [np.inf, np.nan, np.inf, np.inf]
     elif case == "shift":
         run["losses"][2_000:] *= 1.3
+        run["losses"][4_000] = np.nan               # something to decide after the new level (accepted silently)
+    elif case == "hard_batches":                    # the soak's hard stretches: not acted on, not learned
+        for at, factor in ((1_500, 1.7), (2_600, 2.4), (4_100, 1.9)):
+            run["losses"][at:at + 12] *= factor
+            run["losses"][at + 3] *= 0.9            # one step back in the band: learned, the run broken
+        run["losses"][5_000:5_003] *= 20.0          # beyond hard_batch_loss_factor: skips, then a rollback
     guard, by_steps = Guard(), Guard()
     found = batch.guard_block(guard, block(run))
     assert found, "the case must make the guard act"

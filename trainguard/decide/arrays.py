@@ -64,12 +64,16 @@ def largest_moves(held: deque[float], means: Array) -> Array:
     return windows[len(held):len(held) + len(means)].max(axis=1)     # windows[q]: the moves into chain[q]
 
 
-def sliding_min(held: deque[float], means: Array) -> Array:
-    """Before each of `means`: the least of the last `held.maxlen` chunk means (those held, then the new
-    ones before it); +inf where none."""
+def pair_floors(held: deque[float], means: Array) -> Array:
+    """Before each of `means`: the least mean of two consecutive chunk means among the last `held.maxlen`
+    (those held, then the new ones before it), as `guard.pair_floor` finds it; +inf where there is no pair.
+    pairs[k] is (chain[k] + chain[k + 1]) / 2, the loop's operations; before chain[q] the window holds
+    pairs[q - size : q - 1]."""
     size = held.maxlen or 0
-    padded = np.concatenate((np.full(size, np.inf), np.fromiter(held, np.float64, len(held)), means))
-    windows = np.lib.stride_tricks.sliding_window_view(padded, size)
+    chain = np.concatenate((np.fromiter(held, np.float64, len(held)), means))
+    pairs = (chain[:-1] + chain[1:]) / 2
+    padded = np.concatenate((np.full(size, np.inf), pairs))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, size - 1)
     return windows[len(held):len(held) + len(means)].min(axis=1)
 
 

@@ -16,8 +16,14 @@ Healthy shapes that look bad step by step are the escalation's to tell apart (do
 - a non-finite gradient norm beside a finite loss is the fp16/bf16 loss scaler's overflow: skipped, and
   counted toward a rollback only from the ``overflow_burst``-th in a row;
 - a loss above its band, but within ``shift_loss_factor`` of its mean, while the gradient norm stays
-  normal may be a level shift (a data-mix change, an annealing phase): skipped without counting, and after ``shift_steps`` such steps in a row the band
-  starts again from the new level (`Guard.notices` says so, for the human);
+  normal may be a level shift (a data-mix change, an annealing phase) or a hard batch: not counted, and
+  after ``shift_steps`` such steps in a row the band starts again from the new level (`Guard.notices`
+  says so, for the human);
+- a loss above its band, but within ``hard_batch_loss_factor`` of its mean, whose gradient norm is logged
+  and normal is not skipped: the step's update is an ordinary one, so skipping it protects nothing (a
+  healthy run's hard data: a tiny model reading text files in order meets a file that doubles its loss
+  for a dozen steps, the norm unmoved). It is not learned nor counted. Without a norm (a loss-only log)
+  the loss alone decides: such a step is skipped, as a possible level shift or a spike;
 - a rollback that could not be carried out is taken back (`Guard.rollback_not_done`), so it never counts
   toward the limit that stops the run.
 
@@ -532,12 +538,16 @@ class LossDriftConfig:
     """`LossDrift`: a slow divergence, judged on the means of chunks of healthy steps."""
 
     drift_chunk: int = key(32, at_least(1, 10**6), "healthy steps whose mean loss and gradient norm make one chunk")
-    drift_chunks: int = key(16, at_least(1, 10**6), "chunk means held: the floor is the least of them")
-    drift_min_chunks: int = key(4, at_least(1, 10**6), "chunk means needed before the rule judges")
-    drift_loss_ratio: float = key(0.10, above(0), "a chunk's mean loss this far (relative) above the floor ...")
-    drift_grad_ratio: float = key(0.25, above(0), "... while its mean gradient norm is this far above its own floor ...")
-    drift_steadiness: float = key(2.0, above(0), "... and the rise is more than this many times the largest move "
-                                  "between two chunk means: a rollback at once")
+    drift_chunks: int = key(16, at_least(2, 10**6), "chunk means held: the floor is the least mean of two "
+                            "consecutive ones among them")
+    drift_min_chunks: int = key(4, at_least(2, 10**6), "chunk means needed before the rule judges")
+    drift_loss_ratio: float = key(0.04, above(0), "a chunk's mean loss this far (relative) above the floor ...")
+    drift_grad_ratio: float = key(0.10, above(0), "... while its mean gradient norm is this far above its own floor ...")
+    drift_steadiness: float = key(2.5, above(0), "... the loss's rise more than this many times the largest move "
+                                  "between two chunk means ...")
+    drift_grad_steadiness: float = key(2.0, above(0), "... and the gradient norm's rise more than this many times the "
+                                       "largest move of its own: two chunks in a row so make a drift, a rollback "
+                                       "at once")
 
     def cross_check(self, where: str) -> str | None:
         if self.drift_min_chunks > self.drift_chunks:
@@ -546,17 +556,40 @@ class LossDriftConfig:
         return None
 
 
+def pair_floor(means: Iterable[float]) -> float:
+    """The least mean of two consecutive chunk means (arrays.pair_floors is this, over a block): one chunk
+    lower than its neighbours by chance does not set the floor."""
+    return min((before + after) / 2 for before, after in itertools.pairwise(means))
+
+
+def largest_move(means: Iterable[float], last: float) -> float:
+    """The largest move from one chunk mean to the next over `means`, then `last` (arrays.largest_moves)."""
+    held = list(means)
+    largest = abs(last - held[-1])
+    for before, after in itertools.pairwise(held):
+        largest = max(largest, abs(after - before))
+    return largest
+
+
 class LossDrift:
-    """A slow divergence: the loss climbing by tens of percent over hundreds of steps, the gradient norm
-    rising gently with it, no single step outside any band. Healthy steps are taken in chunks of `chunk`;
-    at the step that completes a chunk, its mean loss more than `loss_ratio` above the least chunk mean
-    of the last `chunks` (once `min_chunks` are held), its mean gradient norm more than `grad_ratio`
-    above theirs, and the rise more than `steadiness` times the largest move from one chunk mean to the
-    next in that span, is a drift: a climb made of small steps, where the run's own wander (a tiny model's
-    loss moves tens of percent over a hundred steps and back) or one sudden step is not. A chunk mean trails the loss by half a chunk, so at the defaults it acts
-    while the loss is about 12-16% above its floor, before 20%. A level shift (data mix) has normal
-    gradients and is left to the escalation; a healthy run's loss falls, so its floor is its latest.
-    It asks for a rollback at once (`rolls_back`) and starts again after one.
+    """A slow divergence: the loss climbing by tens of percent over hundreds of steps and the gradient norm
+    climbing with it, no single step outside any band. Healthy steps are taken in chunks of `chunk`; a chunk
+    climbs when, against the last `chunks` chunk means (once `min_chunks` are held):
+    - its mean loss is more than `loss_ratio` above the floor, and its mean gradient norm more than
+      `grad_ratio` above the gradient's floor; a floor is the least mean of two consecutive chunk means,
+      so one chunk that is low by chance (a noisy run's least of 16 is far below its level) does not set it;
+    - the loss's rise is more than `steadiness` times the largest move from one chunk mean to the next in
+      that span, and the gradient norm's rise more than `grad_steadiness` times its own: a climb made of
+      small steps by both, where the run's own wander, one sudden step, or a loss that climbs while the
+      gradient norm only wanders (a run of harder data) is not.
+    Two chunks in a row that climb are a drift: one chunk can climb by chance where the data wanders
+    (a tiny model on text files read in order: its chunk means move by 10-20% and back), two seldom do, and
+    judging the second chunk also makes the verdict depend less on where the chunks start. At the defaults
+    it acts while the loss's trend is 8-25% above its floor (median 13%; before 20% in 36 of 39 of the
+    efficacy corpus's slow divergences: docs/benchmarks.md, "LossDrift and hard batches on healthy
+    runs"). A level shift (data mix) has normal gradients and is left to the
+    escalation; a healthy run's loss falls, so its floor is its latest. It asks for a rollback at once
+    (`rolls_back`) and starts again after one.
 
     A step without a gradient norm is neither judged nor learned here: without the gradient's witness a
     steady climb of the loss cannot be told from a healthy run's wander or a planned change, so on a
@@ -567,30 +600,33 @@ class LossDrift:
     rolls_back = True
 
     def __init__(self, chunk: int, chunks: int, min_chunks: int, loss_ratio: float, grad_ratio: float,
-                 steadiness: float):
+                 steadiness: float, grad_steadiness: float):
         self.chunk, self.min_chunks, self.loss_ratio, self.grad_ratio = chunk, min_chunks, loss_ratio, grad_ratio
-        self.steadiness = steadiness
+        self.steadiness, self.grad_steadiness = steadiness, grad_steadiness
         self.loss_sum = self.grad_sum = 0.0
         self.count = 0
         self.loss_means: deque[float] = deque(maxlen=chunks)
         self.grad_means: deque[float] = deque(maxlen=chunks)
+        self.climbing = False       # the last chunk completed climbed (a drift needs two in a row)
 
-    def check(self, stats: StepStats) -> Detail | None:
-        if stats.grad_norm is None or self.count != self.chunk - 1 or len(self.loss_means) < self.min_chunks:
+    def climbs(self, loss: float, grad: float) -> Detail | None:
+        """Whether a chunk of these means climbs against the chunk means held (the detail of it), else None."""
+        if len(self.loss_means) < max(self.min_chunks, 2):
             return None
-        loss = (self.loss_sum + stats.loss) / self.chunk
-        grad = (self.grad_sum + stats.grad_norm) / self.chunk
-        loss_floor, grad_floor = min(self.loss_means), min(self.grad_means)
-        rise = loss - loss_floor
-        if not (rise > self.loss_ratio * abs(loss_floor) and grad - grad_floor > self.grad_ratio * abs(grad_floor)):
+        loss_floor, grad_floor = pair_floor(self.loss_means), pair_floor(self.grad_means)
+        rise, grad_rise = loss - loss_floor, grad - grad_floor
+        if not (rise > self.loss_ratio * abs(loss_floor) and grad_rise > self.grad_ratio * abs(grad_floor)):
             return None
-        largest = abs(loss - self.loss_means[-1])       # the largest move from one chunk to the next
-        for before, after in itertools.pairwise(self.loss_means):
-            largest = max(largest, abs(after - before))
-        if not rise > self.steadiness * largest:
+        if not (rise > self.steadiness * largest_move(self.loss_means, loss)
+                and grad_rise > self.grad_steadiness * largest_move(self.grad_means, grad)):
             return None
         return {"loss_mean": loss, "loss_floor": loss_floor, "grad_norm_mean": grad, "grad_norm_floor": grad_floor,
-                "steps": self.chunk}
+                "steps": 2 * self.chunk}
+
+    def check(self, stats: StepStats) -> Detail | None:
+        if stats.grad_norm is None or self.count != self.chunk - 1 or not self.climbing:
+            return None
+        return self.climbs((self.loss_sum + stats.loss) / self.chunk, (self.grad_sum + stats.grad_norm) / self.chunk)
 
     def learn(self, stats: StepStats) -> None:
         if stats.grad_norm is None:
@@ -599,26 +635,30 @@ class LossDrift:
         self.grad_sum += stats.grad_norm
         self.count += 1
         if self.count == self.chunk:
-            self.loss_means.append(self.loss_sum / self.chunk)
-            self.grad_means.append(self.grad_sum / self.chunk)
+            loss, grad = self.loss_sum / self.chunk, self.grad_sum / self.chunk
+            self.climbing = self.climbs(loss, grad) is not None
+            self.loss_means.append(loss)
+            self.grad_means.append(grad)
             self.loss_sum = self.grad_sum = 0.0
             self.count = 0
 
     def screens(self, rows: Rows) -> bool:
-        return self.chunk >= 1 and (self.loss_means.maxlen or 0) >= 1 and 0 <= self.count < self.chunk
+        return self.chunk >= 1 and (self.loss_means.maxlen or 0) >= 2 and 0 <= self.count < self.chunk
 
     def screen(self, rows: Rows, start: int, end: int) -> tuple[Array, Learn]:
         """`check` at every step that would complete a chunk: each chunk's sums as `learn` adds them
-        (`np.cumsum` along the chunk, from the sums held for the first), its means, the least of the chunk
-        means held before it (a sliding minimum), the test elementwise."""
+        (`np.cumsum` along the chunk, from the sums held for the first), its means, the floors and the
+        largest moves over the chunk means held before it (sliding windows), whether each chunk climbs,
+        elementwise, and a drift where a chunk climbs after one that did."""
         import numpy as np      # replay's: the live guard judges one step at a time and starts without numpy
 
-        from trainguard.decide.arrays import chunk_sums, largest_moves, running_sum, sliding_min
+        from trainguard.decide.arrays import chunk_sums, largest_moves, pair_floors, running_sum
 
         chunk, count = self.chunk, end - start
         first = chunk - self.count                      # steps to the end of the chunk being filled
         ends = np.arange(first - 1, count, chunk)       # positions that complete a chunk
         columns = (rows.losses[start:end], rows.grad_norms[start:end])
+        climbs = np.zeros(len(ends), dtype=bool)
         with np.errstate(all="ignore"):
             sums = [chunk_sums(column, held, first, len(ends), chunk)
                     for column, held in zip(columns, (self.loss_sum, self.grad_sum))]
@@ -626,14 +666,16 @@ class LossDrift:
             flagged = np.zeros(count, dtype=bool)
             if len(ends):
                 held = len(self.loss_means)
-                loss_floor = sliding_min(self.loss_means, means[0])
-                grad_floor = sliding_min(self.grad_means, means[1])
+                loss_floor, grad_floor = pair_floors(self.loss_means, means[0]), pair_floors(self.grad_means, means[1])
                 size = np.minimum(np.arange(held, held + len(ends)), self.loss_means.maxlen or 0)
-                rise = means[0] - loss_floor
-                flagged[ends] = ((size >= self.min_chunks)
-                                 & (rise > self.loss_ratio * np.abs(loss_floor))
-                                 & (means[1] - grad_floor > self.grad_ratio * np.abs(grad_floor))
-                                 & (rise > self.steadiness * largest_moves(self.loss_means, means[0])))
+                rise, grad_rise = means[0] - loss_floor, means[1] - grad_floor
+                climbs = ((size >= max(self.min_chunks, 2))
+                          & (rise > self.loss_ratio * np.abs(loss_floor))
+                          & (grad_rise > self.grad_ratio * np.abs(grad_floor))
+                          & (rise > self.steadiness * largest_moves(self.loss_means, means[0]))
+                          & (grad_rise > self.grad_steadiness * largest_moves(self.grad_means, means[1])))
+                after = np.concatenate(([self.climbing], climbs[:-1]))   # the chunk before each climbed
+                flagged[ends] = climbs & after
 
         def learn(healthy: int) -> None:
             done = int(np.searchsorted(ends, healthy))    # chunks completed within the healthy prefix
@@ -644,6 +686,8 @@ class LossDrift:
             self.count = (self.count if not done else 0) + healthy - begin
             self.loss_sum = running_sum(held_loss, columns[0][begin:healthy])
             self.grad_sum = running_sum(held_grad, columns[1][begin:healthy])
+            if done:
+                self.climbing = bool(climbs[done - 1])
 
         return flagged, learn
 
@@ -653,16 +697,19 @@ class LossDrift:
         self.count = 0
         self.loss_means.clear()
         self.grad_means.clear()
+        self.climbing = False
 
     def state_dict(self) -> dict[str, Any]:
         return {"drift_sums": [self.loss_sum, self.grad_sum, self.count],
-                "drift_loss_means": list(self.loss_means), "drift_grad_means": list(self.grad_means)}
+                "drift_loss_means": list(self.loss_means), "drift_grad_means": list(self.grad_means),
+                "drift_climbing": self.climbing}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         loss_sum, grad_sum, count = state.get("drift_sums", [0.0, 0.0, 0])
         self.loss_sum, self.grad_sum, self.count = float(loss_sum), float(grad_sum), int(count)
         self.loss_means = deque(state.get("drift_loss_means", []), maxlen=self.loss_means.maxlen)
         self.grad_means = deque(state.get("drift_grad_means", []), maxlen=self.grad_means.maxlen)
+        self.climbing = bool(state.get("drift_climbing", False))
 
 
 @dataclass(frozen=True)
@@ -681,6 +728,9 @@ class EscalationConfig:
     shift_grad_factor: float = key(2.0, above(1), "gradients are normal while the norm is under this many times "
                                    "its EMA")
     shift_loss_factor: float = key(2.0, above(1), "a new level is at most this many times the band's mean loss")
+    hard_batch_loss_factor: float = key(3.0, above(1), "a loss above its band beside a logged, normal gradient norm "
+                                        "is a hard batch (neither skipped nor counted) up to this many times the "
+                                        "band's mean loss")
 
     def cross_check(self, where: str) -> str | None:
         if self.rollback_after > self.rollback_window:
@@ -716,7 +766,7 @@ def rules(policy: GuardPolicy) -> tuple[Rule, ...]:
         GradClimb(policy.grad_climb_sigma, policy.grad_climb_window, policy.grad_climb_min_steps,
                   policy.grad_climb_steps, policy.grad_climb_lag),
         LossDrift(policy.drift_chunk, policy.drift_chunks, policy.drift_min_chunks, policy.drift_loss_ratio,
-                  policy.drift_grad_ratio, policy.drift_steadiness),
+                  policy.drift_grad_ratio, policy.drift_steadiness, policy.drift_grad_steadiness),
     )
 
 
@@ -810,16 +860,25 @@ class Guard:
 
     def _escalate(self, stats: StepStats, rule: Rule, detail: Detail) -> Decision:
         """A bad step: skip it; too many in a window: roll back; too many rollbacks an hour: stop. Loss-scaler
-        overflows and level shifts are skipped without counting (see the module's docstring)."""
+        overflows are skipped without counting, level shifts are not counted (nor skipped beside a normal
+        norm), hard batches are neither (see the module's docstring)."""
         policy, step, timestamp, reason = self.policy, stats.step, stats.timestamp, rule.reason
+        # A loss above its band beside a gradient norm that is logged and normal: the update is an ordinary
+        # one, so skipping it protects nothing (a hard batch, a new level): neither skipped nor learned.
+        hard_batch = (isinstance(rule, LossSpike) and stats.grad_norm is not None and self._gradients_normal(stats)
+                      and self._within_a_shift(stats, rule, policy.hard_batch_loss_factor))
         if isinstance(rule, NonFinite) and math.isfinite(stats.loss) and stats.grad_norm is not None:
             run = self.overflows.extend(self.observed, stats.grad_norm)
             if run < policy.overflow_burst:
                 return Decision(SKIP_STEP, reason, step, timestamp, {**detail, "overflow": run})
-        elif isinstance(rule, LossSpike) and self._gradients_normal(stats) and self._within_a_shift(stats, rule):
+        elif isinstance(rule, LossSpike) and self._gradients_normal(stats) and self._within_a_shift(
+                stats, rule, policy.shift_loss_factor):
             if self.shift.extend(self.observed, stats.loss) < policy.shift_steps:
-                return Decision(SKIP_STEP, reason, step, timestamp, {**detail, "level_shift": len(self.shift.values)})
+                return Decision(None if hard_batch else SKIP_STEP, reason, step, timestamp,
+                                {**detail, "level_shift": len(self.shift.values)})
             return self._accept_shift(stats, rule)
+        elif hard_batch:        # over a level shift's factor, under the hard batch's: not counted either
+            return Decision(None, reason, step, timestamp, {**detail, "hard_batch": True})
         if isinstance(rule, (LossSpike, WarmupSpike)):
             self.recent_spikes.append(stats.loss)
         self.bad.append(self.observed)
@@ -856,11 +915,12 @@ class Guard:
         return (stats.grad_norm is not None and math.isfinite(stats.grad_norm)
                 and stats.grad_norm <= self.policy.shift_grad_factor * explosion.ema)
 
-    def _within_a_shift(self, stats: StepStats, spike: LossSpike) -> bool:
-        """Whether the loss is at most `shift_loss_factor` times the band's mean: a new data mix moves the
-        loss by tens of percent; a jump beyond is a spike whatever the gradients say."""
+    def _within_a_shift(self, stats: StepStats, spike: LossSpike, factor: float) -> bool:
+        """Whether the loss is at most `factor` times the band's mean: a new data mix moves the loss by tens of
+        percent (`shift_loss_factor`), a hard batch beside a normal gradient norm by up to about twice
+        (`hard_batch_loss_factor`); a jump beyond is a spike whatever the gradients say."""
         window = spike.window
-        return bool(len(window)) and abs(stats.loss) <= self.policy.shift_loss_factor * abs(window.total / len(window))
+        return bool(len(window)) and abs(stats.loss) <= factor * abs(window.total / len(window))
 
     def _accept_shift(self, stats: StepStats, spike: LossSpike) -> Decision:
         """`shift_steps` losses above the band in a row, the gradients normal: the loss has a new level.

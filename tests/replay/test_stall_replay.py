@@ -52,6 +52,20 @@ def test_steady_progress_and_a_finished_run_are_not_stalls(tmp_path):
     assert [a for a in _replay(run)["actions"] if a["action"] == "restore"] == []
 
 
+def test_a_recorded_rollback_or_restore_counts_the_steps_again_from_where_it_went_back(tmp_path):
+    """The soak's healthy reference: the guard rolled it back 4534 steps, and replay's watchdog, counting
+    only a step beyond the newest seen as progress, called the minutes of steady steps that followed a
+    stall. After a rollback or a restore (decide/stall.py's STARTED_EVENTS) they are progress, as live."""
+    for kind in ("rollback", event_types.CHECKPOINT_RESTORED, event_types.SNAPSHOT_RESTORED,
+                 event_types.IN_PROCESS_RESTART):
+        run = tmp_path / kind
+        before = _rank_steps(range(1, 301))
+        went_back = {"timestamp": T0 + 300, "rank": 0, "step": 300, "event": {"type": kind}}
+        after = _rank_steps(range(101, 401), start=T0 + 301)
+        _write(run / "tls" / "rank-0.jsonl", before + [went_back] + after)
+        assert [a for a in _replay(run)["actions"] if a["action"] == "restore"] == [], kind
+
+
 def test_recorded_replica_checks_replay_to_the_same_rollbacks(tmp_path):
     from trainguard.decide import replica
 

@@ -25,6 +25,10 @@ from trainguard.config import above, key
 
 # A rank whose log ends with one of these has finished (or was stopped) and is leaving: never a stall.
 ENDED_EVENTS = (event_types.RUN_END, actions.STOP)
+# A log with one of these went back to an earlier step on purpose (a new attempt, the guard's rollback, a
+# restore from a checkpoint or an in-memory snapshot): the steps after it count from where it went back to.
+STARTED_EVENTS = (event_types.RUN_START, actions.ROLLBACK, event_types.CHECKPOINT_RESTORED,
+                  event_types.SNAPSHOT_RESTORED, event_types.IN_PROCESS_RESTART)
 
 
 @dataclass(frozen=True)
@@ -86,8 +90,8 @@ class StallTracker:
     """The rule over a record stream: each record moves the clock, a record with a new step is progress.
 
     Feed records in time order (`observe`); a stall is returned once, when first seen. A step beyond the
-    newest seen is progress; a ``run_start`` (a new attempt, resuming from a checkpoint's earlier step)
-    starts the count again. Replay marks a restart appended to a log by a launcher that writes no
+    newest seen is progress; a ``run_start`` (a new attempt, resuming from a checkpoint's earlier step), a
+    rollback or a restore (`STARTED_EVENTS`) starts the count again. Replay marks a restart appended to a log by a launcher that writes no
     ``run_start`` as one (trainguard/replay/stall_pass.py: a file's step going back after a silence). After a ``run_end`` nothing is a stall until the next ``run_start``: logs of
     several sources interleave, and a node log a second behind still reaches the last step after it.
     """

@@ -25,7 +25,6 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from trainguard import event_types
 from trainguard.decide import stall as decide_stall
 from trainguard.replay import columns, parallel, source
 
@@ -107,7 +106,7 @@ def _stall_columns(records: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             kinds[i], written[i] = HAS_STEP, record.step
         event = record.event
         if event is not None:
-            kinds[i] |= (ENDED if event.type in decide_stall.ENDED_EVENTS else 0) | (STARTED if event.type == event_types.RUN_START else 0)
+            kinds[i] |= (ENDED if event.type in decide_stall.ENDED_EVENTS else 0) | (STARTED if event.type in decide_stall.STARTED_EVENTS else 0)
     return times, written, kinds
 
 
@@ -209,7 +208,7 @@ def _file_entries(path: Path, index: int, full: bool, stall_seconds: float = mat
             step = record.step if record.metrics is not None else None
             restart = (step is not None and last_step is not None and step <= last_step
                        and when - last_time > stall_seconds)
-            yield (when, index, ordinal, step, kind in decide_stall.ENDED_EVENTS, kind == event_types.RUN_START or restart)
+            yield (when, index, ordinal, step, kind in decide_stall.ENDED_EVENTS, kind in decide_stall.STARTED_EVENTS or restart)
             last_time = when
             last_step = step if step is not None else last_step
 

@@ -57,11 +57,19 @@ def training(policy: Policy) -> list[Group]:
               f"> trainguard:training_loss:median{BASELINE}\n"
               f"  + {num(guard.spike_sigma)} * trainguard:training_loss:robust_stddev{BASELINE}\n"
               f"  + 0.001 * abs(trainguard:training_loss:median{BASELINE})\n"
-              f"and count_over_time({STEPPING_LOSS}[{BASELINE}]) >= {BASELINE_MIN_SAMPLES}",
+              f"and count_over_time({STEPPING_LOSS}[{BASELINE}]) >= {BASELINE_MIN_SAMPLES}\n"
+              # The guard's hard batch (decide/guard.py): a loss within hard_batch_loss_factor of its
+              # baseline beside a normal gradient norm is an ordinary update on hard data, not a spike:
+              # no rollback (a run without a gradient norm has no such evidence and keeps the alert)
+              f"unless (trainguard_training_loss <= {num(guard.hard_batch_loss_factor)} * "
+              f"trainguard:training_loss:median{BASELINE}\n"
+              f"        and trainguard_training_grad_norm <= {num(guard.shift_grad_factor)} * "
+              f"trainguard:training_grad_norm:median{BASELINE})",
               SELF_HANDLED_SEVERITY, "Loss spike in run {{ $labels.run_id }} on {{ $labels.instance }}: {{ $value | printf \"%.4g\" }}",
               f"The loss is more than {num(guard.spike_sigma)} robust standard deviations above its "
-              f"{BASELINE} median. The run is rolled back to its last stable checkpoint, the data window "
-              "is skipped and the learning rate lowered.",
+              f"{BASELINE} median (and, when the gradient norm is normal, more than "
+              f"{num(guard.hard_batch_loss_factor)} times it: under that, a hard batch). The run is rolled "
+              "back to its last stable checkpoint, the data window is skipped and the learning rate lowered.",
               action=actions.ROLLBACK),
         # An infinite norm is an fp16/bf16 loss-scaler overflow: the scaler skips the step and lowers its
         # scale; an isolated one must not roll the run back or page anyone (the guard skips it). An

@@ -56,7 +56,8 @@ class SnapshotPace:
                 if self.counts_beside:
                     cost += _seconds(event.get("write_seconds"))
                 self.costs.append(cost)
-                self._replicating = {event.get("step"): len(self.costs) - 1}
+                step = event.get("step")
+                self._replicating = {step: len(self.costs) - 1} if isinstance(step, int) else {}
             elif kind == event_types.SNAPSHOT_REPLICATED and self.counts_beside and event.get("step") in self._replicating:
                 index = self._replicating.pop(event["step"])
                 if index < len(self.costs):     # the replication of that snapshot: part of its cost

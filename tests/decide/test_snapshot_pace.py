@@ -35,6 +35,7 @@ def fed(pace: SnapshotPace, snapshots: int, steps: int, step_seconds: float = 0.
 def test_the_interval_is_the_fewest_steps_that_keep_the_cost_within_the_budget():
     assert paced_every(5, cost_seconds=0.06, step_seconds=0.1, budget=0.02) == 30     # 0.06 / 0.002
     assert paced_every(5, cost_seconds=0.001, step_seconds=0.1, budget=0.02) == 5     # cheap: as given
+    assert paced_every(5, cost_seconds=0.062, step_seconds=0.1, budget=0.02) == 35    # 31, up to a multiple of 5
     assert paced_every(5, cost_seconds=0.0, step_seconds=0.1, budget=0.02) == 5
     assert paced_every(5, cost_seconds=0.06, step_seconds=0.1, budget=0.0) == 5       # off
 

@@ -118,8 +118,9 @@ def test_snapshots_that_cost_more_than_their_budget_are_taken_less_often(tmp_pat
     p.close()
     (paced,) = events(tmp_path / "run", event_types.SNAPSHOT_PACED)
     assert paced["given"] == 5 and paced["budget"] == 0.001 and paced["step_seconds"] == 0.01
-    # ceil(cost / (budget x step)), from a cost the event rounds to the microsecond
-    assert 5 < paced["snapshot_every"] == pytest.approx(paced["cost_seconds"] / (0.001 * 0.01), abs=1)
+    # ceil(cost / (budget x step)) up to a multiple of 5, from a cost the event rounds to the microsecond
+    assert 5 < paced["snapshot_every"] == pytest.approx(paced["cost_seconds"] / (0.001 * 0.01), abs=5)
+    assert paced["snapshot_every"] % 5 == 0
     taken = [e["step"] for e in events(tmp_path / "run", event_types.SNAPSHOT_SAVED)]
     before = [step for step in taken if step <= paced["step"]]
     assert before == list(range(5, paced["step"] + 1, 5))[:len(before)] and len(before) >= snapshot_pace.MIN_SAMPLES

@@ -8,7 +8,7 @@ may take 0.1 s or 10 s: the same five steps that cost 0.2% of a large model's ti
 one's. So rank 0 measures what its snapshots cost and how long its steps take, and stretches the interval
 until the snapshots take at most `budget` of the time (never below the interval it was given):
 
-    every = max(given, ceil(cost / (budget * step_seconds)))
+    every = max(given, ceil(cost / (budget * step_seconds))), rounded up to a multiple of given
 
 with the medians of the latest costs and step times (one slow snapshot or step does not move it), once
 `MIN_SAMPLES` of each are measured (the first steps and snapshots are the warm-up's: compiling, allocating). The
@@ -86,10 +86,13 @@ class SnapshotPace:
 
 
 def paced_every(given: int, cost_seconds: float, step_seconds: float, budget: float) -> int:
-    """At least `given`; enough steps that one snapshot's cost is at most `budget` of their time."""
+    """At least `given`; enough steps that one snapshot's cost is at most `budget` of their time, rounded up
+    to a multiple of `given` (the snapshots stay on the steps the policy names: a move from 5 to 31 would
+    take one at step 31 right after the one at 30)."""
     if not (cost_seconds > 0 and step_seconds > 0 and budget > 0):
         return given
-    return max(given, math.ceil(cost_seconds / (budget * step_seconds)))
+    needed = math.ceil(cost_seconds / (budget * step_seconds))
+    return max(given, given * math.ceil(needed / given))
 
 
 def _seconds(value: Any) -> float:

@@ -230,6 +230,7 @@ class Trainer:
         """After the group was re-formed and the state restored: DDP's reducer held the old group; the
         gradients and the schedule's phase are those of the restored step."""
         self.ddp = self._wrap(self.model, self.cfg.run.telemetry)
+        self.replicas.forget()       # the same checks on every rank, a standby's included
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.start(self.state.step, resumed=True)
 

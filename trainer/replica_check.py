@@ -66,6 +66,13 @@ class ReplicaChecks:
     def enabled(self) -> bool:
         return self.world > 1 and self.every > 0
 
+    def forget(self) -> None:
+        """After an in-process restore: the steps to come are trained again, and checked again on every
+        rank. A survivor that had checked step 3650 before the failure skipped its check when training 3650
+        again while a standby, fresh, did not: one rank in the check's all_gather, the others in the next
+        step's collectives (the 30-minute soak's second stop)."""
+        self.checked, self._grads, self.refusal = None, None, None
+
     def due(self, step: int) -> bool:
         return self.enabled and step % self.every == 0
 

@@ -96,3 +96,30 @@ def test_the_event_round_trips_and_replay_takes_the_same_decisions():
     live = ReplicaMonitor()
     expected = [v for v in map(live.observe, checks) if v is not None]
     assert list(replay(records)) == expected and expected[0].ranks == (1,)
+
+
+def test_after_an_in_process_restore_every_rank_checks_the_steps_trained_again(tmp_path, monkeypatch):
+    """The 30-minute soak's second stop: a survivor that had checked step 3650 before the failure skipped
+    that check when it trained 3650 again, while the standby that took a killed rank's place (fresh) did
+    not; one rank waited in the check's all_gather, the others in the next step's collectives.
+    `forget()` (the trainer's rebuild after every in-process restore) makes both check it."""
+    import torch
+
+    from trainer.replica_check import ReplicaChecks
+
+    def ranks_checks(nodes):
+        checks = ReplicaChecks([torch.nn.Parameter(torch.ones(2))], ["w"], every=50, world_size=2, rank=0,
+                               node="n1", run_dir=tmp_path, emit=lambda *a, **k: None, log=None, nodes=nodes)
+        checked = []
+        monkeypatch.setattr(checks, "check", lambda step: checked.append(step) or setattr(checks, "checked", step))
+        return checks, checked
+
+    survivor, survivor_checks = ranks_checks(("n1", "n2"))
+    survivor.after_step(3650)                     # before the failure (it went on to 3676)
+    standby, standby_checks = ranks_checks(("n1", "n2"))
+    for checks in (survivor, standby):            # the restore to 3634, then the rebuild on every rank
+        checks.forget()
+    for step in range(3635, 3651):
+        survivor.after_step(step)
+        standby.after_step(step)
+    assert survivor_checks == [3650, 3650] and standby_checks == [3650]

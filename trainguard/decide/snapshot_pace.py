@@ -45,7 +45,7 @@ class SnapshotPace:
     costs: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     step_times: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_SAMPLES))
     paced: int = 0                        # the interval last applied by this rule (0: none yet)
-    _replicating: dict[int, int] = field(default_factory=dict)   # snapshot step -> index in costs
+    _replicating: int | None = None       # the step of the latest snapshot, whose replication adds to its cost
 
     def observe(self, record: dict[str, Any]) -> None:
         event = record.get("event")
@@ -57,11 +57,11 @@ class SnapshotPace:
                     cost += _seconds(event.get("write_seconds"))
                 self.costs.append(cost)
                 step = event.get("step")
-                self._replicating = {step: len(self.costs) - 1} if isinstance(step, int) else {}
-            elif kind == event_types.SNAPSHOT_REPLICATED and self.counts_beside and event.get("step") in self._replicating:
-                index = self._replicating.pop(event["step"])
-                if index < len(self.costs):     # the replication of that snapshot: part of its cost
-                    self.costs[index] += _seconds(event.get("seconds"))
+                self._replicating = step if isinstance(step, int) else None
+            elif (kind == event_types.SNAPSHOT_REPLICATED and self.counts_beside and self._replicating is not None
+                  and event.get("step") == self._replicating):
+                self._replicating = None            # its replication: part of the latest snapshot's cost
+                self.costs[-1] += _seconds(event.get("seconds"))
         elif isinstance(record.get("metrics"), dict):
             seconds = record["metrics"].get("step_time_seconds")
             if isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0:

@@ -50,12 +50,14 @@ class ReplicaChecks:
         known already (a standby in a killed rank's place cannot gather them: the others do not)."""
         self.params, self.names = params, names
         self.shadow = shadow
-        self.key_file = key_file      # the run's checkpoint key signs the cordon (trainguard/cordon/__init__.py)
         self.every, self.world, self.rank = every, world_size, rank
         self.run_dir, self.emit, self.log = Path(run_dir), emit, log
         self.monitor = ReplicaMonitor(policy)
         self.fingerprints = fp.Fingerprinter()
         self.nodes = tuple(nodes) if nodes is not None else gather_nodes(node, world_size)
+        # the run's checkpoint key signs the cordons (runtime/cordon_key.py)
+        self.records = MismatchRecords(run_dir=self.run_dir, rank=rank, nodes=self.nodes, emit=emit, log=log,
+                                       key_file=key_file, shadow=shadow)
         self.step = 0                                 # the step being trained (after_backward's)
         self._grads: tuple[int, torch.Tensor] | None = None   # (step, gradients' fingerprint) to check
         self.checked: int | None = None               # step of the last check, whatever it found
@@ -144,7 +146,7 @@ class ReplicaChecks:
         or None when training goes on."""
         ident = incident_id(verdict.step, verdict.timestamp)
         if verdict.kind == ARBITRATION:
-            self._record_culprit(verdict, ident)
+            self.records.culprit(verdict, ident)
             return None
         event = {"ranks": list(verdict.ranks), "what": verdict.what, "nodes": list(verdict.nodes),
                  "confidence": verdict.confidence, "reasons": list(verdict.reasons), "incident": ident,
@@ -152,12 +154,9 @@ class ReplicaChecks:
         self.emit(MISMATCH, step=verdict.step, **event)
         self.log.error("replica mismatch", step=verdict.step, what=verdict.what, ranks=list(verdict.ranks),
                        action=verdict.action, incident=ident)
-        if self.rank == 0:
-            self._write_incident(verdict, ident)
-            for host in verdict.cordon:
-                self._cordon(host, verdict, ident)
+        self.records.mismatch(verdict, ident)
         if self.shadow:
-            self._shadow(verdict.action or ROLLBACK, verdict, ident)
+            self.records.shadow_action(verdict.action or ROLLBACK, verdict, ident)
             return None
         if verdict.action == STOP:
             return stop({"reason": MISMATCH, "incident": ident, **event})
@@ -180,8 +179,26 @@ class ReplicaChecks:
         if identical:
             self.last = (restored, rows[0]) if restored is not None else None
 
-    # ------------------------------------------------------------------------------- incidents
-    def _incident(self, verdict: ReplicaVerdict, ident: str, when: float) -> incidents.Incident:
+
+class MismatchRecords:
+    """What a mismatch leaves behind on rank 0's side: the incident, its fingerprints, the signed cordons,
+    and in shadow mode the `shadow_action` events in place of what was not done."""
+
+    def __init__(self, *, run_dir: Path, rank: int, nodes: tuple[str, ...], emit: Callable[..., Any], log: Any,
+                 key_file: str | os.PathLike | None, shadow: bool):
+        self.run_dir, self.rank, self.nodes = run_dir, rank, nodes
+        self.emit, self.log = emit, log
+        self.key_file, self.shadow = key_file, shadow
+
+    def mismatch(self, verdict: ReplicaVerdict, ident: str) -> None:
+        """Rank 0 writes the incident and cordons the nodes the verdict names."""
+        if self.rank == 0:
+            self._write_incident(verdict, ident)
+            for host in verdict.cordon:
+                self._cordon(host, verdict, ident)
+
+    @staticmethod
+    def _incident(verdict: ReplicaVerdict, ident: str, when: float) -> incidents.Incident:
         culprit = None
         if len(verdict.ranks) == 1:
             culprit = {"rank": verdict.ranks[0], "node": verdict.nodes[0] if verdict.nodes else None}
@@ -207,17 +224,14 @@ class ReplicaChecks:
         except (OSError, incidents.IncidentError) as exc:   # the rollback matters more than the record
             self.log.error("could not write the incident", incident=ident, error=str(exc))
 
-    def _record_culprit(self, verdict: ReplicaVerdict, ident: str) -> None:
+    def culprit(self, verdict: ReplicaVerdict, ident: str) -> None:
         """A two-replica mismatch arbitrated by the replay: the incident of that mismatch names the rank."""
         for rank, node in zip(verdict.ranks, verdict.nodes):
             self.emit(event_types.CULPRIT, step=verdict.step, incident=ident, rank=rank, node=node, kind="sdc",
                       what=verdict.what, confidence=verdict.confidence, reasons=list(verdict.reasons))
-        if self.rank == 0:
-            self._write_incident(verdict, ident)
-            for host in verdict.cordon:
-                self._cordon(host, verdict, ident)
+        self.mismatch(verdict, ident)
 
-    def _shadow(self, action: str, verdict: ReplicaVerdict, ident: str, **evidence: Any) -> None:
+    def shadow_action(self, action: str, verdict: ReplicaVerdict, ident: str, **evidence: Any) -> None:
         self.emit(SHADOW_ACTION, step=verdict.step, **shadow_event(
             action, MISMATCH, DETECTED_BY, incident=ident, ranks=list(verdict.ranks), what=verdict.what,
             **evidence))
@@ -228,7 +242,7 @@ class ReplicaChecks:
         from trainguard.runtime import cordon_key
 
         if self.shadow:
-            self._shadow(CORDON, verdict, ident, host=host)
+            self.shadow_action(CORDON, verdict, ident, host=host)
             return
         reason = {"reason": event_types.REPLICA_MISMATCH, "detected_by": DETECTED_BY, "incident": ident,
                   "step": verdict.step, "ranks": list(verdict.ranks), "what": verdict.what, "time": time.time(),

@@ -34,6 +34,11 @@ def test_the_hf_folder_is_five_runs_and_only_t5s_grad_norm_spike_acts(capsys):
     assert [(a["run"], a["step"], a["action"], a["reason"]) for a in report["actions"]] == [
         (1, 190000, "skip_step", "grad_explosion")]
     assert [run["steps"] for run in report["runs"]] == [430, 186, 10, 30, 866]
+    # the T5 run's TensorBoard file has a clock: its 55 minutes from the last logged step to the closing
+    # summary are the end of the run, not a stall to restore (decide/stall.py's ENDED_EVENTS)
+    tensorboard = replay_json(REAL / "tensorboard" / "t5-summarization-demo_runs", capsys=capsys)
+    assert [(a["step"], a["action"], a["reason"]) for a in tensorboard["actions"]] == [
+        (190000, "skip_step", "grad_explosion")]
     assert {run["format"] for run in report["runs"]} == {"hf_trainer_state"}
     assert report["malformed"] == 0 and report["duplicate_steps"] == 0
     # the Trainer output folder beside them is the Mistral run again: its newest checkpoint passed over

@@ -52,6 +52,20 @@ def test_steady_progress_and_a_finished_run_are_not_stalls(tmp_path):
     assert [a for a in _replay(run)["actions"] if a["action"] == "restore"] == []
 
 
+
+def test_a_trainers_closing_summary_after_a_silence_is_a_finished_run_not_a_stall(tmp_path):
+    """A Trainer logs a step every `logging_steps`: the steps after the last logged one and the final save
+    read as silence up to its `run_summary` (the T5 run's TensorBoard file: 55 min). The summary says the
+    run finished; a silence that no end follows is still a stall."""
+    steps = _rank_steps(range(500, 25_500, 500), every=127.0)
+    summary = {"timestamp": steps[-1]["timestamp"] + 3300, "rank": 0, "step": 25_337,
+               "event": {"type": event_types.RUN_SUMMARY, "train_runtime": 9400.0, "train_loss": 1.8}}
+    _write(tmp_path / "finished" / "tls" / "rank-0.jsonl", steps + [summary])
+    assert [a for a in _replay(tmp_path / "finished")["actions"] if a["action"] == "restore"] == []
+    evaluation = {**summary, "event": {"type": event_types.EVALUATION, "val_loss": 1.9}}
+    _write(tmp_path / "silent" / "tls" / "rank-0.jsonl", steps + [evaluation])
+    assert [a["step"] for a in _replay(tmp_path / "silent")["actions"] if a["action"] == "restore"] == [25_000]
+
 def test_a_recorded_rollback_or_restore_counts_the_steps_again_from_where_it_went_back(tmp_path):
     """The soak's healthy reference: the guard rolled it back 4534 steps, and replay's watchdog, counting
     only a step beyond the newest seen as progress, called the minutes of steady steps that followed a

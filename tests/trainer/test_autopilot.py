@@ -40,17 +40,22 @@ def test_crashes_move_the_interval_as_the_rule_says(tmp_path):
     changes = events(run, ci.INTERVAL_EVENT)
     first, measured = changes[0], changes[1:]
     assert first["reason"] == "no save measured yet" and first["applied_seconds"] == 0.05
-    assert measured[0]["failures"] == 0 and measured[-1]["failures"] == 2
+    # the first save is measured before crash@5 on a quiet host; on a busy one its write may still be in
+    # flight then, and the first measured change comes after the restart (CI saw failures == 1 first)
+    assert measured[-1]["failures"] == 2
     for change in measured:                                   # every change is the rule on its recorded inputs
-        assert change["applied_seconds"] == pytest.approx(_rule_says(change, policy), rel=2e-3)   # inputs rounded
+        assert change["applied_seconds"] == pytest.approx(_rule_says(change, policy), rel=1e-6, abs=5e-4)   # applied to the ms
         assert change["save_seconds"] > 0
     failures = [c["failures"] for c in measured]
     assert failures == sorted(failures) and {1, 2} <= set(failures)
-    first_after = [next(c for c in measured if c["failures"] == n) for n in (0, 1, 2)]
+    first_after = {n: next(c for c in measured if c["failures"] == n) for n in (1, 2)}
     assert first_after[1]["restart_seconds"] > 0
-    # more failures in less time: a shorter MTBF and, the save cost alike, a shorter interval
-    assert first_after[0]["mtbf_seconds"] > first_after[1]["mtbf_seconds"] > first_after[2]["mtbf_seconds"]
-    assert measured[-1]["applied_seconds"] < first_after[0]["applied_seconds"]
+    # more failures in less time: a shorter MTBF than the fleet's prior (one device, failing every hour), and
+    # the interval with it: shorter than the rule gives for the same save cost at the prior
+    prior = POLICY["checkpoint"]["fleet_mtbf_gpu_hours"] * 3600
+    assert prior > first_after[1]["mtbf_seconds"] > first_after[2]["mtbf_seconds"]
+    at_prior = {**measured[-1], "mtbf_seconds": prior, "mtbf_source": "prior:policy", "failures": 0}
+    assert measured[-1]["applied_seconds"] < _rule_says(at_prior, policy)
 
     # the step records carry the interval in force (the agent exports them as metrics)
     applied_at = [(tls.parse_timestamp(r["timestamp"]), r["event"]["applied_seconds"])

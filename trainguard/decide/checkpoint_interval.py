@@ -184,8 +184,10 @@ class Recommendation:
 
 
 def _rounded(value: Any) -> Any:
+    """An input as the event records it: to the microsecond, so the rule gives the applied interval again
+    from the event alone (to the millisecond, a save of 15 ms read back as 0.015 moved it 1.3%)."""
     if isinstance(value, float):
-        return round(value, 3) if math.isfinite(value) else None
+        return round(value, 6) if math.isfinite(value) else None
     return value
 
 

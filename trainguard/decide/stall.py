@@ -24,7 +24,11 @@ from trainguard.config import above, key
 
 
 # A rank whose log ends with one of these has finished (or was stopped) and is leaving: never a stall.
-ENDED_EVENTS = (event_types.RUN_END, actions.STOP)
+# `run_summary` is the closing numbers a Hugging Face Trainer or its TensorBoard file logs when `train()`
+# returns (train_runtime, train_loss): such a log logs a step only every `logging_steps`, so the last
+# stretch (the steps after the last logged one, the final save) reads as silence up to it, and the
+# summary says the run finished rather than hung (the T5 run of ../shared/real-logs: 55 min).
+ENDED_EVENTS = (event_types.RUN_END, actions.STOP, event_types.RUN_SUMMARY)
 # A log with one of these went back to an earlier step on purpose (a new attempt, the guard's rollback, a
 # restore from a checkpoint or an in-memory snapshot): the steps after it count from where it went back to.
 STARTED_EVENTS = (event_types.RUN_START, actions.ROLLBACK, event_types.CHECKPOINT_RESTORED,

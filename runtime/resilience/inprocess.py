@@ -215,9 +215,24 @@ class ProcessGroups:
             self.requests.settled()
         self._recovering = False
         asked = {"request": first["request"]} if first.get("request") else {}
-        return {"generation": self.generation, "failed_rank": first.get("rank"), "cause": first.get("cause"),
+        failed = self._replaced(generation) or first
+        if failed is not first:        # the rank that reported first only saw its peer's connection close
+            asked["first_reported"] = {"rank": first.get("rank"), "cause": first.get("cause")}
+        return {"generation": self.generation, "failed_rank": failed.get("rank"), "cause": failed.get("cause"),
                 "teardown_seconds": torn_down - began, "barrier_seconds": met - torn_down,
                 "reform_seconds": formed - met, **asked}
+
+    def _replaced(self, generation: int) -> dict[str, Any] | None:
+        """The rank a standby took the place of in `generation` (written before it arrived at the barrier,
+        so every rank past the barrier sees it): the rank that failed, whichever survivor reported first."""
+        key = self._key(generation, "replaced")
+        try:
+            if not self.store.check([key]):
+                return None
+            written = self.store.get(key)
+            return json.loads(written.decode() if isinstance(written, bytes) else written)
+        except Exception:            # the record is a label; the recovery stands without it
+            return None
 
     def join(self, cause: str) -> dict[str, Any]:
         """A standby in a dead rank's place (runtime/resilience/standby.py): the surviving ranks are at, or
@@ -229,6 +244,10 @@ class ProcessGroups:
         except Exception as exc:
             raise RecoveryFailed(f"the job's store cannot be reached ({exc}): no in-process restart") from exc
         self._aborted = self.generation      # nothing of that generation was ever formed in this process
+        try:
+            self.store.set(self._key(self.generation, "replaced"), json.dumps({"rank": self.rank, "cause": cause}))
+        except Exception as exc:
+            raise RecoveryFailed(f"the job's store cannot be reached ({exc}): no in-process restart") from exc
         timings = self.recover(cause)
         self.replacing = False
         self.watch()

@@ -208,7 +208,28 @@ def test_a_standby_joins_the_generation_whose_barrier_the_survivors_wait_at(monk
     timings = groups.join("rank 1's process died")
     assert formed == [2, "watching"] and groups.generation == 2 and not groups.replacing
     assert store.add("trainguard/recovery/1/arrived", 0) == 2            # the survivor's barrier is met
-    assert timings["failed_rank"] == 0 and "Connection reset" in timings["cause"]   # the first word stands
+    # the first word stands in the store; the rank that failed is the one replaced (a survivor reported
+    # first only that its peer's connection closed)
+    assert json.loads(store.get("trainguard/recovery/1/fault"))["rank"] == 0
+    assert timings["failed_rank"] == 1 and timings["cause"] == "rank 1's process died"
+    assert timings["first_reported"] == {"rank": 0, "cause": "Connection reset by peer"}
+
+
+def test_the_survivors_name_the_rank_a_standby_replaced_not_the_one_that_reported_first(monkeypatch):
+    """The soak's kills: the survivor whose collective broke first wrote the fault, and every survivor's
+    `in_process_restart` named it as `failed_rank`; the standby's record, read past the barrier, names the dead rank."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    store.set("trainguard/recovery/0/fault", json.dumps({"rank": 0, "cause": "Connection reset by peer"}))
+    store.set("trainguard/recovery/0/replaced", json.dumps({"rank": 1, "cause": "rank 1's process died"}))
+    store.add("trainguard/recovery/0/arrived", 1)                 # the standby is at the barrier
+    survivor = ProcessGroups(store, "gloo", 0, 2, timeout=timedelta(seconds=5), barrier_seconds=5, log=FakeLog())
+    monkeypatch.setattr(survivor, "abort", lambda generation: None)
+    monkeypatch.setattr(survivor, "form", lambda: None)
+    timings = survivor.recover(RuntimeError("Connection reset by peer"))
+    assert (timings["failed_rank"], timings["cause"]) == (1, "rank 1's process died")
+    assert timings["first_reported"]["rank"] == 0
 
 
 def test_a_standby_that_arrives_first_reports_the_failure_for_the_survivors_watchers(monkeypatch):

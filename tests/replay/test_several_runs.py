@@ -300,3 +300,22 @@ def test_the_heading_names_each_file_of_a_run_of_several_and_why_they_are_one(tm
             f"they share (ranks' copies of one run's steps)\n           {tmp_path / 'job1_rank1.log'}\n"
             f"  run 2: {tmp_path / 'job2.log'}\n") in out
     assert f"=== run 1 of 2: {tmp_path / 'job1_rank0.log'} (+1 more)\n" in out
+
+
+def test_report_and_diagnose_refuse_a_folder_of_unrelated_runs_naming_them(two_finetunes, tmp_path, capsys):
+    """They draw one run: two fine-tunes drawn as one were one loss curve jumping eightfold at step 510.
+    Exit 2 with the runs named; one run's rank files still report as one."""
+    for argv in (["report", str(two_finetunes), "-o", str(tmp_path / "r.html")], ["diagnose", str(two_finetunes)]):
+        capsys.readouterr()
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "holds 2 unrelated runs" in err and "a_trainer_state.json" in err and "b_trainer_state.json" in err
+        assert "Traceback" not in err
+    assert not (tmp_path / "r.html").exists()
+    ranks = tmp_path / "ranks"
+    ranks.mkdir()
+    losses = {i: 3.0 - i * 0.01 for i in range(1, 41)}
+    for rank in range(2):
+        megatron_log(ranks / f"log_rank{rank}.txt", losses, rank_tag=f"[default{rank}]: ")
+    assert cli.main(["report", str(ranks), "-o", str(tmp_path / "one.html")]) == 0
+    assert cli.main(["diagnose", str(ranks), "--json"]) == 0

@@ -9,6 +9,7 @@ import sys
 
 from trainguard import event_types, policy as policy_mod
 from trainguard.diagnose import diagnose
+from trainguard.formats.discover import SeveralRuns
 from trainguard.diagnose.finding import NO_DATA, OK, PROBLEM, Finding
 from trainguard.diagnose.loader import RunData, load_run
 from trainguard.report.charts import format_value
@@ -27,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         policy = policy_mod.load(args.policy)
         data = load_run(args.run_dir)
-    except (policy_mod.PolicyError, FileNotFoundError) as exc:
+    except (FileNotFoundError, policy_mod.PolicyError, SeveralRuns) as exc:
         print(f"trainguard diagnose: {exc}", file=sys.stderr)
         return 2
     findings = diagnose(data, policy)

@@ -151,7 +151,7 @@ def load_run(run_dir: str | Path) -> RunData:
     itself, or other tools' logs); FileNotFoundError when there is no such directory."""
     root = paths.run_dir(run_dir)
     run = RunData(run_dir=str(root))
-    logs = discover.run_logs(root)          # TLS logs, else other tools' (one run, as rank 0's steps)
+    logs = discover.one_run_logs(root)      # TLS logs, else other tools' of one run (as rank 0's steps)
     with Progress("diagnose", unit="logs") as shown:
         for index, log in enumerate(logs):
             path, kind, name = log.path, log.kind, log.name

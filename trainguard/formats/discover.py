@@ -49,6 +49,30 @@ def run_logs(folder: str | os.PathLike) -> list[tls.LogFile]:
     return tls_logs(where) or [tls.LogFile("rank", "0", 0, path) for path in other_logs(where)]
 
 
+class SeveralRuns(ValueError):
+    """A folder given to `report` or `diagnose` holds other tools' logs of unrelated runs: drawn as one run
+    they would be one loss curve jumping between fine-tunes (`replay` reads them apart)."""
+
+
+def one_run_logs(folder: str | os.PathLike) -> list[tls.LogFile]:
+    """`run_logs`, for a command that shows one run: SeveralRuns when other tools' logs there are several
+    runs by `trainguard.formats.identity` (its files named, by run)."""
+    where = logs_folder(folder)
+    found = tls_logs(where)
+    if found:
+        return found                  # TLS names its ranks and nodes: one run directory, one run
+    others = other_logs(where)
+    if len(others) > 1:
+        from trainguard.formats import identity
+
+        runs = identity.split(others)
+        if len(runs) > 1:
+            listed = "; ".join(identity.describe(runs))
+            raise SeveralRuns(f"{folder}: holds {len(runs)} unrelated runs ({listed}): give a folder that holds "
+                              f"one run's logs (`trainguard replay {folder}` reads each run apart)")
+    return [tls.LogFile("rank", "0", 0, path) for path in others]
+
+
 def tls_logs(folder: str | os.PathLike) -> list[tls.LogFile]:
     """The TLS logs of a folder (steps 1 and 2 of the module's doc): a run directory's, else its own."""
     where = logs_folder(folder)

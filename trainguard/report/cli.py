@@ -7,6 +7,7 @@ import os
 import sys
 
 from trainguard import policy as policy_mod
+from trainguard.formats.discover import SeveralRuns
 from trainguard.report import write_report  # noqa: F401  (also the library entry point: demo uses it)
 
 
@@ -26,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         policy = policy_mod.load(args.policy)
         path = write_report(args.run_dir, args.output, policy=policy, goodput=not args.no_goodput)
-    except (FileNotFoundError, policy_mod.PolicyError) as exc:
+    except (FileNotFoundError, policy_mod.PolicyError, SeveralRuns) as exc:
         print(f"trainguard report: {exc}", file=sys.stderr)
         return 2
     print(path)

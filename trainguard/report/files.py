@@ -27,7 +27,7 @@ def log_files(run_dir: Path) -> tuple[list[Path], list[Path]]:
     use): a folder without TLS logs that holds another tool's (TensorBoard, trainer_state.json, a Hugging
     Face output folder's checkpoints, Megatron or torchtitan lines) has those as its rank logs, one run as
     rank 0's steps (the readers turn them into TLS records line by line)."""
-    found = discover.run_logs(run_dir)
+    found = discover.one_run_logs(run_dir)      # SeveralRuns for a folder of unrelated runs
     return [log.path for log in found if log.kind == "node"], [log.path for log in found if log.kind != "node"]
 
 

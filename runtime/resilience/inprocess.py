@@ -215,24 +215,12 @@ class ProcessGroups:
             self.requests.settled()
         self._recovering = False
         asked = {"request": first["request"]} if first.get("request") else {}
-        failed = self._replaced(generation) or first
+        failed = replaced_rank(self.store, self._key(generation, "replaced")) or first
         if failed is not first:        # the rank that reported first only saw its peer's connection close
             asked["first_reported"] = {"rank": first.get("rank"), "cause": first.get("cause")}
         return {"generation": self.generation, "failed_rank": failed.get("rank"), "cause": failed.get("cause"),
                 "teardown_seconds": torn_down - began, "barrier_seconds": met - torn_down,
                 "reform_seconds": formed - met, **asked}
-
-    def _replaced(self, generation: int) -> dict[str, Any] | None:
-        """The rank a standby took the place of in `generation` (written before it arrived at the barrier,
-        so every rank past the barrier sees it): the rank that failed, whichever survivor reported first."""
-        key = self._key(generation, "replaced")
-        try:
-            if not self.store.check([key]):
-                return None
-            written = self.store.get(key)
-            return json.loads(written.decode() if isinstance(written, bytes) else written)
-        except Exception:            # the record is a label; the recovery stands without it
-            return None
 
     def join(self, cause: str) -> dict[str, Any]:
         """A standby in a dead rank's place (runtime/resilience/standby.py): the surviving ranks are at, or
@@ -287,3 +275,16 @@ class ProcessGroups:
         self._closed.set()
         if self._watcher is not None:
             self._watcher.join(timeout=1.0)
+
+
+def replaced_rank(store: Any, key: str) -> dict[str, Any] | None:
+    """The rank a standby took the place of in a generation (it writes `key` before it arrives at the
+    barrier, so every rank past the barrier sees it): the rank that failed, whichever survivor reported
+    first. None without one, or when the store cannot say (the record is a label; the recovery stands)."""
+    try:
+        if not store.check([key]):
+            return None
+        written = store.get(key)
+        return json.loads(written.decode() if isinstance(written, bytes) else written)
+    except Exception:
+        return None

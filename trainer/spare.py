@@ -97,7 +97,7 @@ def wait_for_vacancy(run_dir: Path, me: str, checker: Callable[[], cordon.Cordon
     its place; or this spare is cordoned; or the job completed. `checker` is read again at every poll:
     a revocation or a new key takes effect without a restart."""
     began = clock()
-    advert = Advert(run_dir, me, began)
+    advert = Advertiser(run_dir, me, began)
     try:
         while True:
             key = checker()
@@ -115,7 +115,7 @@ def wait_for_vacancy(run_dir: Path, me: str, checker: Callable[[], cordon.Cordon
         advert.withdraw()      # joining, cordoned, done, or ended: no longer a spare the verdict may count
 
 
-class Advert:
+class Advertiser:
     """This spare's signed advert (trainguard/spares.py), rewritten every ``spares.REFRESH_SECONDS`` while it
     waits, so that the agent's eviction verdict counts it (a hung node of a 2:2 job can be kept out: the
     spare takes its place). Without a key it cannot sign one: it says so once and waits unadvertised."""

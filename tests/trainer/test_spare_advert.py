@@ -1,4 +1,4 @@
-"""A waiting hot spare advertises itself (trainer/spare.py `Advert`, trainguard/spares.py): a signed advert
+"""A waiting hot spare advertises itself (trainer/spare.py `Advertiser`, trainguard/spares.py): a signed advert
 whose heartbeat it refreshes while it waits, withdrawn when it joins, is cordoned, the job completes, or
 its wait is ended. Unit level, on the spare's poll loop with a fake clock."""
 

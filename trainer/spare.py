@@ -19,8 +19,9 @@ size. While it waits, the spare also advertises itself (``RUN/control/spares-wai
 with the same key, its heartbeat rewritten every ``spares.REFRESH_SECONDS``; trainguard/spares.py), so that
 the agent's verdict on a hang may keep the culprit's node out even of a job that cannot shrink: a spare
 takes its place. It withdraws the advert when it joins, is cordoned or exits; a spare killed outright is
-not counted once its heartbeat is stale. An unsigned, forged, revoked or expired cordon wakes no spare; a spare that is itself cordoned exits
-as a cordoned node does (4); a spare whose job completed exits 0 without joining.
+not counted once its heartbeat is stale. An unsigned, forged, revoked or expired cordon wakes no spare; a
+spare that is itself cordoned exits as a cordoned node does (4); a spare whose job completed exits 0
+without joining.
 
 The other half, for every node of a multi-node job: the launcher's rendezvous is torch's c10d one behind
 ``GuardedRendezvous``, which checks this node's cordon before each (re-)rendezvous and, when it is

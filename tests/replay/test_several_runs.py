@@ -235,6 +235,26 @@ def test_a_folder_of_run_directories_is_a_run_each(tmp_path, capsys):
     assert report["actions"] == [] and report["steps"] == 60
 
 
+
+def test_run_directories_given_together_are_a_run_each_and_one_tls_folders_files_one_run(tmp_path, capsys):
+    """`replay exp1 exp2` read both as one run: exp2's loss of 9 after exp1's 1 (the same steps again) was
+    one run's loss jumping ninefold. A run's rank and node files named one by one stay one run."""
+    from tests.replay.test_source import step_line
+
+    for name, loss in (("exp1", 1.0), ("exp2", 9.0)):
+        logs = tmp_path / name / "tls"
+        logs.mkdir(parents=True)
+        for rank in (0, 1):
+            logs.joinpath(f"rank-{rank}.jsonl").write_bytes(b"".join(
+                step_line(s, 1_700_000_000 + s, loss=loss) for s in range(1, 31)))
+    code, report = replay(tmp_path / "exp1", tmp_path / "exp2", "--json", capsys=capsys)
+    assert code == 0 and len(report["runs"]) == 2 and report["actions"] == [] and report["steps"] == 60
+    code, merged = replay(tmp_path / "exp1", tmp_path / "exp2", "--json", "--one-run", capsys=capsys)
+    assert code == 0 and "runs" not in merged and merged["steps"] == 30      # what it read before
+    files = [tmp_path / "exp1" / "tls" / f"rank-{rank}.jsonl" for rank in (0, 1)]
+    code, one = replay(*files, "--json", capsys=capsys)
+    assert code == 0 and "runs" not in one and (one["steps"], one["duplicate_steps"]) == (30, 30)
+
 def test_a_folder_without_any_log_at_any_level_is_refused(tmp_path, capsys):
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "notes.txt").write_text("not a log\n")

@@ -2,9 +2,10 @@
 
 `plan(inputs)` cuts the inputs into runs before anything is replayed:
 
-- TLS logs are one run as given (a run directory's ranks and nodes, told apart by their records' `rank`
-  and `node`; rank files named on the command line) — as replay has always read them — except the
-  trainer_state.json files `trainguard convert` wrote, each still a whole run's history;
+- TLS logs are one run per folder that holds them (a run directory's ranks and nodes, told apart by their
+  records' `rank` and `node`; rank files named on the command line from one `tls/` folder), so two run
+  directories given together are two runs; except the trainer_state.json files `trainguard convert`
+  wrote, each still a whole run's history;
 - a folder without TLS logs of its own is looked into one level down (`discover.within`): a subfolder that
   is a run directory is a run of its own, other tools' logs here and in the subfolders are cut into runs by
   `trainguard.formats.identity` (checkpoint copies of a `trainer_state.json` passed over for the longest,
@@ -86,11 +87,24 @@ def plan(inputs: list[str], one_run: bool = False, conversions: source.Conversio
             given_tls.append(given)
         else:
             others.append(path)
-    sections = [Section(tuple(given_tls))] if given_tls else []
+    sections = [Section(tuple(group)) for group in _by_folder(given_tls)]
     sections += [Section((str(folder),)) for folder in dict.fromkeys(folders)]
     sections += [Section(tuple(map(str, run.files)), run) for run in identity.split(
         list(dict.fromkeys(others)), losses=conversions.training_losses if conversions is not None else None)]
     return sections
+
+
+def _by_folder(given_tls: list[str]) -> list[list[str]]:
+    """TLS inputs by the folder that holds their logs, in the order given: a run directory is one run, and
+    so are the rank and node files named from one `tls/` folder (a run's ranks, nodes and rotated parts live
+    together); two run directories given together are two runs, replayed apart as two folders of exports
+    are (read as one, one run's loss was checked against the other's). `--one-run` reads them together."""
+    groups: dict[Path, list[str]] = {}
+    for given in given_tls:
+        path = Path(given)
+        folder = discover.logs_folder(path) if path.is_dir() else path.parent
+        groups.setdefault(folder.resolve(), []).append(given)
+    return list(groups.values())
 
 
 def _converted_states(folder: Path) -> list[Path]:

@@ -33,7 +33,7 @@ from typing import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from trainguard import actions, event_types, rundir, safe_read
+from trainguard import actions, event_types, rundir, safe_read, spares
 from trainguard import incidents
 from trainguard import log as tglog
 from trainguard.agent import claims, evict, evidence, restore
@@ -313,13 +313,21 @@ def job_hosts(run_dir: Path, key_file: str | Path | None = None) -> set[str]:
 
 
 def job(run_dir: Path, hosts: set[str], key_file: str | Path | None = None) -> verdicts.Job:
+    """What the eviction verdict respects, with the hot spares that wait to take a kept-out node's place:
+    only adverts signed with the run's key, fresh, of a spare neither cordoned nor joining, less the
+    places already left to take (trainguard/spares.py). A refused advert is named in the log, never counted."""
     launchers = evict.read_launchers(run_dir)
     bounds = [(int(launchers[h].get("min_nodes", 1)), int(launchers[h].get("max_nodes", 1)))
               for h in hosts if h in launchers]
     min_nodes = min((lo for lo, _ in bounds), default=len(hosts))
     max_nodes = max((hi for _, hi in bounds), default=len(hosts))
+    waiting, adverts = spares.available(run_dir, cordon_key.checker(key_file), hosts, time.time())
+    for advert in adverts:
+        if not advert.counted:
+            tglog.get("agent.culprit").warning("hot spare not counted: " + advert.why_refused(),
+                                               spare=advert.host, reason=advert.refused)
     return verdicts.Job(tuple(sorted(hosts)), min_nodes, max_nodes,
-                        evict.evictions_since(run_dir, time.time() - 3600, key_file))
+                        evict.evictions_since(run_dir, time.time() - 3600, key_file), spares=waiting)
 
 
 def wait_for_nodes(run_dir: Path, incident_id: str, hosts: set[str], seconds: float) -> set[str]:

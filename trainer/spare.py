@@ -15,8 +15,13 @@ revoked, not expired). When a node of the job has an honoured cordon, the spare 
 per cordon, created once: of two spares one takes it), writes its launcher file and a ``spare_joined`` event
 (the node it replaces) and enters the rendezvous at once, so that the re-rendezvous that follows the
 cordoned node's leaving forms the job with the spare in its place: the same number of nodes, the same world
-size. An unsigned, forged, revoked or expired cordon wakes no spare; a spare that is itself cordoned exits
-as a cordoned node does (4); a spare whose job completed exits 0 without joining.
+size. While it waits, the spare also advertises itself (``RUN/control/spares-waiting/<node>.json``, signed
+with the same key, its heartbeat rewritten every ``spares.REFRESH_SECONDS``; trainguard/spares.py), so that
+the agent's verdict on a hang may keep the culprit's node out even of a job that cannot shrink: a spare
+takes its place. It withdraws the advert when it joins, is cordoned or exits; a spare killed outright is
+not counted once its heartbeat is stale. An unsigned, forged, revoked or expired cordon wakes no spare; a
+spare that is itself cordoned exits as a cordoned node does (4); a spare whose job completed exits 0
+without joining.
 
 The other half, for every node of a multi-node job: the launcher's rendezvous is torch's c10d one behind
 ``GuardedRendezvous``, which checks this node's cordon before each (re-)rendezvous and, when it is
@@ -27,7 +32,6 @@ every other node's as soon as they stop, would rejoin the next round before its 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
@@ -35,7 +39,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainguard import cordon, event_types, log, rundir, safe_read, tls
+from trainguard import cordon, event_types, log, rundir, safe_read, spares, tls
+from trainguard.runtime.checkpoint import keys
+# The vacancies live in the core (trainguard/spares.py): the agent's eviction verdict reads them too.
+from trainguard.spares import Vacancy, claim_path, job_nodes, vacancies  # noqa: F401  (this module's API)
 
 POLL_SECONDS = 0.5            # a spare reads the run directory this often; the cordon -> join delay
 BACKEND = "trainguard-c10d"   # torch's c10d rendezvous behind GuardedRendezvous (registered once per process)
@@ -44,50 +51,6 @@ TAIL_BYTES = 64 << 10         # of rank 0's log, read for the job's completion
 
 class Cordoned(RuntimeError):
     """This node is cordoned (honoured): it does not enter the rendezvous again."""
-
-
-@dataclass(frozen=True)
-class Vacancy:
-    """A node of the job with an honoured cordon: the place a spare takes."""
-    node: str
-    cordon_id: str
-    reason: str
-    cordoned_at: float
-
-
-def job_nodes(run_dir: Path, me: str) -> set[str]:
-    """The nodes that joined the job (their launcher files), other than this one."""
-    out = set()
-    for path in sorted(rundir.launchers_dir(run_dir).glob("*.json")):
-        try:
-            data = safe_read.read_json(path, safe_read.CONTROL_BYTES, "launcher file")
-            host = str(data["host"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if host != me:
-            out.add(host)
-    return out
-
-
-def claim_path(run_dir: Path, vacancy: Vacancy) -> Path:
-    """One claim per cordon (its id hashed: a round-2 id holds a signature's characters)."""
-    tag = hashlib.sha256(vacancy.cordon_id.encode()).hexdigest()[:16]
-    return rundir.spare_claims_dir(run_dir) / f"{cordon.check_host(vacancy.node)}.{tag}.json"
-
-
-def vacancies(run_dir: Path, me: str, checker: cordon.CordonKey) -> list[Vacancy]:
-    """Honoured cordons of the job's nodes that no spare has claimed, the oldest first."""
-    nodes = job_nodes(run_dir, me)
-    out = []
-    for host, found in cordon.read_all(run_dir, checker).items():
-        if host not in nodes or not found.honoured:
-            continue
-        at = found.record.get("cordoned_at")
-        vacancy = Vacancy(host, found.ident, str(found.record.get("reason") or ""),
-                          float(at) if isinstance(at, (int, float)) else 0.0)
-        if not claim_path(run_dir, vacancy).exists():
-            out.append(vacancy)
-    return sorted(out, key=lambda v: (v.cordoned_at, v.node))
 
 
 def claim(run_dir: Path, vacancy: Vacancy, me: str) -> bool:
@@ -135,17 +98,56 @@ def wait_for_vacancy(run_dir: Path, me: str, checker: Callable[[], cordon.Cordon
     its place; or this spare is cordoned; or the job completed. `checker` is read again at every poll:
     a revocation or a new key takes effect without a restart."""
     began = clock()
-    while True:
-        key = checker()
-        own = cordon.read_one(run_dir, me, key)
-        if own is not None and own.honoured:
-            return Outcome(cordoned=True, waited_seconds=clock() - began)
-        for vacancy in vacancies(run_dir, me, key):
-            if claim(run_dir, vacancy, me):
-                return Outcome(vacancy=vacancy, waited_seconds=clock() - began)
-        if job_completed(run_dir, began):
-            return Outcome(completed=True, waited_seconds=clock() - began)
-        sleep(poll_seconds)
+    advert = Advertiser(run_dir, me, began)
+    try:
+        while True:
+            key = checker()
+            own = cordon.read_one(run_dir, me, key)
+            if own is not None and own.honoured:
+                return Outcome(cordoned=True, waited_seconds=clock() - began)
+            for vacancy in vacancies(run_dir, me, key):
+                if claim(run_dir, vacancy, me):
+                    return Outcome(vacancy=vacancy, waited_seconds=clock() - began)
+            if job_completed(run_dir, began):
+                return Outcome(completed=True, waited_seconds=clock() - began)
+            advert.refresh(key, clock())
+            sleep(poll_seconds)
+    finally:
+        advert.withdraw()      # joining, cordoned, done, or ended: no longer a spare the verdict may count
+
+
+class Advertiser:
+    """This spare's signed advert (trainguard/spares.py), rewritten every ``spares.REFRESH_SECONDS`` while it
+    waits, so that the agent's eviction verdict counts it (a hung node of a 2:2 job can be kept out: the
+    spare takes its place). Without a key it cannot sign one: it says so once and waits unadvertised."""
+
+    def __init__(self, run_dir: Path, me: str, began: float) -> None:
+        self.run_dir, self.me, self.began = run_dir, me, began
+        self.written_at: float | None = None
+        self.said: str | None = None       # the last problem logged (each is said once, not every poll)
+
+    def refresh(self, key: cordon.CordonKey, now: float) -> None:
+        if self.written_at is not None and now - self.written_at < spares.REFRESH_SECONDS:
+            return
+        try:
+            if key.key is None:
+                raise OSError(f"no checkpoint key to sign it with ({key.where})")
+            spares.advertise(self.run_dir, self.me, key.key, now=now, waiting_since=self.began,
+                             key_id=keys.key_id(key.key))
+            self.written_at, self.said = now, None
+        except OSError as exc:
+            if self.said != str(exc):
+                self.said = str(exc)
+                log.get("launch").warning("spare: cannot advertise that it waits; an eviction verdict will not "
+                                          "count it", host=self.me, error=str(exc))
+
+    def withdraw(self) -> None:
+        if self.written_at is None:
+            return
+        try:
+            spares.withdraw(self.run_dir, self.me)
+        except OSError as exc:     # it goes stale within spares.STALE_SECONDS anyway
+            log.get("launch").warning("spare: could not withdraw its advert", host=self.me, error=str(exc))
 
 
 def record_joined(run_dir: Path, me: str, outcome: Outcome) -> Path:

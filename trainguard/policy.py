@@ -135,7 +135,8 @@ EVICT_STRAGGLERS_CHOICES = ("off",)
 class RestorePolicy:
     """What a restore may do beyond ending the ranks (docs/incidents.md, docs/runbooks.md#trainingstraggler)."""
 
-    # "auto" evicts when the job is elastic (--nnodes MIN:MAX with MIN < MAX), "on" always, "off" never.
+    # "auto" evicts when the job is elastic (--nnodes MIN:MAX with MIN < MAX) or a hot spare waits to take the
+    # node's place (trainguard/spares.py), "on" always (never below MIN, spares counted), "off" never.
     evict: str = key("auto", Choice(EVICT_CHOICES), "keep a hang's culprit node out of the job (cordon, end its "
                      "launcher, re-form on the others)")
     max_evictions_per_hour: int = key(2, at_least(0, 10**4), "evictions an hour at most")

@@ -224,6 +224,15 @@ def spare_claims_dir(run_dir: PathLike) -> Path:
     return control_dir(run_dir) / "spares"
 
 
+def spare_adverts_dir(run_dir: PathLike) -> Path:
+    """Hot spares waiting to join, one signed advert each (trainguard/spares.py): the eviction verdict counts them."""
+    return control_dir(run_dir) / "spares-waiting"
+
+
+def spare_advert_path(run_dir: PathLike, host: str) -> Path:
+    return spare_adverts_dir(run_dir) / f"{host}.json"
+
+
 def dump_dir(run_dir: PathLike) -> Path:
     return control_dir(run_dir) / "dump"
 

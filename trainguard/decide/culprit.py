@@ -228,30 +228,37 @@ def _list(items: Iterable[object]) -> str:
 
 @dataclass(frozen=True)
 class Job:
-    """What eviction must respect: the job's nodes now, its elastic bounds, recent evictions."""
+    """What eviction must respect: the job's nodes now, its elastic bounds, recent evictions, and the hot
+    spares waiting to take a kept-out node's place (signed and fresh adverts, trainguard/spares.py)."""
     nodes: tuple[str, ...]          # nodes in the job (not cordoned)
     min_nodes: int = 1
     max_nodes: int = 1
     evictions_last_hour: int = 0
+    spares: int = 0                 # hot spares waiting that a new vacancy would get
 
 
 def eviction(verdict: CulpritVerdict, job: Job, evict: str, max_per_hour: int) -> tuple[str, str]:
     """(``evict`` | ``restore``, why): keep the culprit's node out, or the usual restore in place.
 
-    `evict` is the policy's ``restore.evict``: ``auto`` (only when the job is elastic), ``on``, ``off``.
-    Never without a culprit node, never below ``min_nodes``, never more than `max_per_hour`.
+    `evict` is the policy's ``restore.evict``: ``auto`` (only when the job is elastic, or a hot spare waits
+    to keep it whole), ``on``, ``off``. Never without a culprit node, never below ``min_nodes`` counting
+    the waiting spares (one takes the kept-out node's place), never more than `max_per_hour`.
     """
     if evict == "off":
         return RESTORE, "restore.evict is off"
-    if evict == "auto" and job.min_nodes >= job.max_nodes:
-        return RESTORE, f"the job is not elastic (--nnodes {job.min_nodes}:{job.max_nodes})"
+    if evict == "auto" and job.min_nodes >= job.max_nodes and job.spares < 1:
+        return RESTORE, f"the job is not elastic (--nnodes {job.min_nodes}:{job.max_nodes}) and no hot spare waits"
     if verdict.node is None:
         return RESTORE, "no culprit node to keep out"
     if verdict.node not in job.nodes:
         return RESTORE, f"the culprit's node {verdict.node} is not in the job"
     remaining = len(job.nodes) - 1
-    if remaining < max(1, job.min_nodes):
-        return RESTORE, f"evicting {verdict.node} would leave {remaining} node(s), below the minimum {job.min_nodes}"
+    if remaining + job.spares < max(1, job.min_nodes):
+        return RESTORE, (f"evicting {verdict.node} would leave {remaining} node(s) and {job.spares} hot spare(s), "
+                         f"below the minimum {job.min_nodes}")
     if job.evictions_last_hour >= max_per_hour:
         return RESTORE, f"{job.evictions_last_hour} eviction(s) in the last hour: the limit is {max_per_hour}"
+    if job.spares:
+        return EVICT, (f"keep {verdict.node} out; a hot spare takes its place ({job.spares} waiting): the job "
+                       f"re-forms on {remaining + 1} node(s)")
     return EVICT, f"keep {verdict.node} out; the job re-forms on {remaining} node(s)"

@@ -66,7 +66,7 @@ def test_a_failure_moves_the_interval(tmp_path):
             # the snapshot tier moved alone: the durable interval stays, within change_ratio of the rule's
             assert change["applied_seconds"] == pytest.approx(rule.interval_seconds, rel=policy.change_ratio)
             continue
-        assert change["applied_seconds"] == pytest.approx(rule.interval_seconds, rel=1e-6, abs=5e-4)   # applied to the ms
+        assert change["applied_seconds"] == pytest.approx(rule.interval_seconds, rel=1e-4, abs=1e-3)   # applied to the ms, its inputs to the µs
     # more failures in less time: a shorter MTBF (the save cost, measured on a busy host, moves the interval too)
     first_after = [next(c for c in measured if c["failures"] == n) for n in (0, 1, 2)]
     assert first_after[0]["mtbf_seconds"] > first_after[1]["mtbf_seconds"] > first_after[2]["mtbf_seconds"]

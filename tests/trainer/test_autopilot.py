@@ -44,7 +44,7 @@ def test_crashes_move_the_interval_as_the_rule_says(tmp_path):
     # flight then, and the first measured change comes after the restart (CI saw failures == 1 first)
     assert measured[-1]["failures"] == 2
     for change in measured:                                   # every change is the rule on its recorded inputs
-        assert change["applied_seconds"] == pytest.approx(_rule_says(change, policy), rel=1e-6, abs=5e-4)   # applied to the ms
+        assert change["applied_seconds"] == pytest.approx(_rule_says(change, policy), rel=1e-4, abs=1e-3)   # applied to the ms, its inputs to the µs
         assert change["save_seconds"] > 0
     failures = [c["failures"] for c in measured]
     assert failures == sorted(failures) and {1, 2} <= set(failures)

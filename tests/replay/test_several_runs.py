@@ -329,7 +329,7 @@ def test_report_and_diagnose_refuse_a_folder_of_unrelated_runs_naming_them(two_f
         capsys.readouterr()
         assert cli.main(argv) == 2, argv
         err = capsys.readouterr().err
-        assert "holds 2 unrelated runs" in err and "a_trainer_state.json" in err and "b_trainer_state.json" in err
+        assert "holds the logs of 2 runs" in err and "a_trainer_state.json" in err and "b_trainer_state.json" in err
         assert "Traceback" not in err
     assert not (tmp_path / "r.html").exists()
     ranks = tmp_path / "ranks"

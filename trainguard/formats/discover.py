@@ -68,7 +68,7 @@ def one_run_logs(folder: str | os.PathLike) -> list[tls.LogFile]:
         runs = identity.split(others)
         if len(runs) > 1:
             listed = "; ".join(identity.describe(runs))
-            raise SeveralRuns(f"{folder}: holds {len(runs)} unrelated runs ({listed}): give a folder that holds "
+            raise SeveralRuns(f"{folder}: holds the logs of {len(runs)} runs ({listed}): give a folder that holds "
                               f"one run's logs (`trainguard replay {folder}` reads each run apart)")
     return [tls.LogFile("rank", "0", 0, path) for path in others]
 

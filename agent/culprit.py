@@ -247,7 +247,24 @@ class Investigator:
                                       labels=["reason"])
         for reason, count in sorted(self.evidence_refused.items()):
             ignored.add_metric([reason], count)
-        return [counts, cordoned, refused, ignored]
+        return [counts, cordoned, refused, ignored, *self._spare_families()]
+
+    def _spare_families(self) -> list:
+        """The hot spares' adverts as the eviction verdict reads them (trainguard/spares.py): one small file
+        per spare, so a scrape costs what the spares number, not the job's nodes."""
+        waiting = GaugeMetricFamily("trainguard_spares_waiting", "Hot spares waiting to take a kept-out node's "
+                                    "place: adverts signed with the run's key, fresh, of a spare neither "
+                                    "cordoned nor joining (the eviction verdict also leaves out the places "
+                                    "already open).")
+        refused = GaugeMetricFamily("trainguard_spare_advert_refused", "1 for each spare advert not counted, "
+                                    "and why (unsigned, another key, stale, cordoned, claimed).",
+                                    labels=["node", "reason"])
+        adverts = spares.read_adverts(self.run_dir, cordon_key.checker(self.key_file), time.time())
+        waiting.add_metric([], sum(advert.counted for advert in adverts))
+        for advert in adverts:
+            if not advert.counted:
+                refused.add_metric([advert.host, str(advert.refused)], 1)
+        return [waiting, refused]
 
 
 # ------------------------------------------------------------------------------- shared run directory

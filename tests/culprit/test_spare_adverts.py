@@ -129,3 +129,24 @@ def test_without_a_key_no_advert_counts(run, key_file, tmp_path, monkeypatch):
     advertise(run, "n3", keys.load_key(key_file))
     monkeypatch.setenv(keys.ENV_VAR, str(tmp_path / "absent.key"))
     assert counted(run) == 0
+
+
+def test_the_agent_exports_the_spares_it_would_count_and_the_adverts_it_refuses(run, key_file):
+    """/metrics says what the verdict would read: `trainguard_spares_waiting` (signed, fresh, not cordoned,
+    not joining) and `trainguard_spare_advert_refused{node,reason}` for the others, a forged one among them."""
+    from trainguard.agent.culprit import Investigator
+    from trainguard.policy import RestorePolicy
+
+    def families():
+        return {f.name: f for f in Investigator(run, "n1", RestorePolicy()).families()}
+
+    assert [s.value for s in families()["trainguard_spares_waiting"].samples] == [0]
+    key = keys.load_key(key_file)
+    advertise(run, "n3", key)
+    advertise(run, "n4", key, beat=time.time() - 60)                      # a spare that died a minute ago
+    advertise(run, "n5", os.urandom(32))                                 # signed with another key
+    found = families()
+    assert [s.value for s in found["trainguard_spares_waiting"].samples] == [1]
+    refused = {s.labels["node"]: s.labels["reason"] for s in found["trainguard_spare_advert_refused"].samples}
+    assert set(refused) == {"n4", "n5"} and refused["n4"] == spares.STALE
+    assert refused["n5"] in signed.REASONS                               # the signature's own refusal

@@ -123,6 +123,18 @@ def _fresh_logging():
     structlog.reset_defaults()
 
 
+@pytest.fixture
+def key_file(tmp_path, monkeypatch):
+    """The run's checkpoint key, where trainer, launcher, agent and CLI all look for it (a module whose key
+    lives elsewhere defines its own: tests/checkpoint/conftest.py)."""
+    from trainguard.runtime.checkpoint import keys
+
+    path = tmp_path / "keys" / "checkpoint.key"
+    monkeypatch.setenv(keys.ENV_VAR, str(path))
+    keys.load_key(path, create=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def hung_run(tmp_path_factory):
     """One real run with a rollback and a hang, shared by the tests that read it (tests/report/test_hang_story.py,

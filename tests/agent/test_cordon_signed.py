@@ -25,14 +25,6 @@ from trainguard.runtime.checkpoint import keys
 from trainguard.runtime.cordon_key import write_cordon
 
 
-@pytest.fixture
-def key_file(tmp_path, monkeypatch):
-    """The run's checkpoint key, where trainer, launcher, agent and CLI all look for it."""
-    path = tmp_path / "keys" / "checkpoint.key"
-    monkeypatch.setenv(keys.ENV_VAR, str(path))
-    keys.load_key(path, create=True)
-    return path
-
 
 def forge(run, host, **record):
     path = rundir.cordon_path(run, host)

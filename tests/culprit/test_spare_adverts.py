@@ -20,13 +20,6 @@ from trainguard.runtime.cordon_key import write_cordon
 NAMED = CulpritVerdict([1], "n2", 0.9, [])
 
 
-@pytest.fixture
-def key_file(tmp_path, monkeypatch):
-    path = tmp_path / "keys" / "checkpoint.key"
-    monkeypatch.setenv(keys.ENV_VAR, str(path))
-    keys.load_key(path, create=True)
-    return path
-
 
 @pytest.fixture
 def run(tmp_path):

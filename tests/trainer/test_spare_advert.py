@@ -13,13 +13,6 @@ from trainguard.runtime.cordon_key import checker
 from trainguard.trainer import spare
 
 
-@pytest.fixture
-def key_file(tmp_path, monkeypatch):
-    path = tmp_path / "keys" / "checkpoint.key"
-    monkeypatch.setenv(keys.ENV_VAR, str(path))
-    keys.load_key(path, create=True)
-    return path
-
 
 @pytest.fixture
 def run(tmp_path):

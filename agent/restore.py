@@ -198,8 +198,9 @@ def prove_rank(info: RankInfo, trust: Trust) -> Proof | None:
         raise Refused("unreadable", f"pid {info.pid}: access denied") from None
     if info.create_time is None:
         raise Refused("no_start_time")
-    if not same_tick(created, info.create_time):
-        raise Refused("start_time_mismatch", f"started at {created:.2f}, registered {info.create_time:.2f}")
+    if not same_start(created, info.create_time, info.boot_time):
+        raise Refused("start_time_mismatch", f"started at {created:.2f}, registered {info.create_time:.2f}"
+                                             + _since_boot(created, info))
     _check_uid(process, trust, info)
     cmdline, environ = _identity(process)
     if holds_rank_log(process.pid, trust.run_dir, info.rank):
@@ -261,6 +262,23 @@ def _open_for_writing(pid: int, fd: str) -> bool:
 def same_tick(a: float, b: float) -> bool:
     """Two start times of one process agree to the kernel's clock tick (psutil derives them from it)."""
     return abs(a - b) <= TICK + 1e-6
+
+
+def same_start(created: float, recorded: float, recorded_boot: float | None) -> bool:
+    """A live process's start time (psutil's, read now) is the one a registration recorded. psutil's is the
+    kernel's start tick since boot plus the boot time, which is the wall clock less the uptime: a wall clock
+    stepped between the registration and now (NTP, a VM's resume) moves it by the step, and a hung run's
+    ranks stayed unproven, so never restored (the suite saw a 2.00 s step). Where the registration says the
+    boot time it read against, the starts are compared since boot, to the tick; else as the wall clock says."""
+    if recorded_boot is None:
+        return same_tick(created, recorded)
+    return same_tick(created - psutil.boot_time(), recorded - recorded_boot)
+
+
+def _since_boot(created: float, info: RankInfo) -> str:
+    if info.boot_time is None or info.create_time is None:
+        return ""
+    return f" ({created - psutil.boot_time():.2f} s and {info.create_time - info.boot_time:.2f} s after boot)"
 
 
 def _check_uid(process: psutil.Process, trust: Trust, info: RankInfo) -> None:
@@ -372,7 +390,8 @@ def _launcher(process: psutil.Process, trust: Trust, info: RankInfo) -> psutil.P
         except psutil.Error:
             continue
         if info.launcher_pid is not None and (ancestor.pid != info.launcher_pid or (
-                info.launcher_create_time is not None and not same_tick(created, info.launcher_create_time))):
+                info.launcher_create_time is not None and
+                not same_start(created, info.launcher_create_time, info.boot_time))):
             raise Refused("launcher_mismatch", f"launcher pid {ancestor.pid}, registered {info.launcher_pid}")
         return ancestor
     raise Refused("no_launcher")

@@ -160,6 +160,10 @@ def process_identity() -> dict:
             identity.update(launcher_pid=parent.pid, launcher_create_time=parent.create_time())
     except psutil.Error:
         pass
+    # the boot time psutil added to those start times (the kernel's btime: the wall clock less the uptime): the
+    # agent compares start times since boot, so a wall clock stepped since (NTP, a VM's resume) does not
+    # make this process look like another with a reused pid (agent/restore.py `same_start`)
+    identity["boot_time"] = psutil.boot_time()
     return identity
 
 

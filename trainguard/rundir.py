@@ -509,6 +509,7 @@ class RankInfo:
     launcher_pid: int | None = None
     launcher_create_time: float | None = None
     restarts_left: int | None = None      # of its launcher (None: not said)
+    boot_time: float | None = None        # the btime those create_times were read against (None: not said)
     # A registration made in another PID namespace (a pod) and matched to this node's processes by the agent
     # (agent/procfs.py `PidNamespaces`): `pid`, `host` and `launcher_pid` are then the node's, these the pod's.
     ns_pid: int | None = None
@@ -545,7 +546,8 @@ def read_registration(path: str) -> RankInfo:
                     uid=_optional(data, "uid", int),
                     launcher_pid=_optional(data, "launcher_pid", int),
                     launcher_create_time=_optional(data, "launcher_create_time", float),
-                    restarts_left=_optional(data, "restarts_left", int))
+                    restarts_left=_optional(data, "restarts_left", int),
+                    boot_time=_optional(data, "boot_time", float))
 
 
 def _optional(data: dict, key: str, kind: type):

@@ -15,7 +15,6 @@ import time
 
 import pytest
 
-from tests.agent import test_cordon_signed
 from trainguard import cli, cordon, rundir, signed
 from trainguard.agent import evict
 from trainguard.node import node_name
@@ -23,8 +22,6 @@ from trainguard.trainer import launch
 from trainguard.runtime.checkpoint import keys
 from trainguard.runtime.cordon_key import checker, write_cordon
 
-
-key_file = test_cordon_signed.key_file     # the run's key, outside RUN/, where every reader looks for it
 
 
 @pytest.fixture

@@ -222,3 +222,29 @@ def test_a_decision_appended_to_the_actions_log_by_anyone_else_is_not_redone(tmp
     families = {f.name: f for f in restarted.families()}
     assert [(s.labels, s.value) for s in families["trainguard_action_records_refused"].samples] == \
         [({"reason": "unsigned"}, 1.0)]
+
+
+def test_a_wall_clock_stepped_since_the_registration_does_not_unprove_the_rank(tmp_path, ranks):
+    """The suite's hung run stayed hung: the wall clock stepped 2.00 s between the ranks' registration and
+    the agent's restore, psutil's create_time (start tick since boot + btime) moved with it, and both ranks
+    were refused as `start_time_mismatch`. Registered with the btime it read against, a rank's start is
+    compared since boot: a registration written 2 s behind the clock now is the same process; one whose
+    start since boot differs is still another."""
+    [hung] = ranks.start(tmp_path)
+    registered = json.loads((tmp_path / "control" / "ranks" / "rank-0.json").read_text())
+    assert registered["boot_time"] > 0
+    stepped = {key: registered[key] - 2.0 for key in ("create_time", "launcher_create_time", "boot_time",
+                                                      "supervisor_create_time") if key in registered}
+    rewrite(tmp_path, 0, **stepped)                 # every start time it read, 2 s behind today's clock
+    executor_for(tmp_path).submit([restore_notice("stepped")])
+    wait_dead(hung["pid"])
+
+
+def test_a_start_since_boot_that_differs_is_another_process_whatever_the_boot_time_says(tmp_path, ranks):
+    [young] = ranks.start(tmp_path)
+    registered = json.loads((tmp_path / "control" / "ranks" / "rank-0.json").read_text())
+    rewrite(tmp_path, 0, create_time=young["create_time"] - 100, boot_time=registered["boot_time"])
+    executor_for(tmp_path).submit([restore_notice("reused")])
+    time.sleep(0.2)
+    assert alive(young["pid"])
+    assert [r["reason"] for r in actions_log(tmp_path)[-1]["refused"]] == ["start_time_mismatch"]

@@ -122,6 +122,7 @@ def _alive(info: rundir.RankInfo) -> bool:
         process = psutil.Process(info.pid)
         if process.status() == psutil.STATUS_ZOMBIE:
             return False
-        return info.create_time is None or abs(process.create_time() - info.create_time) <= 0.05
+        return info.create_time is None or abs(process.create_time() - procfs.registered_start(
+            info.create_time, info.boot_time, psutil.boot_time())) <= 0.05
     except psutil.Error:
         return False

@@ -332,6 +332,16 @@ MIN_REBUILD_SECONDS = 1.0  # between two walks of /proc for the PID-namespace in
 MAX_CLOCK_SKEW_SECONDS = 5.0
 
 
+def registered_start(create_time: float, recorded_boot: float | None, boot_now: float) -> float:
+    """A registration's `create_time` on the wall clock whose boot time is `boot_now` (the kernel's btime:
+    the wall clock less the uptime). A process's start time as psutil gives it is its start tick since boot
+    plus that btime, so a wall clock stepped between the registration and now (NTP, a VM's resume) moves
+    every start read now by the step: a registration that says the btime it read against
+    (runtime/control.py `process_identity`) is moved with it, and compares to the tick with what is read
+    now. One without is taken as written. (The suite saw a 2.00 s step leave a hung run's ranks unproven.)"""
+    return create_time if recorded_boot is None else create_time - recorded_boot + boot_now
+
+
 def boot_time(procfs: Path | str) -> float:
     for line in read_small(f"{procfs}/stat").split(b"\n"):
         if line.startswith(b"btime "):
@@ -385,7 +395,7 @@ class PidNamespaces:
             return None
         with self._lock:
             matches = self._matches(info)
-            if not matches and self._may_be_missing(info.create_time):
+            if not matches and self._may_be_missing(info):
                 wait = self._built_at + MIN_REBUILD_SECONDS - time.time()
                 if wait > 0:
                     time.sleep(wait)         # at most one /proc walk a second, however many registrations
@@ -405,15 +415,19 @@ class PidNamespaces:
                        ns_candidates=len(matches),
                        launcher_pid=launcher if info.launcher_pid is not None else None)
 
-    def _may_be_missing(self, create_time: float) -> bool:
-        """The index may lack a process started at `create_time`: it started after the index was built
-        (less a second: the tick and the clocks' rounding), and not in the future past MAX_CLOCK_SKEW (a
-        skewed node's or a forged registration would make every read walk /proc again). A process
-        started before the index was built is in it, or is not on this node: that miss is an answer."""
-        return self._built_at - 1.0 < create_time <= time.time() + MAX_CLOCK_SKEW_SECONDS
+    def _may_be_missing(self, info: rundir.RankInfo) -> bool:
+        """The index may lack the process `info` registered: it started after the index was built (less a
+        second: the tick and the clocks' rounding), and not in the future past MAX_CLOCK_SKEW (a skewed
+        node's or a forged registration would make every read walk /proc again). A process started before
+        the index was built is in it, or is not on this node: that miss is an answer. Never built: build."""
+        if not self._built_at:
+            return info.create_time <= time.time() + MAX_CLOCK_SKEW_SECONDS
+        start = registered_start(info.create_time, info.boot_time, self._boot)
+        return self._built_at - 1.0 < start <= time.time() + MAX_CLOCK_SKEW_SECONDS
 
     def _matches(self, info: rundir.RankInfo) -> list[int]:
-        ticks = (info.create_time - self._boot) * TICKS if self._index else 0
+        start = registered_start(info.create_time, info.boot_time, self._boot)
+        ticks = (start - self._boot) * TICKS if self._index else 0
         return [pid for start, pid in self._index.get(info.pid, ()) if abs(start - ticks) <= 1.01]
 
     def _build(self) -> None:

@@ -46,7 +46,7 @@ import psutil
 
 from trainguard import log as tglog
 from trainguard import rundir
-from trainguard.agent.procfs import pid_namespaces
+from trainguard.agent.procfs import pid_namespaces, registered_start
 from trainguard.rundir import RankInfo, read_ranks  # noqa: F401  (read_ranks: agent/culprit.py asks for it here)
 from trainguard.rundir import RankFiles  # noqa: F401  (moved to trainguard/rundir.py; this name still works)
 
@@ -198,7 +198,7 @@ def prove_rank(info: RankInfo, trust: Trust) -> Proof | None:
         raise Refused("unreadable", f"pid {info.pid}: access denied") from None
     if info.create_time is None:
         raise Refused("no_start_time")
-    if not same_start(created, info.create_time, info.boot_time):
+    if not same_tick(created, registered_start(info.create_time, info.boot_time, psutil.boot_time())):
         raise Refused("start_time_mismatch", f"started at {created:.2f}, registered {info.create_time:.2f}"
                                              + _since_boot(created, info))
     _check_uid(process, trust, info)
@@ -262,17 +262,6 @@ def _open_for_writing(pid: int, fd: str) -> bool:
 def same_tick(a: float, b: float) -> bool:
     """Two start times of one process agree to the kernel's clock tick (psutil derives them from it)."""
     return abs(a - b) <= TICK + 1e-6
-
-
-def same_start(created: float, recorded: float, recorded_boot: float | None) -> bool:
-    """A live process's start time (psutil's, read now) is the one a registration recorded. psutil's is the
-    kernel's start tick since boot plus the boot time, which is the wall clock less the uptime: a wall clock
-    stepped between the registration and now (NTP, a VM's resume) moves it by the step, and a hung run's
-    ranks stayed unproven, so never restored (the suite saw a 2.00 s step). Where the registration says the
-    boot time it read against, the starts are compared since boot, to the tick; else as the wall clock says."""
-    if recorded_boot is None:
-        return same_tick(created, recorded)
-    return same_tick(created - psutil.boot_time(), recorded - recorded_boot)
 
 
 def _since_boot(created: float, info: RankInfo) -> str:
@@ -391,7 +380,8 @@ def _launcher(process: psutil.Process, trust: Trust, info: RankInfo) -> psutil.P
             continue
         if info.launcher_pid is not None and (ancestor.pid != info.launcher_pid or (
                 info.launcher_create_time is not None and
-                not same_start(created, info.launcher_create_time, info.boot_time))):
+                not same_tick(created, registered_start(info.launcher_create_time, info.boot_time,
+                                                        psutil.boot_time())))):
             raise Refused("launcher_mismatch", f"launcher pid {ancestor.pid}, registered {info.launcher_pid}")
         return ancestor
     raise Refused("no_launcher")

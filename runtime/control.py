@@ -162,7 +162,7 @@ def process_identity() -> dict:
         pass
     # the boot time psutil added to those start times (the kernel's btime: the wall clock less the uptime): the
     # agent compares start times since boot, so a wall clock stepped since (NTP, a VM's resume) does not
-    # make this process look like another with a reused pid (agent/restore.py `same_start`)
+    # make this process look like another with a reused pid (agent/procfs.py `registered_start`)
     identity["boot_time"] = psutil.boot_time()
     return identity
 

@@ -129,17 +129,21 @@ class Advertiser:
     def refresh(self, key: cordon.CordonKey, now: float) -> None:
         if self.written_at is not None and now - self.written_at < spares.REFRESH_SECONDS:
             return
+        if key.key is None:
+            self._say(f"no checkpoint key to sign it with ({key.where})")
+            return
         try:
-            if key.key is None:
-                raise OSError(f"no checkpoint key to sign it with ({key.where})")
             spares.advertise(self.run_dir, self.me, key.key, now=now, waiting_since=self.began,
                              key_id=keys.key_id(key.key))
             self.written_at, self.said = now, None
-        except OSError as exc:
-            if self.said != str(exc):
-                self.said = str(exc)
-                log.get("launch").warning("spare: cannot advertise that it waits; an eviction verdict will not "
-                                          "count it", host=self.me, error=str(exc))
+        except OSError as exc:        # a full disk, a read-only run directory: it waits unadvertised
+            self._say(str(exc))
+
+    def _say(self, problem: str) -> None:
+        if self.said != problem:
+            self.said = problem
+            log.get("launch").warning("spare: cannot advertise that it waits; an eviction verdict will not "
+                                      "count it", host=self.me, error=problem)
 
     def withdraw(self) -> None:
         if self.written_at is None:
